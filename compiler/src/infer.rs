@@ -1,0 +1,265 @@
+//! Shape and dtype inference: one exhaustive `match` over [`Op`].
+//!
+//! [`infer`] computes a node's output type from its op and its operands' types, or explains
+//! in words why they do not fit. Leaves (parameter, input, constant) carry their type and
+//! are not inferred. The graph builder wraps these messages with the Cell scope and op.
+
+use crate::op::{Conv2dAttrs, Op, Pool2dAttrs, ReduceAttrs};
+use crate::types::{DType, Shape, TensorType};
+use crate::window;
+
+/// Numpy-style broadcast of two shapes, or `None` when they are incompatible.
+pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let r = a.len().max(b.len());
+    let mut out = vec![0; r];
+    for i in 0..r {
+        let x = if i + a.len() >= r { a[i + a.len() - r] } else { 1 };
+        let y = if i + b.len() >= r { b[i + b.len() - r] } else { 1 };
+        out[i] = match (x, y) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => return None,
+        };
+    }
+    Some(out)
+}
+
+fn same_dtype(ts: &[&TensorType]) -> Result<DType, String> {
+    let d = ts[0].dtype;
+    if ts.iter().any(|t| t.dtype != d) {
+        let list: Vec<String> = ts.iter().map(|t| t.to_string()).collect();
+        return Err(format!("operand dtypes differ: {}", list.join(", ")));
+    }
+    Ok(d)
+}
+
+fn float_operand(t: &TensorType) -> Result<(), String> {
+    if t.dtype.is_float() {
+        Ok(())
+    } else {
+        Err(format!("needs a float operand, got {t}"))
+    }
+}
+
+fn binary(a: &TensorType, b: &TensorType) -> Result<TensorType, String> {
+    let dtype = same_dtype(&[a, b])?;
+    let shape = broadcast_shapes(a.dims(), b.dims())
+        .ok_or_else(|| format!("shapes {a} and {b} do not broadcast"))?;
+    Ok(TensorType::new(dtype, shape))
+}
+
+fn reduce(x: &TensorType, r: &ReduceAttrs) -> Result<TensorType, String> {
+    if r.axes.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(format!("axes {:?} must be sorted and distinct", r.axes));
+    }
+    if let Some(&a) = r.axes.iter().find(|&&a| a >= x.rank()) {
+        return Err(format!("axis {a} out of range for {x}"));
+    }
+    let mut dims = Vec::new();
+    for (i, &d) in x.dims().iter().enumerate() {
+        if !r.axes.contains(&i) {
+            dims.push(d);
+        } else if r.keep_dims {
+            dims.push(1);
+        }
+    }
+    Ok(x.with_shape(dims))
+}
+
+fn rank4(t: &TensorType, what: &str) -> Result<[usize; 4], String> {
+    t.dims().try_into().map_err(|_| format!("{what} must be rank 4 (NCHW), got {t}"))
+}
+
+/// Output type of a convolution of `x` by `w`.
+fn conv2d(x: &TensorType, w: &TensorType, c: &Conv2dAttrs) -> Result<TensorType, String> {
+    same_dtype(&[x, w])?;
+    float_operand(x)?;
+    let [n, ci, h, wd] = rank4(x, "input")?;
+    let [o, wc, kh, kw] = rank4(w, "weight")?;
+    if c.groups == 0 || ci % c.groups != 0 || o % c.groups != 0 {
+        return Err(format!("groups {} must divide input channels {ci} and output channels {o}", c.groups));
+    }
+    if wc * c.groups != ci {
+        return Err(format!(
+            "input {x} has {ci} channels but weight {w} expects {} (= {wc} x groups {})",
+            wc * c.groups,
+            c.groups
+        ));
+    }
+    let win = window::resolve([h, wd], [kh, kw], c.stride, c.dilation, c.pad_mode, c.pad)?;
+    Ok(x.with_shape([n, o, win.out[0], win.out[1]]))
+}
+
+fn pool2d(x: &TensorType, p: &Pool2dAttrs) -> Result<TensorType, String> {
+    float_operand(x)?;
+    let [n, c, h, w] = rank4(x, "input")?;
+    let win = window::resolve([h, w], p.kernel, p.stride, [1, 1], p.pad_mode, p.pad)?;
+    Ok(x.with_shape([n, c, win.out[0], win.out[1]]))
+}
+
+fn matmul(a: &TensorType, b: &TensorType, ta: bool, tb: bool) -> Result<TensorType, String> {
+    let dtype = same_dtype(&[a, b])?;
+    let (&[ar, ac], &[br, bc]) = (a.dims(), b.dims()) else {
+        return Err(format!("operands must be rank 2, got {a} and {b}"));
+    };
+    let (m, ka) = if ta { (ac, ar) } else { (ar, ac) };
+    let (kb, n) = if tb { (bc, br) } else { (br, bc) };
+    if ka != kb {
+        return Err(format!(
+            "contracting dimensions differ: {a}{} has {ka}, {b}{} has {kb}",
+            if ta { "^T" } else { "" },
+            if tb { "^T" } else { "" }
+        ));
+    }
+    Ok(TensorType::new(dtype, [m, n]))
+}
+
+fn softmax_ce(l: &TensorType, y: &TensorType, sparse: bool) -> Result<(usize, usize), String> {
+    float_operand(l)?;
+    let &[n, c] = l.dims() else {
+        return Err(format!("logits must be [N, C], got {l}"));
+    };
+    if sparse {
+        if !y.dtype.is_int() || y.dims() != [n] {
+            return Err(format!("sparse labels must be an integer [{n}] tensor for logits {l}, got {y}"));
+        }
+    } else if y.dims() != l.dims() || y.dtype != l.dtype {
+        return Err(format!("dense labels must match logits {l}, got {y}"));
+    }
+    Ok((n, c))
+}
+
+fn check_same(a: &TensorType, b: &TensorType, what: &str) -> Result<(), String> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(format!("{what}: {a} and {b} must have the same type"))
+    }
+}
+
+/// Infers the output type of `op` applied to operands of types `xs`.
+///
+/// The caller has checked the arity. Leaves return an error: their type is given.
+pub fn infer(op: &Op, xs: &[&TensorType]) -> Result<TensorType, String> {
+    match op {
+        Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => {
+            Err("leaf ops carry their type; it is not inferred".into())
+        }
+        Op::Add | Op::Sub | Op::Mul | Op::Div => binary(xs[0], xs[1]),
+        Op::Neg | Op::Exp | Op::Log | Op::Relu => {
+            float_operand(xs[0])?;
+            Ok(xs[0].clone())
+        }
+        Op::ReluGrad => {
+            check_same(xs[0], xs[1], "dy and y")?;
+            Ok(xs[0].clone())
+        }
+        Op::Cast { dtype } => Ok(TensorType::new(*dtype, xs[0].shape.clone())),
+        Op::ZerosLike => Ok(xs[0].clone()),
+        Op::Broadcast { shape } => match broadcast_shapes(xs[0].dims(), &shape.0) {
+            Some(s) if s == shape.0 => Ok(xs[0].with_shape(s)),
+            _ => Err(format!("{} does not broadcast to {shape}", xs[0])),
+        },
+        Op::Reshape { shape } => {
+            if shape.numel() != xs[0].numel() {
+                return Err(format!("cannot reshape {} ({} elements) to {shape}", xs[0], xs[0].numel()));
+            }
+            Ok(xs[0].with_shape(shape.clone()))
+        }
+        Op::Transpose { perm } => {
+            let mut seen = perm.clone();
+            seen.sort_unstable();
+            if seen != (0..xs[0].rank()).collect::<Vec<_>>() {
+                return Err(format!("perm {perm:?} is not a permutation of the axes of {}", xs[0]));
+            }
+            Ok(xs[0].with_shape(perm.iter().map(|&p| xs[0].dims()[p]).collect::<Vec<_>>()))
+        }
+        Op::Slice { begin, end } => {
+            let d = xs[0].dims();
+            if begin.len() != d.len() || end.len() != d.len() {
+                return Err(format!("slice bounds {begin:?}..{end:?} need one entry per axis of {}", xs[0]));
+            }
+            if (0..d.len()).any(|i| begin[i] > end[i] || end[i] > d[i]) {
+                return Err(format!("slice bounds {begin:?}..{end:?} out of range for {}", xs[0]));
+            }
+            Ok(xs[0].with_shape((0..d.len()).map(|i| end[i] - begin[i]).collect::<Vec<_>>()))
+        }
+        Op::Pad { lo, hi } => {
+            let d = xs[0].dims();
+            if lo.len() != d.len() || hi.len() != d.len() {
+                return Err(format!("padding {lo:?}/{hi:?} needs one entry per axis of {}", xs[0]));
+            }
+            Ok(xs[0].with_shape((0..d.len()).map(|i| lo[i] + d[i] + hi[i]).collect::<Vec<_>>()))
+        }
+        Op::Concat { axis } => {
+            let dtype = same_dtype(xs)?;
+            let first = xs[0].dims();
+            if *axis >= first.len() {
+                return Err(format!("axis {axis} out of range for {}", xs[0]));
+            }
+            let mut out = first.to_vec();
+            out[*axis] = 0;
+            for x in xs {
+                let ok = x.rank() == first.len()
+                    && (0..first.len()).all(|i| i == *axis || x.dims()[i] == first[i]);
+                if !ok {
+                    return Err(format!("{} and {x} differ outside axis {axis}", xs[0]));
+                }
+                out[*axis] += x.dims()[*axis];
+            }
+            Ok(TensorType::new(dtype, out))
+        }
+        Op::Flatten => match xs[0].dims() {
+            [] => Err(format!("cannot flatten a scalar {}", xs[0])),
+            [n, rest @ ..] => Ok(xs[0].with_shape([*n, rest.iter().product()])),
+        },
+        Op::ReduceSum(r) | Op::ReduceMean(r) | Op::ReduceMax(r) => reduce(xs[0], r),
+        Op::ReduceMaxGrad(r) => {
+            let y = reduce(xs[0], r)?;
+            check_same(&y, xs[1], "reduced x and y")?;
+            check_same(xs[1], xs[2], "y and dy")?;
+            Ok(xs[0].clone())
+        }
+        Op::MatMul { transpose_a, transpose_b } => matmul(xs[0], xs[1], *transpose_a, *transpose_b),
+        Op::SoftmaxCrossEntropy { sparse, reduction } => {
+            let (n, _) = softmax_ce(xs[0], xs[1], *sparse)?;
+            Ok(match reduction {
+                crate::op::Reduction::None => xs[0].with_shape([n]),
+                _ => xs[0].with_shape(Shape::scalar()),
+            })
+        }
+        Op::SoftmaxCrossEntropyGrad { sparse, reduction } => {
+            let (n, _) = softmax_ce(xs[0], xs[1], *sparse)?;
+            let dl = match reduction {
+                crate::op::Reduction::None => xs[0].with_shape([n]),
+                _ => xs[0].with_shape(Shape::scalar()),
+            };
+            check_same(&dl, xs[2], "loss gradient")?;
+            Ok(xs[0].clone())
+        }
+        Op::Conv2d(c) => conv2d(xs[0], xs[1], c),
+        Op::Conv2dBackpropInput { conv, input_shape } => {
+            let x = xs[0].with_shape(input_shape.clone());
+            let y = conv2d(&x, xs[1], conv)?;
+            check_same(&y, xs[0], "dy and the convolution output")?;
+            Ok(x)
+        }
+        Op::Conv2dBackpropFilter { conv, filter_shape } => {
+            let w = xs[1].with_shape(filter_shape.clone());
+            let y = conv2d(xs[1], &w, conv)?;
+            check_same(&y, xs[0], "dy and the convolution output")?;
+            Ok(w)
+        }
+        Op::MaxPool2d(p) | Op::AvgPool2d(p) => pool2d(xs[0], p),
+        Op::MaxPool2dGrad(p) | Op::AvgPool2dGrad(p) => {
+            let y = pool2d(xs[0], p)?;
+            check_same(&y, xs[1], "dy and the pooling output")?;
+            Ok(xs[0].clone())
+        }
+        Op::Assign | Op::AssignAdd => {
+            check_same(xs[0], xs[1], "parameter and value")?;
+            Ok(xs[0].clone())
+        }
+    }
+}

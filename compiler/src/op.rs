@@ -1,0 +1,491 @@
+//! The operations of the IR, declared once.
+//!
+//! Every op is a variant of [`Op`]; its attributes live inside the variant, operands are the
+//! node's ordered edges. This file also holds the one table that maps ops to and from text
+//! ([`Op::name`], [`Op::attrs`], [`Op::from_parts`]): no other place names an op by string.
+//! Shape inference ([`crate::infer`]), gradients ([`crate::autodiff`]) and lowering (the
+//! runtime) are exhaustive `match`es over this enum, so a new op must be decided everywhere.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::types::{DType, Shape};
+
+/// How a convolution or pooling window pads its input (MindSpore's `pad_mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PadMode {
+    /// No padding; the window must fit.
+    Valid,
+    /// Pad so that `out = ceil(in / stride)`; extra padding goes to the bottom/right.
+    Same,
+    /// Explicit padding from the `pad` attribute `[top, bottom, left, right]`.
+    Pad,
+}
+
+/// How a loss reduces over the batch (MindSpore's `reduction`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reduction {
+    None,
+    Sum,
+    Mean,
+}
+
+/// Attributes of a 2-D convolution over NCHW input and OIHW weight.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Conv2dAttrs {
+    pub stride: [usize; 2],
+    pub pad_mode: PadMode,
+    /// `[top, bottom, left, right]`; only read when `pad_mode` is `Pad`.
+    pub pad: [usize; 4],
+    pub dilation: [usize; 2],
+    pub groups: usize,
+}
+
+/// Attributes of a 2-D pooling window over NCHW input.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Pool2dAttrs {
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub pad_mode: PadMode,
+    /// `[top, bottom, left, right]`; only read when `pad_mode` is `Pad`.
+    pub pad: [usize; 4],
+}
+
+/// Attributes shared by the reductions.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ReduceAttrs {
+    /// Axes to reduce, sorted, without repeats.
+    pub axes: Vec<usize>,
+    pub keep_dims: bool,
+}
+
+/// One operation. Operands are not stored here: they are the node's ordered edges.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    // ---- leaves (no operands)
+    /// A trainable or state tensor, read by name from the parameter store.
+    Parameter { name: String },
+    /// The `index`-th input of the graph.
+    Input { index: usize, name: String },
+    /// A tensor of the node's type with every element equal to `value` (MindSpore's Fill).
+    Constant { value: f64 },
+    // ---- elementwise (binary ops broadcast numpy-style)
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Neg,
+    Exp,
+    Log,
+    Relu,
+    /// `dy * (y > 0)`, operands `(dy, y)`.
+    ReluGrad,
+    Cast { dtype: DType },
+    ZerosLike,
+    // ---- shape
+    Broadcast { shape: Shape },
+    Reshape { shape: Shape },
+    Transpose { perm: Vec<usize> },
+    /// `x[begin[i]..end[i]]` on every axis.
+    Slice { begin: Vec<usize>, end: Vec<usize> },
+    /// Zero padding: `lo[i]` before and `hi[i]` after axis `i`.
+    Pad { lo: Vec<usize>, hi: Vec<usize> },
+    Concat { axis: usize },
+    /// `[N, ...] -> [N, prod(...)]`.
+    Flatten,
+    // ---- reductions
+    ReduceSum(ReduceAttrs),
+    ReduceMean(ReduceAttrs),
+    ReduceMax(ReduceAttrs),
+    /// Gradient of `ReduceMax`, operands `(x, y, dy)`; ties share the gradient equally.
+    ReduceMaxGrad(ReduceAttrs),
+    // ---- linear algebra
+    /// `op(a) @ op(b)` on rank-2 operands, `op` transposing when the flag is set.
+    MatMul { transpose_a: bool, transpose_b: bool },
+    // ---- neural network
+    /// Softmax cross-entropy of `(logits [N,C], labels)`: labels are class ids `[N]` when
+    /// `sparse`, else probabilities `[N,C]`.
+    SoftmaxCrossEntropy { sparse: bool, reduction: Reduction },
+    /// Gradient w.r.t. logits, operands `(logits, labels, dloss)`.
+    SoftmaxCrossEntropyGrad { sparse: bool, reduction: Reduction },
+    /// Operands `(x [N,C,H,W], w [O,C/groups,KH,KW])`.
+    Conv2d(Conv2dAttrs),
+    /// Gradient w.r.t. the input, operands `(dy, w)`.
+    Conv2dBackpropInput { conv: Conv2dAttrs, input_shape: Shape },
+    /// Gradient w.r.t. the weight, operands `(dy, x)`.
+    Conv2dBackpropFilter { conv: Conv2dAttrs, filter_shape: Shape },
+    MaxPool2d(Pool2dAttrs),
+    /// Operands `(x, dy)`.
+    MaxPool2dGrad(Pool2dAttrs),
+    AvgPool2d(Pool2dAttrs),
+    /// Operands `(x, dy)`; `x` is read for its shape only.
+    AvgPool2dGrad(Pool2dAttrs),
+    // ---- side effects
+    /// `param := value` when the graph finishes; operands `(param, value)`.
+    Assign,
+    /// `param := param + value` when the graph finishes; operands `(param, value)`.
+    AssignAdd,
+}
+
+/// A printed attribute value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Attr {
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+    Ints(Vec<i64>),
+    Str(String),
+    /// A bare word: enum values (`valid`, `mean`) and dtypes (`f32`).
+    Sym(String),
+}
+
+impl fmt::Display for Attr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Attr::Int(v) => write!(f, "{v}"),
+            Attr::Float(v) => write!(f, "{v:?}"),
+            Attr::Bool(v) => write!(f, "{v}"),
+            Attr::Ints(v) => {
+                f.write_str("[")?;
+                for (i, x) in v.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(",")?;
+                    }
+                    write!(f, "{x}")?;
+                }
+                f.write_str("]")
+            }
+            Attr::Str(s) => write!(f, "{s:?}"),
+            Attr::Sym(s) => f.write_str(s),
+        }
+    }
+}
+
+/// How many operands an op takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arity {
+    Exactly(usize),
+    AtLeast(usize),
+}
+
+impl Arity {
+    /// True when `n` operands are acceptable.
+    pub fn accepts(self, n: usize) -> bool {
+        match self {
+            Arity::Exactly(k) => n == k,
+            Arity::AtLeast(k) => n >= k,
+        }
+    }
+}
+
+impl fmt::Display for Arity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Arity::Exactly(k) => write!(f, "{k}"),
+            Arity::AtLeast(k) => write!(f, "at least {k}"),
+        }
+    }
+}
+
+fn pad_mode_name(m: PadMode) -> &'static str {
+    match m {
+        PadMode::Valid => "valid",
+        PadMode::Same => "same",
+        PadMode::Pad => "pad",
+    }
+}
+
+fn reduction_name(r: Reduction) -> &'static str {
+    match r {
+        Reduction::None => "none",
+        Reduction::Sum => "sum",
+        Reduction::Mean => "mean",
+    }
+}
+
+fn ints(v: &[usize]) -> Attr {
+    Attr::Ints(v.iter().map(|&x| x as i64).collect())
+}
+
+impl Op {
+    /// The op's name in the text format.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Parameter { .. } => "parameter",
+            Op::Input { .. } => "input",
+            Op::Constant { .. } => "constant",
+            Op::Add => "add",
+            Op::Sub => "sub",
+            Op::Mul => "mul",
+            Op::Div => "div",
+            Op::Neg => "neg",
+            Op::Exp => "exp",
+            Op::Log => "log",
+            Op::Relu => "relu",
+            Op::ReluGrad => "relu_grad",
+            Op::Cast { .. } => "cast",
+            Op::ZerosLike => "zeros_like",
+            Op::Broadcast { .. } => "broadcast",
+            Op::Reshape { .. } => "reshape",
+            Op::Transpose { .. } => "transpose",
+            Op::Slice { .. } => "slice",
+            Op::Pad { .. } => "pad",
+            Op::Concat { .. } => "concat",
+            Op::Flatten => "flatten",
+            Op::ReduceSum(_) => "reduce_sum",
+            Op::ReduceMean(_) => "reduce_mean",
+            Op::ReduceMax(_) => "reduce_max",
+            Op::ReduceMaxGrad(_) => "reduce_max_grad",
+            Op::MatMul { .. } => "matmul",
+            Op::SoftmaxCrossEntropy { .. } => "softmax_cross_entropy",
+            Op::SoftmaxCrossEntropyGrad { .. } => "softmax_cross_entropy_grad",
+            Op::Conv2d(_) => "conv2d",
+            Op::Conv2dBackpropInput { .. } => "conv2d_backprop_input",
+            Op::Conv2dBackpropFilter { .. } => "conv2d_backprop_filter",
+            Op::MaxPool2d(_) => "max_pool2d",
+            Op::MaxPool2dGrad(_) => "max_pool2d_grad",
+            Op::AvgPool2d(_) => "avg_pool2d",
+            Op::AvgPool2dGrad(_) => "avg_pool2d_grad",
+            Op::Assign => "assign",
+            Op::AssignAdd => "assign_add",
+        }
+    }
+
+    /// Number of operands the op takes.
+    pub fn arity(&self) -> Arity {
+        use Arity::Exactly;
+        match self {
+            Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => Exactly(0),
+            Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::Cast { .. } | Op::ZerosLike => Exactly(1),
+            Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } => Exactly(1),
+            Op::Slice { .. } | Op::Pad { .. } | Op::Flatten => Exactly(1),
+            Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_) => Exactly(1),
+            Op::MaxPool2d(_) | Op::AvgPool2d(_) => Exactly(1),
+            Op::Add | Op::Sub | Op::Mul | Op::Div | Op::ReluGrad | Op::MatMul { .. } => Exactly(2),
+            Op::SoftmaxCrossEntropy { .. } | Op::Conv2d(_) => Exactly(2),
+            Op::Conv2dBackpropInput { .. } | Op::Conv2dBackpropFilter { .. } => Exactly(2),
+            Op::MaxPool2dGrad(_) | Op::AvgPool2dGrad(_) | Op::Assign | Op::AssignAdd => Exactly(2),
+            Op::ReduceMaxGrad(_) | Op::SoftmaxCrossEntropyGrad { .. } => Exactly(3),
+            Op::Concat { .. } => Arity::AtLeast(1),
+        }
+    }
+
+    /// True for ops without operands whose type is given, not inferred.
+    pub fn is_leaf(&self) -> bool {
+        matches!(self, Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. })
+    }
+
+    /// True for ops that write a parameter when the graph finishes.
+    pub fn is_effect(&self) -> bool {
+        matches!(self, Op::Assign | Op::AssignAdd)
+    }
+
+    /// The attributes, sorted by name, as printed by the text format.
+    pub fn attrs(&self) -> Vec<(&'static str, Attr)> {
+        let mut v: Vec<(&'static str, Attr)> = match self {
+            Op::Parameter { name } => vec![("name", Attr::Str(name.clone()))],
+            Op::Input { index, name } => {
+                vec![("index", Attr::Int(*index as i64)), ("name", Attr::Str(name.clone()))]
+            }
+            Op::Constant { value } => vec![("value", Attr::Float(*value))],
+            Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Exp | Op::Log => vec![],
+            Op::Relu | Op::ReluGrad | Op::ZerosLike | Op::Flatten | Op::Assign | Op::AssignAdd => vec![],
+            Op::Cast { dtype } => vec![("dtype", Attr::Sym(dtype.name().into()))],
+            Op::Broadcast { shape } | Op::Reshape { shape } => vec![("shape", ints(&shape.0))],
+            Op::Transpose { perm } => vec![("perm", ints(perm))],
+            Op::Slice { begin, end } => vec![("begin", ints(begin)), ("end", ints(end))],
+            Op::Pad { lo, hi } => vec![("hi", ints(hi)), ("lo", ints(lo))],
+            Op::Concat { axis } => vec![("axis", Attr::Int(*axis as i64))],
+            Op::ReduceSum(r) | Op::ReduceMean(r) | Op::ReduceMax(r) | Op::ReduceMaxGrad(r) => {
+                vec![("axes", ints(&r.axes)), ("keep_dims", Attr::Bool(r.keep_dims))]
+            }
+            Op::MatMul { transpose_a, transpose_b } => vec![
+                ("transpose_a", Attr::Bool(*transpose_a)),
+                ("transpose_b", Attr::Bool(*transpose_b)),
+            ],
+            Op::SoftmaxCrossEntropy { sparse, reduction }
+            | Op::SoftmaxCrossEntropyGrad { sparse, reduction } => vec![
+                ("reduction", Attr::Sym(reduction_name(*reduction).into())),
+                ("sparse", Attr::Bool(*sparse)),
+            ],
+            Op::Conv2d(c) => conv_attrs(c),
+            Op::Conv2dBackpropInput { conv, input_shape } => {
+                let mut v = conv_attrs(conv);
+                v.push(("input_shape", ints(&input_shape.0)));
+                v
+            }
+            Op::Conv2dBackpropFilter { conv, filter_shape } => {
+                let mut v = conv_attrs(conv);
+                v.push(("filter_shape", ints(&filter_shape.0)));
+                v
+            }
+            Op::MaxPool2d(p) | Op::MaxPool2dGrad(p) | Op::AvgPool2d(p) | Op::AvgPool2dGrad(p) => vec![
+                ("kernel", ints(&p.kernel)),
+                ("pad", ints(&p.pad)),
+                ("pad_mode", Attr::Sym(pad_mode_name(p.pad_mode).into())),
+                ("stride", ints(&p.stride)),
+            ],
+        };
+        v.sort_by_key(|(k, _)| *k);
+        v
+    }
+
+    /// Rebuilds an op from its printed name and attributes (the inverse of `name`/`attrs`).
+    /// Every attribute must be used exactly once.
+    pub fn from_parts(name: &str, attrs: BTreeMap<String, Attr>) -> Result<Op, String> {
+        let mut a = AttrReader { attrs };
+        let op = match name {
+            "parameter" => Op::Parameter { name: a.str("name")? },
+            "input" => Op::Input { index: a.usize("index")?, name: a.str("name")? },
+            "constant" => Op::Constant { value: a.float("value")? },
+            "add" => Op::Add,
+            "sub" => Op::Sub,
+            "mul" => Op::Mul,
+            "div" => Op::Div,
+            "neg" => Op::Neg,
+            "exp" => Op::Exp,
+            "log" => Op::Log,
+            "relu" => Op::Relu,
+            "relu_grad" => Op::ReluGrad,
+            "cast" => {
+                let s = a.sym("dtype")?;
+                Op::Cast { dtype: DType::from_name(&s).ok_or(format!("unknown dtype `{s}`"))? }
+            }
+            "zeros_like" => Op::ZerosLike,
+            "broadcast" => Op::Broadcast { shape: Shape(a.usizes("shape")?) },
+            "reshape" => Op::Reshape { shape: Shape(a.usizes("shape")?) },
+            "transpose" => Op::Transpose { perm: a.usizes("perm")? },
+            "slice" => Op::Slice { begin: a.usizes("begin")?, end: a.usizes("end")? },
+            "pad" => Op::Pad { lo: a.usizes("lo")?, hi: a.usizes("hi")? },
+            "concat" => Op::Concat { axis: a.usize("axis")? },
+            "flatten" => Op::Flatten,
+            "reduce_sum" => Op::ReduceSum(a.reduce()?),
+            "reduce_mean" => Op::ReduceMean(a.reduce()?),
+            "reduce_max" => Op::ReduceMax(a.reduce()?),
+            "reduce_max_grad" => Op::ReduceMaxGrad(a.reduce()?),
+            "matmul" => Op::MatMul { transpose_a: a.bool("transpose_a")?, transpose_b: a.bool("transpose_b")? },
+            "softmax_cross_entropy" => {
+                Op::SoftmaxCrossEntropy { sparse: a.bool("sparse")?, reduction: a.reduction()? }
+            }
+            "softmax_cross_entropy_grad" => {
+                Op::SoftmaxCrossEntropyGrad { sparse: a.bool("sparse")?, reduction: a.reduction()? }
+            }
+            "conv2d" => Op::Conv2d(a.conv()?),
+            "conv2d_backprop_input" => {
+                Op::Conv2dBackpropInput { conv: a.conv()?, input_shape: Shape(a.usizes("input_shape")?) }
+            }
+            "conv2d_backprop_filter" => {
+                Op::Conv2dBackpropFilter { conv: a.conv()?, filter_shape: Shape(a.usizes("filter_shape")?) }
+            }
+            "max_pool2d" => Op::MaxPool2d(a.pool()?),
+            "max_pool2d_grad" => Op::MaxPool2dGrad(a.pool()?),
+            "avg_pool2d" => Op::AvgPool2d(a.pool()?),
+            "avg_pool2d_grad" => Op::AvgPool2dGrad(a.pool()?),
+            "assign" => Op::Assign,
+            "assign_add" => Op::AssignAdd,
+            other => return Err(format!("unknown op `{other}`")),
+        };
+        match a.attrs.keys().next() {
+            Some(k) => Err(format!("op `{name}` has no attribute `{k}`")),
+            None => Ok(op),
+        }
+    }
+}
+
+fn conv_attrs(c: &Conv2dAttrs) -> Vec<(&'static str, Attr)> {
+    vec![
+        ("dilation", ints(&c.dilation)),
+        ("groups", Attr::Int(c.groups as i64)),
+        ("pad", ints(&c.pad)),
+        ("pad_mode", Attr::Sym(pad_mode_name(c.pad_mode).into())),
+        ("stride", ints(&c.stride)),
+    ]
+}
+
+/// Takes attributes out of a parsed map, one typed read each.
+struct AttrReader {
+    attrs: BTreeMap<String, Attr>,
+}
+
+impl AttrReader {
+    fn take(&mut self, k: &str) -> Result<Attr, String> {
+        self.attrs.remove(k).ok_or_else(|| format!("missing attribute `{k}`"))
+    }
+    fn str(&mut self, k: &str) -> Result<String, String> {
+        match self.take(k)? {
+            Attr::Str(s) => Ok(s),
+            other => Err(format!("attribute `{k}` must be a string, got `{other}`")),
+        }
+    }
+    fn sym(&mut self, k: &str) -> Result<String, String> {
+        match self.take(k)? {
+            Attr::Sym(s) => Ok(s),
+            other => Err(format!("attribute `{k}` must be a word, got `{other}`")),
+        }
+    }
+    fn bool(&mut self, k: &str) -> Result<bool, String> {
+        match self.take(k)? {
+            Attr::Bool(b) => Ok(b),
+            other => Err(format!("attribute `{k}` must be true or false, got `{other}`")),
+        }
+    }
+    fn float(&mut self, k: &str) -> Result<f64, String> {
+        match self.take(k)? {
+            Attr::Float(v) => Ok(v),
+            Attr::Int(v) => Ok(v as f64),
+            other => Err(format!("attribute `{k}` must be a number, got `{other}`")),
+        }
+    }
+    fn usize(&mut self, k: &str) -> Result<usize, String> {
+        match self.take(k)? {
+            Attr::Int(v) if v >= 0 => Ok(v as usize),
+            other => Err(format!("attribute `{k}` must be a non-negative integer, got `{other}`")),
+        }
+    }
+    fn usizes(&mut self, k: &str) -> Result<Vec<usize>, String> {
+        match self.take(k)? {
+            Attr::Ints(v) if v.iter().all(|&x| x >= 0) => Ok(v.into_iter().map(|x| x as usize).collect()),
+            other => Err(format!("attribute `{k}` must be a list of non-negative integers, got `{other}`")),
+        }
+    }
+    fn array<const N: usize>(&mut self, k: &str) -> Result<[usize; N], String> {
+        let v = self.usizes(k)?;
+        v.try_into().map_err(|v: Vec<usize>| format!("attribute `{k}` needs {N} values, got {}", v.len()))
+    }
+    fn pad_mode(&mut self) -> Result<PadMode, String> {
+        match self.sym("pad_mode")?.as_str() {
+            "valid" => Ok(PadMode::Valid),
+            "same" => Ok(PadMode::Same),
+            "pad" => Ok(PadMode::Pad),
+            s => Err(format!("pad_mode must be valid, same or pad, got `{s}`")),
+        }
+    }
+    fn reduction(&mut self) -> Result<Reduction, String> {
+        match self.sym("reduction")?.as_str() {
+            "none" => Ok(Reduction::None),
+            "sum" => Ok(Reduction::Sum),
+            "mean" => Ok(Reduction::Mean),
+            s => Err(format!("reduction must be none, sum or mean, got `{s}`")),
+        }
+    }
+    fn reduce(&mut self) -> Result<ReduceAttrs, String> {
+        Ok(ReduceAttrs { axes: self.usizes("axes")?, keep_dims: self.bool("keep_dims")? })
+    }
+    fn conv(&mut self) -> Result<Conv2dAttrs, String> {
+        Ok(Conv2dAttrs {
+            stride: self.array("stride")?,
+            pad_mode: self.pad_mode()?,
+            pad: self.array("pad")?,
+            dilation: self.array("dilation")?,
+            groups: self.usize("groups")?,
+        })
+    }
+    fn pool(&mut self) -> Result<Pool2dAttrs, String> {
+        Ok(Pool2dAttrs {
+            kernel: self.array("kernel")?,
+            stride: self.array("stride")?,
+            pad_mode: self.pad_mode()?,
+            pad: self.array("pad")?,
+        })
+    }
+}

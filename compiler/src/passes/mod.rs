@@ -1,0 +1,5 @@
+//! Named graph rewrites, one file each, run by [`pipeline::run`] which verifies after every
+//! pass in debug builds and tests.
+
+pub mod dce;
+pub mod pipeline;

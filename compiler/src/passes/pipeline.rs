@@ -1,0 +1,57 @@
+//! The pass pipeline: a flat list of named passes, verified after each one.
+
+use crate::error::Result;
+use crate::graph::Graph;
+use crate::verify::verify;
+
+/// A named rewrite of one graph.
+pub struct Pass {
+    pub name: &'static str,
+    pub run: fn(&mut Graph) -> Result<()>,
+}
+
+/// Options for [`run`].
+#[derive(Clone, Debug)]
+pub struct PipelineOptions {
+    /// Verify after each pass (on by default in debug builds).
+    pub verify: bool,
+}
+
+impl Default for PipelineOptions {
+    fn default() -> Self {
+        PipelineOptions { verify: cfg!(debug_assertions) }
+    }
+}
+
+/// The passes run on every graph before lowering.
+pub fn default_passes() -> Vec<Pass> {
+    vec![Pass {
+        name: "dce",
+        run: |g| {
+            super::dce::dce(g);
+            Ok(())
+        },
+    }]
+}
+
+/// Runs `passes` in order on `g`, calling `observe(index, name, graph)` after each (dumps hook
+/// in here) and verifying when asked.
+pub fn run(
+    g: &mut Graph,
+    passes: &[Pass],
+    opts: &PipelineOptions,
+    mut observe: impl FnMut(usize, &str, &Graph),
+) -> Result<()> {
+    if opts.verify {
+        verify(g)?;
+    }
+    observe(0, "input", g);
+    for (i, p) in passes.iter().enumerate() {
+        (p.run)(g)?;
+        if opts.verify {
+            verify(g)?;
+        }
+        observe(i + 1, p.name, g);
+    }
+    Ok(())
+}

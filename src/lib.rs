@@ -1,0 +1,1 @@
+pub use cellgraph_compiler as compiler;
