@@ -1,1 +1,26 @@
+//! cellgraph's runtime: executes compiled graphs on a burn backend.
+//!
+//! - [`exec`]: compile a graph to a plan; a [`Session`] holds parameters and runs plans.
+//! - [`lower`]: the exhaustive op-to-backend lowering.
+//! - [`value`]: device values and host transfers.
+//! - [`data`]: datasets (MNIST IDX files).
 
+pub mod data;
+pub mod error;
+pub mod exec;
+pub mod lower;
+pub mod value;
+
+pub use error::{Result, RuntimeError};
+pub use exec::{compile, Executable, Session};
+pub use value::Value;
+
+/// The CPU backend: burn's ndarray backend in f32.
+pub type Cpu = burn_ndarray::NdArray<f32>;
+/// The CPU backend in f64, for reference runs and gradient checks.
+pub type CpuF64 = burn_ndarray::NdArray<f64>;
+
+/// The CPU device.
+pub fn cpu() -> burn_ndarray::NdArrayDevice {
+    burn_ndarray::NdArrayDevice::Cpu
+}

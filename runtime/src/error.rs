@@ -1,0 +1,34 @@
+//! The runtime's one error type.
+
+use thiserror::Error;
+
+use cellgraph_compiler::IrError;
+
+/// Everything that can go wrong while compiling or running a graph, or reading data.
+#[derive(Debug, Error)]
+pub enum RuntimeError {
+    /// The graph itself is invalid.
+    #[error(transparent)]
+    Ir(#[from] IrError),
+    /// A value passed in does not fit the graph.
+    #[error("{what}: expected {expected}, got {got}")]
+    Mismatch { what: String, expected: String, got: String },
+    /// A parameter the graph reads has no value.
+    #[error("parameter `{0}` has no value: initialise it (Session::init_params) or load a checkpoint")]
+    MissingParam(String),
+    /// An input outside the op's domain (for example a label out of range).
+    #[error("{scope}: {op}: {detail}")]
+    BadValue { scope: String, op: &'static str, detail: String },
+    /// The op or dtype cannot run on this backend.
+    #[error("{scope}: {op}: {detail}")]
+    Unsupported { scope: String, op: &'static str, detail: String },
+    /// A malformed data file.
+    #[error("{path}: at byte offset {offset}: {detail}")]
+    Data { path: String, offset: u64, detail: String },
+    /// An I/O failure on a named file.
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+}
+
+/// Result with [`RuntimeError`].
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

@@ -1,0 +1,212 @@
+//! Compiling a graph to an executable plan, and running it.
+//!
+//! [`compile`] runs the pass pipeline, verifies, and lowers the graph to a flat schedule of
+//! steps in topological order. Each step knows, for every operand, whether this is the
+//! operand's last use: then the value is moved into the op (so the backend can reuse its
+//! buffer in place) and its slot is freed at once; otherwise it is shared. Results and
+//! parameter writes are kept to the end. A [`Session`] holds parameter values on one device
+//! and runs plans; `assign`/`assign_add` writes land when the plan finishes.
+
+use std::collections::BTreeMap;
+
+use burn_backend::tensor::Device;
+use burn_backend::Backend;
+use cellgraph_compiler::passes::pipeline::{self, PipelineOptions};
+use cellgraph_compiler::{Graph, HostTensor, Op, TensorType};
+
+use crate::error::{Result, RuntimeError};
+use crate::lower::{eval, Ctx};
+use crate::value::{settings, Value};
+
+/// One scheduled node.
+#[derive(Clone, Debug)]
+struct Step {
+    slot: usize,
+    op: Op,
+    ty: TensorType,
+    scope: String,
+    /// `(slot, moved)`: `moved` when this step is the operand's last use.
+    args: Vec<(usize, bool)>,
+}
+
+/// A graph lowered to a schedule.
+#[derive(Clone, Debug)]
+pub struct Executable {
+    graph: Graph,
+    steps: Vec<Step>,
+    outputs: Vec<usize>,
+    /// `(parameter name, slot holding the new value)`.
+    writes: Vec<(String, usize)>,
+    slots: usize,
+}
+
+impl Executable {
+    /// The optimised graph this plan runs.
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+    /// Number of scheduled steps.
+    pub fn len(&self) -> usize {
+        self.steps.len()
+    }
+    /// True when nothing is scheduled.
+    pub fn is_empty(&self) -> bool {
+        self.steps.is_empty()
+    }
+}
+
+/// Optimises, verifies and schedules a graph.
+pub fn compile(mut graph: Graph) -> Result<Executable> {
+    pipeline::run(&mut graph, &pipeline::default_passes(), &PipelineOptions::default(), |_, _, _| {})?;
+    cellgraph_compiler::verify(&graph).map_err(cellgraph_compiler::IrError::from)?;
+    let order = graph.topo_order().expect("verified graphs are acyclic");
+    let pos: BTreeMap<_, _> = order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+    let mut last_use = vec![None::<usize>; graph.id_bound()];
+    for (i, &id) in order.iter().enumerate() {
+        for o in graph.operands(id) {
+            last_use[o.index()] = Some(i);
+        }
+    }
+    let mut pinned = vec![false; graph.id_bound()];
+    for o in graph.outputs() {
+        pinned[o.index()] = true;
+    }
+    let mut writes = Vec::new();
+    for e in graph.effects() {
+        pinned[e.index()] = true;
+        let target = graph.operands(e)[0];
+        if let Op::Parameter { name } = &graph.node(target).op {
+            writes.push((name.clone(), e.index()));
+        }
+    }
+    let steps = order
+        .iter()
+        .map(|&id| {
+            let n = graph.node(id);
+            let ops = graph.operands(id);
+            let args = ops
+                .iter()
+                .enumerate()
+                .map(|(k, o)| {
+                    let last = last_use[o.index()] == Some(pos[&id]) && !pinned[o.index()];
+                    let repeated = ops[k + 1..].contains(o);
+                    (o.index(), last && !repeated)
+                })
+                .collect();
+            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args }
+        })
+        .collect();
+    let outputs = graph.outputs().iter().map(|o| o.index()).collect();
+    let slots = graph.id_bound();
+    Ok(Executable { graph, steps, outputs, writes, slots })
+}
+
+/// Parameter values on one device, and the plans that read and write them.
+pub struct Session<B: Backend> {
+    device: Device<B>,
+    params: BTreeMap<String, Value<B>>,
+}
+
+impl<B: Backend> Session<B> {
+    /// An empty session on `device`.
+    pub fn new(device: Device<B>) -> Self {
+        Session { device, params: BTreeMap::new() }
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device<B> {
+        &self.device
+    }
+
+    /// Sets (or replaces) a parameter's value.
+    pub fn set_param(&mut self, name: &str, value: &HostTensor) {
+        self.params.insert(name.to_string(), Value::from_host(value, &self.device));
+    }
+
+    /// A parameter's value, copied to the host.
+    pub fn param(&self, name: &str) -> Option<HostTensor> {
+        self.params.get(name).map(|v| v.to_host())
+    }
+
+    /// Names of every parameter held, sorted.
+    pub fn param_names(&self) -> Vec<String> {
+        self.params.keys().cloned().collect()
+    }
+
+    /// Every parameter copied to the host, by name.
+    pub fn params_host(&self) -> BTreeMap<String, HostTensor> {
+        self.params.iter().map(|(k, v)| (k.clone(), v.to_host())).collect()
+    }
+
+    fn bind_param(&self, name: &str, ty: &TensorType) -> Result<Value<B>> {
+        let v = self.params.get(name).ok_or_else(|| RuntimeError::MissingParam(name.into()))?;
+        let dims = v.dims();
+        let want = crate::lower::bshape(ty.dims()).to_vec();
+        if dims != want {
+            return Err(RuntimeError::Mismatch {
+                what: format!("parameter `{name}`"),
+                expected: ty.to_string(),
+                got: format!("a value of shape {dims:?}"),
+            });
+        }
+        Ok(v.clone())
+    }
+
+    /// Runs a plan on host inputs (in input-index order) and returns its outputs on the host.
+    pub fn run(&mut self, exe: &Executable, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+        let graph_inputs = exe.graph.inputs();
+        if inputs.len() != graph_inputs.len() {
+            return Err(RuntimeError::Mismatch {
+                what: format!("inputs of graph `{}`", exe.graph.name),
+                expected: format!("{} inputs", graph_inputs.len()),
+                got: format!("{}", inputs.len()),
+            });
+        }
+        let mut slots: Vec<Option<Value<B>>> = vec![None; exe.slots];
+        let s = settings::<B>(&self.device);
+        for step in &exe.steps {
+            let v = match &step.op {
+                Op::Parameter { name } => self.bind_param(name, &step.ty)?,
+                Op::Input { index, name } => {
+                    let given = &inputs[*index];
+                    if given.ty() != step.ty {
+                        return Err(RuntimeError::Mismatch {
+                            what: format!("input {index} (`{name}`)"),
+                            expected: step.ty.to_string(),
+                            got: given.ty().to_string(),
+                        });
+                    }
+                    Value::from_host(given, &self.device)
+                }
+                op => {
+                    let tys: Vec<&TensorType> = exe.graph.operands(cellgraph_compiler::NodeId(step.slot as u32)).iter().map(|&o| exe.graph.ty(o)).collect();
+                    let args = step
+                        .args
+                        .iter()
+                        .zip(tys)
+                        .map(|(&(slot, moved), ty)| {
+                            let v = if moved { slots[slot].take() } else { slots[slot].clone() };
+                            (v.expect("operands are computed before use"), ty)
+                        })
+                        .collect();
+                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.name() };
+                    eval(&cx, op, args, &step.ty)?
+                }
+            };
+            slots[step.slot] = Some(v);
+        }
+        for (name, slot) in &exe.writes {
+            let v = slots[*slot].clone().expect("writes are pinned");
+            self.params.insert(name.clone(), v);
+        }
+        Ok(exe
+            .outputs
+            .iter()
+            .map(|&o| {
+                let mut h = slots[o].as_ref().expect("outputs are pinned").to_host();
+                h.shape = exe.graph.ty(cellgraph_compiler::NodeId(o as u32)).dims().to_vec();
+                h
+            })
+            .collect())
+    }
+}

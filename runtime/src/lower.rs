@@ -1,0 +1,348 @@
+//! Lowering: one exhaustive `match` from IR ops to burn backend primitives.
+//!
+//! [`eval`] computes one node from its operand values. It is generic over `B: Backend`, so the
+//! same code runs on the CPU (ndarray) and on CUDA (cubecl). Device tensors of IR rank 0 are
+//! held as shape `[1]` (burn has no rank-0 tensors); the IR type decides the host shape.
+
+use burn_backend::ops::{ConvOptions, ConvTransposeOptions};
+use burn_backend::tensor::{Device, FloatTensor, IntTensor};
+use burn_backend::{Backend, DeviceSettings, FloatDType, Scalar, Shape as BShape, Slice, TensorData};
+use cellgraph_compiler::window::{self, Window};
+use cellgraph_compiler::{DType, Op, PadMode, Pool2dAttrs, ReduceAttrs, Reduction, TensorType};
+
+use crate::error::{Result, RuntimeError};
+use crate::value::Value;
+
+/// What one evaluation needs besides its operands.
+pub struct Ctx<'a, B: Backend> {
+    pub device: &'a Device<B>,
+    pub settings: DeviceSettings,
+    pub scope: &'a str,
+    pub op: &'static str,
+}
+
+impl<B: Backend> Ctx<'_, B> {
+    fn unsupported<T>(&self, detail: impl Into<String>) -> Result<T> {
+        Err(RuntimeError::Unsupported { scope: self.scope.into(), op: self.op, detail: detail.into() })
+    }
+    fn bad<T>(&self, detail: impl Into<String>) -> Result<T> {
+        Err(RuntimeError::BadValue { scope: self.scope.into(), op: self.op, detail: detail.into() })
+    }
+    fn float(&self, v: Value<B>) -> Result<FloatTensor<B>> {
+        match v {
+            Value::Float(t) => Ok(t),
+            _ => self.unsupported("expected a float operand"),
+        }
+    }
+    fn int(&self, v: Value<B>) -> Result<IntTensor<B>> {
+        match v {
+            Value::Int(t) => Ok(t),
+            _ => self.unsupported("expected an integer operand"),
+        }
+    }
+    fn full(&self, dims: &[usize], value: f64) -> FloatTensor<B> {
+        B::float_full(bshape(dims), Scalar::Float(value), self.device, self.settings.float_dtype)
+    }
+}
+
+/// A burn shape for IR extents (`[]` becomes `[1]`).
+pub fn bshape(dims: &[usize]) -> BShape {
+    if dims.is_empty() {
+        BShape::from(vec![1usize])
+    } else {
+        BShape::from(dims.to_vec())
+    }
+}
+
+/// Broadcasts `t` (IR extents `from`) to IR extents `to`.
+fn expand<B: Backend>(t: FloatTensor<B>, from: &[usize], to: &[usize]) -> FloatTensor<B> {
+    if from == to {
+        return t;
+    }
+    let mut padded = vec![1; to.len() - from.len()];
+    padded.extend_from_slice(from);
+    B::float_expand(B::float_reshape(t, bshape(&padded)), bshape(to))
+}
+
+fn slices(begin: &[usize], end: &[usize]) -> Vec<Slice> {
+    begin.iter().zip(end).map(|(&b, &e)| Slice::new(b as isize, Some(e as isize), 1)).collect()
+}
+
+/// Pads `t` (IR extents `dims`) with `fill`, `lo[i]`/`hi[i]` elements around axis `i`.
+fn pad_with<B: Backend>(cx: &Ctx<B>, t: FloatTensor<B>, dims: &[usize], lo: &[usize], hi: &[usize], fill: f64) -> FloatTensor<B> {
+    let out: Vec<usize> = (0..dims.len()).map(|i| lo[i] + dims[i] + hi[i]).collect();
+    let end: Vec<usize> = (0..dims.len()).map(|i| lo[i] + dims[i]).collect();
+    B::float_slice_assign(cx.full(&out, fill), &slices(lo, &end), t)
+}
+
+/// Pads an NCHW tensor spatially by a resolved window's `[top, bottom, left, right]`.
+fn pad_spatial<B: Backend>(cx: &Ctx<B>, t: FloatTensor<B>, dims: &[usize], w: &Window, fill: f64) -> (FloatTensor<B>, Vec<usize>) {
+    let lo = [0, 0, w.pad[0], w.pad[2]];
+    let hi = [0, 0, w.pad[1], w.pad[3]];
+    let out: Vec<usize> = (0..4).map(|i| lo[i] + dims[i] + hi[i]).collect();
+    (pad_with(cx, t, dims, &lo, &hi, fill), out)
+}
+
+/// Sums (or maxes) over `axes`, then reshapes to the IR result type.
+fn reduce<B: Backend>(t: FloatTensor<B>, r: &ReduceAttrs, out: &TensorType, max: bool) -> FloatTensor<B> {
+    let mut t = t;
+    for &a in r.axes.iter().rev() {
+        t = if max { B::float_max_dim(t, a) } else { B::float_sum_dim(t, a) };
+    }
+    B::float_reshape(t, bshape(out.dims()))
+}
+
+fn kept(dims: &[usize], axes: &[usize]) -> Vec<usize> {
+    dims.iter().enumerate().map(|(i, &d)| if axes.contains(&i) { 1 } else { d }).collect()
+}
+
+fn pool_window<B: Backend>(cx: &Ctx<B>, x: &TensorType, p: &Pool2dAttrs) -> Result<Window> {
+    let d = x.dims();
+    window::resolve([d[2], d[3]], p.kernel, p.stride, [1, 1], p.pad_mode, p.pad).or_else(|e| cx.bad(e))
+}
+
+/// Log-softmax over axis 1 of `[N, C]` logits.
+fn log_softmax<B: Backend>(l: FloatTensor<B>, n: usize, c: usize) -> FloatTensor<B> {
+    let m = B::float_expand(B::float_max_dim(l.clone(), 1), bshape(&[n, c]));
+    let z = B::float_sub(l, m);
+    let lse = B::float_log(B::float_sum_dim(B::float_exp(z.clone()), 1));
+    B::float_sub(z, B::float_expand(lse, bshape(&[n, c])))
+}
+
+/// Checks sparse labels are class ids in `0..c` and returns them as `[N, 1]`.
+fn checked_labels<B: Backend>(cx: &Ctx<B>, y: IntTensor<B>, n: usize, c: usize) -> Result<IntTensor<B>> {
+    let host = crate::value::block_on(B::int_into_data(y.clone())).expect("device read");
+    let v = host.convert::<i64>().to_vec::<i64>().expect("int data");
+    if let Some((i, &bad)) = v.iter().enumerate().find(|(_, &l)| l < 0 || l >= c as i64) {
+        return cx.bad(format!("label {bad} at batch position {i} is out of range for {c} classes (valid: 0..{})", c - 1));
+    }
+    Ok(B::int_reshape(y, bshape(&[n, 1])))
+}
+
+/// One-hot `[N, C]` floats from `[N, 1]` class ids.
+fn one_hot<B: Backend>(cx: &Ctx<B>, y: IntTensor<B>, n: usize, c: usize) -> FloatTensor<B> {
+    let ids = B::int_arange(0..c as i64, cx.device, cx.settings.int_dtype);
+    let ids = B::int_expand(B::int_reshape(ids, bshape(&[1, c])), bshape(&[n, c]));
+    let eq = B::int_equal(B::int_expand(y, bshape(&[n, c])), ids, cx.settings.bool_dtype);
+    B::bool_into_float(eq, cx.settings.float_dtype)
+}
+
+fn padding_out(k: usize, s: usize, p: usize, d: usize, size_in: usize, size_out: usize) -> usize {
+    if s <= 1 {
+        return 0;
+    }
+    let base = (size_out as i64 - 1) * s as i64 + (d * (k - 1) + 1) as i64 - 2 * p as i64;
+    (size_in as i64 - base).max(0) as usize
+}
+
+/// Evaluates one non-leaf op. `args` pairs each operand value with its IR type.
+pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>, out: &TensorType) -> Result<Value<B>> {
+    let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
+    let mut vals = args.into_iter().map(|(v, _)| v);
+    let mut next = || vals.next().expect("arity checked by the verifier");
+    let od = out.dims();
+    let binary = |cx: &Ctx<B>, a: Value<B>, b: Value<B>, f: fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>| {
+        let a = expand::<B>(cx.float(a)?, tys[0].dims(), od);
+        let b = expand::<B>(cx.float(b)?, tys[1].dims(), od);
+        Ok::<_, RuntimeError>(Value::Float(f(a, b)))
+    };
+    Ok(match op {
+        Op::Parameter { .. } | Op::Input { .. } => return cx.unsupported("leaves are bound by the executor"),
+        Op::Constant { value } => match out.dtype {
+            DType::F32 | DType::F16 | DType::BF16 => Value::Float(cx.full(od, *value)),
+            DType::I32 | DType::I64 => {
+                Value::Int(B::int_from_data(TensorData::new(vec![*value as i64; out.numel()], bshape(od)).convert::<B::IntElem>(), cx.device))
+            }
+            DType::Bool => Value::Bool(B::bool_from_data(TensorData::new(vec![*value != 0.0; out.numel()], bshape(od)), cx.device)),
+        },
+        Op::Add => binary(cx, next(), next(), B::float_add)?,
+        Op::Sub => binary(cx, next(), next(), B::float_sub)?,
+        Op::Mul => binary(cx, next(), next(), B::float_mul)?,
+        Op::Div => binary(cx, next(), next(), B::float_div)?,
+        Op::Neg => Value::Float(B::float_neg(cx.float(next())?)),
+        Op::Exp => Value::Float(B::float_exp(cx.float(next())?)),
+        Op::Log => Value::Float(B::float_log(cx.float(next())?)),
+        Op::Relu => Value::Float(B::relu(cx.float(next())?)),
+        Op::ReluGrad => {
+            let dy = cx.float(next())?;
+            Value::Float(B::relu_backward(cx.float(next())?, dy))
+        }
+        Op::Cast { dtype } => cast(cx, next(), *dtype)?,
+        Op::ZerosLike => match next() {
+            Value::Float(_) => Value::Float(cx.full(od, 0.0)),
+            Value::Int(_) => Value::Int(B::int_zeros(bshape(od), cx.device, cx.settings.int_dtype)),
+            Value::Bool(_) => Value::Bool(B::bool_zeros(bshape(od), cx.device, cx.settings.bool_dtype)),
+        },
+        Op::Broadcast { .. } => Value::Float(expand::<B>(cx.float(next())?, tys[0].dims(), od)),
+        Op::Reshape { .. } | Op::Flatten => match next() {
+            Value::Float(t) => Value::Float(B::float_reshape(t, bshape(od))),
+            Value::Int(t) => Value::Int(B::int_reshape(t, bshape(od))),
+            Value::Bool(t) => Value::Bool(B::bool_reshape(t, bshape(od))),
+        },
+        Op::Transpose { perm } => Value::Float(B::float_permute(cx.float(next())?, perm)),
+        Op::Slice { begin, end } => Value::Float(B::float_slice(cx.float(next())?, &slices(begin, end))),
+        Op::Pad { lo, hi } => Value::Float(pad_with(cx, cx.float(next())?, tys[0].dims(), lo, hi, 0.0)),
+        Op::Concat { axis } => {
+            let ts = (0..tys.len()).map(|_| cx.float(next())).collect::<Result<Vec<_>>>()?;
+            Value::Float(B::float_cat(ts, *axis))
+        }
+        Op::ReduceSum(r) => Value::Float(reduce::<B>(cx.float(next())?, r, out, false)),
+        Op::ReduceMean(r) => {
+            let count: usize = r.axes.iter().map(|&a| tys[0].dims()[a]).product();
+            let s = reduce::<B>(cx.float(next())?, r, out, false);
+            Value::Float(B::float_mul_scalar(s, Scalar::Float(1.0 / count as f64)))
+        }
+        Op::ReduceMax(r) => Value::Float(reduce::<B>(cx.float(next())?, r, out, true)),
+        Op::ReduceMaxGrad(r) => {
+            let (x, y, dy) = (cx.float(next())?, cx.float(next())?, cx.float(next())?);
+            let k = kept(od, &r.axes);
+            let yb = B::float_expand(B::float_reshape(y, bshape(&k)), bshape(od));
+            let mask = B::bool_into_float(B::float_equal(x, yb, cx.settings.bool_dtype), cx.settings.float_dtype);
+            let mut count = mask.clone();
+            for &a in r.axes.iter().rev() {
+                count = B::float_sum_dim(count, a);
+            }
+            let share = B::float_div(B::float_reshape(dy, bshape(&k)), count);
+            Value::Float(B::float_mul(mask, B::float_expand(share, bshape(od))))
+        }
+        Op::MatMul { transpose_a, transpose_b } => {
+            let (mut a, mut b) = (cx.float(next())?, cx.float(next())?);
+            if *transpose_a {
+                a = B::float_swap_dims(a, 0, 1);
+            }
+            if *transpose_b {
+                b = B::float_swap_dims(b, 0, 1);
+            }
+            Value::Float(B::float_matmul(a, b))
+        }
+        Op::SoftmaxCrossEntropy { sparse, reduction } => {
+            let (n, c) = (tys[0].dims()[0], tys[0].dims()[1]);
+            let logp = log_softmax::<B>(cx.float(next())?, n, c);
+            let picked = if *sparse {
+                let y = checked_labels(cx, cx.int(next())?, n, c)?;
+                B::float_gather(1, logp, y)
+            } else {
+                B::float_sum_dim(B::float_mul(cx.float(next())?, logp), 1)
+            };
+            let per_item = B::float_neg(B::float_reshape(picked, bshape(&[n])));
+            Value::Float(match reduction {
+                Reduction::None => per_item,
+                Reduction::Sum => B::float_sum(per_item),
+                Reduction::Mean => B::float_mul_scalar(B::float_sum(per_item), Scalar::Float(1.0 / n as f64)),
+            })
+        }
+        Op::SoftmaxCrossEntropyGrad { sparse, reduction } => {
+            let (n, c) = (tys[0].dims()[0], tys[0].dims()[1]);
+            let p = B::float_exp(log_softmax::<B>(cx.float(next())?, n, c));
+            let target = if *sparse {
+                let y = checked_labels(cx, cx.int(next())?, n, c)?;
+                one_hot(cx, y, n, c)
+            } else {
+                cx.float(next())?
+            };
+            let dl = cx.float(next())?;
+            let scale = match reduction {
+                Reduction::None => B::float_reshape(dl, bshape(&[n, 1])),
+                Reduction::Sum => dl,
+                Reduction::Mean => B::float_mul_scalar(dl, Scalar::Float(1.0 / n as f64)),
+            };
+            let scale = expand::<B>(scale, &if matches!(reduction, Reduction::None) { vec![n, 1] } else { vec![] }, &[n, c]);
+            Value::Float(B::float_mul(B::float_sub(p, target), scale))
+        }
+        Op::Conv2d(c) => {
+            let (x, w) = (cx.float(next())?, cx.float(next())?);
+            let (xd, wd) = (tys[0].dims(), tys[1].dims());
+            let win = window::resolve([xd[2], xd[3]], [wd[2], wd[3]], c.stride, c.dilation, c.pad_mode, c.pad).or_else(|e| cx.bad(e))?;
+            let (x, pad) = if win.is_symmetric() { (x, [win.pad[0], win.pad[2]]) } else { (pad_spatial(cx, x, xd, &win, 0.0).0, [0, 0]) };
+            Value::Float(B::conv2d(x, w, None, ConvOptions::new(c.stride, pad, c.dilation, c.groups)))
+        }
+        Op::Conv2dBackpropInput { conv: c, input_shape } => {
+            let (dy, w) = (cx.float(next())?, cx.float(next())?);
+            let (xd, wd, yd) = (&input_shape.0, tys[1].dims(), tys[0].dims());
+            let win = window::resolve([xd[2], xd[3]], [wd[2], wd[3]], c.stride, c.dilation, c.pad_mode, c.pad).or_else(|e| cx.bad(e))?;
+            let sym = win.is_symmetric();
+            let pad = if sym { [win.pad[0], win.pad[2]] } else { [0, 0] };
+            let size_in = if sym { [xd[2], xd[3]] } else { [xd[2] + win.pad[0] + win.pad[1], xd[3] + win.pad[2] + win.pad[3]] };
+            let pout = [0, 1].map(|a| padding_out(wd[2 + a], c.stride[a], pad[a], c.dilation[a], size_in[a], yd[2 + a]));
+            let dx = B::conv_transpose2d(dy, w, None, ConvTransposeOptions::new(c.stride, pad, pout, c.dilation, c.groups));
+            if sym {
+                Value::Float(dx)
+            } else {
+                let b = [0, 0, win.pad[0], win.pad[2]];
+                let e = [xd[0], xd[1], win.pad[0] + xd[2], win.pad[2] + xd[3]];
+                Value::Float(B::float_slice(dx, &slices(&b, &e)))
+            }
+        }
+        Op::Conv2dBackpropFilter { conv: c, filter_shape } => {
+            let (dy, x) = (cx.float(next())?, cx.float(next())?);
+            let (xd, wd) = (tys[1].dims(), &filter_shape.0);
+            let win = window::resolve([xd[2], xd[3]], [wd[2], wd[3]], c.stride, c.dilation, c.pad_mode, c.pad).or_else(|e| cx.bad(e))?;
+            let (x, pad) = if win.is_symmetric() { (x, [win.pad[0], win.pad[2]]) } else { (pad_spatial(cx, x, xd, &win, 0.0).0, [0, 0]) };
+            let w = cx.full(wd, 0.0);
+            Value::Float(B::conv2d_weight_backward(x, w, dy, ConvOptions::new(c.stride, pad, c.dilation, c.groups)))
+        }
+        Op::MaxPool2d(p) => {
+            let win = pool_window(cx, tys[0], p)?;
+            let x = cx.float(next())?;
+            let (x, pad) = if win.is_symmetric() { (x, [win.pad[0], win.pad[2]]) } else { (pad_spatial(cx, x, tys[0].dims(), &win, f64::NEG_INFINITY).0, [0, 0]) };
+            Value::Float(B::max_pool2d(x, p.kernel, p.stride, pad, [1, 1], false))
+        }
+        Op::MaxPool2dGrad(p) => {
+            let win = pool_window(cx, tys[0], p)?;
+            let (x, dy) = (cx.float(next())?, cx.float(next())?);
+            let xd = tys[0].dims();
+            let sym = win.is_symmetric();
+            let (x, pad) = if sym { (x, [win.pad[0], win.pad[2]]) } else { (pad_spatial(cx, x, xd, &win, f64::NEG_INFINITY).0, [0, 0]) };
+            let idx = B::max_pool2d_with_indices(x.clone(), p.kernel, p.stride, pad, [1, 1], false).indices;
+            let dx = B::max_pool2d_with_indices_backward(x, p.kernel, p.stride, pad, [1, 1], false, dy, idx).x_grad;
+            if sym {
+                Value::Float(dx)
+            } else {
+                let b = [0, 0, win.pad[0], win.pad[2]];
+                let e = [xd[0], xd[1], win.pad[0] + xd[2], win.pad[2] + xd[3]];
+                Value::Float(B::float_slice(dx, &slices(&b, &e)))
+            }
+        }
+        Op::AvgPool2d(p) | Op::AvgPool2dGrad(p) => {
+            let win = pool_window(cx, tys[0], p)?;
+            if !win.is_symmetric() {
+                return cx.unsupported("average pooling with asymmetric 'same' padding; use pad_mode=pad with explicit padding");
+            }
+            let pad = [win.pad[0], win.pad[2]];
+            let include = p.pad_mode == PadMode::Pad;
+            let x = cx.float(next())?;
+            match op {
+                Op::AvgPool2d(_) => Value::Float(B::avg_pool2d(x, p.kernel, p.stride, pad, include, false)),
+                _ => Value::Float(B::avg_pool2d_backward(x, cx.float(next())?, p.kernel, p.stride, pad, include, false)),
+            }
+        }
+        Op::Assign => {
+            next();
+            next()
+        }
+        Op::AssignAdd => binary(cx, next(), next(), B::float_add)?,
+    })
+}
+
+fn float_dtype(d: DType, default: FloatDType) -> FloatDType {
+    match d {
+        DType::F16 => FloatDType::F16,
+        DType::BF16 => FloatDType::BF16,
+        _ => default,
+    }
+}
+
+fn cast<B: Backend>(cx: &Ctx<B>, v: Value<B>, to: DType) -> Result<Value<B>> {
+    let s = &cx.settings;
+    Ok(match (v, to.is_float(), to.is_int()) {
+        (Value::Float(t), true, _) => Value::Float(B::float_cast(t, float_dtype(to, s.float_dtype))),
+        (Value::Float(t), _, true) => Value::Int(B::float_into_int(t, s.int_dtype)),
+        (Value::Int(t), true, _) => Value::Float(B::int_into_float(t, float_dtype(to, s.float_dtype))),
+        (Value::Int(t), _, true) => Value::Int(t),
+        (Value::Bool(t), true, _) => Value::Float(B::bool_into_float(t, float_dtype(to, s.float_dtype))),
+        (Value::Bool(t), _, true) => Value::Int(B::bool_into_int(t, s.int_dtype)),
+        (Value::Float(t), _, _) => Value::Bool(B::float_not_equal_elem(t, Scalar::Float(0.0), s.bool_dtype)),
+        (Value::Int(t), _, _) => Value::Bool(B::int_not_equal_elem(t, Scalar::Int(0), s.bool_dtype)),
+        (v @ Value::Bool(_), _, _) => v,
+    })
+}

@@ -1,0 +1,96 @@
+//! Device values: a backend tensor primitive tagged with its kind, and host transfers.
+//!
+//! The executor works on burn's rank-erased primitives (`FloatTensor<B>` ...) through the
+//! `Backend` trait, so one executor serves every burn backend (CPU ndarray now, CUDA later).
+
+use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IntTensor};
+use burn_backend::{get_device_settings, Backend, ElementConversion, TensorData, TensorMetadata};
+use cellgraph_compiler::{HostData, HostTensor};
+
+/// A tensor on a backend device.
+#[derive(Debug)]
+pub enum Value<B: Backend> {
+    Float(FloatTensor<B>),
+    Int(IntTensor<B>),
+    Bool(BoolTensor<B>),
+}
+
+impl<B: Backend> Clone for Value<B> {
+    fn clone(&self) -> Self {
+        match self {
+            Value::Float(t) => Value::Float(t.clone()),
+            Value::Int(t) => Value::Int(t.clone()),
+            Value::Bool(t) => Value::Bool(t.clone()),
+        }
+    }
+}
+
+/// Blocks on a backend future (ready at once on CPU backends).
+pub fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
+    burn_backend::read_sync(f)
+}
+
+impl<B: Backend> Value<B> {
+    /// Copies a host tensor to the device.
+    pub fn from_host(t: &HostTensor, device: &Device<B>) -> Self {
+        let shape = t.shape.clone();
+        match &t.data {
+            HostData::F32(v) => Value::Float(B::float_from_data(
+                TensorData::new(v.clone(), shape).convert::<B::FloatElem>(),
+                device,
+            )),
+            HostData::F64(v) => Value::Float(B::float_from_data(
+                TensorData::new(v.clone(), shape).convert::<B::FloatElem>(),
+                device,
+            )),
+            HostData::I32(v) => {
+                Value::Int(B::int_from_data(TensorData::new(v.clone(), shape).convert::<B::IntElem>(), device))
+            }
+            HostData::I64(v) => {
+                Value::Int(B::int_from_data(TensorData::new(v.clone(), shape).convert::<B::IntElem>(), device))
+            }
+            HostData::Bool(v) => Value::Bool(B::bool_from_data(TensorData::new(v.clone(), shape), device)),
+        }
+    }
+
+    /// Copies the value back to the host. Floats come back as f64 when the backend computes in f64.
+    pub fn to_host(&self) -> HostTensor {
+        let (data, shape) = match self {
+            Value::Float(t) => {
+                let d = block_on(B::float_into_data(t.clone())).expect("device read");
+                let shape = d.shape.to_vec();
+                let data = if B::FloatElem::from_elem(0.1f64).elem::<f64>() == 0.1 {
+                    HostData::F64(d.convert::<f64>().to_vec::<f64>().expect("f64 data"))
+                } else {
+                    HostData::F32(d.convert::<f32>().to_vec::<f32>().expect("f32 data"))
+                };
+                (data, shape)
+            }
+            Value::Int(t) => {
+                let d = block_on(B::int_into_data(t.clone())).expect("device read");
+                let shape = d.shape.to_vec();
+                (HostData::I64(d.convert::<i64>().to_vec::<i64>().expect("int data")), shape)
+            }
+            Value::Bool(t) => {
+                let d = block_on(B::bool_into_data(t.clone())).expect("device read");
+                let shape = d.shape.to_vec();
+                (HostData::Bool(d.to_vec::<bool>().expect("bool data")), shape)
+            }
+        };
+        HostTensor { shape, data }
+    }
+
+    /// The value's extents.
+    pub fn dims(&self) -> Vec<usize> {
+        match self {
+            Value::Float(t) => t.shape().to_vec(),
+            Value::Int(t) => t.shape().to_vec(),
+            Value::Bool(t) => t.shape().to_vec(),
+        }
+    }
+}
+
+/// The device's default dtypes (float, int, bool) as burn settings.
+pub fn settings<B: Backend>(device: &Device<B>) -> burn_backend::DeviceSettings {
+    get_device_settings::<B>(device)
+}
