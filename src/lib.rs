@@ -1,1 +1,33 @@
+//! cellgraph: a graph-mode deep-learning compiler and runtime built around gradient
+//! accumulation, in the MindSpore style.
+//!
+//! ```
+//! use cellgraph::prelude::*;
+//!
+//! // Trace LeNet5 with its loss, differentiate it, and compile the training step.
+//! let net = WithLossCell::new(LeNet5::new(&Scope::root(), 10, 1), SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean));
+//! let inputs = [("data", TensorType::f32([32, 1, 32, 32])), ("label", TensorType::i32([32]))];
+//! let graph = train_one_step(&net, &inputs, &SGD::new(0.01)).unwrap();
+//! let exe = compile(graph).unwrap();
+//! assert!(exe.len() > 40);
+//! ```
+
+pub use cellgraph_cells as cells;
 pub use cellgraph_compiler as compiler;
+pub use cellgraph_runtime as runtime;
+
+/// Everything a training script needs.
+pub mod prelude {
+    pub use cellgraph_cells::{
+        grad_graph, materialize, trace, train_one_step, Cell, CrossEntropyLoss, Dense, Flatten, Initializer, LeNet5,
+        MSELoss, Network, Parameter, Pool2d, ReLU, Scope, SequentialCell, SoftmaxCrossEntropyWithLogits, Tracer,
+        WithLossCell, SGD,
+    };
+    pub use cellgraph_cells::{Conv2d, Optimizer};
+    pub use cellgraph_compiler::autodiff::Sens;
+    pub use cellgraph_compiler::{
+        parse, print, verify, DType, Graph, HostData, HostTensor, NodeId, Op, PadMode, Reduction, Shape, TensorType,
+    };
+    pub use cellgraph_runtime::data::{lenet_transform, Mnist};
+    pub use cellgraph_runtime::{compile, cpu, Cpu, CpuF64, Executable, Session};
+}

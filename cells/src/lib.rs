@@ -1,1 +1,26 @@
+//! cellgraph's user-facing Cell API, in MindSpore's names and semantics.
+//!
+//! - [`cell`]: the `Cell` trait and the tracer.
+//! - [`param`] and [`init`]: parameters, naming scopes, initializers.
+//! - [`layers`], [`loss`], [`zoo`]: building blocks and reference networks.
+//! - [`optim`] and [`train`]: optimizers and training-graph builders.
 
+pub mod cell;
+pub mod error;
+pub mod init;
+pub mod layers;
+pub mod loss;
+pub mod optim;
+pub mod param;
+pub mod train;
+pub mod zoo;
+
+pub use cell::{trace, Cell, Tracer};
+pub use error::{CellError, Result};
+pub use init::Initializer;
+pub use layers::{AvgPool2d, Conv2d, Dense, Flatten, MaxPool2d, Pool2d, ReLU, SequentialCell};
+pub use loss::{CrossEntropyLoss, MSELoss, SoftmaxCrossEntropyWithLogits, WithLossCell};
+pub use optim::{Optimizer, SGD};
+pub use param::{materialize, Parameter, Scope};
+pub use train::{grad_graph, train_one_step, GradGraph};
+pub use zoo::{LeNet5, Network};

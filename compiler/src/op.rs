@@ -489,3 +489,125 @@ impl AttrReader {
         })
     }
 }
+
+impl Op {
+    /// One instance of every op, for table-driven tests (print/parse, gradient coverage).
+    /// [`Op::variant_index`] is exhaustive, and a test checks this list covers every index.
+    pub fn examples() -> Vec<Op> {
+        let conv = Conv2dAttrs { stride: [2, 1], pad_mode: PadMode::Pad, pad: [1, 0, 2, 1], dilation: [1, 2], groups: 1 };
+        let pool = Pool2dAttrs { kernel: [2, 3], stride: [2, 2], pad_mode: PadMode::Same, pad: [0; 4] };
+        let r = ReduceAttrs { axes: vec![0, 2], keep_dims: true };
+        vec![
+            Op::Parameter { name: "fc1.weight".into() },
+            Op::Input { index: 1, name: "label".into() },
+            Op::Constant { value: -0.125 },
+            Op::Add,
+            Op::Sub,
+            Op::Mul,
+            Op::Div,
+            Op::Neg,
+            Op::Exp,
+            Op::Log,
+            Op::Relu,
+            Op::ReluGrad,
+            Op::Cast { dtype: DType::BF16 },
+            Op::ZerosLike,
+            Op::Broadcast { shape: Shape(vec![2, 3]) },
+            Op::Reshape { shape: Shape(vec![6]) },
+            Op::Transpose { perm: vec![1, 0] },
+            Op::Slice { begin: vec![0, 1], end: vec![2, 3] },
+            Op::Pad { lo: vec![1, 0], hi: vec![0, 2] },
+            Op::Concat { axis: 1 },
+            Op::Flatten,
+            Op::ReduceSum(r.clone()),
+            Op::ReduceMean(r.clone()),
+            Op::ReduceMax(r.clone()),
+            Op::ReduceMaxGrad(r),
+            Op::MatMul { transpose_a: false, transpose_b: true },
+            Op::SoftmaxCrossEntropy { sparse: true, reduction: Reduction::Mean },
+            Op::SoftmaxCrossEntropyGrad { sparse: false, reduction: Reduction::None },
+            Op::Conv2d(conv.clone()),
+            Op::Conv2dBackpropInput { conv: conv.clone(), input_shape: Shape(vec![1, 2, 5, 5]) },
+            Op::Conv2dBackpropFilter { conv, filter_shape: Shape(vec![3, 2, 3, 3]) },
+            Op::MaxPool2d(pool.clone()),
+            Op::MaxPool2dGrad(pool.clone()),
+            Op::AvgPool2d(pool.clone()),
+            Op::AvgPool2dGrad(pool),
+            Op::Assign,
+            Op::AssignAdd,
+        ]
+    }
+
+    /// A dense index per variant (exhaustive: a new op must take the next index).
+    pub fn variant_index(&self) -> usize {
+        match self {
+            Op::Parameter { .. } => 0,
+            Op::Input { .. } => 1,
+            Op::Constant { .. } => 2,
+            Op::Add => 3,
+            Op::Sub => 4,
+            Op::Mul => 5,
+            Op::Div => 6,
+            Op::Neg => 7,
+            Op::Exp => 8,
+            Op::Log => 9,
+            Op::Relu => 10,
+            Op::ReluGrad => 11,
+            Op::Cast { .. } => 12,
+            Op::ZerosLike => 13,
+            Op::Broadcast { .. } => 14,
+            Op::Reshape { .. } => 15,
+            Op::Transpose { .. } => 16,
+            Op::Slice { .. } => 17,
+            Op::Pad { .. } => 18,
+            Op::Concat { .. } => 19,
+            Op::Flatten => 20,
+            Op::ReduceSum(_) => 21,
+            Op::ReduceMean(_) => 22,
+            Op::ReduceMax(_) => 23,
+            Op::ReduceMaxGrad(_) => 24,
+            Op::MatMul { .. } => 25,
+            Op::SoftmaxCrossEntropy { .. } => 26,
+            Op::SoftmaxCrossEntropyGrad { .. } => 27,
+            Op::Conv2d(_) => 28,
+            Op::Conv2dBackpropInput { .. } => 29,
+            Op::Conv2dBackpropFilter { .. } => 30,
+            Op::MaxPool2d(_) => 31,
+            Op::MaxPool2dGrad(_) => 32,
+            Op::AvgPool2d(_) => 33,
+            Op::AvgPool2dGrad(_) => 34,
+            Op::Assign => 35,
+            Op::AssignAdd => 36,
+        }
+    }
+
+    /// Number of op variants.
+    pub const COUNT: usize = 37;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn examples_cover_every_variant_once() {
+        let idx: Vec<usize> = Op::examples().iter().map(|o| o.variant_index()).collect();
+        assert_eq!(idx, (0..Op::COUNT).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn attrs_round_trip_through_the_table() {
+        for op in Op::examples() {
+            let attrs = op.attrs().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+            assert_eq!(Op::from_parts(op.name(), attrs).unwrap(), op);
+        }
+    }
+
+    #[test]
+    fn unknown_and_extra_attributes_are_rejected() {
+        assert!(Op::from_parts("frobnicate", BTreeMap::new()).unwrap_err().contains("unknown op"));
+        let extra = BTreeMap::from([("axis".to_string(), Attr::Int(1))]);
+        assert!(Op::from_parts("add", extra).unwrap_err().contains("has no attribute `axis`"));
+        assert!(Op::from_parts("concat", BTreeMap::new()).unwrap_err().contains("missing attribute `axis`"));
+    }
+}

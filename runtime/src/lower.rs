@@ -234,11 +234,14 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
         Op::SoftmaxCrossEntropyGrad { sparse, reduction } => {
             let (n, c) = (tys[0].dims()[0], tys[0].dims()[1]);
             let p = B::float_exp(log_softmax::<B>(cx.float(next())?, n, c));
-            let target = if *sparse {
+            // d/dlogits of -sum(y * log_softmax) is p * sum(y) - y (p - y for one-hot labels).
+            let (p, target) = if *sparse {
                 let y = checked_labels(cx, cx.int(next())?, n, c)?;
-                one_hot(cx, y, n, c)
+                (p, one_hot(cx, y, n, c))
             } else {
-                cx.float(next())?
+                let y = cx.float(next())?;
+                let total = B::float_expand(B::float_sum_dim(y.clone(), 1), bshape(&[n, c]));
+                (B::float_mul(p, total), y)
             };
             let dl = cx.float(next())?;
             let scale = match reduction {

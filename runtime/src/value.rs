@@ -33,7 +33,7 @@ pub fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
 impl<B: Backend> Value<B> {
     /// Copies a host tensor to the device.
     pub fn from_host(t: &HostTensor, device: &Device<B>) -> Self {
-        let shape = t.shape.clone();
+        let shape = crate::lower::bshape(&t.shape);
         match &t.data {
             HostData::F32(v) => Value::Float(B::float_from_data(
                 TensorData::new(v.clone(), shape).convert::<B::FloatElem>(),

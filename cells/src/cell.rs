@@ -1,0 +1,142 @@
+//! The `Cell` trait and the tracer that records a cell's `construct` as a graph.
+//!
+//! Calling a child through [`Tracer::call`] pushes the child's scope, so every node carries the
+//! Cell path it came from (`net.conv1`), and type errors name it.
+
+use std::collections::HashMap;
+
+use cellgraph_compiler::{Graph, NodeId, Op, TensorType};
+
+use crate::error::{CellError, Result};
+use crate::param::Parameter;
+
+/// A network building block (MindSpore's `nn.Cell`). `construct` traces the cell's
+/// computation into the graph; it runs once per compilation, never per step.
+pub trait Cell {
+    /// Adds this cell's computation on `xs` to the trace and returns its result.
+    fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId>;
+    /// Every parameter of this cell and its children, with full names.
+    fn parameters(&self) -> Vec<Parameter> {
+        Vec::new()
+    }
+    /// The cell's path (`conv1`, `dense_relu_sequential.0`); `None` for cells that inherit
+    /// their caller's scope (stateless layers, losses, wrappers).
+    fn path(&self) -> Option<&str> {
+        None
+    }
+    /// A short type name for error messages.
+    fn kind(&self) -> &'static str;
+    /// Switches training behaviour (MindSpore's `set_train`); no built-in layer differs yet.
+    fn set_train(&mut self, _train: bool) {}
+    /// Parameters the optimizer updates (MindSpore's `trainable_params()`).
+    fn trainable_params(&self) -> Vec<Parameter> {
+        self.parameters().into_iter().filter(|p| p.requires_grad).collect()
+    }
+}
+
+/// Checks a cell got `n` inputs.
+pub fn expect_inputs(cell: &dyn Cell, xs: &[NodeId], n: usize) -> Result<()> {
+    if xs.len() == n {
+        Ok(())
+    } else {
+        Err(CellError::Inputs { cell: cell.path().unwrap_or(cell.kind()).to_string(), expected: n, got: xs.len() })
+    }
+}
+
+/// Records cells into a graph.
+pub struct Tracer {
+    graph: Graph,
+    scopes: Vec<String>,
+    params: HashMap<String, NodeId>,
+}
+
+/// The scope of the top-level network in traces.
+pub const ROOT_SCOPE: &str = "net";
+
+impl Tracer {
+    /// An empty trace producing a graph called `name`.
+    pub fn new(name: &str) -> Self {
+        Tracer { graph: Graph::new(name), scopes: vec![ROOT_SCOPE.to_string()], params: HashMap::new() }
+    }
+
+    /// The scope new nodes are tagged with.
+    pub fn scope(&self) -> &str {
+        self.scopes.last().expect("root scope")
+    }
+
+    /// Adds the next graph input.
+    pub fn input(&mut self, name: &str, ty: TensorType) -> Result<NodeId> {
+        let index = self.graph.inputs().len();
+        let scope = self.scope().to_string();
+        Ok(self.graph.add_leaf(Op::Input { index, name: name.into() }, ty, &scope)?)
+    }
+
+    /// The node reading parameter `p` (one node per name).
+    pub fn param(&mut self, p: &Parameter) -> Result<NodeId> {
+        if let Some(&id) = self.params.get(&p.name) {
+            return Ok(id);
+        }
+        let scope = self.scope().to_string();
+        let id = self.graph.add_leaf(Op::Parameter { name: p.name.clone() }, p.ty.clone(), &scope)?;
+        self.params.insert(p.name.clone(), id);
+        Ok(id)
+    }
+
+    /// Adds an op in the current scope.
+    pub fn op(&mut self, op: Op, xs: &[NodeId]) -> Result<NodeId> {
+        let scope = self.scope().to_string();
+        Ok(self.graph.add(op, xs, &scope)?)
+    }
+
+    /// A constant of type `ty` in the current scope.
+    pub fn constant(&mut self, value: f64, ty: TensorType) -> Result<NodeId> {
+        let scope = self.scope().to_string();
+        Ok(self.graph.add_leaf(Op::Constant { value }, ty, &scope)?)
+    }
+
+    /// Traces `cell` on `xs` inside its own scope.
+    pub fn call(&mut self, cell: &dyn Cell, xs: &[NodeId]) -> Result<NodeId> {
+        match cell.path() {
+            Some(p) => {
+                self.scopes.push(if p.is_empty() { ROOT_SCOPE.to_string() } else { format!("{ROOT_SCOPE}.{p}") });
+                let r = cell.construct(self, xs);
+                self.scopes.pop();
+                r
+            }
+            None => cell.construct(self, xs),
+        }
+    }
+
+    /// Traces `cell` under an explicit scope name (for wrappers such as `WithLossCell`).
+    pub fn call_in(&mut self, scope: &str, cell: &dyn Cell, xs: &[NodeId]) -> Result<NodeId> {
+        self.scopes.push(format!("{ROOT_SCOPE}.{scope}"));
+        let r = cell.construct(self, xs);
+        self.scopes.pop();
+        r
+    }
+
+    /// The type of a traced node.
+    pub fn ty(&self, id: NodeId) -> &TensorType {
+        self.graph.ty(id)
+    }
+
+    /// Mutable access to the graph being built.
+    pub fn graph_mut(&mut self) -> &mut Graph {
+        &mut self.graph
+    }
+
+    /// Ends the trace with the given outputs.
+    pub fn finish(mut self, outputs: Vec<NodeId>) -> Graph {
+        self.graph.set_outputs(outputs);
+        self.graph
+    }
+}
+
+/// Traces `cell` on fresh inputs of the given names and types; returns the graph (with the
+/// cell's result as its one output) and the result node.
+pub fn trace(cell: &dyn Cell, name: &str, inputs: &[(&str, TensorType)]) -> Result<(Graph, NodeId)> {
+    let mut t = Tracer::new(name);
+    let xs = inputs.iter().map(|(n, ty)| t.input(n, ty.clone())).collect::<Result<Vec<_>>>()?;
+    let y = t.call(cell, &xs)?;
+    Ok((t.finish(vec![y]), y))
+}

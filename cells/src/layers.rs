@@ -1,0 +1,297 @@
+//! Layers with MindSpore's names, shapes and default initializers.
+
+use cellgraph_compiler::{Conv2dAttrs, NodeId, Op, PadMode, Pool2dAttrs, TensorType};
+
+use crate::cell::{expect_inputs, Cell, Tracer};
+use crate::error::{CellError, Result};
+use crate::init::Initializer;
+use crate::param::{Parameter, Scope};
+
+/// `y = x @ weight^T + bias`, weight `[out, in]` (MindSpore's `nn.Dense`).
+/// Defaults: weight HeUniform(sqrt 5), bias Uniform(1/sqrt(in)), `has_bias = true`.
+#[derive(Clone, Debug)]
+pub struct Dense {
+    path: String,
+    weight: Parameter,
+    bias: Option<Parameter>,
+}
+
+impl Dense {
+    /// A dense layer from `in_channels` to `out_channels` features.
+    pub fn new(s: &Scope, in_channels: usize, out_channels: usize) -> Self {
+        let bound = 1.0 / (in_channels as f64).sqrt();
+        Dense {
+            path: s.path().to_string(),
+            weight: s.param(
+                "weight",
+                TensorType::f32([out_channels, in_channels]),
+                Initializer::HeUniform { negative_slope: 5f64.sqrt() },
+            ),
+            bias: Some(s.param("bias", TensorType::f32([out_channels]), Initializer::Uniform { scale: bound })),
+        }
+    }
+    /// Sets the weight initializer.
+    pub fn weight_init(mut self, init: Initializer) -> Self {
+        self.weight.init = init;
+        self
+    }
+    /// Sets the bias initializer.
+    pub fn bias_init(mut self, init: Initializer) -> Self {
+        if let Some(b) = &mut self.bias {
+            b.init = init;
+        }
+        self
+    }
+    /// Removes the bias.
+    pub fn without_bias(mut self) -> Self {
+        self.bias = None;
+        self
+    }
+}
+
+impl Cell for Dense {
+    fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
+        expect_inputs(self, xs, 1)?;
+        let w = t.param(&self.weight)?;
+        let y = t.op(Op::MatMul { transpose_a: false, transpose_b: true }, &[xs[0], w])?;
+        match &self.bias {
+            Some(b) => {
+                let b = t.param(b)?;
+                t.op(Op::Add, &[y, b])
+            }
+            None => Ok(y),
+        }
+    }
+    fn parameters(&self) -> Vec<Parameter> {
+        std::iter::once(self.weight.clone()).chain(self.bias.clone()).collect()
+    }
+    fn path(&self) -> Option<&str> {
+        Some(&self.path)
+    }
+    fn kind(&self) -> &'static str {
+        "Dense"
+    }
+}
+
+/// 2-D convolution over NCHW input (MindSpore's `nn.Conv2d`): weight
+/// `[out, in/groups, k, k]`, `pad_mode` default `same`, no bias by default, weight
+/// HeUniform(sqrt 5).
+#[derive(Clone, Debug)]
+pub struct Conv2d {
+    path: String,
+    attrs: Conv2dAttrs,
+    weight: Parameter,
+    bias: Option<Parameter>,
+}
+
+impl Conv2d {
+    /// A convolution from `in_channels` to `out_channels` with a square `kernel`.
+    pub fn new(s: &Scope, in_channels: usize, out_channels: usize, kernel: usize) -> Self {
+        Conv2d {
+            path: s.path().to_string(),
+            attrs: Conv2dAttrs { stride: [1, 1], pad_mode: PadMode::Same, pad: [0; 4], dilation: [1, 1], groups: 1 },
+            weight: s.param(
+                "weight",
+                TensorType::f32([out_channels, in_channels, kernel, kernel]),
+                Initializer::HeUniform { negative_slope: 5f64.sqrt() },
+            ),
+            bias: None,
+        }
+    }
+    /// Sets `pad_mode` (`valid`, `same`, `pad`).
+    pub fn pad_mode(mut self, m: PadMode) -> Self {
+        self.attrs.pad_mode = m;
+        self
+    }
+    /// Explicit padding `[top, bottom, left, right]`; implies `pad_mode = pad`.
+    pub fn padding(mut self, pad: [usize; 4]) -> Self {
+        self.attrs.pad_mode = PadMode::Pad;
+        self.attrs.pad = pad;
+        self
+    }
+    /// Sets the stride on both axes.
+    pub fn stride(mut self, s: usize) -> Self {
+        self.attrs.stride = [s, s];
+        self
+    }
+    /// Sets the dilation on both axes.
+    pub fn dilation(mut self, d: usize) -> Self {
+        self.attrs.dilation = [d, d];
+        self
+    }
+    /// Sets the group count; the weight becomes `[out, in/groups, k, k]`.
+    pub fn groups(mut self, g: usize) -> Result<Self> {
+        let d = self.weight.ty.dims().to_vec();
+        let in_channels = d[1] * self.attrs.groups;
+        if g == 0 || in_channels % g != 0 || d[0] % g != 0 {
+            return Err(CellError::Config {
+                cell: self.path.clone(),
+                detail: format!("groups {g} must divide in_channels {in_channels} and out_channels {}", d[0]),
+            });
+        }
+        self.attrs.groups = g;
+        self.weight.ty = TensorType::f32([d[0], in_channels / g, d[2], d[3]]);
+        Ok(self)
+    }
+    /// Adds a bias `[out]` initialised to zeros.
+    pub fn with_bias(mut self) -> Self {
+        let out = self.weight.ty.dims()[0];
+        let s = Scope::root().child(&self.path);
+        self.bias = Some(s.param("bias", TensorType::f32([out]), Initializer::Zeros));
+        self
+    }
+    /// Sets the weight initializer.
+    pub fn weight_init(mut self, init: Initializer) -> Self {
+        self.weight.init = init;
+        self
+    }
+}
+
+impl Cell for Conv2d {
+    fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
+        expect_inputs(self, xs, 1)?;
+        let w = t.param(&self.weight)?;
+        let y = t.op(Op::Conv2d(self.attrs.clone()), &[xs[0], w])?;
+        match &self.bias {
+            Some(b) => {
+                let out = self.weight.ty.dims()[0];
+                let b = t.param(b)?;
+                let b = t.op(Op::Reshape { shape: [out, 1, 1].into() }, &[b])?;
+                t.op(Op::Add, &[y, b])
+            }
+            None => Ok(y),
+        }
+    }
+    fn parameters(&self) -> Vec<Parameter> {
+        std::iter::once(self.weight.clone()).chain(self.bias.clone()).collect()
+    }
+    fn path(&self) -> Option<&str> {
+        Some(&self.path)
+    }
+    fn kind(&self) -> &'static str {
+        "Conv2d"
+    }
+}
+
+macro_rules! stateless {
+    ($(#[$doc:meta])* $name:ident, $kind:literal, |$t:ident, $x:ident| $body:expr) => {
+        $(#[$doc])*
+        #[derive(Clone, Debug, Default)]
+        pub struct $name;
+        impl $name {
+            /// The layer.
+            pub fn new() -> Self {
+                $name
+            }
+        }
+        impl Cell for $name {
+            fn construct(&self, $t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
+                expect_inputs(self, xs, 1)?;
+                let $x = xs[0];
+                $body
+            }
+            fn kind(&self) -> &'static str {
+                $kind
+            }
+        }
+    };
+}
+
+stateless!(
+    /// `max(x, 0)` (MindSpore's `nn.ReLU`).
+    ReLU, "ReLU", |t, x| t.op(Op::Relu, &[x])
+);
+stateless!(
+    /// `[N, ...] -> [N, prod(...)]` (MindSpore's `nn.Flatten`).
+    Flatten, "Flatten", |t, x| t.op(Op::Flatten, &[x])
+);
+
+/// A pooling layer's window (MindSpore's `nn.MaxPool2d` / `nn.AvgPool2d`, `pad_mode` valid by default).
+#[derive(Clone, Debug)]
+pub struct Pool2d {
+    attrs: Pool2dAttrs,
+    max: bool,
+}
+
+/// Max pooling.
+pub type MaxPool2d = Pool2d;
+/// Average pooling.
+pub type AvgPool2d = Pool2d;
+
+impl Pool2d {
+    /// Max pooling with a square `kernel` and `stride`.
+    pub fn max(kernel: usize, stride: usize) -> Self {
+        Pool2d { attrs: Pool2dAttrs { kernel: [kernel; 2], stride: [stride; 2], pad_mode: PadMode::Valid, pad: [0; 4] }, max: true }
+    }
+    /// Average pooling with a square `kernel` and `stride`.
+    pub fn avg(kernel: usize, stride: usize) -> Self {
+        Pool2d { max: false, ..Pool2d::max(kernel, stride) }
+    }
+    /// Sets `pad_mode`.
+    pub fn pad_mode(mut self, m: PadMode) -> Self {
+        self.attrs.pad_mode = m;
+        self
+    }
+}
+
+impl Cell for Pool2d {
+    fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
+        expect_inputs(self, xs, 1)?;
+        let op = if self.max { Op::MaxPool2d(self.attrs.clone()) } else { Op::AvgPool2d(self.attrs.clone()) };
+        t.op(op, &[xs[0]])
+    }
+    fn kind(&self) -> &'static str {
+        if self.max {
+            "MaxPool2d"
+        } else {
+            "AvgPool2d"
+        }
+    }
+}
+
+/// Children applied in order, named `0.`, `1.`, ... (MindSpore's `nn.SequentialCell`).
+pub struct SequentialCell {
+    scope: Scope,
+    cells: Vec<Box<dyn Cell>>,
+}
+
+impl SequentialCell {
+    /// An empty sequence whose children are named under `s`.
+    pub fn new(s: &Scope) -> Self {
+        SequentialCell { scope: s.clone(), cells: Vec::new() }
+    }
+    /// Appends the child built by `f` under the next index.
+    pub fn add<C: Cell + 'static>(mut self, f: impl FnOnce(&Scope) -> C) -> Self {
+        let child = self.scope.child(&self.cells.len().to_string());
+        self.cells.push(Box::new(f(&child)));
+        self
+    }
+    /// Number of children.
+    pub fn len(&self) -> usize {
+        self.cells.len()
+    }
+    /// True without children.
+    pub fn is_empty(&self) -> bool {
+        self.cells.is_empty()
+    }
+}
+
+impl Cell for SequentialCell {
+    fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
+        expect_inputs(self, xs, 1)?;
+        let mut x = xs[0];
+        for c in &self.cells {
+            x = t.call(c.as_ref(), &[x])?;
+        }
+        Ok(x)
+    }
+    fn parameters(&self) -> Vec<Parameter> {
+        self.cells.iter().flat_map(|c| c.parameters()).collect()
+    }
+    fn path(&self) -> Option<&str> {
+        Some(self.scope.path())
+    }
+    fn kind(&self) -> &'static str {
+        "SequentialCell"
+    }
+}

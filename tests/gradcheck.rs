@@ -1,0 +1,292 @@
+//! Numeric gradient checks: every differentiable op, and whole networks, against f64 central
+//! differences, executed on the f64 CPU backend.
+
+use cellgraph::compiler::autodiff::{grad, Sens};
+use cellgraph::compiler::emit::Emit;
+use cellgraph::compiler::{Conv2dAttrs, Pool2dAttrs, ReduceAttrs};
+use cellgraph::prelude::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// One check: differentiable float parameters `x0..`, fixed inputs, and a body.
+struct Case {
+    name: &'static str,
+    params: Vec<Vec<usize>>,
+    /// Values for each param: `None` draws N(0,1); `Some(f)` maps a uniform draw.
+    positive: bool,
+    inputs: Vec<HostTensor>,
+    body: fn(&mut Emit, &[NodeId], &[NodeId]) -> NodeId,
+}
+
+fn randn(rng: &mut StdRng, n: usize, positive: bool) -> Vec<f64> {
+    (0..n).map(|_| if positive { rng.random_range(0.5..2.0) } else { rng.random_range(-1.0..1.0) }).collect()
+}
+
+/// Builds `loss = sum(body(params, inputs) * w)` for a random weight `w`, so every output
+/// element gets a different cotangent.
+fn build(case: &Case) -> (Graph, Vec<NodeId>, NodeId) {
+    let mut g = Graph::new(case.name);
+    let ps: Vec<NodeId> = case
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, s)| g.add_leaf(Op::Parameter { name: format!("x{i}") }, TensorType::f32(s.clone()), "t").unwrap())
+        .collect();
+    let xs: Vec<NodeId> = case
+        .inputs
+        .iter()
+        .enumerate()
+        .map(|(i, h)| g.add_leaf(Op::Input { index: i, name: format!("in{i}") }, h.ty(), "t").unwrap())
+        .collect();
+    let mut e = Emit::new(&mut g, "t");
+    let y = (case.body)(&mut e, &ps, &xs);
+    let yt = e.ty(y);
+    let w = e.g.add_leaf(Op::Parameter { name: "w".into() }, yt.clone(), "t").unwrap();
+    let yw = e.mul(y, w).unwrap();
+    let loss = e.reduce_sum(yw, (0..yt.rank()).collect(), false).unwrap();
+    (g, ps, loss)
+}
+
+fn run_loss(exe: &Executable, params: &[(String, HostTensor)], inputs: &[HostTensor]) -> Vec<HostTensor> {
+    let mut s = Session::<CpuF64>::new(cpu());
+    for (n, v) in params {
+        s.set_param(n, v);
+    }
+    s.run(exe, inputs).unwrap()
+}
+
+fn check(case: &Case) {
+    let mut rng = StdRng::seed_from_u64(7);
+    let (mut g, ps, loss) = build(case);
+    let fwd = {
+        let mut f = g.clone();
+        f.set_outputs(vec![loss]);
+        compile(f).unwrap()
+    };
+    let grads = grad(&mut g, loss, &ps, Sens::One).unwrap();
+    g.set_outputs(grads.grads.clone());
+    let bwd = compile(g).unwrap();
+    let mut params: Vec<(String, HostTensor)> = case
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let n = s.iter().product();
+            (format!("x{i}"), HostTensor::new(s.clone(), HostData::F64(randn(&mut rng, n, case.positive))).unwrap())
+        })
+        .collect();
+    let wty = fwd.graph().ty(fwd.graph().find_parameter("w").unwrap()).clone();
+    params.push(("w".into(), HostTensor::new(wty.dims().to_vec(), HostData::F64(randn(&mut rng, wty.numel(), false))).unwrap()));
+    let inputs: Vec<HostTensor> = case.inputs.iter().map(|h| h.to_f64_tensor()).collect();
+    let analytic = run_loss(&bwd, &params, &inputs);
+    let eps = 1e-6;
+    for (pi, a) in analytic.iter().enumerate() {
+        let a = a.to_f64();
+        let n = a.len();
+        let picks: Vec<usize> = if n <= 40 { (0..n).collect() } else { (0..40).map(|_| rng.random_range(0..n)).collect() };
+        for k in picks {
+            let at = |delta: f64| {
+                let mut p = params.clone();
+                if let HostData::F64(v) = &mut p[pi].1.data {
+                    v[k] += delta;
+                }
+                run_loss(&fwd, &p, &inputs)[0].scalar()
+            };
+            let numeric = (at(eps) - at(-eps)) / (2.0 * eps);
+            let tol = 1e-6 + 1e-5 * numeric.abs().max(a[k].abs());
+            assert!(
+                (numeric - a[k]).abs() <= tol,
+                "{}: d/dx{pi}[{k}] analytic {} vs numeric {numeric}",
+                case.name,
+                a[k]
+            );
+        }
+    }
+}
+
+fn conv(stride: usize, pad_mode: PadMode, pad: [usize; 4], dilation: usize, groups: usize) -> Conv2dAttrs {
+    Conv2dAttrs { stride: [stride; 2], pad_mode, pad, dilation: [dilation; 2], groups }
+}
+
+fn pool(kernel: usize, stride: usize, pad_mode: PadMode) -> Pool2dAttrs {
+    Pool2dAttrs { kernel: [kernel; 2], stride: [stride; 2], pad_mode, pad: [0; 4] }
+}
+
+fn r(axes: &[usize], keep: bool) -> ReduceAttrs {
+    ReduceAttrs { axes: axes.to_vec(), keep_dims: keep }
+}
+
+fn labels() -> HostTensor {
+    HostTensor::i32(vec![4], vec![2, 0, 4, 1]).unwrap()
+}
+
+macro_rules! case {
+    ($name:literal, [$($s:expr),*], |$e:ident, $p:ident, $x:ident| $body:expr) => {
+        Case { name: $name, params: vec![$($s.to_vec()),*], positive: false, inputs: vec![], body: |$e, $p, $x| { let _ = $x; $body } }
+    };
+}
+
+fn cases() -> Vec<Case> {
+    let mut v = vec![
+        case!("add_broadcast", [[3, 4], [4]], |e, p, x| e.add(p[0], p[1]).unwrap()),
+        case!("sub_broadcast", [[3, 1], [1, 4]], |e, p, x| e.sub(p[0], p[1]).unwrap()),
+        case!("mul_broadcast", [[2, 3, 4], [3, 1]], |e, p, x| e.mul(p[0], p[1]).unwrap()),
+        case!("neg", [[5]], |e, p, x| e.neg(p[0]).unwrap()),
+        case!("exp", [[2, 3]], |e, p, x| e.op(Op::Exp, &[p[0]]).unwrap()),
+        case!("relu", [[3, 5]], |e, p, x| e.op(Op::Relu, &[p[0]]).unwrap()),
+        case!("relu_grad_wrt_dy", [[3, 5], [3, 5]], |e, p, x| {
+            let y = e.op(Op::Relu, &[p[1]]).unwrap();
+            e.op(Op::ReluGrad, &[p[0], y]).unwrap()
+        }),
+        case!("cast_f32", [[4]], |e, p, x| e.op(Op::Cast { dtype: DType::F32 }, &[p[0]]).unwrap()),
+        case!("zeros_like_plus_x", [[4]], |e, p, x| {
+            let z = e.op(Op::ZerosLike, &[p[0]]).unwrap();
+            e.add(z, p[0]).unwrap()
+        }),
+        case!("broadcast", [[3, 1]], |e, p, x| e.broadcast(p[0], [2, 3, 4]).unwrap()),
+        case!("reshape", [[2, 6]], |e, p, x| e.reshape(p[0], [3, 4]).unwrap()),
+        case!("flatten", [[2, 3, 2]], |e, p, x| e.op(Op::Flatten, &[p[0]]).unwrap()),
+        case!("transpose", [[2, 3, 4]], |e, p, x| e.op(Op::Transpose { perm: vec![2, 0, 1] }, &[p[0]]).unwrap()),
+        case!("slice", [[4, 5]], |e, p, x| e.op(Op::Slice { begin: vec![1, 0], end: vec![3, 4] }, &[p[0]]).unwrap()),
+        case!("pad", [[2, 3]], |e, p, x| e.op(Op::Pad { lo: vec![1, 0], hi: vec![0, 2] }, &[p[0]]).unwrap()),
+        case!("concat", [[2, 3], [2, 2]], |e, p, x| e.op(Op::Concat { axis: 1 }, &[p[0], p[1]]).unwrap()),
+        case!("reduce_sum_keep", [[3, 4, 2]], |e, p, x| e.op(Op::ReduceSum(r(&[0, 2], true)), &[p[0]]).unwrap()),
+        case!("reduce_sum_all", [[3, 4]], |e, p, x| e.op(Op::ReduceSum(r(&[0, 1], false)), &[p[0]]).unwrap()),
+        case!("reduce_mean", [[3, 4]], |e, p, x| e.op(Op::ReduceMean(r(&[1], false)), &[p[0]]).unwrap()),
+        case!("reduce_max", [[3, 5]], |e, p, x| e.op(Op::ReduceMax(r(&[1], false)), &[p[0]]).unwrap()),
+        case!("matmul", [[3, 4], [4, 2]], |e, p, x| e.matmul(p[0], p[1], false, false).unwrap()),
+        case!("matmul_tb", [[3, 4], [2, 4]], |e, p, x| e.matmul(p[0], p[1], false, true).unwrap()),
+        case!("matmul_ta", [[4, 3], [4, 2]], |e, p, x| e.matmul(p[0], p[1], true, false).unwrap()),
+        case!("matmul_ta_tb", [[4, 3], [2, 4]], |e, p, x| e.matmul(p[0], p[1], true, true).unwrap()),
+        case!("conv2d_valid", [[2, 3, 6, 6], [4, 3, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_same_stride2_asym", [[1, 2, 6, 6], [3, 2, 2, 2]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Same, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_same_odd", [[1, 2, 5, 5], [2, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Same, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_pad_dilation", [[1, 2, 7, 7], [2, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Pad, [1, 1, 2, 2], 2, 1)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_stride3", [[1, 1, 8, 8], [2, 1, 2, 2]], |e, p, x| e.op(Op::Conv2d(conv(3, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_groups", [[1, 4, 5, 5], [6, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 2)), &[p[0], p[1]]).unwrap()),
+        case!("max_pool2d", [[2, 2, 4, 4]], |e, p, x| e.op(Op::MaxPool2d(pool(2, 2, PadMode::Valid)), &[p[0]]).unwrap()),
+        case!("max_pool2d_same", [[1, 2, 5, 5]], |e, p, x| e.op(Op::MaxPool2d(pool(2, 2, PadMode::Same)), &[p[0]]).unwrap()),
+        case!("max_pool2d_overlap", [[1, 1, 5, 5]], |e, p, x| e.op(Op::MaxPool2d(pool(3, 1, PadMode::Valid)), &[p[0]]).unwrap()),
+        case!("avg_pool2d", [[2, 2, 4, 4]], |e, p, x| e.op(Op::AvgPool2d(pool(2, 2, PadMode::Valid)), &[p[0]]).unwrap()),
+        case!("avg_pool2d_stride1", [[1, 2, 4, 4]], |e, p, x| e.op(Op::AvgPool2d(pool(3, 1, PadMode::Valid)), &[p[0]]).unwrap()),
+    ];
+    let positive = [
+        case!("div", [[3, 4], [4]], |e, p, x| e.div(p[0], p[1]).unwrap()),
+        case!("log", [[2, 3]], |e, p, x| e.op(Op::Log, &[p[0]]).unwrap()),
+    ];
+    v.extend(positive.into_iter().map(|c| Case { positive: true, ..c }));
+    let probs: Vec<f32> = (0..20).map(|i| ((i * 7) % 5) as f32 * 0.1 + 0.05).collect();
+    v.push(Case {
+        name: "softmax_ce_dense_mean",
+        params: vec![vec![4, 5]],
+        positive: false,
+        inputs: vec![HostTensor::f32(vec![4, 5], probs).unwrap()],
+        body: |e, p, x| e.op(Op::SoftmaxCrossEntropy { sparse: false, reduction: Reduction::Mean }, &[p[0], x[0]]).unwrap(),
+    });
+    for (name, reduction) in [("softmax_ce_sparse_mean", Reduction::Mean), ("softmax_ce_sparse_sum", Reduction::Sum), ("softmax_ce_sparse_none", Reduction::None)] {
+        v.push(Case {
+            name,
+            params: vec![vec![4, 5]],
+            positive: false,
+            inputs: vec![labels()],
+            body: match reduction {
+                Reduction::Mean => |e, p, x| e.op(Op::SoftmaxCrossEntropy { sparse: true, reduction: Reduction::Mean }, &[p[0], x[0]]).unwrap(),
+                Reduction::Sum => |e, p, x| e.op(Op::SoftmaxCrossEntropy { sparse: true, reduction: Reduction::Sum }, &[p[0], x[0]]).unwrap(),
+                Reduction::None => |e, p, x| e.op(Op::SoftmaxCrossEntropy { sparse: true, reduction: Reduction::None }, &[p[0], x[0]]).unwrap(),
+            },
+        });
+    }
+    v
+}
+
+/// Every op must be decided here: checked numerically by a case above (by its name), or not
+/// differentiable (a leaf, a backward op, or an effect). The match has no `_` arm, so adding
+/// an op to the IR fails to compile until this table decides it.
+fn must_be_checked(op: &Op) -> bool {
+    match op {
+        Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => false,
+        Op::ReduceMaxGrad(_) | Op::SoftmaxCrossEntropyGrad { .. } | Op::Conv2dBackpropInput { .. } => false,
+        Op::Conv2dBackpropFilter { .. } | Op::MaxPool2dGrad(_) | Op::AvgPool2dGrad(_) => false,
+        Op::Assign | Op::AssignAdd => false,
+        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::ReluGrad => true,
+        Op::Cast { .. } | Op::ZerosLike | Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } => true,
+        Op::Slice { .. } | Op::Pad { .. } | Op::Concat { .. } | Op::Flatten => true,
+        Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_) | Op::MatMul { .. } => true,
+        Op::SoftmaxCrossEntropy { .. } | Op::Conv2d(_) | Op::MaxPool2d(_) | Op::AvgPool2d(_) => true,
+    }
+}
+
+#[test]
+fn every_differentiable_op_matches_finite_differences() {
+    let cases = cases();
+    let mut covered = std::collections::BTreeSet::new();
+    for c in &cases {
+        check(c);
+        let (g, _, _) = build(c);
+        for id in g.ids() {
+            covered.insert(g.node(id).op.name());
+        }
+    }
+    let all_ops = cellgraph::compiler::op::Op::examples();
+    let missing: Vec<_> = all_ops.iter().filter(|op| must_be_checked(op) && !covered.contains(op.name())).map(|op| op.name()).collect();
+    assert!(missing.is_empty(), "differentiable ops without a numeric check: {missing:?}");
+}
+
+#[test]
+fn backward_ops_have_no_second_order_rule() {
+    let mut g = Graph::new("g");
+    let x = g.add_leaf(Op::Parameter { name: "x".into() }, TensorType::f32([1, 1, 4, 4]), "net.pool").unwrap();
+    let y = g.add(Op::MaxPool2d(pool(2, 2, PadMode::Valid)), &[x], "net.pool").unwrap();
+    let dx = g.add(Op::MaxPool2dGrad(pool(2, 2, PadMode::Valid)), &[x, y], "net.pool").unwrap();
+    let l = g.add(Op::ReduceSum(ReduceAttrs { axes: vec![0, 1, 2, 3], keep_dims: false }), &[dx], "net").unwrap();
+    let err = grad(&mut g, l, &[x], Sens::One).unwrap_err().to_string();
+    assert!(err.contains("no gradient rule for op `max_pool2d_grad`") && err.contains("net.pool"), "{err}");
+}
+
+fn lenet_or_mlp_check(net: &dyn Cell, x_shape: [usize; 4], seed: u64) {
+    let n = x_shape[0];
+    let inputs = [("data", TensorType::f32(x_shape)), ("label", TensorType::i32([n]))];
+    let gg = grad_graph(net, "net", &inputs, Sens::One).unwrap();
+    let mut fwd_g = gg.graph.clone();
+    fwd_g.set_outputs(vec![gg.loss]);
+    let fwd = compile(fwd_g).unwrap();
+    let bwd = compile(gg.graph.clone()).unwrap();
+    let params: Vec<(String, HostTensor)> =
+        materialize(&net.parameters(), seed).into_iter().map(|(n, t)| (n, t.to_f64_tensor())).collect();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let numel: usize = x_shape.iter().product();
+    let x = HostTensor::new(x_shape.to_vec(), HostData::F64(randn(&mut rng, numel, false))).unwrap();
+    let y = HostTensor::i32(vec![n], (0..n as i32).map(|i| i % 10).collect()).unwrap();
+    let inputs = [x, y];
+    let out = run_loss(&bwd, &params, &inputs);
+    let eps = 1e-6;
+    for (k, (p, _, _)) in gg.grads.iter().enumerate() {
+        let a = out[k + 1].to_f64();
+        let pi = params.iter().position(|(n, _)| *n == p.name).unwrap();
+        for _ in 0..6 {
+            let j = rng.random_range(0..a.len());
+            let at = |d: f64| {
+                let mut q = params.clone();
+                if let HostData::F64(v) = &mut q[pi].1.data {
+                    v[j] += d;
+                }
+                run_loss(&fwd, &q, &inputs)[0].scalar()
+            };
+            let numeric = (at(eps) - at(-eps)) / (2.0 * eps);
+            let tol = 1e-7 + 1e-4 * numeric.abs().max(a[j].abs());
+            assert!((numeric - a[j]).abs() <= tol, "{}[{j}]: analytic {} vs numeric {numeric}", p.name, a[j]);
+        }
+    }
+}
+
+#[test]
+fn lenet5_gradients_match_finite_differences() {
+    let net = WithLossCell::new(LeNet5::new(&Scope::root(), 10, 1), SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean));
+    lenet_or_mlp_check(&net, [3, 1, 32, 32], 11);
+}
+
+#[test]
+fn seed002_mlp_gradients_match_finite_differences() {
+    let net = WithLossCell::new(Network::new(&Scope::root()), CrossEntropyLoss::new());
+    lenet_or_mlp_check(&net, [4, 1, 28, 28], 12);
+}
