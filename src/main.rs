@@ -37,6 +37,9 @@ enum Cmd {
         /// Print the loss every this many steps.
         #[arg(long, default_value_t = 10)]
         print_every: usize,
+        /// Print time spent per op at the end.
+        #[arg(long)]
+        profile: bool,
     },
     /// Print the graph of LeNet5's training step in the text format.
     Graph {
@@ -60,7 +63,15 @@ fn batch_of(m: &Mnist, start: usize, n: usize) -> (HostTensor, HostTensor) {
     (HostTensor::f32(vec![n, 1, 32, 32], x).unwrap(), HostTensor::i32(vec![n], y).unwrap())
 }
 
-fn train(data: PathBuf, batch: usize, steps: usize, lr: f64, seed: u64, print_every: usize) -> Result<(), Box<dyn std::error::Error>> {
+fn train(
+    data: PathBuf,
+    batch: usize,
+    steps: usize,
+    lr: f64,
+    seed: u64,
+    print_every: usize,
+    profile: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
     let mnist = Mnist::load(&data, "train")?;
     let net = lenet_with_loss();
     let inputs = [("data", TensorType::f32([batch, 1, 32, 32])), ("label", TensorType::i32([batch]))];
@@ -68,6 +79,7 @@ fn train(data: PathBuf, batch: usize, steps: usize, lr: f64, seed: u64, print_ev
     let exe = compile(train_one_step(&net, &inputs, &SGD::new(lr))?)?;
     println!("compiled LeNet5 training step ({} steps in plan) in {:.1} ms", exe.len(), t0.elapsed().as_secs_f64() * 1e3);
     let mut sess = Session::<Cpu>::new(cpu());
+    sess.set_profiling(profile);
     for (name, v) in materialize(&net.parameters(), seed) {
         sess.set_param(&name, &v);
     }
@@ -84,13 +96,18 @@ fn train(data: PathBuf, batch: usize, steps: usize, lr: f64, seed: u64, print_ev
     }
     let secs = t1.elapsed().as_secs_f64();
     println!("{steps} steps in {secs:.2} s: {:.0} images/s", (steps * batch) as f64 / secs);
+    for (op, calls, t) in sess.profile() {
+        println!("{op:>28} {calls:>8} calls {:>10.1} ms", t * 1e3);
+    }
     Ok(())
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
-        Cmd::Train { data, batch, steps, lr, seed, print_every } => train(data, batch, steps, lr, seed, print_every.max(1)),
+        Cmd::Train { data, batch, steps, lr, seed, print_every, profile } => {
+            train(data, batch, steps, lr, seed, print_every.max(1), profile)
+        }
         Cmd::Graph { batch } => {
             let inputs = [("data", TensorType::f32([batch, 1, 32, 32])), ("label", TensorType::i32([batch]))];
             train_one_step(&lenet_with_loss(), &inputs, &SGD::new(0.01)).map(|g| print!("{}", print(&g))).map_err(Into::into)

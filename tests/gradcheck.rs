@@ -163,6 +163,7 @@ fn cases() -> Vec<Case> {
         case!("conv2d_same_odd", [[1, 2, 5, 5], [2, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Same, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
         case!("conv2d_pad_dilation", [[1, 2, 7, 7], [2, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Pad, [1, 1, 2, 2], 2, 1)), &[p[0], p[1]]).unwrap()),
         case!("conv2d_stride3", [[1, 1, 8, 8], [2, 1, 2, 2]], |e, p, x| e.op(Op::Conv2d(conv(3, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_1x1_wide_pad_fallback", [[1, 2, 4, 4], [3, 2, 1, 1]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Pad, [1, 2, 2, 1], 1, 1)), &[p[0], p[1]]).unwrap()),
         case!("conv2d_groups", [[1, 4, 5, 5], [6, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 2)), &[p[0], p[1]]).unwrap()),
         case!("max_pool2d", [[2, 2, 4, 4]], |e, p, x| e.op(Op::MaxPool2d(pool(2, 2, PadMode::Valid)), &[p[0]]).unwrap()),
         case!("max_pool2d_same", [[1, 2, 5, 5]], |e, p, x| e.op(Op::MaxPool2d(pool(2, 2, PadMode::Same)), &[p[0]]).unwrap()),

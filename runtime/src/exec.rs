@@ -105,12 +105,27 @@ pub fn compile(mut graph: Graph) -> Result<Executable> {
 pub struct Session<B: Backend> {
     device: Device<B>,
     params: BTreeMap<String, Value<B>>,
+    /// Per-op `(calls, seconds)` when profiling is on.
+    profile: Option<BTreeMap<&'static str, (u64, f64)>>,
 }
 
 impl<B: Backend> Session<B> {
     /// An empty session on `device`.
     pub fn new(device: Device<B>) -> Self {
-        Session { device, params: BTreeMap::new() }
+        Session { device, params: BTreeMap::new(), profile: None }
+    }
+
+    /// Turns per-op wall-clock profiling on or off (off by default; on CPU backends the times
+    /// are exact, on asynchronous backends they measure launch cost).
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profile = on.then(BTreeMap::new);
+    }
+
+    /// `(op, calls, seconds)` collected since profiling was switched on, slowest first.
+    pub fn profile(&self) -> Vec<(&'static str, u64, f64)> {
+        let mut v: Vec<_> = self.profile.iter().flatten().map(|(k, &(n, t))| (*k, n, t)).collect();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        v
     }
 
     /// The device.
@@ -190,7 +205,14 @@ impl<B: Backend> Session<B> {
                         })
                         .collect();
                     let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.name() };
-                    eval(&cx, op, args, &step.ty)?
+                    let t0 = self.profile.is_some().then(std::time::Instant::now);
+                    let v = eval(&cx, op, args, &step.ty)?;
+                    if let (Some(p), Some(t0)) = (self.profile.as_mut(), t0) {
+                        let e = p.entry(op.name()).or_insert((0, 0.0));
+                        e.0 += 1;
+                        e.1 += t0.elapsed().as_secs_f64();
+                    }
+                    v
                 }
             };
             slots[step.slot] = Some(v);
