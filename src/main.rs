@@ -29,7 +29,7 @@ enum Cmd {
         #[arg(long, default_value_t = 100)]
         steps: usize,
         /// Learning rate.
-        #[arg(long, default_value_t = 0.05)]
+        #[arg(long, default_value_t = 0.1)]
         lr: f64,
         /// Seed for parameter initialisation.
         #[arg(long, default_value_t = 1)]

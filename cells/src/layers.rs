@@ -280,8 +280,11 @@ impl Cell for SequentialCell {
     fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
         expect_inputs(self, xs, 1)?;
         let mut x = xs[0];
-        for c in &self.cells {
-            x = t.call(c.as_ref(), &[x])?;
+        for (i, c) in self.cells.iter().enumerate() {
+            x = match c.path() {
+                Some(_) => t.call(c.as_ref(), &[x])?,
+                None => t.call_in(self.scope.child(&i.to_string()).path(), c.as_ref(), &[x])?,
+            };
         }
         Ok(x)
     }

@@ -43,13 +43,13 @@ impl Cell for LeNet5 {
         let mut x = xs[0];
         for conv in [&self.conv1, &self.conv2] {
             x = t.call(conv, &[x])?;
-            x = t.call(&self.relu, &[x])?;
-            x = t.call(&self.max_pool2d, &[x])?;
+            x = t.call_in("relu", &self.relu, &[x])?;
+            x = t.call_in("max_pool2d", &self.max_pool2d, &[x])?;
         }
-        x = t.call(&self.flatten, &[x])?;
+        x = t.call_in("flatten", &self.flatten, &[x])?;
         for fc in [&self.fc1, &self.fc2] {
             x = t.call(fc, &[x])?;
-            x = t.call(&self.relu, &[x])?;
+            x = t.call_in("relu", &self.relu, &[x])?;
         }
         t.call(&self.fc3, &[x])
     }
@@ -91,7 +91,7 @@ impl Network {
 impl Cell for Network {
     fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
         expect_inputs(self, xs, 1)?;
-        let x = t.call(&self.flatten, xs)?;
+        let x = t.call_in("flatten", &self.flatten, xs)?;
         t.call(&self.dense_relu_sequential, &[x])
     }
     fn parameters(&self) -> Vec<Parameter> {

@@ -288,6 +288,7 @@ pub fn parse_many(text: &str) -> Result<Vec<Graph>, ParseError> {
             Some((g, names, returned)) => {
                 if c.eat('}') {
                     if !*returned {
+                        c.pos -= 1;
                         return c.err(format!("graph `{}` ends without `return`", g.name));
                     }
                     graphs.push(current.take().unwrap().0);
