@@ -121,7 +121,10 @@ fn tensor_type(c: &mut Cursor) -> PResult<TensorType> {
             if c.eat(']') {
                 break;
             }
-            c.expect(',')?;
+            if !c.eat(',') {
+                let found = c.peek().map_or("end of line".to_string(), |ch| format!("`{ch}`"));
+                return c.err(format!("expected `,` or `]` in the shape, found {found}"));
+            }
         }
     }
     Ok(TensorType::new(dtype, Shape(dims)))
