@@ -86,8 +86,8 @@ fn parser_reports_line_and_column() {
         ("graph g {\n  %0: f32[2] = constant {value=1.0}\n}\n", 3, 1, "ends without `return`"),
         ("grph g {\n", 1, 1, "expected `graph NAME {`"),
         ("graph g {\n  %0: f32[2 = constant {value=1.0}\n", 2, 13, "expected `,` or `]` in the shape, found `=`"),
-        ("graph g {\n  %0: f32[2] = input {index=0, name=\"x}\n", 2, 36, "unterminated string"),
-        ("graph g {\n  %0: f32[2] = constant {value=1.0} junk\n", 2, 36, "unexpected `junk`"),
+        ("graph g {\n  %0: f32[2] = input {index=0, name=\"x}\n", 2, 37, "unterminated string"),
+        ("graph g {\n  %0: f32[2] = constant {value=1.0} junk\n", 2, 37, "unexpected `junk`"),
     ];
     for &(text, line, col, msg) in cases {
         let e = parse_err(text);

@@ -131,6 +131,8 @@ fn tensor_type(c: &mut Cursor) -> PResult<TensorType> {
 }
 
 fn string_lit(c: &mut Cursor) -> PResult<String> {
+    c.skip_ws();
+    let open = c.pos;
     c.expect('"')?;
     let mut out = String::new();
     let mut chars = c.rest().char_indices();
@@ -153,6 +155,7 @@ fn string_lit(c: &mut Cursor) -> PResult<String> {
             ch => out.push(ch),
         }
     }
+    c.pos = open;
     c.err("unterminated string")
 }
 
