@@ -96,3 +96,20 @@ fn bad_inputs_are_clear_errors() {
     assert!(e.starts_with("parameter `fc1.weight`: expected f32[120,400]"), "{e}");
     assert!(HostTensor::f32(vec![2, 2], vec![0.0; 3]).unwrap_err().to_string().contains("needs 4 elements, data has 3"));
 }
+
+#[test]
+fn intermediates_are_freed_at_their_last_use() {
+    // x -> exp -> exp -> ... (10 times): at most the input, one live value and the next.
+    let mut g = Graph::new("chain");
+    let x = g.add_leaf(Op::Input { index: 0, name: "x".into() }, TensorType::f32([256]), "").unwrap();
+    let mut y = x;
+    for _ in 0..10 {
+        y = g.add(Op::Mul, &[y, y], "").unwrap(); // an operand used twice by its last user
+    }
+    g.set_outputs(vec![y]);
+    let exe = compile(g).unwrap();
+    assert_eq!(exe.peak_bytes(), 2 * 256 * 4, "two buffers of 1 KiB live at once, not eleven");
+    let mut s = Session::<Cpu>::new(cpu());
+    let out = s.run(&exe, &[HostTensor::f32(vec![256], vec![1.0001; 256]).unwrap()]).unwrap();
+    assert!((out[0].to_f32()[0] - 1.0001f32.powi(1024)).abs() < 1e-3);
+}

@@ -27,6 +27,9 @@ struct Step {
     scope: String,
     /// `(slot, moved)`: `moved` when this step is the operand's last use.
     args: Vec<(usize, bool)>,
+    /// Slots whose last use is this step but that were shared, not moved (an operand used
+    /// twice by its last user): freed right after the step.
+    frees: Vec<usize>,
 }
 
 /// A graph lowered to a schedule.
@@ -38,6 +41,7 @@ pub struct Executable {
     /// `(parameter name, slot holding the new value)`.
     writes: Vec<(String, usize)>,
     slots: usize,
+    peak_bytes: usize,
 }
 
 impl Executable {
@@ -53,6 +57,27 @@ impl Executable {
     pub fn is_empty(&self) -> bool {
         self.steps.is_empty()
     }
+    /// The most bytes of node values alive at once under this schedule (parameters read by
+    /// the plan included, since the plan holds a reference while they are live).
+    pub fn peak_bytes(&self) -> usize {
+        self.peak_bytes
+    }
+}
+
+/// Simulates the schedule: a value is allocated at its step and released at its last use.
+fn simulate_peak(graph: &Graph, steps: &[Step]) -> usize {
+    let bytes = |slot: usize| graph.ty(cellgraph_compiler::NodeId(slot as u32)).size_bytes();
+    let (mut live, mut peak) = (0usize, 0usize);
+    for st in steps {
+        live += bytes(st.slot);
+        peak = peak.max(live);
+        let released = st.args.iter().filter(|(_, moved)| *moved).map(|(s, _)| *s).chain(st.frees.iter().copied());
+        let mut released: Vec<usize> = released.collect();
+        released.sort_unstable();
+        released.dedup();
+        live -= released.into_iter().map(bytes).sum::<usize>();
+    }
+    peak
 }
 
 /// Optimises, verifies and schedules a graph.
@@ -79,26 +104,27 @@ pub fn compile(mut graph: Graph) -> Result<Executable> {
             writes.push((name.clone(), e.index()));
         }
     }
-    let steps = order
+    let steps: Vec<Step> = order
         .iter()
         .map(|&id| {
             let n = graph.node(id);
             let ops = graph.operands(id);
+            let is_last = |o: &cellgraph_compiler::NodeId| last_use[o.index()] == Some(pos[&id]) && !pinned[o.index()];
             let args = ops
                 .iter()
                 .enumerate()
-                .map(|(k, o)| {
-                    let last = last_use[o.index()] == Some(pos[&id]) && !pinned[o.index()];
-                    let repeated = ops[k + 1..].contains(o);
-                    (o.index(), last && !repeated)
-                })
+                .map(|(k, o)| (o.index(), is_last(o) && !ops[k + 1..].contains(o)))
                 .collect();
-            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args }
+            let mut frees: Vec<usize> = ops.iter().filter(|o| is_last(o)).map(|o| o.index()).collect();
+            frees.sort_unstable();
+            frees.dedup();
+            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, frees }
         })
         .collect();
     let outputs = graph.outputs().iter().map(|o| o.index()).collect();
     let slots = graph.id_bound();
-    Ok(Executable { graph, steps, outputs, writes, slots })
+    let peak_bytes = simulate_peak(&graph, &steps);
+    Ok(Executable { graph, steps, outputs, writes, slots, peak_bytes })
 }
 
 /// Parameter values on one device, and the plans that read and write them.
@@ -215,6 +241,9 @@ impl<B: Backend> Session<B> {
                     v
                 }
             };
+            for &f in &step.frees {
+                slots[f] = None;
+            }
             slots[step.slot] = Some(v);
         }
         for (name, slot) in &exe.writes {
