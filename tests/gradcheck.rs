@@ -55,6 +55,19 @@ fn run_loss(exe: &Executable, params: &[(String, HostTensor)], inputs: &[HostTen
     s.run(exe, inputs).unwrap()
 }
 
+/// Central difference of the loss w.r.t. element `k` of parameter `pi`, in f64.
+fn numeric_grad(fwd: &Executable, params: &[(String, HostTensor)], inputs: &[HostTensor], pi: usize, k: usize) -> f64 {
+    let eps = 1e-6;
+    let at = |delta: f64| {
+        let mut p = params.to_vec();
+        if let HostData::F64(v) = &mut p[pi].1.data {
+            v[k] += delta;
+        }
+        run_loss(fwd, &p, inputs)[0].scalar()
+    };
+    (at(eps) - at(-eps)) / (2.0 * eps)
+}
+
 fn check(case: &Case) {
     let mut rng = StdRng::seed_from_u64(7);
     let (mut g, ps, loss) = build(case);
@@ -79,20 +92,12 @@ fn check(case: &Case) {
     params.push(("w".into(), HostTensor::new(wty.dims().to_vec(), HostData::F64(randn(&mut rng, wty.numel(), false))).unwrap()));
     let inputs: Vec<HostTensor> = case.inputs.iter().map(|h| h.to_f64_tensor()).collect();
     let analytic = run_loss(&bwd, &params, &inputs);
-    let eps = 1e-6;
     for (pi, a) in analytic.iter().enumerate() {
         let a = a.to_f64();
         let n = a.len();
         let picks: Vec<usize> = if n <= 40 { (0..n).collect() } else { (0..40).map(|_| rng.random_range(0..n)).collect() };
         for k in picks {
-            let at = |delta: f64| {
-                let mut p = params.clone();
-                if let HostData::F64(v) = &mut p[pi].1.data {
-                    v[k] += delta;
-                }
-                run_loss(&fwd, &p, &inputs)[0].scalar()
-            };
-            let numeric = (at(eps) - at(-eps)) / (2.0 * eps);
+            let numeric = numeric_grad(&fwd, &params, &inputs, pi, k);
             let tol = 1e-6 + 1e-5 * numeric.abs().max(a[k].abs());
             assert!(
                 (numeric - a[k]).abs() <= tol,
@@ -260,20 +265,12 @@ fn lenet_or_mlp_check(net: &dyn Cell, x_shape: [usize; 4], seed: u64) {
     let y = HostTensor::i32(vec![n], (0..n as i32).map(|i| i % 10).collect()).unwrap();
     let inputs = [x, y];
     let out = run_loss(&bwd, &params, &inputs);
-    let eps = 1e-6;
     for (k, (p, _, _)) in gg.grads.iter().enumerate() {
         let a = out[k + 1].to_f64();
         let pi = params.iter().position(|(n, _)| *n == p.name).unwrap();
         for _ in 0..6 {
             let j = rng.random_range(0..a.len());
-            let at = |d: f64| {
-                let mut q = params.clone();
-                if let HostData::F64(v) = &mut q[pi].1.data {
-                    v[j] += d;
-                }
-                run_loss(&fwd, &q, &inputs)[0].scalar()
-            };
-            let numeric = (at(eps) - at(-eps)) / (2.0 * eps);
+            let numeric = numeric_grad(&fwd, &params, &inputs, pi, j);
             let tol = 1e-7 + 1e-4 * numeric.abs().max(a[j].abs());
             assert!((numeric - a[j]).abs() <= tol, "{}[{j}]: analytic {} vs numeric {numeric}", p.name, a[j]);
         }
