@@ -7,8 +7,8 @@
 //! // Trace LeNet5 with its loss, differentiate it, and compile the training step.
 //! let net = WithLossCell::new(LeNet5::new(&Scope::root(), 10, 1), SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean));
 //! let inputs = [("data", TensorType::f32([32, 1, 32, 32])), ("label", TensorType::i32([32]))];
-//! let graph = train_one_step(&net, &inputs, &SGD::new(0.01)).unwrap();
-//! let exe = compile(graph).unwrap();
+//! let step = train_one_step(&net, &inputs, &SGD::new(0.01)).unwrap();
+//! let exe = compile(step.graph).unwrap();
 //! assert!(exe.len() > 40);
 //! ```
 
@@ -19,9 +19,9 @@ pub use cellgraph_runtime as runtime;
 /// Everything a training script needs.
 pub mod prelude {
     pub use cellgraph_cells::{
-        grad_graph, materialize, trace, train_one_step, Cell, CrossEntropyLoss, Dense, Flatten, Initializer, LeNet5,
-        MSELoss, Network, Parameter, Pool2d, ReLU, Scope, SequentialCell, SoftmaxCrossEntropyWithLogits, Tracer,
-        WithLossCell, SGD,
+        grad_graph, materialize, trace, train_one_step, Adam, Cell, CrossEntropyLoss, Dense, Flatten, Initializer,
+        LeNet5, LearningRate, MSELoss, Momentum, Network, Parameter, Pool2d, ReLU, Scope, SequentialCell,
+        SoftmaxCrossEntropyWithLogits, Tracer, WithLossCell, SGD,
     };
     pub use cellgraph_cells::{Conv2d, Optimizer};
     pub use cellgraph_compiler::autodiff::Sens;

@@ -76,17 +76,17 @@ fn train(
     let net = lenet_with_loss();
     let inputs = [("data", TensorType::f32([batch, 1, 32, 32])), ("label", TensorType::i32([batch]))];
     let t0 = Instant::now();
-    let exe = compile(train_one_step(&net, &inputs, &SGD::new(lr))?)?;
+    let opt = SGD::new(lr);
+    let exe = compile(train_one_step(&net, &inputs, &opt)?.graph)?;
     println!("compiled LeNet5 training step ({} steps in plan) in {:.1} ms", exe.len(), t0.elapsed().as_secs_f64() * 1e3);
     let mut sess = Session::<Cpu>::new(cpu());
     sess.set_profiling(profile);
-    for (name, v) in materialize(&net.parameters(), seed) {
-        sess.set_param(&name, &v);
-    }
+    sess.init_params(&net.parameters(), seed);
+    let lr = HostTensor::scalar_f32(opt.scalar_values(0)[0]);
     let t1 = Instant::now();
     for step in 1..=steps {
         let (x, y) = batch_of(&mnist, (step - 1) * batch, batch);
-        let loss = sess.run(&exe, &[x, y])?[0].scalar();
+        let loss = sess.run(&exe, &[x, y, lr.clone()])?[0].scalar();
         if !loss.is_finite() {
             return Err(format!("step {step}: loss is {loss}; lower the learning rate").into());
         }
@@ -110,7 +110,7 @@ fn main() -> ExitCode {
         }
         Cmd::Graph { batch } => {
             let inputs = [("data", TensorType::f32([batch, 1, 32, 32])), ("label", TensorType::i32([batch]))];
-            train_one_step(&lenet_with_loss(), &inputs, &SGD::new(0.01)).map(|g| print!("{}", print(&g))).map_err(Into::into)
+            train_one_step(&lenet_with_loss(), &inputs, &SGD::new(0.01)).map(|s| print!("{}", print(&s.graph))).map_err(Into::into)
         }
     };
     match r {

@@ -179,8 +179,16 @@ fn cases() -> Vec<Case> {
     let positive = [
         case!("div", [[3, 4], [4]], |e, p, x| e.div(p[0], p[1]).unwrap()),
         case!("log", [[2, 3]], |e, p, x| e.op(Op::Log, &[p[0]]).unwrap()),
+        case!("sqrt", [[2, 3]], |e, p, x| e.op(Op::Sqrt, &[p[0]]).unwrap()),
     ];
     v.extend(positive.into_iter().map(|c| Case { positive: true, ..c }));
+    v.push(Case {
+        name: "select_broadcast",
+        params: vec![vec![2, 3], vec![3]],
+        positive: false,
+        inputs: vec![HostTensor::new(vec![2, 1], HostData::Bool(vec![true, false])).unwrap()],
+        body: |e, p, x| e.op(Op::Select, &[x[0], p[0], p[1]]).unwrap(),
+    });
     let probs: Vec<f32> = (0..20).map(|i| ((i * 7) % 5) as f32 * 0.1 + 0.05).collect();
     v.push(Case {
         name: "softmax_ce_dense_mean",
@@ -214,7 +222,9 @@ fn must_be_checked(op: &Op) -> bool {
         Op::ReduceMaxGrad(_) | Op::SoftmaxCrossEntropyGrad { .. } | Op::Conv2dBackpropInput { .. } => false,
         Op::Conv2dBackpropFilter { .. } | Op::MaxPool2dGrad(_) | Op::AvgPool2dGrad(_) => false,
         Op::Assign | Op::AssignAdd => false,
+        Op::GreaterEqual => false, // a comparison: zero gradient almost everywhere
         Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::ReluGrad => true,
+        Op::Sqrt | Op::Select => true,
         Op::Cast { .. } | Op::ZerosLike | Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } => true,
         Op::Slice { .. } | Op::Pad { .. } | Op::Concat { .. } | Op::Flatten => true,
         Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_) | Op::MatMul { .. } => true,

@@ -13,9 +13,9 @@ fn suite_graphs() -> Vec<(&'static str, Graph)> {
     let mlp = mlp_with_loss();
     vec![
         ("lenet5_forward", trace(&LeNet5::new(&Scope::root(), 10, 1), "lenet5_forward", &image_inputs(32, 32)[..1]).unwrap().0),
-        ("lenet5_train_step", train_one_step(&lenet, &image_inputs(32, 32), &SGD::new(0.01)).unwrap()),
+        ("lenet5_train_step", train_one_step(&lenet, &image_inputs(32, 32), &SGD::new(0.01)).unwrap().graph),
         ("lenet5_grad_sens", grad_graph(&lenet, "lenet5_grad_sens", &image_inputs(8, 32), Sens::Input).unwrap().graph),
-        ("mlp_train_step", train_one_step(&mlp, &image_inputs(32, 28), &SGD::new(0.01)).unwrap()),
+        ("mlp_train_step", train_one_step(&mlp, &image_inputs(32, 28), &Momentum::new(0.01, 0.9)).unwrap().graph),
     ]
 }
 
@@ -127,7 +127,11 @@ fn verifier_rejects_double_writes_cycles_and_missing_outputs() {
     g.add(Op::AssignAdd, &[p, c], "").unwrap();
     g.add(Op::Assign, &[p, c], "").unwrap();
     let e = verify(&g).unwrap_err().to_string();
-    assert!(e.contains("written more than once") && e.contains("graph has no outputs"), "{e}");
+    assert!(e.contains("written more than once"), "{e}");
+
+    let mut g = Graph::new("nothing");
+    g.add_leaf(Op::Parameter { name: "p".into() }, TensorType::f32([2]), "").unwrap();
+    assert!(verify(&g).unwrap_err().to_string().contains("no outputs and no effects"));
 
     let mut g = Graph::new("cyc");
     let a = g.add_leaf(Op::Parameter { name: "a".into() }, TensorType::f32([2]), "").unwrap();

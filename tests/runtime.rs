@@ -7,10 +7,12 @@ use common::*;
 
 fn session_for(net: &dyn Cell, seed: u64) -> Session<Cpu> {
     let mut s = Session::<Cpu>::new(cpu());
-    for (n, v) in materialize(&net.parameters(), seed) {
-        s.set_param(&n, &v);
-    }
+    s.init_params(&net.parameters(), seed);
     s
+}
+
+fn lr(v: f64) -> HostTensor {
+    HostTensor::scalar_f32(v)
 }
 
 fn mnist_batch(m: &Mnist, start: usize, n: usize) -> [HostTensor; 2] {
@@ -28,9 +30,14 @@ fn lenet5_sgd_loss_decreases_on_real_mnist() {
     let mnist = Mnist::load(&mnist_dir(), "train").unwrap();
     assert_eq!(mnist.len(), 8000);
     let net = lenet_with_loss();
-    let exe = compile(train_one_step(&net, &image_inputs(32, 32), &SGD::new(0.1)).unwrap()).unwrap();
+    let exe = compile(train_one_step(&net, &image_inputs(32, 32), &SGD::new(0.1)).unwrap().graph).unwrap();
     let mut s = session_for(&net, 1);
-    let losses: Vec<f64> = (0..150).map(|i| s.run(&exe, &mnist_batch(&mnist, i * 32, 32)).unwrap()[0].scalar()).collect();
+    let losses: Vec<f64> = (0..150)
+        .map(|i| {
+            let [x, y] = mnist_batch(&mnist, i * 32, 32);
+            s.run(&exe, &[x, y, lr(0.1)]).unwrap()[0].scalar()
+        })
+        .collect();
     let first: f64 = losses[..10].iter().sum::<f64>() / 10.0;
     let last: f64 = losses[140..].iter().sum::<f64>() / 10.0;
     assert!(first > 2.2 && last < first - 0.4, "loss went from {first:.3} to {last:.3}");
@@ -41,11 +48,11 @@ fn repeated_steps_on_one_batch_overfit_it() {
     let mnist = Mnist::load(&mnist_dir(), "train").unwrap();
     let net = WithLossCell::new(Network::new(&Scope::root()), CrossEntropyLoss::new());
     let inputs = [("data", TensorType::f32([16, 1, 28, 28])), ("label", TensorType::i32([16]))];
-    let exe = compile(train_one_step(&net, &inputs, &SGD::new(0.5)).unwrap()).unwrap();
+    let exe = compile(train_one_step(&net, &inputs, &SGD::new(0.5)).unwrap().graph).unwrap();
     let mut s = session_for(&net, 2);
     let x: Vec<f32> = (0..16).flat_map(|i| mnist.image(i).iter().map(|&p| p as f32 / 255.0)).collect();
     let y: Vec<i32> = mnist.labels[..16].iter().map(|&l| l as i32).collect();
-    let batch = [HostTensor::f32(vec![16, 1, 28, 28], x).unwrap(), HostTensor::i32(vec![16], y).unwrap()];
+    let batch = [HostTensor::f32(vec![16, 1, 28, 28], x).unwrap(), HostTensor::i32(vec![16], y).unwrap(), lr(0.5)];
     let l0 = s.run(&exe, &batch).unwrap()[0].scalar();
     let mut l = l0;
     for _ in 0..60 {
@@ -59,12 +66,12 @@ fn sgd_step_updates_parameters_by_name_exactly() {
     // One Dense(2 -> 1) without bias, MSE on one point: w' = w - lr * 2 (w.x - y) x.
     let net = WithLossCell::new(Dense::new(&Scope::root().child("fc"), 2, 1).without_bias(), MSELoss::new());
     let inputs = [("x", TensorType::f32([1, 2])), ("y", TensorType::f32([1, 1]))];
-    let exe = compile(train_one_step(&net, &inputs, &SGD::new(0.1)).unwrap()).unwrap();
+    let exe = compile(train_one_step(&net, &inputs, &SGD::new(0.1)).unwrap().graph).unwrap();
     let mut s = Session::<Cpu>::new(cpu());
     s.set_param("fc.weight", &HostTensor::f32(vec![1, 2], vec![0.5, -1.0]).unwrap());
     let x = HostTensor::f32(vec![1, 2], vec![1.0, 2.0]).unwrap();
     let y = HostTensor::f32(vec![1, 1], vec![1.0]).unwrap();
-    let loss = s.run(&exe, &[x, y]).unwrap()[0].scalar();
+    let loss = s.run(&exe, &[x, y, lr(0.1)]).unwrap()[0].scalar();
     // w.x - y = 0.5 - 2 - 1 = -2.5; loss = 6.25; grad = 2 * -2.5 * [1, 2] = [-5, -10].
     assert_eq!(loss, 6.25);
     assert_eq!(s.param("fc.weight").unwrap().to_f32(), vec![1.0, 0.0]);
@@ -74,25 +81,25 @@ fn sgd_step_updates_parameters_by_name_exactly() {
 #[test]
 fn bad_inputs_are_clear_errors() {
     let net = lenet_with_loss();
-    let exe = compile(train_one_step(&net, &image_inputs(4, 32), &SGD::new(0.1)).unwrap()).unwrap();
+    let exe = compile(train_one_step(&net, &image_inputs(4, 32), &SGD::new(0.1)).unwrap().graph).unwrap();
     let x = HostTensor::f32(vec![4, 1, 32, 32], vec![0.0; 4096]).unwrap();
 
     let mut empty = Session::<Cpu>::new(cpu());
-    let e = empty.run(&exe, &[x.clone(), HostTensor::i32(vec![4], vec![0; 4]).unwrap()]).unwrap_err().to_string();
+    let e = empty.run(&exe, &[x.clone(), HostTensor::i32(vec![4], vec![0; 4]).unwrap(), lr(0.1)]).unwrap_err().to_string();
     assert!(e.starts_with("parameter `") && e.contains("has no value"), "{e}");
 
     let mut s = session_for(&net, 1);
     let e = s.run(&exe, &[x.clone()]).unwrap_err().to_string();
-    assert_eq!(e, "inputs of graph `train_one_step`: expected 2 inputs, got 1");
-    let e = s.run(&exe, &[x.clone(), HostTensor::i32(vec![5], vec![0; 5]).unwrap()]).unwrap_err().to_string();
+    assert_eq!(e, "inputs of graph `train_one_step`: expected 3 inputs, got 1");
+    let e = s.run(&exe, &[x.clone(), HostTensor::i32(vec![5], vec![0; 5]).unwrap(), lr(0.1)]).unwrap_err().to_string();
     assert_eq!(e, "input 1 (`label`): expected i32[4], got i32[5]");
     let before = s.params_host();
-    let e = s.run(&exe, &[x.clone(), HostTensor::i32(vec![4], vec![0, 3, 10, 1]).unwrap()]).unwrap_err().to_string();
+    let e = s.run(&exe, &[x.clone(), HostTensor::i32(vec![4], vec![0, 3, 10, 1]).unwrap(), lr(0.1)]).unwrap_err().to_string();
     assert_eq!(e, "net.loss_fn: softmax_cross_entropy: label 10 at batch position 2 is out of range for 10 classes (valid: 0..9)");
     assert_eq!(s.params_host(), before, "a failed step leaves parameters untouched");
 
     s.set_param("fc1.weight", &HostTensor::f32(vec![2, 2], vec![0.0; 4]).unwrap());
-    let e = s.run(&exe, &[x, HostTensor::i32(vec![4], vec![0; 4]).unwrap()]).unwrap_err().to_string();
+    let e = s.run(&exe, &[x, HostTensor::i32(vec![4], vec![0; 4]).unwrap(), lr(0.1)]).unwrap_err().to_string();
     assert!(e.starts_with("parameter `fc1.weight`: expected f32[120,400]"), "{e}");
     assert!(HostTensor::f32(vec![2, 2], vec![0.0; 3]).unwrap_err().to_string().contains("needs 4 elements, data has 3"));
 }

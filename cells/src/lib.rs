@@ -12,6 +12,7 @@ pub mod layers;
 pub mod loss;
 pub mod optim;
 pub mod param;
+pub mod schedule;
 pub mod train;
 pub mod zoo;
 
@@ -20,7 +21,8 @@ pub use error::{CellError, Result};
 pub use init::Initializer;
 pub use layers::{AvgPool2d, Conv2d, Dense, Flatten, MaxPool2d, Pool2d, ReLU, SequentialCell};
 pub use loss::{CrossEntropyLoss, MSELoss, SoftmaxCrossEntropyWithLogits, WithLossCell};
-pub use optim::{Optimizer, SGD};
+pub use optim::{Adam, Momentum, Optimizer, SGD};
+pub use schedule::LearningRate;
 pub use param::{materialize, Parameter, Scope};
-pub use train::{grad_graph, train_one_step, GradGraph};
+pub use train::{grad_graph, train_one_step, GradGraph, TrainStep};
 pub use zoo::{LeNet5, Network};

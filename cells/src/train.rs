@@ -1,6 +1,7 @@
 //! Building training graphs from cells: MindSpore's `GradOperation` and `TrainOneStepCell`.
 
 use cellgraph_compiler::autodiff::{grad, Sens};
+use cellgraph_compiler::update::{emit_updates, StateSpec};
 use cellgraph_compiler::{Graph, NodeId, TensorType};
 
 use crate::cell::{Cell, Tracer};
@@ -31,16 +32,23 @@ pub fn grad_graph(net_with_loss: &dyn Cell, name: &str, inputs: &[(&str, TensorT
 }
 
 /// One training step (MindSpore's `TrainOneStepCell`): loss, gradients, optimizer update.
-/// The graph's one output is the loss; parameters are written when it finishes.
-pub fn train_one_step(net_with_loss: &dyn Cell, inputs: &[(&str, TensorType)], opt: &dyn Optimizer) -> Result<Graph> {
+/// Inputs: the given ones, then the optimizer's scalar inputs (`learning_rate`, ...: feed
+/// `opt.scalar_values(update)`). The one output is the loss; parameters and optimizer state
+/// are written when the graph finishes.
+pub fn train_one_step(net_with_loss: &dyn Cell, inputs: &[(&str, TensorType)], opt: &dyn Optimizer) -> Result<TrainStep> {
     let mut t = Tracer::new("train_one_step");
     let xs = inputs.iter().map(|(n, ty)| t.input(n, ty.clone())).collect::<Result<Vec<_>>>()?;
     let loss = t.call(net_with_loss, &xs)?;
     let params = net_with_loss.trainable_params();
     let nodes = params.iter().map(|p| t.param(p)).collect::<Result<Vec<_>>>()?;
     let g = grad(t.graph_mut(), loss, &nodes, Sens::One)?;
-    for ((p, &n), &d) in params.iter().zip(&nodes).zip(&g.grads) {
-        opt.update(&mut t, p, n, d)?;
-    }
-    Ok(t.finish(vec![loss]))
+    let triples: Vec<_> = params.iter().zip(&nodes).zip(&g.grads).map(|((p, &n), &d)| (p.name.clone(), n, d)).collect();
+    let state = emit_updates(t.graph_mut(), opt, &triples)?;
+    Ok(TrainStep { graph: t.finish(vec![loss]), state })
+}
+
+/// A training-step graph and the optimizer state it reads and writes.
+pub struct TrainStep {
+    pub graph: Graph,
+    pub state: Vec<StateSpec>,
 }

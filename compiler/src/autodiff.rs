@@ -143,6 +143,16 @@ pub fn vjp(e: &mut Emit, op: &Op, xs: &[NodeId], y: NodeId, g: NodeId) -> Result
             Op::Exp => vec![Some(e.mul(g, y)?)],
             Op::Log => vec![Some(e.div(g, xs[0])?)],
             Op::Relu => vec![Some(e.op(Op::ReluGrad, &[g, y])?)],
+            Op::Sqrt => {
+                let two_y = e.scale(y, 2.0)?;
+                vec![Some(e.div(g, two_y)?)]
+            }
+            Op::GreaterEqual => vec![None, None],
+            Op::Select => {
+                let z = e.op(Op::ZerosLike, &[g])?;
+                let (ga, gb) = (e.op(Op::Select, &[xs[0], g, z])?, e.op(Op::Select, &[xs[0], z, g])?);
+                vec![None, Some(e.unbroadcast(ga, &s(e, 1))?), Some(e.unbroadcast(gb, &s(e, 2))?)]
+            }
             Op::ReluGrad => vec![Some(e.op(Op::ReluGrad, &[g, xs[1]])?), None],
             Op::Cast { .. } => {
                 let dtype = e.g.ty(xs[0]).dtype;

@@ -147,7 +147,17 @@ pub fn infer(op: &Op, xs: &[&TensorType]) -> Result<TensorType, String> {
             Err("leaf ops carry their type; it is not inferred".into())
         }
         Op::Add | Op::Sub | Op::Mul | Op::Div => binary(xs[0], xs[1]),
-        Op::Neg | Op::Exp | Op::Log | Op::Relu => {
+        Op::GreaterEqual => Ok(binary(xs[0], xs[1])?.with_dtype(DType::Bool)),
+        Op::Select => {
+            if xs[0].dtype != DType::Bool {
+                return Err(format!("condition must be bool, got {}", xs[0]));
+            }
+            let ab = binary(xs[1], xs[2])?;
+            let shape = broadcast_shapes(xs[0].dims(), ab.dims())
+                .ok_or_else(|| format!("condition {} does not broadcast with {ab}", xs[0]))?;
+            Ok(ab.with_shape(shape))
+        }
+        Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::Sqrt => {
             float_operand(xs[0])?;
             Ok(xs[0].clone())
         }

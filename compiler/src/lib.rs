@@ -22,6 +22,7 @@ pub mod passes;
 pub mod print;
 pub mod tensor;
 pub mod types;
+pub mod update;
 pub mod verify;
 pub mod window;
 

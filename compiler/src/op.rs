@@ -80,6 +80,11 @@ pub enum Op {
     Relu,
     /// `dy * (y > 0)`, operands `(dy, y)`.
     ReluGrad,
+    Sqrt,
+    /// `a >= b` elementwise (bool result, no gradient).
+    GreaterEqual,
+    /// `cond ? a : b` elementwise, operands `(cond, a, b)`, broadcasting.
+    Select,
     Cast { dtype: DType },
     ZerosLike,
     // ---- shape
@@ -223,6 +228,9 @@ impl Op {
             Op::Log => "log",
             Op::Relu => "relu",
             Op::ReluGrad => "relu_grad",
+            Op::Sqrt => "sqrt",
+            Op::GreaterEqual => "greater_equal",
+            Op::Select => "select",
             Op::Cast { .. } => "cast",
             Op::ZerosLike => "zeros_like",
             Op::Broadcast { .. } => "broadcast",
@@ -256,12 +264,14 @@ impl Op {
         use Arity::Exactly;
         match self {
             Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => Exactly(0),
-            Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::Cast { .. } | Op::ZerosLike => Exactly(1),
+            Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::Sqrt | Op::Cast { .. } | Op::ZerosLike => Exactly(1),
             Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } => Exactly(1),
             Op::Slice { .. } | Op::Pad { .. } | Op::Flatten => Exactly(1),
             Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_) => Exactly(1),
             Op::MaxPool2d(_) | Op::AvgPool2d(_) => Exactly(1),
             Op::Add | Op::Sub | Op::Mul | Op::Div | Op::ReluGrad | Op::MatMul { .. } => Exactly(2),
+            Op::GreaterEqual => Exactly(2),
+            Op::Select => Exactly(3),
             Op::SoftmaxCrossEntropy { .. } | Op::Conv2d(_) => Exactly(2),
             Op::Conv2dBackpropInput { .. } | Op::Conv2dBackpropFilter { .. } => Exactly(2),
             Op::MaxPool2dGrad(_) | Op::AvgPool2dGrad(_) | Op::Assign | Op::AssignAdd => Exactly(2),
@@ -290,6 +300,7 @@ impl Op {
             Op::Constant { value } => vec![("value", Attr::Float(*value))],
             Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Exp | Op::Log => vec![],
             Op::Relu | Op::ReluGrad | Op::ZerosLike | Op::Flatten | Op::Assign | Op::AssignAdd => vec![],
+            Op::Sqrt | Op::GreaterEqual | Op::Select => vec![],
             Op::Cast { dtype } => vec![("dtype", Attr::Sym(dtype.name().into()))],
             Op::Broadcast { shape } | Op::Reshape { shape } => vec![("shape", ints(&shape.0))],
             Op::Transpose { perm } => vec![("perm", ints(perm))],
@@ -347,6 +358,9 @@ impl Op {
             "log" => Op::Log,
             "relu" => Op::Relu,
             "relu_grad" => Op::ReluGrad,
+            "sqrt" => Op::Sqrt,
+            "greater_equal" => Op::GreaterEqual,
+            "select" => Op::Select,
             "cast" => {
                 let s = a.sym("dtype")?;
                 Op::Cast { dtype: DType::from_name(&s).ok_or(format!("unknown dtype `{s}`"))? }
@@ -535,6 +549,9 @@ impl Op {
             Op::AvgPool2dGrad(pool),
             Op::Assign,
             Op::AssignAdd,
+            Op::Sqrt,
+            Op::GreaterEqual,
+            Op::Select,
         ]
     }
 
@@ -578,11 +595,14 @@ impl Op {
             Op::AvgPool2dGrad(_) => 34,
             Op::Assign => 35,
             Op::AssignAdd => 36,
+            Op::Sqrt => 37,
+            Op::GreaterEqual => 38,
+            Op::Select => 39,
         }
     }
 
     /// Number of op variants.
-    pub const COUNT: usize = 37;
+    pub const COUNT: usize = 40;
 }
 
 #[cfg(test)]

@@ -67,6 +67,10 @@ impl HostTensor {
     pub fn f32(shape: Vec<usize>, data: Vec<f32>) -> Result<Self, ShapeMismatch> {
         Self::new(shape, HostData::F32(data))
     }
+    /// An f32 scalar.
+    pub fn scalar_f32(v: f64) -> Self {
+        HostTensor { shape: vec![], data: HostData::F32(vec![v as f32]) }
+    }
     /// An i32 tensor.
     pub fn i32(shape: Vec<usize>, data: Vec<i32>) -> Result<Self, ShapeMismatch> {
         Self::new(shape, HostData::I32(data))

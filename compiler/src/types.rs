@@ -154,6 +154,10 @@ impl TensorType {
     pub fn size_bytes(&self) -> usize {
         self.numel() * self.dtype.size_bytes()
     }
+    /// Same shape, another element type.
+    pub fn with_dtype(&self, dtype: DType) -> Self {
+        TensorType::new(dtype, self.shape.clone())
+    }
     /// Same element type, another shape.
     pub fn with_shape(&self, shape: impl Into<Shape>) -> Self {
         TensorType::new(self.dtype, shape)

@@ -5,7 +5,7 @@
 //! 2. Each node has as many operands as its op's arity allows.
 //! 3. Each non-leaf node's type equals the type inferred from its operands' types.
 //! 4. The graph is acyclic.
-//! 5. The graph has at least one output and every output is a live node.
+//! 5. The graph has at least one output or effect, and every output is a live node.
 //! 6. Parameter names are unique; input indices are distinct and cover `0..k`.
 //! 7. The first operand of `assign`/`assign_add` is a parameter node, and each parameter is
 //!    written at most once per graph (writes land when the graph finishes).
@@ -106,8 +106,8 @@ pub fn verify(g: &Graph) -> Result<(), VerifyErrors> {
     if let Err(n) = g.topo_order() {
         at(Some(n), "node is on a cycle".into());
     }
-    if g.outputs().is_empty() {
-        at(None, "graph has no outputs".into());
+    if g.outputs().is_empty() && g.effects().is_empty() {
+        at(None, "graph has no outputs and no effects: it computes nothing".into());
     }
     for &o in g.outputs() {
         if !g.contains(o) {

@@ -164,6 +164,20 @@ impl<B: Backend> Session<B> {
         self.params.insert(name.to_string(), Value::from_host(value, &self.device));
     }
 
+    /// Draws every parameter's first value from `seed` (see `cellgraph_cells::materialize`).
+    pub fn init_params(&mut self, params: &[cellgraph_cells::Parameter], seed: u64) {
+        for p in params {
+            self.set_param(&p.name, &p.materialize(seed));
+        }
+    }
+
+    /// Sets optimizer state (or accumulators) to their initial constants.
+    pub fn init_state(&mut self, state: &[cellgraph_compiler::update::StateSpec]) {
+        for s in state {
+            self.set_param(&s.name, &HostTensor::full(&s.ty, s.init));
+        }
+    }
+
     /// A parameter's value, copied to the host.
     pub fn param(&self, name: &str) -> Option<HostTensor> {
         self.params.get(name).map(|v| v.to_host())

@@ -163,6 +163,28 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
         Op::Exp => Value::Float(B::float_exp(cx.float(next())?)),
         Op::Log => Value::Float(B::float_log(cx.float(next())?)),
         Op::Relu => Value::Float(B::relu(cx.float(next())?)),
+        Op::Sqrt => Value::Float(B::float_sqrt(cx.float(next())?)),
+        Op::GreaterEqual => {
+            let a = expand::<B>(cx.float(next())?, tys[0].dims(), od);
+            let b = expand::<B>(cx.float(next())?, tys[1].dims(), od);
+            Value::Bool(B::float_greater_equal(a, b, cx.settings.bool_dtype))
+        }
+        Op::Select => {
+            let c = match next() {
+                Value::Bool(c) => c,
+                _ => return cx.unsupported("select needs a bool condition"),
+            };
+            let c = if tys[0].dims() == od {
+                c
+            } else {
+                let mut padded = vec![1; od.len() - tys[0].rank()];
+                padded.extend_from_slice(tys[0].dims());
+                B::bool_expand(B::bool_reshape(c, bshape(&padded)), bshape(od))
+            };
+            let a = expand::<B>(cx.float(next())?, tys[1].dims(), od);
+            let b = expand::<B>(cx.float(next())?, tys[2].dims(), od);
+            Value::Float(B::float_mask_where(b, c, a))
+        }
         Op::ReluGrad => {
             let dy = cx.float(next())?;
             Value::Float(B::relu_backward(cx.float(next())?, dy))

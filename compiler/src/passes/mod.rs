@@ -2,4 +2,5 @@
 //! pass in debug builds and tests.
 
 pub mod dce;
+pub mod grad_accumulation;
 pub mod pipeline;
