@@ -5,6 +5,7 @@
 //! - [`layers`], [`loss`], [`zoo`]: building blocks and reference networks.
 //! - [`optim`] and [`train`]: optimizers and training-graph builders.
 
+pub mod accumulate;
 pub mod cell;
 pub mod error;
 pub mod init;
@@ -16,6 +17,7 @@ pub mod schedule;
 pub mod train;
 pub mod zoo;
 
+pub use accumulate::{GradAccumulation, Normalization, Slicing};
 pub use cell::{trace, Cell, Tracer};
 pub use error::{CellError, Result};
 pub use init::Initializer;

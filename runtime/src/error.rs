@@ -7,6 +7,9 @@ use cellgraph_compiler::IrError;
 /// Everything that can go wrong while compiling or running a graph, or reading data.
 #[derive(Debug, Error)]
 pub enum RuntimeError {
+    /// A cell's configuration or trace is invalid.
+    #[error(transparent)]
+    Cells(#[from] cellgraph_cells::CellError),
     /// The graph itself is invalid.
     #[error(transparent)]
     Ir(#[from] IrError),

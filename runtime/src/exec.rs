@@ -27,6 +27,10 @@ struct Step {
     scope: String,
     /// `(slot, moved)`: `moved` when this step is the operand's last use.
     args: Vec<(usize, bool)>,
+    /// For a parameter read only as the target of its own write (an accumulator): the read
+    /// is deferred to the write, which takes the value out of the session so that the update
+    /// (`assign_add`) reuses its buffer in place.
+    deferred: bool,
     /// Slots whose last use is this step but that were shared, not moved (an operand used
     /// twice by its last user): freed right after the step.
     frees: Vec<usize>,
@@ -61,6 +65,17 @@ impl Executable {
     /// the plan included, since the plan holds a reference while they are live).
     pub fn peak_bytes(&self) -> usize {
         self.peak_bytes
+    }
+}
+
+/// True for a parameter node whose only use is as operand 0 of one `assign`/`assign_add`.
+fn deferred_read(g: &Graph, id: cellgraph_compiler::NodeId) -> bool {
+    if !matches!(g.node(id).op, Op::Parameter { .. }) || g.outputs().contains(&id) {
+        return false;
+    }
+    match g.users(id).as_slice() {
+        [w] => g.node(*w).op.is_effect() && g.operands(*w) == [id, g.operands(*w)[1]] && g.operands(*w)[1] != id,
+        _ => false,
     }
 }
 
@@ -118,7 +133,8 @@ pub fn compile(mut graph: Graph) -> Result<Executable> {
             let mut frees: Vec<usize> = ops.iter().filter(|o| is_last(o)).map(|o| o.index()).collect();
             frees.sort_unstable();
             frees.dedup();
-            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, frees }
+            let deferred = deferred_read(&graph, id);
+            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, frees, deferred }
         })
         .collect();
     let outputs = graph.outputs().iter().map(|o| o.index()).collect();
@@ -221,6 +237,7 @@ impl<B: Backend> Session<B> {
         let s = settings::<B>(&self.device);
         for step in &exe.steps {
             let v = match &step.op {
+                Op::Parameter { .. } if step.deferred => continue,
                 Op::Parameter { name } => self.bind_param(name, &step.ty)?,
                 Op::Input { index, name } => {
                     let given = &inputs[*index];
@@ -234,7 +251,17 @@ impl<B: Backend> Session<B> {
                     Value::from_host(given, &self.device)
                 }
                 op => {
-                    let tys: Vec<&TensorType> = exe.graph.operands(cellgraph_compiler::NodeId(step.slot as u32)).iter().map(|&o| exe.graph.ty(o)).collect();
+                    let ops = exe.graph.operands(cellgraph_compiler::NodeId(step.slot as u32));
+                    if op.is_effect() {
+                        if let Op::Parameter { name } = &exe.graph.node(ops[0]).op {
+                            if slots[ops[0].index()].is_none() {
+                                // A deferred read: check it, then take it out of the session.
+                                self.bind_param(name, exe.graph.ty(ops[0]))?;
+                                slots[ops[0].index()] = self.params.remove(name);
+                            }
+                        }
+                    }
+                    let tys: Vec<&TensorType> = ops.iter().map(|&o| exe.graph.ty(o)).collect();
                     let args = step
                         .args
                         .iter()

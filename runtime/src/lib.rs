@@ -5,6 +5,7 @@
 //! - [`value`]: device values and host transfers.
 //! - [`data`]: datasets (MNIST IDX files).
 
+pub mod accumulate;
 pub mod data;
 pub mod error;
 pub mod exec;
@@ -12,6 +13,7 @@ pub mod lower;
 pub mod value;
 
 pub use error::{Result, RuntimeError};
+pub use accumulate::{Accumulator, Counters, StepOutcome};
 pub use exec::{compile, Executable, Session};
 pub use value::Value;
 

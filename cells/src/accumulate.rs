@@ -1,0 +1,143 @@
+//! `GradAccumulation`: a network (with its loss) trained in windows of micro-batches.
+//!
+//! Three MindSpore flavours, one wrapper:
+//! - [`GradAccumulation::new`] (`mindspore.parallel.GradAccumulation(net, micro_size)`): each
+//!   step's batch is sliced along dim 0 into `micro_size` micro-batches; the step's loss is the
+//!   SUM of the micro losses; gradients are summed.
+//! - [`GradAccumulation::across_steps`] (the r1.6 tutorial's `mini_steps`): one step is one
+//!   micro-batch; every `mini_steps` steps the optimizer runs on the summed gradients.
+//! - [`GradAccumulation::boost`] (`mindspore.boost.GradientAccumulation`): like
+//!   `across_steps`, with the MEAN of the gradients.
+//!
+//! [`Normalization`] picks sum, mean over micro-batches, or mean over items (correct when
+//! micro-batches differ in size). Parameter names are the wrapped network's, unchanged.
+
+use cellgraph_compiler::passes::grad_accumulation::{grad_accumulation, AccumulationGraphs, AccumulationOptions};
+pub use cellgraph_compiler::passes::grad_accumulation::{accumulator_name, Normalization};
+use cellgraph_compiler::{NodeId, TensorType};
+
+use crate::cell::{Cell, Tracer};
+use crate::error::{CellError, Result};
+use crate::optim::Optimizer;
+use crate::param::Parameter;
+
+/// Where micro-batches come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slicing {
+    /// One step's batch is split into `micro_size` equal micro-batches.
+    InStep,
+    /// Each step is one micro-batch; a window spans `micro_size` steps.
+    AcrossSteps,
+}
+
+/// A network whose gradients are accumulated over `micro_size` micro-batches per update.
+pub struct GradAccumulation {
+    pub network: Box<dyn Cell>,
+    pub micro_size: usize,
+    pub slicing: Slicing,
+    pub normalization: Normalization,
+    /// Clip the window's gradient to this global norm, once per window.
+    pub clip_global_norm: Option<f64>,
+    /// At the end of the data, drop an incomplete window instead of applying it.
+    pub drop_incomplete_window: bool,
+}
+
+impl GradAccumulation {
+    /// MindSpore's `parallel.GradAccumulation(network, micro_size)`.
+    pub fn new(network: impl Cell + 'static, micro_size: usize) -> Self {
+        GradAccumulation {
+            network: Box::new(network),
+            micro_size,
+            slicing: Slicing::InStep,
+            normalization: Normalization::Sum,
+            clip_global_norm: None,
+            drop_incomplete_window: false,
+        }
+    }
+    /// The r1.6 tutorial's accumulation over `mini_steps` successive steps (summed).
+    pub fn across_steps(network: impl Cell + 'static, mini_steps: usize) -> Self {
+        GradAccumulation { slicing: Slicing::AcrossSteps, ..Self::new(network, mini_steps) }
+    }
+    /// MindSpore boost's `GradientAccumulation(max_accumulation_step)`: the mean over steps.
+    pub fn boost(network: impl Cell + 'static, max_accumulation_step: usize) -> Self {
+        GradAccumulation { normalization: Normalization::Mean, ..Self::across_steps(network, max_accumulation_step) }
+    }
+    /// Sets the normalisation.
+    pub fn normalization(mut self, n: Normalization) -> Self {
+        self.normalization = n;
+        self
+    }
+    /// Clips each window's gradient to global norm `max_norm`.
+    pub fn clip_global_norm(mut self, max_norm: f64) -> Self {
+        self.clip_global_norm = Some(max_norm);
+        self
+    }
+    /// Drops an incomplete last window instead of stepping with the true count.
+    pub fn drop_incomplete_window(mut self) -> Self {
+        self.drop_incomplete_window = true;
+        self
+    }
+
+    /// Checks the configuration and a step's batch size.
+    pub fn check_batch(&self, batch: usize) -> Result<()> {
+        if self.micro_size == 0 {
+            return Err(CellError::Config { cell: "GradAccumulation".into(), detail: "micro_size must be at least 1".into() });
+        }
+        if self.slicing == Slicing::InStep && batch % self.micro_size != 0 {
+            return Err(CellError::Config {
+                cell: "GradAccumulation".into(),
+                detail: format!(
+                    "the 0th dimension of the inputs ({batch}) must be divided by micro_size ({}); use a batch size that is a multiple of {}",
+                    self.micro_size, self.micro_size
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The micro-batch types for a step whose inputs have the given types.
+    pub fn micro_inputs(&self, step_inputs: &[(&str, TensorType)]) -> Result<Vec<(String, TensorType)>> {
+        let batch = step_inputs.first().and_then(|(_, t)| t.dims().first().copied()).unwrap_or(0);
+        self.check_batch(batch)?;
+        Ok(step_inputs
+            .iter()
+            .map(|(n, t)| {
+                let mut d = t.dims().to_vec();
+                if self.slicing == Slicing::InStep && !d.is_empty() {
+                    d[0] /= self.micro_size;
+                }
+                (n.to_string(), t.with_shape(d))
+            })
+            .collect())
+    }
+
+    /// Traces the network on micro-batches of the given types and rewrites it into the
+    /// micro-step, optimizer and clear graphs.
+    pub fn compile(&self, micro_inputs: &[(String, TensorType)], opt: &dyn Optimizer) -> Result<AccumulationGraphs> {
+        let mut t = Tracer::new("forward");
+        let xs = micro_inputs.iter().map(|(n, ty)| t.input(n, ty.clone())).collect::<Result<Vec<_>>>()?;
+        let loss = t.call(self.network.as_ref(), &xs)?;
+        let params: Vec<String> = self.network.trainable_params().into_iter().map(|p| p.name).collect();
+        for p in self.network.trainable_params() {
+            t.param(&p)?;
+        }
+        let forward = t.finish(vec![loss]);
+        let opts = AccumulationOptions { normalization: self.normalization, clip_global_norm: self.clip_global_norm };
+        Ok(grad_accumulation(&forward, loss, &params, opt, &opts)?)
+    }
+}
+
+impl Cell for GradAccumulation {
+    fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
+        t.call(self.network.as_ref(), xs)
+    }
+    fn parameters(&self) -> Vec<Parameter> {
+        self.network.parameters()
+    }
+    fn kind(&self) -> &'static str {
+        "GradAccumulation"
+    }
+    fn set_train(&mut self, train: bool) {
+        self.network.set_train(train);
+    }
+}
