@@ -139,8 +139,7 @@ fn momentum() -> Rc<dyn Optimizer> {
 fn compare(acc: GradAccumulation, sizes: &[usize], updates: usize, loss_factor: f64) -> f64 {
     let in_step = acc.slicing == cellgraph::cells::Slicing::InStep;
     let opt = momentum();
-    let step_n = if in_step { sizes.iter().sum() } else { sizes[0] };
-    let mut a = Accumulator::<Cpu>::new(Rc::new(acc), opt.clone(), &types(step_n), cpu(), 1).unwrap();
+    let mut a = Accumulator::<Cpu>::new(Rc::new(acc), opt.clone(), cpu(), 1).unwrap();
     let mut r = Reference::new(opt, loss_factor);
     let mut rng = StdRng::seed_from_u64(9);
     for _ in 0..updates {
@@ -183,7 +182,7 @@ fn item_weighted_equals_the_large_batch_with_unequal_micro_batches_and_mean_of_m
 
 #[test]
 fn parameters_change_only_at_the_boundary_and_each_graph_runs_once_per_window() {
-    let mut a = Accumulator::<Cpu>::new(Rc::new(GradAccumulation::across_steps(net(), 4)), momentum(), &types(8), cpu(), 3).unwrap();
+    let mut a = Accumulator::<Cpu>::new(Rc::new(GradAccumulation::across_steps(net(), 4)), momentum(), cpu(), 3).unwrap();
     let mut rng = StdRng::seed_from_u64(1);
     let acc_name = "accu_grads.fc1.weight";
     for window in 1..=3u64 {
@@ -207,7 +206,7 @@ fn parameters_change_only_at_the_boundary_and_each_graph_runs_once_per_window() 
 
 #[test]
 fn in_step_loss_is_the_sum_of_micro_losses_and_bad_batch_sizes_are_refused() {
-    let mut a = Accumulator::<Cpu>::new(Rc::new(GradAccumulation::new(net(), 4)), momentum(), &types(16), cpu(), 3).unwrap();
+    let mut a = Accumulator::<Cpu>::new(Rc::new(GradAccumulation::new(net(), 4)), momentum(), cpu(), 3).unwrap();
     let mut rng = StdRng::seed_from_u64(2);
     let batch = data(&mut rng, 16);
     // Micro losses computed independently, before the update.
@@ -221,7 +220,8 @@ fn in_step_loss_is_the_sum_of_micro_losses_and_bad_batch_sizes_are_refused() {
     assert!((out.loss - expected).abs() < 1e-5, "{} vs {expected}", out.loss);
     assert_eq!(a.counters(), Counters { micro_steps: 4, optimizer_runs: 1, clear_runs: 1 });
 
-    let e = Accumulator::<Cpu>::new(Rc::new(GradAccumulation::new(net(), 3)), momentum(), &types(16), cpu(), 3).err().unwrap().to_string();
+    let mut bad = Accumulator::<Cpu>::new(Rc::new(GradAccumulation::new(net(), 3)), momentum(), cpu(), 3).unwrap();
+    let e = bad.step(&data(&mut rng, 16)).unwrap_err().to_string();
     assert!(e.contains("(16) must be divided by micro_size (3)"), "{e}");
     let e = a.step(&data(&mut rng, 10)).unwrap_err().to_string();
     assert!(e.contains("(10) must be divided by micro_size (4)"), "{e}");
@@ -233,7 +233,7 @@ fn incomplete_last_window_steps_with_its_true_count_or_is_dropped() {
     let micro: Vec<Vec<HostTensor>> = (0..6).map(|_| data(&mut rng, 8)).collect();
 
     let acc = GradAccumulation::across_steps(net(), 4).normalization(Normalization::Mean);
-    let mut a = Accumulator::<Cpu>::new(Rc::new(acc), momentum(), &types(8), cpu(), 1).unwrap();
+    let mut a = Accumulator::<Cpu>::new(Rc::new(acc), momentum(), cpu(), 1).unwrap();
     micro.iter().for_each(|m| {
         a.step(m).unwrap();
     });
@@ -247,7 +247,7 @@ fn incomplete_last_window_steps_with_its_true_count_or_is_dropped() {
     assert_eq!(a.counters(), Counters { micro_steps: 6, optimizer_runs: 2, clear_runs: 2 });
 
     let acc = GradAccumulation::across_steps(net(), 4).normalization(Normalization::Mean).drop_incomplete_window();
-    let mut a = Accumulator::<Cpu>::new(Rc::new(acc), momentum(), &types(8), cpu(), 1).unwrap();
+    let mut a = Accumulator::<Cpu>::new(Rc::new(acc), momentum(), cpu(), 1).unwrap();
     micro[..4].iter().for_each(|m| {
         a.step(m).unwrap();
     });
@@ -265,7 +265,7 @@ fn incomplete_last_window_steps_with_its_true_count_or_is_dropped() {
 fn clipping_happens_once_per_window_on_the_accumulated_gradient() {
     let max_norm = 1e-3;
     let acc = GradAccumulation::across_steps(net(), 3).normalization(Normalization::Mean).clip_global_norm(max_norm);
-    let mut a = Accumulator::<Cpu>::new(Rc::new(acc), Rc::new(SGD::new(1.0)), &types(8), cpu(), 1).unwrap();
+    let mut a = Accumulator::<Cpu>::new(Rc::new(acc), Rc::new(SGD::new(1.0)), cpu(), 1).unwrap();
     let before = params_of(&a.session);
     let mut rng = StdRng::seed_from_u64(5);
     for _ in 0..3 {
@@ -281,7 +281,7 @@ fn the_learning_rate_schedule_advances_once_per_applied_update() {
     let schedule = LearningRate::Step { base: 0.2, step_size: 1, gamma: 0.5 };
     let opt: Rc<dyn Optimizer> = Rc::new(SGD::new(schedule));
     let acc = GradAccumulation::across_steps(net(), 2).normalization(Normalization::Mean);
-    let mut a = Accumulator::<Cpu>::new(Rc::new(acc), opt.clone(), &types(8), cpu(), 1).unwrap();
+    let mut a = Accumulator::<Cpu>::new(Rc::new(acc), opt.clone(), cpu(), 1).unwrap();
     let mut r = Reference::new(opt, 1.0);
     let mut rng = StdRng::seed_from_u64(6);
     for _ in 0..3 {

@@ -12,7 +12,11 @@
 //! [`Normalization`] picks sum, mean over micro-batches, or mean over items (correct when
 //! micro-batches differ in size). Parameter names are the wrapped network's, unchanged.
 
-use cellgraph_compiler::passes::grad_accumulation::{grad_accumulation, AccumulationGraphs, AccumulationOptions};
+use cellgraph_compiler::passes::grad_accumulation::{
+    clear_graph, grad_accumulation, micro_graph, optimizer_graph, AccumulationGraphs, AccumulationOptions,
+};
+use cellgraph_compiler::update::StateSpec;
+use cellgraph_compiler::Graph;
 pub use cellgraph_compiler::passes::grad_accumulation::{accumulator_name, Normalization};
 use cellgraph_compiler::{NodeId, TensorType};
 
@@ -111,19 +115,47 @@ impl GradAccumulation {
             .collect())
     }
 
-    /// Traces the network on micro-batches of the given types and rewrites it into the
-    /// micro-step, optimizer and clear graphs.
-    pub fn compile(&self, micro_inputs: &[(String, TensorType)], opt: &dyn Optimizer) -> Result<AccumulationGraphs> {
+    fn options(&self) -> AccumulationOptions {
+        AccumulationOptions { normalization: self.normalization, clip_global_norm: self.clip_global_norm }
+    }
+
+    fn trained(&self) -> Vec<(String, TensorType)> {
+        self.network.trainable_params().into_iter().map(|p| (p.name, p.ty)).collect()
+    }
+
+    /// The `micro_step` graph for micro-batches of the given types.
+    pub fn micro_step_graph(&self, micro_inputs: &[(String, TensorType)]) -> Result<Graph> {
+        let (forward, loss) = self.trace_forward(micro_inputs)?;
+        let names: Vec<String> = self.trained().into_iter().map(|(n, _)| n).collect();
+        Ok(micro_graph(&forward, loss, &names, &self.options())?)
+    }
+
+    /// The `optimizer` and `clear` graphs (they do not depend on the micro-batch shape), the
+    /// accumulators and the optimizer state.
+    pub fn boundary_graphs(&self, opt: &dyn Optimizer) -> Result<(Graph, Graph, Vec<(String, TensorType)>, Vec<StateSpec>)> {
+        let trained = self.trained();
+        let (optimizer, state) = optimizer_graph(&trained, opt, &self.options())?;
+        let clear = clear_graph(&trained)?;
+        let accumulators = trained.iter().map(|(n, t)| (accumulator_name(n), t.clone())).collect();
+        Ok((optimizer, clear, accumulators, state))
+    }
+
+    fn trace_forward(&self, micro_inputs: &[(String, TensorType)]) -> Result<(Graph, NodeId)> {
         let mut t = Tracer::new("forward");
         let xs = micro_inputs.iter().map(|(n, ty)| t.input(n, ty.clone())).collect::<Result<Vec<_>>>()?;
         let loss = t.call(self.network.as_ref(), &xs)?;
-        let params: Vec<String> = self.network.trainable_params().into_iter().map(|p| p.name).collect();
         for p in self.network.trainable_params() {
             t.param(&p)?;
         }
-        let forward = t.finish(vec![loss]);
-        let opts = AccumulationOptions { normalization: self.normalization, clip_global_norm: self.clip_global_norm };
-        Ok(grad_accumulation(&forward, loss, &params, opt, &opts)?)
+        Ok((t.finish(vec![loss]), loss))
+    }
+
+    /// Traces the network on micro-batches of the given types and rewrites it into the
+    /// micro-step, optimizer and clear graphs.
+    pub fn compile(&self, micro_inputs: &[(String, TensorType)], opt: &dyn Optimizer) -> Result<AccumulationGraphs> {
+        let (forward, loss) = self.trace_forward(micro_inputs)?;
+        let names: Vec<String> = self.trained().into_iter().map(|(n, _)| n).collect();
+        Ok(grad_accumulation(&forward, loss, &names, opt, &self.options())?)
     }
 }
 
@@ -136,6 +168,9 @@ impl Cell for GradAccumulation {
     }
     fn kind(&self) -> &'static str {
         "GradAccumulation"
+    }
+    fn backbone(&self) -> Option<&dyn Cell> {
+        self.network.backbone()
     }
     fn set_train(&mut self, train: bool) {
         self.network.set_train(train);

@@ -28,6 +28,10 @@ pub trait Cell {
     fn kind(&self) -> &'static str;
     /// Switches training behaviour (MindSpore's `set_train`); no built-in layer differs yet.
     fn set_train(&mut self, _train: bool) {}
+    /// The network inside a loss wrapper (`WithLossCell`'s backbone), for evaluation.
+    fn backbone(&self) -> Option<&dyn Cell> {
+        None
+    }
     /// Parameters the optimizer updates (MindSpore's `trainable_params()`).
     fn trainable_params(&self) -> Vec<Parameter> {
         self.parameters().into_iter().filter(|p| p.requires_grad).collect()

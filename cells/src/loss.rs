@@ -125,6 +125,9 @@ impl Cell for WithLossCell {
     fn kind(&self) -> &'static str {
         "WithLossCell"
     }
+    fn backbone(&self) -> Option<&dyn Cell> {
+        Some(self.backbone.as_ref())
+    }
     fn set_train(&mut self, train: bool) {
         self.backbone.set_train(train);
     }

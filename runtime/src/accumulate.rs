@@ -67,33 +67,41 @@ pub fn slice_rows(t: &HostTensor, start: usize, end: usize) -> HostTensor {
 }
 
 impl<B: Backend> Accumulator<B> {
-    /// Compiles `net` for steps whose inputs have the given names and types, and fills a new
-    /// session on `device`: parameters from `seed`, zero accumulators, initial optimizer state.
-    pub fn new(net: Rc<GradAccumulation>, opt: Rc<dyn Optimizer>, step_inputs: &[(&str, TensorType)], device: Device<B>, seed: u64) -> Result<Self> {
-        let micro_inputs = net.micro_inputs(step_inputs)?;
-        let graphs = net.compile(&micro_inputs, opt.as_ref())?;
+    /// Compiles the boundary graphs of `net` and fills a new session on `device`: parameters
+    /// drawn from `seed`, zero accumulators, initial optimizer state. Micro-step graphs are
+    /// compiled on first use, one per micro-batch shape.
+    pub fn new(net: Rc<GradAccumulation>, opt: Rc<dyn Optimizer>, device: Device<B>, seed: u64) -> Result<Self> {
+        let (optimizer, clear, accumulators, state) = net.boundary_graphs(opt.as_ref())?;
         let mut session = Session::new(device);
         session.init_params(&net.parameters(), seed);
-        for (name, ty) in &graphs.accumulators {
+        for (name, ty) in &accumulators {
             session.set_param(name, &HostTensor::full(ty, 0.0));
         }
-        session.init_state(&graphs.state);
-        let key: Vec<TensorType> = micro_inputs.iter().map(|(_, t)| t.clone()).collect();
-        let names = micro_inputs.into_iter().map(|(n, _)| n).collect();
-        let micro = HashMap::from([(key, compile(graphs.micro)?)]);
+        session.init_state(&state);
         Ok(Accumulator {
             net,
             opt,
-            micro,
-            optimizer: compile(graphs.optimizer)?,
-            clear: compile(graphs.clear)?,
+            micro: HashMap::new(),
+            optimizer: compile(optimizer)?,
+            clear: compile(clear)?,
             session,
             window_micro: 0,
             window_items: 0,
             updates: 0,
             counters: Counters::default(),
-            names,
+            names: Vec::new(),
         })
+    }
+
+    /// Names the inputs of micro-step graphs (default `input0`, `input1`, ...), as they appear
+    /// in dumps.
+    pub fn set_input_names(&mut self, names: &[&str]) {
+        self.names = names.iter().map(|n| n.to_string()).collect();
+    }
+
+    /// The wrapped network.
+    pub fn network(&self) -> &GradAccumulation {
+        &self.net
     }
 
     /// The graphs' run counts.
@@ -125,9 +133,13 @@ impl<B: Backend> Accumulator<B> {
     pub fn micro_step(&mut self, inputs: &[HostTensor]) -> Result<f64> {
         let key: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
         if !self.micro.contains_key(&key) {
-            let named: Vec<(String, TensorType)> = self.names.iter().cloned().zip(key.iter().cloned()).collect();
-            let g = self.net.compile(&named, self.opt.as_ref())?;
-            self.micro.insert(key.clone(), compile(g.micro)?);
+            let named: Vec<(String, TensorType)> = key
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (self.names.get(i).cloned().unwrap_or_else(|| format!("input{i}")), t.clone()))
+                .collect();
+            let g = self.net.micro_step_graph(&named)?;
+            self.micro.insert(key.clone(), compile(g)?);
         }
         let loss = self.session.run(&self.micro[&key], inputs)?[0].scalar();
         self.counters.micro_steps += 1;

@@ -6,6 +6,7 @@
 //! - [`data`]: datasets (MNIST IDX files).
 
 pub mod accumulate;
+pub mod checkpoint;
 pub mod data;
 pub mod error;
 pub mod exec;

@@ -87,7 +87,8 @@ pub fn grad_accumulation(
     Ok(AccumulationGraphs { micro, optimizer, clear, accumulators, state })
 }
 
-fn micro_graph(forward: &Graph, loss: NodeId, params: &[String], opts: &AccumulationOptions) -> Result<Graph> {
+/// The `micro_step` graph alone.
+pub fn micro_graph(forward: &Graph, loss: NodeId, params: &[String], opts: &AccumulationOptions) -> Result<Graph> {
     let mut g = forward.clone();
     g.name = "micro_step".into();
     let nodes: Vec<NodeId> = params.iter().map(|p| g.find_parameter(p).expect("checked by the caller")).collect();
@@ -108,7 +109,8 @@ fn micro_graph(forward: &Graph, loss: NodeId, params: &[String], opts: &Accumula
     Ok(g)
 }
 
-fn optimizer_graph(params: &[(String, TensorType)], rule: &dyn UpdateRule, opts: &AccumulationOptions) -> Result<(Graph, Vec<StateSpec>)> {
+/// The `optimizer` graph (and the state it declares) for parameters of the given types.
+pub fn optimizer_graph(params: &[(String, TensorType)], rule: &dyn UpdateRule, opts: &AccumulationOptions) -> Result<(Graph, Vec<StateSpec>)> {
     let mut g = Graph::new("optimizer");
     let scalar = TensorType::f32(Shape::scalar());
     let scale = g.add_leaf(Op::Input { index: 0, name: "grad_scale".into() }, scalar.clone(), "optimizer")?;
@@ -146,7 +148,8 @@ fn optimizer_graph(params: &[(String, TensorType)], rule: &dyn UpdateRule, opts:
     Ok((g, state))
 }
 
-fn clear_graph(params: &[(String, TensorType)]) -> Result<Graph> {
+/// The `clear` graph for parameters of the given types.
+pub fn clear_graph(params: &[(String, TensorType)]) -> Result<Graph> {
     let mut g = Graph::new("clear");
     for (name, ty) in params {
         let acc = g.add_leaf(Op::Parameter { name: accumulator_name(name) }, ty.clone(), "clear")?;

@@ -1,0 +1,212 @@
+//! Checkpoints: named tensors, written atomically, in two formats.
+//!
+//! - Native: safetensors, with a CRC-32 of every tensor's bytes in the metadata
+//!   (`cellgraph.crc32`), checked on load. A checkpoint whose bytes do not match is an error,
+//!   never a partial load.
+//! - MindSpore `.ckpt`: one protobuf `Checkpoint { repeated Value { tag, TensorProto { dims,
+//!   tensor_type, tensor_content } } }` (proto2, so `dims` is unpacked), one `Value` per
+//!   tensor, scalars with `dims = [0]`, as MindSpore's `save_checkpoint` writes them.
+//!
+//! Both are written to a temporary file in the same directory, synced, then renamed over the
+//! target, so a crash leaves either the old file or the new one. The format is chosen by the
+//! extension: `.ckpt` is MindSpore's, anything else native.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+use cellgraph_compiler::{HostData, HostTensor};
+use prost::Message;
+
+use crate::error::{Result, RuntimeError};
+
+/// MindSpore's checkpoint messages.
+pub mod proto {
+    /// `TensorProto` of MindSpore's checkpoint.proto.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct TensorProto {
+        #[prost(int64, repeated, packed = "false", tag = "1")]
+        pub dims: Vec<i64>,
+        #[prost(string, tag = "2")]
+        pub tensor_type: String,
+        #[prost(bytes = "vec", tag = "3")]
+        pub tensor_content: Vec<u8>,
+    }
+    /// `Checkpoint.Value`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Value {
+        #[prost(string, tag = "1")]
+        pub tag: String,
+        #[prost(message, optional, tag = "2")]
+        pub tensor: Option<TensorProto>,
+    }
+    /// `Checkpoint`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Checkpoint {
+        #[prost(message, repeated, tag = "1")]
+        pub value: Vec<Value>,
+    }
+}
+
+/// Named host tensors.
+pub type Tensors = BTreeMap<String, HostTensor>;
+
+fn err(path: &Path, offset: u64, detail: impl Into<String>) -> RuntimeError {
+    RuntimeError::Data { path: path.display().to_string(), offset, detail: detail.into() }
+}
+
+fn io(path: &Path, source: std::io::Error) -> RuntimeError {
+    RuntimeError::Io { path: path.display().to_string(), source }
+}
+
+/// Little-endian bytes of a tensor and MindSpore's type name.
+fn encode(t: &HostTensor) -> (Vec<u8>, &'static str) {
+    match &t.data {
+        HostData::F32(v) => (v.iter().flat_map(|x| x.to_le_bytes()).collect(), "Float32"),
+        HostData::F64(v) => (v.iter().flat_map(|x| (*x as f32).to_le_bytes()).collect(), "Float32"),
+        HostData::I32(v) => (v.iter().flat_map(|x| x.to_le_bytes()).collect(), "Int32"),
+        HostData::I64(v) => (v.iter().flat_map(|x| x.to_le_bytes()).collect(), "Int64"),
+        HostData::Bool(v) => (v.iter().map(|&b| b as u8).collect(), "Bool"),
+    }
+}
+
+fn decode(path: &Path, name: &str, shape: Vec<usize>, ty: &str, bytes: &[u8]) -> Result<HostTensor> {
+    let n: usize = shape.iter().product();
+    let width = match ty {
+        "Float32" | "Int32" => 4,
+        "Int64" => 8,
+        "Bool" => 1,
+        other => return Err(err(path, 0, format!("tensor `{name}` has type {other}, which cellgraph does not load (Float32, Int32, Int64, Bool)"))),
+    };
+    if bytes.len() != n * width {
+        return Err(err(path, 0, format!("tensor `{name}`: shape {shape:?} of {ty} needs {} bytes, the file holds {}", n * width, bytes.len())));
+    }
+    let data = match ty {
+        "Float32" => HostData::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()),
+        "Int32" => HostData::I32(bytes.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect()),
+        "Int64" => HostData::I64(bytes.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()),
+        _ => HostData::Bool(bytes.iter().map(|&b| b != 0).collect()),
+    };
+    Ok(HostTensor { shape, data })
+}
+
+/// Writes `bytes` to `path` atomically: temp file in the same directory, fsync, rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let mut f = std::fs::File::create(&tmp).map_err(|e| io(&tmp, e))?;
+    f.write_all(bytes).and_then(|_| f.sync_all()).map_err(|e| io(&tmp, e))?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(|e| io(path, e))
+}
+
+/// Encodes tensors as a MindSpore `.ckpt` protobuf.
+pub fn to_ckpt_bytes(tensors: &Tensors) -> Vec<u8> {
+    let value = tensors
+        .iter()
+        .map(|(name, t)| {
+            let (bytes, ty) = encode(t);
+            let dims = if t.shape.is_empty() { vec![0] } else { t.shape.iter().map(|&d| d as i64).collect() };
+            proto::Value { tag: name.clone(), tensor: Some(proto::TensorProto { dims, tensor_type: ty.into(), tensor_content: bytes }) }
+        })
+        .collect();
+    proto::Checkpoint { value }.encode_to_vec()
+}
+
+/// Decodes a MindSpore `.ckpt` protobuf; `path` names the file in errors.
+pub fn from_ckpt_bytes(path: &Path, bytes: &[u8]) -> Result<Tensors> {
+    let ckpt = proto::Checkpoint::decode(bytes).map_err(|e| err(path, 0, format!("not a MindSpore checkpoint or truncated ({e})")))?;
+    let mut out = Tensors::new();
+    for v in ckpt.value {
+        let t = v.tensor.ok_or_else(|| err(path, 0, format!("entry `{}` has no tensor", v.tag)))?;
+        let one = t.tensor_content.len() <= 8 && t.dims == [0];
+        let shape = if one { vec![] } else { t.dims.iter().map(|&d| d.max(0) as usize).collect() };
+        let tensor = decode(path, &v.tag, shape, &t.tensor_type, &t.tensor_content)?;
+        if out.insert(v.tag.clone(), tensor).is_some() {
+            return Err(err(path, 0, format!("entry `{}` appears twice", v.tag)));
+        }
+    }
+    Ok(out)
+}
+
+fn crc_of(tensors: &Tensors) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    for (name, t) in tensors {
+        h.update(name.as_bytes());
+        h.update(&encode(t).0);
+    }
+    h.finalize()
+}
+
+/// Encodes tensors as safetensors with a checksum and the given extra metadata.
+pub fn to_safetensors_bytes(tensors: &Tensors, meta: &BTreeMap<String, String>) -> Result<Vec<u8>> {
+    let encoded: Vec<(String, Vec<u8>, safetensors::Dtype, Vec<usize>)> = tensors
+        .iter()
+        .map(|(n, t)| {
+            let (bytes, ty) = encode(t);
+            let dtype = match ty {
+                "Float32" => safetensors::Dtype::F32,
+                "Int32" => safetensors::Dtype::I32,
+                "Int64" => safetensors::Dtype::I64,
+                _ => safetensors::Dtype::BOOL,
+            };
+            (n.clone(), bytes, dtype, t.shape.clone())
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = encoded
+        .iter()
+        .map(|(n, b, d, s)| Ok((n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).map_err(|e| err(Path::new(n), 0, e.to_string()))?)))
+        .collect::<Result<_>>()?;
+    let mut meta = meta.clone();
+    meta.insert("cellgraph.crc32".into(), format!("{:08x}", crc_of(tensors)));
+    meta.insert("format".into(), "cellgraph-1".into());
+    let meta: std::collections::HashMap<String, String> = meta.into_iter().collect();
+    safetensors::tensor::serialize(views, Some(meta)).map_err(|e| err(Path::new("<memory>"), 0, e.to_string()))
+}
+
+/// Decodes native safetensors and checks the checksum; returns tensors and metadata.
+pub fn from_safetensors_bytes(path: &Path, bytes: &[u8]) -> Result<(Tensors, BTreeMap<String, String>)> {
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| err(path, 0, format!("not a safetensors file or truncated ({e})")))?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(bytes).map_err(|e| err(path, 0, e.to_string()))?;
+    let meta: BTreeMap<String, String> = header.metadata().clone().unwrap_or_default().into_iter().collect();
+    let mut tensors = Tensors::new();
+    for (name, view) in st.tensors() {
+        let ty = match view.dtype() {
+            safetensors::Dtype::F32 => "Float32",
+            safetensors::Dtype::I32 => "Int32",
+            safetensors::Dtype::I64 => "Int64",
+            safetensors::Dtype::BOOL => "Bool",
+            other => return Err(err(path, 0, format!("tensor `{name}` has dtype {other:?}, which cellgraph does not load"))),
+        };
+        tensors.insert(name.clone(), decode(path, &name, view.shape().to_vec(), ty, view.data())?);
+    }
+    if let Some(want) = meta.get("cellgraph.crc32") {
+        let got = format!("{:08x}", crc_of(&tensors));
+        if &got != want {
+            return Err(err(path, 0, format!("checksum mismatch (stored {want}, computed {got}): the checkpoint is corrupt")));
+        }
+    }
+    Ok((tensors, meta))
+}
+
+/// Saves tensors (and, natively, metadata) to `path`; `.ckpt` selects MindSpore's format.
+pub fn save(path: &Path, tensors: &Tensors, meta: &BTreeMap<String, String>) -> Result<()> {
+    let bytes = if is_ckpt(path) { to_ckpt_bytes(tensors) } else { to_safetensors_bytes(tensors, meta)? };
+    write_atomic(path, &bytes)
+}
+
+/// Loads tensors and metadata from `path`; `.ckpt` is read as MindSpore's format (no metadata).
+pub fn load(path: &Path) -> Result<(Tensors, BTreeMap<String, String>)> {
+    let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
+    if is_ckpt(path) {
+        Ok((from_ckpt_bytes(path, &bytes)?, BTreeMap::new()))
+    } else {
+        from_safetensors_bytes(path, &bytes)
+    }
+}
+
+fn is_ckpt(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "ckpt")
+}

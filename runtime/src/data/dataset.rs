@@ -1,0 +1,201 @@
+//! A MindSpore-style dataset pipeline over MNIST: `map` image ops, seeded `shuffle`,
+//! `batch(n, drop_remainder)`, `repeat`, and `shard(num_shards, shard_id)`.
+//!
+//! Order of operations, whatever order the builder calls come in: shard the item indices
+//! (every shard gets `ceil(N / num_shards)` items, wrapping around to pad, so every rank takes
+//! the same number of steps), shuffle within the epoch (seeded by the seed and the epoch, the
+//! same on every rank), apply the image ops, batch, and repeat the epoch `repeat` times.
+//! Labels are cast to int32 (MindSpore's `TypeCast(int32)`).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use cellgraph_compiler::HostTensor;
+
+use crate::data::mnist::{resize_bilinear, Mnist};
+use crate::error::{Result, RuntimeError};
+
+/// One image operation (MindSpore `dataset.vision` names).
+#[derive(Clone, Debug, PartialEq)]
+pub enum ImageOp {
+    /// Bilinear resize to `(height, width)`, rounded back to uint8 like MindSpore's `Resize`
+    /// on uint8 images (only valid as the first op).
+    Resize(usize, usize),
+    /// `x * rescale + shift`.
+    Rescale { rescale: f32, shift: f32 },
+    /// `(x - mean) / std`.
+    Normalize { mean: f32, std: f32 },
+    /// Layout change to channels-first; MNIST has one channel, so only the shape changes.
+    Hwc2Chw,
+}
+
+/// A batch: images `[n, 1, h, w]` (f32) and labels `[n]` (i32).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    pub data: HostTensor,
+    pub label: HostTensor,
+}
+
+impl Batch {
+    /// `[data, label]`, the order networks take them in.
+    pub fn inputs(&self) -> [HostTensor; 2] {
+        [self.data.clone(), self.label.clone()]
+    }
+}
+
+/// MNIST with a pipeline.
+#[derive(Clone, Debug)]
+pub struct MnistDataset {
+    source: Arc<Mnist>,
+    ops: Vec<ImageOp>,
+    shuffle: Option<u64>,
+    batch_size: usize,
+    drop_remainder: bool,
+    repeat: usize,
+    shard: (usize, usize),
+}
+
+impl MnistDataset {
+    /// Reads `{dir}/{split}-{images,labels}-idx*-ubyte[.gz]` (`split`: `train` or `t10k`).
+    pub fn new(dir: &Path, split: &str) -> Result<Self> {
+        Ok(Self::from_mnist(Mnist::load(dir, split)?))
+    }
+    /// A pipeline over already loaded data.
+    pub fn from_mnist(m: Mnist) -> Self {
+        MnistDataset { source: Arc::new(m), ops: Vec::new(), shuffle: None, batch_size: 1, drop_remainder: false, repeat: 1, shard: (1, 0) }
+    }
+    /// Appends image operations.
+    pub fn map(mut self, ops: impl IntoIterator<Item = ImageOp>) -> Self {
+        self.ops.extend(ops);
+        self
+    }
+    /// Shuffles each epoch with a seeded permutation.
+    pub fn shuffle(mut self, seed: u64) -> Self {
+        self.shuffle = Some(seed);
+        self
+    }
+    /// Groups items into batches of `n`; the last short batch is dropped when asked.
+    pub fn batch(mut self, n: usize, drop_remainder: bool) -> Result<Self> {
+        if n == 0 {
+            return Err(RuntimeError::Mismatch { what: "batch size".into(), expected: "at least 1".into(), got: "0".into() });
+        }
+        self.batch_size = n;
+        self.drop_remainder = drop_remainder;
+        Ok(self)
+    }
+    /// Repeats the data `n` times per epoch.
+    pub fn repeat(mut self, n: usize) -> Self {
+        self.repeat = n.max(1);
+        self
+    }
+    /// Keeps shard `shard_id` of `num_shards` (for data-parallel ranks).
+    pub fn shard(mut self, num_shards: usize, shard_id: usize) -> Result<Self> {
+        if num_shards == 0 || shard_id >= num_shards {
+            return Err(RuntimeError::Mismatch {
+                what: "shard".into(),
+                expected: format!("shard_id in 0..{num_shards}"),
+                got: format!("shard_id {shard_id} of {num_shards} shards"),
+            });
+        }
+        self.shard = (num_shards, shard_id);
+        Ok(self)
+    }
+
+    /// Items one shard sees per pass over the data.
+    pub fn items_per_pass(&self) -> usize {
+        self.source.len().div_ceil(self.shard.0)
+    }
+
+    /// Batches per epoch (MindSpore's `get_dataset_size`).
+    pub fn get_dataset_size(&self) -> usize {
+        let n = self.items_per_pass() * self.repeat;
+        if self.drop_remainder {
+            n / self.batch_size
+        } else {
+            n.div_ceil(self.batch_size)
+        }
+    }
+
+    /// The batch size.
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    /// The item indices of an epoch, in order.
+    fn order(&self, epoch: usize) -> Vec<usize> {
+        let (num, id) = self.shard;
+        let n = self.source.len();
+        let mut all: Vec<usize> = (0..n).collect();
+        if let Some(seed) = self.shuffle {
+            all.shuffle(&mut StdRng::seed_from_u64(seed ^ (epoch as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
+        }
+        let mine: Vec<usize> = (0..self.items_per_pass()).map(|k| all[(id + k * num) % n]).collect();
+        (0..self.repeat).flat_map(|_| mine.iter().copied()).collect()
+    }
+
+    /// The output shape `[channels, height, width]` of one image after the ops.
+    pub fn image_shape(&self) -> [usize; 3] {
+        let mut hw = [self.source.rows, self.source.cols];
+        for op in &self.ops {
+            if let ImageOp::Resize(h, w) = op {
+                hw = [*h, *w];
+            }
+        }
+        [1, hw[0], hw[1]]
+    }
+
+    fn transform(&self, i: usize) -> Vec<f32> {
+        let (mut h, mut w) = (self.source.rows, self.source.cols);
+        let mut x: Vec<f32> = self.source.image(i).iter().map(|&p| p as f32).collect();
+        for op in &self.ops {
+            match *op {
+                ImageOp::Resize(oh, ow) => {
+                    x = resize_bilinear(&x, h, w, oh, ow).into_iter().map(|v| v.round().clamp(0.0, 255.0)).collect();
+                    (h, w) = (oh, ow);
+                }
+                ImageOp::Rescale { rescale, shift } => x.iter_mut().for_each(|v| *v = *v * rescale + shift),
+                ImageOp::Normalize { mean, std } => x.iter_mut().for_each(|v| *v = (*v - mean) / std),
+                ImageOp::Hwc2Chw => {}
+            }
+        }
+        x
+    }
+
+    /// The batches of epoch `epoch` (0-based), starting at batch `skip`.
+    pub fn epoch(&self, epoch: usize, skip: usize) -> impl Iterator<Item = Batch> + '_ {
+        let order = self.order(epoch);
+        let b = self.batch_size;
+        let batches = self.get_dataset_size();
+        let shape = self.image_shape();
+        (skip..batches).map(move |k| {
+            let idx = &order[k * b..((k + 1) * b).min(order.len())];
+            let n = idx.len();
+            let data: Vec<f32> = idx.iter().flat_map(|&i| self.transform(i)).collect();
+            let label: Vec<i32> = idx.iter().map(|&i| self.source.labels[i] as i32).collect();
+            Batch {
+                data: HostTensor::f32(vec![n, shape[0], shape[1], shape[2]], data).expect("consistent sizes"),
+                label: HostTensor::i32(vec![n], label).expect("consistent sizes"),
+            }
+        })
+    }
+}
+
+/// MindSpore's LeNet `create_dataset(data_path, batch_size, repeat_size)`: `Resize(32, 32)`,
+/// `Rescale(1/255)`, `Rescale(1/0.3081, -0.1307/0.3081)`, `HWC2CHW`, shuffle, batch with
+/// `drop_remainder=True`, repeat.
+pub fn create_dataset(dir: &Path, split: &str, batch_size: usize, repeat: usize, shuffle_seed: u64) -> Result<MnistDataset> {
+    MnistDataset::new(dir, split)?
+        .map([
+            ImageOp::Resize(32, 32),
+            ImageOp::Rescale { rescale: 1.0 / 255.0, shift: 0.0 },
+            ImageOp::Rescale { rescale: 1.0 / 0.3081, shift: -0.1307 / 0.3081 },
+            ImageOp::Hwc2Chw,
+        ])
+        .shuffle(shuffle_seed)
+        .batch(batch_size, true)
+        .map(|d| d.repeat(repeat))
+}
