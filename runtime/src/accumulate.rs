@@ -167,6 +167,66 @@ impl<B: Backend> Accumulator<B> {
         self.clear_window()
     }
 
+    /// Everything needed to resume bit-identically: parameters, accumulators, optimizer
+    /// state, and the counters as `cellgraph.*` int64 scalars.
+    pub fn snapshot(&self) -> crate::checkpoint::Tensors {
+        let mut t = self.session.params_host();
+        let counters = [
+            ("cellgraph.updates", self.updates as i64),
+            ("cellgraph.window_micro", self.window_micro as i64),
+            ("cellgraph.window_items", self.window_items as i64),
+            ("cellgraph.micro_steps", self.counters.micro_steps as i64),
+            ("cellgraph.optimizer_runs", self.counters.optimizer_runs as i64),
+            ("cellgraph.clear_runs", self.counters.clear_runs as i64),
+        ];
+        for (k, v) in counters {
+            t.insert(k.into(), HostTensor { shape: vec![], data: HostData::I64(vec![v]) });
+        }
+        t
+    }
+
+    /// Loads a snapshot (or a MindSpore checkpoint holding just parameters): tensors whose
+    /// names the session knows replace their values, after a shape check; counters are
+    /// restored when present. Unknown names are an error naming them.
+    pub fn restore(&mut self, tensors: &crate::checkpoint::Tensors) -> Result<()> {
+        let known: std::collections::BTreeSet<String> = self.session.param_names().into_iter().collect();
+        let mut unknown = Vec::new();
+        for (name, t) in tensors {
+            if let Some(counter) = name.strip_prefix("cellgraph.") {
+                let v = t.scalar() as u64;
+                match counter {
+                    "updates" => self.updates = v,
+                    "window_micro" => self.window_micro = v as usize,
+                    "window_items" => self.window_items = v as usize,
+                    "micro_steps" => self.counters.micro_steps = v,
+                    "optimizer_runs" => self.counters.optimizer_runs = v,
+                    "clear_runs" => self.counters.clear_runs = v,
+                    _ => {}
+                }
+            } else if known.contains(name) {
+                let have = self.session.param(name).expect("known").shape;
+                if have != t.shape {
+                    return Err(crate::error::RuntimeError::Mismatch {
+                        what: format!("checkpoint tensor `{name}`"),
+                        expected: format!("shape {have:?}"),
+                        got: format!("shape {:?}", t.shape),
+                    });
+                }
+                self.session.set_param(name, t);
+            } else if !matches!(name.as_str(), "global_step" | "learning_rate" | "epoch_num" | "step_num") {
+                unknown.push(name.clone());
+            }
+        }
+        if !unknown.is_empty() {
+            return Err(crate::error::RuntimeError::Mismatch {
+                what: "checkpoint".into(),
+                expected: "only parameters of this network, its accumulators and optimizer state".into(),
+                got: format!("unknown tensors {unknown:?}"),
+            });
+        }
+        Ok(())
+    }
+
     fn clear_window(&mut self) -> Result<()> {
         self.session.run(&self.clear, &[])?;
         self.counters.clear_runs += 1;

@@ -6,16 +6,20 @@
 //! - [`data`]: datasets (MNIST IDX files).
 
 pub mod accumulate;
+pub mod callback;
 pub mod checkpoint;
 pub mod data;
 pub mod error;
 pub mod exec;
 pub mod lower;
+pub mod model;
 pub mod value;
 
 pub use error::{Result, RuntimeError};
 pub use accumulate::{Accumulator, Counters, StepOutcome};
+pub use callback::{Callback, CheckpointConfig, LossLog, LossMonitor, ModelCheckpoint, ProgressBar, RunContext, TimeMonitor};
 pub use exec::{compile, Executable, Session};
+pub use model::{Dataset, Metric, Model, Position, TensorDataset};
 pub use value::Value;
 
 /// The CPU backend: burn's ndarray backend in f32.

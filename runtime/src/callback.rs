@@ -1,0 +1,250 @@
+//! Training callbacks (MindSpore's `LossMonitor`, `TimeMonitor`, `ModelCheckpoint`), a loss
+//! log in JSON lines, and a progress bar.
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use burn_backend::Backend;
+
+use crate::accumulate::Accumulator;
+use crate::error::{Result, RuntimeError};
+use crate::model::Position;
+
+/// What a callback sees.
+pub struct RunContext<'a, B: Backend> {
+    /// 1-based epoch.
+    pub epoch: usize,
+    pub epochs: usize,
+    /// Batches done in this epoch (1-based at `step_end`).
+    pub step: usize,
+    pub steps_per_epoch: usize,
+    pub loss: f64,
+    /// True when this step applied an optimizer update.
+    pub applied: bool,
+    /// Seconds the epoch took (at `epoch_end`).
+    pub epoch_seconds: f64,
+    /// Training position after this step (what a checkpoint resumes from).
+    pub position: Position,
+    pub accumulator: &'a Accumulator<B>,
+    /// Set to stop training after this step (MindSpore's `request_stop`).
+    pub stop_requested: bool,
+}
+
+impl<'a, B: Backend> RunContext<'a, B> {
+    pub(crate) fn new(epoch: usize, epochs: usize, steps_per_epoch: usize, accumulator: &'a Accumulator<B>) -> Self {
+        RunContext {
+            epoch,
+            epochs,
+            step: 0,
+            steps_per_epoch,
+            loss: f64::NAN,
+            applied: false,
+            epoch_seconds: 0.0,
+            position: Position::default(),
+            accumulator,
+            stop_requested: false,
+        }
+    }
+    /// Asks training to stop after this step.
+    pub fn request_stop(&mut self) {
+        self.stop_requested = true;
+    }
+}
+
+/// Hooks called during `Model::train`.
+pub trait Callback<B: Backend> {
+    fn epoch_begin(&mut self, _cx: &mut RunContext<B>) -> Result<()> {
+        Ok(())
+    }
+    fn step_end(&mut self, _cx: &mut RunContext<B>) -> Result<()> {
+        Ok(())
+    }
+    fn epoch_end(&mut self, _cx: &mut RunContext<B>) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Prints `epoch: E step: S, loss is L` every `per_print_times` steps and stops training with
+/// an error on a NaN or infinite loss.
+pub struct LossMonitor {
+    per_print_times: usize,
+    out: Box<dyn Write>,
+}
+
+impl LossMonitor {
+    /// Prints to standard output.
+    pub fn new(per_print_times: usize) -> Self {
+        Self::to_writer(per_print_times, Box::new(std::io::stdout()))
+    }
+    /// Prints to `out` (a log file, a buffer in tests).
+    pub fn to_writer(per_print_times: usize, out: Box<dyn Write>) -> Self {
+        LossMonitor { per_print_times: per_print_times.max(1), out }
+    }
+}
+
+impl<B: Backend> Callback<B> for LossMonitor {
+    fn step_end(&mut self, cx: &mut RunContext<B>) -> Result<()> {
+        if !cx.loss.is_finite() {
+            return Err(RuntimeError::BadValue {
+                scope: format!("epoch {} step {}", cx.epoch, cx.step),
+                op: "LossMonitor",
+                detail: format!("loss is {}; training stopped (lower the learning rate or check the data)", cx.loss),
+            });
+        }
+        if cx.step % self.per_print_times == 0 {
+            let _ = writeln!(self.out, "epoch: {} step: {}, loss is {}", cx.epoch, cx.step, cx.loss as f32);
+            let _ = self.out.flush();
+        }
+        Ok(())
+    }
+}
+
+/// Prints `Train epoch time: X ms, per step time: Y ms` at the end of each epoch.
+pub struct TimeMonitor {
+    out: Box<dyn Write>,
+}
+
+impl TimeMonitor {
+    /// Prints to standard output.
+    pub fn new() -> Self {
+        TimeMonitor { out: Box::new(std::io::stdout()) }
+    }
+}
+
+impl Default for TimeMonitor {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<B: Backend> Callback<B> for TimeMonitor {
+    fn epoch_end(&mut self, cx: &mut RunContext<B>) -> Result<()> {
+        let ms = cx.epoch_seconds * 1e3;
+        let _ = writeln!(self.out, "Train epoch time: {ms:.3} ms, per step time: {:.3} ms", ms / cx.steps_per_epoch.max(1) as f64);
+        Ok(())
+    }
+}
+
+/// MindSpore's `CheckpointConfig`.
+#[derive(Clone, Debug)]
+pub struct CheckpointConfig {
+    pub save_checkpoint_steps: usize,
+    pub keep_checkpoint_max: usize,
+    /// File extension: `ckpt` (MindSpore's protobuf) or `safetensors` (native).
+    pub format: &'static str,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig { save_checkpoint_steps: 1, keep_checkpoint_max: 5, format: "safetensors" }
+    }
+}
+
+/// Writes `{prefix}-{epoch}_{step}.{format}` every `save_checkpoint_steps` steps, keeping the
+/// newest `keep_checkpoint_max` files. Each file holds everything needed to resume.
+pub struct ModelCheckpoint {
+    prefix: String,
+    directory: PathBuf,
+    config: CheckpointConfig,
+    kept: VecDeque<PathBuf>,
+    total_steps: usize,
+}
+
+impl ModelCheckpoint {
+    /// Checkpoints named `{prefix}-...` in `directory`.
+    pub fn new(prefix: &str, directory: &Path, config: CheckpointConfig) -> Self {
+        ModelCheckpoint { prefix: prefix.into(), directory: directory.into(), config, kept: VecDeque::new(), total_steps: 0 }
+    }
+    /// Files written and still kept, oldest first.
+    pub fn kept(&self) -> Vec<PathBuf> {
+        self.kept.iter().cloned().collect()
+    }
+}
+
+impl<B: Backend> Callback<B> for ModelCheckpoint {
+    fn step_end(&mut self, cx: &mut RunContext<B>) -> Result<()> {
+        self.total_steps += 1;
+        if self.total_steps % self.config.save_checkpoint_steps.max(1) != 0 {
+            return Ok(());
+        }
+        let path = self.directory.join(format!("{}-{}_{}.{}", self.prefix, cx.epoch, cx.step, self.config.format));
+        let mut t = cx.accumulator.snapshot();
+        for (k, v) in [("cellgraph.epoch", cx.position.epoch), ("cellgraph.step", cx.position.step)] {
+            t.insert(k.into(), cellgraph_compiler::HostTensor { shape: vec![], data: cellgraph_compiler::HostData::I64(vec![v as i64]) });
+        }
+        crate::checkpoint::save(&path, &t, &Default::default())?;
+        self.kept.retain(|p| p != &path);
+        self.kept.push_back(path);
+        while self.kept.len() > self.config.keep_checkpoint_max.max(1) {
+            if let Some(old) = self.kept.pop_front() {
+                let _ = std::fs::remove_file(old);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Appends one JSON object per step (`epoch`, `step`, `updates`, `loss`) to a file, for plots.
+pub struct LossLog {
+    file: std::fs::File,
+    path: PathBuf,
+}
+
+impl LossLog {
+    /// Creates (truncates) the log file.
+    pub fn create(path: &Path) -> Result<Self> {
+        let file = std::fs::File::create(path).map_err(|source| RuntimeError::Io { path: path.display().to_string(), source })?;
+        Ok(LossLog { file, path: path.into() })
+    }
+}
+
+impl<B: Backend> Callback<B> for LossLog {
+    fn step_end(&mut self, cx: &mut RunContext<B>) -> Result<()> {
+        let line = serde_json::json!({"epoch": cx.epoch, "step": cx.step, "updates": cx.accumulator.updates(), "loss": cx.loss});
+        writeln!(self.file, "{line}").map_err(|source| RuntimeError::Io { path: self.path.display().to_string(), source })
+    }
+}
+
+/// A progress bar on standard error when it is a terminal; silent otherwise.
+pub struct ProgressBar {
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl ProgressBar {
+    /// A bar, shown only on a terminal.
+    pub fn new() -> Self {
+        use std::io::IsTerminal;
+        ProgressBar { bar: std::io::stderr().is_terminal().then(indicatif::ProgressBar::hidden) }
+    }
+}
+
+impl Default for ProgressBar {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<B: Backend> Callback<B> for ProgressBar {
+    fn epoch_begin(&mut self, cx: &mut RunContext<B>) -> Result<()> {
+        if self.bar.is_some() {
+            let b = indicatif::ProgressBar::new(cx.steps_per_epoch as u64);
+            b.set_style(indicatif::ProgressStyle::with_template("epoch {msg} [{bar:30}] {pos}/{len} {per_sec}").expect("valid template"));
+            b.set_message(format!("{}/{}", cx.epoch, cx.epochs));
+            self.bar = Some(b);
+        }
+        Ok(())
+    }
+    fn step_end(&mut self, cx: &mut RunContext<B>) -> Result<()> {
+        if let Some(b) = &self.bar {
+            b.set_position(cx.step as u64);
+        }
+        Ok(())
+    }
+    fn epoch_end(&mut self, _cx: &mut RunContext<B>) -> Result<()> {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+        Ok(())
+    }
+}

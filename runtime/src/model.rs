@@ -1,0 +1,230 @@
+//! `Model`: MindSpore's high-level training API over a GradAccumulation network.
+//!
+//! `Model::new(net, optimizer)` trains `net` with `train(epochs, dataset, callbacks)` and
+//! evaluates its backbone with `eval(dataset)`. One train step is one batch from the dataset:
+//! with in-step slicing (`GradAccumulation::new`) that is one optimizer update; with
+//! accumulation across steps (`across_steps`, `boost`) it is one micro-step, as in MindSpore's
+//! boost mode. At the end of each epoch an incomplete window is applied with its true count
+//! (or dropped, if the network asks), as Accelerate's `sync_with_dataloader` does.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::rc::Rc;
+use std::time::Instant;
+
+use burn_backend::tensor::Device;
+use burn_backend::Backend;
+use cellgraph_cells::{Cell, GradAccumulation, Optimizer};
+use cellgraph_compiler::{HostData, HostTensor, TensorType};
+
+use crate::accumulate::Accumulator;
+use crate::callback::{Callback, RunContext};
+use crate::checkpoint;
+use crate::error::{Result, RuntimeError};
+use crate::exec::{compile, Executable};
+
+/// A source of batches, epoch by epoch.
+pub trait Dataset {
+    /// Batches per epoch.
+    fn dataset_size(&self) -> usize;
+    /// The batches of epoch `epoch` (0-based), from batch `skip` on; each batch is the
+    /// network's inputs in order (`[data, label]`).
+    fn batches(&self, epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + '_>;
+    /// Names of the inputs (for graph dumps).
+    fn column_names(&self) -> Vec<&'static str> {
+        vec!["data", "label"]
+    }
+}
+
+impl Dataset for crate::data::MnistDataset {
+    fn dataset_size(&self) -> usize {
+        self.get_dataset_size()
+    }
+    fn batches(&self, epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + '_> {
+        Box::new(self.epoch(epoch, skip).map(|b| b.inputs().to_vec()))
+    }
+}
+
+/// In-memory columns batched in order (PyTorch's `TensorDataset` + `DataLoader`).
+#[derive(Clone, Debug)]
+pub struct TensorDataset {
+    pub columns: Vec<HostTensor>,
+    pub batch_size: usize,
+}
+
+impl Dataset for TensorDataset {
+    fn dataset_size(&self) -> usize {
+        self.columns.first().map_or(0, |c| c.shape[0].div_ceil(self.batch_size))
+    }
+    fn batches(&self, _epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + '_> {
+        let n = self.columns.first().map_or(0, |c| c.shape[0]);
+        Box::new((skip..self.dataset_size()).map(move |k| {
+            let (a, b) = (k * self.batch_size, ((k + 1) * self.batch_size).min(n));
+            self.columns.iter().map(|c| crate::accumulate::slice_rows(c, a, b)).collect()
+        }))
+    }
+}
+
+/// Metrics `eval` can compute (MindSpore's `metrics={"Accuracy": Accuracy()}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Metric {
+    /// Fraction of items whose largest logit is the label.
+    Accuracy,
+}
+
+/// Where training stands: epochs completed and batches done in the current epoch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Position {
+    pub epoch: usize,
+    pub step: usize,
+}
+
+/// Trains and evaluates one network on one device.
+pub struct Model<B: Backend> {
+    acc: Accumulator<B>,
+    metrics: Vec<Metric>,
+    eval_plans: HashMap<Vec<TensorType>, Executable>,
+    position: Position,
+}
+
+impl<B: Backend> Model<B> {
+    /// A model training `network` with `optimizer`; parameters are drawn from `seed`.
+    pub fn new(network: GradAccumulation, optimizer: impl Optimizer + 'static, device: Device<B>, seed: u64) -> Result<Self> {
+        let acc = Accumulator::new(Rc::new(network), Rc::new(optimizer), device, seed)?;
+        Ok(Model { acc, metrics: vec![Metric::Accuracy], eval_plans: HashMap::new(), position: Position::default() })
+    }
+
+    /// A model without accumulation: one optimizer update per batch.
+    pub fn plain(net_with_loss: impl Cell + 'static, optimizer: impl Optimizer + 'static, device: Device<B>, seed: u64) -> Result<Self> {
+        Self::new(GradAccumulation::new(net_with_loss, 1), optimizer, device, seed)
+    }
+
+    /// Sets the metrics `eval` reports.
+    pub fn with_metrics(mut self, metrics: &[Metric]) -> Self {
+        self.metrics = metrics.to_vec();
+        self
+    }
+
+    /// The accumulation driver (session, counters, compiled plans).
+    pub fn accumulator(&self) -> &Accumulator<B> {
+        &self.acc
+    }
+
+    /// Mutable access to the accumulation driver.
+    pub fn accumulator_mut(&mut self) -> &mut Accumulator<B> {
+        &mut self.acc
+    }
+
+    /// Where training stands.
+    pub fn position(&self) -> Position {
+        self.position
+    }
+
+    /// Trains until `epochs` epochs are complete (resuming from the current position).
+    pub fn train(&mut self, epochs: usize, dataset: &dyn Dataset, callbacks: &mut [&mut dyn Callback<B>]) -> Result<()> {
+        let steps_per_epoch = dataset.dataset_size();
+        self.acc.set_input_names(&dataset.column_names());
+        let mut stop = false;
+        while self.position.epoch < epochs && !stop {
+            let epoch = self.position.epoch;
+            let t0 = Instant::now();
+            let mut cx = RunContext::new(epoch + 1, epochs, steps_per_epoch, &self.acc);
+            for cb in callbacks.iter_mut() {
+                cb.epoch_begin(&mut cx)?;
+            }
+            for batch in dataset.batches(epoch, self.position.step) {
+                let out = self.acc.step(&batch)?;
+                self.position.step += 1;
+                let mut cx = RunContext::new(epoch + 1, epochs, steps_per_epoch, &self.acc);
+                cx.step = self.position.step;
+                cx.loss = out.loss;
+                cx.applied = out.applied;
+                cx.position = self.position;
+                for cb in callbacks.iter_mut() {
+                    cb.step_end(&mut cx)?;
+                }
+                if cx.stop_requested {
+                    stop = true;
+                    break;
+                }
+            }
+            if stop {
+                break;
+            }
+            self.acc.finish()?;
+            self.position = Position { epoch: epoch + 1, step: 0 };
+            let mut cx = RunContext::new(epoch + 1, epochs, steps_per_epoch, &self.acc);
+            cx.position = self.position;
+            cx.step = steps_per_epoch;
+            cx.epoch_seconds = t0.elapsed().as_secs_f64();
+            for cb in callbacks.iter_mut() {
+                cb.epoch_end(&mut cx)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Evaluates the backbone on every batch: `{"Accuracy": ...}`.
+    pub fn eval(&mut self, dataset: &dyn Dataset) -> Result<BTreeMap<String, f64>> {
+        let (mut correct, mut total) = (0usize, 0usize);
+        for batch in dataset.batches(0, 0) {
+            let key = vec![batch[0].ty()];
+            if !self.eval_plans.contains_key(&key) {
+                let backbone = self.acc.network().backbone().ok_or_else(|| RuntimeError::Mismatch {
+                    what: "Model::eval".into(),
+                    expected: "a network wrapped with its loss (WithLossCell), whose backbone gives logits".into(),
+                    got: format!("a {} without a backbone", self.acc.network().network.kind()),
+                })?;
+                let (g, _) = cellgraph_cells::trace(backbone, "eval", &[("data", key[0].clone())])?;
+                self.eval_plans.insert(key.clone(), compile(g)?);
+            }
+            let logits = self.acc.session.run(&self.eval_plans[&key], &batch[..1])?.remove(0);
+            let labels = batch[1].to_f64();
+            let classes = *logits.shape.last().unwrap_or(&1);
+            let l = logits.to_f32();
+            for (i, &y) in labels.iter().enumerate() {
+                let row = &l[i * classes..(i + 1) * classes];
+                let arg = row.iter().enumerate().fold(0, |best, (j, &v)| if v > row[best] { j } else { best });
+                correct += (arg as f64 == y) as usize;
+                total += 1;
+            }
+        }
+        let mut out = BTreeMap::new();
+        if self.metrics.contains(&Metric::Accuracy) {
+            out.insert("Accuracy".to_string(), correct as f64 / total.max(1) as f64);
+        }
+        Ok(out)
+    }
+
+    /// Everything needed to resume: the accumulator's snapshot and the position.
+    pub fn snapshot(&self) -> checkpoint::Tensors {
+        let mut t = self.acc.snapshot();
+        for (k, v) in [("cellgraph.epoch", self.position.epoch), ("cellgraph.step", self.position.step)] {
+            t.insert(k.into(), HostTensor { shape: vec![], data: HostData::I64(vec![v as i64]) });
+        }
+        t
+    }
+
+    /// Saves a checkpoint (`.ckpt`: MindSpore's format; otherwise native safetensors).
+    pub fn save_checkpoint(&self, path: &Path) -> Result<()> {
+        checkpoint::save(path, &self.snapshot(), &BTreeMap::new())
+    }
+
+    /// Loads a checkpoint written by `save_checkpoint` (resuming where it was taken) or a
+    /// MindSpore checkpoint of parameters.
+    pub fn load_checkpoint(&mut self, path: &Path) -> Result<()> {
+        let (tensors, _) = checkpoint::load(path)?;
+        self.restore(&tensors)
+    }
+
+    /// Restores from a snapshot.
+    pub fn restore(&mut self, tensors: &checkpoint::Tensors) -> Result<()> {
+        let (pos, rest): (BTreeMap<_, _>, BTreeMap<_, _>) =
+            tensors.clone().into_iter().partition(|(k, _)| k == "cellgraph.epoch" || k == "cellgraph.step");
+        self.acc.restore(&rest)?;
+        if let (Some(e), Some(s)) = (pos.get("cellgraph.epoch"), pos.get("cellgraph.step")) {
+            self.position = Position { epoch: e.scalar() as usize, step: s.scalar() as usize };
+        }
+        Ok(())
+    }
+}
