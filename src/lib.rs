@@ -32,6 +32,6 @@ pub mod prelude {
     pub use cellgraph_cells::{GradAccumulation, Normalization};
     pub use cellgraph_runtime::{
         compile, cpu, Callback, CheckpointConfig, Cpu, CpuF64, Dataset, Executable, LossMonitor, Model, ModelCheckpoint,
-        Session, TimeMonitor,
+        Session, TensorDataset, TimeMonitor,
     };
 }

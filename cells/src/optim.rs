@@ -56,11 +56,8 @@ impl UpdateRule for Momentum {
     fn state(&self, param: &str, ty: &TensorType) -> Vec<StateSpec> {
         vec![state("moments", param, ty, 0.0)]
     }
-    fn scalar_inputs(&self) -> Vec<&'static str> {
-        vec!["learning_rate"]
-    }
-    fn scalar_values(&self, update: u64) -> Vec<f64> {
-        vec![self.learning_rate.at(update)]
+    fn learning_rate(&self, update: u64) -> f64 {
+        self.learning_rate.at(update)
     }
     fn emit(&self, e: &mut Emit, p: NodeId, g: NodeId, st: &[NodeId], sc: &[NodeId]) -> Result<()> {
         let g = decayed(e, g, p, self.weight_decay)?;
@@ -108,11 +105,8 @@ impl UpdateRule for SGD {
     fn state(&self, param: &str, ty: &TensorType) -> Vec<StateSpec> {
         vec![state("accum", param, ty, 0.0), state("stat", param, ty, 1.0)]
     }
-    fn scalar_inputs(&self) -> Vec<&'static str> {
-        vec!["learning_rate"]
-    }
-    fn scalar_values(&self, update: u64) -> Vec<f64> {
-        vec![self.learning_rate.at(update)]
+    fn learning_rate(&self, update: u64) -> f64 {
+        self.learning_rate.at(update)
     }
     fn emit(&self, e: &mut Emit, p: NodeId, g: NodeId, st: &[NodeId], sc: &[NodeId]) -> Result<()> {
         let g = decayed(e, g, p, self.weight_decay)?;
@@ -178,12 +172,15 @@ impl UpdateRule for Adam {
     fn state(&self, param: &str, ty: &TensorType) -> Vec<StateSpec> {
         vec![state("moment1", param, ty, 0.0), state("moment2", param, ty, 0.0)]
     }
+    fn learning_rate(&self, update: u64) -> f64 {
+        self.learning_rate.at(update)
+    }
     fn scalar_inputs(&self) -> Vec<&'static str> {
         vec!["learning_rate", "bias_correction1", "bias_correction2"]
     }
     fn scalar_values(&self, update: u64) -> Vec<f64> {
         let t = (update + 1) as i32;
-        vec![self.learning_rate.at(update), 1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t)]
+        vec![self.learning_rate(update), 1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t)]
     }
     fn emit(&self, e: &mut Emit, p: NodeId, g: NodeId, st: &[NodeId], sc: &[NodeId]) -> Result<()> {
         let (lr, bc1, bc2) = (sc[0], sc[1], sc[2]);

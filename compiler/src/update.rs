@@ -27,10 +27,16 @@ pub trait UpdateRule {
     fn name(&self) -> &'static str;
     /// State kept for parameter `param` of type `ty`, in the order `emit` receives it.
     fn state(&self, param: &str, ty: &TensorType) -> Vec<StateSpec>;
+    /// The learning rate of the `update`-th applied update, counting from 0.
+    fn learning_rate(&self, update: u64) -> f64;
     /// Names of the f32 scalar inputs the update reads, `learning_rate` first.
-    fn scalar_inputs(&self) -> Vec<&'static str>;
+    fn scalar_inputs(&self) -> Vec<&'static str> {
+        vec!["learning_rate"]
+    }
     /// Their values for the `update`-th applied update, counting from 0.
-    fn scalar_values(&self, update: u64) -> Vec<f64>;
+    fn scalar_values(&self, update: u64) -> Vec<f64> {
+        vec![self.learning_rate(update)]
+    }
     /// Emits the update of one parameter: writes to `param` and `state` with `assign`.
     fn emit(&self, e: &mut Emit, param: NodeId, grad: NodeId, state: &[NodeId], scalars: &[NodeId]) -> Result<()>;
 }

@@ -169,10 +169,7 @@ impl<B: Backend> Callback<B> for ModelCheckpoint {
             return Ok(());
         }
         let path = self.directory.join(format!("{}-{}_{}.{}", self.prefix, cx.epoch, cx.step, self.config.format));
-        let mut t = cx.accumulator.snapshot();
-        for (k, v) in [("cellgraph.epoch", cx.position.epoch), ("cellgraph.step", cx.position.step)] {
-            t.insert(k.into(), cellgraph_compiler::HostTensor { shape: vec![], data: cellgraph_compiler::HostData::I64(vec![v as i64]) });
-        }
+        let t = crate::model::snapshot_at(cx.accumulator, cx.position);
         crate::checkpoint::save(&path, &t, &Default::default())?;
         self.kept.retain(|p| p != &path);
         self.kept.push_back(path);

@@ -79,6 +79,15 @@ pub struct Position {
     pub step: usize,
 }
 
+/// The accumulator's snapshot plus the training position (`cellgraph.epoch`, `cellgraph.step`).
+pub fn snapshot_at<B: Backend>(acc: &Accumulator<B>, position: Position) -> checkpoint::Tensors {
+    let mut t = acc.snapshot();
+    for (k, v) in [("cellgraph.epoch", position.epoch), ("cellgraph.step", position.step)] {
+        t.insert(k.into(), HostTensor { shape: vec![], data: HostData::I64(vec![v as i64]) });
+    }
+    t
+}
+
 /// Trains and evaluates one network on one device.
 pub struct Model<B: Backend> {
     acc: Accumulator<B>,
@@ -198,11 +207,7 @@ impl<B: Backend> Model<B> {
 
     /// Everything needed to resume: the accumulator's snapshot and the position.
     pub fn snapshot(&self) -> checkpoint::Tensors {
-        let mut t = self.acc.snapshot();
-        for (k, v) in [("cellgraph.epoch", self.position.epoch), ("cellgraph.step", self.position.step)] {
-            t.insert(k.into(), HostTensor { shape: vec![], data: HostData::I64(vec![v as i64]) });
-        }
-        t
+        snapshot_at(&self.acc, self.position)
     }
 
     /// Saves a checkpoint (`.ckpt`: MindSpore's format; otherwise native safetensors).

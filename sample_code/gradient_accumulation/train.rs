@@ -37,6 +37,10 @@ struct Args {
     /// Where to save the checkpoint.
     #[arg(long, default_value = "gradient_accumulation.ckpt")]
     ckpt: PathBuf,
+    /// Drop the batches left over at the end of an epoch (250 % 4 = 2 here) instead of applying
+    /// them as a short window.
+    #[arg(long)]
+    drop_incomplete_window: bool,
     /// Seed for parameters and shuffling.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -53,11 +57,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let net = LeNet5::new(&Scope::root(), 10, 1);
     let net_loss = SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean);
     let net_opt = Momentum::new(0.01, 0.9);
-    // Windows span mini_steps batches; the 2 batches left at the end of each epoch are dropped,
-    // so every update sees mini_steps * 32 images (7,936 images per epoch).
-    let model = GradAccumulation::across_steps(WithLossCell::new(net, net_loss), args.mini_steps)
-        .normalization(normalization)
-        .drop_incomplete_window();
+    // Windows span mini_steps batches. The batches left at the end of an epoch form a short
+    // window applied with its true count (MindSpore's loop carries them into the next epoch's
+    // first window instead; both use every image), or are dropped on request.
+    let mut model = GradAccumulation::across_steps(WithLossCell::new(net, net_loss), args.mini_steps).normalization(normalization);
+    if args.drop_incomplete_window {
+        model = model.drop_incomplete_window();
+    }
     let mut acc = Accumulator::<Cpu>::new(Rc::new(model), Rc::new(net_opt), cpu(), args.seed)?;
     acc.set_input_names(&["data", "label"]);
     println!("============== Starting Training ==============");
