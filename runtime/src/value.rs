@@ -90,7 +90,12 @@ impl<B: Backend> Value<B> {
     }
 }
 
-/// The device's default dtypes (float, int, bool) as burn settings.
+/// The dtypes ops on `B` produce: float and int from the backend's element types, bool from
+/// the device. (burn keys its device settings by device alone, so `NdArray<f32>` and
+/// `NdArray<f64>` in one process would otherwise share the first one's float dtype.)
 pub fn settings<B: Backend>(device: &Device<B>) -> burn_backend::DeviceSettings {
-    get_device_settings::<B>(device)
+    let mut s = get_device_settings::<B>(device);
+    s.float_dtype = <B::FloatElem as burn_backend::Element>::dtype().into();
+    s.int_dtype = <B::IntElem as burn_backend::Element>::dtype().into();
+    s
 }

@@ -1,9 +1,7 @@
 //! The CPU runtime: training on real digits, parameters by name, and errors on bad input.
 
-mod common;
-
 use cellgraph::prelude::*;
-use common::*;
+use crate::common::*;
 
 fn session_for(net: &dyn Cell, seed: u64) -> Session<Cpu> {
     let mut s = Session::<Cpu>::new(cpu());
@@ -119,4 +117,22 @@ fn intermediates_are_freed_at_their_last_use() {
     let mut s = Session::<Cpu>::new(cpu());
     let out = s.run(&exe, &[HostTensor::f32(vec![256], vec![1.0001; 256]).unwrap()]).unwrap();
     assert!((out[0].to_f32()[0] - 1.0001f32.powi(1024)).abs() < 1e-3);
+}
+
+#[test]
+fn f32_and_f64_backends_coexist_in_one_process() {
+    // burn keys device settings by device only; the lowering must take dtypes from the backend.
+    let (g, _) = trace(&lenet_with_loss(), "g", &image_inputs(2, 32)).unwrap();
+    let exe = compile(g).unwrap();
+    let net = lenet_with_loss();
+    let x = HostTensor::f32(vec![2, 1, 32, 32], (0..2048).map(|i| (i % 13) as f32 * 0.1).collect()).unwrap();
+    let y = HostTensor::i32(vec![2], vec![3, 7]).unwrap();
+    let mut f32s = session_for(&net, 4);
+    let mut f64s = Session::<CpuF64>::new(cpu());
+    f64s.init_params(&net.parameters(), 4);
+    let a = f32s.run(&exe, &[x.clone(), y.clone()]).unwrap()[0].scalar();
+    let b = f64s.run(&exe, &[x.to_f64_tensor(), y.clone()]).unwrap()[0].scalar();
+    let c = f32s.run(&exe, &[x, y]).unwrap()[0].scalar();
+    assert_eq!(a, c);
+    assert!((a - b).abs() < 1e-5, "{a} vs {b}");
 }

@@ -1,8 +1,6 @@
 //! Datasets, checkpoints and the Model API: sharding and shuffling, exact checkpoint bytes,
 //! corruption, callbacks, evaluation, and bit-identical resume from a mid-window checkpoint.
 
-mod common;
-
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -14,7 +12,7 @@ use cellgraph::prelude::*;
 use cellgraph::runtime::checkpoint::{self, from_ckpt_bytes, to_ckpt_bytes, Tensors};
 use cellgraph::runtime::data::{ImageOp, MnistDataset};
 use cellgraph::runtime::{Callback, CheckpointConfig, LossMonitor, ModelCheckpoint, RunContext, TensorDataset};
-use common::*;
+use crate::common::*;
 
 fn tmpdir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("cellgraph-{name}-{}", std::process::id()));

@@ -1,9 +1,7 @@
 //! The Cell API: MindSpore parameter names and counts, initializers, wrappers.
 
-mod common;
-
 use cellgraph::prelude::*;
-use common::*;
+use crate::common::*;
 
 fn names(c: &dyn Cell) -> Vec<String> {
     c.parameters().into_iter().map(|p| p.name).collect()

@@ -1,11 +1,9 @@
 //! The IR: golden text dumps, print/parse round-trips, and the verifier's and parser's errors.
 
-mod common;
-
 use cellgraph::compiler::passes::dce::dce;
 use cellgraph::compiler::{ParseError, ReduceAttrs};
 use cellgraph::prelude::*;
-use common::*;
+use crate::common::*;
 
 /// Every graph the suite builds, by name.
 fn suite_graphs() -> Vec<(&'static str, Graph)> {

@@ -1,13 +1,11 @@
 //! MNIST IDX reading: the vendored files, the LeNet transform, and malformed files.
 
-mod common;
-
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use cellgraph::prelude::*;
 use cellgraph::runtime::data::mnist::{parse_idx, read_idx, resize_bilinear};
-use common::*;
+use crate::common::*;
 
 #[test]
 fn vendored_files_load_with_expected_sizes() {

@@ -1,0 +1,11 @@
+//! cellgraph's integration tests, in one binary (one link instead of one per file).
+
+mod common;
+
+mod accumulation;
+mod cells;
+mod gradcheck;
+mod ir;
+mod mnist;
+mod model;
+mod runtime;
