@@ -54,16 +54,10 @@ impl Cell for Dense {
         expect_inputs(self, xs, 1)?;
         let w = t.param(&self.weight)?;
         let y = t.op(Op::MatMul { transpose_a: false, transpose_b: true }, &[xs[0], w])?;
-        match &self.bias {
-            Some(b) => {
-                let b = t.param(b)?;
-                t.op(Op::Add, &[y, b])
-            }
-            None => Ok(y),
-        }
+        add_bias(t, y, self.bias.as_ref(), 0)
     }
     fn parameters(&self) -> Vec<Parameter> {
-        std::iter::once(self.weight.clone()).chain(self.bias.clone()).collect()
+        weight_and_bias(&self.weight, &self.bias)
     }
     fn path(&self) -> Option<&str> {
         Some(&self.path)
@@ -152,18 +146,10 @@ impl Cell for Conv2d {
         expect_inputs(self, xs, 1)?;
         let w = t.param(&self.weight)?;
         let y = t.op(Op::Conv2d(self.attrs.clone()), &[xs[0], w])?;
-        match &self.bias {
-            Some(b) => {
-                let out = self.weight.ty.dims()[0];
-                let b = t.param(b)?;
-                let b = t.op(Op::Reshape { shape: [out, 1, 1].into() }, &[b])?;
-                t.op(Op::Add, &[y, b])
-            }
-            None => Ok(y),
-        }
+        add_bias(t, y, self.bias.as_ref(), 2)
     }
     fn parameters(&self) -> Vec<Parameter> {
-        std::iter::once(self.weight.clone()).chain(self.bias.clone()).collect()
+        weight_and_bias(&self.weight, &self.bias)
     }
     fn path(&self) -> Option<&str> {
         Some(&self.path)
@@ -171,6 +157,23 @@ impl Cell for Conv2d {
     fn kind(&self) -> &'static str {
         "Conv2d"
     }
+}
+
+/// `y + bias`, the bias `[out]` viewed as `[out, 1, ...]` with `spatial` trailing ones so it
+/// broadcasts over the channel axis; `y` unchanged without a bias.
+fn add_bias(t: &mut Tracer, y: NodeId, bias: Option<&Parameter>, spatial: usize) -> Result<NodeId> {
+    let Some(b) = bias else { return Ok(y) };
+    let mut b = t.param(b)?;
+    if spatial > 0 {
+        let mut shape = t.ty(b).dims().to_vec();
+        shape.extend(std::iter::repeat_n(1, spatial));
+        b = t.op(Op::Reshape { shape: shape.into() }, &[b])?;
+    }
+    t.op(Op::Add, &[y, b])
+}
+
+fn weight_and_bias(weight: &Parameter, bias: &Option<Parameter>) -> Vec<Parameter> {
+    std::iter::once(weight.clone()).chain(bias.clone()).collect()
 }
 
 macro_rules! stateless {

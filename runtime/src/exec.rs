@@ -27,6 +27,10 @@ struct Step {
     scope: String,
     /// `(slot, moved)`: `moved` when this step is the operand's last use.
     args: Vec<(usize, bool)>,
+    /// The operands' types, in order.
+    arg_types: Vec<TensorType>,
+    /// For an `assign`/`assign_add`: the written parameter's name.
+    target: Option<String>,
     /// For a parameter read only as the target of its own write (an accumulator): the read
     /// is deferred to the write, which takes the value out of the session so that the update
     /// (`assign_add`) reuses its buffer in place.
@@ -134,7 +138,12 @@ pub fn compile(mut graph: Graph) -> Result<Executable> {
             frees.sort_unstable();
             frees.dedup();
             let deferred = deferred_read(&graph, id);
-            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, frees, deferred }
+            let arg_types = ops.iter().map(|&o| graph.ty(o).clone()).collect();
+            let target = match (&n.op, ops.first().map(|&o| &graph.node(o).op)) {
+                (op, Some(Op::Parameter { name })) if op.is_effect() => Some(name.clone()),
+                _ => None,
+            };
+            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred }
         })
         .collect();
     let outputs = graph.outputs().iter().map(|o| o.index()).collect();
@@ -251,21 +260,18 @@ impl<B: Backend> Session<B> {
                     Value::from_host(given, &self.device)
                 }
                 op => {
-                    let ops = exe.graph.operands(cellgraph_compiler::NodeId(step.slot as u32));
-                    if op.is_effect() {
-                        if let Op::Parameter { name } = &exe.graph.node(ops[0]).op {
-                            if slots[ops[0].index()].is_none() {
-                                // A deferred read: check it, then take it out of the session.
-                                self.bind_param(name, exe.graph.ty(ops[0]))?;
-                                slots[ops[0].index()] = self.params.remove(name);
-                            }
+                    if let Some(name) = &step.target {
+                        let target = step.args[0].0;
+                        if slots[target].is_none() {
+                            // A deferred read: check it, then take it out of the session.
+                            self.bind_param(name, &step.arg_types[0])?;
+                            slots[target] = self.params.remove(name);
                         }
                     }
-                    let tys: Vec<&TensorType> = ops.iter().map(|&o| exe.graph.ty(o)).collect();
                     let args = step
                         .args
                         .iter()
-                        .zip(tys)
+                        .zip(&step.arg_types)
                         .map(|(&(slot, moved), ty)| {
                             let v = if moved { slots[slot].take() } else { slots[slot].clone() };
                             (v.expect("operands are computed before use"), ty)

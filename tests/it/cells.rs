@@ -50,6 +50,10 @@ fn wrappers_keep_names_and_children_get_prefixes() {
     assert_eq!(names(&conv), ["c.weight", "c.bias"]);
     assert_eq!(conv.parameters()[0].ty.dims(), [8, 2, 3, 3]);
     assert!(Conv2d::new(&Scope::root().child("c"), 4, 8, 3).groups(3).unwrap_err().to_string().contains("groups 3 must divide"));
+    // The bias [8] is added over the channel axis of [2, 8, 6, 6].
+    let (g, y) = trace(&conv, "g", &[("x", TensorType::f32([2, 4, 6, 6]))]).unwrap();
+    assert_eq!(g.ty(y), &TensorType::f32([2, 8, 6, 6]));
+    assert!(print(&g).contains("reshape(%") && print(&g).contains("{shape=[8,1,1]}"));
 }
 
 #[test]
