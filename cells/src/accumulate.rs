@@ -99,22 +99,6 @@ impl GradAccumulation {
         Ok(())
     }
 
-    /// The micro-batch types for a step whose inputs have the given types.
-    pub fn micro_inputs(&self, step_inputs: &[(&str, TensorType)]) -> Result<Vec<(String, TensorType)>> {
-        let batch = step_inputs.first().and_then(|(_, t)| t.dims().first().copied()).unwrap_or(0);
-        self.check_batch(batch)?;
-        Ok(step_inputs
-            .iter()
-            .map(|(n, t)| {
-                let mut d = t.dims().to_vec();
-                if self.slicing == Slicing::InStep && !d.is_empty() {
-                    d[0] /= self.micro_size;
-                }
-                (n.to_string(), t.with_shape(d))
-            })
-            .collect())
-    }
-
     fn options(&self) -> AccumulationOptions {
         AccumulationOptions { normalization: self.normalization, clip_global_norm: self.clip_global_norm }
     }

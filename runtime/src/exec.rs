@@ -78,7 +78,7 @@ fn deferred_read(g: &Graph, id: cellgraph_compiler::NodeId) -> bool {
         return false;
     }
     match g.users(id).as_slice() {
-        [w] => g.node(*w).op.is_effect() && g.operands(*w) == [id, g.operands(*w)[1]] && g.operands(*w)[1] != id,
+        [w] => g.node(*w).op.is_effect() && matches!(g.operands(*w)[..], [target, value] if target == id && value != id),
         _ => false,
     }
 }
