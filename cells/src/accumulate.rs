@@ -160,3 +160,37 @@ impl Cell for GradAccumulation {
         self.network.set_train(train);
     }
 }
+
+/// MindSpore's `AutoParallel(net)` for data parallelism over a [`GradAccumulation`] network:
+/// the accumulated gradients cross ranks once per window. Gradients are summed across ranks
+/// (MindSpore's default) unless [`AutoParallel::enable_gradients_mean`]; [`AutoParallel::hsdp`]
+/// shards the optimizer state (ZeRO-1: reduce-scatter the gradients, update a 1/size slice
+/// of the flat parameters, all-gather them).
+pub struct AutoParallel {
+    pub network: GradAccumulation,
+    pub hsdp: bool,
+    pub gradients_mean: bool,
+}
+
+impl AutoParallel {
+    /// Data parallel, gradients summed across ranks, optimizer state replicated.
+    pub fn new(network: GradAccumulation) -> Self {
+        AutoParallel { network, hsdp: false, gradients_mean: false }
+    }
+    /// Shards optimizer state (and the update) across ranks.
+    pub fn hsdp(mut self) -> Self {
+        self.hsdp = true;
+        self
+    }
+    /// Averages gradients across ranks instead of summing them.
+    pub fn enable_gradients_mean(mut self) -> Self {
+        self.gradients_mean = true;
+        self
+    }
+}
+
+impl From<GradAccumulation> for AutoParallel {
+    fn from(network: GradAccumulation) -> Self {
+        AutoParallel::new(network)
+    }
+}

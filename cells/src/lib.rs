@@ -17,7 +17,7 @@ pub mod schedule;
 pub mod train;
 pub mod zoo;
 
-pub use accumulate::{GradAccumulation, Normalization, Slicing};
+pub use accumulate::{AutoParallel, GradAccumulation, Normalization, Slicing};
 pub use cell::{trace, Cell, Tracer};
 pub use error::{CellError, Result};
 pub use init::Initializer;

@@ -8,13 +8,17 @@
 
 use std::collections::HashMap;
 use std::rc::Rc;
+use std::sync::Arc;
 
 use burn_backend::tensor::Device;
-use burn_backend::Backend;
+use crate::Backend;
 use cellgraph_cells::{Cell, GradAccumulation, Normalization, Optimizer, Slicing};
+use cellgraph_compiler::passes::grad_accumulation::{optimizer_graph, AccumulationOptions, ACCUMULATOR_PREFIX};
+use cellgraph_compiler::update::StateSpec;
 use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
-use crate::error::Result;
+use crate::comm::Communicator;
+use crate::error::{Result, RuntimeError};
 use crate::exec::{compile, Executable, Session};
 
 /// How many times each graph ran.
@@ -23,6 +27,8 @@ pub struct Counters {
     pub micro_steps: u64,
     pub optimizer_runs: u64,
     pub clear_runs: u64,
+    /// Collectives that carried gradients across ranks (one per applied update).
+    pub grad_collectives: u64,
 }
 
 /// What one call to [`Accumulator::step`] did.
@@ -48,7 +54,31 @@ pub struct Accumulator<B: Backend> {
     updates: u64,
     counters: Counters,
     names: Vec<String>,
+    /// Trained parameters in flat-buffer order, with element counts.
+    trained: Vec<(String, usize)>,
+    parallel: Option<Parallel>,
 }
+
+/// Data parallelism: the communicator and how gradients cross it.
+struct Parallel {
+    comm: Arc<dyn Communicator>,
+    gradients_mean: bool,
+    /// With hsdp: this rank's slice of the flat parameters and its optimizer.
+    shard: Option<Shard>,
+}
+
+/// ZeRO-1: this rank updates elements `rank*len..(rank+1)*len` of the flat parameters.
+struct Shard {
+    len: usize,
+    optimizer: Executable,
+    /// The full (unsharded) optimizer state, as checkpoints name it.
+    state: Vec<StateSpec>,
+    /// This rank's slice of it (`moments.hsdp.shard`, ...).
+    shard_state: Vec<StateSpec>,
+}
+
+/// The name the hsdp shard's parameter takes in the session.
+pub const SHARD: &str = "hsdp.shard";
 
 /// Rows `start..end` (along dim 0) of a host tensor.
 pub fn slice_rows(t: &HostTensor, start: usize, end: usize) -> HostTensor {
@@ -78,6 +108,7 @@ impl<B: Backend> Accumulator<B> {
             session.set_param(name, &HostTensor::full(ty, 0.0));
         }
         session.init_state(&state);
+        let trained = accumulators.iter().map(|(n, t)| (n[ACCUMULATOR_PREFIX.len() + 1..].to_string(), t.numel())).collect();
         Ok(Accumulator {
             net,
             opt,
@@ -90,13 +121,98 @@ impl<B: Backend> Accumulator<B> {
             updates: 0,
             counters: Counters::default(),
             names: Vec::new(),
+            trained,
+            parallel: None,
         })
+    }
+
+    /// Trains data-parallel over `comm`: gradients are all-reduced (or, with `hsdp`,
+    /// reduce-scattered) once per window, in one flat buffer. Checks that every rank has the
+    /// same graphs and initial parameters.
+    pub fn set_parallel(&mut self, comm: Arc<dyn Communicator>, gradients_mean: bool, hsdp: bool) -> Result<()> {
+        let mut fingerprint = format!("{}\n{}\n", cellgraph_compiler::print(self.optimizer.graph()), cellgraph_compiler::print(self.clear.graph()));
+        fingerprint += &format!("{:?} {:?} {} {:?} {} {gradients_mean} {hsdp}\n", self.net.slicing, self.net.normalization, self.net.micro_size, self.net.clip_global_norm, self.net.drop_incomplete_window);
+        // The learning-rate schedule and other host scalars are inputs, not graph constants.
+        fingerprint += &format!("{:?}\n", [0, 1, 10, 1000].map(|u| self.opt.scalar_values(u)));
+        crate::comm::agree(comm.as_ref(), "configuration (network, optimizer, accumulation options)", fingerprint.as_bytes())?;
+        let params: Vec<u8> = self.flat_params()?.iter().flat_map(|v| v.to_le_bytes()).collect();
+        crate::comm::agree(comm.as_ref(), "initial parameters (seed)", &params)?;
+        let shard = if hsdp { Some(self.make_shard(comm.size())?) } else { None };
+        if let Some(sh) = &shard {
+            for s in &sh.state {
+                self.session.remove_param(&s.name);
+            }
+            self.session.init_state(&sh.shard_state);
+        }
+        self.parallel = Some(Parallel { comm, gradients_mean, shard });
+        Ok(())
+    }
+
+    /// The optimizer graph and state of one hsdp shard of `len` elements (clipping, which
+    /// needs the global norm, is folded into the scale on the host).
+    fn shard_graph(&self, len: usize) -> Result<(cellgraph_compiler::Graph, Vec<StateSpec>)> {
+        let opts = AccumulationOptions { normalization: self.net.normalization, clip_global_norm: None };
+        Ok(optimizer_graph(&[(SHARD.to_string(), TensorType::f32(vec![len]))], self.opt.as_ref(), &opts)?)
+    }
+
+    fn make_shard(&self, size: usize) -> Result<Shard> {
+        let total: usize = self.trained.iter().map(|(_, n)| n).sum();
+        let len = total.div_ceil(size);
+        let (g, shard_state) = self.shard_graph(len)?;
+        let (_, _, _, state) = self.net.boundary_graphs(self.opt.as_ref())?;
+        Ok(Shard { len, optimizer: compile(g)?, state, shard_state })
+    }
+
+    /// The trained parameters (or, with `prefix`, their accumulators) as one flat f32 buffer.
+    fn flat(&self, prefix: Option<&str>) -> Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(self.trained.iter().map(|(_, n)| n).sum());
+        for (name, _) in &self.trained {
+            let key = prefix.map_or_else(|| name.clone(), |p| format!("{p}.{name}"));
+            let t = self.session.param(&key).ok_or_else(|| RuntimeError::MissingParam(key.clone()))?;
+            match &t.data {
+                HostData::F32(v) => out.extend_from_slice(v),
+                _ => return Err(RuntimeError::Comm(format!("data parallelism needs f32 values; `{key}` is {}", t.ty()))),
+            }
+        }
+        Ok(out)
+    }
+
+    fn flat_params(&self) -> Result<Vec<f32>> {
+        self.flat(None)
+    }
+
+    /// Writes a flat buffer back into the parameters (or their accumulators, with `prefix`).
+    fn set_flat(&mut self, prefix: Option<&str>, flat: &[f32]) {
+        let mut at = 0;
+        for (name, n) in self.trained.clone() {
+            let key = prefix.map_or_else(|| name.clone(), |p| format!("{p}.{name}"));
+            let shape = self.session.param_shape(&key).expect("flattened from the session");
+            self.session.set_param(&key, &HostTensor::f32(shape, flat[at..at + n].to_vec()).expect("sizes match"));
+            at += n;
+        }
     }
 
     /// Names the inputs of micro-step graphs (default `input0`, `input1`, ...), as they appear
     /// in dumps.
     pub fn set_input_names(&mut self, names: &[&str]) {
         self.names = names.iter().map(|n| n.to_string()).collect();
+    }
+
+    /// The communicator, when training data-parallel.
+    pub fn communicator(&self) -> Option<&Arc<dyn Communicator>> {
+        self.parallel.as_ref().map(|p| &p.comm)
+    }
+
+    /// This process's rank (0 without data parallelism).
+    pub fn rank(&self) -> usize {
+        self.parallel.as_ref().map_or(0, |p| p.comm.rank())
+    }
+
+    /// Elements of the flat optimizer state this rank holds (all of it, unless hsdp).
+    pub fn optimizer_state_elements(&self) -> usize {
+        let names = self.session.param_names();
+        let is_state = |n: &str| !n.starts_with(&format!("{ACCUMULATOR_PREFIX}.")) && n != SHARD && !self.trained.iter().any(|(t, _)| t == n);
+        names.iter().filter(|n| is_state(n)).map(|n| self.session.param_shape(n).map_or(0, |s| s.iter().product::<usize>())).sum()
     }
 
     /// The wrapped network.
@@ -154,23 +270,126 @@ impl<B: Backend> Accumulator<B> {
         if self.window_micro == 0 {
             return Ok(());
         }
-        let scale = match self.net.normalization {
-            Normalization::Sum => 1.0,
-            Normalization::Mean => 1.0 / self.window_micro as f64,
-            Normalization::ItemWeighted => 1.0 / self.window_items as f64,
-        };
-        let mut inputs = vec![HostTensor::scalar_f32(scale)];
-        inputs.extend(self.opt.scalar_values(self.updates).into_iter().map(HostTensor::scalar_f32));
-        self.session.run(&self.optimizer, &inputs)?;
+        let scalars = self.opt.scalar_values(self.updates);
+        match self.parallel.as_ref().map(|p| p.shard.is_some()) {
+            None => {
+                let scale = self.scale(self.window_items as f64, 1, false);
+                self.run_optimizer(scale, &scalars)?;
+            }
+            Some(false) => self.apply_replicated(&scalars)?,
+            Some(true) => self.apply_sharded(&scalars)?,
+        }
         self.counters.optimizer_runs += 1;
         self.updates += 1;
         self.clear_window()
     }
 
+    /// The window's normalisation: `items` counted on every rank, gradients summed over
+    /// `ranks` (averaged when `mean_over_ranks`).
+    fn scale(&self, items: f64, ranks: usize, mean_over_ranks: bool) -> f64 {
+        let per_rank = if mean_over_ranks { 1.0 / ranks as f64 } else { 1.0 };
+        match self.net.normalization {
+            Normalization::Sum => per_rank,
+            Normalization::Mean => per_rank / self.window_micro as f64,
+            Normalization::ItemWeighted => 1.0 / items,
+        }
+    }
+
+    fn run_optimizer(&mut self, scale: f64, scalars: &[f64]) -> Result<()> {
+        let mut inputs = vec![HostTensor::scalar_f32(scale)];
+        inputs.extend(scalars.iter().map(|&v| HostTensor::scalar_f32(v)));
+        self.session.run(&self.optimizer, &inputs)?;
+        Ok(())
+    }
+
+    /// One all-reduce of the flat accumulators (with the window's item count appended), then
+    /// the optimizer on every rank.
+    fn apply_replicated(&mut self, scalars: &[f64]) -> Result<()> {
+        let mut flat = self.flat(Some(ACCUMULATOR_PREFIX))?;
+        flat.push(self.window_items as f32);
+        let p = self.parallel.as_ref().expect("parallel");
+        let (comm, mean) = (p.comm.clone(), p.gradients_mean);
+        comm.all_reduce_sum(&mut flat);
+        self.counters.grad_collectives += 1;
+        let items = flat.pop().unwrap_or(0.0) as f64;
+        self.set_flat(Some(ACCUMULATOR_PREFIX), &flat);
+        let scale = self.scale(items, comm.size(), mean);
+        self.run_optimizer(scale, scalars)
+    }
+
+    /// ZeRO-1: one reduce-scatter gives this rank the summed gradients of its slice (and the
+    /// global item count); it updates that slice of the parameters and of the optimizer
+    /// state; one all-gather brings every rank the whole updated parameters.
+    fn apply_sharded(&mut self, scalars: &[f64]) -> Result<()> {
+        let grads = self.flat(Some(ACCUMULATOR_PREFIX))?;
+        let params = self.flat_params()?;
+        let p = self.parallel.as_ref().expect("parallel");
+        let (comm, mean) = (p.comm.clone(), p.gradients_mean);
+        let len = p.shard.as_ref().expect("sharded").len;
+        let (size, rank, total) = (comm.size(), comm.rank(), grads.len());
+        let slice = |v: &[f32], r: usize| {
+            let mut s = v[(r * len).min(total)..((r + 1) * len).min(total)].to_vec();
+            s.resize(len, 0.0);
+            s
+        };
+        let mut send = Vec::with_capacity(size * (len + 1));
+        for r in 0..size {
+            send.extend(slice(&grads, r));
+            send.push(self.window_items as f32);
+        }
+        let mut mine = vec![0.0f32; len + 1];
+        comm.reduce_scatter_sum(&send, &mut mine);
+        self.counters.grad_collectives += 1;
+        let items = mine.pop().unwrap_or(0.0) as f64;
+        let mut scale = self.scale(items, size, mean);
+        if let Some(max) = self.net.clip_global_norm {
+            let mut sq = [mine.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>() as f32];
+            comm.all_reduce_sum(&mut sq);
+            let norm = scale * (sq[0] as f64).sqrt();
+            if norm >= max {
+                scale *= max / norm;
+            }
+        }
+        self.session.set_param(SHARD, &HostTensor::f32(vec![len], slice(&params, rank)).expect("len"));
+        self.session.set_param(&format!("{ACCUMULATOR_PREFIX}.{SHARD}"), &HostTensor::f32(vec![len], mine).expect("len"));
+        let mut inputs = vec![HostTensor::scalar_f32(scale)];
+        inputs.extend(scalars.iter().map(|&v| HostTensor::scalar_f32(v)));
+        let shard = self.parallel.as_ref().and_then(|p| p.shard.as_ref()).expect("sharded");
+        self.session.run(&shard.optimizer, &inputs)?;
+        let updated = self.session.param(SHARD).expect("written by the optimizer").to_f32();
+        let mut all = vec![0.0f32; size * len];
+        comm.all_gather(&updated, &mut all);
+        all.truncate(total);
+        self.set_flat(None, &all);
+        Ok(())
+    }
+
     /// Everything needed to resume bit-identically: parameters, accumulators, optimizer
     /// state, and the counters as `cellgraph.*` int64 scalars.
+    ///
+    /// With hsdp the optimizer state is gathered from every rank and stored under the
+    /// unsharded names (`moments.fc1.weight`), so the checkpoint is the same as an unsharded
+    /// run's; every rank must call this together.
     pub fn snapshot(&self) -> crate::checkpoint::Tensors {
         let mut t = self.session.params_host();
+        if let Some((comm, shard)) = self.parallel.as_ref().and_then(|p| Some((&p.comm, p.shard.as_ref()?))) {
+            t.remove(SHARD);
+            t.remove(&format!("{ACCUMULATOR_PREFIX}.{SHARD}"));
+            let total: usize = self.trained.iter().map(|(_, n)| n).sum();
+            for spec in &shard.shard_state {
+                let mine = t.remove(&spec.name).expect("shard state lives in the session").to_f32();
+                let mut all = vec![0.0f32; comm.size() * shard.len];
+                comm.all_gather(&mine, &mut all);
+                let kind = spec.name.strip_suffix(&format!(".{SHARD}")).expect("shard state names end in the shard");
+                let mut at = 0;
+                for (name, n) in &self.trained {
+                    let shape = self.session.param_shape(name).expect("trained");
+                    t.insert(format!("{kind}.{name}"), HostTensor::f32(shape, all[at..at + n].to_vec()).expect("sizes"));
+                    at += n;
+                }
+                debug_assert_eq!(at, total);
+            }
+        }
         let counters = [
             ("cellgraph.updates", self.updates as i64),
             ("cellgraph.window_micro", self.window_micro as i64),
@@ -189,6 +408,7 @@ impl<B: Backend> Accumulator<B> {
     /// names the session knows replace their values, after a shape check; counters are
     /// restored when present. Unknown names are an error naming them.
     pub fn restore(&mut self, tensors: &crate::checkpoint::Tensors) -> Result<()> {
+        let tensors = &self.shard_state_from(tensors)?;
         let known: std::collections::BTreeSet<String> = self.session.param_names().into_iter().collect();
         let mut unknown = Vec::new();
         for (name, t) in tensors {
@@ -225,6 +445,32 @@ impl<B: Backend> Accumulator<B> {
             });
         }
         Ok(())
+    }
+
+    /// With hsdp: replaces unsharded optimizer state (`moments.fc1.weight`, ...) by this
+    /// rank's slice of it (`moments.hsdp.shard`); otherwise returns the tensors unchanged.
+    fn shard_state_from(&self, tensors: &crate::checkpoint::Tensors) -> Result<crate::checkpoint::Tensors> {
+        let mut out = tensors.clone();
+        let Some((comm, shard)) = self.parallel.as_ref().and_then(|p| Some((&p.comm, p.shard.as_ref()?))) else {
+            return Ok(out);
+        };
+        for spec in &shard.shard_state {
+            let kind = spec.name.strip_suffix(&format!(".{SHARD}")).expect("shard state names end in the shard");
+            let names: Vec<String> = self.trained.iter().map(|(n, _)| format!("{kind}.{n}")).collect();
+            if !names.iter().any(|n| out.contains_key(n)) {
+                continue;
+            }
+            let mut flat = Vec::new();
+            for n in &names {
+                let t = out.remove(n).ok_or_else(|| RuntimeError::Mismatch { what: "checkpoint".into(), expected: format!("optimizer state `{n}`"), got: "nothing".into() })?;
+                flat.extend(t.to_f32());
+            }
+            let start = (comm.rank() * shard.len).min(flat.len());
+            let mut mine = flat[start..(start + shard.len).min(flat.len())].to_vec();
+            mine.resize(shard.len, spec.init as f32);
+            out.insert(spec.name.clone(), HostTensor::f32(vec![shard.len], mine).expect("len"));
+        }
+        Ok(out)
     }
 
     fn clear_window(&mut self) -> Result<()> {

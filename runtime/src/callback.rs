@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use burn_backend::Backend;
+use crate::Backend;
 
 use crate::accumulate::Accumulator;
 use crate::error::{Result, RuntimeError};
@@ -169,7 +169,12 @@ impl<B: Backend> Callback<B> for ModelCheckpoint {
             return Ok(());
         }
         let path = self.directory.join(format!("{}-{}_{}.{}", self.prefix, cx.epoch, cx.step, self.config.format));
+        // Every rank takes the snapshot (with hsdp it gathers the optimizer state); rank 0
+        // writes it, since parameters are replicated.
         let t = crate::model::snapshot_at(cx.accumulator, cx.position);
+        if cx.accumulator.rank() != 0 {
+            return Ok(());
+        }
         crate::checkpoint::save(&path, &t, &Default::default())?;
         self.kept.retain(|p| p != &path);
         self.kept.push_back(path);

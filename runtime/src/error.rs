@@ -28,6 +28,9 @@ pub enum RuntimeError {
     /// A malformed data file.
     #[error("{path}: at byte offset {offset}: {detail}")]
     Data { path: String, offset: u64, detail: String },
+    /// A communicator failed or the ranks disagree.
+    #[error("{0}")]
+    Comm(String),
     /// An I/O failure on a named file.
     #[error("{path}: {source}")]
     Io { path: String, source: std::io::Error },

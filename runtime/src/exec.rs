@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 
 use burn_backend::tensor::Device;
-use burn_backend::Backend;
+use crate::Backend;
 use cellgraph_compiler::passes::pipeline::{self, PipelineOptions};
 use cellgraph_compiler::{Graph, HostTensor, Op, TensorType};
 
@@ -158,18 +158,26 @@ pub struct Session<B: Backend> {
     params: BTreeMap<String, Value<B>>,
     /// Per-op `(calls, seconds)` when profiling is on.
     profile: Option<BTreeMap<&'static str, (u64, f64)>>,
+    /// Run hot ops on the host kernels where the backend allows (see [`crate::host`]).
+    native: bool,
 }
 
 impl<B: Backend> Session<B> {
     /// An empty session on `device`.
     pub fn new(device: Device<B>) -> Self {
-        Session { device, params: BTreeMap::new(), profile: None }
+        Session { device, params: BTreeMap::new(), profile: None, native: true }
     }
 
     /// Turns per-op wall-clock profiling on or off (off by default; on CPU backends the times
     /// are exact, on asynchronous backends they measure launch cost).
     pub fn set_profiling(&mut self, on: bool) {
         self.profile = on.then(BTreeMap::new);
+    }
+
+    /// Chooses between the host kernels (the default, where the backend keeps tensors in host
+    /// memory) and burn's generic ops for every op; both give the same results to rounding.
+    pub fn set_native_kernels(&mut self, on: bool) {
+        self.native = on;
     }
 
     /// `(op, calls, seconds)` collected since profiling was switched on, slowest first.
@@ -201,6 +209,16 @@ impl<B: Backend> Session<B> {
         for s in state {
             self.set_param(&s.name, &HostTensor::full(&s.ty, s.init));
         }
+    }
+
+    /// Drops a parameter's value.
+    pub fn remove_param(&mut self, name: &str) {
+        self.params.remove(name);
+    }
+
+    /// A parameter's extents (without copying it).
+    pub fn param_shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.params.get(name).map(|v| v.dims())
     }
 
     /// A parameter's value, copied to the host.
@@ -277,7 +295,7 @@ impl<B: Backend> Session<B> {
                             (v.expect("operands are computed before use"), ty)
                         })
                         .collect();
-                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.name() };
+                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.name(), native: self.native };
                     let t0 = self.profile.is_some().then(std::time::Instant::now);
                     let v = eval(&cx, op, args, &step.ty)?;
                     if let (Some(p), Some(t0)) = (self.profile.as_mut(), t0) {

@@ -8,9 +8,11 @@
 pub mod accumulate;
 pub mod callback;
 pub mod checkpoint;
+pub mod comm;
 pub mod data;
 pub mod error;
 pub mod exec;
+pub mod host;
 pub mod lower;
 pub mod model;
 pub mod value;
@@ -19,6 +21,7 @@ pub use error::{Result, RuntimeError};
 pub use accumulate::{Accumulator, Counters, StepOutcome};
 pub use callback::{Callback, CheckpointConfig, LossLog, LossMonitor, ModelCheckpoint, ProgressBar, RunContext, TimeMonitor};
 pub use exec::{compile, Executable, Session};
+pub use host::Backend;
 pub use model::{Dataset, Metric, Model, Position, TensorDataset};
 pub use value::Value;
 

@@ -6,11 +6,12 @@
 
 use burn_backend::ops::{ConvOptions, ConvTransposeOptions};
 use burn_backend::tensor::{Device, FloatTensor, IntTensor};
-use burn_backend::{Backend, DeviceSettings, FloatDType, Scalar, Shape as BShape, Slice, TensorData};
+use burn_backend::{DeviceSettings, FloatDType, Scalar, Shape as BShape, Slice, TensorData};
 use cellgraph_compiler::window::{self, Window};
 use cellgraph_compiler::{DType, Op, PadMode, Pool2dAttrs, ReduceAttrs, Reduction, TensorType};
 
 use crate::error::{Result, RuntimeError};
+use crate::Backend;
 use crate::value::Value;
 
 /// What one evaluation needs besides its operands.
@@ -19,6 +20,8 @@ pub struct Ctx<'a, B: Backend> {
     pub settings: DeviceSettings,
     pub scope: &'a str,
     pub op: &'static str,
+    /// Try the host kernels first (see [`crate::host`]).
+    pub native: bool,
 }
 
 impl<B: Backend> Ctx<'_, B> {
@@ -137,6 +140,13 @@ fn padding_out(k: usize, s: usize, p: usize, d: usize, size_in: usize, size_out:
 
 /// Evaluates one non-leaf op. `args` pairs each operand value with its IR type.
 pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>, out: &TensorType) -> Result<Value<B>> {
+    if cx.native && crate::host::has_native(op) {
+        let floats: Option<Vec<&FloatTensor<B>>> = args.iter().map(|(v, _)| if let Value::Float(t) = v { Some(t) } else { None }).collect();
+        let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
+        if let Some(t) = floats.and_then(|f| crate::host::try_native::<B>(op, &f, &tys, out, cx.device)) {
+            return Ok(Value::Float(t));
+        }
+    }
     let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
     let mut vals = args.into_iter().map(|(v, _)| v);
     let mut next = || vals.next().expect("arity checked by the verifier");

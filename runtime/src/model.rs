@@ -10,16 +10,18 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Instant;
 
 use burn_backend::tensor::Device;
-use burn_backend::Backend;
-use cellgraph_cells::{Cell, GradAccumulation, Optimizer};
+use crate::Backend;
+use cellgraph_cells::{AutoParallel, Cell, GradAccumulation, Optimizer};
 use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
 use crate::accumulate::Accumulator;
 use crate::callback::{Callback, RunContext};
 use crate::checkpoint;
+use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
 use crate::exec::{compile, Executable};
 
@@ -103,6 +105,16 @@ impl<B: Backend> Model<B> {
         Ok(Model { acc, metrics: vec![Metric::Accuracy], eval_plans: HashMap::new(), position: Position::default() })
     }
 
+    /// A model training data-parallel over `comm` (MindSpore's `init()` + `AutoParallel(net)`):
+    /// every rank runs this with its shard of the data. The ranks check at once that they
+    /// agree on the configuration and the initial parameters.
+    pub fn parallel(network: AutoParallel, optimizer: impl Optimizer + 'static, device: Device<B>, seed: u64, comm: Arc<dyn Communicator>) -> Result<Self> {
+        let AutoParallel { network, hsdp, gradients_mean } = network;
+        let mut model = Self::new(network, optimizer, device, seed)?;
+        model.acc.set_parallel(comm, gradients_mean, hsdp)?;
+        Ok(model)
+    }
+
     /// A model without accumulation: one optimizer update per batch.
     pub fn plain(net_with_loss: impl Cell + 'static, optimizer: impl Optimizer + 'static, device: Device<B>, seed: u64) -> Result<Self> {
         Self::new(GradAccumulation::new(net_with_loss, 1), optimizer, device, seed)
@@ -132,6 +144,10 @@ impl<B: Backend> Model<B> {
     /// Trains until `epochs` epochs are complete (resuming from the current position).
     pub fn train(&mut self, epochs: usize, dataset: &dyn Dataset, callbacks: &mut [&mut dyn Callback<B>]) -> Result<()> {
         let steps_per_epoch = dataset.dataset_size();
+        if let Some(comm) = self.acc.communicator() {
+            let what = format!("number of batches per epoch (this rank has {steps_per_epoch}; shard the dataset with shard(size, rank))");
+            crate::comm::agree(comm.as_ref(), &what, &(steps_per_epoch as u64).to_le_bytes())?;
+        }
         self.acc.set_input_names(&dataset.column_names());
         let mut stop = false;
         while self.position.epoch < epochs && !stop {

@@ -14,10 +14,10 @@ use cellgraph::runtime::{Accumulator, Counters};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const FEATURES: usize = 16;
+pub(crate) const FEATURES: usize = 16;
 
 /// Dense(16 -> 24) -> ReLU -> Dense(24 -> 10).
-struct Small {
+pub(crate) struct Small {
     fc1: Dense,
     fc2: Dense,
 }
@@ -57,17 +57,17 @@ impl<C: Cell> Cell for Scaled<C> {
     }
 }
 
-fn net() -> WithLossCell {
+pub(crate) fn net() -> WithLossCell {
     WithLossCell::new(Small::new(), CrossEntropyLoss::new())
 }
 
-fn data(rng: &mut StdRng, n: usize) -> Vec<HostTensor> {
+pub(crate) fn data(rng: &mut StdRng, n: usize) -> Vec<HostTensor> {
     let x: Vec<f32> = (0..n * FEATURES).map(|_| rng.random_range(-1.0..1.0)).collect();
     let y: Vec<i32> = (0..n).map(|_| rng.random_range(0..10)).collect();
     vec![HostTensor::f32(vec![n, FEATURES], x).unwrap(), HostTensor::i32(vec![n], y).unwrap()]
 }
 
-fn concat(parts: &[Vec<HostTensor>]) -> Vec<HostTensor> {
+pub(crate) fn concat(parts: &[Vec<HostTensor>]) -> Vec<HostTensor> {
     (0..2)
         .map(|i| {
             let n: usize = parts.iter().map(|p| p[i].shape[0]).sum();
@@ -115,12 +115,12 @@ impl Reference {
     }
 }
 
-fn params_of(s: &Session<Cpu>) -> BTreeMap<String, Vec<f32>> {
+pub(crate) fn params_of(s: &Session<Cpu>) -> BTreeMap<String, Vec<f32>> {
     net().parameters().iter().map(|p| (p.name.clone(), s.param(&p.name).unwrap().to_f32())).collect()
 }
 
 /// Largest relative difference over all parameters: max |a - b| / max |b|, per tensor.
-fn rel_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f64 {
+pub(crate) fn rel_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f64 {
     a.iter()
         .map(|(k, va)| {
             let vb = &b[k];
@@ -200,7 +200,7 @@ fn parameters_change_only_at_the_boundary_and_each_graph_runs_once_per_window() 
                 assert!(a.session.param(acc_name).unwrap().to_f32().iter().all(|&v| v == 0.0), "accumulators cleared");
             }
         }
-        assert_eq!(a.counters(), Counters { micro_steps: 4 * window, optimizer_runs: window, clear_runs: window });
+        assert_eq!(a.counters(), Counters { micro_steps: 4 * window, optimizer_runs: window, clear_runs: window, grad_collectives: 0 });
     }
 }
 
@@ -218,7 +218,7 @@ fn in_step_loss_is_the_sum_of_micro_losses_and_bad_batch_sizes_are_refused() {
         .sum();
     let out = a.step(&batch).unwrap();
     assert!((out.loss - expected).abs() < 1e-5, "{} vs {expected}", out.loss);
-    assert_eq!(a.counters(), Counters { micro_steps: 4, optimizer_runs: 1, clear_runs: 1 });
+    assert_eq!(a.counters(), Counters { micro_steps: 4, optimizer_runs: 1, clear_runs: 1, grad_collectives: 0 });
 
     let mut bad = Accumulator::<Cpu>::new(Rc::new(GradAccumulation::new(net(), 3)), momentum(), cpu(), 3).unwrap();
     let e = bad.step(&data(&mut rng, 16)).unwrap_err().to_string();
@@ -244,7 +244,7 @@ fn incomplete_last_window_steps_with_its_true_count_or_is_dropped() {
     r.step(&concat(&micro[4..]));
     let d = rel_diff(&params_of(&a.session), &params_of(&r.session));
     assert!(d <= 1e-6, "true-count last window: {d:e}");
-    assert_eq!(a.counters(), Counters { micro_steps: 6, optimizer_runs: 2, clear_runs: 2 });
+    assert_eq!(a.counters(), Counters { micro_steps: 6, optimizer_runs: 2, clear_runs: 2, grad_collectives: 0 });
 
     let acc = GradAccumulation::across_steps(net(), 4).normalization(Normalization::Mean).drop_incomplete_window();
     let mut a = Accumulator::<Cpu>::new(Rc::new(acc), momentum(), cpu(), 1).unwrap();
@@ -258,7 +258,7 @@ fn incomplete_last_window_steps_with_its_true_count_or_is_dropped() {
     assert!(!a.finish().unwrap());
     assert_eq!(params_of(&a.session), after_first);
     assert!(a.session.param("accu_grads.fc2.bias").unwrap().to_f32().iter().all(|&v| v == 0.0));
-    assert_eq!(a.counters(), Counters { micro_steps: 6, optimizer_runs: 1, clear_runs: 2 });
+    assert_eq!(a.counters(), Counters { micro_steps: 6, optimizer_runs: 1, clear_runs: 2, grad_collectives: 0 });
 }
 
 #[test]

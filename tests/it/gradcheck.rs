@@ -48,7 +48,13 @@ fn build(case: &Case) -> (Graph, Vec<NodeId>, NodeId) {
 }
 
 fn run_loss(exe: &Executable, params: &[(String, HostTensor)], inputs: &[HostTensor]) -> Vec<HostTensor> {
+    run_on(exe, params, inputs, true)
+}
+
+/// Runs on the f64 CPU backend, with the host kernels or with burn's generic ops only.
+fn run_on(exe: &Executable, params: &[(String, HostTensor)], inputs: &[HostTensor], native: bool) -> Vec<HostTensor> {
     let mut s = Session::<CpuF64>::new(cpu());
+    s.set_native_kernels(native);
     for (n, v) in params {
         s.set_param(n, v);
     }
@@ -92,6 +98,13 @@ fn check(case: &Case) {
     params.push(("w".into(), HostTensor::new(wty.dims().to_vec(), HostData::F64(randn(&mut rng, wty.numel(), false))).unwrap()));
     let inputs: Vec<HostTensor> = case.inputs.iter().map(|h| h.to_f64_tensor()).collect();
     let analytic = run_loss(&bwd, &params, &inputs);
+    // burn's generic ops (the path device backends take) agree with the host kernels.
+    let generic = run_on(&bwd, &params, &inputs, false);
+    for (pi, (a, b)) in analytic.iter().zip(&generic).enumerate() {
+        for (k, (x, y)) in a.to_f64().iter().zip(b.to_f64()).enumerate() {
+            assert!((x - y).abs() <= 1e-12 * (1.0 + x.abs()), "{}: d/dx{pi}[{k}] host kernels {x} vs burn's ops {y}", case.name);
+        }
+    }
     for (pi, a) in analytic.iter().enumerate() {
         let a = a.to_f64();
         let n = a.len();
@@ -170,6 +183,8 @@ fn cases() -> Vec<Case> {
         case!("conv2d_stride3", [[1, 1, 8, 8], [2, 1, 2, 2]], |e, p, x| e.op(Op::Conv2d(conv(3, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
         case!("conv2d_1x1_wide_pad_fallback", [[1, 2, 4, 4], [3, 2, 1, 1]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Pad, [1, 2, 2, 1], 1, 1)), &[p[0], p[1]]).unwrap()),
         case!("conv2d_groups", [[1, 4, 5, 5], [6, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 2)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_groups_stride2_same", [[2, 4, 7, 7], [4, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Same, [0; 4], 1, 2)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_groups_dilation_pad", [[1, 6, 6, 6], [3, 2, 2, 2]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Pad, [0, 1, 2, 0], 2, 3)), &[p[0], p[1]]).unwrap()),
         case!("max_pool2d", [[2, 2, 4, 4]], |e, p, x| e.op(Op::MaxPool2d(pool(2, 2, PadMode::Valid)), &[p[0]]).unwrap()),
         case!("max_pool2d_same", [[1, 2, 5, 5]], |e, p, x| e.op(Op::MaxPool2d(pool(2, 2, PadMode::Same)), &[p[0]]).unwrap()),
         case!("max_pool2d_overlap", [[1, 1, 5, 5]], |e, p, x| e.op(Op::MaxPool2d(pool(3, 1, PadMode::Valid)), &[p[0]]).unwrap()),

@@ -8,4 +8,6 @@ mod gradcheck;
 mod ir;
 mod mnist;
 mod model;
+mod mpi;
+mod parallel;
 mod runtime;

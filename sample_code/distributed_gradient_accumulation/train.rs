@@ -1,0 +1,169 @@
+//! MindSpore's distributed gradient accumulation sample (seed 002), for cellgraph.
+//!
+//! ```python
+//! init()
+//! net = GradAccumulation(nn.WithLossCell(net, loss_fn), 4)
+//! net = AutoParallel(net); net.hsdp()
+//! model = ms.Model(net, optimizer=optimizer)
+//! model.train(10, data_set, callbacks=[loss_cb])
+//! ```
+//!
+//! Launched by `run.sh` as `mpirun -n 8`; started alone it is a world of one. Each rank reads
+//! its shard of the training images, writes its LossMonitor lines to
+//! `<log-dir>/worker_<rank>.log` (rank 0 also prints them), and rank 0 reports throughput,
+//! the bytes reduced per update and the test accuracy.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::Parser;
+
+use cellgraph::cells::AutoParallel;
+use cellgraph::prelude::*;
+use cellgraph::runtime::comm::{self, Communicator};
+use cellgraph::runtime::data::{create_dataset, ImageOp, MnistDataset};
+
+#[derive(Parser)]
+#[command(about = "cellgraph distributed gradient accumulation (MindSpore seed 002): run under mpirun")]
+struct Args {
+    /// Directory with the MNIST IDX files.
+    #[arg(long, default_value = "data/mnist")]
+    data_path: PathBuf,
+    /// `mlp` (the seed's Network, SGD 1e-2) or `lenet` (LeNet5, Momentum(0.01, 0.9)).
+    #[arg(long, default_value = "mlp")]
+    net: String,
+    #[arg(long, default_value_t = 10)]
+    epochs: usize,
+    /// Per-rank batch size (sliced into `micro-size` micro-batches).
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 4)]
+    micro_size: usize,
+    /// Replicate the optimizer state instead of sharding it (hsdp).
+    #[arg(long)]
+    no_hsdp: bool,
+    /// Average gradients across ranks (MindSpore's enable_gradients_mean) instead of summing.
+    #[arg(long)]
+    gradients_mean: bool,
+    /// LossMonitor's per_print_times.
+    #[arg(long, default_value_t = 100)]
+    print_every: usize,
+    #[arg(long, default_value = "log_output")]
+    log_dir: PathBuf,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    #[arg(long, default_value_t = 0.01)]
+    lr: f64,
+    /// Test hook: this rank panics at the given step (`RANK:STEP`).
+    #[arg(long, hide = true)]
+    panic_at: Option<String>,
+}
+
+/// Rank 0's log lines go to the terminal too.
+struct Tee(std::fs::File, bool);
+
+impl Write for Tee {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.1 {
+            std::io::stdout().write_all(buf)?;
+        }
+        self.0.write_all(buf)?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stdout().flush()?;
+        self.0.flush()
+    }
+}
+
+/// Panics at a chosen step on a chosen rank (for the failure tests).
+struct PanicAt(usize);
+
+impl Callback<Cpu> for PanicAt {
+    fn step_end(&mut self, cx: &mut cellgraph::runtime::RunContext<Cpu>) -> cellgraph::runtime::Result<()> {
+        if cx.step == self.0 {
+            panic!("test hook: rank {} panics at step {}", cx.accumulator.rank(), cx.step);
+        }
+        Ok(())
+    }
+}
+
+fn train(args: &Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error::Error>> {
+    let (rank, size) = (comm.rank(), comm.size());
+    let (ds, test, model) = match args.net.as_str() {
+        "mlp" => {
+            let ops = [ImageOp::Rescale { rescale: 1.0 / 255.0, shift: 0.0 }, ImageOp::Normalize { mean: 0.1307, std: 0.3081 }, ImageOp::Hwc2Chw];
+            let ds = MnistDataset::new(&args.data_path, "train")?.map(ops.clone()).batch(args.batch_size, false)?.shard(size, rank)?;
+            let test = MnistDataset::new(&args.data_path, "t10k")?.map(ops).batch(args.batch_size, false)?;
+            let net = GradAccumulation::new(WithLossCell::new(Network::new(&Scope::root()), CrossEntropyLoss::new()), args.micro_size);
+            let model = Model::<Cpu>::parallel(parallel(net, args), SGD::new(args.lr), cpu(), args.seed, comm.clone())?;
+            (ds, test, model)
+        }
+        "lenet" => {
+            let ds = create_dataset(&args.data_path, "train", args.batch_size, 1, args.seed)?.shard(size, rank)?;
+            let test = create_dataset(&args.data_path, "t10k", args.batch_size, 1, 0)?;
+            let loss = SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean);
+            let net = GradAccumulation::new(WithLossCell::new(LeNet5::new(&Scope::root(), 10, 1), loss), args.micro_size);
+            let model = Model::<Cpu>::parallel(parallel(net, args), Momentum::new(args.lr, 0.9), cpu(), args.seed, comm.clone())?;
+            (ds, test, model)
+        }
+        other => return Err(format!("--net must be mlp or lenet, got `{other}`").into()),
+    };
+    let mut model = model;
+    std::fs::create_dir_all(&args.log_dir).map_err(|e| format!("{}: {e}", args.log_dir.display()))?;
+    let log = args.log_dir.join(format!("worker_{rank}.log"));
+    let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let mut loss_cb = LossMonitor::to_writer(args.print_every, Box::new(Tee(file, rank == 0)));
+    let mut panic_cb = PanicAt(usize::MAX);
+    if let Some((r, s)) = args.panic_at.as_deref().and_then(|v| v.split_once(':')) {
+        if r.parse() == Ok(rank) {
+            panic_cb.0 = s.parse().map_err(|_| format!("--panic-at RANK:STEP, got `{s}`"))?;
+        }
+    }
+    let t0 = Instant::now();
+    model.train(args.epochs, &ds, &mut [&mut loss_cb, &mut panic_cb])?;
+    let secs = t0.elapsed().as_secs_f64();
+    let acc = model.accumulator();
+    let trained = acc.network().parameters();
+    let params: Vec<u8> = trained.iter().filter_map(|p| acc.session.param(&p.name)).flat_map(|t| t.to_f32()).flat_map(|v| v.to_le_bytes()).collect();
+    comm::agree(comm.as_ref(), "final parameters", &params)?;
+    if rank == 0 {
+        let images = ds.items_per_pass() * args.epochs * size;
+        let elements: usize = trained.iter().map(|p| p.ty.numel()).sum();
+        println!("ranks: {size}, updates: {}, gradient collectives: {}", acc.updates(), acc.counters().grad_collectives);
+        println!("training: {secs:.2} s, {:.0} images/s across ranks", images as f64 / secs);
+        println!("gradient bytes reduced per update: {} ({} f32 + the item count)", 4 * (elements + 1), elements);
+        println!("optimizer state on this rank: {} elements", acc.optimizer_state_elements());
+        println!("test accuracy: {:.4}", model.eval(&test)?["Accuracy"]);
+    }
+    Ok(())
+}
+
+fn parallel(net: GradAccumulation, args: &Args) -> AutoParallel {
+    let mut p = AutoParallel::new(net);
+    if !args.no_hsdp {
+        p = p.hsdp();
+    }
+    if args.gradients_mean {
+        p = p.enable_gradients_mean();
+    }
+    p
+}
+
+fn main() {
+    let args = Args::parse();
+    let comm = match comm::init() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = train(&args, comm.clone()) {
+        eprintln!("rank {}: error: {e}", comm.rank());
+        // The other ranks may be waiting in a collective: take the whole job down.
+        comm.abort(1);
+    }
+}

@@ -1,0 +1,88 @@
+//! The seed-002 program under a real `mpirun` (OpenMPI): training and logs on 2 ranks, a rank
+//! that panics takes the whole job down quickly, ranks started with different arguments fail
+//! with a clear error. Skipped (with a message) where `mpirun` is not installed.
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_distributed_gradient_accumulation");
+
+fn have_mpirun() -> bool {
+    let ok = Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!("skipped: mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+    }
+    ok
+}
+
+/// `mpirun` with this machine's flags; `apps` are MPMD parts `[(ranks, extra args)]`.
+fn mpirun(apps: &[(usize, &[&str])], log_dir: &Path) -> (Output, Duration) {
+    let mut c = Command::new("timeout");
+    c.args(["60", "mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader"]);
+    for (i, (n, extra)) in apps.iter().enumerate() {
+        if i > 0 {
+            c.arg(":");
+        }
+        c.args(["-n", &n.to_string(), BIN, "--epochs", "1", "--print-every", "5"]);
+        c.args(["--data-path", concat!(env!("CARGO_MANIFEST_DIR"), "/data/mnist"), "--log-dir"]).arg(log_dir).args(*extra);
+    }
+    c.env("MATMUL_NUM_THREADS", "1").env("RAYON_NUM_THREADS", "1");
+    let t = Instant::now();
+    let out = c.output().expect("run mpirun");
+    (out, t.elapsed())
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("cellgraph-mpi-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn two_ranks_train_with_one_collective_per_update_and_write_worker_logs() {
+    if !have_mpirun() {
+        return;
+    }
+    let dir = tmp("ok");
+    let (out, _) = mpirun(&[(2, &["--net", "lenet"])], &dir);
+    let s = text(&out);
+    assert!(out.status.success(), "{s}");
+    assert!(s.contains("ranks: 2, updates: 125, gradient collectives: 125"), "{s}");
+    for r in 0..2 {
+        let log = std::fs::read_to_string(dir.join(format!("worker_{r}.log"))).unwrap();
+        assert!(log.starts_with("epoch: 1 step: 5, loss is "), "worker_{r}.log: {log}");
+    }
+}
+
+#[test]
+fn a_rank_that_panics_ends_the_job_within_seconds() {
+    if !have_mpirun() {
+        return;
+    }
+    let dir = tmp("panic");
+    let (out, took) = mpirun(&[(3, &["--net", "lenet", "--panic-at", "1:3"])], &dir);
+    let s = text(&out);
+    assert!(!out.status.success(), "{s}");
+    assert!(s.contains("rank 1 panics at step 3"), "{s}");
+    assert!(took < Duration::from_secs(10), "took {took:?}: {s}");
+    // This job's ranks carry its unique log directory on their command line.
+    let stray = Command::new("pgrep").arg("-f").arg(&dir).output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
+    assert!(stray.is_empty(), "stray ranks left running: {stray}");
+}
+
+#[test]
+fn ranks_started_with_different_arguments_fail_with_a_clear_error() {
+    if !have_mpirun() {
+        return;
+    }
+    let (out, took) = mpirun(&[(1, &["--lr", "0.01"]), (1, &["--lr", "0.02"])], &tmp("mismatch"));
+    let s = text(&out);
+    assert!(!out.status.success(), "{s}");
+    assert!(s.contains("ranks [1] have a different configuration"), "{s}");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+}

@@ -1,0 +1,188 @@
+//! Data parallelism on in-process ranks (`LocalGroup`): W ranks x K micro-batches equal one
+//! process on the gathered global batch, with and without hsdp, summing or averaging across
+//! ranks; one gradient collective per update; mismatched ranks fail with a clear error.
+
+use std::sync::Arc;
+use std::thread;
+
+use cellgraph::cells::accumulate::{AutoParallel, GradAccumulation, Normalization};
+use cellgraph::prelude::*;
+use cellgraph::runtime::comm::{Communicator, LocalGroup};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use crate::accumulation::{concat, data, net, params_of, rel_diff};
+
+const UPDATES: usize = 7;
+const K: usize = 2;
+const B: usize = 4;
+
+/// Rank `r`'s rows of every global batch of `w * B` rows.
+fn rank_columns(global: &[Vec<HostTensor>], r: usize) -> Vec<HostTensor> {
+    let mine: Vec<Vec<HostTensor>> = global.iter().map(|g| g.iter().map(|t| cellgraph::runtime::accumulate::slice_rows(t, r * B, (r + 1) * B)).collect()).collect();
+    concat(&mine)
+}
+
+fn global_batches(w: usize) -> Vec<Vec<HostTensor>> {
+    let mut rng = StdRng::seed_from_u64(11);
+    (0..UPDATES).map(|_| data(&mut rng, w * B)).collect()
+}
+
+struct Setup {
+    hsdp: bool,
+    mean: bool,
+    seed: u64,
+}
+
+/// Trains on `w` threads, one rank each; returns every rank's result.
+fn run_ranks<T: Send + 'static>(w: usize, f: impl Fn(usize, Arc<dyn Communicator>) -> T + Send + Sync + 'static) -> Vec<T> {
+    let f = Arc::new(f);
+    let handles: Vec<_> = LocalGroup::new(w)
+        .into_iter()
+        .enumerate()
+        .map(|(r, c)| {
+            let f = f.clone();
+            thread::spawn(move || f(r, Arc::new(c)))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+}
+
+fn network(mean: bool) -> GradAccumulation {
+    let n = GradAccumulation::new(net(), K);
+    if mean { n.normalization(Normalization::Mean) } else { n }
+}
+
+fn parallel_model(w: usize, r: usize, comm: Arc<dyn Communicator>, s: &Setup) -> cellgraph::runtime::Result<Model<Cpu>> {
+    let mut p = AutoParallel::new(network(s.mean));
+    if s.hsdp {
+        p = p.hsdp();
+    }
+    if s.mean {
+        p = p.enable_gradients_mean();
+    }
+    let _ = (w, r);
+    Model::parallel(p, Momentum::new(0.1, 0.9), cpu(), s.seed, comm)
+}
+
+/// Parameters after training on `w` ranks, from every rank, plus the counters.
+fn train_parallel(w: usize, hsdp: bool, mean: bool) -> Vec<(std::collections::BTreeMap<String, Vec<f32>>, cellgraph::runtime::Counters, u64)> {
+    let global = global_batches(w);
+    run_ranks(w, move |r, comm| {
+        let s = Setup { hsdp, mean, seed: 1 };
+        let mut m = parallel_model(w, r, comm, &s).unwrap();
+        let ds = TensorDataset { columns: rank_columns(&global, r), batch_size: B };
+        m.train(1, &ds, &mut []).unwrap();
+        let a = m.accumulator();
+        (params_of(&a.session), a.counters(), a.updates())
+    })
+}
+
+/// One process on the gathered global batch: K*W micro-batches per update.
+fn train_single(w: usize, mean: bool) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let global = global_batches(w);
+    let n = GradAccumulation::new(net(), K * w);
+    let n = if mean { n.normalization(Normalization::Mean) } else { n };
+    let mut m = Model::<Cpu>::new(n, Momentum::new(0.1, 0.9), cpu(), 1).unwrap();
+    let ds = TensorDataset { columns: concat(&global), batch_size: w * B };
+    m.train(1, &ds, &mut []).unwrap();
+    params_of(&m.accumulator().session)
+}
+
+#[test]
+fn ranks_times_micro_batches_equal_one_process_on_the_global_batch() {
+    for w in [1, 2, 4, 8] {
+        for hsdp in [false, true] {
+            for mean in [false, true] {
+                let reference = train_single(w, mean);
+                let ranks = train_parallel(w, hsdp, mean);
+                for (r, (params, counters, updates)) in ranks.iter().enumerate() {
+                    let d = rel_diff(params, &reference);
+                    assert!(d < 1e-6, "W={w} hsdp={hsdp} mean={mean} rank {r}: relative difference {d}");
+                    assert_eq!(*updates, UPDATES as u64);
+                    assert_eq!(counters.grad_collectives, *updates, "one gradient collective per update");
+                    assert_eq!(counters.optimizer_runs, *updates);
+                    assert_eq!(params, &ranks[0].0, "rank {r} holds the same parameters as rank 0");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_wrong_cross_rank_normalisation_fails_the_same_check() {
+    // Summing across ranks where the single process averages: the check must catch it.
+    let reference = train_single(4, true);
+    let ranks = train_parallel(4, false, false);
+    let d = rel_diff(&ranks[0].0, &reference);
+    assert!(d > 1e-3, "summed ranks should differ from the averaged reference, got {d}");
+}
+
+#[test]
+fn hsdp_shards_optimizer_state_and_checkpoints_like_the_unsharded_run() {
+    let snapshots: Vec<Vec<_>> = [false, true]
+        .into_iter()
+        .map(|hsdp| {
+            let global = global_batches(4);
+            run_ranks(4, move |r, comm| {
+                let mut m = parallel_model(4, r, comm, &Setup { hsdp, mean: false, seed: 1 }).unwrap();
+                let ds = TensorDataset { columns: rank_columns(&global, r), batch_size: B };
+                m.train(1, &ds, &mut []).unwrap();
+                (m.accumulator().optimizer_state_elements(), m.snapshot())
+            })
+        })
+        .collect();
+    let (full, sharded) = (&snapshots[0], &snapshots[1]);
+    let params: usize = net().parameters().iter().map(|p| p.ty.numel()).sum();
+    assert_eq!(full[0].0, params, "Momentum keeps one moment per element");
+    assert_eq!(sharded[0].0, params.div_ceil(4), "hsdp keeps a quarter on each rank");
+    let (a, b) = (&full[0].1, &sharded[0].1);
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "same tensor names");
+    for (k, t) in a {
+        let (x, y) = (t.to_f64(), b[k].to_f64());
+        let scale = x.iter().fold(1e-12f64, |m, v| m.max(v.abs()));
+        let d = x.iter().zip(&y).fold(0.0f64, |m, (p, q)| m.max((p - q).abs())) / scale;
+        assert!(d < 1e-6, "{k}: sharded checkpoint differs by {d}");
+    }
+}
+
+#[test]
+fn hsdp_resumes_from_its_own_checkpoint() {
+    let global = global_batches(2);
+    let out = run_ranks(2, move |r, comm| {
+        let s = Setup { hsdp: true, mean: false, seed: 1 };
+        let mut m = parallel_model(2, r, comm.clone(), &s).unwrap();
+        let ds = TensorDataset { columns: rank_columns(&global, r), batch_size: B };
+        m.train(1, &ds, &mut []).unwrap();
+        let snap = m.snapshot();
+        m.train(2, &ds, &mut []).unwrap();
+        let mut resumed = parallel_model(2, r, comm, &s).unwrap();
+        resumed.restore(&snap).unwrap();
+        resumed.train(2, &ds, &mut []).unwrap();
+        (params_of(&m.accumulator().session), params_of(&resumed.accumulator().session))
+    });
+    for (a, b) in out {
+        assert_eq!(a, b, "resumed hsdp run is bit-identical");
+    }
+}
+
+#[test]
+fn ranks_that_disagree_fail_with_a_clear_error() {
+    // A different seed on rank 1: different initial parameters.
+    let errs = run_ranks(2, |r, comm| parallel_model(2, r, comm, &Setup { hsdp: false, mean: false, seed: 1 + r as u64 }).err().map(|e| e.to_string()));
+    for e in &errs {
+        let e = e.as_ref().expect("every rank reports the mismatch");
+        assert!(e.contains("ranks [1]") && e.contains("initial parameters"), "{e}");
+    }
+    // A different number of batches per epoch on rank 1.
+    let errs = run_ranks(2, |r, comm| {
+        let mut m = parallel_model(2, r, comm, &Setup { hsdp: false, mean: false, seed: 1 }).unwrap();
+        let mut rng = StdRng::seed_from_u64(r as u64);
+        let ds = TensorDataset { columns: data(&mut rng, B * (3 + r)), batch_size: B };
+        m.train(1, &ds, &mut []).err().map(|e| e.to_string())
+    });
+    for e in &errs {
+        let e = e.as_ref().expect("every rank reports the mismatch");
+        assert!(e.contains("number of batches per epoch") && e.contains("shard"), "{e}");
+    }
+}
