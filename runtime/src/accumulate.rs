@@ -135,7 +135,7 @@ impl<B: Backend> Accumulator<B> {
         // The learning-rate schedule and other host scalars are inputs, not graph constants.
         fingerprint += &format!("{:?}\n", [0, 1, 10, 1000].map(|u| self.opt.scalar_values(u)));
         crate::comm::agree(comm.as_ref(), "configuration (network, optimizer, accumulation options)", fingerprint.as_bytes())?;
-        let params: Vec<u8> = self.flat_params()?.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let params: Vec<u8> = self.flat(None)?.iter().flat_map(|v| v.to_le_bytes()).collect();
         crate::comm::agree(comm.as_ref(), "initial parameters (seed)", &params)?;
         let shard = if hsdp { Some(self.make_shard(comm.size())?) } else { None };
         if let Some(sh) = &shard {
@@ -177,14 +177,10 @@ impl<B: Backend> Accumulator<B> {
         Ok(out)
     }
 
-    fn flat_params(&self) -> Result<Vec<f32>> {
-        self.flat(None)
-    }
-
     /// Writes a flat buffer back into the parameters (or their accumulators, with `prefix`).
     fn set_flat(&mut self, prefix: Option<&str>, flat: &[f32]) {
         let mut at = 0;
-        for (name, n) in self.trained.clone() {
+        for (name, n) in &self.trained {
             let key = prefix.map_or_else(|| name.clone(), |p| format!("{p}.{name}"));
             let shape = self.session.param_shape(&key).expect("flattened from the session");
             self.session.set_param(&key, &HostTensor::f32(shape, flat[at..at + n].to_vec()).expect("sizes match"));
@@ -322,7 +318,7 @@ impl<B: Backend> Accumulator<B> {
     /// state; one all-gather brings every rank the whole updated parameters.
     fn apply_sharded(&mut self, scalars: &[f64]) -> Result<()> {
         let grads = self.flat(Some(ACCUMULATOR_PREFIX))?;
-        let params = self.flat_params()?;
+        let params = self.flat(None)?;
         let p = self.parallel.as_ref().expect("parallel");
         let (comm, mean) = (p.comm.clone(), p.gradients_mean);
         let len = p.shard.as_ref().expect("sharded").len;

@@ -53,7 +53,7 @@ fn network(mean: bool) -> GradAccumulation {
     if mean { n.normalization(Normalization::Mean) } else { n }
 }
 
-fn parallel_model(w: usize, r: usize, comm: Arc<dyn Communicator>, s: &Setup) -> cellgraph::runtime::Result<Model<Cpu>> {
+fn parallel_model(comm: Arc<dyn Communicator>, s: &Setup) -> cellgraph::runtime::Result<Model<Cpu>> {
     let mut p = AutoParallel::new(network(s.mean));
     if s.hsdp {
         p = p.hsdp();
@@ -61,7 +61,6 @@ fn parallel_model(w: usize, r: usize, comm: Arc<dyn Communicator>, s: &Setup) ->
     if s.mean {
         p = p.enable_gradients_mean();
     }
-    let _ = (w, r);
     Model::parallel(p, Momentum::new(0.1, 0.9), cpu(), s.seed, comm)
 }
 
@@ -70,7 +69,7 @@ fn train_parallel(w: usize, hsdp: bool, mean: bool) -> Vec<(std::collections::BT
     let global = global_batches(w);
     run_ranks(w, move |r, comm| {
         let s = Setup { hsdp, mean, seed: 1 };
-        let mut m = parallel_model(w, r, comm, &s).unwrap();
+        let mut m = parallel_model(comm, &s).unwrap();
         let ds = TensorDataset { columns: rank_columns(&global, r), batch_size: B };
         m.train(1, &ds, &mut []).unwrap();
         let a = m.accumulator();
@@ -125,7 +124,7 @@ fn hsdp_shards_optimizer_state_and_checkpoints_like_the_unsharded_run() {
         .map(|hsdp| {
             let global = global_batches(4);
             run_ranks(4, move |r, comm| {
-                let mut m = parallel_model(4, r, comm, &Setup { hsdp, mean: false, seed: 1 }).unwrap();
+                let mut m = parallel_model(comm, &Setup { hsdp, mean: false, seed: 1 }).unwrap();
                 let ds = TensorDataset { columns: rank_columns(&global, r), batch_size: B };
                 m.train(1, &ds, &mut []).unwrap();
                 (m.accumulator().optimizer_state_elements(), m.snapshot())
@@ -151,12 +150,12 @@ fn hsdp_resumes_from_its_own_checkpoint() {
     let global = global_batches(2);
     let out = run_ranks(2, move |r, comm| {
         let s = Setup { hsdp: true, mean: false, seed: 1 };
-        let mut m = parallel_model(2, r, comm.clone(), &s).unwrap();
+        let mut m = parallel_model(comm.clone(), &s).unwrap();
         let ds = TensorDataset { columns: rank_columns(&global, r), batch_size: B };
         m.train(1, &ds, &mut []).unwrap();
         let snap = m.snapshot();
         m.train(2, &ds, &mut []).unwrap();
-        let mut resumed = parallel_model(2, r, comm, &s).unwrap();
+        let mut resumed = parallel_model(comm, &s).unwrap();
         resumed.restore(&snap).unwrap();
         resumed.train(2, &ds, &mut []).unwrap();
         (params_of(&m.accumulator().session), params_of(&resumed.accumulator().session))
@@ -169,14 +168,14 @@ fn hsdp_resumes_from_its_own_checkpoint() {
 #[test]
 fn ranks_that_disagree_fail_with_a_clear_error() {
     // A different seed on rank 1: different initial parameters.
-    let errs = run_ranks(2, |r, comm| parallel_model(2, r, comm, &Setup { hsdp: false, mean: false, seed: 1 + r as u64 }).err().map(|e| e.to_string()));
+    let errs = run_ranks(2, |r, comm| parallel_model(comm, &Setup { hsdp: false, mean: false, seed: 1 + r as u64 }).err().map(|e| e.to_string()));
     for e in &errs {
         let e = e.as_ref().expect("every rank reports the mismatch");
         assert!(e.contains("ranks [1]") && e.contains("initial parameters"), "{e}");
     }
     // A different number of batches per epoch on rank 1.
     let errs = run_ranks(2, |r, comm| {
-        let mut m = parallel_model(2, r, comm, &Setup { hsdp: false, mean: false, seed: 1 }).unwrap();
+        let mut m = parallel_model(comm, &Setup { hsdp: false, mean: false, seed: 1 }).unwrap();
         let mut rng = StdRng::seed_from_u64(r as u64);
         let ds = TensorDataset { columns: data(&mut rng, B * (3 + r)), batch_size: B };
         m.train(1, &ds, &mut []).err().map(|e| e.to_string())
