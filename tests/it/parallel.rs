@@ -185,3 +185,49 @@ fn ranks_that_disagree_fail_with_a_clear_error() {
         assert!(e.contains("number of batches per epoch") && e.contains("shard"), "{e}");
     }
 }
+
+#[test]
+fn uneven_shards_take_the_same_steps_on_every_rank() {
+    // 2,000 test images over 3 ranks: 667 each (the shard wraps around), 21 batches of up to
+    // 32, windows of 4 across steps: 5 full windows and an incomplete one, applied on every rank.
+    let out = run_ranks(3, |r, comm| {
+        use cellgraph::runtime::data::{ImageOp, MnistDataset};
+        let ops = [ImageOp::Rescale { rescale: 1.0 / 255.0, shift: 0.0 }, ImageOp::Hwc2Chw];
+        let ds = MnistDataset::new(&crate::common::mnist_dir(), "t10k").unwrap().map(ops).batch(32, false).unwrap().shard(3, r).unwrap();
+        let net = GradAccumulation::across_steps(crate::common::mlp_with_loss(), 4);
+        let mut m = Model::<Cpu>::parallel(AutoParallel::new(net).hsdp(), SGD::new(0.01), cpu(), 1, comm).unwrap();
+        m.train(1, &ds, &mut []).unwrap();
+        let a = m.accumulator();
+        let names: Vec<String> = a.network().parameters().into_iter().map(|p| p.name).collect();
+        (ds.get_dataset_size(), a.updates(), a.counters().grad_collectives, names.iter().map(|n| a.session.param(n).unwrap().to_f32()).collect::<Vec<_>>())
+    });
+    for (batches, updates, collectives, params) in &out {
+        assert_eq!((*batches, *updates, *collectives), (21, 6, 6));
+        assert_eq!(params, &out[0].3, "every rank holds the same parameters");
+    }
+}
+
+#[test]
+fn item_weighted_normalisation_counts_items_on_every_rank() {
+    // Rank r brings batches of 4 * (r + 1) items: the global mean over 12 items per update
+    // equals one process on the gathered 12-item batches.
+    let mut rng = StdRng::seed_from_u64(5);
+    let sizes = [4, 8];
+    let steps: Vec<Vec<Vec<HostTensor>>> = (0..UPDATES).map(|_| sizes.iter().map(|&n| data(&mut rng, n)).collect()).collect();
+    let per_rank: Vec<Vec<HostTensor>> = (0..2).map(|r| concat(&steps.iter().map(|s| s[r].clone()).collect::<Vec<_>>())).collect();
+    let ranks = run_ranks(2, move |r, comm| {
+        let net = GradAccumulation::new(net(), K).normalization(Normalization::ItemWeighted);
+        let mut m = Model::<Cpu>::parallel(AutoParallel::new(net), Momentum::new(0.1, 0.9), cpu(), 1, comm).unwrap();
+        m.train(1, &TensorDataset { columns: per_rank[r].clone(), batch_size: sizes[r] }, &mut []).unwrap();
+        params_of(&m.accumulator().session)
+    });
+    let gathered = concat(&steps.iter().map(|s| concat(s)).collect::<Vec<_>>());
+    let single = GradAccumulation::new(net(), 4).normalization(Normalization::ItemWeighted);
+    let mut m = Model::<Cpu>::new(single, Momentum::new(0.1, 0.9), cpu(), 1).unwrap();
+    m.train(1, &TensorDataset { columns: gathered, batch_size: 12 }, &mut []).unwrap();
+    let reference = params_of(&m.accumulator().session);
+    for (r, p) in ranks.iter().enumerate() {
+        let d = rel_diff(p, &reference);
+        assert!(d < 1e-6, "rank {r}: relative difference {d}");
+    }
+}
