@@ -56,6 +56,9 @@ struct Args {
     seed: u64,
     #[arg(long, default_value_t = 0.01)]
     lr: f64,
+    /// Rank 0 saves the trained model here at the end (`.ckpt` or `.safetensors`).
+    #[arg(long)]
+    ckpt: Option<PathBuf>,
     /// Test hook: this rank panics at the given step (`RANK:STEP`).
     #[arg(long, hide = true)]
     panic_at: Option<String>,
@@ -129,6 +132,11 @@ fn train(args: &Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::er
     let trained = acc.network().parameters();
     let params: Vec<u8> = trained.iter().filter_map(|p| acc.session.param(&p.name)).flat_map(|t| t.to_f32()).flat_map(|v| v.to_le_bytes()).collect();
     comm::agree(comm.as_ref(), "final parameters", &params)?;
+    // Every rank takes the snapshot (with hsdp it gathers the optimizer state); rank 0 saves.
+    let snapshot = model.snapshot();
+    if let (Some(path), 0) = (&args.ckpt, rank) {
+        cellgraph::runtime::checkpoint::save(path, &snapshot, &Default::default())?;
+    }
     if rank == 0 {
         let images = ds.items_per_pass() * args.epochs * size;
         let elements: usize = trained.iter().map(|p| p.ty.numel()).sum();
