@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs what building and running cellgraph needs beyond a Rust toolchain, if missing:
-# OpenMPI (mpirun and its headers, for the `mpi` crate) and libclang (for its bindings).
+# OpenMPI (mpirun and its headers, for the `mpi` crate), libclang (for its bindings) and
+# Graphviz (`cellgraph inspect render`).
 set -euo pipefail
 missing=()
-for pkg in openmpi-bin libopenmpi-dev libclang-dev; do
+for pkg in openmpi-bin libopenmpi-dev libclang-dev graphviz; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 [ ${#missing[@]} -eq 0 ] && exit 0

@@ -8,6 +8,8 @@ use clap::{Parser, Subcommand};
 
 use cellgraph::prelude::*;
 
+mod inspect;
+
 #[derive(Parser)]
 #[command(name = "cellgraph", version, about = "Graph-mode training with gradient accumulation")]
 struct Cli {
@@ -41,6 +43,8 @@ enum Cmd {
         #[arg(long)]
         profile: bool,
     },
+    /// Inspect graph dumps: list a dump directory, print, filter, diff, render or check dumps.
+    Inspect(inspect::InspectArgs),
     /// Print the graph of LeNet5's training step in the text format.
     Graph {
         #[arg(long, default_value_t = 32)]
@@ -108,6 +112,7 @@ fn main() -> ExitCode {
         Cmd::Train { data, batch, steps, lr, seed, print_every, profile } => {
             train(data, batch, steps, lr, seed, print_every.max(1), profile)
         }
+        Cmd::Inspect(args) => inspect::run(args),
         Cmd::Graph { batch } => {
             let inputs = [("data", TensorType::f32([batch, 1, 32, 32])), ("label", TensorType::i32([batch]))];
             train_one_step(&lenet_with_loss(), &inputs, &SGD::new(0.01)).map(|s| print!("{}", print(&s.graph))).map_err(Into::into)

@@ -109,9 +109,15 @@ impl GradAccumulation {
 
     /// The `micro_step` graph for micro-batches of the given types.
     pub fn micro_step_graph(&self, micro_inputs: &[(String, TensorType)]) -> Result<Graph> {
+        Ok(self.traced_micro_step(micro_inputs)?.1)
+    }
+
+    /// The traced forward graph (named `forward`) and the `micro_step` graph rewritten from it.
+    pub fn traced_micro_step(&self, micro_inputs: &[(String, TensorType)]) -> Result<(Graph, Graph)> {
         let (forward, loss) = self.trace_forward(micro_inputs)?;
         let names: Vec<String> = self.trained().into_iter().map(|(n, _)| n).collect();
-        Ok(micro_graph(&forward, loss, &names, &self.options())?)
+        let micro = micro_graph(&forward, loss, &names, &self.options())?;
+        Ok((forward, micro))
     }
 
     /// The `optimizer` and `clear` graphs (they do not depend on the micro-batch shape), the

@@ -107,6 +107,14 @@ impl Graph {
         id
     }
 
+    /// Appends operand edges `operands` (in order) to `id`, unchecked. Used by the parser,
+    /// which adds nodes first and edges after, to keep the text's ids.
+    pub(crate) fn connect(&mut self, id: NodeId, operands: &[NodeId]) {
+        for (i, &o) in operands.iter().enumerate() {
+            self.inner.add_edge(o.ix(), id.ix(), i as u32);
+        }
+    }
+
     /// The node, or an error naming the id.
     pub fn try_node(&self, id: NodeId) -> Result<&Node> {
         self.inner.node_weight(id.ix()).ok_or(IrError::UnknownNode(id))

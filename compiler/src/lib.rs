@@ -8,10 +8,13 @@
 //! - [`print`] and [`parse`]: the round-trip text format.
 //! - [`autodiff`]: graph-mode reverse-mode differentiation; [`emit`]: the node builder.
 //! - [`passes`]: named rewrites run by one pipeline that verifies after each.
+//! - [`dump`]: per-pass graph dumps (`.ir`, `.json`, `.dot`).
 #![warn(missing_docs)]
 #![allow(missing_docs)] // enum variants and small helpers are documented where it matters
 
 pub mod autodiff;
+pub mod cost;
+pub mod dump;
 pub mod emit;
 pub mod error;
 pub mod graph;

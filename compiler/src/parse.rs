@@ -225,14 +225,54 @@ fn attrs(c: &mut Cursor) -> PResult<BTreeMap<String, Attr>> {
     }
 }
 
-/// Parses one equation line into the graph.
-fn equation(c: &mut Cursor, g: &mut Graph, names: &mut HashMap<u64, NodeId>) -> PResult<()> {
+/// One parsed equation, added to the graph when the graph closes (so ids keep the text's).
+struct Equation {
+    id: u32,
+    op: Op,
+    operands: Vec<NodeId>,
+    ty: TensorType,
+    scope: String,
+}
+
+/// The largest value id a dump may use (ids are allocated densely, holes included).
+const MAX_ID: u64 = 1 << 24;
+
+/// Builds the graph with every value at the id the text gave it: nodes are added in id
+/// order, holes filled by placeholders that are removed at the end (the graph keeps them as
+/// vacant ids, as after dead-code elimination).
+fn build(g: &mut Graph, mut eqs: Vec<Equation>) {
+    eqs.sort_by_key(|e| e.id);
+    let mut holes = Vec::new();
+    let mut next = 0u32;
+    for e in &eqs {
+        while next < e.id {
+            holes.push(g.add_unchecked(Op::Constant { value: 0.0 }, &[], TensorType::f32(crate::types::Shape::scalar()), ""));
+            next += 1;
+        }
+        let id = g.add_unchecked(e.op.clone(), &[], e.ty.clone(), &e.scope);
+        debug_assert_eq!(id, NodeId(e.id));
+        next += 1;
+    }
+    for e in &eqs {
+        g.connect(NodeId(e.id), &e.operands);
+    }
+    for h in holes {
+        g.remove(h);
+    }
+}
+
+/// Parses one equation line.
+fn equation(c: &mut Cursor, eqs: &mut Vec<Equation>, names: &mut HashMap<u64, NodeId>) -> PResult<()> {
     c.expect('%')?;
     let def_pos = c.pos - 1;
     let n = c.uint()?;
     if names.contains_key(&n) {
         c.pos = def_pos;
         return c.err(format!("value %{n} is defined twice"));
+    }
+    if n >= MAX_ID {
+        c.pos = def_pos;
+        return c.err(format!("value id %{n} is too large (ids below {MAX_ID})"));
     }
     c.expect(':')?;
     let ty = tensor_type(c)?;
@@ -263,14 +303,15 @@ fn equation(c: &mut Cursor, g: &mut Graph, names: &mut HashMap<u64, NodeId>) -> 
     if scope.is_empty() && !c.at_end() {
         return c.err(format!("unexpected `{}` after the equation", c.rest().trim()));
     }
-    names.insert(n, g.add_unchecked(op, &operands, ty, &scope));
+    names.insert(n, NodeId(n as u32));
+    eqs.push(Equation { id: n as u32, op, operands, ty, scope });
     Ok(())
 }
 
 /// Parses every graph in the text (a file may hold several, separated by blank lines).
 pub fn parse_many(text: &str) -> Result<Vec<Graph>, ParseError> {
     let mut graphs = Vec::new();
-    let mut current: Option<(Graph, HashMap<u64, NodeId>, bool)> = None;
+    let mut current: Option<(Graph, HashMap<u64, NodeId>, bool, Vec<Equation>)> = None;
     let mut last_line = 0;
     for (i, raw) in text.lines().enumerate() {
         last_line = i + 1;
@@ -289,15 +330,17 @@ pub fn parse_many(text: &str) -> Result<Vec<Graph>, ParseError> {
                 if !c.at_end() {
                     return c.err("expected end of line after `{`");
                 }
-                current = Some((Graph::new(name), HashMap::new(), false));
+                current = Some((Graph::new(name), HashMap::new(), false, Vec::new()));
             }
-            Some((g, names, returned)) => {
+            Some((g, names, returned, eqs)) => {
                 if c.eat('}') {
                     if !*returned {
                         c.pos -= 1;
                         return c.err(format!("graph `{}` ends without `return`", g.name));
                     }
-                    graphs.push(current.take().unwrap().0);
+                    let (mut g, _, _, eqs) = current.take().unwrap();
+                    build(&mut g, eqs);
+                    graphs.push(g);
                 } else if *returned {
                     return c.err("expected `}` after `return`");
                 } else if c.rest().trim_start().starts_with("return") {
@@ -312,12 +355,12 @@ pub fn parse_many(text: &str) -> Result<Vec<Graph>, ParseError> {
                     g.set_outputs(outs);
                     *returned = true;
                 } else {
-                    equation(&mut c, g, names)?;
+                    equation(&mut c, eqs, names)?;
                 }
             }
         }
     }
-    if let Some((g, _, _)) = current {
+    if let Some((g, _, _, _)) = current {
         return Err(ParseError { line: last_line, col: 1, message: format!("graph `{}` is not closed with `}}`", g.name) });
     }
     Ok(graphs)

@@ -14,12 +14,13 @@ use burn_backend::tensor::Device;
 use crate::Backend;
 use cellgraph_cells::{Cell, GradAccumulation, Normalization, Optimizer, Slicing};
 use cellgraph_compiler::passes::grad_accumulation::{optimizer_graph, AccumulationOptions, ACCUMULATOR_PREFIX};
+use cellgraph_compiler::dump::DumpOptions;
 use cellgraph_compiler::update::StateSpec;
 use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
 use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
-use crate::exec::{compile, Executable, Session};
+use crate::exec::{compile, compile_with, DumpAt, Executable, Session};
 
 /// How many times each graph ran.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -57,6 +58,8 @@ pub struct Accumulator<B: Backend> {
     /// Trained parameters in flat-buffer order, with element counts.
     trained: Vec<(String, usize)>,
     parallel: Option<Parallel>,
+    /// Graph dumps, when switched on.
+    dump: Option<DumpOptions>,
 }
 
 /// Data parallelism: the communicator and how gradients cross it.
@@ -123,6 +126,7 @@ impl<B: Backend> Accumulator<B> {
             names: Vec::new(),
             trained,
             parallel: None,
+            dump: None,
         })
     }
 
@@ -152,7 +156,9 @@ impl<B: Backend> Accumulator<B> {
     /// needs the global norm, is folded into the scale on the host).
     fn shard_graph(&self, len: usize) -> Result<(cellgraph_compiler::Graph, Vec<StateSpec>)> {
         let opts = AccumulationOptions { normalization: self.net.normalization, clip_global_norm: None };
-        Ok(optimizer_graph(&[(SHARD.to_string(), TensorType::f32(vec![len]))], self.opt.as_ref(), &opts)?)
+        let (mut g, state) = optimizer_graph(&[(SHARD.to_string(), TensorType::f32(vec![len]))], self.opt.as_ref(), &opts)?;
+        g.name = "optimizer_shard".into();
+        Ok((g, state))
     }
 
     fn make_shard(&self, size: usize) -> Result<Shard> {
@@ -192,6 +198,31 @@ impl<B: Backend> Accumulator<B> {
     /// in dumps.
     pub fn set_input_names(&mut self, names: &[&str]) {
         self.names = names.iter().map(|n| n.to_string()).collect();
+    }
+
+    /// Writes every graph after every compiler pass to `opts.dir` (under `rank_<id>/` when
+    /// data-parallel over several ranks): the optimizer and clear graphs at once, each
+    /// micro-step graph (with the traced forward graph it came from) when it is compiled.
+    pub fn save_graphs(&mut self, opts: DumpOptions) -> Result<()> {
+        let opts = match &self.parallel {
+            Some(p) if p.comm.size() > 1 => opts.for_rank(p.comm.rank()),
+            _ => opts,
+        };
+        let at = DumpAt { opts: &opts, first: 1, input: "grad_accumulation" };
+        self.clear = compile_with(self.clear.graph().clone(), Some(at))?;
+        // The optimizer graph that runs: this rank's shard under hsdp, else the whole one.
+        match self.parallel.as_mut().and_then(|p| p.shard.as_mut()) {
+            Some(sh) => sh.optimizer = compile_with(sh.optimizer.graph().clone(), Some(at))?,
+            None => self.optimizer = compile_with(self.optimizer.graph().clone(), Some(at))?,
+        }
+        self.micro.clear();
+        self.dump = Some(opts);
+        Ok(())
+    }
+
+    /// The dump options in force (with the rank directory applied).
+    pub fn dump_options(&self) -> Option<&DumpOptions> {
+        self.dump.as_ref()
     }
 
     /// The communicator, when training data-parallel.
@@ -250,8 +281,19 @@ impl<B: Backend> Accumulator<B> {
                 .enumerate()
                 .map(|(i, t)| (self.names.get(i).cloned().unwrap_or_else(|| format!("input{i}")), t.clone()))
                 .collect();
-            let g = self.net.micro_step_graph(&named)?;
-            self.micro.insert(key.clone(), compile(g)?);
+            let (forward, mut g) = self.net.traced_micro_step(&named)?;
+            if !self.micro.is_empty() {
+                // Another micro-batch shape (a short last batch): its own dump files.
+                g.name = format!("micro_step_{}", self.micro.len());
+            }
+            let exe = match &self.dump {
+                Some(d) => {
+                    cellgraph_compiler::dump::write(d, 0, "trace", &forward).map_err(|source| RuntimeError::Io { path: d.dir.display().to_string(), source })?;
+                    compile_with(g, Some(DumpAt { opts: d, first: 1, input: "grad_accumulation" }))?
+                }
+                None => compile(g)?,
+            };
+            self.micro.insert(key.clone(), exe);
         }
         let loss = self.session.run(&self.micro[&key], inputs)?[0].scalar();
         self.counters.micro_steps += 1;

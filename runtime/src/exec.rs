@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use burn_backend::tensor::Device;
 use crate::Backend;
 use cellgraph_compiler::passes::pipeline::{self, PipelineOptions};
+use cellgraph_compiler::dump::DumpOptions;
 use cellgraph_compiler::{Graph, HostTensor, Op, TensorType};
 
 use crate::error::{Result, RuntimeError};
@@ -100,8 +101,31 @@ fn simulate_peak(graph: &Graph, steps: &[Step]) -> usize {
 }
 
 /// Optimises, verifies and schedules a graph.
-pub fn compile(mut graph: Graph) -> Result<Executable> {
-    pipeline::run(&mut graph, &pipeline::default_passes(), &PipelineOptions::default(), |_, _, _| {})?;
+pub fn compile(graph: Graph) -> Result<Executable> {
+    compile_with(graph, None)
+}
+
+/// Where [`compile_with`] dumps: the pipeline's input is written as pass `input` at position
+/// `first`, each pass after it at the next position.
+#[derive(Clone, Copy, Debug)]
+pub struct DumpAt<'a> {
+    pub opts: &'a DumpOptions,
+    pub first: usize,
+    pub input: &'a str,
+}
+
+/// [`compile`], writing the graph after every pass when `dump` is given.
+pub fn compile_with(mut graph: Graph, dump: Option<DumpAt>) -> Result<Executable> {
+    let mut failed = None;
+    pipeline::run(&mut graph, &pipeline::default_passes(), &PipelineOptions::default(), |i, name, g| {
+        if let (Some(d), None) = (dump, &failed) {
+            let pass = if i == 0 { d.input } else { name };
+            failed = cellgraph_compiler::dump::write(d.opts, d.first + i, pass, g).err().map(|e| (d.opts.dir.clone(), e));
+        }
+    })?;
+    if let Some((dir, source)) = failed {
+        return Err(RuntimeError::Io { path: dir.display().to_string(), source });
+    }
     cellgraph_compiler::verify(&graph).map_err(cellgraph_compiler::IrError::from)?;
     let order = graph.topo_order().expect("verified graphs are acyclic");
     let pos: BTreeMap<_, _> = order.iter().enumerate().map(|(i, &id)| (id, i)).collect();

@@ -20,7 +20,7 @@ pub mod value;
 pub use error::{Result, RuntimeError};
 pub use accumulate::{Accumulator, Counters, StepOutcome};
 pub use callback::{Callback, CheckpointConfig, LossLog, LossMonitor, ModelCheckpoint, ProgressBar, RunContext, TimeMonitor};
-pub use exec::{compile, Executable, Session};
+pub use exec::{compile, compile_with, DumpAt, Executable, Session};
 pub use host::Backend;
 pub use model::{Dataset, Metric, Model, Position, TensorDataset};
 pub use value::Value;

@@ -23,7 +23,7 @@ use crate::callback::{Callback, RunContext};
 use crate::checkpoint;
 use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
-use crate::exec::{compile, Executable};
+use crate::exec::{compile_with, DumpAt, Executable};
 
 /// A source of batches, epoch by epoch.
 pub trait Dataset {
@@ -115,6 +115,13 @@ impl<B: Backend> Model<B> {
         Ok(model)
     }
 
+    /// MindSpore's `save_graphs`: writes every compiled graph after every pass (see
+    /// [`cellgraph_compiler::dump`]); multi-rank runs write under `rank_<id>/`.
+    pub fn save_graphs(&mut self, opts: cellgraph_compiler::dump::DumpOptions) -> Result<()> {
+        self.eval_plans.clear();
+        self.acc.save_graphs(opts)
+    }
+
     /// A model without accumulation: one optimizer update per batch.
     pub fn plain(net_with_loss: impl Cell + 'static, optimizer: impl Optimizer + 'static, device: Device<B>, seed: u64) -> Result<Self> {
         Self::new(GradAccumulation::new(net_with_loss, 1), optimizer, device, seed)
@@ -201,7 +208,8 @@ impl<B: Backend> Model<B> {
                     got: format!("a {} without a backbone", self.acc.network().network.kind()),
                 })?;
                 let (g, _) = cellgraph_cells::trace(backbone, "eval", &[("data", key[0].clone())])?;
-                self.eval_plans.insert(key.clone(), compile(g)?);
+                let dump = self.acc.dump_options().map(|opts| DumpAt { opts, first: 0, input: "trace" });
+                self.eval_plans.insert(key.clone(), compile_with(g, dump)?);
             }
             let logits = self.acc.session.run(&self.eval_plans[&key], &batch[..1])?.remove(0);
             let labels = batch[1].to_f64();

@@ -115,6 +115,11 @@ fn train(args: &Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::er
         other => return Err(format!("--net must be mlp or lenet, got `{other}`").into()),
     };
     let mut model = model;
+    // MindSpore's MS_DEV_SAVE_GRAPHS, read once here: CELLGRAPH_SAVE_GRAPHS=1..3 and
+    // CELLGRAPH_SAVE_GRAPHS_PATH write every graph after every pass (under rank_<id>/).
+    if let Some(opts) = cellgraph::compiler::dump::DumpOptions::from_env()? {
+        model.save_graphs(opts)?;
+    }
     std::fs::create_dir_all(&args.log_dir).map_err(|e| format!("{}: {e}", args.log_dir.display()))?;
     let log = args.log_dir.join(format!("worker_{rank}.log"));
     let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;

@@ -35,6 +35,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // micro-batch; every 5 steps the optimizer runs on the mean of the gradients.
     let train_net = GradAccumulation::boost(WithLossCell::new(net, net_loss), 5);
     let mut model = Model::<Cpu>::new(train_net, net_opt, cpu(), 1)?;
+    // MindSpore's save_graphs: CELLGRAPH_SAVE_GRAPHS=1..3, CELLGRAPH_SAVE_GRAPHS_PATH=dir.
+    if let Some(opts) = cellgraph::compiler::dump::DumpOptions::from_env()? {
+        model.save_graphs(opts)?;
+    }
 
     println!("============== Starting Training ==============");
     model.train(args.epochs, &ds_train, &mut [&mut time_cb, &mut loss_cb])?;

@@ -4,6 +4,7 @@ mod common;
 
 mod accumulation;
 mod cells;
+mod dumps;
 mod gradcheck;
 mod ir;
 mod mnist;

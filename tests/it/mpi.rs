@@ -18,6 +18,10 @@ fn have_mpirun() -> bool {
 
 /// `mpirun` with this machine's flags; `apps` are MPMD parts `[(ranks, extra args)]`.
 fn mpirun(apps: &[(usize, &[&str])], log_dir: &Path) -> (Output, Duration) {
+    mpirun_env(apps, log_dir, &[])
+}
+
+fn mpirun_env(apps: &[(usize, &[&str])], log_dir: &Path, env: &[(&str, &Path)]) -> (Output, Duration) {
     let mut c = Command::new("timeout");
     c.args(["60", "mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader"]);
     for (i, (n, extra)) in apps.iter().enumerate() {
@@ -28,6 +32,9 @@ fn mpirun(apps: &[(usize, &[&str])], log_dir: &Path) -> (Output, Duration) {
         c.args(["--data-path", concat!(env!("CARGO_MANIFEST_DIR"), "/data/mnist"), "--log-dir"]).arg(log_dir).args(*extra);
     }
     c.env("MATMUL_NUM_THREADS", "1").env("RAYON_NUM_THREADS", "1");
+    for (k, v) in env {
+        c.env(k, v);
+    }
     let t = Instant::now();
     let out = c.output().expect("run mpirun");
     (out, t.elapsed())
@@ -49,13 +56,19 @@ fn two_ranks_train_with_one_collective_per_update_and_write_worker_logs() {
         return;
     }
     let dir = tmp("ok");
-    let (out, _) = mpirun(&[(2, &["--net", "lenet"])], &dir);
+    let graphs = dir.join("graphs");
+    let level = Path::new("1");
+    let (out, _) = mpirun_env(&[(2, &["--net", "lenet"])], &dir, &[("CELLGRAPH_SAVE_GRAPHS", level), ("CELLGRAPH_SAVE_GRAPHS_PATH", &graphs)]);
     let s = text(&out);
     assert!(out.status.success(), "{s}");
     assert!(s.contains("ranks: 2, updates: 125, gradient collectives: 125"), "{s}");
     for r in 0..2 {
         let log = std::fs::read_to_string(dir.join(format!("worker_{r}.log"))).unwrap();
         assert!(log.starts_with("epoch: 1 step: 5, loss is "), "worker_{r}.log: {log}");
+        // CELLGRAPH_SAVE_GRAPHS: each rank dumps its graphs under rank_<id>/.
+        for f in ["00_trace_forward.ir", "02_dce_micro_step.ir", "02_dce_optimizer_shard.ir", "02_dce_clear.ir"] {
+            assert!(graphs.join(format!("rank_{r}")).join(f).is_file(), "rank_{r}/{f} missing");
+        }
     }
 }
 

@@ -1,0 +1,45 @@
+//! Cost estimates per node: floating-point operations (a multiply-add counts 2) and the
+//! bytes of parameters a graph reads. `cellgraph inspect` reports them.
+
+use crate::graph::{Graph, NodeId};
+use crate::op::Op;
+
+/// Estimated floating-point operations of one node.
+pub fn node_flops(g: &Graph, id: NodeId) -> u64 {
+    let n = g.node(id);
+    let out = n.ty.numel() as u64;
+    let arg = |i: usize| g.ty(g.operands(id)[i]).clone();
+    // Multiply-adds of a convolution producing `y` from `x`-shaped input with `w`'s window.
+    let conv = |y: &[usize], w: &[usize]| 2 * y.iter().product::<usize>() as u64 * (w[1] * w[2] * w[3]) as u64;
+    match &n.op {
+        Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => 0,
+        Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Pad { .. } => 0,
+        Op::Concat { .. } | Op::Flatten | Op::Cast { .. } | Op::ZerosLike | Op::Assign => 0,
+        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Relu | Op::ReluGrad | Op::Sqrt => out,
+        Op::GreaterEqual | Op::Select | Op::AssignAdd => out,
+        Op::Exp | Op::Log => 4 * out,
+        Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_) => arg(0).numel() as u64,
+        Op::ReduceMaxGrad(_) => 3 * out,
+        Op::MatMul { transpose_a, .. } => {
+            let a = arg(0);
+            let k = if *transpose_a { a.dims()[0] } else { a.dims()[1] };
+            2 * out * k as u64
+        }
+        Op::SoftmaxCrossEntropy { .. } | Op::SoftmaxCrossEntropyGrad { .. } => 6 * arg(0).numel() as u64,
+        Op::Conv2d(_) => conv(n.ty.dims(), arg(1).dims()),
+        Op::Conv2dBackpropInput { .. } => conv(arg(0).dims(), arg(1).dims()),
+        Op::Conv2dBackpropFilter { filter_shape, .. } => conv(arg(0).dims(), &filter_shape.0),
+        Op::MaxPool2d(p) | Op::AvgPool2d(p) => out * (p.kernel[0] * p.kernel[1]) as u64,
+        Op::MaxPool2dGrad(p) | Op::AvgPool2dGrad(p) => arg(1).numel() as u64 * (p.kernel[0] * p.kernel[1]) as u64,
+    }
+}
+
+/// Estimated floating-point operations of the whole graph.
+pub fn flops(g: &Graph) -> u64 {
+    g.ids().into_iter().map(|id| node_flops(g, id)).sum()
+}
+
+/// Bytes of the parameters (trainable, accumulators, optimizer state) the graph reads.
+pub fn parameter_bytes(g: &Graph) -> usize {
+    g.parameters().into_iter().map(|(id, _)| g.ty(id).size_bytes()).sum()
+}
