@@ -13,7 +13,7 @@
 //! micro-batches differ in size). Parameter names are the wrapped network's, unchanged.
 
 use cellgraph_compiler::passes::grad_accumulation::{
-    clear_graph, grad_accumulation, micro_graph, optimizer_graph, AccumulationGraphs, AccumulationOptions,
+    clear_graph, micro_graph, optimizer_graph, AccumulationOptions,
 };
 use cellgraph_compiler::update::StateSpec;
 use cellgraph_compiler::Graph;
@@ -138,14 +138,6 @@ impl GradAccumulation {
             t.param(&p)?;
         }
         Ok((t.finish(vec![loss]), loss))
-    }
-
-    /// Traces the network on micro-batches of the given types and rewrites it into the
-    /// micro-step, optimizer and clear graphs.
-    pub fn compile(&self, micro_inputs: &[(String, TensorType)], opt: &dyn Optimizer) -> Result<AccumulationGraphs> {
-        let (forward, loss) = self.trace_forward(micro_inputs)?;
-        let names: Vec<String> = self.trained().into_iter().map(|(n, _)| n).collect();
-        Ok(grad_accumulation(&forward, loss, &names, opt, &self.options())?)
     }
 }
 

@@ -294,3 +294,11 @@ fn the_learning_rate_schedule_advances_once_per_applied_update() {
     let d = rel_diff(&params_of(&a.session), &params_of(&r.session));
     assert!(d <= 1e-6, "schedule indexed by updates: {d:e}");
 }
+
+#[test]
+fn a_loss_that_is_not_a_scalar_is_a_clear_error() {
+    let per_item = WithLossCell::new(Small::new(), SoftmaxCrossEntropyWithLogits::new(true, Reduction::None));
+    let mut m = Model::<Cpu>::new(GradAccumulation::new(per_item, 2), Momentum::new(0.1, 0.9), cpu(), 1).unwrap();
+    let err = m.accumulator_mut().step(&data(&mut StdRng::seed_from_u64(1), 4)).unwrap_err().to_string();
+    assert!(err.contains("GradAccumulation needs a scalar loss, got f32[2]"), "{err}");
+}

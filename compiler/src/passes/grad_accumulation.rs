@@ -43,55 +43,24 @@ pub struct AccumulationOptions {
 /// The prefix of accumulator parameters (MindSpore's `accu_grads`).
 pub const ACCUMULATOR_PREFIX: &str = "accu_grads";
 
-/// The three graphs and the state they introduce.
-#[derive(Clone, Debug)]
-pub struct AccumulationGraphs {
-    pub micro: Graph,
-    pub optimizer: Graph,
-    pub clear: Graph,
-    /// `(accumulator name, type)`, one per trained parameter, zero-initialised.
-    pub accumulators: Vec<(String, TensorType)>,
-    /// Optimizer state, as declared by the rule.
-    pub state: Vec<StateSpec>,
-}
-
 /// The accumulator name of a parameter.
 pub fn accumulator_name(param: &str) -> String {
     format!("{ACCUMULATOR_PREFIX}.{param}")
 }
 
-/// Rewrites `forward` (whose output `loss` is a scalar) into the GradAccumulation graphs for
-/// the named trainable parameters.
-pub fn grad_accumulation(
-    forward: &Graph,
-    loss: NodeId,
-    params: &[String],
-    rule: &dyn UpdateRule,
-    opts: &AccumulationOptions,
-) -> Result<AccumulationGraphs> {
+/// The `micro_step` graph: `forward` differentiated w.r.t. `params`, each gradient
+/// `assign_add`-ed into its accumulator. The loss must be a scalar.
+pub fn micro_graph(forward: &Graph, loss: NodeId, params: &[String], opts: &AccumulationOptions) -> Result<Graph> {
     let lt = forward.try_node(loss)?.ty.clone();
     if lt.rank() != 0 {
         return Err(IrError::Autodiff(format!("GradAccumulation needs a scalar loss, got {lt}; use a reducing loss")));
     }
-    let micro = micro_graph(forward, loss, params, opts)?;
-    let types: Vec<(String, TensorType)> = params
-        .iter()
-        .map(|p| {
-            let id = forward.find_parameter(p).ok_or_else(|| IrError::Autodiff(format!("the network has no parameter `{p}`")))?;
-            Ok((p.clone(), forward.ty(id).clone()))
-        })
-        .collect::<Result<_>>()?;
-    let (optimizer, state) = optimizer_graph(&types, rule, opts)?;
-    let clear = clear_graph(&types)?;
-    let accumulators = types.iter().map(|(n, t)| (accumulator_name(n), t.clone())).collect();
-    Ok(AccumulationGraphs { micro, optimizer, clear, accumulators, state })
-}
-
-/// The `micro_step` graph alone.
-pub fn micro_graph(forward: &Graph, loss: NodeId, params: &[String], opts: &AccumulationOptions) -> Result<Graph> {
     let mut g = forward.clone();
     g.name = "micro_step".into();
-    let nodes: Vec<NodeId> = params.iter().map(|p| g.find_parameter(p).expect("checked by the caller")).collect();
+    let nodes: Vec<NodeId> = params
+        .iter()
+        .map(|p| g.find_parameter(p).ok_or_else(|| IrError::Autodiff(format!("the network has no parameter `{p}`"))))
+        .collect::<Result<_>>()?;
     let grads = grad(&mut g, loss, &nodes, Sens::One)?;
     let items = g.inputs().first().map(|&(id, _, _)| g.ty(id).dims().first().copied().unwrap_or(1)).unwrap_or(1);
     for (p, d) in params.iter().zip(grads.grads) {
