@@ -5,7 +5,8 @@
 set -euo pipefail
 missing=()
 for pkg in openmpi-bin libopenmpi-dev libclang-dev graphviz; do
-    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+    # "install ok installed" only: a removed package can leave its config files behind.
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 [ ${#missing[@]} -eq 0 ] && exit 0
 echo "installing ${missing[*]}" >&2
