@@ -151,10 +151,7 @@ impl<B: Backend> Model<B> {
     /// Trains until `epochs` epochs are complete (resuming from the current position).
     pub fn train(&mut self, epochs: usize, dataset: &dyn Dataset, callbacks: &mut [&mut dyn Callback<B>]) -> Result<()> {
         let steps_per_epoch = dataset.dataset_size();
-        if let Some(comm) = self.acc.communicator() {
-            let what = format!("number of batches per epoch (this rank has {steps_per_epoch}; shard the dataset with shard(size, rank))");
-            crate::comm::agree(comm.as_ref(), &what, &(steps_per_epoch as u64).to_le_bytes())?;
-        }
+        self.check_ranks_agree(dataset, steps_per_epoch)?;
         self.acc.set_input_names(&dataset.column_names());
         let mut stop = false;
         while self.position.epoch < epochs && !stop {
@@ -194,6 +191,30 @@ impl<B: Backend> Model<B> {
             }
         }
         Ok(())
+    }
+
+    /// Data parallel: every rank must take the same number of steps and run the same network.
+    /// The micro-step graph is compared as traced on micro-batches of one item, so ranks may
+    /// bring batches of different sizes.
+    fn check_ranks_agree(&self, dataset: &dyn Dataset, steps_per_epoch: usize) -> Result<()> {
+        let Some(comm) = self.acc.communicator() else { return Ok(()) };
+        let what = format!("number of batches per epoch (this rank has {steps_per_epoch}; shard the dataset with shard(size, rank))");
+        crate::comm::agree(comm.as_ref(), &what, &(steps_per_epoch as u64).to_le_bytes())?;
+        let Some(first) = dataset.batches(0, 0).next() else { return Ok(()) };
+        let names = dataset.column_names();
+        let inputs: Vec<(String, TensorType)> = first
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let mut dims = t.shape.clone();
+                if let Some(d) = dims.first_mut() {
+                    *d = 1;
+                }
+                (names.get(i).map_or_else(|| format!("input{i}"), |n| n.to_string()), TensorType::new(t.ty().dtype, cellgraph_compiler::Shape(dims)))
+            })
+            .collect();
+        let (_, micro) = self.acc.network().traced_micro_step(&inputs)?;
+        crate::comm::agree(comm.as_ref(), "network (its micro-step graph)", cellgraph_compiler::print(&micro).as_bytes())
     }
 
     /// Evaluates the backbone on every batch: `{"Accuracy": ...}`.

@@ -23,7 +23,7 @@ pub(crate) struct Small {
 }
 
 impl Small {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let s = Scope::root();
         Small { fc1: Dense::new(&s.child("fc1"), FEATURES, 24), fc2: Dense::new(&s.child("fc2"), 24, 10) }
     }
@@ -44,7 +44,7 @@ impl Cell for Small {
 }
 
 /// `factor * inner(logits, labels)`.
-struct Scaled<C: Cell>(C, f64);
+pub(crate) struct Scaled<C: Cell>(pub(crate) C, pub(crate) f64);
 
 impl<C: Cell> Cell for Scaled<C> {
     fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> cellgraph::cells::Result<NodeId> {

@@ -173,6 +173,18 @@ fn ranks_that_disagree_fail_with_a_clear_error() {
         let e = e.as_ref().expect("every rank reports the mismatch");
         assert!(e.contains("ranks [1]") && e.contains("initial parameters"), "{e}");
     }
+    // The same parameters but a different network on rank 1 (its loss scaled by 2).
+    let errs = run_ranks(2, |r, comm| {
+        let loss = crate::accumulation::Scaled(CrossEntropyLoss::new(), 1.0 + r as f64);
+        let net = GradAccumulation::new(WithLossCell::new(crate::accumulation::Small::new(), loss), K);
+        let mut m = Model::<Cpu>::parallel(AutoParallel::new(net), Momentum::new(0.1, 0.9), cpu(), 1, comm).unwrap();
+        let ds = TensorDataset { columns: data(&mut StdRng::seed_from_u64(3), 2 * B), batch_size: B };
+        m.train(1, &ds, &mut []).err().map(|e| e.to_string())
+    });
+    for e in &errs {
+        let e = e.as_ref().expect("every rank reports the mismatch");
+        assert!(e.contains("ranks [1] have a different network"), "{e}");
+    }
     // A different number of batches per epoch on rank 1.
     let errs = run_ranks(2, |r, comm| {
         let mut m = parallel_model(comm, &Setup { hsdp: false, mean: false, seed: 1 }).unwrap();
