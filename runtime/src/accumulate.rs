@@ -74,10 +74,26 @@ struct Parallel {
 struct Shard {
     len: usize,
     optimizer: Executable,
-    /// The full (unsharded) optimizer state, as checkpoints name it.
-    state: Vec<StateSpec>,
-    /// This rank's slice of it (`moments.hsdp.shard`, ...).
+    /// This rank's slice of the optimizer state (`moments.hsdp.shard`, ...).
     shard_state: Vec<StateSpec>,
+}
+
+/// The state kind of a shard state spec: `moments` for `moments.hsdp.shard`.
+fn state_kind(spec: &StateSpec) -> &str {
+    spec.name.strip_suffix(SHARD).and_then(|k| k.strip_suffix('.')).expect("shard state names end in the shard")
+}
+
+/// Rank `r`'s slice of `len` elements of a flat buffer, padded with `pad` past its end.
+fn shard_of(v: &[f32], r: usize, len: usize, pad: f32) -> Vec<f32> {
+    let start = (r * len).min(v.len());
+    let mut s = v[start..(start + len).min(v.len())].to_vec();
+    s.resize(len, pad);
+    s
+}
+
+/// The optimizer graph's inputs: the gradient scale, then the rule's host scalars.
+fn optimizer_inputs(scale: f64, scalars: &[f64]) -> Vec<HostTensor> {
+    std::iter::once(scale).chain(scalars.iter().copied()).map(HostTensor::scalar_f32).collect()
 }
 
 /// The name the hsdp shard's parameter takes in the session.
@@ -143,8 +159,11 @@ impl<B: Backend> Accumulator<B> {
         crate::comm::agree(comm.as_ref(), "initial parameters (seed)", &params)?;
         let shard = if hsdp { Some(self.make_shard(comm.size())?) } else { None };
         if let Some(sh) = &shard {
-            for s in &sh.state {
-                self.session.remove_param(&s.name);
+            // The unsharded state (`moments.fc1.weight`, ...) gives way to this rank's slice.
+            for spec in &sh.shard_state {
+                for (name, _) in &self.trained {
+                    self.session.remove_param(&format!("{}.{name}", state_kind(spec)));
+                }
             }
             self.session.init_state(&sh.shard_state);
         }
@@ -162,16 +181,29 @@ impl<B: Backend> Accumulator<B> {
     }
 
     fn make_shard(&self, size: usize) -> Result<Shard> {
-        let total: usize = self.trained.iter().map(|(_, n)| n).sum();
-        let len = total.div_ceil(size);
+        let len = self.total().div_ceil(size);
         let (g, shard_state) = self.shard_graph(len)?;
-        let (_, _, _, state) = self.net.boundary_graphs(self.opt.as_ref())?;
-        Ok(Shard { len, optimizer: compile(g)?, state, shard_state })
+        Ok(Shard { len, optimizer: compile(g)?, shard_state })
+    }
+
+    /// Elements of the flat parameter buffer.
+    fn total(&self) -> usize {
+        self.trained.iter().map(|(_, n)| n).sum()
+    }
+
+    /// Splits a flat buffer into one tensor per trained parameter, shaped like it.
+    fn split_flat<'a>(&'a self, flat: &'a [f32]) -> impl Iterator<Item = (&'a str, HostTensor)> + 'a {
+        self.trained.iter().scan(0, move |at, (name, n)| {
+            let shape = self.session.param_shape(name).expect("trained parameters live in the session");
+            let t = HostTensor::f32(shape, flat[*at..*at + n].to_vec()).expect("sizes match");
+            *at += n;
+            Some((name.as_str(), t))
+        })
     }
 
     /// The trained parameters (or, with `prefix`, their accumulators) as one flat f32 buffer.
     fn flat(&self, prefix: Option<&str>) -> Result<Vec<f32>> {
-        let mut out = Vec::with_capacity(self.trained.iter().map(|(_, n)| n).sum());
+        let mut out = Vec::with_capacity(self.total());
         for (name, _) in &self.trained {
             let key = prefix.map_or_else(|| name.clone(), |p| format!("{p}.{name}"));
             let t = self.session.param(&key).ok_or_else(|| RuntimeError::MissingParam(key.clone()))?;
@@ -185,12 +217,9 @@ impl<B: Backend> Accumulator<B> {
 
     /// Writes a flat buffer back into the parameters (or their accumulators, with `prefix`).
     fn set_flat(&mut self, prefix: Option<&str>, flat: &[f32]) {
-        let mut at = 0;
-        for (name, n) in &self.trained {
-            let key = prefix.map_or_else(|| name.clone(), |p| format!("{p}.{name}"));
-            let shape = self.session.param_shape(&key).expect("flattened from the session");
-            self.session.set_param(&key, &HostTensor::f32(shape, flat[at..at + n].to_vec()).expect("sizes match"));
-            at += n;
+        let parts: Vec<(String, HostTensor)> = self.split_flat(flat).map(|(name, t)| (prefix.map_or_else(|| name.to_string(), |p| format!("{p}.{name}")), t)).collect();
+        for (key, t) in parts {
+            self.session.set_param(&key, &t);
         }
     }
 
@@ -198,6 +227,11 @@ impl<B: Backend> Accumulator<B> {
     /// in dumps.
     pub fn set_input_names(&mut self, names: &[&str]) {
         self.names = names.iter().map(|n| n.to_string()).collect();
+    }
+
+    /// Names input types as micro-step graphs name their inputs (see [`Self::set_input_names`]).
+    pub fn named_inputs(&self, types: &[TensorType]) -> Vec<(String, TensorType)> {
+        types.iter().enumerate().map(|(i, t)| (self.names.get(i).cloned().unwrap_or_else(|| format!("input{i}")), t.clone())).collect()
     }
 
     /// Writes every graph after every compiler pass to `opts.dir` (under `rank_<id>/` when
@@ -276,11 +310,7 @@ impl<B: Backend> Accumulator<B> {
     pub fn micro_step(&mut self, inputs: &[HostTensor]) -> Result<f64> {
         let key: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
         if !self.micro.contains_key(&key) {
-            let named: Vec<(String, TensorType)> = key
-                .iter()
-                .enumerate()
-                .map(|(i, t)| (self.names.get(i).cloned().unwrap_or_else(|| format!("input{i}")), t.clone()))
-                .collect();
+            let named = self.named_inputs(&key);
             let (forward, mut g) = self.net.traced_micro_step(&named)?;
             if !self.micro.is_empty() {
                 // Another micro-batch shape (a short last batch): its own dump files.
@@ -334,9 +364,7 @@ impl<B: Backend> Accumulator<B> {
     }
 
     fn run_optimizer(&mut self, scale: f64, scalars: &[f64]) -> Result<()> {
-        let mut inputs = vec![HostTensor::scalar_f32(scale)];
-        inputs.extend(scalars.iter().map(|&v| HostTensor::scalar_f32(v)));
-        self.session.run(&self.optimizer, &inputs)?;
+        self.session.run(&self.optimizer, &optimizer_inputs(scale, scalars))?;
         Ok(())
     }
 
@@ -365,14 +393,9 @@ impl<B: Backend> Accumulator<B> {
         let (comm, mean) = (p.comm.clone(), p.gradients_mean);
         let len = p.shard.as_ref().expect("sharded").len;
         let (size, rank, total) = (comm.size(), comm.rank(), grads.len());
-        let slice = |v: &[f32], r: usize| {
-            let mut s = v[(r * len).min(total)..((r + 1) * len).min(total)].to_vec();
-            s.resize(len, 0.0);
-            s
-        };
         let mut send = Vec::with_capacity(size * (len + 1));
         for r in 0..size {
-            send.extend(slice(&grads, r));
+            send.extend(shard_of(&grads, r, len, 0.0));
             send.push(self.window_items as f32);
         }
         let mut mine = vec![0.0f32; len + 1];
@@ -388,12 +411,10 @@ impl<B: Backend> Accumulator<B> {
                 scale *= max / norm;
             }
         }
-        self.session.set_param(SHARD, &HostTensor::f32(vec![len], slice(&params, rank)).expect("len"));
+        self.session.set_param(SHARD, &HostTensor::f32(vec![len], shard_of(&params, rank, len, 0.0)).expect("len"));
         self.session.set_param(&format!("{ACCUMULATOR_PREFIX}.{SHARD}"), &HostTensor::f32(vec![len], mine).expect("len"));
-        let mut inputs = vec![HostTensor::scalar_f32(scale)];
-        inputs.extend(scalars.iter().map(|&v| HostTensor::scalar_f32(v)));
         let shard = self.parallel.as_ref().and_then(|p| p.shard.as_ref()).expect("sharded");
-        self.session.run(&shard.optimizer, &inputs)?;
+        self.session.run(&shard.optimizer, &optimizer_inputs(scale, scalars))?;
         let updated = self.session.param(SHARD).expect("written by the optimizer").to_f32();
         let mut all = vec![0.0f32; size * len];
         comm.all_gather(&updated, &mut all);
@@ -413,19 +434,13 @@ impl<B: Backend> Accumulator<B> {
         if let Some((comm, shard)) = self.parallel.as_ref().and_then(|p| Some((&p.comm, p.shard.as_ref()?))) {
             t.remove(SHARD);
             t.remove(&format!("{ACCUMULATOR_PREFIX}.{SHARD}"));
-            let total: usize = self.trained.iter().map(|(_, n)| n).sum();
             for spec in &shard.shard_state {
                 let mine = t.remove(&spec.name).expect("shard state lives in the session").to_f32();
                 let mut all = vec![0.0f32; comm.size() * shard.len];
                 comm.all_gather(&mine, &mut all);
-                let kind = spec.name.strip_suffix(&format!(".{SHARD}")).expect("shard state names end in the shard");
-                let mut at = 0;
-                for (name, n) in &self.trained {
-                    let shape = self.session.param_shape(name).expect("trained");
-                    t.insert(format!("{kind}.{name}"), HostTensor::f32(shape, all[at..at + n].to_vec()).expect("sizes"));
-                    at += n;
+                for (name, part) in self.split_flat(&all) {
+                    t.insert(format!("{}.{name}", state_kind(spec)), part);
                 }
-                debug_assert_eq!(at, total);
             }
         }
         let counters = [
@@ -493,8 +508,7 @@ impl<B: Backend> Accumulator<B> {
             return Ok(out);
         };
         for spec in &shard.shard_state {
-            let kind = spec.name.strip_suffix(&format!(".{SHARD}")).expect("shard state names end in the shard");
-            let names: Vec<String> = self.trained.iter().map(|(n, _)| format!("{kind}.{n}")).collect();
+            let names: Vec<String> = self.trained.iter().map(|(n, _)| format!("{}.{n}", state_kind(spec))).collect();
             if !names.iter().any(|n| out.contains_key(n)) {
                 continue;
             }
@@ -503,9 +517,7 @@ impl<B: Backend> Accumulator<B> {
                 let t = out.remove(n).ok_or_else(|| RuntimeError::Mismatch { what: "checkpoint".into(), expected: format!("optimizer state `{n}`"), got: "nothing".into() })?;
                 flat.extend(t.to_f32());
             }
-            let start = (comm.rank() * shard.len).min(flat.len());
-            let mut mine = flat[start..(start + shard.len).min(flat.len())].to_vec();
-            mine.resize(shard.len, spec.init as f32);
+            let mine = shard_of(&flat, comm.rank(), shard.len, spec.init as f32);
             out.insert(spec.name.clone(), HostTensor::f32(vec![shard.len], mine).expect("len"));
         }
         Ok(out)

@@ -151,8 +151,8 @@ impl<B: Backend> Model<B> {
     /// Trains until `epochs` epochs are complete (resuming from the current position).
     pub fn train(&mut self, epochs: usize, dataset: &dyn Dataset, callbacks: &mut [&mut dyn Callback<B>]) -> Result<()> {
         let steps_per_epoch = dataset.dataset_size();
-        self.check_ranks_agree(dataset, steps_per_epoch)?;
         self.acc.set_input_names(&dataset.column_names());
+        self.check_ranks_agree(dataset, steps_per_epoch)?;
         let mut stop = false;
         while self.position.epoch < epochs && !stop {
             let epoch = self.position.epoch;
@@ -201,18 +201,17 @@ impl<B: Backend> Model<B> {
         let what = format!("number of batches per epoch (this rank has {steps_per_epoch}; shard the dataset with shard(size, rank))");
         crate::comm::agree(comm.as_ref(), &what, &(steps_per_epoch as u64).to_le_bytes())?;
         let Some(first) = dataset.batches(0, 0).next() else { return Ok(()) };
-        let names = dataset.column_names();
-        let inputs: Vec<(String, TensorType)> = first
+        let one_item: Vec<TensorType> = first
             .iter()
-            .enumerate()
-            .map(|(i, t)| {
+            .map(|t| {
                 let mut dims = t.shape.clone();
                 if let Some(d) = dims.first_mut() {
                     *d = 1;
                 }
-                (names.get(i).map_or_else(|| format!("input{i}"), |n| n.to_string()), TensorType::new(t.ty().dtype, cellgraph_compiler::Shape(dims)))
+                TensorType::new(t.ty().dtype, cellgraph_compiler::Shape(dims))
             })
             .collect();
+        let inputs = self.acc.named_inputs(&one_item);
         let (_, micro) = self.acc.network().traced_micro_step(&inputs)?;
         crate::comm::agree(comm.as_ref(), "network (its micro-step graph)", cellgraph_compiler::print(&micro).as_bytes())
     }
