@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Installs what building and running cellgraph needs beyond a Rust toolchain, if missing:
-# OpenMPI (mpirun and its headers, for the `mpi` crate), libclang (for its bindings) and
-# Graphviz (`cellgraph inspect render`).
+# OpenMPI (mpirun and its headers, for the `mpi` crate), libclang (for its bindings),
+# Graphviz (`cellgraph inspect render`), and the Vulkan loader with Mesa's drivers, whose
+# lavapipe runs the `wgpu` device tests on a CPU.
 set -euo pipefail
 missing=()
-for pkg in openmpi-bin libopenmpi-dev libclang-dev graphviz; do
+for pkg in openmpi-bin libopenmpi-dev libclang-dev graphviz libvulkan1 mesa-vulkan-drivers; do
     # "install ok installed" only: a removed package can leave its config files behind.
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done

@@ -3,7 +3,7 @@
 //! fed per update from the host, so a schedule advances exactly once per applied update.
 
 use cellgraph_compiler::emit::Emit;
-use cellgraph_compiler::update::{StateSpec, UpdateRule};
+use cellgraph_compiler::update::{FusedRule, StateSpec, UpdateRule};
 use cellgraph_compiler::{NodeId, Op, Result, TensorType};
 
 use crate::schedule::LearningRate;
@@ -59,6 +59,9 @@ impl UpdateRule for Momentum {
     fn learning_rate(&self, update: u64) -> f64 {
         self.learning_rate.at(update)
     }
+    fn fused(&self) -> Option<FusedRule> {
+        Some(FusedRule::Momentum { momentum: self.momentum, weight_decay: self.weight_decay, nesterov: self.use_nesterov })
+    }
     fn emit(&self, e: &mut Emit, p: NodeId, g: NodeId, st: &[NodeId], sc: &[NodeId]) -> Result<()> {
         let g = decayed(e, g, p, self.weight_decay)?;
         let vm = e.scale(st[0], self.momentum)?;
@@ -107,6 +110,9 @@ impl UpdateRule for SGD {
     }
     fn learning_rate(&self, update: u64) -> f64 {
         self.learning_rate.at(update)
+    }
+    fn fused(&self) -> Option<FusedRule> {
+        Some(FusedRule::Sgd { momentum: self.momentum, dampening: self.dampening, weight_decay: self.weight_decay, nesterov: self.nesterov })
     }
     fn emit(&self, e: &mut Emit, p: NodeId, g: NodeId, st: &[NodeId], sc: &[NodeId]) -> Result<()> {
         let g = decayed(e, g, p, self.weight_decay)?;
@@ -181,6 +187,9 @@ impl UpdateRule for Adam {
     fn scalar_values(&self, update: u64) -> Vec<f64> {
         let t = (update + 1) as i32;
         vec![self.learning_rate(update), 1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t)]
+    }
+    fn fused(&self) -> Option<FusedRule> {
+        Some(FusedRule::Adam { beta1: self.beta1, beta2: self.beta2, eps: self.eps, weight_decay: self.weight_decay, decoupled: self.decoupled })
     }
     fn emit(&self, e: &mut Emit, p: NodeId, g: NodeId, st: &[NodeId], sc: &[NodeId]) -> Result<()> {
         let (lr, bc1, bc2) = (sc[0], sc[1], sc[2]);

@@ -21,6 +21,21 @@ pub struct StateSpec {
     pub init: f64,
 }
 
+/// A rule's update as one elementwise formula over (parameter, gradient, state), for backends
+/// that run a whole boundary (update, then clearing the accumulators) as one kernel over flat
+/// buffers. The state buffers are in [`UpdateRule::state`]'s order; the scalar inputs are
+/// [`UpdateRule::scalar_values`]. Must compute what [`UpdateRule::emit`] emits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum FusedRule {
+    /// `g += wd * p; v = v * momentum + g; p -= lr * (nesterov ? g + momentum * v : v)`.
+    Momentum { momentum: f64, weight_decay: f64, nesterov: bool },
+    /// PyTorch's SGD with the `stat` first-update flag (see `SGD`); no state when
+    /// `momentum` is 0.
+    Sgd { momentum: f64, dampening: f64, weight_decay: f64, nesterov: bool },
+    /// Adam/AdamW with the bias corrections as scalar inputs 1 and 2.
+    Adam { beta1: f64, beta2: f64, eps: f64, weight_decay: f64, decoupled: bool },
+}
+
 /// An optimizer's per-parameter update.
 pub trait UpdateRule {
     /// MindSpore's class name (`Momentum`, `SGD`, `Adam`).
@@ -36,6 +51,10 @@ pub trait UpdateRule {
     /// Their values for the `update`-th applied update, counting from 0.
     fn scalar_values(&self, update: u64) -> Vec<f64> {
         vec![self.learning_rate(update)]
+    }
+    /// The same update as one elementwise formula, when the rule has one (see [`FusedRule`]).
+    fn fused(&self) -> Option<FusedRule> {
+        None
     }
     /// Emits the update of one parameter: writes to `param` and `state` with `assign`.
     fn emit(&self, e: &mut Emit, param: NodeId, grad: NodeId, state: &[NodeId], scalars: &[NodeId]) -> Result<()>;

@@ -10,17 +10,19 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use burn_backend::tensor::Device;
+use burn_backend::tensor::{Device, FloatTensor};
 use crate::Backend;
 use cellgraph_cells::{Cell, GradAccumulation, Normalization, Optimizer, Slicing};
 use cellgraph_compiler::passes::grad_accumulation::{optimizer_graph, AccumulationOptions, ACCUMULATOR_PREFIX};
 use cellgraph_compiler::dump::DumpOptions;
-use cellgraph_compiler::update::StateSpec;
+use cellgraph_compiler::update::{FusedRule, StateSpec};
 use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
 use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
 use crate::exec::{compile, compile_with, DumpAt, Executable, Session};
+use crate::host::HostVec;
+use crate::value::Value;
 
 /// How many times each graph ran.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -30,6 +32,9 @@ pub struct Counters {
     pub clear_runs: u64,
     /// Collectives that carried gradients across ranks (one per applied update).
     pub grad_collectives: u64,
+    /// Fused optimizer-and-clear kernel launches (device backends with flat buffers: one per
+    /// update, whatever the number of parameters).
+    pub fused_launches: u64,
 }
 
 /// What one call to [`Accumulator::step`] did.
@@ -60,6 +65,30 @@ pub struct Accumulator<B: Backend> {
     parallel: Option<Parallel>,
     /// Graph dumps, when switched on.
     dump: Option<DumpOptions>,
+    /// Device backends: flat buffers behind the parameters, accumulators and state.
+    flat: Option<Flat<B>>,
+}
+
+/// Flat device buffers (see [`Backend::flat_buffers`]): every trained parameter, its
+/// accumulator and each of its optimizer states is a view of one buffer per kind, at an
+/// aligned offset, so a boundary is one fused kernel launch and a collective moves one buffer.
+struct Flat<B: Backend> {
+    rule: FusedRule,
+    /// Each trained parameter's offset (in `trained` order) and extents.
+    layout: Vec<(usize, Vec<usize>)>,
+    len: usize,
+    params: FloatTensor<B>,
+    accu: FloatTensor<B>,
+    /// One buffer per state kind, in the rule's order, with the kind's initial value.
+    state: Vec<(FloatTensor<B>, f32)>,
+}
+
+/// Which of the flat buffers.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Params,
+    Accu,
+    State(usize),
 }
 
 /// Data parallelism: the communicator and how gradients cross it.
@@ -128,7 +157,7 @@ impl<B: Backend> Accumulator<B> {
         }
         session.init_state(&state);
         let trained = accumulators.iter().map(|(n, t)| (n[ACCUMULATOR_PREFIX.len() + 1..].to_string(), t.numel())).collect();
-        Ok(Accumulator {
+        Accumulator {
             net,
             opt,
             micro: HashMap::new(),
@@ -143,7 +172,134 @@ impl<B: Backend> Accumulator<B> {
             trained,
             parallel: None,
             dump: None,
+            flat: None,
+        }
+        .with_flat_buffers()
+    }
+
+    fn with_flat_buffers(mut self) -> Result<Self> {
+        self.enter_flat()?;
+        Ok(self)
+    }
+
+    /// The session name of parameter `name`'s buffer of `kind`.
+    fn key(&self, kind: Kind, name: &str) -> String {
+        match kind {
+            Kind::Params => name.to_string(),
+            Kind::Accu => format!("{ACCUMULATOR_PREFIX}.{name}"),
+            Kind::State(i) => {
+                let shape = self.session.param_shape(name).unwrap_or_default();
+                self.opt.state(name, &TensorType::f32(shape)).swap_remove(i).name
+            }
+        }
+    }
+
+    /// Moves parameters, accumulators and optimizer state into flat device buffers, when the
+    /// backend keeps them so and the optimizer has a fused kernel (re-packs them when already
+    /// flat, after values were set from the host).
+    fn enter_flat(&mut self) -> Result<()> {
+        let hsdp = self.parallel.as_ref().is_some_and(|p| p.shard.is_some());
+        let Some(rule) = self.opt.fused().filter(|_| B::flat_buffers() && !hsdp && !self.trained.is_empty()) else {
+            return Ok(());
+        };
+        let mut layout = Vec::new();
+        let mut len = 0;
+        for (name, n) in &self.trained {
+            let shape = self.session.param_shape(name).ok_or_else(|| RuntimeError::MissingParam(name.clone()))?;
+            layout.push((len, shape));
+            len += n.div_ceil(crate::host::FLAT_ALIGN) * crate::host::FLAT_ALIGN;
+        }
+        let first = &self.trained[0].0;
+        let inits: Vec<f32> = self.opt.state(first, &TensorType::f32(layout[0].1.clone())).iter().map(|s| s.init as f32).collect();
+        let pack = |kind: Kind, pad: f32| -> Result<FloatTensor<B>> {
+            let mut v = vec![pad; len];
+            for ((name, n), (at, _)) in self.trained.iter().zip(&layout) {
+                let key = self.key(kind, name);
+                let t = self.session.param(&key).ok_or_else(|| RuntimeError::MissingParam(key.clone()))?;
+                v[*at..*at + n].copy_from_slice(&t.to_f32());
+            }
+            Ok(B::from_host_vec(HostVec::F32(v), &[len], self.session.device()))
+        };
+        let params = pack(Kind::Params, 0.0)?;
+        let accu = pack(Kind::Accu, 0.0)?;
+        let state = inits.iter().enumerate().map(|(i, &init)| Ok((pack(Kind::State(i), init)?, init))).collect::<Result<Vec<_>>>()?;
+        self.flat = Some(Flat { rule, layout, len, params, accu, state });
+        for kind in self.kinds() {
+            self.bind_views(kind);
+        }
+        self.session.set_in_place_accumulation(true);
+        Ok(())
+    }
+
+    /// Back to one tensor per name (hsdp updates slices on the host).
+    fn leave_flat(&mut self) {
+        if self.flat.is_none() {
+            return;
+        }
+        for kind in self.kinds() {
+            for (name, _) in self.trained.clone() {
+                let key = self.key(kind, &name);
+                if let Some(t) = self.session.param(&key) {
+                    self.session.set_param(&key, &t);
+                }
+            }
+        }
+        self.flat = None;
+        self.session.set_in_place_accumulation(false);
+    }
+
+    fn kinds(&self) -> Vec<Kind> {
+        let states = self.flat.as_ref().map_or(0, |f| f.state.len());
+        [Kind::Params, Kind::Accu].into_iter().chain((0..states).map(Kind::State)).collect()
+    }
+
+    fn buffer(&self, kind: Kind) -> Option<&FloatTensor<B>> {
+        let f = self.flat.as_ref()?;
+        Some(match kind {
+            Kind::Params => &f.params,
+            Kind::Accu => &f.accu,
+            Kind::State(i) => &f.state[i].0,
         })
+    }
+
+    /// Points every parameter's session value of `kind` at its slice of the flat buffer.
+    fn bind_views(&mut self, kind: Kind) {
+        let Some(buf) = self.buffer(kind).cloned() else { return };
+        let layout = self.flat.as_ref().map(|f| f.layout.clone()).unwrap_or_default();
+        for ((name, _), (at, shape)) in self.trained.clone().iter().zip(layout) {
+            let view = B::flat_view(&buf, at, &shape).expect("flat offsets are aligned and in bounds");
+            let key = self.key(kind, name);
+            self.session.set_value(&key, Value::Float(view));
+        }
+    }
+
+    /// Replaces the flat buffer of `kind` by `data` (unpadded, in `trained` order).
+    fn upload_flat(&mut self, kind: Kind, data: &[f32]) {
+        let Some(f) = self.flat.as_mut() else { return };
+        let pad = match kind {
+            Kind::State(i) => f.state[i].1,
+            _ => 0.0,
+        };
+        let mut v = vec![pad; f.len];
+        let mut from = 0;
+        for ((_, n), (at, _)) in self.trained.iter().zip(&f.layout) {
+            v[*at..*at + n].copy_from_slice(&data[from..from + n]);
+            from += n;
+        }
+        let t = B::from_host_vec(HostVec::F32(v), &[f.len], self.session.device());
+        match kind {
+            Kind::Params => f.params = t,
+            Kind::Accu => f.accu = t,
+            Kind::State(i) => f.state[i].0 = t,
+        }
+        self.bind_views(kind);
+    }
+
+    /// The flat buffer of `kind` on the host, without padding (one device read).
+    fn download_flat(&self, kind: Kind) -> Option<Vec<f32>> {
+        let f = self.flat.as_ref()?;
+        let all = Value::<B>::Float(self.buffer(kind)?.clone()).to_host().to_f32();
+        Some(self.trained.iter().zip(&f.layout).flat_map(|((_, n), (at, _))| all[*at..*at + n].iter().copied()).collect())
     }
 
     /// Trains data-parallel over `comm`: gradients are all-reduced (or, with `hsdp`,
@@ -157,6 +313,9 @@ impl<B: Backend> Accumulator<B> {
         crate::comm::agree(comm.as_ref(), "configuration (network, optimizer, accumulation options)", fingerprint.as_bytes())?;
         let params: Vec<u8> = self.flat(None)?.iter().flat_map(|v| v.to_le_bytes()).collect();
         crate::comm::agree(comm.as_ref(), "initial parameters (seed)", &params)?;
+        if hsdp {
+            self.leave_flat();
+        }
         let shard = if hsdp { Some(self.make_shard(comm.size())?) } else { None };
         if let Some(sh) = &shard {
             // The unsharded state (`moments.fc1.weight`, ...) gives way to this rank's slice.
@@ -203,6 +362,9 @@ impl<B: Backend> Accumulator<B> {
 
     /// The trained parameters (or, with `prefix`, their accumulators) as one flat f32 buffer.
     fn flat(&self, prefix: Option<&str>) -> Result<Vec<f32>> {
+        if let Some(v) = self.download_flat(if prefix.is_some() { Kind::Accu } else { Kind::Params }) {
+            return Ok(v);
+        }
         let mut out = Vec::with_capacity(self.total());
         for (name, _) in &self.trained {
             let key = prefix.map_or_else(|| name.clone(), |p| format!("{p}.{name}"));
@@ -217,6 +379,9 @@ impl<B: Backend> Accumulator<B> {
 
     /// Writes a flat buffer back into the parameters (or their accumulators, with `prefix`).
     fn set_flat(&mut self, prefix: Option<&str>, flat: &[f32]) {
+        if self.flat.is_some() {
+            return self.upload_flat(if prefix.is_some() { Kind::Accu } else { Kind::Params }, flat);
+        }
         let parts: Vec<(String, HostTensor)> = self.split_flat(flat).map(|(name, t)| (prefix.map_or_else(|| name.to_string(), |p| format!("{p}.{name}")), t)).collect();
         for (key, t) in parts {
             self.session.set_param(&key, &t);
@@ -349,7 +514,9 @@ impl<B: Backend> Accumulator<B> {
         }
         self.counters.optimizer_runs += 1;
         self.updates += 1;
-        self.clear_window()
+        // The fused kernel has already zeroed the accumulators.
+        let cleared = self.flat.is_some() && self.parallel.as_ref().is_none_or(|p| p.shard.is_none());
+        self.clear_window(cleared)
     }
 
     /// The window's normalisation: `items` counted on every rank, gradients summed over
@@ -364,7 +531,24 @@ impl<B: Backend> Accumulator<B> {
     }
 
     fn run_optimizer(&mut self, scale: f64, scalars: &[f64]) -> Result<()> {
-        self.session.run(&self.optimizer, &optimizer_inputs(scale, scalars))?;
+        let Some(f) = &self.flat else {
+            self.session.run(&self.optimizer, &optimizer_inputs(scale, scalars))?;
+            return Ok(());
+        };
+        let mut scale = scale;
+        if let Some(max) = self.net.clip_global_norm {
+            // The optimizer graph's clip_by_global_norm, on the flat accumulators.
+            let sq = B::float_sum(B::float_mul(f.accu.clone(), f.accu.clone()));
+            let norm = scale * (Value::<B>::Float(sq).to_host().scalar()).sqrt();
+            if norm >= max {
+                scale *= max / norm;
+            }
+        }
+        let scalars: Vec<f32> = scalars.iter().map(|&v| v as f32).collect();
+        let state: Vec<FloatTensor<B>> = f.state.iter().map(|(t, _)| t.clone()).collect();
+        let launches = B::fused_update(&f.rule, &f.params, &f.accu, &state, scale as f32, &scalars)
+            .ok_or_else(|| RuntimeError::Device("the backend keeps flat buffers but has no fused update kernel".into()))?;
+        self.counters.fused_launches += launches as u64;
         Ok(())
     }
 
@@ -497,6 +681,10 @@ impl<B: Backend> Accumulator<B> {
                 got: format!("unknown tensors {unknown:?}"),
             });
         }
+        if self.flat.is_some() {
+            // The restored values replaced views: pack them into new flat buffers.
+            self.enter_flat()?;
+        }
         Ok(())
     }
 
@@ -523,8 +711,14 @@ impl<B: Backend> Accumulator<B> {
         Ok(out)
     }
 
-    fn clear_window(&mut self) -> Result<()> {
-        self.session.run(&self.clear, &[])?;
+    fn clear_window(&mut self, cleared: bool) -> Result<()> {
+        if self.flat.is_some() {
+            if !cleared {
+                self.upload_flat(Kind::Accu, &vec![0.0; self.total()]);
+            }
+        } else {
+            self.session.run(&self.clear, &[])?;
+        }
         self.counters.clear_runs += 1;
         self.window_micro = 0;
         self.window_items = 0;
@@ -568,7 +762,7 @@ impl<B: Backend> Accumulator<B> {
             return Ok(false);
         }
         if self.net.drop_incomplete_window {
-            self.clear_window()?;
+            self.clear_window(false)?;
             return Ok(false);
         }
         self.apply()?;

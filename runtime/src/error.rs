@@ -31,6 +31,9 @@ pub enum RuntimeError {
     /// A communicator failed or the ranks disagree.
     #[error("{0}")]
     Comm(String),
+    /// The requested device cannot be used.
+    #[error("{0}")]
+    Device(String),
     /// An I/O failure on a named file.
     #[error("{path}: {source}")]
     Io { path: String, source: std::io::Error },

@@ -184,12 +184,14 @@ pub struct Session<B: Backend> {
     profile: Option<BTreeMap<&'static str, (u64, f64)>>,
     /// Run hot ops on the host kernels where the backend allows (see [`crate::host`]).
     native: bool,
+    /// `assign_add` writes into the accumulator's memory (see [`Self::set_in_place_accumulation`]).
+    in_place: bool,
 }
 
 impl<B: Backend> Session<B> {
     /// An empty session on `device`.
     pub fn new(device: Device<B>) -> Self {
-        Session { device, params: BTreeMap::new(), profile: None, native: true }
+        Session { device, params: BTreeMap::new(), profile: None, native: true, in_place: false }
     }
 
     /// Turns per-op wall-clock profiling on or off (off by default; on CPU backends the times
@@ -202,6 +204,22 @@ impl<B: Backend> Session<B> {
     /// memory) and burn's generic ops for every op; both give the same results to rounding.
     pub fn set_native_kernels(&mut self, on: bool) {
         self.native = on;
+    }
+
+    /// Makes `assign_add` write into the accumulator's own memory where the backend can (its
+    /// accumulators are then views of one flat buffer; see [`Backend::flat_buffers`]).
+    pub fn set_in_place_accumulation(&mut self, on: bool) {
+        self.in_place = on;
+    }
+
+    /// Sets a parameter to a device value (a view of a flat buffer, say).
+    pub fn set_value(&mut self, name: &str, value: Value<B>) {
+        self.params.insert(name.to_string(), value);
+    }
+
+    /// A parameter's device value.
+    pub fn value(&self, name: &str) -> Option<&Value<B>> {
+        self.params.get(name)
     }
 
     /// `(op, calls, seconds)` collected since profiling was switched on, slowest first.
@@ -319,7 +337,7 @@ impl<B: Backend> Session<B> {
                             (v.expect("operands are computed before use"), ty)
                         })
                         .collect();
-                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.name(), native: self.native };
+                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.name(), native: self.native, in_place: self.in_place };
                     let t0 = self.profile.is_some().then(std::time::Instant::now);
                     let v = eval(&cx, op, args, &step.ty)?;
                     if let (Some(p), Some(t0)) = (self.profile.as_mut(), t0) {

@@ -4,12 +4,16 @@
 //! - [`lower`]: the exhaustive op-to-backend lowering.
 //! - [`value`]: device values and host transfers.
 //! - [`data`]: datasets (MNIST IDX files).
+//! - `cube` (features `cuda`, `wgpu`): burn's cubecl backend and the runtime's own kernels.
 
 pub mod accumulate;
 pub mod callback;
 pub mod checkpoint;
 pub mod comm;
+#[cfg(feature = "cube")]
+pub mod cube;
 pub mod data;
+pub mod device;
 pub mod error;
 pub mod exec;
 pub mod host;
@@ -18,6 +22,8 @@ pub mod model;
 pub mod value;
 
 pub use error::{Result, RuntimeError};
+/// burn's backend API, for code generic over [`Backend`] (`Device<B>`, tensor primitives).
+pub use burn_backend;
 pub use accumulate::{Accumulator, Counters, StepOutcome};
 pub use callback::{Callback, CheckpointConfig, LossLog, LossMonitor, ModelCheckpoint, ProgressBar, RunContext, TimeMonitor};
 pub use exec::{compile, compile_with, DumpAt, Executable, Session};

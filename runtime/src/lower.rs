@@ -22,6 +22,8 @@ pub struct Ctx<'a, B: Backend> {
     pub op: &'static str,
     /// Try the host kernels first (see [`crate::host`]).
     pub native: bool,
+    /// `assign_add` writes into its target's memory (flat device buffers).
+    pub in_place: bool,
 }
 
 impl<B: Backend> Ctx<'_, B> {
@@ -342,7 +344,15 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
             next();
             next()
         }
-        Op::AssignAdd => binary(cx, next(), next(), B::float_add)?,
+        Op::AssignAdd => {
+            let (acc, g) = (cx.float(next())?, cx.float(next())?);
+            // Accumulators that are views of one flat buffer must be written in place.
+            if cx.in_place && B::assign_add_in_place(&acc, g.clone()) {
+                Value::Float(acc)
+            } else {
+                Value::Float(B::float_add(acc, g))
+            }
+        }
     })
 }
 

@@ -23,6 +23,9 @@ use clap::Parser;
 use cellgraph::cells::AutoParallel;
 use cellgraph::prelude::*;
 use cellgraph::runtime::comm::{self, Communicator};
+use cellgraph::runtime::device::{self, OnDevice};
+use cellgraph::runtime::Backend;
+use cellgraph::runtime::burn_backend::tensor::Device;
 use cellgraph::runtime::data::{create_dataset, ImageOp, MnistDataset};
 
 #[derive(Parser)]
@@ -59,6 +62,10 @@ struct Args {
     /// Rank 0 saves the trained model here at the end (`.ckpt` or `.safetensors`).
     #[arg(long)]
     ckpt: Option<PathBuf>,
+    /// `cpu`, `cuda`, `cuda:N`, `wgpu` or `auto` (a CUDA GPU when there is one, rank r taking
+    /// GPU r % count; the CPU otherwise).
+    #[arg(long, default_value = "auto")]
+    device: String,
     /// Test hook: this rank panics at the given step (`RANK:STEP`).
     #[arg(long, hide = true)]
     panic_at: Option<String>,
@@ -84,8 +91,8 @@ impl Write for Tee {
 /// Panics at a chosen step on a chosen rank (for the failure tests).
 struct PanicAt(usize);
 
-impl Callback<Cpu> for PanicAt {
-    fn step_end(&mut self, cx: &mut cellgraph::runtime::RunContext<Cpu>) -> cellgraph::runtime::Result<()> {
+impl<B: Backend> Callback<B> for PanicAt {
+    fn step_end(&mut self, cx: &mut cellgraph::runtime::RunContext<B>) -> cellgraph::runtime::Result<()> {
         if cx.step == self.0 {
             panic!("test hook: rank {} panics at step {}", cx.accumulator.rank(), cx.step);
         }
@@ -93,7 +100,17 @@ impl Callback<Cpu> for PanicAt {
     }
 }
 
-fn train(args: &Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error::Error>> {
+/// One rank's training, on the backend `--device` chose.
+struct Train<'a>(&'a Args, Arc<dyn Communicator>);
+
+impl OnDevice for Train<'_> {
+    type Output = Result<(), Box<dyn std::error::Error>>;
+    fn run<B: Backend>(self, device: Device<B>) -> Self::Output {
+        train::<B>(self.0, self.1, device)
+    }
+}
+
+fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>) -> Result<(), Box<dyn std::error::Error>> {
     let (rank, size) = (comm.rank(), comm.size());
     let (ds, test, model) = match args.net.as_str() {
         "mlp" => {
@@ -101,7 +118,7 @@ fn train(args: &Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::er
             let ds = MnistDataset::new(&args.data_path, "train")?.map(ops.clone()).batch(args.batch_size, false)?.shard(size, rank)?;
             let test = MnistDataset::new(&args.data_path, "t10k")?.map(ops).batch(args.batch_size, false)?;
             let net = GradAccumulation::new(WithLossCell::new(Network::new(&Scope::root()), CrossEntropyLoss::new()), args.micro_size);
-            let model = Model::<Cpu>::parallel(parallel(net, args), SGD::new(args.lr), cpu(), args.seed, comm.clone())?;
+            let model = Model::<B>::parallel(parallel(net, args), SGD::new(args.lr), device, args.seed, comm.clone())?;
             (ds, test, model)
         }
         "lenet" => {
@@ -109,7 +126,7 @@ fn train(args: &Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::er
             let test = create_dataset(&args.data_path, "t10k", args.batch_size, 1, 0)?;
             let loss = SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean);
             let net = GradAccumulation::new(WithLossCell::new(LeNet5::new(&Scope::root(), 10, 1), loss), args.micro_size);
-            let model = Model::<Cpu>::parallel(parallel(net, args), Momentum::new(args.lr, 0.9), cpu(), args.seed, comm.clone())?;
+            let model = Model::<B>::parallel(parallel(net, args), Momentum::new(args.lr, 0.9), device, args.seed, comm.clone())?;
             (ds, test, model)
         }
         other => return Err(format!("--net must be mlp or lenet, got `{other}`").into()),
@@ -145,7 +162,8 @@ fn train(args: &Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::er
     if rank == 0 {
         let images = ds.items_per_pass() * args.epochs * size;
         let elements: usize = trained.iter().map(|p| p.ty.numel()).sum();
-        println!("ranks: {size}, updates: {}, gradient collectives: {}", acc.updates(), acc.counters().grad_collectives);
+        let c = acc.counters();
+        println!("ranks: {size}, updates: {}, gradient collectives: {}, fused optimizer launches: {}", acc.updates(), c.grad_collectives, c.fused_launches);
         println!("training: {secs:.2} s, {:.0} images/s across ranks", images as f64 / secs);
         println!("gradient bytes reduced per update: {} ({} f32 + the item count)", 4 * (elements + 1), elements);
         println!("optimizer state on this rank: {} elements", acc.optimizer_state_elements());
@@ -174,7 +192,17 @@ fn main() {
             std::process::exit(2);
         }
     };
-    if let Err(e) = train(&args, comm.clone()) {
+    let run = device::choose(&args.device, device::local_rank()).and_then(|(spec, msg)| {
+        if comm.rank() == 0 {
+            println!("{msg}");
+        }
+        device::dispatch(spec, Train(&args, comm.clone()))
+    });
+    let result = match run {
+        Ok(r) => r,
+        Err(e) => Err(e.into()),
+    };
+    if let Err(e) = result {
         eprintln!("rank {}: error: {e}", comm.rank());
         // The other ranks may be waiting in a collective: take the whole job down.
         comm.abort(1);

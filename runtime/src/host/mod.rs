@@ -15,6 +15,7 @@ use std::borrow::Cow;
 use burn_backend::tensor::{Device, FloatTensor};
 use burn_backend::TensorData;
 use burn_ndarray::{FloatNdArrayElement, NdArray, NdArrayTensor};
+use cellgraph_compiler::update::FusedRule;
 use cellgraph_compiler::{window, Op, TensorType};
 
 use kernels::{Geometry, HostFloat, Mat};
@@ -31,11 +32,49 @@ pub enum HostVec {
     F64(Vec<f64>),
 }
 
+/// Offsets of per-parameter views into flat device buffers are multiples of this many
+/// elements (256 bytes of f32: wgpu's storage-buffer offset alignment, aligned vector loads).
+pub const FLAT_ALIGN: usize = 64;
+
 /// A burn backend as the runtime drives it.
 pub trait Backend: burn_backend::Backend {
     /// The tensor's contents when the backend keeps them in host memory (no copy when the
     /// layout is already row-major); `None` for device backends.
     fn host_slice(_t: &FloatTensor<Self>) -> Option<HostSlice<'_>> {
+        None
+    }
+
+    /// True when the backend keeps parameters, accumulators and optimizer state in flat
+    /// device buffers with per-parameter views ([`Self::flat_view`]), accumulates in place
+    /// ([`Self::assign_add_in_place`]) and runs a boundary as one fused kernel
+    /// ([`Self::fused_update`]). Host backends run the graphs instead.
+    fn flat_buffers() -> bool {
+        false
+    }
+
+    /// A tensor of extents `shape` sharing `buffer`'s memory from element `offset` (a
+    /// multiple of the backend's alignment); `None` when the backend has no such views.
+    fn flat_view(_buffer: &FloatTensor<Self>, _offset: usize, _shape: &[usize]) -> Option<FloatTensor<Self>> {
+        None
+    }
+
+    /// `acc += g`, written into `acc`'s memory; false when the backend cannot (the caller
+    /// then adds out of place).
+    fn assign_add_in_place(_acc: &FloatTensor<Self>, _g: FloatTensor<Self>) -> bool {
+        false
+    }
+
+    /// One kernel over flat buffers: the optimizer update of every parameter from
+    /// `acc * scale`, then `acc = 0`. Returns the kernels launched, or `None` when the backend
+    /// has no fused kernels.
+    fn fused_update(
+        _rule: &FusedRule,
+        _params: &FloatTensor<Self>,
+        _acc: &FloatTensor<Self>,
+        _state: &[FloatTensor<Self>],
+        _scale: f32,
+        _scalars: &[f32],
+    ) -> Option<usize> {
         None
     }
 

@@ -1,0 +1,126 @@
+//! Accumulation throughput on a device: LeNet5 or the seed-002 MLP, `K` micro-batches of `b`
+//! per update, on `--device` (cpu, cuda:N, wgpu). Prints one markdown table row: images/s,
+//! ms per update, fused optimizer launches per update, FLOPs per image and achieved TFLOP/s.
+//! `scripts/gpu_check.sh` runs it beside PyTorch on the same GPU.
+//!
+//! `cargo build --release --features cuda --example device_bench`, then
+//! `device_bench --device cuda:0 --net lenet --micro-batch 32 --micro-size 4`.
+
+use std::rc::Rc;
+use std::time::Instant;
+
+use clap::Parser;
+
+use cellgraph::cells::Optimizer;
+use cellgraph::prelude::*;
+use cellgraph::runtime::burn_backend::tensor::Device;
+use cellgraph::runtime::device::{self, OnDevice};
+use cellgraph::runtime::{Accumulator, Backend};
+use rand::{Rng, SeedableRng};
+
+#[derive(Parser, Clone)]
+struct Args {
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// `lenet` (Momentum 0.01/0.9) or `mlp` (SGD 0.01).
+    #[arg(long, default_value = "lenet")]
+    net: String,
+    #[arg(long, default_value_t = 32)]
+    micro_batch: usize,
+    #[arg(long, default_value_t = 4)]
+    micro_size: usize,
+    /// Timed updates (after `warmup`).
+    #[arg(long, default_value_t = 100)]
+    updates: usize,
+    #[arg(long, default_value_t = 10)]
+    warmup: usize,
+    /// Print the table header first.
+    #[arg(long)]
+    header: bool,
+}
+
+struct Bench(Args, String);
+
+impl OnDevice for Bench {
+    type Output = Result<(), Box<dyn std::error::Error>>;
+    fn run<B: Backend>(self, device: Device<B>) -> Self::Output {
+        bench::<B>(&self.0, &self.1, device)
+    }
+}
+
+fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), Box<dyn std::error::Error>> {
+    let (b, k) = (args.micro_batch, args.micro_size);
+    let (net, opt, hw): (GradAccumulation, Rc<dyn Optimizer>, usize) = match args.net.as_str() {
+        "lenet" => {
+            let loss = SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean);
+            (GradAccumulation::across_steps(WithLossCell::new(LeNet5::new(&Scope::root(), 10, 1), loss), k), Rc::new(Momentum::new(0.01, 0.9)), 32)
+        }
+        "mlp" => (GradAccumulation::across_steps(WithLossCell::new(Network::new(&Scope::root()), CrossEntropyLoss::new()), k), Rc::new(SGD::new(0.01)), 28),
+        other => return Err(format!("--net must be lenet or mlp, got `{other}`").into()),
+    };
+    let micro_graph = net.micro_step_graph(&[("data".into(), TensorType::f32([b, 1, hw, hw])), ("label".into(), TensorType::i32([b]))])?;
+    let flops_per_image = cellgraph::compiler::cost::flops(&micro_graph) as f64 / b as f64;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    // Host batches, as a data loader hands them over (each micro-step uploads its batch).
+    let batches: Vec<Vec<HostTensor>> = (0..8)
+        .map(|_| {
+            let x: Vec<f32> = (0..b * hw * hw).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let y: Vec<i32> = (0..b).map(|_| rng.random_range(0..10)).collect();
+            vec![HostTensor::f32(vec![b, 1, hw, hw], x).unwrap(), HostTensor::i32(vec![b], y).unwrap()]
+        })
+        .collect();
+    let mut acc = Accumulator::<B>::new(Rc::new(net), opt, device, 1)?;
+    let mut i = 0;
+    let mut run = |acc: &mut Accumulator<B>, updates: usize| -> Result<f64, Box<dyn std::error::Error>> {
+        let mut loss = 0.0;
+        for _ in 0..updates * k {
+            loss = acc.step(&batches[i % batches.len()])?.loss;
+            i += 1;
+        }
+        Ok(loss)
+    };
+    run(&mut acc, args.warmup)?;
+    let (fused0, updates0) = (acc.counters().fused_launches, acc.updates());
+    let t = Instant::now();
+    let loss = run(&mut acc, args.updates)?;
+    // Reading the parameters back waits for every queued kernel.
+    let _ = acc.session.params_host();
+    let secs = t.elapsed().as_secs_f64();
+    let updates = (acc.updates() - updates0) as f64;
+    let images = updates * (b * k) as f64;
+    let fused = (acc.counters().fused_launches - fused0) as f64 / updates;
+    if args.header {
+        println!("| framework | device | net | micro-batch x K | images/s | ms/update | optimizer launches/update | GFLOP/image | TFLOP/s |");
+        println!("|---|---|---|---|---|---|---|---|---|");
+    }
+    let launches = if fused > 0.0 { format!("{fused:.0} (fused)") } else { "graph (per parameter)".into() };
+    println!(
+        "| cellgraph | {label} | {} | {b} x {k} | {:.0} | {:.3} | {launches} | {:.5} | {:.3} |",
+        args.net,
+        images / secs,
+        secs * 1e3 / updates,
+        flops_per_image / 1e9,
+        flops_per_image * images / secs / 1e12
+    );
+    eprintln!("last loss {loss:.4}");
+    Ok(())
+}
+
+fn main() {
+    let args = Args::parse();
+    let result = device::choose(&args.device, 0).and_then(|(spec, msg)| {
+        eprintln!("{msg}");
+        device::dispatch(spec, Bench(args.clone(), spec.to_string()))
+    });
+    match result {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    }
+}

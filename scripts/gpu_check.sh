@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU: runs the CUDA tests and the device benchmark from prebuilt
+# binaries, beside PyTorch on the same GPU, and prints the tables for BENCHMARKS.md.
+#
+# Build them (no GPU or CUDA toolkit needed; the driver is loaded at run time):
+#   cargo build --release --no-default-features --features cuda \
+#       --bin distributed_gradient_accumulation --example device_bench
+#   cargo test --release --no-default-features --features cuda --test it --no-run
+# then copy target/release/distributed_gradient_accumulation,
+# target/release/examples/device_bench and the `it` test binary (the path `--no-run` printed)
+# into one folder and run:
+#   bash scripts/gpu_check.sh FOLDER
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BIN=${1:-target/release}
+OUT=${OUT:-/tmp}
+status=0
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || { echo "no NVIDIA GPU here"; exit 1; }
+
+# Largest per-process GPU memory nvidia-smi saw while a command ran (CUDA context included).
+measure() {
+    local log
+    log=$(mktemp)
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 50 >"$log" 2>/dev/null &
+    local smi=$!
+    "$@"
+    local rc=$?
+    sleep 0.2
+    kill "$smi" 2>/dev/null
+    wait "$smi" 2>/dev/null
+    echo "<!-- GPU memory, largest process: $(awk -F', *' '{ if ($2 + 0 > m) m = $2 + 0 } END { print m + 0 }' "$log") MiB -->"
+    rm -f "$log"
+    return $rc
+}
+
+echo "## CUDA tests"
+"$BIN/it" --test-threads 1 device:: 2>&1 | tee "$OUT/cuda_tests.log" || status=1
+
+echo "## Trainings on cuda:0 (one epoch each, against the CPU log in the README)"
+for net in lenet mlp; do
+    "$BIN/distributed_gradient_accumulation" --device cuda:0 --net "$net" --epochs 1 --batch-size 128 \
+        --log-dir "$OUT/log_$net" --print-every 1000 || status=1
+done
+
+MPI_BIN="$BIN/distributed_gradient_accumulation_mpi"
+[ -x "$MPI_BIN" ] || MPI_BIN="$BIN/distributed_gradient_accumulation"
+if command -v mpirun >/dev/null; then
+    echo "## 8 ranks sharing cuda:0 (rank r takes GPU r % count)"
+    for net in lenet mlp; do
+        measure mpirun --allow-run-as-root --oversubscribe --mca btl self,vader -n 8 \
+            -x MATMUL_NUM_THREADS=1 -x RAYON_NUM_THREADS=1 \
+            "$MPI_BIN" --device cuda --net "$net" --epochs 1 --batch-size 128 \
+            --log-dir "$OUT/log_mpi_$net" --print-every 1000 || status=1
+    done
+else
+    echo "## 8 ranks: skipped, no mpirun on this machine"
+fi
+
+echo "## Benchmark"
+first=--header
+for cfg in "lenet 32 4" "mlp 256 4" "mlp 1024 4"; do
+    set -- $cfg
+    measure "$BIN/device_bench" --device cuda:0 --net "$1" --micro-batch "$2" --micro-size "$3" $first || status=1
+    first=
+    measure python3 benches/pytorch_accumulation.py --net "$1" --micro-batch "$2" --micro-size "$3" \
+        $([ "$2" = 1024 ] && echo --peak) || status=1
+done
+exit $status

@@ -1,0 +1,301 @@
+//! Device backends on cubecl, against the CPU reference.
+//!
+//! - wgpu (feature `wgpu`; Mesa's lavapipe CPU Vulkan driver in CI): the `#[cube]` kernels
+//!   (in-place AssignAdd into views of a flat buffer; the fused optimizer-and-clear of every
+//!   optimizer) against the optimizer graphs run on burn-ndarray, and whole accumulation
+//!   windows of LeNet5 and the small MLP against the CPU.
+//! - CUDA (feature `cuda`): 20 LeNet5 updates with accumulation on the GPU against the CPU,
+//!   within 1e-5 relative; skipped, saying so, on a machine without a CUDA GPU.
+
+use std::collections::BTreeMap;
+use std::rc::Rc;
+
+use cellgraph::cells::Optimizer;
+use cellgraph::prelude::*;
+use cellgraph::runtime::burn_backend::tensor::Device;
+use cellgraph::runtime::{Accumulator, Backend};
+
+use super::accumulation::rel_diff;
+
+#[allow(dead_code)] // used by the wgpu and cuda tests
+/// Trains `net` on `batches` (one micro-batch each) and returns every parameter, the counters'
+/// fused launches and updates.
+fn train<B: Backend>(net: GradAccumulation, opt: Rc<dyn Optimizer>, device: Device<B>, batches: &[Vec<HostTensor>]) -> (BTreeMap<String, Vec<f32>>, u64, u64) {
+    let names: Vec<String> = net.parameters().iter().map(|p| p.name.clone()).collect();
+    let mut acc = Accumulator::<B>::new(Rc::new(net), opt, device, 1).unwrap();
+    for b in batches {
+        acc.step(b).unwrap();
+    }
+    acc.finish().unwrap();
+    let params = names.iter().map(|n| (n.clone(), acc.session.param(n).unwrap().to_f32())).collect();
+    (params, acc.counters().fused_launches, acc.updates())
+}
+
+#[allow(dead_code)]
+/// `n` random LeNet5 micro-batches of `b` 32x32 images.
+fn lenet_batches(n: usize, b: usize, seed: u64) -> Vec<Vec<HostTensor>> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| {
+            let x: Vec<f32> = (0..b * 32 * 32).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let y: Vec<i32> = (0..b).map(|_| rng.random_range(0..10)).collect();
+            vec![HostTensor::f32(vec![b, 1, 32, 32], x).unwrap(), HostTensor::i32(vec![b], y).unwrap()]
+        })
+        .collect()
+}
+
+#[cfg(feature = "wgpu")]
+mod wgpu {
+    use super::*;
+    use cellgraph::compiler::passes::grad_accumulation::{optimizer_graph, AccumulationOptions};
+    use cellgraph::runtime::cube::{Wgpu, WgpuDevice};
+    use cellgraph::runtime::host::HostVec;
+    use cellgraph::runtime::Value;
+    use rand::{Rng, SeedableRng};
+
+    use crate::accumulation::{data, net};
+
+    fn dev() -> WgpuDevice {
+        WgpuDevice::DefaultDevice
+    }
+
+    fn host(t: &cellgraph::runtime::burn_backend::tensor::FloatTensor<Wgpu>) -> Vec<f32> {
+        Value::<Wgpu>::Float(t.clone()).to_host().to_f32()
+    }
+
+    fn upload(v: &[f32]) -> cellgraph::runtime::burn_backend::tensor::FloatTensor<Wgpu> {
+        Wgpu::from_host_vec(HostVec::F32(v.to_vec()), &[v.len()], &dev())
+    }
+
+    fn max_rel(a: &[f32], b: &[f32]) -> f64 {
+        let scale = b.iter().map(|x| x.abs() as f64).fold(1e-12, f64::max);
+        a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).abs()).fold(0.0, f64::max) / scale
+    }
+
+    /// Every optimizer's fused kernel, three updates on a flat buffer of 1000 elements (not a
+    /// multiple of the launch width), against its optimizer graph on burn-ndarray.
+    #[test]
+    fn fused_kernels_match_the_optimizer_graphs() {
+        let rules: Vec<(&str, Rc<dyn Optimizer>)> = vec![
+            ("Momentum", Rc::new(Momentum::new(0.1, 0.9))),
+            ("Momentum nesterov + wd", Rc::new(Momentum { weight_decay: 0.01, use_nesterov: true, ..Momentum::new(0.1, 0.9) })),
+            ("SGD", Rc::new(SGD::new(0.1))),
+            ("SGD momentum dampening nesterov wd", Rc::new(SGD { dampening: 0.1, weight_decay: 0.01, nesterov: true, ..SGD::new(0.1).momentum(0.9) })),
+            ("Adam", Rc::new(Adam { weight_decay: 0.01, ..Adam::new(0.01) })),
+            ("AdamW", Rc::new(Adam::adamw(0.01, 0.05))),
+        ];
+        let n = 1000;
+        for (what, opt) in rules {
+            let rule = opt.fused().expect("every built-in optimizer has a fused kernel");
+            let opts = AccumulationOptions { normalization: Normalization::Sum, clip_global_norm: None };
+            let (g, state) = optimizer_graph(&[("w".into(), TensorType::f32([n]))], opt.as_ref(), &opts).unwrap();
+            let exe = compile(g).unwrap();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+            let mut rand = |k: usize| -> Vec<f32> { (0..k).map(|_| rng.random_range(-1.0..1.0)).collect() };
+            let p0 = rand(n);
+            let mut cpu_s = Session::<Cpu>::new(cpu());
+            cpu_s.set_param("w", &HostTensor::f32(vec![n], p0.clone()).unwrap());
+            cpu_s.init_state(&state);
+            let p = upload(&p0);
+            let st: Vec<_> = state.iter().map(|s| upload(&vec![s.init as f32; n])).collect();
+            for update in 0..3u64 {
+                let g = rand(n);
+                let scale = 0.25;
+                let scalars = opt.scalar_values(update);
+                cpu_s.set_param("accu_grads.w", &HostTensor::f32(vec![n], g.clone()).unwrap());
+                let mut inputs = vec![HostTensor::scalar_f32(scale)];
+                inputs.extend(scalars.iter().map(|&v| HostTensor::scalar_f32(v)));
+                cpu_s.run(&exe, &inputs).unwrap();
+                let acc = upload(&g);
+                let s32: Vec<f32> = scalars.iter().map(|&v| v as f32).collect();
+                let launches = Wgpu::fused_update(&rule, &p, &acc, &st, scale as f32, &s32).unwrap();
+                assert_eq!(launches, 1);
+                assert!(host(&acc).iter().all(|&v| v == 0.0), "{what}: the kernel clears the accumulator");
+                let d = max_rel(&host(&p), &cpu_s.param("w").unwrap().to_f32());
+                assert!(d < 1e-6, "{what}, update {update}: parameters differ by {d:e} relative");
+                for (s, t) in state.iter().zip(&st) {
+                    let d = max_rel(&host(t), &cpu_s.param(&s.name).unwrap().to_f32());
+                    assert!(d < 1e-6, "{what}, update {update}: state `{}` differs by {d:e} relative", s.name);
+                }
+            }
+        }
+    }
+
+    /// AssignAdd writes into a view's own slice of the flat buffer and nowhere else.
+    #[test]
+    fn assign_add_writes_in_place_into_a_view() {
+        let buf = upload(&vec![1.0; 192]);
+        let view = Wgpu::flat_view(&buf, 64, &[3, 5]).expect("aligned view");
+        assert!(Wgpu::flat_view(&buf, 10, &[3]).is_none(), "unaligned offsets are refused");
+        assert!(Wgpu::flat_view(&buf, 128, &[65]).is_none(), "views past the end are refused");
+        let g = Wgpu::from_host_vec(HostVec::F32((0..15).map(|i| i as f32).collect()), &[3, 5], &dev());
+        assert!(Wgpu::assign_add_in_place(&view, g));
+        let all = host(&buf);
+        for (i, v) in all.iter().enumerate() {
+            let want = if (64..79).contains(&i) { 1.0 + (i - 64) as f32 } else { 1.0 };
+            assert_eq!(*v, want, "element {i}");
+        }
+        assert_eq!(host(&view), (0..15).map(|i| 1.0 + i as f32).collect::<Vec<_>>());
+    }
+
+    /// The small MLP with every optimizer: windows on wgpu (flat buffers, in-place
+    /// accumulation, one fused launch per update) equal the CPU's graphs.
+    #[test]
+    fn accumulation_windows_on_wgpu_match_cpu() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let batches: Vec<_> = (0..7).map(|_| data(&mut rng, 4)).collect();
+        let opts: Vec<(&str, Rc<dyn Optimizer>)> =
+            vec![("Momentum", Rc::new(Momentum::new(0.1, 0.9))), ("SGD", Rc::new(SGD::new(0.1).momentum(0.9))), ("Adam", Rc::new(Adam::new(0.01)))];
+        for (what, opt) in opts {
+            for clip in [None, Some(0.05)] {
+                let mk = || {
+                    let g = GradAccumulation::across_steps(net(), 3).normalization(Normalization::Mean);
+                    match clip {
+                        Some(c) => g.clip_global_norm(c),
+                        None => g,
+                    }
+                };
+                let (cpu_p, cpu_fused, cpu_updates) = train::<Cpu>(mk(), opt.clone(), cpu(), &batches);
+                let (dev_p, dev_fused, dev_updates) = train::<Wgpu>(mk(), opt.clone(), dev(), &batches);
+                // 7 micro-batches in windows of 3: two full windows and the incomplete last one.
+                assert_eq!((cpu_updates, dev_updates), (3, 3));
+                assert_eq!((cpu_fused, dev_fused), (0, 3), "{what}: one fused launch per update on the device");
+                let d = rel_diff(&dev_p, &cpu_p);
+                assert!(d < 1e-5, "{what}, clip {clip:?}: wgpu differs from the CPU by {d:e} relative");
+            }
+        }
+    }
+
+    /// LeNet5 (convolutions, pooling) with in-step slicing on wgpu equals the CPU.
+    #[test]
+    fn lenet_on_wgpu_matches_cpu() {
+        let batches = lenet_batches(3, 8, 5);
+        let mk = || GradAccumulation::new(crate::common::lenet_with_loss(), 2);
+        let opt: Rc<dyn Optimizer> = Rc::new(Momentum::new(0.01, 0.9));
+        let (cpu_p, _, _) = train::<Cpu>(mk(), opt.clone(), cpu(), &batches);
+        let (dev_p, fused, updates) = train::<Wgpu>(mk(), opt, dev(), &batches);
+        assert_eq!((fused, updates), (3, 3));
+        let d = rel_diff(&dev_p, &cpu_p);
+        assert!(d < 1e-5, "LeNet5 on wgpu differs from the CPU by {d:e} relative");
+    }
+
+    /// A checkpoint taken mid-window on the device and restored into a fresh device run
+    /// continues exactly like the uninterrupted run; dropping an incomplete window clears the
+    /// flat accumulators without an update.
+    #[test]
+    fn restore_and_dropped_windows_on_flat_buffers() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let batches: Vec<_> = (0..8).map(|_| data(&mut rng, 4)).collect();
+        let opt: Rc<dyn Optimizer> = Rc::new(Adam::new(0.01));
+        let mk = || Rc::new(GradAccumulation::across_steps(net(), 3));
+        let mut whole = Accumulator::<Wgpu>::new(mk(), opt.clone(), dev(), 1).unwrap();
+        let mut first = Accumulator::<Wgpu>::new(mk(), opt.clone(), dev(), 1).unwrap();
+        for b in &batches[..4] {
+            whole.step(b).unwrap();
+            first.step(b).unwrap();
+        }
+        let snap = first.snapshot();
+        let mut resumed = Accumulator::<Wgpu>::new(mk(), opt.clone(), dev(), 2).unwrap();
+        resumed.restore(&snap).unwrap();
+        for b in &batches[4..] {
+            whole.step(b).unwrap();
+            resumed.step(b).unwrap();
+        }
+        for name in whole.session.param_names() {
+            assert_eq!(whole.session.param(&name), resumed.session.param(&name), "`{name}` after resuming");
+        }
+        // 8 micro-batches, windows of 3: the last 2 are dropped and the accumulators zeroed.
+        let mk_drop = || Rc::new(GradAccumulation::across_steps(net(), 3).drop_incomplete_window());
+        let mut dropped = Accumulator::<Wgpu>::new(mk_drop(), opt, dev(), 1).unwrap();
+        for b in &batches {
+            dropped.step(b).unwrap();
+        }
+        assert!(!dropped.finish().unwrap());
+        assert_eq!(dropped.updates(), 2);
+        for name in dropped.session.param_names().iter().filter(|n| n.starts_with("accu_grads.")) {
+            assert!(dropped.session.param(name).unwrap().to_f32().iter().all(|&v| v == 0.0), "`{name}` cleared");
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use cellgraph::runtime::cube::{Cuda, CudaDevice};
+    use cellgraph::runtime::device::cuda_device_count;
+
+    fn gpu() -> Option<CudaDevice> {
+        if cuda_device_count() == 0 {
+            eprintln!("SKIPPED: no CUDA GPU (the driver library did not load or reports no device)");
+            return None;
+        }
+        Some(CudaDevice { index: 0 })
+    }
+
+    /// 20 LeNet5 updates (4 micro-batches of 32 real MNIST images each) on the GPU and on the
+    /// CPU: parameters within 1e-5 relative.
+    #[test]
+    fn lenet_20_updates_on_cuda_match_cpu() {
+        let Some(device) = gpu() else { return };
+        let ds = cellgraph::runtime::data::create_dataset(&crate::common::mnist_dir(), "train", 32, 1, 1).unwrap();
+        use cellgraph::runtime::Dataset;
+        let batches: Vec<_> = ds.batches(0, 0).take(80).collect();
+        let mk = || GradAccumulation::across_steps(crate::common::lenet_with_loss(), 4).normalization(Normalization::Mean);
+        let opt: Rc<dyn Optimizer> = Rc::new(Momentum::new(0.01, 0.9));
+        let (cpu_p, _, _) = train::<Cpu>(mk(), opt.clone(), cpu(), &batches);
+        let (gpu_p, fused, updates) = train::<Cuda>(mk(), opt, device, &batches);
+        assert_eq!((fused, updates), (20, 20));
+        let d = rel_diff(&gpu_p, &cpu_p);
+        eprintln!("LeNet5, 20 updates: CUDA vs CPU max relative difference {d:e}");
+        assert!(d < 1e-5, "LeNet5 on CUDA differs from the CPU by {d:e} relative");
+    }
+
+    /// The seed-002 MLP, 10 updates of 4 x 64 with SGD and with Adam.
+    #[test]
+    fn mlp_on_cuda_matches_cpu() {
+        let Some(device) = gpu() else { return };
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+        let batches: Vec<Vec<HostTensor>> = (0..40)
+            .map(|_| {
+                let x: Vec<f32> = (0..64 * 784).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let y: Vec<i32> = (0..64).map(|_| rng.random_range(0..10)).collect();
+                vec![HostTensor::f32(vec![64, 1, 28, 28], x).unwrap(), HostTensor::i32(vec![64], y).unwrap()]
+            })
+            .collect();
+        for opt in [Rc::new(SGD::new(0.01)) as Rc<dyn Optimizer>, Rc::new(Adam::new(0.001))] {
+            let mk = || GradAccumulation::across_steps(crate::common::mlp_with_loss(), 4);
+            let (cpu_p, _, _) = train::<Cpu>(mk(), opt.clone(), cpu(), &batches);
+            let (gpu_p, fused, _) = train::<Cuda>(mk(), opt.clone(), device, &batches);
+            assert_eq!(fused, 10);
+            let d = rel_diff(&gpu_p, &cpu_p);
+            eprintln!("MLP ({}), 10 updates: CUDA vs CPU max relative difference {d:e}", opt.name());
+            assert!(d < 1e-5, "MLP on CUDA differs from the CPU by {d:e} relative");
+        }
+    }
+}
+
+/// `--device` parsing: clear errors for devices the binary lacks, `auto` falls back to the CPU
+/// with a message saying why.
+#[test]
+fn device_choice() {
+    use cellgraph::runtime::device::{choose, cuda_device_count, DeviceSpec};
+    assert_eq!(choose("cpu", 3).unwrap().0, DeviceSpec::Cpu);
+    let err = choose("tpu", 0).unwrap_err().to_string();
+    assert!(err.contains("expected cpu, cuda, cuda:N, wgpu or auto"), "{err}");
+    let (auto, msg) = choose("auto", 0).unwrap();
+    if cuda_device_count() == 0 {
+        assert_eq!(auto, DeviceSpec::Cpu);
+        assert!(msg.starts_with("device: cpu (auto: "), "{msg}");
+        let err = choose("cuda:0", 0).unwrap_err().to_string();
+        assert!(err.contains("--device cuda:0") && (err.contains("without the `cuda` feature") || err.contains("no CUDA GPU")), "{err}");
+    } else {
+        assert_eq!(auto, DeviceSpec::Cuda(0));
+        let err = choose("cuda:x", 0).unwrap_err().to_string();
+        assert!(err.contains("cuda:N"), "{err}");
+    }
+    if !cfg!(feature = "wgpu") {
+        assert!(choose("wgpu", 0).unwrap_err().to_string().contains("`wgpu` feature"));
+    }
+}
