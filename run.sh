@@ -4,13 +4,14 @@
 # Model::train(10, dataset, [LossMonitor(100)]) on the vendored MNIST digits, on the CPU.
 #   RANKS=N     number of ranks (default 8)
 #   TIMEOUT=S   kill the whole job after S seconds (default 1800)
+#   FEATURES=cuda  build with CUDA (then `--device cuda`: rank r on GPU r % count)
 # Extra arguments pass through (`--net lenet`, `--epochs 2`, `--no-hsdp`, `--gradients-mean`;
 # see `./target/release/distributed_gradient_accumulation --help`).
 # Rank 0 prints its progress; every rank writes log_output/worker_<rank>.log.
 set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/install-deps.sh
-cargo build --release --locked --bin distributed_gradient_accumulation
+cargo build --release --locked ${FEATURES:+--features "$FEATURES"} --bin distributed_gradient_accumulation
 mkdir -p log_output
 # One compute thread per rank: the ranks share the machine's cores.
 export MATMUL_NUM_THREADS=1 RAYON_NUM_THREADS=1

@@ -19,7 +19,8 @@ use cellgraph_compiler::update::FusedRule;
 use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeDim};
 
-use crate::host::Backend;
+use crate::host::{Backend, ConvKind, Native};
+use cellgraph_compiler::TensorType;
 
 /// burn's CUDA backend (no fusion): the executor's tensors are cubecl buffers.
 #[cfg(feature = "cuda")]
@@ -152,6 +153,146 @@ pub fn adam_clear<F: Float>(
     }
 }
 
+
+/// `c = op(a) @ op(b)` in exact f32 (one unit per output element; burn's f32 matmul on
+/// tensor cores rounds its operands to TF32). `a` is `m x k` (`k x m` when `ta`), `b` is
+/// `k x n` (`n x k` when `tb`), all row-major.
+#[cube(launch)]
+pub fn matmul<F: Float>(a: &Array<F>, b: &Array<F>, c: &mut Array<F>, m: u32, k: u32, n: u32, #[comptime] ta: bool, #[comptime] tb: bool) {
+    let idx = ABSOLUTE_POS;
+    if idx < c.len() {
+        let (mm, kk, nn) = (m as usize, k as usize, n as usize);
+        let i = idx / nn;
+        let j = idx % nn;
+        let mut acc = F::new(0.0);
+        for p in 0..kk {
+            let mut ai = i * kk + p;
+            if ta {
+                ai = p * mm + i;
+            }
+            let mut bi = p * nn + j;
+            if tb {
+                bi = j * kk + p;
+            }
+            acc += a[ai] * b[bi];
+        }
+        c[idx] = acc;
+    }
+}
+
+/// Convolution geometry as kernel scalars: `[n, c, h, w, o, oh, ow, kh, kw, sh, sw, dh, dw,
+/// pad_top, pad_left, groups]`.
+#[derive(CubeLaunch, CubeType)]
+pub struct ConvGeom {
+    dims: Array<u32>,
+}
+
+/// Direct convolution: one unit per output element `y[n, o, oh, ow]`.
+#[cube(launch)]
+pub fn conv2d_forward<F: Float>(x: &Array<F>, w: &Array<F>, y: &mut Array<F>, g: &ConvGeom) {
+    let idx = ABSOLUTE_POS;
+    if idx < y.len() {
+        let d = &g.dims;
+        let (c, h, wi, o, oh, ow, kh, kw) = (d[1] as usize, d[2] as usize, d[3] as usize, d[4] as usize, d[5] as usize, d[6] as usize, d[7] as usize, d[8] as usize);
+        let (sh, sw, dh, dw, pt, pl, groups) = (d[9] as i32, d[10] as i32, d[11] as i32, d[12] as i32, d[13] as i32, d[14] as i32, d[15] as usize);
+        let ox = idx % ow;
+        let oy = (idx / ow) % oh;
+        let co = (idx / (ow * oh)) % o;
+        let b = idx / (ow * oh * o);
+        let cg = c / groups;
+        let gi = co / (o / groups);
+        let mut acc = F::new(0.0);
+        for ci in 0..cg {
+            for ky in 0..kh {
+                let iy = oy as i32 * sh + ky as i32 * dh - pt;
+                if iy >= 0 && iy < h as i32 {
+                    for kx in 0..kw {
+                        let ix = ox as i32 * sw + kx as i32 * dw - pl;
+                        if ix >= 0 && ix < wi as i32 {
+                            let xv = x[((b * c + gi * cg + ci) * h + iy as usize) * wi + ix as usize];
+                            let wv = w[((co * cg + ci) * kh + ky) * kw + kx];
+                            acc += xv * wv;
+                        }
+                    }
+                }
+            }
+        }
+        y[idx] = acc;
+    }
+}
+
+/// Gradient w.r.t. the input: one unit per `dx[n, c, h, w]`.
+#[cube(launch)]
+pub fn conv2d_input_grad<F: Float>(dy: &Array<F>, w: &Array<F>, dx: &mut Array<F>, g: &ConvGeom) {
+    let idx = ABSOLUTE_POS;
+    if idx < dx.len() {
+        let d = &g.dims;
+        let (c, h, wi, o, oh, ow, kh, kw) = (d[1] as usize, d[2] as usize, d[3] as usize, d[4] as usize, d[5] as usize, d[6] as usize, d[7] as usize, d[8] as usize);
+        let (sh, sw, dh, dw, pt, pl, groups) = (d[9] as i32, d[10] as i32, d[11] as i32, d[12] as i32, d[13] as i32, d[14] as i32, d[15] as usize);
+        let ix = idx % wi;
+        let iy = (idx / wi) % h;
+        let ci = (idx / (wi * h)) % c;
+        let b = idx / (wi * h * c);
+        let cg = c / groups;
+        let og = o / groups;
+        let gi = ci / cg;
+        let cl = ci % cg;
+        let mut acc = F::new(0.0);
+        for q in 0..og {
+            let co = gi * og + q;
+            for ky in 0..kh {
+                let ty = iy as i32 + pt - ky as i32 * dh;
+                if ty >= 0 && ty % sh == 0 && ty / sh < oh as i32 {
+                    let oy = (ty / sh) as usize;
+                    for kx in 0..kw {
+                        let tx = ix as i32 + pl - kx as i32 * dw;
+                        if tx >= 0 && tx % sw == 0 && tx / sw < ow as i32 {
+                            let ox = (tx / sw) as usize;
+                            let gv = dy[((b * o + co) * oh + oy) * ow + ox];
+                            let wv = w[((co * cg + cl) * kh + ky) * kw + kx];
+                            acc += gv * wv;
+                        }
+                    }
+                }
+            }
+        }
+        dx[idx] = acc;
+    }
+}
+
+/// Gradient w.r.t. the filter: one unit per `dw[o, c / groups, kh, kw]`.
+#[cube(launch)]
+pub fn conv2d_filter_grad<F: Float>(x: &Array<F>, dy: &Array<F>, dw: &mut Array<F>, g: &ConvGeom) {
+    let idx = ABSOLUTE_POS;
+    if idx < dw.len() {
+        let d = &g.dims;
+        let (n, c, h, wi, o, oh, ow, kh, kw) = (d[0] as usize, d[1] as usize, d[2] as usize, d[3] as usize, d[4] as usize, d[5] as usize, d[6] as usize, d[7] as usize, d[8] as usize);
+        let (sh, sw, dh, dwl, pt, pl, groups) = (d[9] as i32, d[10] as i32, d[11] as i32, d[12] as i32, d[13] as i32, d[14] as i32, d[15] as usize);
+        let kx = idx % kw;
+        let ky = (idx / kw) % kh;
+        let cg = c / groups;
+        let cl = (idx / (kw * kh)) % cg;
+        let co = idx / (kw * kh * cg);
+        let gi = co / (o / groups);
+        let ci = gi * cg + cl;
+        let mut acc = F::new(0.0);
+        for b in 0..n {
+            for oy in 0..oh {
+                let iy = oy as i32 * sh + ky as i32 * dh - pt;
+                if iy >= 0 && iy < h as i32 {
+                    for ox in 0..ow {
+                        let ix = ox as i32 * sw + kx as i32 * dwl - pl;
+                        if ix >= 0 && ix < wi as i32 {
+                            acc += x[((b * c + ci) * h + iy as usize) * wi + ix as usize] * dy[((b * o + co) * oh + oy) * ow + ox];
+                        }
+                    }
+                }
+            }
+        }
+        dw[idx] = acc;
+    }
+}
+
 /// Launch geometry for `n` elements.
 fn grid<R: CubeRuntime>(client: &ComputeClient<R>, n: usize) -> (CubeCount, CubeDim) {
     let dim = CubeDim::new(client, n);
@@ -265,6 +406,45 @@ where
         let (count, dim) = grid(&acc.client, n);
         assign_add::launch::<F, R>(&acc.client, count, dim, arr(acc), arr(&g));
         true
+    }
+
+    fn device_kernel(op: &Native, args: &[&CubeTensor<R>], out: &TensorType) -> Option<CubeTensor<R>> {
+        if F::dtype() != burn_backend::DType::F32 || args.iter().any(|t| t.dtype != burn_backend::DType::F32) {
+            return None;
+        }
+        let client = args[0].client.clone();
+        let device = args[0].device.clone();
+        let a = burn_cubecl::kernel::into_contiguous(args[0].clone());
+        let b = burn_cubecl::kernel::into_contiguous(args[1].clone());
+        let numel = out.numel().max(1);
+        let handle = client.empty(numel * core::mem::size_of::<f32>());
+        let dims = if out.dims().is_empty() { vec![1] } else { out.dims().to_vec() };
+        let y = CubeTensor::new_contiguous(client.clone(), device, Shape::from(dims), handle, burn_backend::DType::F32);
+        let (count, dim) = grid(&client, numel);
+        match *op {
+            Native::MatMul { m, k, n, transpose_a, transpose_b } => {
+                matmul::launch::<F, R>(&client, count, dim, arr(&a), arr(&b), arr(&y), m as u32, k as u32, n as u32, transpose_a, transpose_b)
+            }
+            Native::Conv { kind, g, groups, out_channels } => {
+                let v: Vec<u32> = [
+                    g.x[0], g.x[1], g.x[2], g.x[3], out_channels, g.out[0], g.out[1], g.kernel[0], g.kernel[1],
+                    g.stride[0], g.stride[1], g.dilation[0], g.dilation[1], g.pad[0], g.pad[1], groups,
+                ]
+                .iter()
+                .map(|&d| d as u32)
+                .collect();
+                let gh = client.create_from_slice(u32::as_bytes(&v));
+                // SAFETY: 16 u32 in the handle.
+                let geom = ConvGeomLaunch::new(unsafe { ArrayArg::from_raw_parts(gh, v.len()) });
+                match kind {
+                    ConvKind::Forward => conv2d_forward::launch::<F, R>(&client, count, dim, arr(&a), arr(&b), arr(&y), geom),
+                    ConvKind::InputGrad => conv2d_input_grad::launch::<F, R>(&client, count, dim, arr(&a), arr(&b), arr(&y), geom),
+                    // The op's operands are (dy, x).
+                    ConvKind::FilterGrad => conv2d_filter_grad::launch::<F, R>(&client, count, dim, arr(&b), arr(&a), arr(&y), geom),
+                }
+            }
+        }
+        Some(y)
     }
 
     fn fused_update(rule: &FusedRule, p: &CubeTensor<R>, acc: &CubeTensor<R>, state: &[CubeTensor<R>], scale: f32, scalars: &[f32]) -> Option<usize> {

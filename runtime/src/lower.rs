@@ -145,7 +145,11 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
     if cx.native && crate::host::has_native(op) {
         let floats: Option<Vec<&FloatTensor<B>>> = args.iter().map(|(v, _)| if let Value::Float(t) = v { Some(t) } else { None }).collect();
         let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
-        if let Some(t) = floats.and_then(|f| crate::host::try_native::<B>(op, &f, &tys, out, cx.device)) {
+        if let Some(t) = floats.as_ref().and_then(|f| crate::host::try_native::<B>(op, f, &tys, out, cx.device)) {
+            return Ok(Value::Float(t));
+        }
+        let shape = crate::host::native_shape(op, &tys);
+        if let Some(t) = floats.zip(shape).and_then(|(f, n)| B::device_kernel(&n, &f, out)) {
             return Ok(Value::Float(t));
         }
     }

@@ -313,3 +313,40 @@ fn seed002_mlp_gradients_match_finite_differences() {
     let net = WithLossCell::new(Network::new(&Scope::root()), CrossEntropyLoss::new());
     lenet_or_mlp_check(&net, [4, 1, 28, 28], 12);
 }
+
+/// The device kernels (wgpu here; the same `#[cube]` code runs on CUDA) for every matmul and
+/// convolution case, forward and both gradients, against the CPU's host kernels in f32.
+#[cfg(feature = "wgpu")]
+#[test]
+fn device_kernels_match_the_host_kernels() {
+    use cellgraph::runtime::cube::{Wgpu, WgpuDevice};
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut checked = 0;
+    for case in cases().iter().filter(|c| c.name.starts_with("matmul") || c.name.starts_with("conv2d")) {
+        let (mut g, ps, loss) = build(case);
+        let grads = grad(&mut g, loss, &ps, Sens::One).unwrap();
+        let mut outs = vec![loss];
+        outs.extend(grads.grads.clone());
+        g.set_outputs(outs);
+        let exe = compile(g).unwrap();
+        let mut cpu_s = Session::<Cpu>::new(cpu());
+        let mut dev_s = Session::<Wgpu>::new(WgpuDevice::DefaultDevice);
+        for (p, name) in exe.graph().parameters() {
+            let ty = exe.graph().ty(p).clone();
+            let v: Vec<f32> = (0..ty.numel()).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let t = HostTensor::f32(ty.dims().to_vec(), v).unwrap();
+            cpu_s.set_param(name, &t);
+            dev_s.set_param(name, &t);
+        }
+        let inputs: Vec<HostTensor> = case.inputs.clone();
+        let (a, b) = (cpu_s.run(&exe, &inputs).unwrap(), dev_s.run(&exe, &inputs).unwrap());
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            let (x, y) = (x.to_f32(), y.to_f32());
+            let scale = x.iter().map(|v| v.abs()).fold(1e-6f32, f32::max);
+            let d = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max) / scale;
+            assert!(d < 1e-5, "{}: output {i} differs between host and device kernels by {d:e} relative", case.name);
+        }
+        checked += 1;
+    }
+    assert!(checked >= 13, "only {checked} matmul/convolution cases");
+}

@@ -78,6 +78,12 @@ pub trait Backend: burn_backend::Backend {
         None
     }
 
+    /// Runs a matmul or convolution (see [`native_shape`]) on the backend's own kernels, when
+    /// it has them (device backends: exact f32, where burn's would use TF32 tensor cores).
+    fn device_kernel(_op: &Native, _args: &[&FloatTensor<Self>], _out: &TensorType) -> Option<FloatTensor<Self>> {
+        None
+    }
+
     /// A float tensor of extents `shape` holding `data`.
     fn from_host_vec(data: HostVec, shape: &[usize], device: &Device<Self>) -> FloatTensor<Self> {
         let shape = crate::lower::bshape(shape);
@@ -188,6 +194,43 @@ fn run<F: Elem>(op: &Op, args: &[HostSlice], tys: &[&TensorType], out: &TensorTy
         _ => return None,
     })
     .filter(|v| v.len() == out.numel().max(1))
+}
+
+/// What a device kernel needs to run one of the [`has_native`] ops.
+pub enum Native {
+    MatMul { m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool },
+    /// Forward, input gradient, filter gradient; `out_channels` is the filter's first extent.
+    Conv { kind: ConvKind, g: Geometry, groups: usize, out_channels: usize },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConvKind {
+    Forward,
+    InputGrad,
+    FilterGrad,
+}
+
+/// The matmul and convolution ops' extents, resolved (padding modes included) from the
+/// operand types, for device kernels; `None` for other ops.
+pub fn native_shape(op: &Op, tys: &[&TensorType]) -> Option<Native> {
+    let d = |i: usize| tys[i].dims();
+    let resolve = |x: &[usize], k: [usize; 2], s, dil, mode, pad| window::resolve([x[2], x[3]], k, s, dil, mode, pad).ok();
+    let conv = |kind, c: &cellgraph_compiler::op::Conv2dAttrs, x: &[usize], w: &[usize]| {
+        let win = resolve(x, [w[2], w[3]], c.stride, c.dilation, c.pad_mode, c.pad)?;
+        Some(Native::Conv { kind, g: geometry(x, [w[2], w[3]], c.stride, c.dilation, &win), groups: c.groups, out_channels: w[0] })
+    };
+    match op {
+        Op::MatMul { transpose_a, transpose_b } => {
+            let (a, b) = (d(0), d(1));
+            let (m, k) = if *transpose_a { (a[1], a[0]) } else { (a[0], a[1]) };
+            let n = if *transpose_b { b[0] } else { b[1] };
+            Some(Native::MatMul { m, k, n, transpose_a: *transpose_a, transpose_b: *transpose_b })
+        }
+        Op::Conv2d(c) => conv(ConvKind::Forward, c, d(0), d(1)),
+        Op::Conv2dBackpropInput { conv: c, input_shape } => conv(ConvKind::InputGrad, c, &input_shape.0, d(1)),
+        Op::Conv2dBackpropFilter { conv: c, filter_shape } => conv(ConvKind::FilterGrad, c, d(1), &filter_shape.0),
+        _ => None,
+    }
 }
 
 /// True for the ops [`try_native`] may run.
