@@ -1,5 +1,6 @@
 //! The tutorial's `eval.py`: loads `gradient_accumulation.ckpt` into LeNet5 and reports the
-//! accuracy on the test split.
+//! accuracy on the test split: all 2,000 vendored test digits (MindSpore's `eval.py` batches
+//! with `drop_remainder` and scores 1,984 of them).
 //!
 //! Run: `cargo run --release --example gradient_accumulation_eval -- --data-path data/mnist
 //! --ckpt-path gradient_accumulation.ckpt`
@@ -9,7 +10,7 @@ use std::path::PathBuf;
 use clap::Parser;
 
 use cellgraph::prelude::*;
-use cellgraph::runtime::data::create_dataset;
+use cellgraph::runtime::data::create_eval_dataset;
 use cellgraph::runtime::{checkpoint, Model};
 
 #[derive(Parser)]
@@ -30,7 +31,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let net_params: checkpoint::Tensors = params.into_iter().filter(|(k, _)| !k.starts_with("accu_grads.")).collect();
     model.accumulator_mut().restore(&net_params)?;
     println!("============== Starting Testing ==============");
-    let ds_eval = create_dataset(&args.data_path, "t10k", 32, 1, 0)?;
+    let ds_eval = create_eval_dataset(&args.data_path, "t10k", 32)?;
     let acc = model.eval(&ds_eval)?;
     println!("============== {{'Accuracy': {}}} ==============", acc["Accuracy"]);
     Ok(())

@@ -10,7 +10,7 @@ use std::rc::Rc;
 use cellgraph::cells::accumulate::{GradAccumulation, Normalization};
 use cellgraph::prelude::*;
 use cellgraph::runtime::checkpoint::{self, from_ckpt_bytes, to_ckpt_bytes, Tensors};
-use cellgraph::runtime::data::{ImageOp, MnistDataset};
+use cellgraph::runtime::data::{create_dataset, create_eval_dataset, ImageOp, MnistDataset};
 use cellgraph::runtime::{Callback, CheckpointConfig, LossMonitor, ModelCheckpoint, RunContext, TensorDataset};
 use crate::common::*;
 
@@ -42,6 +42,24 @@ fn shards_are_equal_sized_cover_the_data_and_shuffle_per_epoch() {
     assert_eq!((b.data.shape.clone(), b.label.shape.clone()), (vec![4, 1, 32, 32], vec![4]));
     assert!(base.clone().shard(2, 2).unwrap_err().to_string().contains("shard_id in 0..2"));
     assert!(base.batch(0, true).is_err());
+}
+
+#[test]
+fn the_eval_pipeline_scores_every_test_image_in_file_order() {
+    let dir = mnist_dir();
+    let eval = create_eval_dataset(&dir, "t10k", 32).unwrap();
+    let train_like = create_dataset(&dir, "t10k", 32, 1, 0).unwrap();
+    assert_eq!((eval.get_dataset_size(), train_like.get_dataset_size()), (63, 62), "2,000 = 62 x 32 + 16; drop_remainder scores 1,984");
+    let batches: Vec<_> = eval.epoch(0, 0).collect();
+    assert_eq!(batches.iter().map(|b| b.label.shape[0]).sum::<usize>(), 2000);
+    assert_eq!(batches.last().unwrap().data.shape, vec![16, 1, 32, 32]);
+    let labels: Vec<f64> = batches.iter().flat_map(|b| b.label.to_f64()).collect();
+    let file = Mnist::load(&dir, "t10k").unwrap();
+    assert!(labels.iter().enumerate().all(|(i, &l)| l == file.labels[i] as f64), "file order, no shuffle");
+    // The same image ops as training: the first image is the LeNet transform of the file's (to
+    // f32 rounding: the pipeline applies its two rescales one after the other).
+    let want = lenet_transform(file.image(0), 28, 28);
+    assert!(batches[0].data.to_f32()[..1024].iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-6));
 }
 
 #[test]

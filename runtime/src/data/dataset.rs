@@ -188,14 +188,21 @@ impl MnistDataset {
 /// `Rescale(1/255)`, `Rescale(1/0.3081, -0.1307/0.3081)`, `HWC2CHW`, shuffle, batch with
 /// `drop_remainder=True`, repeat.
 pub fn create_dataset(dir: &Path, split: &str, batch_size: usize, repeat: usize, shuffle_seed: u64) -> Result<MnistDataset> {
-    MnistDataset::new(dir, split)?
-        .map([
-            ImageOp::Resize(32, 32),
-            ImageOp::Rescale { rescale: 1.0 / 255.0, shift: 0.0 },
-            ImageOp::Rescale { rescale: 1.0 / 0.3081, shift: -0.1307 / 0.3081 },
-            ImageOp::Hwc2Chw,
-        ])
-        .shuffle(shuffle_seed)
-        .batch(batch_size, true)
-        .map(|d| d.repeat(repeat))
+    MnistDataset::new(dir, split)?.map(lenet_ops()).shuffle(shuffle_seed).batch(batch_size, true).map(|d| d.repeat(repeat))
+}
+
+/// The LeNet pipeline for scoring a split: the same image ops, in file order, keeping the last
+/// partial batch so that every image counts (all 2,000 vendored test digits, where
+/// `create_dataset`'s `drop_remainder` would score 1,984).
+pub fn create_eval_dataset(dir: &Path, split: &str, batch_size: usize) -> Result<MnistDataset> {
+    MnistDataset::new(dir, split)?.map(lenet_ops()).batch(batch_size, false)
+}
+
+fn lenet_ops() -> [ImageOp; 4] {
+    [
+        ImageOp::Resize(32, 32),
+        ImageOp::Rescale { rescale: 1.0 / 255.0, shift: 0.0 },
+        ImageOp::Rescale { rescale: 1.0 / 0.3081, shift: -0.1307 / 0.3081 },
+        ImageOp::Hwc2Chw,
+    ]
 }
