@@ -35,3 +35,16 @@ pub mod prelude {
         Session, TensorDataset, TimeMonitor,
     };
 }
+
+/// The end of a program's `main`: `Ok` exits 0; an error is printed as a sentence
+/// (`error: data/mnist/train-images-idx3-ubyte: ...`, its `Display`, never its `Debug`) and
+/// exits 1.
+pub fn exit_with(result: Result<(), Box<dyn std::error::Error>>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

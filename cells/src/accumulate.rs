@@ -82,11 +82,24 @@ impl GradAccumulation {
         self
     }
 
+    /// Checks the configuration: `micro_size` at least 1, a clipping norm finite and positive.
+    pub fn check(&self) -> Result<()> {
+        let what = match self.slicing {
+            Slicing::InStep => "micro_size",
+            Slicing::AcrossSteps => "the number of steps per window (mini_steps, max_accumulation_step)",
+        };
+        if self.micro_size == 0 {
+            return Err(CellError::Config { cell: "GradAccumulation".into(), detail: format!("{what} must be at least 1, got 0") });
+        }
+        if let Some(c) = self.clip_global_norm.filter(|c| !(c.is_finite() && *c > 0.0)) {
+            return Err(CellError::Config { cell: "GradAccumulation".into(), detail: format!("clip_global_norm must be a finite number > 0, got {c}") });
+        }
+        Ok(())
+    }
+
     /// Checks the configuration and a step's batch size.
     pub fn check_batch(&self, batch: usize) -> Result<()> {
-        if self.micro_size == 0 {
-            return Err(CellError::Config { cell: "GradAccumulation".into(), detail: "micro_size must be at least 1".into() });
-        }
+        self.check()?;
         if self.slicing == Slicing::InStep && batch % self.micro_size != 0 {
             return Err(CellError::Config {
                 cell: "GradAccumulation".into(),

@@ -6,7 +6,7 @@ use cellgraph_compiler::emit::Emit;
 use cellgraph_compiler::update::{FusedRule, StateSpec, UpdateRule};
 use cellgraph_compiler::{NodeId, Op, Result, TensorType};
 
-use crate::schedule::LearningRate;
+use crate::schedule::{non_negative, LearningRate};
 
 /// Any optimizer (MindSpore's `nn.Optimizer`).
 pub use cellgraph_compiler::update::UpdateRule as Optimizer;
@@ -59,6 +59,11 @@ impl UpdateRule for Momentum {
     fn learning_rate(&self, update: u64) -> f64 {
         self.learning_rate.at(update)
     }
+    fn check(&self) -> Result<(), String> {
+        self.learning_rate.check()?;
+        non_negative("momentum", self.momentum)?;
+        non_negative("weight_decay", self.weight_decay)
+    }
     fn fused(&self) -> Option<FusedRule> {
         Some(FusedRule::Momentum { momentum: self.momentum, weight_decay: self.weight_decay, nesterov: self.use_nesterov })
     }
@@ -110,6 +115,12 @@ impl UpdateRule for SGD {
     }
     fn learning_rate(&self, update: u64) -> f64 {
         self.learning_rate.at(update)
+    }
+    fn check(&self) -> Result<(), String> {
+        self.learning_rate.check()?;
+        non_negative("momentum", self.momentum)?;
+        non_negative("dampening", self.dampening)?;
+        non_negative("weight_decay", self.weight_decay)
     }
     fn fused(&self) -> Option<FusedRule> {
         Some(FusedRule::Sgd { momentum: self.momentum, dampening: self.dampening, weight_decay: self.weight_decay, nesterov: self.nesterov })
@@ -180,6 +191,18 @@ impl UpdateRule for Adam {
     }
     fn learning_rate(&self, update: u64) -> f64 {
         self.learning_rate.at(update)
+    }
+    fn check(&self) -> Result<(), String> {
+        self.learning_rate.check()?;
+        for (what, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return Err(format!("{what} must be in [0, 1), got {b}"));
+            }
+        }
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            return Err(format!("eps must be a finite number > 0, got {}", self.eps));
+        }
+        non_negative("weight_decay", self.weight_decay)
     }
     fn scalar_inputs(&self) -> Vec<&'static str> {
         vec!["learning_rate", "bias_correction1", "bias_correction2"]

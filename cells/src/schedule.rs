@@ -36,6 +36,27 @@ impl LearningRate {
     }
 }
 
+/// `Err` naming `what` unless `x` is finite and at least 0.
+pub(crate) fn non_negative(what: &str, x: f64) -> Result<(), String> {
+    if x.is_finite() && x >= 0.0 {
+        Ok(())
+    } else {
+        Err(format!("{what} must be a finite number >= 0, got {x}"))
+    }
+}
+
+impl LearningRate {
+    /// Checks that every rate the schedule can give is finite and not negative.
+    pub fn check(&self) -> Result<(), String> {
+        match self {
+            LearningRate::Constant(lr) => non_negative("learning rate", *lr),
+            LearningRate::Step { base, gamma, .. } => non_negative("learning rate", *base).and(non_negative("step schedule's gamma", *gamma)),
+            LearningRate::Cosine { base, min, .. } => non_negative("learning rate", *base).and(non_negative("cosine schedule's minimum", *min)),
+            LearningRate::Warmup { then, .. } => then.check(),
+        }
+    }
+}
+
 impl From<f64> for LearningRate {
     fn from(lr: f64) -> Self {
         LearningRate::Constant(lr)

@@ -44,6 +44,11 @@ pub trait UpdateRule {
     fn state(&self, param: &str, ty: &TensorType) -> Vec<StateSpec>;
     /// The learning rate of the `update`-th applied update, counting from 0.
     fn learning_rate(&self, update: u64) -> f64;
+    /// Checks the hyperparameters before anything runs: `Err` says which one is wrong and why
+    /// (a negative or non-finite learning rate, a momentum or beta out of range).
+    fn check(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
     /// Names of the f32 scalar inputs the update reads, `learning_rate` first.
     fn scalar_inputs(&self) -> Vec<&'static str> {
         vec!["learning_rate"]

@@ -37,6 +37,17 @@ pub struct Counters {
     pub fused_launches: u64,
 }
 
+/// What a checkpoint load did (MindSpore's `load_param_into_net` returns the first two).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Parameters and state left as they were (`param_not_load`).
+    pub missing: Vec<String>,
+    /// Tensors of the checkpoint that were not loaded (`ckpt_not_load`).
+    pub unused: Vec<String>,
+    /// What was loaded.
+    pub loaded: Vec<String>,
+}
+
 /// What one call to [`Accumulator::step`] did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepOutcome {
@@ -128,6 +139,21 @@ fn optimizer_inputs(scale: f64, scalars: &[f64]) -> Vec<HostTensor> {
 /// The name the hsdp shard's parameter takes in the session.
 pub const SHARD: &str = "hsdp.shard";
 
+/// `items` rows split into `min(k, items)` contiguous ranges whose sizes differ by at most one,
+/// larger first: equal micro-batches when `k` divides `items`.
+pub fn micro_ranges(items: usize, k: usize) -> Vec<(usize, usize)> {
+    let n = k.min(items).max(1);
+    let (q, r) = (items / n, items % n);
+    let mut start = 0;
+    (0..n)
+        .map(|i| {
+            let len = q + usize::from(i < r);
+            start += len;
+            (start - len, start)
+        })
+        .collect()
+}
+
 /// Rows `start..end` (along dim 0) of a host tensor.
 pub fn slice_rows(t: &HostTensor, start: usize, end: usize) -> HostTensor {
     let row: usize = t.shape[1..].iter().product();
@@ -149,6 +175,8 @@ impl<B: Backend> Accumulator<B> {
     /// drawn from `seed`, zero accumulators, initial optimizer state. Micro-step graphs are
     /// compiled on first use, one per micro-batch shape.
     pub fn new(net: Rc<GradAccumulation>, opt: Rc<dyn Optimizer>, device: Device<B>, seed: u64) -> Result<Self> {
+        net.check()?;
+        opt.check().map_err(|detail| cellgraph_cells::CellError::Config { cell: opt.name().into(), detail })?;
         let (optimizer, clear, accumulators, state) = net.boundary_graphs(opt.as_ref())?;
         let mut session = Session::new(device);
         session.init_params(&net.parameters(), seed);
@@ -641,51 +669,97 @@ impl<B: Backend> Accumulator<B> {
         t
     }
 
-    /// Loads a snapshot (or a MindSpore checkpoint holding just parameters): tensors whose
-    /// names the session knows replace their values, after a shape check; counters are
-    /// restored when present. Unknown names are an error naming them.
+    /// Loads a snapshot, or a checkpoint of the network's parameters alone (MindSpore's
+    /// `load_param_into_net(net, params, strict_load=True)`): every parameter of the network
+    /// must be there with its shape, optimizer state and accumulators come all or none per kind
+    /// (`moments.*`), and names the session does not know are an error. Nothing is changed
+    /// unless everything checks.
     pub fn restore(&mut self, tensors: &crate::checkpoint::Tensors) -> Result<()> {
+        self.restore_with(tensors, true).map(|_| ())
+    }
+
+    /// [`Self::restore`]; with `strict = false` (`strict_load=False`) missing parameters keep
+    /// their values and unknown tensors are skipped, both reported.
+    pub fn restore_with(&mut self, tensors: &crate::checkpoint::Tensors, strict: bool) -> Result<LoadReport> {
+        use std::collections::{BTreeMap, BTreeSet};
         let tensors = &self.shard_state_from(tensors)?;
-        let known: std::collections::BTreeSet<String> = self.session.param_names().into_iter().collect();
-        let mut unknown = Vec::new();
+        let known: BTreeSet<String> = self.session.param_names().into_iter().collect();
+        let network: BTreeSet<String> = self.net.parameters().into_iter().map(|p| p.name).collect();
+        let mut report = LoadReport::default();
+        let mut counters = Vec::new();
+        let mut values = Vec::new();
         for (name, t) in tensors {
             if let Some(counter) = name.strip_prefix("cellgraph.") {
-                let v = t.scalar() as u64;
-                match counter {
-                    "updates" => self.updates = v,
-                    "window_micro" => self.window_micro = v as usize,
-                    "window_items" => self.window_items = v as usize,
-                    "micro_steps" => self.counters.micro_steps = v,
-                    "optimizer_runs" => self.counters.optimizer_runs = v,
-                    "clear_runs" => self.counters.clear_runs = v,
-                    _ => {}
-                }
+                counters.push((counter, t.scalar() as u64));
             } else if known.contains(name) {
                 let have = self.session.param(name).expect("known").shape;
                 if have != t.shape {
-                    return Err(crate::error::RuntimeError::Mismatch {
+                    return Err(RuntimeError::Mismatch {
                         what: format!("checkpoint tensor `{name}`"),
                         expected: format!("shape {have:?}"),
                         got: format!("shape {:?}", t.shape),
                     });
                 }
-                self.session.set_param(name, t);
+                values.push((name, t));
             } else if !matches!(name.as_str(), "global_step" | "learning_rate" | "epoch_num" | "step_num") {
-                unknown.push(name.clone());
+                report.unused.push(name.clone());
             }
         }
-        if !unknown.is_empty() {
-            return Err(crate::error::RuntimeError::Mismatch {
-                what: "checkpoint".into(),
-                expected: "only parameters of this network, its accumulators and optimizer state".into(),
-                got: format!("unknown tensors {unknown:?}"),
-            });
+        report.missing = network.iter().filter(|n| !tensors.contains_key(*n)).cloned().collect();
+        // Optimizer state and accumulators: all or none of each kind.
+        let mut kinds: BTreeMap<&str, (usize, Vec<&str>)> = BTreeMap::new();
+        for n in known.iter().filter(|n| !network.contains(*n)) {
+            let e = kinds.entry(n.split('.').next().unwrap_or(n)).or_default();
+            match tensors.contains_key(n) {
+                true => e.0 += 1,
+                false => e.1.push(n),
+            }
+        }
+        let partial: Vec<String> = kinds.iter().filter(|(_, (have, miss))| *have > 0 && !miss.is_empty()).flat_map(|(_, (_, m))| m.iter().map(|s| s.to_string())).collect();
+        if strict {
+            let list = |v: &[String]| {
+                let shown: Vec<&str> = v.iter().take(8).map(String::as_str).collect();
+                let more = if v.len() > 8 { format!(" and {} more", v.len() - 8) } else { String::new() };
+                format!("{}{more}", shown.join(", "))
+            };
+            let mut problems = Vec::new();
+            if !report.missing.is_empty() {
+                problems.push(format!("it lacks {} of the network's {} parameters: {}", report.missing.len(), network.len(), list(&report.missing)));
+            }
+            if !partial.is_empty() {
+                problems.push(format!("it has only part of the optimizer state; missing: {}", list(&partial)));
+            }
+            if !report.unused.is_empty() {
+                problems.push(format!("it holds tensors this network does not have: {}", list(&report.unused)));
+            }
+            if !problems.is_empty() {
+                return Err(RuntimeError::Invalid {
+                    what: "checkpoint".into(),
+                    detail: format!("{} (a checkpoint of another network? load it non-strictly to skip them: strict_load=False)", problems.join("; ")),
+                });
+            }
+        }
+        report.missing.extend(partial);
+        for (counter, v) in counters {
+            match counter {
+                "updates" => self.updates = v,
+                "window_micro" => self.window_micro = v as usize,
+                "window_items" => self.window_items = v as usize,
+                "micro_steps" => self.counters.micro_steps = v,
+                "optimizer_runs" => self.counters.optimizer_runs = v,
+                "clear_runs" => self.counters.clear_runs = v,
+                _ => {}
+            }
+        }
+        for (name, t) in values {
+            self.session.set_param(name, t);
+            report.loaded.push(name.clone());
         }
         if self.flat.is_some() {
             // The restored values replaced views: pack them into new flat buffers.
             self.enter_flat()?;
         }
-        Ok(())
+        Ok(report)
     }
 
     /// With hsdp: replaces unsharded optimizer state (`moments.fc1.weight`, ...) by this
@@ -725,19 +799,38 @@ impl<B: Backend> Accumulator<B> {
         Ok(())
     }
 
-    /// One training step. In-step slicing: the batch is split into `micro_size` micro-batches
-    /// and the window applied; the loss is their sum. Across steps: the batch is one
-    /// micro-batch, and the window is applied when it is full.
+    /// One training step. In-step slicing: the batch is split into `micro_size` equal
+    /// micro-batches (a size `micro_size` does not divide is an error, as in MindSpore) and the
+    /// window applied; the loss is their sum. Across steps: the batch is one micro-batch, and
+    /// the window is applied when it is full.
     pub fn step(&mut self, batch: &[HostTensor]) -> Result<StepOutcome> {
+        let b = batch.first().and_then(|t| t.shape.first().copied()).unwrap_or(0);
+        if self.net.slicing == Slicing::InStep {
+            self.net.check_batch(b)?;
+        }
+        self.step_split(batch, b)
+    }
+
+    /// The last batch of an epoch, which may be shorter than the others (a dataset without
+    /// `drop_remainder`, or a wrapped shard). With in-step slicing a size that `micro_size`
+    /// does not divide is split into `min(micro_size, items)` micro-batches whose sizes differ
+    /// by at most one, larger first (11 items, `micro_size` 4: 3, 3, 3, 2); the normalisation
+    /// counts the micro-batches and items the window really had. Otherwise as [`Self::step`].
+    pub fn step_last(&mut self, batch: &[HostTensor]) -> Result<StepOutcome> {
+        let b = batch.first().and_then(|t| t.shape.first().copied()).unwrap_or(0);
+        self.step_split(batch, b)
+    }
+
+    fn step_split(&mut self, batch: &[HostTensor], b: usize) -> Result<StepOutcome> {
         let k = self.net.micro_size;
+        if b == 0 {
+            return Err(RuntimeError::Mismatch { what: "training batch".into(), expected: "at least one item".into(), got: "an empty batch".into() });
+        }
         match self.net.slicing {
             Slicing::InStep => {
-                let b = batch.first().and_then(|t| t.shape.first().copied()).unwrap_or(0);
-                self.net.check_batch(b)?;
-                let m = b / k;
                 let mut loss = 0.0;
-                for i in 0..k {
-                    let micro: Vec<HostTensor> = batch.iter().map(|t| slice_rows(t, i * m, (i + 1) * m)).collect();
+                for (start, end) in micro_ranges(b, k) {
+                    let micro: Vec<HostTensor> = batch.iter().map(|t| slice_rows(t, start, end)).collect();
                     loss += self.micro_step(&micro)?;
                 }
                 self.apply()?;

@@ -65,10 +65,15 @@ pub trait Callback<B: Backend> {
     }
 }
 
-/// Prints `epoch: E step: S, loss is L` every `per_print_times` steps and stops training with
-/// an error on a NaN or infinite loss.
+/// MindSpore 2.x's `LossMonitor(per_print_times)`: prints `epoch: E step: S, loss is L` when
+/// the global step count (counted across epochs) has advanced by `per_print_times` since the
+/// last print, so an epoch shorter than `per_print_times` steps still prints every few epochs.
+/// `S` is the step within the epoch and `L` the f32 loss as Python prints it
+/// (`loss is 7.793933868408203`); `per_print_times = 0` prints nothing. A NaN or infinite loss
+/// stops training with an error either way.
 pub struct LossMonitor {
     per_print_times: usize,
+    last_print: usize,
     out: Box<dyn Write>,
 }
 
@@ -79,7 +84,7 @@ impl LossMonitor {
     }
     /// Prints to `out` (a log file, a buffer in tests).
     pub fn to_writer(per_print_times: usize, out: Box<dyn Write>) -> Self {
-        LossMonitor { per_print_times: per_print_times.max(1), out }
+        LossMonitor { per_print_times, last_print: 0, out }
     }
 }
 
@@ -92,11 +97,39 @@ impl<B: Backend> Callback<B> for LossMonitor {
                 detail: format!("loss is {}; training stopped (lower the learning rate or check the data)", cx.loss),
             });
         }
-        if cx.step % self.per_print_times == 0 {
-            let _ = writeln!(self.out, "epoch: {} step: {}, loss is {}", cx.epoch, cx.step, cx.loss as f32);
+        let global = (cx.epoch - 1) * cx.steps_per_epoch + cx.step;
+        // A resumed run starts past the last print (MindSpore's rollback rule).
+        while self.per_print_times != 0 && global <= self.last_print && self.last_print > 0 {
+            self.last_print = self.last_print.saturating_sub(self.per_print_times);
+        }
+        if self.per_print_times != 0 && global - self.last_print >= self.per_print_times {
+            self.last_print = global;
+            let _ = writeln!(self.out, "epoch: {} step: {}, loss is {}", cx.epoch, cx.step, py_float(cx.loss as f32 as f64));
             let _ = self.out.flush();
         }
         Ok(())
+    }
+}
+
+/// `x` as Python's `repr(float)` writes it: the shortest digits that read back to `x`, in
+/// fixed notation for exponents -4..16 and scientific (`1e-05`, `1.5e+16`) outside.
+pub fn py_float(x: f64) -> String {
+    if x.is_nan() {
+        return "nan".into();
+    }
+    if x.is_infinite() {
+        return if x > 0.0 { "inf" } else { "-inf" }.into();
+    }
+    // Rust's `{:e}` gives the shortest round-trip digits: `d.ddde[-]x`.
+    let sci = format!("{x:e}");
+    let (mantissa, exp) = sci.split_once('e').expect("{:e} has an exponent");
+    let exp: i32 = exp.parse().expect("integer exponent");
+    if (-4..16).contains(&exp) {
+        let s = format!("{x}");
+        if s.contains('.') { s } else { format!("{s}.0") }
+    } else {
+        let sign = if exp < 0 { '-' } else { '+' };
+        format!("{mantissa}e{sign}{:02}", exp.abs())
     }
 }
 
@@ -163,6 +196,13 @@ impl ModelCheckpoint {
 }
 
 impl<B: Backend> Callback<B> for ModelCheckpoint {
+    fn epoch_begin(&mut self, cx: &mut RunContext<B>) -> Result<()> {
+        if self.total_steps == 0 && cx.accumulator.rank() == 0 {
+            // Found before the first step, not at the first save.
+            crate::checkpoint::check_writable(&self.directory.join(format!("{}-check.{}", self.prefix, self.config.format)))?;
+        }
+        Ok(())
+    }
     fn step_end(&mut self, cx: &mut RunContext<B>) -> Result<()> {
         self.total_steps += 1;
         if self.total_steps % self.config.save_checkpoint_steps.max(1) != 0 {

@@ -3,9 +3,13 @@
 //! - Native: safetensors, with a CRC-32 of every tensor's bytes in the metadata
 //!   (`cellgraph.crc32`), checked on load. A checkpoint whose bytes do not match is an error,
 //!   never a partial load.
-//! - MindSpore `.ckpt`: one protobuf `Checkpoint { repeated Value { tag, TensorProto { dims,
-//!   tensor_type, tensor_content } } }` (proto2, so `dims` is unpacked), one `Value` per
-//!   tensor, scalars with `dims = [0]`, as MindSpore's `save_checkpoint` writes them.
+//! - MindSpore `.ckpt`: protobuf `Checkpoint { repeated Value { tag, TensorProto { dims,
+//!   tensor_type, tensor_content } } }` (proto2, so `dims` is unpacked), one `Checkpoint`
+//!   message per tensor, concatenated, scalars without dims, then MindSpore 2.x's CRC
+//!   trailer, as `save_checkpoint(..., crc_check=True)` writes it: the 7 bytes `crc_num` and
+//!   the CRC-32 (zlib's, `binascii.crc32`) of all the message bytes as a 10-byte big-endian
+//!   integer. Loading verifies the trailer when present; an empty or unparsable file is an
+//!   error.
 //!
 //! Both are written to a temporary file in the same directory, synced, then renamed over the
 //! target, so a crash leaves either the old file or the new one. The format is chosen by the
@@ -90,42 +94,112 @@ fn decode(path: &Path, name: &str, shape: Vec<usize>, ty: &str, bytes: &[u8]) ->
     Ok(HostTensor { shape, data })
 }
 
-/// Writes `bytes` to `path` atomically: temp file in the same directory, fsync, rename.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+/// The directory `path` is written in, and a temporary name beside it.
+fn temp_beside(path: &Path) -> Result<(&Path, std::path::PathBuf)> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let mut f = std::fs::File::create(&tmp).map_err(|e| io(&tmp, e))?;
-    f.write_all(bytes).and_then(|_| f.sync_all()).map_err(|e| io(&tmp, e))?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(|e| io(path, e))
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| RuntimeError::Invalid {
+        what: format!("checkpoint target {}", path.display()),
+        detail: "names no file; give a file path such as model.ckpt".into(),
+    })?;
+    Ok((dir, dir.join(format!(".{name}.tmp-{}", std::process::id()))))
 }
 
-/// Encodes tensors as a MindSpore `.ckpt` protobuf.
+fn cannot_write(path: &Path, e: std::io::Error) -> RuntimeError {
+    RuntimeError::Invalid { what: format!("cannot write checkpoint {}", path.display()), detail: format!("{e}; choose a writable file path") }
+}
+
+/// Checks, before any work, that a checkpoint can be written at `path`: not a directory, its
+/// directory exists or can be made, and a file can be created there (a probe file, removed).
+pub fn check_writable(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        return Err(RuntimeError::Invalid { what: format!("checkpoint target {}", path.display()), detail: "is a directory; give a file path such as model.ckpt".into() });
+    }
+    let (dir, tmp) = temp_beside(path)?;
+    std::fs::create_dir_all(dir).map_err(|e| cannot_write(path, e))?;
+    std::fs::File::create(&tmp).map_err(|e| cannot_write(path, e))?;
+    let _ = std::fs::remove_file(&tmp);
+    Ok(())
+}
+
+/// Writes `bytes` to `path` atomically: temp file in the same directory, fsync, rename. A
+/// failure removes the temporary file (a full disk does not stay full) and names `path`.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    if path.is_dir() {
+        return Err(RuntimeError::Invalid { what: format!("checkpoint target {}", path.display()), detail: "is a directory; give a file path such as model.ckpt".into() });
+    }
+    let (dir, tmp) = temp_beside(path)?;
+    std::fs::create_dir_all(dir).map_err(|e| cannot_write(path, e))?;
+    let written = std::fs::File::create(&tmp).and_then(|mut f| {
+        f.write_all(bytes)?;
+        f.sync_all()
+    });
+    let result = written.and_then(|_| std::fs::rename(&tmp, path));
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(cannot_write(path, e));
+    }
+    Ok(())
+}
+
+/// MindSpore's CRC trailer: `crc_num` then the CRC-32 as a 10-byte big-endian integer.
+const CRC_TAG: &[u8] = b"crc_num";
+const CRC_TRAILER: usize = CRC_TAG.len() + 10;
+
+/// Encodes tensors as a MindSpore `.ckpt`: one `Checkpoint` message per tensor, then the CRC
+/// trailer of `save_checkpoint(..., crc_check=True)`.
 pub fn to_ckpt_bytes(tensors: &Tensors) -> Vec<u8> {
-    let value = tensors
-        .iter()
-        .map(|(name, t)| {
-            let (bytes, ty) = encode(t);
-            let dims = if t.shape.is_empty() { vec![0] } else { t.shape.iter().map(|&d| d as i64).collect() };
-            proto::Value { tag: name.clone(), tensor: Some(proto::TensorProto { dims, tensor_type: ty.into(), tensor_content: bytes }) }
-        })
-        .collect();
-    proto::Checkpoint { value }.encode_to_vec()
+    let mut out = Vec::new();
+    for (name, t) in tensors {
+        let (bytes, ty) = encode(t);
+        let dims = t.shape.iter().map(|&d| d as i64).collect();
+        let value = proto::Value { tag: name.clone(), tensor: Some(proto::TensorProto { dims, tensor_type: ty.into(), tensor_content: bytes }) };
+        proto::Checkpoint { value: vec![value] }.encode(&mut out).expect("a Vec grows");
+    }
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(CRC_TAG);
+    out.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+    out.extend_from_slice(&crc.to_be_bytes());
+    out
 }
 
-/// Decodes a MindSpore `.ckpt` protobuf; `path` names the file in errors.
+/// Decodes a MindSpore `.ckpt`, verifying its CRC trailer when there is one; `path` names
+/// the file in errors. Slices of one tensor (MindSpore splits tensors over 512 MiB into
+/// consecutive values with the same tag) are joined.
 pub fn from_ckpt_bytes(path: &Path, bytes: &[u8]) -> Result<Tensors> {
-    let ckpt = proto::Checkpoint::decode(bytes).map_err(|e| err(path, 0, format!("not a MindSpore checkpoint or truncated ({e})")))?;
-    let mut out = Tensors::new();
+    if bytes.is_empty() {
+        return Err(err(path, 0, "the file is empty: not a checkpoint (an interrupted save? MindSpore writes atomically only since 2.x)"));
+    }
+    let body = match bytes.len().checked_sub(CRC_TRAILER) {
+        Some(at) if &bytes[at..at + CRC_TAG.len()] == CRC_TAG => {
+            let stored = bytes[at + CRC_TAG.len()..].iter().fold(0u128, |acc, &b| acc << 8 | b as u128);
+            let computed = crc32fast::hash(&bytes[..at]);
+            if stored != computed as u128 {
+                return Err(err(path, at as u64, format!("CRC check failed (stored {stored:#010x}, computed {computed:#010x}): the checkpoint is damaged")));
+            }
+            &bytes[..at]
+        }
+        _ => bytes,
+    };
+    let ckpt = proto::Checkpoint::decode(body).map_err(|e| err(path, 0, format!("not a MindSpore checkpoint, or truncated ({e})")))?;
+    if ckpt.value.is_empty() {
+        return Err(err(path, 0, "holds no tensors: not a checkpoint"));
+    }
+    let mut parts: Vec<(String, proto::TensorProto)> = Vec::new();
     for v in ckpt.value {
         let t = v.tensor.ok_or_else(|| err(path, 0, format!("entry `{}` has no tensor", v.tag)))?;
-        let one = t.tensor_content.len() <= 8 && t.dims == [0];
+        match parts.last_mut() {
+            Some((tag, prev)) if *tag == v.tag && prev.dims == t.dims && prev.tensor_type == t.tensor_type => prev.tensor_content.extend(t.tensor_content),
+            _ => parts.push((v.tag, t)),
+        }
+    }
+    let mut out = Tensors::new();
+    for (tag, t) in parts {
+        // A scalar has no dims (MindSpore 1.x wrote `[0]`).
+        let one = t.dims.is_empty() || (t.tensor_content.len() <= 8 && t.dims == [0]);
         let shape = if one { vec![] } else { t.dims.iter().map(|&d| d.max(0) as usize).collect() };
-        let tensor = decode(path, &v.tag, shape, &t.tensor_type, &t.tensor_content)?;
-        if out.insert(v.tag.clone(), tensor).is_some() {
-            return Err(err(path, 0, format!("entry `{}` appears twice", v.tag)));
+        let tensor = decode(path, &tag, shape, &t.tensor_type, &t.tensor_content)?;
+        if out.insert(tag.clone(), tensor).is_some() {
+            return Err(err(path, 0, format!("entry `{tag}` appears twice")));
         }
     }
     Ok(out)
@@ -200,6 +274,9 @@ pub fn save(path: &Path, tensors: &Tensors, meta: &BTreeMap<String, String>) -> 
 /// Loads tensors and metadata from `path`; `.ckpt` is read as MindSpore's format (no metadata).
 pub fn load(path: &Path) -> Result<(Tensors, BTreeMap<String, String>)> {
     let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
+    if bytes.is_empty() {
+        return Err(err(path, 0, "the file is empty: not a checkpoint"));
+    }
     if is_ckpt(path) {
         Ok((from_ckpt_bytes(path, &bytes)?, BTreeMap::new()))
     } else {

@@ -25,6 +25,10 @@ pub enum RuntimeError {
     /// The op or dtype cannot run on this backend.
     #[error("{scope}: {op}: {detail}")]
     Unsupported { scope: String, op: &'static str, detail: String },
+    /// A setting or input that cannot work, found before anything ran (`what` names it:
+    /// the rank, the dataset, the file).
+    #[error("{what}: {detail}")]
+    Invalid { what: String, detail: String },
     /// A malformed data file.
     #[error("{path}: at byte offset {offset}: {detail}")]
     Data { path: String, offset: u64, detail: String },

@@ -24,7 +24,7 @@ pub mod value;
 pub use error::{Result, RuntimeError};
 /// burn's backend API, for code generic over [`Backend`] (`Device<B>`, tensor primitives).
 pub use burn_backend;
-pub use accumulate::{Accumulator, Counters, StepOutcome};
+pub use accumulate::{Accumulator, Counters, LoadReport, StepOutcome};
 pub use callback::{Callback, CheckpointConfig, LossLog, LossMonitor, ModelCheckpoint, ProgressBar, RunContext, TimeMonitor};
 pub use exec::{compile, compile_with, DumpAt, Executable, Session};
 pub use host::Backend;

@@ -36,6 +36,18 @@ pub trait Dataset {
     fn column_names(&self) -> Vec<&'static str> {
         vec!["data", "label"]
     }
+    /// Items in each batch of an epoch, in order (by default: read off the batches).
+    fn batch_sizes(&self) -> Vec<usize> {
+        self.batches(0, 0).map(|b| b.first().and_then(|t| t.shape.first().copied()).unwrap_or(0)).collect()
+    }
+    /// The batch size asked for (the size of every batch but a short last one).
+    fn batch_size(&self) -> usize {
+        self.batch_sizes().first().copied().unwrap_or(0)
+    }
+    /// What the data is, for error messages (`MNIST train, shard 3 of 8: 1000 items`).
+    fn describe(&self) -> String {
+        "the dataset".into()
+    }
 }
 
 impl Dataset for crate::data::MnistDataset {
@@ -44,6 +56,15 @@ impl Dataset for crate::data::MnistDataset {
     }
     fn batches(&self, epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + '_> {
         Box::new(self.epoch(epoch, skip).map(|b| b.inputs().to_vec()))
+    }
+    fn batch_sizes(&self) -> Vec<usize> {
+        self.batch_lengths()
+    }
+    fn batch_size(&self) -> usize {
+        crate::data::MnistDataset::batch_size(self)
+    }
+    fn describe(&self) -> String {
+        crate::data::MnistDataset::describe(self)
     }
 }
 
@@ -56,7 +77,17 @@ pub struct TensorDataset {
 
 impl Dataset for TensorDataset {
     fn dataset_size(&self) -> usize {
-        self.columns.first().map_or(0, |c| c.shape[0].div_ceil(self.batch_size))
+        self.columns.first().map_or(0, |c| c.shape[0].div_ceil(self.batch_size.max(1)))
+    }
+    fn batch_sizes(&self) -> Vec<usize> {
+        let n = self.columns.first().map_or(0, |c| c.shape[0]);
+        (0..self.dataset_size()).map(|k| ((k + 1) * self.batch_size).min(n) - k * self.batch_size).collect()
+    }
+    fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+    fn describe(&self) -> String {
+        format!("a TensorDataset of {} items", self.columns.first().map_or(0, |c| c.shape[0]))
     }
     fn batches(&self, _epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + '_> {
         let n = self.columns.first().map_or(0, |c| c.shape[0]);
@@ -150,8 +181,12 @@ impl<B: Backend> Model<B> {
 
     /// Trains until `epochs` epochs are complete (resuming from the current position).
     pub fn train(&mut self, epochs: usize, dataset: &dyn Dataset, callbacks: &mut [&mut dyn Callback<B>]) -> Result<()> {
+        if epochs == 0 {
+            return Err(RuntimeError::Invalid { what: "Model::train".into(), detail: "epoch must be at least 1, got 0 (MindSpore's check_positive_int)".into() });
+        }
         let steps_per_epoch = dataset.dataset_size();
         self.acc.set_input_names(&dataset.column_names());
+        let sizes = self.check_batches(dataset)?;
         self.check_ranks_agree(dataset, steps_per_epoch)?;
         let mut stop = false;
         while self.position.epoch < epochs && !stop {
@@ -162,7 +197,9 @@ impl<B: Backend> Model<B> {
                 cb.epoch_begin(&mut cx)?;
             }
             for batch in dataset.batches(epoch, self.position.step) {
-                let out = self.acc.step(&batch)?;
+                // A short last batch may be sliced into unequal micro-batches.
+                let last = self.position.step + 1 == steps_per_epoch && sizes[self.position.step] < sizes[0];
+                let out = if last { self.acc.step_last(&batch)? } else { self.acc.step(&batch)? };
                 self.position.step += 1;
                 let mut cx = RunContext::new(epoch + 1, epochs, steps_per_epoch, &self.acc);
                 cx.step = self.position.step;
@@ -193,6 +230,39 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
+    /// Everything about the data that could fail later, checked before the first step: at
+    /// least one batch; the batch size not larger than the data; with in-step slicing, every
+    /// batch but a short last one divisible by `micro_size`. Returns the batch sizes.
+    fn check_batches(&self, dataset: &dyn Dataset) -> Result<Vec<usize>> {
+        let rank = match self.acc.communicator() {
+            Some(c) => format!("rank {} of {}: ", c.rank(), c.size()),
+            None => String::new(),
+        };
+        let sizes = dataset.batch_sizes();
+        let wanted = dataset.batch_size();
+        let fail = |detail: String| Err(RuntimeError::Invalid { what: format!("{rank}{}", dataset.describe()), detail });
+        if sizes.is_empty() || sizes.iter().all(|&b| b == 0) {
+            return fail(format!("gives no batch per epoch (batch size {wanted}): it has fewer items than one batch, or none; use a smaller batch size or more data"));
+        }
+        if sizes.len() == 1 && sizes[0] < wanted {
+            return fail(format!("holds {} items, fewer than one batch of {wanted}; use a batch size of at most {}", sizes[0], sizes[0]));
+        }
+        let net = self.acc.network();
+        net.check()?;
+        if net.slicing == cellgraph_cells::Slicing::InStep {
+            let k = net.micro_size;
+            let last = sizes.len() - 1;
+            if let Some((i, &b)) = sizes.iter().enumerate().find(|&(i, &b)| b % k != 0 && !(i == last && b < sizes[0])) {
+                let (lo, hi) = ((b / k).max(1) * k, (b / k + 1) * k);
+                return fail(format!(
+                    "batch {} of each epoch has {b} items, which GradAccumulation cannot slice into micro_size = {k} equal micro-batches; use a batch size that is a multiple of {k} (such as {lo} or {hi}) or another micro_size",
+                    i + 1
+                ));
+            }
+        }
+        Ok(sizes)
+    }
+
     /// Data parallel: every rank must take the same number of steps and run the same network.
     /// The micro-step graph is compared as traced on micro-batches of one item, so ranks may
     /// bring batches of different sizes.
@@ -218,6 +288,12 @@ impl<B: Backend> Model<B> {
 
     /// Evaluates the backbone on every batch: `{"Accuracy": ...}`.
     pub fn eval(&mut self, dataset: &dyn Dataset) -> Result<BTreeMap<String, f64>> {
+        if dataset.dataset_size() == 0 {
+            return Err(RuntimeError::Invalid {
+                what: dataset.describe(),
+                detail: "has no batch to evaluate (no items, or fewer than one batch with drop_remainder); an accuracy over nothing is not a number".into(),
+            });
+        }
         let (mut correct, mut total) = (0usize, 0usize);
         for batch in dataset.batches(0, 0) {
             let key = vec![batch[0].ty()];
@@ -260,20 +336,35 @@ impl<B: Backend> Model<B> {
     }
 
     /// Loads a checkpoint written by `save_checkpoint` (resuming where it was taken) or a
-    /// MindSpore checkpoint of parameters.
+    /// MindSpore checkpoint of the network's parameters. Strict: every parameter of the
+    /// network must be in it (see [`Accumulator::restore`]).
     pub fn load_checkpoint(&mut self, path: &Path) -> Result<()> {
-        let (tensors, _) = checkpoint::load(path)?;
-        self.restore(&tensors)
+        self.load_checkpoint_with(path, true).map(|_| ())
     }
 
-    /// Restores from a snapshot.
+    /// [`Self::load_checkpoint`]; `strict = false` is MindSpore's `strict_load=False`: what
+    /// was skipped is in the report.
+    pub fn load_checkpoint_with(&mut self, path: &Path, strict: bool) -> Result<crate::LoadReport> {
+        let (tensors, _) = checkpoint::load(path)?;
+        self.restore_with(&tensors, strict).map_err(|e| match e {
+            RuntimeError::Invalid { what, detail } if what == "checkpoint" => RuntimeError::Invalid { what: format!("checkpoint {}", path.display()), detail },
+            e => e,
+        })
+    }
+
+    /// Restores from a snapshot (strictly).
     pub fn restore(&mut self, tensors: &checkpoint::Tensors) -> Result<()> {
+        self.restore_with(tensors, true).map(|_| ())
+    }
+
+    /// Restores from a snapshot, strictly or not.
+    pub fn restore_with(&mut self, tensors: &checkpoint::Tensors, strict: bool) -> Result<crate::LoadReport> {
         let (pos, rest): (BTreeMap<_, _>, BTreeMap<_, _>) =
             tensors.clone().into_iter().partition(|(k, _)| k == "cellgraph.epoch" || k == "cellgraph.step");
-        self.acc.restore(&rest)?;
+        let report = self.acc.restore_with(&rest, strict)?;
         if let (Some(e), Some(s)) = (pos.get("cellgraph.epoch"), pos.get("cellgraph.step")) {
             self.position = Position { epoch: e.scalar() as usize, step: s.scalar() as usize };
         }
-        Ok(())
+        Ok(report)
     }
 }

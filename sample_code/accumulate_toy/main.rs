@@ -13,7 +13,11 @@ fn model() -> WithLossCell {
     WithLossCell::new(Dense::new(&Scope::root(), 1, 1).without_bias().weight_init(Initializer::Zeros), MSELoss::new())
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    cellgraph::exit_with(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let x: Vec<f32> = (1..=8).map(|v| v as f32).collect();
     let y: Vec<f32> = x.iter().map(|v| 2.0 * v).collect();
     let gradient_accumulation_steps = 4;

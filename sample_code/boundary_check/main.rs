@@ -15,7 +15,11 @@ use cellgraph::runtime::Accumulator;
 const GRADIENT_ACCUMULATION: usize = 4;
 const BATCH_SIZE: usize = 32;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    cellgraph::exit_with(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let data = std::env::args().nth(1).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("data/mnist"));
     let train_dataloader = create_dataset(&data, "train", BATCH_SIZE, 1, 0)?;
     let model = LeNet5::new(&Scope::root(), 10, 1);

@@ -29,7 +29,7 @@ use cellgraph::runtime::burn_backend::tensor::Device;
 use cellgraph::runtime::data::{create_dataset, ImageOp, MnistDataset};
 
 #[derive(Parser)]
-#[command(about = "cellgraph distributed gradient accumulation (MindSpore seed 002): run under mpirun")]
+#[command(about = "cellgraph distributed gradient accumulation (MindSpore seed 002): run under mpirun", allow_negative_numbers = true)]
 struct Args {
     /// Directory with the MNIST IDX files.
     #[arg(long, default_value = "data/mnist")]
@@ -100,21 +100,28 @@ impl<B: Backend> Callback<B> for PanicAt {
     }
 }
 
-/// One rank's training, on the backend `--device` chose.
-struct Train<'a>(&'a Args, Arc<dyn Communicator>);
+/// One rank's training, on the backend `--device` chose, logging to its worker log.
+struct Train<'a>(&'a Args, Arc<dyn Communicator>, std::fs::File);
 
 impl OnDevice for Train<'_> {
     type Output = Result<(), Box<dyn std::error::Error>>;
     fn run<B: Backend>(self, device: Device<B>) -> Self::Output {
-        train::<B>(self.0, self.1, device)
+        train::<B>(self.0, self.1, device, self.2)
     }
 }
 
-fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>) -> Result<(), Box<dyn std::error::Error>> {
+fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>, log: std::fs::File) -> Result<(), Box<dyn std::error::Error>> {
     let (rank, size) = (comm.rank(), comm.size());
+    if args.epochs == 0 {
+        return Err("--epochs must be at least 1".into());
+    }
+    // Found now, not after training: rank 0 writes the checkpoint at the end.
+    if let (Some(path), 0) = (&args.ckpt, rank) {
+        cellgraph::runtime::checkpoint::check_writable(path)?;
+    }
     let (ds, test, model) = match args.net.as_str() {
         "mlp" => {
-            let ops = [ImageOp::Rescale { rescale: 1.0 / 255.0, shift: 0.0 }, ImageOp::Normalize { mean: 0.1307, std: 0.3081 }, ImageOp::Hwc2Chw];
+            let ops = [ImageOp::rescale(1.0 / 255.0, 0.0), ImageOp::Normalize { mean: 0.1307, std: 0.3081 }, ImageOp::Hwc2Chw];
             let ds = MnistDataset::new(&args.data_path, "train")?.map(ops.clone()).batch(args.batch_size, false)?.shard(size, rank)?;
             let test = MnistDataset::new(&args.data_path, "t10k")?.map(ops).batch(args.batch_size, false)?;
             let net = GradAccumulation::new(WithLossCell::new(Network::new(&Scope::root()), CrossEntropyLoss::new()), args.micro_size);
@@ -137,10 +144,7 @@ fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>
     if let Some(opts) = cellgraph::compiler::dump::DumpOptions::from_env()? {
         model.save_graphs(opts)?;
     }
-    std::fs::create_dir_all(&args.log_dir).map_err(|e| format!("{}: {e}", args.log_dir.display()))?;
-    let log = args.log_dir.join(format!("worker_{rank}.log"));
-    let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
-    let mut loss_cb = LossMonitor::to_writer(args.print_every, Box::new(Tee(file, rank == 0)));
+    let mut loss_cb = LossMonitor::to_writer(args.print_every, Box::new(Tee(log, rank == 0)));
     let mut panic_cb = PanicAt(usize::MAX);
     if let Some((r, s)) = args.panic_at.as_deref().and_then(|v| v.split_once(':')) {
         if r.parse() == Ok(rank) {
@@ -192,18 +196,36 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let run = device::choose(&args.device, device::local_rank()).and_then(|(spec, msg)| {
-        if comm.rank() == 0 {
-            println!("{msg}");
+    // The worker log exists before anything can fail, so every rank's error lands in it.
+    let log_path = args.log_dir.join(format!("worker_{}.log", comm.rank()));
+    let log = std::fs::create_dir_all(&args.log_dir).and_then(|_| std::fs::File::create(&log_path));
+    // A panic lands in the worker log too, before the MPI hook takes the job down.
+    let panic_log = log_path.clone();
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(&panic_log) {
+            let _ = writeln!(f, "{info}");
         }
-        device::dispatch(spec, Train(&args, comm.clone()))
-    });
-    let result = match run {
-        Ok(r) => r,
-        Err(e) => Err(e.into()),
+        previous(info);
+    }));
+    let result: Result<(), Box<dyn std::error::Error>> = match log {
+        Err(e) => Err(format!("cannot write the worker log {}: {e} (pass --log-dir a writable directory)", log_path.display()).into()),
+        Ok(log) => device::choose(&args.device, device::local_rank())
+            .map_err(Into::into)
+            .and_then(|(spec, msg)| {
+                if comm.rank() == 0 {
+                    println!("{msg}");
+                }
+                let file = log.try_clone().map_err(|e| format!("{}: {e}", log_path.display()))?;
+                device::dispatch(spec, Train(&args, comm.clone(), file)).map_err(Box::<dyn std::error::Error>::from)?
+            }),
     };
     if let Err(e) = result {
-        eprintln!("rank {}: error: {e}", comm.rank());
+        let line = format!("rank {}: error: {e}", comm.rank());
+        eprintln!("{line}");
+        if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(&log_path) {
+            let _ = writeln!(f, "{line}");
+        }
         // The other ranks may be waiting in a collective: take the whole job down.
         comm.abort(1);
     }

@@ -21,7 +21,11 @@ struct Args {
     ckpt_path: PathBuf,
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    cellgraph::exit_with(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let net = LeNet5::new(&Scope::root(), 10, 1);
     let net_loss = SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean);

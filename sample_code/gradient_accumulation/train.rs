@@ -46,14 +46,23 @@ struct Args {
     seed: u64,
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    cellgraph::exit_with(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let normalization = match args.reduction.as_str() {
         "sum" => Normalization::Sum,
         "mean" => Normalization::Mean,
         other => return Err(format!("--reduction must be sum or mean, got `{other}`").into()),
     };
+    if args.epochs == 0 {
+        return Err("--epochs must be at least 1 (0 would train nothing and save untrained weights)".into());
+    }
     let ds_train = create_dataset(&args.data_path, "train", 32, 1, args.seed)?;
+    ds_train.check_batches()?;
+    cellgraph::runtime::checkpoint::check_writable(&args.ckpt)?;
     let net = LeNet5::new(&Scope::root(), 10, 1);
     let net_loss = SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean);
     let net_opt = Momentum::new(0.01, 0.9);

@@ -22,7 +22,11 @@ struct Args {
     per_print_times: usize,
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    cellgraph::exit_with(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let ds_train = create_dataset(&args.data_path, "train", 32, 1, 1)?;
     let net = LeNet5::new(&Scope::root(), 10, 1);

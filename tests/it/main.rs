@@ -12,4 +12,5 @@ mod mnist;
 mod model;
 mod mpi;
 mod parallel;
+mod programs;
 mod runtime;

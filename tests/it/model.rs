@@ -63,23 +63,24 @@ fn the_eval_pipeline_scores_every_test_image_in_file_order() {
 }
 
 #[test]
-fn mindspore_ckpt_has_the_exact_protobuf_layout() {
+fn mindspore_ckpt_is_byte_for_byte_what_mindspore_writes_with_its_crc() {
+    // tests/data/mindspore_crc.ckpt: MindSpore 2.10's save_checkpoint(..., crc_check=True) of
+    // a = [[1.5, -2, 3.25], [0, 1e-3, 7]] (f32), b = [1, 2, 3] (i32), c = 0.5 (f32 scalar);
+    // tests/data/mindspore_crc.py wrote it.
+    let reference = std::fs::read(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/mindspore_crc.ckpt")).unwrap();
     let mut t = Tensors::new();
-    t.insert("w".into(), HostTensor::f32(vec![2], vec![1.0, -2.0]).unwrap());
-    t.insert("s".into(), HostTensor::i32(vec![], vec![7]).unwrap());
+    t.insert("a".into(), HostTensor::f32(vec![2, 3], vec![1.5, -2.0, 3.25, 0.0, 1e-3, 7.0]).unwrap());
+    t.insert("b".into(), HostTensor::i32(vec![3], vec![1, 2, 3]).unwrap());
+    t.insert("c".into(), HostTensor::f32(vec![], vec![0.5]).unwrap());
     let bytes = to_ckpt_bytes(&t);
-    // Checkpoint.value (field 1, length-delimited) per tensor, sorted by name:
-    //   Value { tag (1) = "s"; tensor (2) = TensorProto { dims (1, unpacked) = 0; tensor_type (2) = "Int32"; content (3) } }
-    let mut want = vec![0x0a, 0x14, 0x0a, 0x01, b's', 0x12, 0x0f, 0x08, 0x00, 0x12, 0x05];
-    want.extend(b"Int32");
-    want.extend([0x1a, 0x04, 7, 0, 0, 0]);
-    want.extend([0x0a, 0x1a, 0x0a, 0x01, b'w', 0x12, 0x15, 0x08, 0x02, 0x12, 0x07]);
-    want.extend(b"Float32");
-    want.extend([0x1a, 0x08]);
-    want.extend(1.0f32.to_le_bytes());
-    want.extend((-2.0f32).to_le_bytes());
-    assert_eq!(bytes, want);
-    assert_eq!(from_ckpt_bytes(std::path::Path::new("x.ckpt"), &bytes).unwrap(), t);
+    assert_eq!(bytes, reference);
+    // One Checkpoint message per tensor, then `crc_num` and the CRC-32 in 10 big-endian bytes.
+    assert_eq!(&bytes[bytes.len() - 17..], b"crc_num\0\0\0\0\0\0\x91\x0e\xab\x16");
+    let path = std::path::Path::new("x.ckpt");
+    assert_eq!(from_ckpt_bytes(path, &reference).unwrap(), t);
+    // Without the trailer (crc_check=False) it loads too; MindSpore 1.x's `dims = [0]`
+    // scalars read as scalars.
+    assert_eq!(from_ckpt_bytes(path, &reference[..reference.len() - 17]).unwrap(), t);
 }
 
 #[test]
@@ -200,14 +201,18 @@ fn random_images(n: usize) -> TensorDataset {
 }
 
 fn resume_model() -> Model<Cpu> {
+    Model::<Cpu>::new(GradAccumulation::across_steps(small_net(), 4), Adam::new(1e-3), cpu(), 5).unwrap()
+}
+
+/// A small MLP over `random_images`' 16 x 16 pixels, with its loss.
+fn small_net() -> WithLossCell {
     let s = Scope::root();
     let backbone = SequentialCell::new(&s.child("dense_relu_sequential"))
         .add(|_| Flatten::new())
         .add(|s| Dense::new(s, 256, 32))
         .add(|_| ReLU::new())
         .add(|s| Dense::new(s, 32, 10));
-    let net = WithLossCell::new(backbone, CrossEntropyLoss::new());
-    Model::<Cpu>::new(GradAccumulation::across_steps(net, 4), Adam::new(1e-3), cpu(), 5).unwrap()
+    WithLossCell::new(backbone, CrossEntropyLoss::new())
 }
 
 #[test]
@@ -244,5 +249,181 @@ fn model_checkpoint_writes_prefix_epoch_step_and_keeps_the_newest() {
     assert_eq!(on_disk, 2);
     let (t, _) = checkpoint::load(&cb.kept()[1]).unwrap();
     assert!(t.contains_key("moment1.dense_relu_sequential.1.weight") && t.contains_key("accu_grads.dense_relu_sequential.1.weight"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// What a LossMonitor printed.
+fn monitor_lines(per_print_times: usize, epochs: usize, data: &TensorDataset) -> Vec<String> {
+    let buf = Shared::default();
+    let mut monitor = LossMonitor::to_writer(per_print_times, Box::new(buf.clone()));
+    let mut m = Model::<Cpu>::plain(toy_net(), SGD::new(0.02), cpu(), 0).unwrap();
+    m.train(epochs, data, &mut [&mut monitor]).unwrap();
+    let text = String::from_utf8(buf.0.borrow().clone()).unwrap();
+    text.lines().map(String::from).collect()
+}
+
+#[test]
+fn loss_monitor_counts_global_steps_across_epochs_like_mindspore() {
+    // 4 steps per epoch, per_print_times 5: MindSpore prints at global steps 5 and 10, shown
+    // as the step within the epoch (epoch 2 step 1, epoch 3 step 2); `step % 5` never fires.
+    let lines = monitor_lines(5, 3, &toy(2));
+    let heads: Vec<&str> = lines.iter().map(|l| l.split(", loss is ").next().unwrap()).collect();
+    assert_eq!(heads, ["epoch: 2 step: 1", "epoch: 3 step: 2"], "{lines:?}");
+    // The f32 loss at full precision, as Python prints float(np.float32): it parses back to
+    // an f32 exactly and has more digits than `{}` of the f32 would give.
+    for l in &lines {
+        let v: f64 = l.split(", loss is ").nth(1).unwrap().parse().unwrap();
+        assert_eq!(v, v as f32 as f64, "{l}");
+    }
+    assert!(monitor_lines(0, 3, &toy(2)).is_empty(), "per_print_times = 0 prints nothing");
+    assert_eq!(monitor_lines(1, 1, &toy(2)).len(), 4);
+}
+
+#[test]
+fn losses_print_as_python_floats() {
+    use cellgraph::runtime::callback::py_float;
+    assert_eq!(py_float(7.793933868408203f32 as f64), "7.793933868408203");
+    assert_eq!(py_float(2.0), "2.0");
+    assert_eq!(py_float(0.1f32 as f64), "0.10000000149011612");
+    assert_eq!(py_float(1e-5), "1e-05");
+    assert_eq!(py_float(3.25e-7f32 as f64), "3.250000020216248e-07");
+    assert_eq!(py_float(1.5e16), "1.5e+16");
+    assert_eq!(py_float(123456.0), "123456.0");
+    assert_eq!(py_float(f64::NAN), "nan");
+}
+
+#[test]
+fn a_short_last_batch_is_sliced_into_near_equal_micro_batches() {
+    use cellgraph::runtime::accumulate::micro_ranges;
+    assert_eq!(micro_ranges(11, 4), [(0, 3), (3, 6), (6, 9), (9, 11)]);
+    assert_eq!(micro_ranges(8, 4), [(0, 2), (2, 4), (4, 6), (6, 8)]);
+    assert_eq!(micro_ranges(2, 4), [(0, 1), (1, 2)], "fewer items than micro_size: one micro-batch each");
+    // 27 items in batches of 8 under in-step slicing by 4: 8, 8, 8 and a short 3 (1, 1, 1).
+    let data = random_images(27);
+    let net = GradAccumulation::new(small_net(), 4).normalization(Normalization::ItemWeighted);
+    let mut m = Model::<Cpu>::new(net, Momentum::new(0.01, 0.9), cpu(), 1).unwrap();
+    m.train(1, &TensorDataset { batch_size: 8, ..data.clone() }, &mut []).unwrap();
+    let c = m.accumulator().counters();
+    assert_eq!((c.micro_steps, c.optimizer_runs, m.accumulator().updates()), (15, 4, 4));
+    // The same batch given as a full step is MindSpore's error, naming the fix.
+    let mut a = Model::<Cpu>::new(GradAccumulation::new(small_net(), 4), Momentum::new(0.01, 0.9), cpu(), 1).unwrap();
+    let ten = TensorDataset { batch_size: 10, ..data };
+    let e = a.accumulator_mut().step(&ten.batches(0, 0).next().unwrap()).unwrap_err().to_string();
+    assert!(e.contains("must be divided by micro_size (4)"), "{e}");
+}
+
+#[test]
+fn batches_that_cannot_be_sliced_fail_before_the_first_step() {
+    // Batch 10 with micro_size 4: the first batch is already wrong. Nothing runs.
+    let mut m = Model::<Cpu>::new(GradAccumulation::new(small_net(), 4), Momentum::new(0.01, 0.9), cpu(), 1).unwrap();
+    let e = m.train(1, &TensorDataset { batch_size: 10, ..random_images(27) }, &mut []).unwrap_err().to_string();
+    assert!(e.contains("batch 1 of each epoch has 10 items") && e.contains("multiple of 4 (such as 8 or 12)"), "{e}");
+    assert_eq!(m.accumulator().counters().micro_steps, 0, "checked before the first step");
+    // A dataset with no batch, or fewer items than one batch, is an error, not an epoch of nothing.
+    let empty = TensorDataset { columns: vec![HostTensor::f32(vec![0, 1, 32, 32], vec![]).unwrap(), HostTensor::i32(vec![0], vec![]).unwrap()], batch_size: 8 };
+    let e = m.train(1, &empty, &mut []).unwrap_err().to_string();
+    assert!(e.contains("gives no batch per epoch"), "{e}");
+    let e = m.train(1, &TensorDataset { batch_size: 32, ..random_images(12) }, &mut []).unwrap_err().to_string();
+    assert!(e.contains("holds 12 items, fewer than one batch of 32"), "{e}");
+    let e = m.train(0, &random_images(8), &mut []).unwrap_err().to_string();
+    assert!(e.contains("epoch must be at least 1"), "{e}");
+    let e = m.eval(&empty).unwrap_err().to_string();
+    assert!(e.contains("no batch to evaluate"), "{e}");
+    let mnist = create_dataset(&mnist_dir(), "t10k", 4096, 1, 0).unwrap();
+    let e = m.train(1, &mnist, &mut []).unwrap_err().to_string();
+    assert!(e.contains("MNIST t10k") && e.contains("2000 items per epoch") && e.contains("gives no batch"), "{e}");
+}
+
+#[test]
+fn bad_hyperparameters_are_refused_before_anything_runs() {
+    let model = |opt: Box<dyn Fn() -> Result<Model<Cpu>, cellgraph::runtime::RuntimeError>>| opt().err().map(|e| e.to_string()).unwrap_or_default();
+    let acc = || GradAccumulation::new(small_net(), 4);
+    let e = model(Box::new(move || Model::new(acc(), Momentum::new(-0.5, 0.9), cpu(), 1)));
+    assert!(e.contains("Momentum") && e.contains("learning rate must be a finite number >= 0, got -0.5"), "{e}");
+    let e = model(Box::new(move || Model::new(acc(), SGD::new(f64::NAN), cpu(), 1)));
+    assert!(e.contains("SGD") && e.contains("got NaN"), "{e}");
+    let e = model(Box::new(move || Model::new(acc(), Adam::new(f64::INFINITY), cpu(), 1)));
+    assert!(e.contains("Adam") && e.contains("got inf"), "{e}");
+    let e = model(Box::new(move || Model::new(GradAccumulation::across_steps(small_net(), 0), SGD::new(0.1), cpu(), 1)));
+    assert!(e.contains("must be at least 1, got 0"), "{e}");
+    let e = model(Box::new(move || Model::new(GradAccumulation::new(small_net(), 0), SGD::new(0.1), cpu(), 1)));
+    assert!(e.contains("micro_size must be at least 1"), "{e}");
+}
+
+#[test]
+fn checkpoints_that_are_empty_damaged_or_incomplete_do_not_load() {
+    let dir = tmpdir("ckpt-strict");
+    let mut m = resume_model();
+    m.train(1, &random_images(8), &mut []).unwrap();
+    let full = dir.join("full.ckpt");
+    m.save_checkpoint(&full).unwrap();
+    let bytes = std::fs::read(&full).unwrap();
+    let load = |name: &str, b: &[u8]| {
+        let p = dir.join(name);
+        std::fs::write(&p, b).unwrap();
+        resume_model().load_checkpoint(&p).err().map(|e| e.to_string()).unwrap_or_else(|| "loaded".into())
+    };
+    assert!(load("empty.ckpt", &[]).contains("empty"), "an empty file is no checkpoint");
+    assert!(load("empty.safetensors", &[]).contains("empty"));
+    let e = load("cut.ckpt", &bytes[..bytes.len() / 2]);
+    assert!(e.contains("cut.ckpt") && e.contains("truncated"), "{e}");
+    let mut flipped = bytes.clone();
+    flipped[bytes.len() / 2] ^= 0x04;
+    let e = load("flip.ckpt", &flipped);
+    assert!(e.contains("CRC check failed") && e.contains("damaged"), "{e}");
+    assert_eq!(load("copy.ckpt", &bytes), "loaded");
+
+    // A checkpoint without one of the network's parameters: strict loading names it; non-strict
+    // loading keeps its value and reports it, as load_param_into_net(strict_load=False).
+    let (mut t, _) = checkpoint::load(&full).unwrap();
+    t.remove("dense_relu_sequential.3.bias");
+    let partial = dir.join("partial.safetensors");
+    checkpoint::save(&partial, &t, &BTreeMap::new()).unwrap();
+    let mut fresh = resume_model();
+    let before = fresh.accumulator().session.params_host();
+    let e = fresh.load_checkpoint(&partial).unwrap_err().to_string();
+    assert!(e.contains("partial.safetensors") && e.contains("lacks 1 of the network's 4 parameters: dense_relu_sequential.3.bias"), "{e}");
+    assert_eq!(fresh.accumulator().session.params_host(), before, "a refused checkpoint changes nothing");
+    let report = fresh.load_checkpoint_with(&partial, false).unwrap();
+    assert_eq!(report.missing, ["dense_relu_sequential.3.bias"]);
+    assert_eq!(fresh.accumulator().session.param("dense_relu_sequential.3.bias"), before.get("dense_relu_sequential.3.bias").cloned());
+    // Only some of the optimizer state: refused too.
+    t.insert("dense_relu_sequential.3.bias".into(), before["dense_relu_sequential.3.bias"].clone());
+    t.remove("moment1.dense_relu_sequential.1.weight");
+    checkpoint::save(&partial, &t, &BTreeMap::new()).unwrap();
+    let e = resume_model().load_checkpoint(&partial).unwrap_err().to_string();
+    assert!(e.contains("only part of the optimizer state") && e.contains("moment1.dense_relu_sequential.1.weight"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn checkpoint_targets_that_cannot_be_written_are_found_first_and_leave_no_litter() {
+    let dir = tmpdir("ckpt-target");
+    let e = checkpoint::check_writable(&dir).unwrap_err().to_string();
+    assert!(e.contains("is a directory"), "{e}");
+    let file = dir.join("plain");
+    std::fs::write(&file, b"x").unwrap();
+    let under_a_file = file.join("model.ckpt");
+    let e = checkpoint::check_writable(&under_a_file).unwrap_err().to_string();
+    assert!(e.starts_with(&format!("cannot write checkpoint {}", under_a_file.display())), "{e}");
+    let m = resume_model();
+    let e = m.save_checkpoint(&dir).unwrap_err().to_string();
+    assert!(e.contains("is a directory"), "{e}");
+    checkpoint::check_writable(&dir.join("sub/ok.ckpt")).unwrap();
+    // A full disk: a 64 KiB tmpfs (root only; CI runs as root). The failed save removes its
+    // temporary file, so the disk is not left full, and the error names the target.
+    let small = dir.join("small");
+    std::fs::create_dir_all(&small).unwrap();
+    let mounted = std::process::Command::new("mount").args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"]).arg(&small).status().is_ok_and(|s| s.success());
+    if mounted {
+        let target = small.join("big.ckpt");
+        let e = checkpoint::write_atomic(&target, &vec![7u8; 256 * 1024]).unwrap_err().to_string();
+        let left: Vec<_> = std::fs::read_dir(&small).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
+        let _ = std::process::Command::new("umount").arg(&small).status();
+        assert!(e.starts_with(&format!("cannot write checkpoint {}", target.display())) && !e.contains(".tmp"), "{e}");
+        assert!(left.is_empty(), "a failed save left {left:?}");
+    } else {
+        eprintln!("SKIPPED (full-disk case): mounting a tmpfs needs root");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

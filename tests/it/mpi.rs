@@ -116,6 +116,8 @@ fn a_rank_that_panics_ends_the_job_within_seconds() {
     assert!(!out.status.success(), "{s}");
     assert!(s.contains("rank 1 panics at step 3"), "{s}");
     assert!(took < Duration::from_secs(10), "took {took:?}: {s}");
+    let log = std::fs::read_to_string(dir.join("worker_1.log")).unwrap();
+    assert!(log.contains("rank 1 panics at step 3"), "the panic is in the rank's worker log: {log}");
     // This job's ranks carry its unique log directory on their command line.
     let stray = Command::new("pgrep").arg("-f").arg(&dir).output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
     assert!(stray.is_empty(), "stray ranks left running: {stray}");
@@ -131,4 +133,67 @@ fn ranks_started_with_different_arguments_fail_with_a_clear_error() {
     assert!(!out.status.success(), "{s}");
     assert!(s.contains("ranks [1] have a different configuration"), "{s}");
     assert!(took < Duration::from_secs(10), "took {took:?}");
+}
+
+/// `mpirun -n ranks` of the program in its default configuration but for `extra`.
+fn mpirun_default(ranks: usize, extra: &[&str], log_dir: &Path) -> (Output, Duration) {
+    let mut c = Command::new("timeout");
+    c.args(["120", "mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader", "-n", &ranks.to_string(), BIN]);
+    c.args(["--data-path", concat!(env!("CARGO_MANIFEST_DIR"), "/data/mnist"), "--log-dir"]).arg(log_dir).args(extra);
+    c.env("MATMUL_NUM_THREADS", "1").env("RAYON_NUM_THREADS", "1");
+    let t = Instant::now();
+    let out = c.output().expect("run mpirun");
+    (out, t.elapsed())
+}
+
+#[test]
+fn the_default_job_runs_on_3_and_7_ranks_and_every_worker_log_has_its_loss_lines() {
+    if !have_mpirun() {
+        return;
+    }
+    // 8,000 images over 3 ranks: 2,667 per shard (wrapped), 84 batches of 32 per epoch, the
+    // last of 11 items (sliced 3, 3, 3, 2). LossMonitor(100) counts global steps: one line at
+    // step 100 = epoch 2 step 16, on every rank, although an epoch is shorter than 100 steps.
+    let dir = tmp("three");
+    let (out, _) = mpirun_default(3, &["--epochs", "2"], &dir);
+    let s = text(&out);
+    assert!(out.status.success(), "{s}");
+    assert!(s.contains("ranks: 3, updates: 168, gradient collectives: 168"), "{s}");
+    assert!(s.lines().any(|l| l.starts_with("epoch: 2 step: 16, loss is ")), "rank 0 prints its lines: {s}");
+    for r in 0..3 {
+        let log = std::fs::read_to_string(dir.join(format!("worker_{r}.log"))).unwrap();
+        let lines: Vec<&str> = log.lines().collect();
+        assert_eq!(lines.len(), 1, "worker_{r}.log: {log}");
+        let loss: f64 = lines[0].strip_prefix("epoch: 2 step: 16, loss is ").expect(&log).parse().unwrap();
+        assert!(loss.is_finite() && loss == loss as f32 as f64, "worker_{r}.log: {log}");
+    }
+    // 7 ranks: 1,143 per shard, 36 batches per epoch, the last of 23 items (6, 6, 6, 5).
+    let dir = tmp("seven");
+    let (out, _) = mpirun_default(7, &["--epochs", "2", "--print-every", "36"], &dir);
+    let s = text(&out);
+    assert!(out.status.success(), "{s}");
+    assert!(s.contains("ranks: 7, updates: 72, gradient collectives: 72"), "{s}");
+    for r in 0..7 {
+        let log = std::fs::read_to_string(dir.join(format!("worker_{r}.log"))).unwrap();
+        let heads: Vec<&str> = log.lines().map(|l| l.split(", loss").next().unwrap()).collect();
+        assert_eq!(heads, ["epoch: 1 step: 36", "epoch: 2 step: 36"], "worker_{r}.log: {log}");
+    }
+}
+
+#[test]
+fn a_batch_micro_size_cannot_slice_fails_on_every_rank_before_the_first_step() {
+    if !have_mpirun() {
+        return;
+    }
+    let dir = tmp("slice");
+    let (out, took) = mpirun_default(2, &["--batch-size", "30", "--micro-size", "4"], &dir);
+    let s = text(&out);
+    assert!(!out.status.success(), "{s}");
+    assert!(took < Duration::from_secs(20), "took {took:?}: {s}");
+    assert!(s.contains("batch 1 of each epoch has 30 items") && s.contains("multiple of 4 (such as 28 or 32)"), "{s}");
+    // The error is in the failing rank's worker log (whichever rank got there first), and no
+    // rank trained.
+    let logs: Vec<String> = (0..2).map(|r| std::fs::read_to_string(dir.join(format!("worker_{r}.log"))).unwrap_or_default()).collect();
+    assert!(logs.iter().any(|l| l.contains("error: rank ") && l.contains("multiple of 4")), "{logs:?}");
+    assert!(logs.iter().all(|l| !l.contains("loss is")), "{logs:?}");
 }

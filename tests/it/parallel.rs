@@ -204,7 +204,7 @@ fn uneven_shards_take_the_same_steps_on_every_rank() {
     // 32, windows of 4 across steps: 5 full windows and an incomplete one, applied on every rank.
     let out = run_ranks(3, |r, comm| {
         use cellgraph::runtime::data::{ImageOp, MnistDataset};
-        let ops = [ImageOp::Rescale { rescale: 1.0 / 255.0, shift: 0.0 }, ImageOp::Hwc2Chw];
+        let ops = [ImageOp::rescale(1.0 / 255.0, 0.0), ImageOp::Hwc2Chw];
         let ds = MnistDataset::new(&crate::common::mnist_dir(), "t10k").unwrap().map(ops).batch(32, false).unwrap().shard(3, r).unwrap();
         let net = GradAccumulation::across_steps(crate::common::mlp_with_loss(), 4);
         let mut m = Model::<Cpu>::parallel(AutoParallel::new(net).hsdp(), SGD::new(0.01), cpu(), 1, comm).unwrap();

@@ -16,16 +16,19 @@ use rand::SeedableRng;
 
 use cellgraph_compiler::HostTensor;
 
-use crate::data::mnist::{resize_bilinear, Mnist};
+use crate::data::mnist::{resize_linear_u8, Mnist};
 use crate::error::{Result, RuntimeError};
 
 /// One image operation (MindSpore `dataset.vision` names).
 #[derive(Clone, Debug, PartialEq)]
 pub enum ImageOp {
-    /// Bilinear resize to `(height, width)`, rounded back to uint8 like MindSpore's `Resize`
-    /// on uint8 images (only valid as the first op).
+    /// Bilinear resize to `(height, width)` on the uint8 image, exactly as MindSpore's
+    /// `Resize(..., Inter.LINEAR)` (OpenCV's fixed-point path); only valid before the ops that
+    /// make floats.
     Resize(usize, usize),
-    /// `x * rescale + shift`.
+    /// `x * rescale + shift` as one fused multiply-add in f32 (OpenCV's `convertTo`, which
+    /// MindSpore's `Rescale` calls). Give the constants as MindSpore computes them: in f64,
+    /// then rounded to f32 (`Rescale::new`).
     Rescale { rescale: f32, shift: f32 },
     /// `(x - mean) / std`.
     Normalize { mean: f32, std: f32 },
@@ -51,6 +54,8 @@ impl Batch {
 #[derive(Clone, Debug)]
 pub struct MnistDataset {
     source: Arc<Mnist>,
+    /// Where the items came from, for error messages.
+    name: String,
     ops: Vec<ImageOp>,
     shuffle: Option<u64>,
     batch_size: usize,
@@ -62,11 +67,13 @@ pub struct MnistDataset {
 impl MnistDataset {
     /// Reads `{dir}/{split}-{images,labels}-idx*-ubyte[.gz]` (`split`: `train` or `t10k`).
     pub fn new(dir: &Path, split: &str) -> Result<Self> {
-        Ok(Self::from_mnist(Mnist::load(dir, split)?))
+        let mut d = Self::from_mnist(Mnist::load(dir, split)?);
+        d.name = format!("MNIST {split} ({})", dir.display());
+        Ok(d)
     }
     /// A pipeline over already loaded data.
     pub fn from_mnist(m: Mnist) -> Self {
-        MnistDataset { source: Arc::new(m), ops: Vec::new(), shuffle: None, batch_size: 1, drop_remainder: false, repeat: 1, shard: (1, 0) }
+        MnistDataset { source: Arc::new(m), name: "MNIST".into(), ops: Vec::new(), shuffle: None, batch_size: 1, drop_remainder: false, repeat: 1, shard: (1, 0) }
     }
     /// Appends image operations.
     pub fn map(mut self, ops: impl IntoIterator<Item = ImageOp>) -> Self {
@@ -125,10 +132,49 @@ impl MnistDataset {
         self.batch_size
     }
 
+    /// Items in each batch of an epoch: `batch_size` but for a short last one (kept unless
+    /// `drop_remainder`).
+    pub fn batch_lengths(&self) -> Vec<usize> {
+        let n = self.items_per_pass() * self.repeat;
+        let mut v = vec![self.batch_size; n / self.batch_size];
+        if !self.drop_remainder && n % self.batch_size != 0 {
+            v.push(n % self.batch_size);
+        }
+        v
+    }
+
+    /// An error naming the dataset unless an epoch has at least one batch.
+    pub fn check_batches(&self) -> Result<()> {
+        if self.get_dataset_size() == 0 {
+            return Err(RuntimeError::Invalid {
+                what: self.describe(),
+                detail: "gives no batch per epoch: it has fewer items than one batch; use a smaller batch size or more data".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// What this is, for error messages: source, shard, items per epoch and batching.
+    pub fn describe(&self) -> String {
+        let (num, id) = self.shard;
+        let shard = if num > 1 { format!(", shard {id} of {num}") } else { String::new() };
+        let drop = if self.drop_remainder { ", drop_remainder" } else { "" };
+        format!(
+            "{}{shard}: {} items per epoch ({} in the files), batch size {}{drop}",
+            self.name,
+            self.items_per_pass() * self.repeat,
+            self.source.len(),
+            self.batch_size
+        )
+    }
+
     /// The item indices of an epoch, in order.
     fn order(&self, epoch: usize) -> Vec<usize> {
         let (num, id) = self.shard;
         let n = self.source.len();
+        if n == 0 {
+            return Vec::new();
+        }
         let mut all: Vec<usize> = (0..n).collect();
         if let Some(seed) = self.shuffle {
             all.shuffle(&mut StdRng::seed_from_u64(seed ^ (epoch as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
@@ -149,20 +195,7 @@ impl MnistDataset {
     }
 
     fn transform(&self, i: usize) -> Vec<f32> {
-        let (mut h, mut w) = (self.source.rows, self.source.cols);
-        let mut x: Vec<f32> = self.source.image(i).iter().map(|&p| p as f32).collect();
-        for op in &self.ops {
-            match *op {
-                ImageOp::Resize(oh, ow) => {
-                    x = resize_bilinear(&x, h, w, oh, ow).into_iter().map(|v| v.round().clamp(0.0, 255.0)).collect();
-                    (h, w) = (oh, ow);
-                }
-                ImageOp::Rescale { rescale, shift } => x.iter_mut().for_each(|v| *v = *v * rescale + shift),
-                ImageOp::Normalize { mean, std } => x.iter_mut().for_each(|v| *v = (*v - mean) / std),
-                ImageOp::Hwc2Chw => {}
-            }
-        }
-        x
+        apply_ops(&self.ops, self.source.image(i), self.source.rows, self.source.cols)
     }
 
     /// The batches of epoch `epoch` (0-based), starting at batch `skip`.
@@ -198,11 +231,55 @@ pub fn create_eval_dataset(dir: &Path, split: &str, batch_size: usize) -> Result
     MnistDataset::new(dir, split)?.map(lenet_ops()).batch(batch_size, false)
 }
 
-fn lenet_ops() -> [ImageOp; 4] {
-    [
-        ImageOp::Resize(32, 32),
-        ImageOp::Rescale { rescale: 1.0 / 255.0, shift: 0.0 },
-        ImageOp::Rescale { rescale: 1.0 / 0.3081, shift: -0.1307 / 0.3081 },
-        ImageOp::Hwc2Chw,
-    ]
+/// MindSpore's LeNet image ops: `Resize((32, 32))`, `Rescale(1/255, 0)`,
+/// `Rescale(1/0.3081, -0.1307/0.3081)`, `HWC2CHW()`.
+pub fn lenet_ops() -> [ImageOp; 4] {
+    [ImageOp::Resize(32, 32), ImageOp::rescale(1.0 / 255.0, 0.0), ImageOp::rescale(1.0 / 0.3081, -0.1307 / 0.3081), ImageOp::Hwc2Chw]
+}
+
+impl ImageOp {
+    /// `Rescale(rescale, shift)` with Python's (f64) constants rounded once to f32, as
+    /// MindSpore passes them to OpenCV (`1.0 / 0.3081` divided in f32 would differ).
+    pub fn rescale(rescale: f64, shift: f64) -> Self {
+        ImageOp::Rescale { rescale: rescale as f32, shift: shift as f32 }
+    }
+}
+
+/// Runs image ops on one `[h, w]` uint8 image: resizes on the bytes, then the float ops,
+/// which map each uint8 value on its own, through a table of the 256 values.
+pub fn apply_ops(ops: &[ImageOp], pixels: &[u8], h: usize, w: usize) -> Vec<f32> {
+    let (mut bytes, mut h, mut w) = (std::borrow::Cow::Borrowed(pixels), h, w);
+    for (i, op) in ops.iter().enumerate() {
+        match *op {
+            ImageOp::Resize(oh, ow) => {
+                bytes = std::borrow::Cow::Owned(resize_linear_u8(&bytes, h, w, oh, ow));
+                (h, w) = (oh, ow);
+            }
+            ImageOp::Hwc2Chw => {}
+            ImageOp::Rescale { .. } | ImageOp::Normalize { .. } => {
+                let rest = &ops[i..];
+                let Some(k) = rest.iter().position(|op| matches!(op, ImageOp::Resize(..))) else {
+                    let table = float_ops(rest, (0..=255u8).map(f32::from).collect());
+                    return bytes.iter().map(|&b| table[b as usize]).collect();
+                };
+                // A Resize after float ops (not MindSpore's order): back to uint8 first.
+                let v = float_ops(&rest[..k], bytes.iter().map(|&b| f32::from(b)).collect());
+                let back: Vec<u8> = v.iter().map(|p| p.round_ties_even().clamp(0.0, 255.0) as u8).collect();
+                return apply_ops(&rest[k..], &back, h, w);
+            }
+        }
+    }
+    bytes.iter().map(|&p| f32::from(p)).collect()
+}
+
+/// The elementwise ops, in order, on `x`.
+fn float_ops(ops: &[ImageOp], mut x: Vec<f32>) -> Vec<f32> {
+    for op in ops {
+        match *op {
+            ImageOp::Rescale { rescale, shift } => x.iter_mut().for_each(|p| *p = p.mul_add(rescale, shift)),
+            ImageOp::Normalize { mean, std } => x.iter_mut().for_each(|p| *p = (*p - mean) / std),
+            ImageOp::Resize(..) | ImageOp::Hwc2Chw => {}
+        }
+    }
+    x
 }

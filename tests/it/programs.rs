@@ -1,0 +1,95 @@
+//! The sample programs as a user runs them: bad arguments and bad files are errors printed as
+//! sentences (never `Error: Io { .. }`, never a panic), and nothing that did no work exits 0.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// An example program built by `cargo test` (target/<profile>/examples/NAME).
+fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile = exe.parent().and_then(Path::parent).unwrap();
+    let p = profile.join("examples").join(name);
+    assert!(p.is_file(), "{} is not built (cargo test builds the examples)", p.display());
+    p
+}
+
+fn run(name: &str, args: &[&str]) -> (Output, String) {
+    let out = Command::new(example(name)).args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out, text)
+}
+
+/// Fails unless the program exited 1 with `error: ...` containing `want`, as a sentence.
+fn refused(name: &str, args: &[&str], want: &str) {
+    let (out, s) = run(name, args);
+    assert_eq!(out.status.code(), Some(1), "{name} {args:?} should fail: {s}");
+    assert!(s.contains("error: ") && s.contains(want), "{name} {args:?}: {s}");
+    assert!(!s.contains("panicked") && !s.contains("Error: ") && !s.contains(" { "), "{name} {args:?} printed a panic or Debug output: {s}");
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("cellgraph-programs-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A tiny MNIST directory of `n` training and `n` test images (IDX, uncompressed).
+fn tiny_mnist(dir: &Path, n: u32) {
+    let idx = |magic: u8, dims: &[u32], data: Vec<u8>| {
+        let mut v = vec![0, 0, 8, magic];
+        dims.iter().for_each(|d| v.extend(d.to_be_bytes()));
+        v.extend(data);
+        v
+    };
+    for split in ["train", "t10k"] {
+        std::fs::write(dir.join(format!("{split}-images-idx3-ubyte")), idx(3, &[n, 28, 28], vec![7; n as usize * 784])).unwrap();
+        std::fs::write(dir.join(format!("{split}-labels-idx1-ubyte")), idx(1, &[n], (0..n).map(|i| (i % 10) as u8).collect())).unwrap();
+    }
+}
+
+#[test]
+fn the_tutorial_programs_refuse_what_would_do_nothing() {
+    let dir = tmp("tutorial");
+    let ckpt = dir.join("out.ckpt");
+    let ckpt = ckpt.to_str().unwrap();
+    refused("gradient_accumulation_train", &["--mini-steps", "0", "--ckpt", ckpt], "at least 1, got 0");
+    refused("gradient_accumulation_train", &["--epochs", "0", "--ckpt", ckpt], "--epochs must be at least 1");
+    refused("gradient_accumulation_train", &["--data-path", "no/such/dir", "--ckpt", ckpt], "--data-path");
+    let tiny = dir.join("tiny");
+    std::fs::create_dir_all(&tiny).unwrap();
+    tiny_mnist(&tiny, 5);
+    refused("gradient_accumulation_train", &["--data-path", tiny.to_str().unwrap(), "--ckpt", ckpt], "gives no batch per epoch");
+    refused("gradient_accumulation_train", &["--ckpt", dir.to_str().unwrap()], "is a directory");
+    assert!(!Path::new(ckpt).exists(), "nothing was trained, nothing saved");
+    refused("train_and_eval_boost", &["--data-path", tiny.to_str().unwrap()], "gives no batch per epoch");
+    // An empty or truncated checkpoint does not score as a network.
+    let empty = dir.join("z.ckpt");
+    std::fs::write(&empty, b"").unwrap();
+    refused("gradient_accumulation_eval", &["--ckpt-path", empty.to_str().unwrap()], "empty");
+    std::fs::write(&empty, b"\x0a\x2c\x0a\x01a").unwrap();
+    refused("gradient_accumulation_eval", &["--ckpt-path", empty.to_str().unwrap()], "truncated");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_seed_002_program_refuses_bad_settings_before_training_and_logs_why() {
+    const BIN: &str = env!("CARGO_BIN_EXE_distributed_gradient_accumulation");
+    let dir = tmp("seed002");
+    for (args, want) in [
+        (&["--lr", "-0.5"][..], "SGD: learning rate must be a finite number >= 0, got -0.5"),
+        (&["--lr", "inf"], "got inf"),
+        (&["--batch-size", "9000"], "holds 8000 items, fewer than one batch of 9000; use a batch size of at most 8000"),
+        (&["--batch-size", "30"], "multiple of 4 (such as 28 or 32)"),
+        (&["--ckpt", dir.to_str().unwrap()], "is a directory"),
+        (&["--epochs", "0"], "--epochs must be at least 1"),
+    ] {
+        // Started without mpirun: a world of one.
+        let out = Command::new(BIN).args(args).arg("--log-dir").arg(&dir).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap();
+        let s = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(!out.status.success() && s.contains("rank 0: error: ") && s.contains(want), "{args:?}: {s}");
+        let log = std::fs::read_to_string(dir.join("worker_0.log")).unwrap();
+        assert!(log.contains(want) && !log.contains("loss is"), "{args:?}: the worker log holds the error and no training: {log}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
