@@ -1,11 +1,13 @@
 //! `cellgraph inspect`: questions users ask of graph dumps (see `cellgraph_compiler::dump`).
 //!
 //! - `inspect DIR`: the graphs and passes found, with node counts, parameter bytes, FLOPs and
-//!   the planned peak memory of each;
+//!   the planned peak memory of each; on the root of a multi-rank dump (`rank_0/`, `rank_1/`,
+//!   ...), the rank directories and their dumps;
 //! - `inspect FILE [--op OP] [--scope PREFIX] [--stats]`: one graph, filtered, or its op histogram;
 //! - `inspect diff A B`: nodes added, removed and rewritten between two dumps;
 //! - `inspect render FILE -o OUT.svg`: a picture, through Graphviz's `dot`;
-//! - `inspect check FILE`: parse and verify a (hand-edited) dump.
+//! - `inspect check FILE`: parse and verify a (hand-edited) dump; every error is
+//!   `FILE:LINE:COLUMN: message`, the verifier's at the offending node's equation.
 //!
 //! Every listing has a `--json` form for scripts.
 
@@ -17,7 +19,7 @@ use clap::{Args, Subcommand};
 use serde_json::json;
 
 use cellgraph::compiler::print::node_line;
-use cellgraph::compiler::{cost, dump, parse, verify, Graph, NodeId};
+use cellgraph::compiler::{cost, dump, parse, verify, Graph, NodeId, Op};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -58,7 +60,7 @@ enum InspectCmd {
         #[arg(short, long)]
         output: PathBuf,
     },
-    /// Parses and verifies a dump; errors carry line and column.
+    /// Parses and verifies a dump; errors carry file, line and column.
     Check { file: PathBuf },
 }
 
@@ -68,7 +70,12 @@ pub fn run(args: InspectArgs) -> Res<()> {
         (Some(InspectCmd::Diff { a, b, json }), _) => diff(&load(&a)?, &load(&b)?, json),
         (Some(InspectCmd::Render { file, output }), _) => render(&load(&file)?, &output),
         (Some(InspectCmd::Check { file }), _) => check(&file),
-        (None, Some(p)) if p.is_dir() => list(p, args.json),
+        (None, Some(p)) if p.is_dir() => {
+            if args.op.is_some() || args.scope.is_some() || args.stats {
+                return Err(format!("{}: --op, --scope and --stats apply to one .ir dump, not a directory", p.display()).into());
+            }
+            list(p, args.json)
+        }
         (None, Some(p)) => show(&load(p)?, args.op.as_deref(), args.scope.as_deref(), args.stats, args.json),
         (None, None) => Err("give a dump directory or file (cellgraph inspect --help)".into()),
     }
@@ -99,14 +106,53 @@ fn summary(path: &Path, g: &Graph) -> Res<serde_json::Value> {
     }))
 }
 
-fn list(dir: &Path, as_json: bool) -> Res<()> {
+/// The `.ir` files directly in `dir`, sorted.
+fn ir_files(dir: &Path) -> Res<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| format!("{}: {e}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|e| e == "ir"))
         .collect();
     files.sort();
+    Ok(files)
+}
+
+/// The `rank_<id>/` subdirectories of a multi-rank dump with their dump counts, by rank.
+fn rank_dirs(dir: &Path) -> Res<Vec<(usize, PathBuf, usize)>> {
+    let mut ranks = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?.filter_map(Result::ok) {
+        let name = entry.file_name();
+        let rank = name.to_str().and_then(|n| n.strip_prefix("rank_")).and_then(|r| r.parse::<usize>().ok());
+        if let (Some(rank), true) = (rank, entry.path().is_dir()) {
+            ranks.push((rank, entry.path(), ir_files(&entry.path())?.len()));
+        }
+    }
+    ranks.sort();
+    Ok(ranks)
+}
+
+/// The root of a multi-rank dump: one row per `rank_<id>/`.
+fn list_ranks(dir: &Path, ranks: &[(usize, PathBuf, usize)], as_json: bool) -> Res<()> {
+    if as_json {
+        let rows: Vec<_> = ranks.iter().map(|(r, p, n)| json!({ "rank": r, "dir": p.file_name().and_then(|s| s.to_str()), "dumps": n })).collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    println!("{}: a multi-rank dump, {} rank(s)", dir.display(), ranks.len());
+    for (_, p, n) in ranks {
+        println!("  {:<12} {n:>4} dumps", format!("{}/", p.file_name().and_then(|s| s.to_str()).unwrap_or_default()));
+    }
+    println!("inspect one rank: cellgraph inspect {}", ranks[0].1.display());
+    Ok(())
+}
+
+fn list(dir: &Path, as_json: bool) -> Res<()> {
+    let files = ir_files(dir)?;
     if files.is_empty() {
+        let ranks = rank_dirs(dir)?;
+        if !ranks.is_empty() {
+            return list_ranks(dir, &ranks, as_json);
+        }
         return Err(format!("{}: no .ir dumps here (write some with CELLGRAPH_SAVE_GRAPHS=1 or Model::save_graphs)", dir.display()).into());
     }
     let rows = files.iter().map(|p| summary(p, &load(p)?)).collect::<Res<Vec<_>>>()?;
@@ -130,7 +176,17 @@ fn list(dir: &Path, as_json: bool) -> Res<()> {
     Ok(())
 }
 
+/// Every op name of the text format, sorted.
+fn op_names() -> Vec<&'static str> {
+    let mut names: Vec<&'static str> = Op::examples().iter().map(Op::name).collect();
+    names.sort_unstable();
+    names
+}
+
 fn show(g: &Graph, op: Option<&str>, scope: Option<&str>, stats: bool, as_json: bool) -> Res<()> {
+    if let Some(o) = op.filter(|o| !op_names().contains(o)) {
+        return Err(format!("--op {o}: no such op; the ops are {}", op_names().join(", ")).into());
+    }
     let order = g.topo_order().map_err(|id| format!("graph `{}` has a cycle through {id}", g.name))?;
     let keep = |id: &NodeId| {
         let n = g.node(*id);
@@ -207,9 +263,35 @@ fn render(g: &Graph, output: &Path) -> Res<()> {
     }
 }
 
+/// Line and column (1-based) of each equation `%N: ...` in a dump's text, by value id.
+fn equation_places(text: &str) -> BTreeMap<usize, (usize, usize)> {
+    let mut places = BTreeMap::new();
+    for (i, line) in text.lines().enumerate() {
+        let body = line.trim_start();
+        let id = body.strip_prefix('%').and_then(|r| r.split_once(':')).and_then(|(n, _)| n.trim().parse::<usize>().ok());
+        if let Some(id) = id {
+            places.insert(id, (i + 1, line.len() - body.len() + 1));
+        }
+    }
+    places
+}
+
 fn check(path: &Path) -> Res<()> {
     let g = load(path)?;
-    verify(&g).map_err(|errs| format!("{}: {errs}", path.display()))?;
-    println!("{}: graph {} is valid ({} nodes)", path.display(), g.name, g.len());
-    Ok(())
+    let Err(errs) = verify(&g) else {
+        println!("{}: graph {} is valid ({} nodes)", path.display(), g.name, g.len());
+        return Ok(());
+    };
+    // The parser keeps the ids as written, so a node's id finds its line.
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let places = equation_places(&text);
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    for e in &errs.errors {
+        match e.node.and_then(|n| places.get(&n.index())) {
+            Some(&(line, col)) => out.push(format!("{}:{line}:{col}: {}\n    {}", path.display(), e.message, lines[line - 1].trim())),
+            None => out.push(format!("{}: {}", path.display(), e.message)),
+        }
+    }
+    Err(format!("graph `{}` failed verification with {} error(s):\n{}", errs.graph, errs.errors.len(), out.join("\n")).into())
 }

@@ -124,9 +124,13 @@ fn inspect_rejects_bad_files_with_their_place() {
     let (ok, out) = inspect(&["check", bad.to_str().unwrap()]);
     assert!(!ok && out.contains("bad.ir:2:17:") && out.contains("in the shape"), "{out}");
     // Well-formed text that breaks an invariant: a parameter assigned a value of another type.
-    std::fs::write(&bad, text.replacen("f32[6,1,5,5] = assign", "f32[6,1,5,4] = assign", 1)).unwrap();
+    // The error names the equation's line and column, as parse errors do.
+    let edited = text.replacen("f32[6,1,5,5] = assign", "f32[6,1,5,4] = assign", 1);
+    let line = edited.lines().position(|l| l.contains("f32[6,1,5,4] = assign")).unwrap() + 1;
+    std::fs::write(&bad, &edited).unwrap();
     let (ok, out) = inspect(&["check", bad.to_str().unwrap()]);
-    assert!(!ok && out.contains("bad.ir"), "{out}");
+    assert!(!ok && out.contains(&format!("bad.ir:{line}:3: declared type f32[6,1,5,4]")), "{out}");
+    assert!(out.contains("f32[6,1,5,4] = assign("), "the offending equation is shown: {out}");
     let (ok, out) = inspect(&["/nonexistent/dump.ir"]);
     assert!(!ok && out.contains("/nonexistent/dump.ir"), "{out}");
     let (ok, out) = inspect(&[tmp("empty").parent().unwrap().join("no-such-dir.json").to_str().unwrap()]);
@@ -147,4 +151,36 @@ fn inspect_renders_svg_where_graphviz_is_installed() {
     assert!(ok, "{out}");
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.contains("<svg") && text.contains("cluster_backward") && text.contains("cluster_accumulate"), "{}", &text[..400.min(text.len())]);
+}
+
+#[test]
+fn inspect_lists_the_ranks_of_a_multi_rank_dump_and_names_the_known_ops() {
+    // The layout CELLGRAPH_SAVE_GRAPHS writes under mpirun: one rank_<id>/ per rank.
+    let dir = tmp("ranks");
+    dump_lenet(1, &dir.join("rank_0"));
+    for r in [1, 10] {
+        std::fs::create_dir_all(dir.join(format!("rank_{r}"))).unwrap();
+        for stem in &STEMS[..3] {
+            std::fs::copy(dir.join("rank_0").join(format!("{stem}.ir")), dir.join(format!("rank_{r}/{stem}.ir"))).unwrap();
+        }
+    }
+    let (ok, out) = inspect(&[dir.to_str().unwrap()]);
+    assert!(ok && out.contains("a multi-rank dump, 3 rank(s)"), "{out}");
+    let rows: Vec<&str> = out.lines().filter(|l| l.trim_start().starts_with("rank_")).collect();
+    assert_eq!(rows.len(), 3, "{out}");
+    assert!(rows[0].contains("rank_0/") && rows[0].contains(&format!("{} dumps", STEMS.len())), "{out}");
+    assert!(rows[1].contains("rank_1/") && rows[1].contains("3 dumps") && rows[2].contains("rank_10/"), "ranks in numeric order: {out}");
+    let (ok, out) = inspect(&[dir.to_str().unwrap(), "--json"]);
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert!(ok && json[2]["rank"] == 10 && json[2]["dumps"] == 3, "{out}");
+
+    let file = dir.join("rank_0/02_dce_micro_step.ir");
+    let (ok, out) = inspect(&[file.to_str().unwrap(), "--op", "assign-add"]);
+    assert!(!ok && out.contains("--op assign-add: no such op") && out.contains("assign_add, avg_pool2d") && out.contains("conv2d_backprop_filter"), "{out}");
+    let (ok, out) = inspect(&[dir.to_str().unwrap(), "--op", "conv2d"]);
+    assert!(!ok && out.contains("apply to one .ir dump"), "{out}");
+    let empty = tmp("no-dumps");
+    std::fs::create_dir_all(&empty).unwrap();
+    let (ok, out) = inspect(&[empty.to_str().unwrap()]);
+    assert!(!ok && out.contains("no .ir dumps here"), "{out}");
 }

@@ -4,6 +4,7 @@ mod common;
 
 mod accumulation;
 mod cells;
+mod cli;
 mod device;
 mod dumps;
 mod gradcheck;

@@ -1,0 +1,195 @@
+//! `cellgraph` as a user drives it: `train` with accumulation, checkpoints, resuming and a loss
+//! log; `eval`; `plot`; and bad arguments refused with a sentence before anything trains.
+//! Runs use a small MNIST directory (256 training and 64 test digits from `data/mnist`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use cellgraph::prelude::*;
+
+use crate::common::mnist_dir;
+
+const CELLGRAPH: &str = env!("CARGO_BIN_EXE_cellgraph");
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("cellgraph-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Runs `cellgraph ARGS`: (exit code, stdout, stderr).
+fn cellgraph(args: &[&str]) -> (Option<i32>, String, String) {
+    let o = Command::new(CELLGRAPH).args(args).output().unwrap();
+    (o.status.code(), String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+/// Runs `cellgraph ARGS` and fails unless it succeeded; returns stdout.
+fn ok(args: &[&str]) -> String {
+    let (code, out, err) = cellgraph(args);
+    assert_eq!(code, Some(0), "cellgraph {args:?} failed:\n{out}\n{err}");
+    out
+}
+
+/// Fails unless `cellgraph ARGS` exits non-zero with an `error: ...` sentence containing `want`
+/// (no panic, no Debug output).
+fn refused(args: &[&str], want: &str) {
+    let (code, out, err) = cellgraph(args);
+    assert!(code.is_some_and(|c| c != 0), "cellgraph {args:?} should fail:\n{out}\n{err}");
+    assert!(err.contains("error: ") && err.contains(want), "cellgraph {args:?}: expected `{want}` in:\n{err}");
+    assert!(!err.contains("panicked") && !err.contains("Error: ") && !err.contains(" { "), "cellgraph {args:?} printed a panic or Debug output:\n{err}");
+}
+
+/// The first `n` digits of each split of `data/mnist`, as uncompressed IDX files in `dir`.
+fn small_mnist(dir: &Path, train: usize, test: usize) {
+    for (split, n) in [("train", train), ("t10k", test)] {
+        let m = Mnist::load(&mnist_dir(), split).unwrap();
+        let idx = |magic: u8, dims: &[usize], data: &[u8]| {
+            let mut v = vec![0, 0, 8, magic];
+            dims.iter().for_each(|&d| v.extend((d as u32).to_be_bytes()));
+            v.extend(data);
+            v
+        };
+        let px = m.rows * m.cols;
+        std::fs::write(dir.join(format!("{split}-images-idx3-ubyte")), idx(3, &[n, m.rows, m.cols], &m.images[..n * px])).unwrap();
+        std::fs::write(dir.join(format!("{split}-labels-idx1-ubyte")), idx(1, &[n], &m.labels[..n])).unwrap();
+    }
+}
+
+/// The JSON lines of a log.
+fn lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// `{'Accuracy': X}` -> X.
+fn accuracy(out: &str) -> f64 {
+    let line = out.lines().find(|l| l.contains("{'Accuracy': ")).unwrap_or_else(|| panic!("no accuracy in:\n{out}"));
+    let x = line.split("{'Accuracy': ").nth(1).unwrap().trim_end_matches('}');
+    x.parse().unwrap_or_else(|_| panic!("{line}"))
+}
+
+#[test]
+fn train_accumulates_logs_checkpoints_resumes_and_evaluates() {
+    let dir = tmp("train");
+    small_mnist(&dir, 256, 64);
+    let data = dir.to_str().unwrap();
+    let (ckpt, log) = (dir.join("lenet.ckpt"), dir.join("loss.jsonl"));
+    let (ckpt_s, log_s) = (ckpt.to_str().unwrap(), log.to_str().unwrap());
+    let base = ["train", "--data-path", data, "--device", "cpu", "--print-every", "2"];
+    // Epoch 1 of 8 batches of 32, each sliced into 4 micro-batches: 8 updates.
+    let out = ok(&[&base[..], &["--micro-size", "4", "--ckpt", ckpt_s, "--loss-log", log_s, "--eval-each-epoch"]].concat());
+    assert!(out.contains("epoch: 1 step: 2, loss is ") && out.contains("epoch: 1 step: 8, loss is "), "{out}");
+    assert!(out.contains("Train epoch time: ") && out.contains("trained 8 steps, 8 optimizer updates"), "{out}");
+    let acc = accuracy(&out);
+    assert!((0.0..=1.0).contains(&acc), "{out}");
+    let rows = lines(&log);
+    assert_eq!(rows.len(), 9, "8 steps and one accuracy line");
+    assert_eq!((&rows[7]["epoch"], &rows[7]["step"], &rows[7]["updates"]), (&1.into(), &8.into(), &8.into()));
+    assert!(rows[7]["loss"].as_f64().unwrap() > 0.0 && rows[8]["accuracy"].as_f64() == Some(acc), "{rows:?}");
+    assert!(ckpt.is_file());
+
+    // Resume: epoch 2 continues from the checkpoint, the log continues where it was.
+    let out = ok(&[&base[..], &["--resume", ckpt_s, "--epochs", "2", "--ckpt", ckpt_s, "--loss-log", log_s]].concat());
+    assert!(out.contains(&format!("resumed from {ckpt_s} after epoch 1 (8 updates)")), "{out}");
+    assert!(out.contains("epoch: 2 step: 7, loss is ") && !out.contains("epoch: 1 step"), "{out}");
+    let rows = lines(&log);
+    assert_eq!((rows.len(), &rows[16]["epoch"], &rows[16]["updates"]), (17, &2.into(), &16.into()));
+    // Both epochs are done: asking for no more is refused.
+    refused(&[&base[..], &["--resume", ckpt_s, "--epochs", "2"]].concat(), "--epochs 3 or more");
+
+    // The checkpoint scores as the trained network; not as another one.
+    let out = ok(&["eval", "--data-path", data, "--device", "cpu", "--ckpt", ckpt_s]);
+    assert!(out.trim().starts_with("{'Accuracy': ") && (0.0..=1.0).contains(&accuracy(&out)), "{out}");
+    refused(&["eval", "--data-path", data, "--net", "mlp", "--ckpt", ckpt_s], "not a checkpoint of --net mlp");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn steps_stop_mid_epoch_and_resume_continues_there() {
+    let dir = tmp("steps");
+    small_mnist(&dir, 256, 64);
+    let data = dir.to_str().unwrap();
+    let (ckpt, log) = (dir.join("mlp.safetensors"), dir.join("loss.jsonl"));
+    let (ckpt_s, log_s) = (ckpt.to_str().unwrap(), log.to_str().unwrap());
+    // Across steps: one update every 4 of the 8 batches.
+    let base = ["train", "--net", "mlp", "--data-path", data, "--device", "cpu", "--accumulation", "across-steps", "--micro-size", "4", "--print-every", "1"];
+    let out = ok(&[&base[..], &["--steps", "3", "--ckpt", ckpt_s, "--loss-log", log_s]].concat());
+    assert!(out.contains("epoch: 1 step: 3, loss is ") && !out.contains("step: 4,") && out.contains("trained 3 steps, 0 optimizer updates"), "{out}");
+    let out = ok(&[&base[..], &["--resume", ckpt_s, "--loss-log", log_s]].concat());
+    assert!(out.contains("at epoch 1 step 3 (0 updates)") && out.contains("epoch: 1 step: 4, loss is ") && !out.contains("step: 3,"), "{out}");
+    let updates: Vec<u64> = lines(&log).iter().map(|r| r["updates"].as_u64().unwrap()).collect();
+    assert_eq!(updates, [0, 0, 0, 1, 1, 1, 1, 2], "a window applies every 4 steps");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The contents of an SVG's `<text>` elements, trimmed.
+fn svg_texts(svg: &str) -> Vec<String> {
+    svg.split("<text").skip(1).filter_map(|t| Some(t.split_once('>')?.1.split_once("</text>")?.0.trim().to_string())).collect()
+}
+
+#[test]
+fn plot_draws_the_loss_curve_and_accuracy_as_svg() {
+    let dir = tmp("plot");
+    let log = dir.join("run.jsonl");
+    let mut text: String = (1..=20).map(|s| format!("{{\"epoch\": {}, \"step\": {s}, \"updates\": {s}, \"loss\": {}}}\n", 1 + s / 11, 2.3 / s as f64)).collect();
+    text.push_str("{\"epoch\": 1, \"updates\": 10, \"accuracy\": 0.5}\n{\"epoch\": 2, \"updates\": 20, \"accuracy\": 0.75}\n");
+    std::fs::write(&log, text).unwrap();
+    let svg = dir.join("loss.svg");
+    let out = ok(&["plot", log.to_str().unwrap(), "-o", svg.to_str().unwrap()]);
+    assert!(out.contains("wrote") && out.contains("20 steps"), "{out}");
+    let s = std::fs::read_to_string(&svg).unwrap();
+    assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>"), "{}", &s[..200.min(s.len())]);
+    assert!(s.contains("<polyline") || s.contains("<path"), "a curve");
+    let texts = svg_texts(&s);
+    for want in ["run.jsonl: training loss and test accuracy", "training step", "loss", "test accuracy"] {
+        assert!(texts.iter().any(|t| t == want), "`{want}` is not among the texts: {texts:?}");
+    }
+
+    refused(&["plot", log.to_str().unwrap(), "-o", dir.join("loss.png").to_str().unwrap()], "writes SVG");
+    std::fs::write(&log, "{\"loss\": 1.0}\nnot json\n").unwrap();
+    refused(&["plot", log.to_str().unwrap(), "-o", svg.to_str().unwrap()], "run.jsonl:2: not a JSON line");
+    std::fs::write(&log, "").unwrap();
+    refused(&["plot", log.to_str().unwrap(), "-o", svg.to_str().unwrap()], "no loss in it");
+    refused(&["plot", dir.join("missing.jsonl").to_str().unwrap(), "-o", svg.to_str().unwrap()], "missing.jsonl");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_arguments_are_refused_before_anything_trains() {
+    let dir = tmp("bad");
+    small_mnist(&dir, 40, 8);
+    let data = dir.to_str().unwrap();
+    let ckpt = dir.join("never.ckpt");
+    let train = |extra: &[&str], want: &str| {
+        refused(&[&["train", "--data-path", data, "--device", "cpu", "--ckpt", ckpt.to_str().unwrap()][..], extra].concat(), want);
+    };
+    train(&["--batch-size", "0"], "must be at least 1");
+    train(&["--batch", "0"], "must be at least 1");
+    train(&["--micro-size", "0"], "must be at least 1");
+    train(&["--epochs", "0"], "must be at least 1");
+    train(&["--steps", "0"], "must be at least 1");
+    train(&["--lr", "-0.5"], "must be a finite number >= 0");
+    train(&["--lr", "nan"], "must be a finite number >= 0");
+    train(&["--lr", "fast"], "expected a number");
+    train(&["--net", "resnet"], "possible values: lenet, mlp");
+    train(&["--optimizer", "rmsprop"], "possible values: momentum, sgd, adam, adamw");
+    train(&["--accumulation", "sometimes"], "in-step");
+    train(&["--batch-size", "30"], "--batch-size 30 is not a multiple of --micro-size 4");
+    train(&["--resume", dir.join("none.ckpt").to_str().unwrap()], "no such checkpoint file");
+    // 40 images give one batch of 32 with LeNet's drop_remainder; 64 would be needed for a batch of 64.
+    train(&["--batch-size", "64"], "gives no batch per epoch");
+    refused(&["train", "--data-path", dir.join("nowhere").to_str().unwrap()], "--data-path");
+    refused(&["train", "--data-path", data, "--device", "tpu"], "expected cpu, cuda, cuda:N, wgpu or auto");
+    refused(&["eval", "--data-path", data, "--ckpt", ckpt.to_str().unwrap()], "never.ckpt");
+    assert!(!ckpt.exists(), "nothing trained, nothing saved");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn help_names_every_option_and_its_default() {
+    let out = ok(&["train", "--help"]);
+    for flag in ["--net", "--accumulation", "--micro-size", "--normalization", "--optimizer", "--lr", "--epochs", "--batch-size", "--device", "--ckpt", "--resume", "--loss-log", "--eval-each-epoch", "--profile"] {
+        assert!(out.contains(flag), "{flag} missing from train --help:\n{out}");
+    }
+    assert!(out.contains("[default: lenet]") && out.contains("[default: in-step]") && out.contains("Momentum(0.01, 0.9)"), "{out}");
+}
