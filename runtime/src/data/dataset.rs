@@ -28,7 +28,7 @@ pub enum ImageOp {
     Resize(usize, usize),
     /// `x * rescale + shift` as one fused multiply-add in f32 (OpenCV's `convertTo`, which
     /// MindSpore's `Rescale` calls). Give the constants as MindSpore computes them: in f64,
-    /// then rounded to f32 (`Rescale::new`).
+    /// then rounded to f32 (`ImageOp::rescale`).
     Rescale { rescale: f32, shift: f32 },
     /// `(x - mean) / std`.
     Normalize { mean: f32, std: f32 },
