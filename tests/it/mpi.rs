@@ -35,9 +35,24 @@ fn mpirun_env(apps: &[(usize, &[&str])], log_dir: &Path, env: &[(&str, &Path)]) 
     for (k, v) in env {
         c.env(k, v);
     }
+    launch(c, log_dir)
+}
+
+/// Runs one `mpirun` at a time, each with its own OpenMPI session directory. Two `mpirun`s
+/// started together race to create the shared `/tmp/ompi.<host>.<uid>` and one fails in
+/// `orte_init` ("mkdir ... File exists"); one at a time also keeps the timing checks honest
+/// on a 2-core machine.
+fn launch(mut c: Command, log_dir: &Path) -> (Output, Duration) {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let session = log_dir.with_extension("ompi");
+    std::fs::create_dir_all(&session).expect("create the OpenMPI session directory");
+    c.env("OMPI_MCA_orte_tmpdir_base", &session);
     let t = Instant::now();
     let out = c.output().expect("run mpirun");
-    (out, t.elapsed())
+    let took = t.elapsed();
+    let _ = std::fs::remove_dir_all(&session);
+    (out, took)
 }
 
 fn text(o: &Output) -> String {
@@ -141,9 +156,7 @@ fn mpirun_default(ranks: usize, extra: &[&str], log_dir: &Path) -> (Output, Dura
     c.args(["120", "mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader", "-n", &ranks.to_string(), BIN]);
     c.args(["--data-path", concat!(env!("CARGO_MANIFEST_DIR"), "/data/mnist"), "--log-dir"]).arg(log_dir).args(extra);
     c.env("MATMUL_NUM_THREADS", "1").env("RAYON_NUM_THREADS", "1");
-    let t = Instant::now();
-    let out = c.output().expect("run mpirun");
-    (out, t.elapsed())
+    launch(c, log_dir)
 }
 
 #[test]
