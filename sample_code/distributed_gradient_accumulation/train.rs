@@ -164,7 +164,8 @@ fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>
         cellgraph::runtime::checkpoint::save(path, &snapshot, &Default::default())?;
     }
     if rank == 0 {
-        let images = ds.items_per_pass() * args.epochs * size;
+        // The images trained (a batch dropped by drop_remainder is not), on every rank.
+        let images = ds.batch_lengths().iter().sum::<usize>() * args.epochs * size;
         let elements: usize = trained.iter().map(|p| p.ty.numel()).sum();
         let c = acc.counters();
         println!("ranks: {size}, updates: {}, gradient collectives: {}, fused optimizer launches: {}", acc.updates(), c.grad_collectives, c.fused_launches);

@@ -1,0 +1,60 @@
+//! The host kernels on LeNet5's shapes at batch 32, one call at a time: median microseconds
+//! per call and GFLOP/s. Run: `cargo bench --bench kernels` (one thread:
+//! `MATMUL_NUM_THREADS=1 RAYON_NUM_THREADS=1 taskset -c 0 cargo bench --bench kernels`).
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use cellgraph_runtime::host::kernels::{self, Geometry, Mat};
+
+fn median_us(mut f: impl FnMut()) -> f64 {
+    for _ in 0..5 {
+        f();
+    }
+    let mut v: Vec<f64> = (0..41)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn data(n: usize) -> Vec<f32> {
+    (0..n).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 500.0).collect()
+}
+
+fn row(name: &str, us: f64, flops: f64) {
+    let gf = if flops > 0.0 { format!("{:8.1}", flops / us / 1e3) } else { "       -".into() };
+    println!("{name:<34} {us:10.1} {gf}");
+}
+
+fn main() {
+    println!("{:<34} {:>10} {:>8}", "kernel (batch 32)", "us/call", "GFLOP/s");
+    let n = 32;
+    for (name, c, hw, o) in [("conv1 1->6 5x5 on 32x32", 1usize, 32usize, 6usize), ("conv2 6->16 5x5 on 14x14", 6, 14, 16)] {
+        let oh = hw - 4;
+        let g = Geometry { x: [n, c, hw, hw], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [oh, oh] };
+        let (x, w, dy) = (data(n * c * hw * hw), data(o * c * 25), data(n * o * oh * oh));
+        let flops = 2.0 * (n * o * oh * oh * c * 25) as f64;
+        row(&format!("{name} forward"), median_us(|| drop(black_box(kernels::conv2d(&g, 1, &x, &w, o)))), flops);
+        row(&format!("{name} filter grad"), median_us(|| drop(black_box(kernels::conv2d_filter_grad(&g, 1, &dy, &x, o)))), flops);
+        row(&format!("{name} input grad"), median_us(|| drop(black_box(kernels::conv2d_input_grad(&g, 1, &dy, &w, o)))), flops);
+    }
+    for (name, c, hw) in [("pool1 6x28x28", 6usize, 28usize), ("pool2 16x10x10", 16, 10)] {
+        let g = Geometry { x: [n, c, hw, hw], kernel: [2, 2], stride: [2, 2], dilation: [1, 1], pad: [0, 0], out: [hw / 2, hw / 2] };
+        let (x, dy) = (data(n * c * hw * hw), data(n * c * hw * hw / 4));
+        row(&format!("{name} max pool"), median_us(|| drop(black_box(kernels::max_pool2d(&g, &x)))), 0.0);
+        row(&format!("{name} max pool grad"), median_us(|| drop(black_box(kernels::max_pool2d_grad(&g, &x, &dy)))), 0.0);
+    }
+    for (name, m, k, nn) in [("fc1 32x400 @ 400x120^T", 32usize, 400usize, 120usize), ("fc1 grad 120x32^T @ 32x400", 120, 32, 400)] {
+        let (a, b) = (data(m * k), data(k * nn));
+        let ma = Mat { data: &a, rows: m, cols: k, transposed: false };
+        let mb = Mat { data: &b, rows: k, cols: nn, transposed: false };
+        row(name, median_us(|| drop(black_box(kernels::matmul(ma, mb)))), 2.0 * (m * k * nn) as f64);
+    }
+    let (dy, x) = (data(n * 6 * 28 * 28), data(n * 6 * 28 * 28));
+    row("relu grad 32x6x28x28", median_us(|| drop(black_box(kernels::relu_grad(&dy, &x)))), 0.0);
+}
