@@ -46,8 +46,9 @@ fn main() {
     for (name, c, hw) in [("pool1 6x28x28", 6usize, 28usize), ("pool2 16x10x10", 16, 10)] {
         let g = Geometry { x: [n, c, hw, hw], kernel: [2, 2], stride: [2, 2], dilation: [1, 1], pad: [0, 0], out: [hw / 2, hw / 2] };
         let (x, dy) = (data(n * c * hw * hw), data(n * c * hw * hw / 4));
-        row(&format!("{name} max pool"), median_us(|| drop(black_box(kernels::max_pool2d(&g, &x)))), 0.0);
-        row(&format!("{name} max pool grad"), median_us(|| drop(black_box(kernels::max_pool2d_grad(&g, &x, &dy)))), 0.0);
+        let mut at = vec![0u32; dy.len()];
+        row(&format!("{name} max pool"), median_us(|| drop(black_box(kernels::max_pool2d(&g, &x, &mut at)))), 0.0);
+        row(&format!("{name} max pool grad (kept argmax)"), median_us(|| drop(black_box(kernels::max_pool2d_grad(&g, &at, &dy)))), 0.0);
     }
     for (name, m, k, nn) in [("fc1 32x400 @ 400x120^T", 32usize, 400usize, 120usize), ("fc1 grad 120x32^T @ 32x400", 120, 32, 400)] {
         let (a, b) = (data(m * k), data(k * nn));

@@ -409,6 +409,9 @@ where
     }
 
     fn device_kernel(op: &Native, args: &[&CubeTensor<R>], out: &TensorType) -> Option<CubeTensor<R>> {
+        if !matches!(op, Native::MatMul { .. } | Native::Conv { .. }) {
+            return None;
+        }
         if F::dtype() != burn_backend::DType::F32 || args.iter().any(|t| t.dtype != burn_backend::DType::F32) {
             return None;
         }
@@ -443,6 +446,7 @@ where
                     ConvKind::FilterGrad => conv2d_filter_grad::launch::<F, R>(&client, count, dim, arr(&b), arr(&a), arr(&y), geom),
                 }
             }
+            Native::MaxPool { .. } | Native::MaxPoolGrad { .. } | Native::ReluGrad => unreachable!("checked above"),
         }
         Some(y)
     }

@@ -16,6 +16,7 @@ use cellgraph_compiler::dump::DumpOptions;
 use cellgraph_compiler::{Graph, HostTensor, Op, TensorType};
 
 use crate::error::{Result, RuntimeError};
+use crate::host::{Kept, Native};
 use crate::lower::{eval, Ctx};
 use crate::value::{settings, Value};
 
@@ -39,6 +40,8 @@ struct Step {
     /// Slots whose last use is this step but that were shared, not moved (an operand used
     /// twice by its last user): freed right after the step.
     frees: Vec<usize>,
+    /// The step's kernel, bound when the plan is compiled; `None` runs burn's ops.
+    kernel: Option<Native>,
 }
 
 /// A graph lowered to a schedule.
@@ -98,6 +101,32 @@ fn simulate_peak(graph: &Graph, steps: &[Step]) -> usize {
         live -= released.into_iter().map(bytes).sum::<usize>();
     }
     peak
+}
+
+/// Pairs each max pool with the gradients of it scheduled after it (same input, same window):
+/// the forward keeps its argmax in a [`Kept`] slot and they route by it instead of searching
+/// the windows again.
+fn keep_pool_argmax(steps: &mut [Step]) {
+    let mut slots = 0;
+    for i in 0..steps.len() {
+        let Op::MaxPool2d(p) = &steps[i].op else { continue };
+        let x = steps[i].args[0].0;
+        let grads: Vec<usize> = (i + 1..steps.len())
+            .filter(|&j| matches!(&steps[j].op, Op::MaxPool2dGrad(q) if q == p) && steps[j].args[0].0 == x)
+            .collect();
+        if grads.is_empty() {
+            continue;
+        }
+        if let Some(Native::MaxPool { keep, .. }) = &mut steps[i].kernel {
+            *keep = Some(slots);
+            for j in grads {
+                if let Some(Native::MaxPoolGrad { kept, .. }) = &mut steps[j].kernel {
+                    *kept = Some(slots);
+                }
+            }
+            slots += 1;
+        }
+    }
 }
 
 /// Optimises, verifies and schedules a graph.
@@ -167,13 +196,29 @@ pub fn compile_with(mut graph: Graph, dump: Option<DumpAt>) -> Result<Executable
                 (op, Some(Op::Parameter { name })) if op.is_effect() => Some(name.clone()),
                 _ => None,
             };
-            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred }
+            let kernel = crate::host::bind(&n.op, &ops.iter().map(|&o| graph.ty(o)).collect::<Vec<_>>());
+            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred, kernel }
         })
         .collect();
+    let mut steps = steps;
+    keep_pool_argmax(&mut steps);
     let outputs = graph.outputs().iter().map(|o| o.index()).collect();
     let slots = graph.id_bound();
     let peak_bytes = simulate_peak(&graph, &steps);
     Ok(Executable { graph, steps, outputs, writes, slots, peak_bytes })
+}
+
+/// Runs a step's bound kernel: on the host kernels on a host backend, on the device's own
+/// kernels otherwise; `None` when it does not apply (a non-float operand, a dtype the kernels
+/// lack), and burn's ops run the step instead.
+fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &TensorType, device: &Device<B>, kept: &mut Kept) -> Option<burn_backend::tensor::FloatTensor<B>> {
+    let floats: Vec<_> = args.iter().map(|(v, _)| if let Value::Float(t) = v { Some(t) } else { None }).collect::<Option<_>>()?;
+    let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
+    if B::HOST {
+        crate::host::run_host::<B>(k, &floats, &tys, out, device, kept)
+    } else {
+        B::device_kernel(k, &floats, out)
+    }
 }
 
 /// Parameter values on one device, and the plans that read and write them.
@@ -186,12 +231,14 @@ pub struct Session<B: Backend> {
     native: bool,
     /// `assign_add` writes into the accumulator's memory (see [`Self::set_in_place_accumulation`]).
     in_place: bool,
+    /// What the host kernels keep between the steps of a run (max pools' argmax).
+    kept: Kept,
 }
 
 impl<B: Backend> Session<B> {
     /// An empty session on `device`.
     pub fn new(device: Device<B>) -> Self {
-        Session { device, params: BTreeMap::new(), profile: None, native: true, in_place: false }
+        Session { device, params: BTreeMap::new(), profile: None, native: true, in_place: false, kept: Kept::default() }
     }
 
     /// Turns per-op wall-clock profiling on or off (off by default; on CPU backends the times
@@ -303,6 +350,7 @@ impl<B: Backend> Session<B> {
             });
         }
         let mut slots: Vec<Option<Value<B>>> = vec![None; exe.slots];
+        self.kept.begin_run();
         let s = settings::<B>(&self.device);
         for step in &exe.steps {
             let v = match &step.op {
@@ -328,7 +376,7 @@ impl<B: Backend> Session<B> {
                             slots[target] = self.params.remove(name);
                         }
                     }
-                    let args = step
+                    let args: Vec<_> = step
                         .args
                         .iter()
                         .zip(&step.arg_types)
@@ -337,9 +385,13 @@ impl<B: Backend> Session<B> {
                             (v.expect("operands are computed before use"), ty)
                         })
                         .collect();
-                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.name(), native: self.native, in_place: self.in_place };
+                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.name(), in_place: self.in_place };
                     let t0 = self.profile.is_some().then(std::time::Instant::now);
-                    let v = eval(&cx, op, args, &step.ty)?;
+                    let bound = step.kernel.as_ref().filter(|_| self.native).and_then(|k| run_bound(k, &args, &step.ty, &self.device, &mut self.kept));
+                    let v = match bound {
+                        Some(t) => Value::Float(t),
+                        None => eval(&cx, op, args, &step.ty)?,
+                    };
                     if let (Some(p), Some(t0)) = (self.profile.as_mut(), t0) {
                         let e = p.entry(op.name()).or_insert((0, 0.0));
                         e.0 += 1;

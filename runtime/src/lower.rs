@@ -20,8 +20,6 @@ pub struct Ctx<'a, B: Backend> {
     pub settings: DeviceSettings,
     pub scope: &'a str,
     pub op: &'static str,
-    /// Try the host kernels first (see [`crate::host`]).
-    pub native: bool,
     /// `assign_add` writes into its target's memory (flat device buffers).
     pub in_place: bool,
 }
@@ -142,17 +140,6 @@ fn padding_out(k: usize, s: usize, p: usize, d: usize, size_in: usize, size_out:
 
 /// Evaluates one non-leaf op. `args` pairs each operand value with its IR type.
 pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>, out: &TensorType) -> Result<Value<B>> {
-    if cx.native && crate::host::has_native(op) {
-        let floats: Option<Vec<&FloatTensor<B>>> = args.iter().map(|(v, _)| if let Value::Float(t) = v { Some(t) } else { None }).collect();
-        let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
-        if let Some(t) = floats.as_ref().and_then(|f| crate::host::try_native::<B>(op, f, &tys, out, cx.device)) {
-            return Ok(Value::Float(t));
-        }
-        let shape = crate::host::native_shape(op, &tys);
-        if let Some(t) = floats.zip(shape).and_then(|(f, n)| B::device_kernel(&n, &f, out)) {
-            return Ok(Value::Float(t));
-        }
-    }
     let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
     let mut vals = args.into_iter().map(|(v, _)| v);
     let mut next = || vals.next().expect("arity checked by the verifier");

@@ -27,6 +27,12 @@ impl Mpi {
         let universe = mpi::initialize().ok_or_else(|| RuntimeError::Comm("MPI_Init failed".into()))?;
         let world = universe.world();
         let rank = world.rank();
+        // Ranks share the machine's cores: one compute thread each (the host kernels' chunks
+        // run on rayon's pool) unless RAYON_NUM_THREADS says otherwise.
+        if world.size() > 1 && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+            // Fails only when the pool already exists; it then keeps its size.
+            let _ = rayon::ThreadPoolBuilder::new().num_threads(1).build_global();
+        }
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
             previous(info);

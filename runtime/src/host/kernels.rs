@@ -2,20 +2,33 @@
 //!
 //! Matrix products go to the `gemm` crate (candle's GEMM: packed AVX2/AVX-512 FMA kernels chosen
 //! at run time, with small-matrix kernels), which takes arbitrary strides, so transposed
-//! operands cost nothing. Convolutions are one GEMM per group over the whole batch: im2col
-//! of every image into one column matrix `[c/g*kh*kw, n*oh*ow]` (stride-1 rows are slice
-//! copies), the forward `w @ col`, the filter gradient `dy @ col^T` contracting over the
-//! batch, the input gradient `w^T @ dy` then col2im. `benches/kernels.rs` times them on
-//! LeNet5's shapes (against `matrixmultiply` and per-image GEMMs, which this replaced: see
-//! BENCHMARKS.md). Max pooling is direct, branch-free where every window lies inside the
-//! input. Every kernel handles stride, dilation, asymmetric padding and groups, so the
-//! lowering needs no fallbacks on host backends.
+//! operands cost nothing. Convolutions cut the batch into chunks of images whose column
+//! matrices fit in L2 (in thread-local scratch, reused), and run one GEMM per chunk and group:
+//! im2col of the chunk's images into one column matrix `[c/g*kh*kw, m*oh*ow]` (stride-1 rows
+//! are slice copies), the forward `w @ col`, the filter gradient `dy @ col^T` contracting over
+//! the chunk (chunk sums added in order), the input gradient `w^T @ dy` then col2im. Chunks
+//! (and pooling planes) run on the rayon pool's threads; the cut never depends on the thread
+//! count, so results are the same on any number of threads. `benches/kernels.rs` times them
+//! on LeNet5's shapes (see BENCHMARKS.md). Max pooling is direct, branch-free where every
+//! window lies inside the input, and returns its argmax for the gradient. Every kernel handles
+//! stride, dilation, asymmetric padding and groups, so the lowering needs no fallbacks on host
+//! backends.
+
+use std::cell::RefCell;
+
+thread_local! {
+    static SCRATCH_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static SCRATCH_F64: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
+}
 
 /// A float element the host kernels compute in.
-pub trait HostFloat: Copy + PartialOrd + std::ops::Add<Output = Self> + std::ops::AddAssign + 'static {
+pub trait HostFloat: Copy + PartialOrd + std::ops::Add<Output = Self> + std::ops::AddAssign + Send + Sync + 'static {
     const ZERO: Self;
     const NEG_INF: Self;
     fn is_nan(self) -> bool;
+    /// Runs `f` on `len` elements of this thread's scratch memory (grown, never shrunk: a
+    /// steady state allocates nothing; the contents are whatever the last kernel left).
+    fn scratch<R>(len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R;
     /// `C = A B + beta * C` with element strides (`beta` is 0 or 1; with 0, `C` is not read).
     ///
     /// # Safety
@@ -30,6 +43,14 @@ impl HostFloat for f32 {
     fn is_nan(self) -> bool {
         f32::is_nan(self)
     }
+    fn scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        SCRATCH_F32.with_borrow_mut(|v| {
+            if v.len() < len {
+                v.resize(len, 0.0);
+            }
+            f(&mut v[..len])
+        })
+    }
     unsafe fn gemm(m: usize, k: usize, n: usize, a: *const f32, rsa: isize, csa: isize, b: *const f32, rsb: isize, csb: isize, beta: f32, c: *mut f32, rsc: isize, csc: isize) {
         gemm::gemm(m, n, k, c, csc, rsc, beta != 0.0, a, csa, rsa, b, csb, rsb, beta, 1.0, false, false, false, gemm::Parallelism::None)
     }
@@ -40,6 +61,14 @@ impl HostFloat for f64 {
     const NEG_INF: f64 = f64::NEG_INFINITY;
     fn is_nan(self) -> bool {
         f64::is_nan(self)
+    }
+    fn scratch<R>(len: usize, f: impl FnOnce(&mut [f64]) -> R) -> R {
+        SCRATCH_F64.with_borrow_mut(|v| {
+            if v.len() < len {
+                v.resize(len, 0.0);
+            }
+            f(&mut v[..len])
+        })
     }
     unsafe fn gemm(m: usize, k: usize, n: usize, a: *const f64, rsa: isize, csa: isize, b: *const f64, rsb: isize, csb: isize, beta: f64, c: *mut f64, rsc: isize, csc: isize) {
         gemm::gemm(m, n, k, c, csc, rsc, beta != 0.0, a, csa, rsa, b, csb, rsb, beta, 1.0, false, false, false, gemm::Parallelism::None)
@@ -105,6 +134,17 @@ impl Geometry {
     fn spatial(&self) -> usize {
         self.out[0] * self.out[1]
     }
+    /// Stride 1, dilation 1, no padding, and a window that fits: every output reads a
+    /// contiguous run of each input row.
+    fn is_dense(&self) -> bool {
+        self.stride == [1, 1]
+            && self.dilation == [1, 1]
+            && self.pad == [0, 0]
+            && self.out[0] > 0
+            && self.out[1] > 0
+            && self.out[0] + self.kernel[0] <= self.x[2] + 1
+            && self.out[1] + self.kernel[1] <= self.x[3] + 1
+    }
     /// The input coordinate read by output `o` at kernel offset `k` along axis `a`, if inside.
     #[inline]
     fn at(&self, a: usize, o: usize, k: usize) -> Option<usize> {
@@ -125,6 +165,9 @@ impl Geometry {
 /// reads, at `col[row * ld..][..oh*ow]` (`ld` >= `oh*ow`: one image's block of a batch-wide
 /// column matrix).
 fn im2col<F: HostFloat>(g: &Geometry, x: &[F], channels: usize, col: &mut [F], ld: usize) {
+    if g.is_dense() {
+        return im2col_dense(g, x, channels, col, ld);
+    }
     let (h, w) = (g.x[2], g.x[3]);
     let (ow, sp) = (g.out[1], g.spatial());
     let mut row = 0;
@@ -161,6 +204,9 @@ fn im2col<F: HostFloat>(g: &Geometry, x: &[F], channels: usize, col: &mut [F], l
 /// The adjoint of [`im2col`]: adds the rows of `col` (row stride `ld`) back into `channels`
 /// planes of `x`.
 fn col2im<F: HostFloat>(g: &Geometry, col: &[F], ld: usize, channels: usize, x: &mut [F]) {
+    if g.is_dense() {
+        return col2im_dense(g, col, ld, channels, x);
+    }
     let (h, w) = (g.x[2], g.x[3]);
     let (ow, sp) = (g.out[1], g.spatial());
     let mut row = 0;
@@ -192,8 +238,69 @@ fn col2im<F: HostFloat>(g: &Geometry, col: &[F], ld: usize, channels: usize, x: 
     }
 }
 
-/// The extents a convolution's batch-wide GEMMs use: channels and output channels per group,
-/// output pixels per image, the contraction `c/groups * kh * kw`, and `n * oh * ow` columns.
+/// Copies a short row (a convolution's output width) without a call to `memcpy`: eight
+/// elements at a time, the tail as an overlapping last eight.
+#[inline(always)]
+fn copy_row<F: Copy>(d: &mut [F], s: &[F]) {
+    let n = d.len();
+    if n < 8 {
+        return d.copy_from_slice(s);
+    }
+    let s = &s[..n];
+    let mut i = 0;
+    while i + 8 <= n {
+        let c: [F; 8] = s[i..i + 8].try_into().expect("eight elements");
+        d[i..i + 8].copy_from_slice(&c);
+        i += 8;
+    }
+    if i < n {
+        let c: [F; 8] = s[n - 8..].try_into().expect("eight elements");
+        d[n - 8..].copy_from_slice(&c);
+    }
+}
+
+/// [`im2col`] for stride 1, dilation 1 and no padding (LeNet's and most 'valid'
+/// convolutions): every row of `col` is `oh` input row segments, copied inline.
+fn im2col_dense<F: HostFloat>(g: &Geometry, x: &[F], channels: usize, col: &mut [F], ld: usize) {
+    let [_, _, h, w] = g.x;
+    let [oh, ow] = g.out;
+    let [kh, kw] = g.kernel;
+    for c in 0..channels {
+        for ky in 0..kh {
+            for kx in 0..kw {
+                let dst = &mut col[((c * kh + ky) * kw + kx) * ld..][..oh * ow];
+                let src = &x[c * h * w + ky * w + kx..];
+                for (oy, d) in dst.chunks_exact_mut(ow).enumerate() {
+                    copy_row(d, &src[oy * w..oy * w + ow]);
+                }
+            }
+        }
+    }
+}
+
+/// [`col2im`] for the geometries [`im2col_dense`] takes.
+fn col2im_dense<F: HostFloat>(g: &Geometry, col: &[F], ld: usize, channels: usize, x: &mut [F]) {
+    let [_, _, h, w] = g.x;
+    let [oh, ow] = g.out;
+    let [kh, kw] = g.kernel;
+    for c in 0..channels {
+        for ky in 0..kh {
+            for kx in 0..kw {
+                let src = &col[((c * kh + ky) * kw + kx) * ld..][..oh * ow];
+                let dst = &mut x[c * h * w + ky * w + kx..];
+                for (oy, s) in src.chunks_exact(ow).enumerate() {
+                    for (d, &v) in dst[oy * w..oy * w + ow].iter_mut().zip(s) {
+                        *d += v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The extents a convolution's GEMMs use: channels and output channels per group, output
+/// pixels per image, the contraction `c/groups * kh * kw`, and `n * oh * ow` columns (for the
+/// `n` images of one chunk).
 struct ConvDims {
     cg: usize,
     og: usize,
@@ -206,6 +313,33 @@ fn conv_dims(g: &Geometry, groups: usize, o: usize) -> ConvDims {
     let sp = g.spatial();
     let cg = g.x[1] / groups;
     ConvDims { cg, og: o / groups, sp, kk: cg * g.kernel[0] * g.kernel[1], cols: g.x[0] * sp }
+}
+
+/// A chunk's column matrix stays within about this many bytes (a core's L2 cache).
+const CHUNK_BYTES: usize = 256 << 10;
+
+/// Images per chunk of a convolution: the batch is cut into chunks whose column matrices
+/// fit in L2; chunks run on the rayon pool's threads. The cut depends on the shapes only,
+/// never on the thread count, so neither do the results.
+fn chunk_images<F>(d: &ConvDims, n: usize) -> usize {
+    let per_image = d.kk * d.sp * std::mem::size_of::<F>();
+    (CHUNK_BYTES / per_image.max(1)).clamp(1, n.max(1))
+}
+
+/// The geometry of images `[i0, i0 + m)` of `g`'s batch.
+fn sub_batch(g: &Geometry, m: usize) -> Geometry {
+    Geometry { x: [m, g.x[1], g.x[2], g.x[3]], ..*g }
+}
+
+/// Runs `f` on every item, across the rayon pool's threads when it has more than one (one
+/// thread per rank under `mpirun`: see [`crate::comm`]).
+fn each<T: Send>(items: Vec<T>, f: impl Fn(T) + Send + Sync) {
+    if items.len() > 1 && rayon::current_num_threads() > 1 {
+        use rayon::prelude::*;
+        items.into_par_iter().for_each(f)
+    } else {
+        items.into_iter().for_each(f)
+    }
 }
 
 /// Unfolds group `gi` of every image into the batch-wide column matrix `col`
@@ -235,73 +369,124 @@ fn scatter_rows<F: HostFloat>(d: &ConvDims, o: usize, gi: usize, rows: &[F], nch
     }
 }
 
-/// Convolution: `x` `[n, c, h, w]`, `w` `[o, c/groups, kh, kw]` -> `[n, o, oh, ow]`. Per group,
-/// one GEMM over the whole batch: `w_g [og, kk] @ col [kk, n*oh*ow]`.
+/// Convolution: `x` `[n, c, h, w]`, `w` `[o, c/groups, kh, kw]` -> `[n, o, oh, ow]`. Per chunk
+/// of images and group, one GEMM: `w_g [og, kk] @ col [kk, m*oh*ow]`.
 pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: usize) -> Vec<F> {
     let d = conv_dims(g, groups, o);
-    let n = g.x[0];
+    let [n, c, h, wd] = g.x;
     let mut y = vec![F::ZERO; n * o * d.sp];
-    let mut col = vec![F::ZERO; d.kk * d.cols];
-    let mut rows = vec![F::ZERO; d.og * d.cols];
-    for gi in 0..groups {
-        im2col_batch(g, &d, gi, x, &mut col);
-        let wg = &w[gi * d.og * d.kk..(gi + 1) * d.og * d.kk];
-        // SAFETY: wg is og x kk, col is kk x cols, rows is og x cols, all row-major.
-        unsafe { F::gemm(d.og, d.kk, d.cols, wg.as_ptr(), d.kk as isize, 1, col.as_ptr(), d.cols as isize, 1, F::ZERO, rows.as_mut_ptr(), d.cols as isize, 1) };
-        scatter_rows(&d, o, gi, &rows, &mut y);
+    if y.is_empty() {
+        return y;
     }
+    let per = chunk_images::<F>(&d, n);
+    let chunks: Vec<_> = y.chunks_mut(per * o * d.sp).enumerate().collect();
+    each(chunks, |(k, yc)| {
+        let sub = sub_batch(g, yc.len() / (o * d.sp));
+        let dc = conv_dims(&sub, groups, o);
+        let xc = &x[k * per * c * h * wd..][..sub.x[0] * c * h * wd];
+        F::scratch(dc.kk * dc.cols + dc.og * dc.cols, |s| {
+            let (col, rows) = s.split_at_mut(dc.kk * dc.cols);
+            for gi in 0..groups {
+                im2col_batch(&sub, &dc, gi, xc, col);
+                let wg = &w[gi * dc.og * dc.kk..(gi + 1) * dc.og * dc.kk];
+                // SAFETY: wg is og x kk, col is kk x cols, rows is og x cols, all row-major.
+                unsafe { F::gemm(dc.og, dc.kk, dc.cols, wg.as_ptr(), dc.kk as isize, 1, col.as_ptr(), dc.cols as isize, 1, F::ZERO, rows.as_mut_ptr(), dc.cols as isize, 1) };
+                scatter_rows(&dc, o, gi, rows, yc);
+            }
+        })
+    });
     y
 }
 
-/// Gradient of [`conv2d`] w.r.t. its input: `dy` `[n, o, oh, ow]` -> `[n, c, h, w]`. Per group,
-/// `w_g^T [kk, og] @ dy_g [og, n*oh*ow]`, then col2im image by image.
+/// Gradient of [`conv2d`] w.r.t. its input: `dy` `[n, o, oh, ow]` -> `[n, c, h, w]`. Per chunk
+/// and group, `w_g^T [kk, og] @ dy_g [og, m*oh*ow]`, then col2im image by image.
 pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w: &[F], o: usize) -> Vec<F> {
     let d = conv_dims(g, groups, o);
     let [n, c, h, wi] = g.x;
     let mut dx = vec![F::ZERO; n * c * h * wi];
-    let mut col = vec![F::ZERO; d.kk * d.cols];
-    let mut rows = vec![F::ZERO; d.og * d.cols];
-    for gi in 0..groups {
-        gather_rows(&d, o, gi, dy, &mut rows);
-        let wg = &w[gi * d.og * d.kk..(gi + 1) * d.og * d.kk];
-        // SAFETY: wg^T is kk x og (read with swapped strides), rows is og x cols, col kk x cols.
-        unsafe { F::gemm(d.kk, d.og, d.cols, wg.as_ptr(), 1, d.kk as isize, rows.as_ptr(), d.cols as isize, 1, F::ZERO, col.as_mut_ptr(), d.cols as isize, 1) };
-        for i in 0..n {
-            col2im(g, &col[i * d.sp..], d.cols, d.cg, &mut dx[(i * c + gi * d.cg) * h * wi..(i * c + (gi + 1) * d.cg) * h * wi]);
-        }
+    if dx.is_empty() || d.sp == 0 {
+        return dx;
     }
+    let per = chunk_images::<F>(&d, n);
+    let chunks: Vec<_> = dx.chunks_mut(per * c * h * wi).enumerate().collect();
+    each(chunks, |(k, dxc)| {
+        let sub = sub_batch(g, dxc.len() / (c * h * wi));
+        let dc = conv_dims(&sub, groups, o);
+        let dyc = &dy[k * per * o * dc.sp..][..sub.x[0] * o * dc.sp];
+        F::scratch(dc.kk * dc.cols + dc.og * dc.cols, |s| {
+            let (col, rows) = s.split_at_mut(dc.kk * dc.cols);
+            for gi in 0..groups {
+                gather_rows(&dc, o, gi, dyc, rows);
+                let wg = &w[gi * dc.og * dc.kk..(gi + 1) * dc.og * dc.kk];
+                // SAFETY: wg^T is kk x og (read with swapped strides), rows is og x cols, col kk x cols.
+                unsafe { F::gemm(dc.kk, dc.og, dc.cols, wg.as_ptr(), 1, dc.kk as isize, rows.as_ptr(), dc.cols as isize, 1, F::ZERO, col.as_mut_ptr(), dc.cols as isize, 1) };
+                for i in 0..sub.x[0] {
+                    col2im(&sub, &col[i * dc.sp..], dc.cols, dc.cg, &mut dxc[(i * c + gi * dc.cg) * h * wi..(i * c + (gi + 1) * dc.cg) * h * wi]);
+                }
+            }
+        })
+    });
     dx
 }
 
-/// Gradient of [`conv2d`] w.r.t. its filter: `[o, c/groups, kh, kw]`. Per group, one GEMM
-/// contracting over the whole batch: `dy_g [og, n*oh*ow] @ col^T [n*oh*ow, kk]`.
+/// Gradient of [`conv2d`] w.r.t. its filter: `[o, c/groups, kh, kw]`. Per chunk and group, one
+/// GEMM contracting over the chunk's pixels, `dy_g [og, m*oh*ow] @ col^T [m*oh*ow, kk]`; the
+/// chunks' partial sums are then added in chunk order (so the thread count changes nothing).
 pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize) -> Vec<F> {
     let d = conv_dims(g, groups, o);
-    let mut dw = vec![F::ZERO; o * d.kk];
-    let mut col = vec![F::ZERO; d.kk * d.cols];
-    let mut rows = vec![F::ZERO; d.og * d.cols];
-    for gi in 0..groups {
-        im2col_batch(g, &d, gi, x, &mut col);
-        gather_rows(&d, o, gi, dy, &mut rows);
-        let dwg = &mut dw[gi * d.og * d.kk..(gi + 1) * d.og * d.kk];
-        // SAFETY: rows is og x cols, col^T is cols x kk (swapped strides), dwg is og x kk.
-        unsafe { F::gemm(d.og, d.cols, d.kk, rows.as_ptr(), d.cols as isize, 1, col.as_ptr(), 1, d.cols as isize, F::ZERO, dwg.as_mut_ptr(), d.kk as isize, 1) };
+    let [n, c, h, wd] = g.x;
+    let size = o * d.kk;
+    let per = chunk_images::<F>(&d, n);
+    let mut parts = vec![F::ZERO; n.div_ceil(per) * size];
+    if parts.is_empty() {
+        return vec![F::ZERO; size];
     }
-    dw
+    let chunks: Vec<_> = parts.chunks_mut(size).enumerate().collect();
+    each(chunks, |(k, part)| {
+        let sub = sub_batch(g, per.min(n - k * per));
+        let dc = conv_dims(&sub, groups, o);
+        let xc = &x[k * per * c * h * wd..][..sub.x[0] * c * h * wd];
+        let dyc = &dy[k * per * o * dc.sp..][..sub.x[0] * o * dc.sp];
+        F::scratch(dc.kk * dc.cols + dc.og * dc.cols, |s| {
+            let (col, rows) = s.split_at_mut(dc.kk * dc.cols);
+            for gi in 0..groups {
+                im2col_batch(&sub, &dc, gi, xc, col);
+                gather_rows(&dc, o, gi, dyc, rows);
+                let dwg = &mut part[gi * dc.og * dc.kk..(gi + 1) * dc.og * dc.kk];
+                // SAFETY: rows is og x cols, col^T is cols x kk (swapped strides), dwg is og x kk.
+                unsafe { F::gemm(dc.og, dc.cols, dc.kk, rows.as_ptr(), dc.cols as isize, 1, col.as_ptr(), 1, dc.cols as isize, F::ZERO, dwg.as_mut_ptr(), dc.kk as isize, 1) };
+            }
+        })
+    });
+    let (dw, rest) = parts.split_at_mut(size);
+    for part in rest.chunks_exact(size) {
+        for (a, &b) in dw.iter_mut().zip(part) {
+            *a += b;
+        }
+    }
+    parts.truncate(size);
+    parts
 }
 
-/// For each output of a max pool, the flat index (within its plane) of the first largest
-/// input in the window; `usize::MAX` for a window entirely in padding.
-fn argmax_windows<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [usize]) {
+/// Marks a max-pooling window that lies entirely in padding (its output is -inf and it
+/// passes no gradient).
+pub const NO_ARGMAX: u32 = u32::MAX;
+
+/// For each output of a max pool over one plane, the flat index (within the plane) of the
+/// window's first largest input (a NaN wins), or [`NO_ARGMAX`]. `best` is scratch of `ow`.
+fn argmax_windows<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32], best: &mut [F]) {
     let inside = |a: usize| g.out[a] > 0 && (g.out[a] - 1) * g.stride[a] + (g.kernel[a] - 1) * g.dilation[a] < g.x[2 + a];
     if g.pad == [0, 0] && inside(0) && inside(1) {
-        return argmax_inside(g, plane, out);
+        if g.kernel == [2, 2] && g.stride == [2, 2] && g.dilation == [1, 1] {
+            return argmax_2x2(g, plane, out);
+        }
+        return argmax_inside(g, plane, out, best);
     }
     argmax_general(g, plane, out)
 }
 
 /// [`argmax_windows`] for any window, padded or not.
-fn argmax_general<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [usize]) {
+fn argmax_general<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32]) {
     // Input rows (or columns) `[lo, hi)` that output `o` reads along axis `a`.
     let span = |a: usize, o: usize| {
         let start = (o * g.stride[a]) as isize - g.pad[a] as isize;
@@ -315,14 +500,14 @@ fn argmax_general<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [usize]) {
     for oy in 0..g.out[0] {
         let (ys, ysd, ky0, ky1) = span(0, oy);
         for (ox, &(xs, xsd, kx0, kx1)) in cols.iter().enumerate() {
-            let (mut best, mut at) = (F::NEG_INF, usize::MAX);
+            let (mut best, mut at) = (F::NEG_INF, NO_ARGMAX);
             for ky in ky0..ky1 {
                 let row = (ys + ky * ysd) as usize * w;
                 for kx in kx0..kx1 {
                     let i = row + (xs + kx * xsd) as usize;
                     let v = plane[i];
-                    if at == usize::MAX || v > best || v.is_nan() {
-                        (best, at) = (v, i);
+                    if at == NO_ARGMAX || v > best || v.is_nan() {
+                        (best, at) = (v, i as u32);
                     }
                 }
             }
@@ -334,17 +519,17 @@ fn argmax_general<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [usize]) {
 /// [`argmax_windows`] where every window lies inside the plane (no padding): the same
 /// comparisons in the same order, a row of outputs at a time (one kernel offset across the
 /// row), without branches on the data.
-fn argmax_inside<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [usize]) {
+fn argmax_inside<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32], best: &mut [F]) {
     let w = g.x[3];
     let [sy, sx] = g.stride;
     let [dy, dx] = g.dilation;
     let ow = g.out[1];
-    let mut best = vec![F::ZERO; ow];
+    let best = &mut best[..ow];
     for (oy, at) in out.chunks_exact_mut(ow).enumerate() {
         let top = oy * sy * w;
         for (ox, (b, a)) in best.iter_mut().zip(at.iter_mut()).enumerate() {
-            *a = top + ox * sx;
-            *b = plane[*a];
+            *a = (top + ox * sx) as u32;
+            *b = plane[*a as usize];
         }
         for ky in 0..g.kernel[0] {
             for kx in 0..g.kernel[1] {
@@ -354,43 +539,88 @@ fn argmax_inside<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [usize]) {
                     let v = plane[i];
                     let take = v > *b || v.is_nan();
                     *b = if take { v } else { *b };
-                    *a = if take { i } else { *a };
+                    *a = if take { i as u32 } else { *a };
                 }
             }
         }
     }
 }
 
-/// Max pooling over NCHW `x`; padding never wins.
-pub fn max_pool2d<F: HostFloat>(g: &Geometry, x: &[F]) -> Vec<F> {
-    let [n, c, h, w] = g.x;
+/// [`argmax_inside`] for 2x2 windows at stride 2 (LeNet's and most CNNs' pooling): the same
+/// four comparisons per output, in the same order, on two input rows at a time.
+fn argmax_2x2<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32]) {
+    let w = g.x[3];
+    let ow = g.out[1];
+    for (oy, at) in out.chunks_exact_mut(ow).enumerate() {
+        let top = 2 * oy * w;
+        let (r0, r1) = (&plane[top..top + 2 * ow], &plane[top + w..top + w + 2 * ow]);
+        for (ox, a) in at.iter_mut().enumerate() {
+            let (mut b, mut k) = (r0[2 * ox], 0u32);
+            for (v, code) in [(r0[2 * ox + 1], 1u32), (r1[2 * ox], 2), (r1[2 * ox + 1], 3)] {
+                let take = v > b || v.is_nan();
+                b = if take { v } else { b };
+                k = if take { code } else { k };
+            }
+            *a = (top + 2 * ox) as u32 + (k & 1) + (k >> 1) * w as u32;
+        }
+    }
+}
+
+/// Planes per parallel task of a pooling kernel (about 64 Ki inputs each).
+fn planes_per_task(g: &Geometry) -> usize {
+    ((64 << 10) / (g.x[2] * g.x[3]).max(1)).max(1)
+}
+
+/// The argmax of every max-pooling window over NCHW `x` into `at` (`[n, c, oh, ow]`; see
+/// [`argmax_windows`]): what the forward returns and its gradient routes by.
+pub fn max_pool2d_argmax<F: HostFloat>(g: &Geometry, x: &[F], at: &mut [u32]) {
+    let [_, _, h, w] = g.x;
     let sp = g.spatial();
-    let mut y = vec![F::NEG_INF; n * c * sp];
-    let mut at = vec![0usize; sp];
-    for p in 0..n * c {
+    if sp == 0 || at.is_empty() {
+        return;
+    }
+    let per = planes_per_task(g);
+    let tasks: Vec<_> = at.chunks_mut(per * sp).enumerate().collect();
+    each(tasks, |(k, at)| {
+        let mut best = vec![F::ZERO; g.out[1]];
+        for (p, at) in at.chunks_exact_mut(sp).enumerate() {
+            let p = k * per + p;
+            argmax_windows(g, &x[p * h * w..(p + 1) * h * w], at, &mut best);
+        }
+    });
+}
+
+/// Max pooling over NCHW `x`; padding never wins. Writes each window's argmax into `at`
+/// (`[n, c, oh, ow]`), which [`max_pool2d_grad`] takes, so the gradient needs no second pass.
+pub fn max_pool2d<F: HostFloat>(g: &Geometry, x: &[F], at: &mut [u32]) -> Vec<F> {
+    let [_, _, h, w] = g.x;
+    let sp = g.spatial();
+    max_pool2d_argmax(g, x, at);
+    let mut y = vec![F::NEG_INF; at.len()];
+    for (p, (y, at)) in y.chunks_exact_mut(sp.max(1)).zip(at.chunks_exact(sp.max(1))).enumerate() {
         let plane = &x[p * h * w..(p + 1) * h * w];
-        argmax_windows(g, plane, &mut at);
-        for (yv, &i) in y[p * sp..(p + 1) * sp].iter_mut().zip(&at) {
-            if i != usize::MAX {
-                *yv = plane[i];
+        for (y, &i) in y.iter_mut().zip(at) {
+            if i != NO_ARGMAX {
+                *y = plane[i as usize];
             }
         }
     }
     y
 }
 
-/// Gradient of [`max_pool2d`]: each output's gradient goes to its window's first maximum.
-pub fn max_pool2d_grad<F: HostFloat>(g: &Geometry, x: &[F], dy: &[F]) -> Vec<F> {
+/// Gradient of [`max_pool2d`] from its argmax `at`: each output's gradient goes to its
+/// window's first maximum.
+pub fn max_pool2d_grad<F: HostFloat>(g: &Geometry, at: &[u32], dy: &[F]) -> Vec<F> {
     let [n, c, h, w] = g.x;
     let sp = g.spatial();
     let mut dx = vec![F::ZERO; n * c * h * w];
-    let mut at = vec![0usize; sp];
-    for p in 0..n * c {
-        argmax_windows(g, &x[p * h * w..(p + 1) * h * w], &mut at);
-        let d = &mut dx[p * h * w..(p + 1) * h * w];
-        for (&i, &g) in at.iter().zip(&dy[p * sp..(p + 1) * sp]) {
-            if i != usize::MAX {
-                d[i] += g;
+    if sp == 0 || dx.is_empty() {
+        return dx;
+    }
+    for ((d, at), dy) in dx.chunks_exact_mut(h * w).zip(at.chunks_exact(sp)).zip(dy.chunks_exact(sp)) {
+        for (&i, &g) in at.iter().zip(dy) {
+            if i != NO_ARGMAX {
+                d[i as usize] += g;
             }
         }
     }
@@ -406,8 +636,8 @@ pub fn relu_grad<F: HostFloat>(dy: &[F], x: &[F]) -> Vec<F> {
 mod tests {
     use super::*;
 
-    /// The branch-free pooling path picks the same input as the general one, ties (the first
-    /// maximum wins) and NaNs (a NaN wins) included, for every unpadded window shape.
+    /// The branch-free pooling paths (any unpadded window, and 2x2 at stride 2) pick the same
+    /// input as the general one, ties (the first maximum wins) and NaNs (a NaN wins) included.
     #[test]
     fn unpadded_pooling_picks_what_the_general_path_picks() {
         let mut seed = 12345u64;
@@ -427,9 +657,14 @@ mod tests {
             let out = [0, 1].map(|a| ([h, w][a] - dilation[a] * (kernel[a] - 1) - 1) / stride[a] + 1);
             let g = Geometry { x: [1, 1, h, w], kernel, stride, dilation, pad: [0, 0], out };
             let (mut fast, mut general) = (vec![0; out[0] * out[1]], vec![0; out[0] * out[1]]);
-            argmax_inside(&g, &plane, &mut fast);
+            argmax_inside(&g, &plane, &mut fast, &mut vec![0.0; out[1]]);
             argmax_general(&g, &plane, &mut general);
             assert_eq!(fast, general, "kernel {kernel:?} stride {stride:?} dilation {dilation:?}");
+            if kernel == [2, 2] && stride == [2, 2] && dilation == [1, 1] {
+                let mut two = vec![0; out[0] * out[1]];
+                argmax_2x2(&g, &plane, &mut two);
+                assert_eq!(two, general, "the 2x2 path");
+            }
         }
     }
 }

@@ -1,12 +1,14 @@
 //! The runtime's backend interface, and native kernels for backends that keep tensors in
 //! host memory.
 //!
-//! [`Backend`] extends burn's backend trait with two methods: a view of a float tensor's
-//! host memory (when it has any) and building a tensor from host data. The lowering calls
-//! [`try_native`] first for the hot ops (matrix products, convolutions and their gradients,
-//! max pooling, ReLU's gradient); where every operand is host-visible in one float type, the
-//! op runs on the slice kernels in [`kernels`], otherwise it falls through to burn's generic
-//! ops. burn-ndarray is host-visible; a device backend (CUDA) is not, and uses burn's path.
+//! [`Backend`] extends burn's backend trait with a view of a float tensor's host memory (when
+//! it has any), building a tensor from host data, flat buffers and device kernels. When a plan
+//! is compiled, [`bind`] chooses each hot op's kernel (matrix products, convolutions and their
+//! gradients, max pooling and its gradient, ReLU's gradient) with every extent resolved; a
+//! max pool whose gradient is in the same plan keeps its argmax for it ([`Kept`]). On a host
+//! backend (burn-ndarray) the bound kernels run on the slice kernels in [`kernels`]; on a
+//! device backend matrix products and convolutions run on its own kernels and the rest on
+//! burn's ops.
 
 pub mod kernels;
 
@@ -38,6 +40,10 @@ pub const FLAT_ALIGN: usize = 64;
 
 /// A burn backend as the runtime drives it.
 pub trait Backend: burn_backend::Backend {
+    /// True when tensors live in host memory ([`Self::host_slice`] always answers): plans then
+    /// run their bound kernels on [`kernels`]; otherwise on [`Self::device_kernel`].
+    const HOST: bool = false;
+
     /// The tensor's contents when the backend keeps them in host memory (no copy when the
     /// layout is already row-major); `None` for device backends.
     fn host_slice(_t: &FloatTensor<Self>) -> Option<HostSlice<'_>> {
@@ -78,7 +84,7 @@ pub trait Backend: burn_backend::Backend {
         None
     }
 
-    /// Runs a matmul or convolution (see [`native_shape`]) on the backend's own kernels, when
+    /// Runs a matmul or convolution (see [`bind`]) on the backend's own kernels, when
     /// it has them (device backends: exact f32, where burn's would use TF32 tensor cores).
     fn device_kernel(_op: &Native, _args: &[&FloatTensor<Self>], _out: &TensorType) -> Option<FloatTensor<Self>> {
         None
@@ -99,6 +105,8 @@ impl<E: FloatNdArrayElement> Backend for NdArray<E>
 where
     NdArrayTensor: From<ndarray::ArcArray<E, ndarray::IxDyn>>,
 {
+    const HOST: bool = true;
+
     fn host_slice(t: &NdArrayTensor) -> Option<HostSlice<'_>> {
         fn cow<T: Clone>(v: ndarray::ArrayViewD<'_, T>) -> Cow<'_, [T]> {
             match v.to_slice() {
@@ -156,51 +164,83 @@ fn geometry(x: &[usize], kernel: [usize; 2], stride: [usize; 2], dilation: [usiz
     Geometry { x: [x[0], x[1], x[2], x[3]], kernel, stride, dilation, pad: [w.pad[0], w.pad[2]], out: w.out }
 }
 
-/// Runs `op` on the host kernels in element type `F`, or `None` if an operand is not `F`.
-fn run<F: Elem>(op: &Op, args: &[HostSlice], tys: &[&TensorType], out: &TensorType) -> Option<Vec<F>> {
+/// Per-session host state the kernels keep between steps of a run: the argmax of each max
+/// pool whose gradient is later in the same plan ([`Native::MaxPool`]'s `keep`), stamped with
+/// the run that wrote it (a gradient only trusts its own run's argmax).
+#[derive(Default)]
+pub struct Kept {
+    run: u64,
+    argmax: Vec<(u64, Vec<u32>)>,
+}
+
+impl Kept {
+    /// Starts a run: what earlier runs kept is stale from now on.
+    pub fn begin_run(&mut self) {
+        self.run += 1;
+    }
+    fn slot(&mut self, k: usize, len: usize) -> &mut Vec<u32> {
+        if self.argmax.len() <= k {
+            self.argmax.resize_with(k + 1, Default::default);
+        }
+        let (stamp, v) = &mut self.argmax[k];
+        *stamp = self.run;
+        v.resize(len, 0);
+        v
+    }
+    fn get(&self, k: usize, len: usize) -> Option<&[u32]> {
+        self.argmax.get(k).filter(|(stamp, v)| *stamp == self.run && v.len() == len).map(|(_, v)| &v[..])
+    }
+}
+
+/// Runs a bound kernel in element type `F`, or `None` if an operand is not `F`.
+fn run<F: Elem>(k: &Native, args: &[HostSlice], tys: &[&TensorType], out: &TensorType, kept: &mut Kept) -> Option<Vec<F>> {
     let a: Vec<&[F]> = args.iter().map(F::slice).collect::<Option<_>>()?;
     let d = |i: usize| tys[i].dims();
-    let resolve = |x: &[usize], k: [usize; 2], s, dil, mode, pad| window::resolve([x[2], x[3]], k, s, dil, mode, pad).ok();
-    Some(match op {
-        Op::MatMul { transpose_a, transpose_b } => {
+    Some(match k {
+        Native::MatMul { transpose_a, transpose_b, .. } => {
             let m = |i: usize, t: bool| Mat { data: a[i], rows: d(i)[0], cols: d(i)[1], transposed: t };
             kernels::matmul(m(0, *transpose_a), m(1, *transpose_b))
         }
-        Op::Conv2d(c) => {
-            let (x, w) = (d(0), d(1));
-            let win = resolve(x, [w[2], w[3]], c.stride, c.dilation, c.pad_mode, c.pad)?;
-            kernels::conv2d(&geometry(x, [w[2], w[3]], c.stride, c.dilation, &win), c.groups, a[0], a[1], w[0])
-        }
-        Op::Conv2dBackpropInput { conv: c, input_shape } => {
-            let (x, w) = (&input_shape.0, d(1));
-            let win = resolve(x, [w[2], w[3]], c.stride, c.dilation, c.pad_mode, c.pad)?;
-            kernels::conv2d_input_grad(&geometry(x, [w[2], w[3]], c.stride, c.dilation, &win), c.groups, a[0], a[1], w[0])
-        }
-        Op::Conv2dBackpropFilter { conv: c, filter_shape } => {
-            let (x, w) = (d(1), &filter_shape.0);
-            let win = resolve(x, [w[2], w[3]], c.stride, c.dilation, c.pad_mode, c.pad)?;
-            kernels::conv2d_filter_grad(&geometry(x, [w[2], w[3]], c.stride, c.dilation, &win), c.groups, a[0], a[1], w[0])
-        }
-        Op::MaxPool2d(p) | Op::MaxPool2dGrad(p) => {
-            let x = d(0);
-            let win = resolve(x, p.kernel, p.stride, [1, 1], p.pad_mode, p.pad)?;
-            let g = geometry(x, p.kernel, p.stride, [1, 1], &win);
-            match op {
-                Op::MaxPool2d(_) => kernels::max_pool2d(&g, a[0]),
-                _ => kernels::max_pool2d_grad(&g, a[0], a[1]),
+        Native::Conv { kind: ConvKind::Forward, g, groups, out_channels } => kernels::conv2d(g, *groups, a[0], a[1], *out_channels),
+        Native::Conv { kind: ConvKind::InputGrad, g, groups, out_channels } => kernels::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels),
+        Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels } => kernels::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels),
+        Native::MaxPool { g, keep } => match keep {
+            Some(s) => kernels::max_pool2d(g, a[0], kept.slot(*s, out.numel())),
+            None => kernels::max_pool2d(g, a[0], &mut vec![0; out.numel()]),
+        },
+        Native::MaxPoolGrad { g, kept: slot } => {
+            let len = tys[1].numel();
+            match slot.and_then(|s| kept.get(s, len)) {
+                Some(at) => kernels::max_pool2d_grad(g, at, a[1]),
+                None => {
+                    let mut at = vec![0; len];
+                    kernels::max_pool2d_argmax(g, a[0], &mut at);
+                    kernels::max_pool2d_grad(g, &at, a[1])
+                }
             }
         }
-        Op::ReluGrad if d(0) == d(1) => kernels::relu_grad(a[0], a[1]),
-        _ => return None,
+        Native::ReluGrad => kernels::relu_grad(a[0], a[1]),
     })
     .filter(|v| v.len() == out.numel().max(1))
 }
 
-/// What a device kernel needs to run one of the [`has_native`] ops.
+/// A step's kernel, chosen when the plan is compiled ([`bind`]): every extent and window is
+/// resolved then, so running it is a call. Host backends run all of them on [`kernels`];
+/// device backends run matmuls and convolutions on their own kernels
+/// ([`Backend::device_kernel`]) and the rest on burn's ops.
+#[derive(Clone, Debug)]
 pub enum Native {
     MatMul { m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool },
     /// Forward, input gradient, filter gradient; `out_channels` is the filter's first extent.
     Conv { kind: ConvKind, g: Geometry, groups: usize, out_channels: usize },
+    /// Max pooling; `keep`: the [`Kept`] slot its argmax goes to, when its gradient is later in
+    /// the same plan.
+    MaxPool { g: Geometry, keep: Option<usize> },
+    /// Max pooling's gradient `(x, dy)`; `kept`: the slot its forward fills (without one, or
+    /// when the forward did not run on the host kernels, the argmax is recomputed from `x`).
+    MaxPoolGrad { g: Geometry, kept: Option<usize> },
+    /// ReLU's gradient `(dy, x)` of equal extents.
+    ReluGrad,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -210,14 +250,20 @@ pub enum ConvKind {
     FilterGrad,
 }
 
-/// The matmul and convolution ops' extents, resolved (padding modes included) from the
-/// operand types, for device kernels; `None` for other ops.
-pub fn native_shape(op: &Op, tys: &[&TensorType]) -> Option<Native> {
+/// The kernel for `op` on operands of types `tys`, resolved once (padding modes included);
+/// `None` for ops that run on burn's ops (or windows that do not resolve: the lowering then
+/// reports the error).
+pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
     let d = |i: usize| tys[i].dims();
     let resolve = |x: &[usize], k: [usize; 2], s, dil, mode, pad| window::resolve([x[2], x[3]], k, s, dil, mode, pad).ok();
     let conv = |kind, c: &cellgraph_compiler::op::Conv2dAttrs, x: &[usize], w: &[usize]| {
         let win = resolve(x, [w[2], w[3]], c.stride, c.dilation, c.pad_mode, c.pad)?;
         Some(Native::Conv { kind, g: geometry(x, [w[2], w[3]], c.stride, c.dilation, &win), groups: c.groups, out_channels: w[0] })
+    };
+    let pool = |p: &cellgraph_compiler::Pool2dAttrs| {
+        let x = d(0);
+        let win = resolve(x, p.kernel, p.stride, [1, 1], p.pad_mode, p.pad)?;
+        Some(geometry(x, p.kernel, p.stride, [1, 1], &win))
     };
     match op {
         Op::MatMul { transpose_a, transpose_b } => {
@@ -229,25 +275,20 @@ pub fn native_shape(op: &Op, tys: &[&TensorType]) -> Option<Native> {
         Op::Conv2d(c) => conv(ConvKind::Forward, c, d(0), d(1)),
         Op::Conv2dBackpropInput { conv: c, input_shape } => conv(ConvKind::InputGrad, c, &input_shape.0, d(1)),
         Op::Conv2dBackpropFilter { conv: c, filter_shape } => conv(ConvKind::FilterGrad, c, d(1), &filter_shape.0),
+        Op::MaxPool2d(p) => Some(Native::MaxPool { g: pool(p)?, keep: None }),
+        Op::MaxPool2dGrad(p) => Some(Native::MaxPoolGrad { g: pool(p)?, kept: None }),
+        Op::ReluGrad if d(0) == d(1) => Some(Native::ReluGrad),
         _ => None,
     }
 }
 
-/// True for the ops [`try_native`] may run.
-pub fn has_native(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::MatMul { .. } | Op::Conv2d(_) | Op::Conv2dBackpropInput { .. } | Op::Conv2dBackpropFilter { .. } | Op::MaxPool2d(_) | Op::MaxPool2dGrad(_) | Op::ReluGrad
-    )
-}
-
-/// Runs `op` on the host kernels when every operand is host-visible in one float type;
-/// `None` sends it to burn's generic lowering.
-pub fn try_native<B: Backend>(op: &Op, args: &[&FloatTensor<B>], tys: &[&TensorType], out: &TensorType, device: &Device<B>) -> Option<FloatTensor<B>> {
+/// Runs a bound kernel on the host kernels when every operand is host-visible in one float
+/// type; `None` sends the step to burn's generic lowering.
+pub fn run_host<B: Backend>(k: &Native, args: &[&FloatTensor<B>], tys: &[&TensorType], out: &TensorType, device: &Device<B>, kept: &mut Kept) -> Option<FloatTensor<B>> {
     let slices: Vec<HostSlice> = args.iter().map(|t| B::host_slice(t)).collect::<Option<_>>()?;
     let data = match slices.first()? {
-        HostSlice::F32(_) => run::<f32>(op, &slices, tys, out).map(f32::wrap),
-        HostSlice::F64(_) => run::<f64>(op, &slices, tys, out).map(f64::wrap),
+        HostSlice::F32(_) => run::<f32>(k, &slices, tys, out, kept).map(f32::wrap),
+        HostSlice::F64(_) => run::<f64>(k, &slices, tys, out, kept).map(f64::wrap),
     }?;
     Some(B::from_host_vec(data, out.dims(), device))
 }
