@@ -292,3 +292,36 @@ pub fn run_host<B: Backend>(k: &Native, args: &[&FloatTensor<B>], tys: &[&Tensor
     }?;
     Some(B::from_host_vec(data, out.dims(), device))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cellgraph_compiler::{PadMode, Pool2dAttrs};
+
+    /// A max pool's gradient routes by the argmax its forward kept in the same run, with the
+    /// same bits as recomputing it; an argmax from an earlier run is never used.
+    #[test]
+    fn a_pool_gradient_routes_by_its_own_runs_argmax_only() {
+        let p = Pool2dAttrs { kernel: [2, 2], stride: [2, 2], pad_mode: PadMode::Valid, pad: [0; 4] };
+        let (xt, yt) = (TensorType::f32(vec![2, 3, 6, 6]), TensorType::f32(vec![2, 3, 3, 3]));
+        let bound = |op: &Op, tys: &[&TensorType]| bind(op, tys).expect("pooling binds");
+        let (fwd, grad) = (bound(&Op::MaxPool2d(p.clone()), &[&xt]), bound(&Op::MaxPool2dGrad(p.clone()), &[&xt, &yt]));
+        let (Native::MaxPool { g, .. }, Native::MaxPoolGrad { .. }) = (&fwd, &grad) else { panic!("pooling kernels") };
+        let (keep, kept) = (Native::MaxPool { g: *g, keep: Some(0) }, Native::MaxPoolGrad { g: *g, kept: Some(0) });
+        let x1: Vec<f32> = (0..216).map(|i| ((i * 37) % 23) as f32).collect();
+        let x2: Vec<f32> = x1.iter().rev().copied().collect();
+        let dy: Vec<f32> = (0..54).map(|i| i as f32 + 0.5).collect();
+        let s = |v: &[f32]| HostSlice::F32(Cow::Owned(v.to_vec()));
+        let mut state = Kept::default();
+        state.begin_run();
+        run::<f32>(&keep, &[s(&x1)], &[&xt], &yt, &mut state).expect("forward");
+        let routed = run::<f32>(&kept, &[s(&x1), s(&dy)], &[&xt, &yt], &xt, &mut state).expect("gradient");
+        let searched = run::<f32>(&grad, &[s(&x1), s(&dy)], &[&xt, &yt], &xt, &mut state).expect("gradient");
+        assert_eq!(routed.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), searched.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        // The next run's gradient, on other input, before its forward ran: it must search.
+        state.begin_run();
+        let fresh = run::<f32>(&kept, &[s(&x2), s(&dy)], &[&xt, &yt], &xt, &mut state).expect("gradient");
+        assert_eq!(fresh, run::<f32>(&grad, &[s(&x2), s(&dy)], &[&xt, &yt], &xt, &mut state).expect("gradient"));
+        assert_ne!(fresh, routed);
+    }
+}
