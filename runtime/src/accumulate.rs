@@ -21,7 +21,7 @@ use cellgraph_compiler::{HostData, HostTensor, TensorType};
 use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
 use crate::exec::{compile, compile_with, DumpAt, Executable, Session};
-use crate::host::HostVec;
+use crate::backend::HostVec;
 use crate::value::Value;
 
 /// How many times each graph ran.
@@ -235,7 +235,7 @@ impl<B: Backend> Accumulator<B> {
         for (name, n) in &self.trained {
             let shape = self.session.param_shape(name).ok_or_else(|| RuntimeError::MissingParam(name.clone()))?;
             layout.push((len, shape));
-            len += n.div_ceil(crate::host::FLAT_ALIGN) * crate::host::FLAT_ALIGN;
+            len += n.div_ceil(crate::backend::FLAT_ALIGN) * crate::backend::FLAT_ALIGN;
         }
         let first = &self.trained[0].0;
         let inits: Vec<f32> = self.opt.state(first, &TensorType::f32(layout[0].1.clone())).iter().map(|s| s.init as f32).collect();

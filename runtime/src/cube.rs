@@ -19,7 +19,8 @@ use cellgraph_compiler::update::FusedRule;
 use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeDim};
 
-use crate::host::{Backend, ConvKind, Native};
+use crate::backend::Backend;
+use crate::kernel::{ConvKind, Native};
 use cellgraph_compiler::TensorType;
 
 /// burn's CUDA backend (no fusion): the executor's tensors are cubecl buffers.
@@ -36,7 +37,7 @@ pub type Wgpu = CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
 #[cfg(feature = "wgpu")]
 pub use cubecl::wgpu::WgpuDevice;
 
-use crate::host::FLAT_ALIGN as ALIGN;
+use crate::backend::FLAT_ALIGN as ALIGN;
 
 /// `acc[i] += g[i]`.
 #[cube(launch)]

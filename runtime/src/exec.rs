@@ -16,7 +16,8 @@ use cellgraph_compiler::dump::DumpOptions;
 use cellgraph_compiler::{Graph, HostTensor, Op, TensorType};
 
 use crate::error::{Result, RuntimeError};
-use crate::host::{Kept, Native};
+use crate::host::Kept;
+use crate::kernel::Native;
 use crate::lower::{eval, Ctx};
 use crate::value::{settings, Value};
 
@@ -196,7 +197,7 @@ pub fn compile_with(mut graph: Graph, dump: Option<DumpAt>) -> Result<Executable
                 (op, Some(Op::Parameter { name })) if op.is_effect() => Some(name.clone()),
                 _ => None,
             };
-            let kernel = crate::host::bind(&n.op, &ops.iter().map(|&o| graph.ty(o)).collect::<Vec<_>>());
+            let kernel = crate::kernel::bind(&n.op, &ops.iter().map(|&o| graph.ty(o)).collect::<Vec<_>>());
             Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred, kernel }
         })
         .collect();
@@ -328,7 +329,7 @@ impl<B: Backend> Session<B> {
     fn bind_param(&self, name: &str, ty: &TensorType) -> Result<Value<B>> {
         let v = self.params.get(name).ok_or_else(|| RuntimeError::MissingParam(name.into()))?;
         let dims = v.dims();
-        let want = crate::lower::bshape(ty.dims()).to_vec();
+        let want = crate::backend::bshape(ty.dims()).to_vec();
         if dims != want {
             return Err(RuntimeError::Mismatch {
                 what: format!("parameter `{name}`"),

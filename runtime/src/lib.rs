@@ -1,12 +1,16 @@
 //! cellgraph's runtime: executes compiled graphs on a burn backend.
 //!
 //! - [`exec`]: compile a graph to a plan; a [`Session`] holds parameters and runs plans.
-//! - [`lower`]: the exhaustive op-to-backend lowering.
+//! - [`backend`]: the backend interface plans run on (burn's, extended).
+//! - [`kernel`]: the kernel each hot step is bound to when a plan is compiled.
+//! - [`host`]: those kernels on host memory (the CPU backend).
+//! - [`lower`]: the exhaustive op-to-backend lowering (burn's ops) for everything else.
 //! - [`value`]: device values and host transfers.
 //! - [`data`]: datasets (MNIST IDX files).
 //! - `cube` (features `cuda`, `wgpu`): burn's cubecl backend and the runtime's own kernels.
 
 pub mod accumulate;
+pub mod backend;
 pub mod callback;
 pub mod checkpoint;
 pub mod comm;
@@ -17,6 +21,7 @@ pub mod device;
 pub mod error;
 pub mod exec;
 pub mod host;
+pub mod kernel;
 pub mod lower;
 pub mod model;
 pub mod value;
@@ -27,7 +32,7 @@ pub use burn_backend;
 pub use accumulate::{Accumulator, Counters, LoadReport, StepOutcome};
 pub use callback::{Callback, CheckpointConfig, LossLog, LossMonitor, ModelCheckpoint, ProgressBar, RunContext, TimeMonitor};
 pub use exec::{compile, compile_with, DumpAt, Executable, Session};
-pub use host::Backend;
+pub use backend::Backend;
 pub use model::{Dataset, Metric, Model, Position, TensorDataset};
 pub use value::Value;
 

@@ -6,12 +6,12 @@
 
 use burn_backend::ops::{ConvOptions, ConvTransposeOptions};
 use burn_backend::tensor::{Device, FloatTensor, IntTensor};
-use burn_backend::{DeviceSettings, FloatDType, Scalar, Shape as BShape, Slice, TensorData};
+use burn_backend::{DeviceSettings, FloatDType, Scalar, Slice, TensorData};
 use cellgraph_compiler::window::{self, Window};
 use cellgraph_compiler::{DType, Op, PadMode, Pool2dAttrs, ReduceAttrs, Reduction, TensorType};
 
 use crate::error::{Result, RuntimeError};
-use crate::Backend;
+use crate::backend::{bshape, Backend};
 use crate::value::Value;
 
 /// What one evaluation needs besides its operands.
@@ -45,15 +45,6 @@ impl<B: Backend> Ctx<'_, B> {
     }
     fn full(&self, dims: &[usize], value: f64) -> FloatTensor<B> {
         B::float_full(bshape(dims), Scalar::Float(value), self.device, self.settings.float_dtype)
-    }
-}
-
-/// A burn shape for IR extents (`[]` becomes `[1]`).
-pub fn bshape(dims: &[usize]) -> BShape {
-    if dims.is_empty() {
-        BShape::from(vec![1usize])
-    } else {
-        BShape::from(dims.to_vec())
     }
 }
 

@@ -33,7 +33,7 @@ pub fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
 impl<B: crate::Backend> Value<B> {
     /// Copies a host tensor to the device.
     pub fn from_host(t: &HostTensor, device: &Device<B>) -> Self {
-        let shape = crate::lower::bshape(&t.shape);
+        let shape = crate::backend::bshape(&t.shape);
         match &t.data {
             HostData::F32(v) => Value::Float(B::float_from_data(
                 TensorData::new(v.clone(), shape).convert::<B::FloatElem>(),
@@ -60,8 +60,8 @@ impl<B: crate::Backend> Value<B> {
             // element by element through dynamic indices, 20x slower on a parameter).
             Value::Float(t) if B::host_slice(t).is_some() => {
                 let data = match B::host_slice(t).expect("checked") {
-                    crate::host::HostSlice::F32(v) => HostData::F32(v.into_owned()),
-                    crate::host::HostSlice::F64(v) => HostData::F64(v.into_owned()),
+                    crate::backend::HostSlice::F32(v) => HostData::F32(v.into_owned()),
+                    crate::backend::HostSlice::F64(v) => HostData::F64(v.into_owned()),
                 };
                 (data, t.shape().to_vec())
             }

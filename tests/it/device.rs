@@ -50,7 +50,7 @@ mod wgpu {
     use super::*;
     use cellgraph::compiler::passes::grad_accumulation::{optimizer_graph, AccumulationOptions};
     use cellgraph::runtime::cube::{Wgpu, WgpuDevice};
-    use cellgraph::runtime::host::HostVec;
+    use cellgraph::runtime::backend::HostVec;
     use cellgraph::runtime::Value;
     use rand::{Rng, SeedableRng};
 

@@ -21,6 +21,8 @@ thread_local! {
     static SCRATCH_F64: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
 }
 
+pub use crate::kernel::Geometry;
+
 /// A float element the host kernels compute in.
 pub trait HostFloat: Copy + PartialOrd + std::ops::Add<Output = Self> + std::ops::AddAssign + Send + Sync + 'static {
     const ZERO: Self;
@@ -131,51 +133,6 @@ pub fn matmul<F: HostFloat>(a: Mat<F>, b: Mat<F>) -> Vec<F> {
     // SAFETY: both views were checked to lie inside their slices; `c` is m x n.
     unsafe { gemm_oriented::<F>(m, k, n, a.data.as_ptr(), rsa, csa, b.data.as_ptr(), rsb, csb, F::ZERO, c.as_mut_ptr(), n as isize, 1) };
     c
-}
-
-/// The geometry of one 2-D convolution (or pooling window) over NCHW input.
-#[derive(Clone, Copy, Debug)]
-pub struct Geometry {
-    /// `[n, c, h, w]` of the input.
-    pub x: [usize; 4],
-    /// `[kh, kw]`.
-    pub kernel: [usize; 2],
-    pub stride: [usize; 2],
-    pub dilation: [usize; 2],
-    /// `[top, left]` padding (bottom and right follow from `out`).
-    pub pad: [usize; 2],
-    /// `[oh, ow]`.
-    pub out: [usize; 2],
-}
-
-impl Geometry {
-    fn spatial(&self) -> usize {
-        self.out[0] * self.out[1]
-    }
-    /// Stride 1, dilation 1, no padding, and a window that fits: every output reads a
-    /// contiguous run of each input row.
-    fn is_dense(&self) -> bool {
-        self.stride == [1, 1]
-            && self.dilation == [1, 1]
-            && self.pad == [0, 0]
-            && self.out[0] > 0
-            && self.out[1] > 0
-            && self.out[0] + self.kernel[0] <= self.x[2] + 1
-            && self.out[1] + self.kernel[1] <= self.x[3] + 1
-    }
-    /// The input coordinate read by output `o` at kernel offset `k` along axis `a`, if inside.
-    #[inline]
-    fn at(&self, a: usize, o: usize, k: usize) -> Option<usize> {
-        let i = (o * self.stride[a] + k * self.dilation[a]).checked_sub(self.pad[a])?;
-        (i < self.x[2 + a]).then_some(i)
-    }
-    /// Output columns `[lo, hi)` whose input column at kernel offset `kx` lies inside.
-    fn valid_cols(&self, kx: usize) -> (usize, usize) {
-        let (s, off, w) = (self.stride[1], kx * self.dilation[1], self.x[3]);
-        let lo = self.pad[1].saturating_sub(off).div_ceil(s).min(self.out[1]);
-        let hi = if w + self.pad[1] > off { (w + self.pad[1] - off).div_ceil(s).min(self.out[1]) } else { 0 };
-        (lo, hi.max(lo))
-    }
 }
 
 /// Unfolds `channels` input planes (`x`, each `h*w`) into rows of `col`: row

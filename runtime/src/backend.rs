@@ -1,0 +1,131 @@
+//! The runtime's backend interface: burn's backend trait extended with what plans need
+//! (host views of tensors, flat buffers, device kernels), and its host implementation on
+//! burn-ndarray.
+
+use std::borrow::Cow;
+
+use burn_backend::tensor::{Device, FloatTensor};
+use burn_backend::{Shape as BShape, TensorData};
+use burn_ndarray::{FloatNdArrayElement, NdArray, NdArrayTensor};
+use cellgraph_compiler::update::FusedRule;
+use cellgraph_compiler::TensorType;
+
+use crate::kernel::Native;
+
+/// A burn shape for IR extents (`[]` becomes `[1]`: burn has no rank-0 tensors).
+pub fn bshape(dims: &[usize]) -> BShape {
+    if dims.is_empty() {
+        BShape::from(vec![1usize])
+    } else {
+        BShape::from(dims.to_vec())
+    }
+}
+
+/// A float tensor's contents on the host, in row-major order.
+pub enum HostSlice<'a> {
+    F32(Cow<'a, [f32]>),
+    F64(Cow<'a, [f64]>),
+}
+
+/// Host data for a new float tensor.
+pub enum HostVec {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+/// Offsets of per-parameter views into flat device buffers are multiples of this many
+/// elements (256 bytes of f32: wgpu's storage-buffer offset alignment, aligned vector loads).
+pub const FLAT_ALIGN: usize = 64;
+
+/// A burn backend as the runtime drives it.
+pub trait Backend: burn_backend::Backend {
+    /// True when tensors live in host memory ([`Self::host_slice`] always answers): plans then
+    /// run their bound kernels on [`kernels`]; otherwise on [`Self::device_kernel`].
+    const HOST: bool = false;
+
+    /// The tensor's contents when the backend keeps them in host memory (no copy when the
+    /// layout is already row-major); `None` for device backends.
+    fn host_slice(_t: &FloatTensor<Self>) -> Option<HostSlice<'_>> {
+        None
+    }
+
+    /// True when the backend keeps parameters, accumulators and optimizer state in flat
+    /// device buffers with per-parameter views ([`Self::flat_view`]), accumulates in place
+    /// ([`Self::assign_add_in_place`]) and runs a boundary as one fused kernel
+    /// ([`Self::fused_update`]). Host backends run the graphs instead.
+    fn flat_buffers() -> bool {
+        false
+    }
+
+    /// A tensor of extents `shape` sharing `buffer`'s memory from element `offset` (a
+    /// multiple of the backend's alignment); `None` when the backend has no such views.
+    fn flat_view(_buffer: &FloatTensor<Self>, _offset: usize, _shape: &[usize]) -> Option<FloatTensor<Self>> {
+        None
+    }
+
+    /// `acc += g`, written into `acc`'s memory; false when the backend cannot (the caller
+    /// then adds out of place).
+    fn assign_add_in_place(_acc: &FloatTensor<Self>, _g: FloatTensor<Self>) -> bool {
+        false
+    }
+
+    /// One kernel over flat buffers: the optimizer update of every parameter from
+    /// `acc * scale`, then `acc = 0`. Returns the kernels launched, or `None` when the backend
+    /// has no fused kernels.
+    fn fused_update(
+        _rule: &FusedRule,
+        _params: &FloatTensor<Self>,
+        _acc: &FloatTensor<Self>,
+        _state: &[FloatTensor<Self>],
+        _scale: f32,
+        _scalars: &[f32],
+    ) -> Option<usize> {
+        None
+    }
+
+    /// Runs a matmul or convolution (see [`crate::kernel::bind`]) on the backend's own kernels, when
+    /// it has them (device backends: exact f32, where burn's would use TF32 tensor cores).
+    fn device_kernel(_op: &Native, _args: &[&FloatTensor<Self>], _out: &TensorType) -> Option<FloatTensor<Self>> {
+        None
+    }
+
+    /// A float tensor of extents `shape` holding `data`.
+    fn from_host_vec(data: HostVec, shape: &[usize], device: &Device<Self>) -> FloatTensor<Self> {
+        let shape = bshape(shape);
+        let data = match data {
+            HostVec::F32(v) => TensorData::new(v, shape),
+            HostVec::F64(v) => TensorData::new(v, shape),
+        };
+        Self::float_from_data(data.convert::<Self::FloatElem>(), device)
+    }
+}
+
+impl<E: FloatNdArrayElement> Backend for NdArray<E>
+where
+    NdArrayTensor: From<ndarray::ArcArray<E, ndarray::IxDyn>>,
+{
+    const HOST: bool = true;
+
+    fn host_slice(t: &NdArrayTensor) -> Option<HostSlice<'_>> {
+        fn cow<T: Clone>(v: ndarray::ArrayViewD<'_, T>) -> Cow<'_, [T]> {
+            match v.to_slice() {
+                Some(s) => Cow::Borrowed(s),
+                None => Cow::Owned(v.iter().cloned().collect()),
+            }
+        }
+        match t {
+            NdArrayTensor::F32(s) => Some(HostSlice::F32(cow(s.view()))),
+            NdArrayTensor::F64(s) => Some(HostSlice::F64(cow(s.view()))),
+            _ => None,
+        }
+    }
+
+    fn from_host_vec(data: HostVec, shape: &[usize], _device: &Device<Self>) -> NdArrayTensor {
+        let dims = ndarray::IxDyn(if shape.is_empty() { &[1] } else { shape });
+        match data {
+            HostVec::F32(v) => ndarray::ArcArray::from_shape_vec(dims, v).expect("extents match the data").into(),
+            HostVec::F64(v) => ndarray::ArcArray::from_shape_vec(dims, v).expect("extents match the data").into(),
+        }
+    }
+}
+

@@ -1,0 +1,117 @@
+//! Kernel binding: what a plan step runs, chosen when the plan is compiled.
+//!
+//! [`bind`] resolves a hot op (matrix products, convolutions and their gradients, max pooling
+//! and its gradient, ReLU's gradient) on its operand types to a [`Native`] kernel with every
+//! extent and window worked out, so running a step is a call. The backend decides where a
+//! bound kernel runs: host backends on [`crate::host`]'s slice kernels, device backends on
+//! their own kernels ([`crate::backend::Backend::device_kernel`]) or burn's ops.
+
+use cellgraph_compiler::{window, Op, TensorType};
+
+/// The geometry of one 2-D convolution (or pooling window) over NCHW input.
+#[derive(Clone, Copy, Debug)]
+pub struct Geometry {
+    /// `[n, c, h, w]` of the input.
+    pub x: [usize; 4],
+    /// `[kh, kw]`.
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub dilation: [usize; 2],
+    /// `[top, left]` padding (bottom and right follow from `out`).
+    pub pad: [usize; 2],
+    /// `[oh, ow]`.
+    pub out: [usize; 2],
+}
+
+impl Geometry {
+    pub(crate) fn spatial(&self) -> usize {
+        self.out[0] * self.out[1]
+    }
+    /// Stride 1, dilation 1, no padding, and a window that fits: every output reads a
+    /// contiguous run of each input row.
+    pub(crate) fn is_dense(&self) -> bool {
+        self.stride == [1, 1]
+            && self.dilation == [1, 1]
+            && self.pad == [0, 0]
+            && self.out[0] > 0
+            && self.out[1] > 0
+            && self.out[0] + self.kernel[0] <= self.x[2] + 1
+            && self.out[1] + self.kernel[1] <= self.x[3] + 1
+    }
+    /// The input coordinate read by output `o` at kernel offset `k` along axis `a`, if inside.
+    #[inline]
+    pub(crate) fn at(&self, a: usize, o: usize, k: usize) -> Option<usize> {
+        let i = (o * self.stride[a] + k * self.dilation[a]).checked_sub(self.pad[a])?;
+        (i < self.x[2 + a]).then_some(i)
+    }
+    /// Output columns `[lo, hi)` whose input column at kernel offset `kx` lies inside.
+    pub(crate) fn valid_cols(&self, kx: usize) -> (usize, usize) {
+        let (s, off, w) = (self.stride[1], kx * self.dilation[1], self.x[3]);
+        let lo = self.pad[1].saturating_sub(off).div_ceil(s).min(self.out[1]);
+        let hi = if w + self.pad[1] > off { (w + self.pad[1] - off).div_ceil(s).min(self.out[1]) } else { 0 };
+        (lo, hi.max(lo))
+    }
+}
+
+/// A step's kernel, chosen when the plan is compiled ([`bind`]): every extent and window is
+/// resolved then, so running it is a call. Host backends run all of them on [`crate::host::kernels`];
+/// device backends run matmuls and convolutions on their own kernels
+/// ([`crate::backend::Backend::device_kernel`]) and the rest on burn's ops.
+#[derive(Clone, Debug)]
+pub enum Native {
+    MatMul { m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool },
+    /// Forward, input gradient, filter gradient; `out_channels` is the filter's first extent.
+    Conv { kind: ConvKind, g: Geometry, groups: usize, out_channels: usize },
+    /// Max pooling; `keep`: the [`crate::host::Kept`] slot its argmax goes to, when its gradient is later in
+    /// the same plan.
+    MaxPool { g: Geometry, keep: Option<usize> },
+    /// Max pooling's gradient `(x, dy)`; `kept`: the slot its forward fills (without one, or
+    /// when the forward did not run on the host kernels, the argmax is recomputed from `x`).
+    MaxPoolGrad { g: Geometry, kept: Option<usize> },
+    /// ReLU's gradient `(dy, x)` of equal extents.
+    ReluGrad,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConvKind {
+    Forward,
+    InputGrad,
+    FilterGrad,
+}
+
+/// The kernel for `op` on operands of types `tys`, resolved once (padding modes included);
+/// `None` for ops that run on burn's ops (or windows that do not resolve: the lowering then
+/// reports the error).
+pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
+    let d = |i: usize| tys[i].dims();
+    let resolve = |x: &[usize], k: [usize; 2], s, dil, mode, pad| window::resolve([x[2], x[3]], k, s, dil, mode, pad).ok();
+    let conv = |kind, c: &cellgraph_compiler::op::Conv2dAttrs, x: &[usize], w: &[usize]| {
+        let win = resolve(x, [w[2], w[3]], c.stride, c.dilation, c.pad_mode, c.pad)?;
+        Some(Native::Conv { kind, g: geometry(x, [w[2], w[3]], c.stride, c.dilation, &win), groups: c.groups, out_channels: w[0] })
+    };
+    let pool = |p: &cellgraph_compiler::Pool2dAttrs| {
+        let x = d(0);
+        let win = resolve(x, p.kernel, p.stride, [1, 1], p.pad_mode, p.pad)?;
+        Some(geometry(x, p.kernel, p.stride, [1, 1], &win))
+    };
+    match op {
+        Op::MatMul { transpose_a, transpose_b } => {
+            let (a, b) = (d(0), d(1));
+            let (m, k) = if *transpose_a { (a[1], a[0]) } else { (a[0], a[1]) };
+            let n = if *transpose_b { b[0] } else { b[1] };
+            Some(Native::MatMul { m, k, n, transpose_a: *transpose_a, transpose_b: *transpose_b })
+        }
+        Op::Conv2d(c) => conv(ConvKind::Forward, c, d(0), d(1)),
+        Op::Conv2dBackpropInput { conv: c, input_shape } => conv(ConvKind::InputGrad, c, &input_shape.0, d(1)),
+        Op::Conv2dBackpropFilter { conv: c, filter_shape } => conv(ConvKind::FilterGrad, c, d(1), &filter_shape.0),
+        Op::MaxPool2d(p) => Some(Native::MaxPool { g: pool(p)?, keep: None }),
+        Op::MaxPool2dGrad(p) => Some(Native::MaxPoolGrad { g: pool(p)?, kept: None }),
+        Op::ReluGrad if d(0) == d(1) => Some(Native::ReluGrad),
+        _ => None,
+    }
+}
+
+fn geometry(x: &[usize], kernel: [usize; 2], stride: [usize; 2], dilation: [usize; 2], w: &window::Window) -> Geometry {
+    Geometry { x: [x[0], x[1], x[2], x[3]], kernel, stride, dilation, pad: [w.pad[0], w.pad[2]], out: w.out }
+}
+
