@@ -306,15 +306,33 @@ fn sub_batch(g: &Geometry, m: usize) -> Geometry {
     Geometry { x: [m, g.x[1], g.x[2], g.x[3]], ..*g }
 }
 
-/// Runs `f` on every item, across the rayon pool's threads when it has more than one (one
-/// thread per rank under `mpirun`: see [`crate::comm`]).
+/// Runs `f` on every item, across `rayon::current_num_threads()` threads when that is more
+/// than one (one thread per rank under `mpirun`: see [`crate::comm`]). The items are cut into
+/// that many contiguous shares; the calling thread works through one share itself while the
+/// pool's threads take the others, so no more threads compete for the cores than asked for.
 fn each<T: Send>(items: Vec<T>, f: impl Fn(T) + Send + Sync) {
-    if items.len() > 1 && rayon::current_num_threads() > 1 {
-        use rayon::prelude::*;
-        items.into_par_iter().for_each(f)
-    } else {
-        items.into_iter().for_each(f)
+    let threads = rayon::current_num_threads().min(items.len());
+    if threads <= 1 {
+        return items.into_iter().for_each(f);
     }
+    let per = items.len().div_ceil(threads);
+    let mut shares: Vec<Vec<T>> = Vec::with_capacity(threads);
+    let mut rest = items.into_iter();
+    loop {
+        let share: Vec<T> = rest.by_ref().take(per).collect();
+        if share.is_empty() {
+            break;
+        }
+        shares.push(share);
+    }
+    let f = &f;
+    let mine = shares.remove(0);
+    rayon::in_place_scope(|s| {
+        for share in shares {
+            s.spawn(move |_| share.into_iter().for_each(f));
+        }
+        mine.into_iter().for_each(f);
+    });
 }
 
 /// Unfolds group `gi` of every image into the batch-wide column matrix `col`
