@@ -177,7 +177,7 @@ pub fn compile_with(mut graph: Graph, dump: Option<DumpAt>) -> Result<Executable
             writes.push((name.clone(), e.index()));
         }
     }
-    let steps: Vec<Step> = order
+    let mut steps: Vec<Step> = order
         .iter()
         .map(|&id| {
             let n = graph.node(id);
@@ -192,16 +192,15 @@ pub fn compile_with(mut graph: Graph, dump: Option<DumpAt>) -> Result<Executable
             frees.sort_unstable();
             frees.dedup();
             let deferred = deferred_read(&graph, id);
-            let arg_types = ops.iter().map(|&o| graph.ty(o).clone()).collect();
+            let arg_types: Vec<TensorType> = ops.iter().map(|&o| graph.ty(o).clone()).collect();
             let target = match (&n.op, ops.first().map(|&o| &graph.node(o).op)) {
                 (op, Some(Op::Parameter { name })) if op.is_effect() => Some(name.clone()),
                 _ => None,
             };
-            let kernel = crate::kernel::bind(&n.op, &ops.iter().map(|&o| graph.ty(o)).collect::<Vec<_>>());
+            let kernel = crate::kernel::bind(&n.op, &arg_types.iter().collect::<Vec<_>>());
             Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred, kernel }
         })
         .collect();
-    let mut steps = steps;
     keep_pool_argmax(&mut steps);
     let outputs = graph.outputs().iter().map(|o| o.index()).collect();
     let slots = graph.id_bound();

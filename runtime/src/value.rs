@@ -56,25 +56,22 @@ impl<B: crate::Backend> Value<B> {
     /// Copies the value back to the host. Floats come back as f64 when the backend computes in f64.
     pub fn to_host(&self) -> HostTensor {
         let (data, shape) = match self {
-            // Host backends: a copy of the memory (burn's `into_data` walks a shared array
-            // element by element through dynamic indices, 20x slower on a parameter).
-            Value::Float(t) if B::host_slice(t).is_some() => {
-                let data = match B::host_slice(t).expect("checked") {
-                    crate::backend::HostSlice::F32(v) => HostData::F32(v.into_owned()),
-                    crate::backend::HostSlice::F64(v) => HostData::F64(v.into_owned()),
-                };
-                (data, t.shape().to_vec())
-            }
-            Value::Float(t) => {
-                let d = block_on(B::float_into_data(t.clone())).expect("device read");
-                let shape = d.shape.to_vec();
-                let data = if B::FloatElem::from_elem(0.1f64).elem::<f64>() == 0.1 {
-                    HostData::F64(d.convert::<f64>().to_vec::<f64>().expect("f64 data"))
-                } else {
-                    HostData::F32(d.convert::<f32>().to_vec::<f32>().expect("f32 data"))
-                };
-                (data, shape)
-            }
+            Value::Float(t) => match B::host_slice(t) {
+                // Host backends: a copy of the memory (burn's `into_data` walks a shared array
+                // element by element through dynamic indices, 20x slower on a parameter).
+                Some(crate::backend::HostSlice::F32(v)) => (HostData::F32(v.into_owned()), t.shape().to_vec()),
+                Some(crate::backend::HostSlice::F64(v)) => (HostData::F64(v.into_owned()), t.shape().to_vec()),
+                None => {
+                    let d = block_on(B::float_into_data(t.clone())).expect("device read");
+                    let shape = d.shape.to_vec();
+                    let data = if B::FloatElem::from_elem(0.1f64).elem::<f64>() == 0.1 {
+                        HostData::F64(d.convert::<f64>().to_vec::<f64>().expect("f64 data"))
+                    } else {
+                        HostData::F32(d.convert::<f32>().to_vec::<f32>().expect("f32 data"))
+                    };
+                    (data, shape)
+                }
+            },
             Value::Int(t) => {
                 let d = block_on(B::int_into_data(t.clone())).expect("device read");
                 let shape = d.shape.to_vec();
