@@ -231,7 +231,8 @@ pub fn vjp(e: &mut Emit, op: &Op, xs: &[NodeId], y: NodeId, g: NodeId) -> Result
             | Op::MaxPool2dGrad(_)
             | Op::AvgPool2dGrad(_)
             | Op::Assign
-            | Op::AssignAdd => return Ok(None),
+            | Op::AssignAdd
+            | Op::Fused { .. } => return Ok(None),
     }))
 }
 

@@ -2,6 +2,7 @@
 //! bytes of parameters a graph reads. `cellgraph inspect` reports them.
 
 use crate::graph::{Graph, NodeId};
+use crate::expr::{Term, Unary};
 use crate::op::Op;
 
 /// Estimated floating-point operations of one node.
@@ -31,6 +32,14 @@ pub fn node_flops(g: &Graph, id: NodeId) -> u64 {
         Op::Conv2dBackpropFilter { filter_shape, .. } => conv(arg(0).dims(), &filter_shape.0),
         Op::MaxPool2d(p) | Op::AvgPool2d(p) => out * (p.kernel[0] * p.kernel[1]) as u64,
         Op::MaxPool2dGrad(p) | Op::AvgPool2dGrad(p) => arg(1).numel() as u64 * (p.kernel[0] * p.kernel[1]) as u64,
+        Op::Fused { expr } => {
+            let weight = |t: &Term| match t {
+                Term::Unary(Unary::Exp | Unary::Log) => 4,
+                Term::Unary(_) | Term::Binary(_) => 1,
+                Term::Arg(_) | Term::Lit(_) => 0,
+            };
+            out * expr.terms().iter().map(weight).sum::<u64>()
+        }
     }
 }
 

@@ -271,5 +271,6 @@ pub fn infer(op: &Op, xs: &[&TensorType]) -> Result<TensorType, String> {
             check_same(xs[0], xs[1], "parameter and value")?;
             Ok(xs[0].clone())
         }
+        Op::Fused { expr } => expr.infer(xs),
     }
 }

@@ -7,6 +7,7 @@
 //! - [`verify`]: the verifier and its invariants.
 //! - [`print`] and [`parse`]: the round-trip text format.
 //! - [`autodiff`]: graph-mode reverse-mode differentiation; [`emit`]: the node builder.
+//! - [`expr`]: the postfix body of a `fused` elementwise node.
 //! - [`passes`]: named rewrites run by one pipeline that verifies after each.
 //! - [`dump`]: per-pass graph dumps (`.ir`, `.json`, `.dot`).
 #![warn(missing_docs)]
@@ -17,6 +18,7 @@ pub mod cost;
 pub mod dump;
 pub mod emit;
 pub mod error;
+pub mod expr;
 pub mod graph;
 pub mod infer;
 pub mod op;

@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+use crate::expr::Expr;
 use crate::types::{DType, Shape};
 
 /// How a convolution or pooling window pads its input (MindSpore's `pad_mode`).
@@ -130,6 +131,10 @@ pub enum Op {
     Assign,
     /// `param := param + value` when the graph finishes; operands `(param, value)`.
     AssignAdd,
+    // ---- formed by the compiler
+    /// Elementwise ops fused into one node by [`crate::passes::fuse`]: `expr` runs per output
+    /// element over the operands (broadcast numpy-style). Formed after differentiation.
+    Fused { expr: Expr },
 }
 
 /// A printed attribute value.
@@ -256,6 +261,7 @@ impl Op {
             Op::AvgPool2dGrad(_) => "avg_pool2d_grad",
             Op::Assign => "assign",
             Op::AssignAdd => "assign_add",
+            Op::Fused { .. } => "fused",
         }
     }
 
@@ -276,7 +282,7 @@ impl Op {
             Op::Conv2dBackpropInput { .. } | Op::Conv2dBackpropFilter { .. } => Exactly(2),
             Op::MaxPool2dGrad(_) | Op::AvgPool2dGrad(_) | Op::Assign | Op::AssignAdd => Exactly(2),
             Op::ReduceMaxGrad(_) | Op::SoftmaxCrossEntropyGrad { .. } => Exactly(3),
-            Op::Concat { .. } => Arity::AtLeast(1),
+            Op::Concat { .. } | Op::Fused { .. } => Arity::AtLeast(1),
         }
     }
 
@@ -307,6 +313,7 @@ impl Op {
             Op::Slice { begin, end } => vec![("begin", ints(begin)), ("end", ints(end))],
             Op::Pad { lo, hi } => vec![("hi", ints(hi)), ("lo", ints(lo))],
             Op::Concat { axis } => vec![("axis", Attr::Int(*axis as i64))],
+            Op::Fused { expr } => vec![("expr", Attr::Str(expr.to_string()))],
             Op::ReduceSum(r) | Op::ReduceMean(r) | Op::ReduceMax(r) | Op::ReduceMaxGrad(r) => {
                 vec![("axes", ints(&r.axes)), ("keep_dims", Attr::Bool(r.keep_dims))]
             }
@@ -397,6 +404,7 @@ impl Op {
             "avg_pool2d_grad" => Op::AvgPool2dGrad(a.pool()?),
             "assign" => Op::Assign,
             "assign_add" => Op::AssignAdd,
+            "fused" => Op::Fused { expr: a.str("expr")?.parse().map_err(|e| format!("attribute `expr`: {e}"))? },
             other => return Err(format!("unknown op `{other}`")),
         };
         match a.attrs.keys().next() {
@@ -552,6 +560,7 @@ impl Op {
             Op::Sqrt,
             Op::GreaterEqual,
             Op::Select,
+            Op::Fused { expr: "$0 $1 add relu".parse().expect("a well-formed program") },
         ]
     }
 
@@ -598,11 +607,12 @@ impl Op {
             Op::Sqrt => 37,
             Op::GreaterEqual => 38,
             Op::Select => 39,
+            Op::Fused { .. } => 40,
         }
     }
 
     /// Number of op variants.
-    pub const COUNT: usize = 40;
+    pub const COUNT: usize = 41;
 }
 
 #[cfg(test)]

@@ -436,11 +436,11 @@ impl<B: Backend> Accumulator<B> {
             _ => opts,
         };
         let at = DumpAt { opts: &opts, first: 1, input: "grad_accumulation" };
-        self.clear = compile_with(self.clear.graph().clone(), Some(at))?;
+        self.clear = compile_with(self.clear.source().clone(), Some(at))?;
         // The optimizer graph that runs: this rank's shard under hsdp, else the whole one.
         match self.parallel.as_mut().and_then(|p| p.shard.as_mut()) {
-            Some(sh) => sh.optimizer = compile_with(sh.optimizer.graph().clone(), Some(at))?,
-            None => self.optimizer = compile_with(self.optimizer.graph().clone(), Some(at))?,
+            Some(sh) => sh.optimizer = compile_with(sh.optimizer.source().clone(), Some(at))?,
+            None => self.optimizer = compile_with(self.optimizer.source().clone(), Some(at))?,
         }
         self.micro.clear();
         self.dump = Some(opts);

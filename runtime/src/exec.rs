@@ -48,6 +48,8 @@ struct Step {
 /// A graph lowered to a schedule.
 #[derive(Clone, Debug)]
 pub struct Executable {
+    /// The graph as given, before the pass pipeline (what a recompile starts from).
+    source: Graph,
     graph: Graph,
     steps: Vec<Step>,
     outputs: Vec<usize>,
@@ -61,6 +63,10 @@ impl Executable {
     /// The optimised graph this plan runs.
     pub fn graph(&self) -> &Graph {
         &self.graph
+    }
+    /// The graph as it was given to [`compile`], before any pass.
+    pub fn source(&self) -> &Graph {
+        &self.source
     }
     /// Number of scheduled steps.
     pub fn len(&self) -> usize {
@@ -144,10 +150,21 @@ pub struct DumpAt<'a> {
     pub input: &'a str,
 }
 
+/// [`compile`] without elementwise fusion: the reference plan a fused one is checked against.
+pub fn compile_unfused(graph: Graph) -> Result<Executable> {
+    compile_with_options(graph, None, &PipelineOptions { fuse: false, ..PipelineOptions::default() })
+}
+
 /// [`compile`], writing the graph after every pass when `dump` is given.
-pub fn compile_with(mut graph: Graph, dump: Option<DumpAt>) -> Result<Executable> {
+pub fn compile_with(graph: Graph, dump: Option<DumpAt>) -> Result<Executable> {
+    compile_with_options(graph, dump, &PipelineOptions::default())
+}
+
+/// [`compile_with`] under the given pipeline options.
+pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &PipelineOptions) -> Result<Executable> {
+    let source = graph.clone();
     let mut failed = None;
-    pipeline::run(&mut graph, &pipeline::default_passes(), &PipelineOptions::default(), |i, name, g| {
+    pipeline::run(&mut graph, &pipeline::passes(opts), opts, |i, name, g| {
         if let (Some(d), None) = (dump, &failed) {
             let pass = if i == 0 { d.input } else { name };
             failed = cellgraph_compiler::dump::write(d.opts, d.first + i, pass, g).err().map(|e| (d.opts.dir.clone(), e));
@@ -205,7 +222,7 @@ pub fn compile_with(mut graph: Graph, dump: Option<DumpAt>) -> Result<Executable
     let outputs = graph.outputs().iter().map(|o| o.index()).collect();
     let slots = graph.id_bound();
     let peak_bytes = simulate_peak(&graph, &steps);
-    Ok(Executable { graph, steps, outputs, writes, slots, peak_bytes })
+    Ok(Executable { source, graph, steps, outputs, writes, slots, peak_bytes })
 }
 
 /// Runs a step's bound kernel: on the host kernels on a host backend, on the device's own

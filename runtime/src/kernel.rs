@@ -6,6 +6,10 @@
 //! bound kernel runs: host backends on [`crate::host`]'s slice kernels, device backends on
 //! their own kernels ([`crate::backend::Backend::device_kernel`]) or burn's ops.
 
+use std::sync::Arc;
+
+use cellgraph_compiler::expr::{Expr, Term};
+use cellgraph_compiler::infer::broadcast_shapes;
 use cellgraph_compiler::{window, Op, TensorType};
 
 /// The geometry of one 2-D convolution (or pooling window) over NCHW input.
@@ -70,6 +74,62 @@ pub enum Native {
     MaxPoolGrad { g: Geometry, kept: Option<usize> },
     /// ReLU's gradient `(dy, x)` of equal extents.
     ReluGrad,
+    /// A `fused` node's program, with how each operand is read.
+    Fused(Arc<Elementwise>),
+}
+
+/// A fused elementwise program bound to its operands' extents.
+#[derive(Debug)]
+pub struct Elementwise {
+    pub terms: Vec<Term>,
+    /// Stack slots the program needs.
+    pub depth: usize,
+    /// How output element `i` reads each operand.
+    pub reads: Vec<Read>,
+    /// Output elements.
+    pub len: usize,
+}
+
+/// Where output element `i` finds an operand's value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Read {
+    /// At `i`: the operand has the output's extents.
+    Same,
+    /// At 0: one element.
+    Splat,
+    /// At `i % n`: the operand's extents are the output's last ones (a bias).
+    Cycle(usize),
+    /// At the sum over output axes of `index * stride` (0 for a broadcast axis).
+    Strided { out: Vec<usize>, strides: Vec<usize> },
+}
+
+impl Read {
+    fn of(x: &[usize], out: &[usize]) -> Read {
+        let n: usize = x.iter().product();
+        let lead = x.iter().take_while(|&&d| d == 1).count();
+        if x == out {
+            Read::Same
+        } else if n == 1 {
+            Read::Splat
+        } else if out.ends_with(&x[lead..]) {
+            Read::Cycle(n)
+        } else {
+            let pad = out.len() - x.len();
+            let mut strides = vec![0; out.len()];
+            let mut s = 1;
+            for a in (0..x.len()).rev() {
+                strides[pad + a] = if x[a] == 1 { 0 } else { s };
+                s *= x[a];
+            }
+            Read::Strided { out: out.to_vec(), strides }
+        }
+    }
+}
+
+fn elementwise(e: &Expr, tys: &[&TensorType]) -> Option<Native> {
+    let out = tys.iter().try_fold(Vec::new(), |s, t| broadcast_shapes(&s, t.dims()))?;
+    let reads = tys.iter().map(|t| Read::of(t.dims(), &out)).collect();
+    Some(Native::Fused(Arc::new(Elementwise { terms: e.terms().to_vec(), depth: e.depth(), reads, len: out.iter().product() })))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,6 +167,7 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
         Op::MaxPool2d(p) => Some(Native::MaxPool { g: pool(p)?, keep: None }),
         Op::MaxPool2dGrad(p) => Some(Native::MaxPoolGrad { g: pool(p)?, kept: None }),
         Op::ReluGrad if d(0) == d(1) => Some(Native::ReluGrad),
+        Op::Fused { expr } => elementwise(expr, tys),
         _ => None,
     }
 }

@@ -7,6 +7,8 @@
 use burn_backend::ops::{ConvOptions, ConvTransposeOptions};
 use burn_backend::tensor::{Device, FloatTensor, IntTensor};
 use burn_backend::{DeviceSettings, FloatDType, Scalar, Slice, TensorData};
+use cellgraph_compiler::expr::Term;
+use cellgraph_compiler::infer::infer;
 use cellgraph_compiler::window::{self, Window};
 use cellgraph_compiler::{DType, Op, PadMode, Pool2dAttrs, ReduceAttrs, Reduction, TensorType};
 
@@ -334,6 +336,28 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
             } else {
                 Value::Float(B::float_add(acc, g))
             }
+        }
+        Op::Fused { expr } => {
+            // The reference lowering: the unfused ops, one term at a time.
+            let xs: Vec<(Value<B>, TensorType)> = tys.iter().map(|t| (next(), (*t).clone())).collect();
+            let mut stack: Vec<(Value<B>, TensorType)> = Vec::with_capacity(expr.depth());
+            for t in expr.terms() {
+                match *t {
+                    Term::Arg(i) => stack.push(xs[i].clone()),
+                    Term::Lit(value) => {
+                        let ty = TensorType::new(out.dtype, cellgraph_compiler::Shape::scalar());
+                        stack.push((eval(cx, &Op::Constant { value }, vec![], &ty)?, ty));
+                    }
+                    term => {
+                        let op = term.op().expect("an op term");
+                        let args = stack.split_off(stack.len() - if matches!(term, Term::Binary(_)) { 2 } else { 1 });
+                        let ty = infer(&op, &args.iter().map(|(_, t)| t).collect::<Vec<_>>()).or_else(|e| cx.bad(e))?;
+                        let v = eval(cx, &op, args.iter().map(|(v, t)| (v.clone(), t)).collect(), &ty)?;
+                        stack.push((v, ty));
+                    }
+                }
+            }
+            stack.pop().expect("a program leaves one value").0
         }
     })
 }

@@ -31,7 +31,7 @@ fn dump_lenet(level: u8, dir: &Path) -> Vec<String> {
     names
 }
 
-const STEMS: [&str; 7] = [
+const STEMS: [&str; 10] = [
     "00_trace_forward",
     "01_grad_accumulation_clear",
     "01_grad_accumulation_micro_step",
@@ -39,6 +39,9 @@ const STEMS: [&str; 7] = [
     "02_dce_clear",
     "02_dce_micro_step",
     "02_dce_optimizer",
+    "03_fuse_elementwise_clear",
+    "03_fuse_elementwise_micro_step",
+    "03_fuse_elementwise_optimizer",
 ];
 
 #[test]
@@ -73,6 +76,10 @@ fn every_dump_parses_back_and_names_accumulators_and_state() {
     assert!(micro.contains("assign_add(") && micro.contains("name=\"accu_grads.fc1.weight\"") && micro.contains("# net.conv1"), "{micro}");
     let opt = std::fs::read_to_string(dir.join("02_dce_optimizer.ir")).unwrap();
     assert!(opt.contains("name=\"moments.fc1.weight\"") && opt.contains("name=\"grad_scale\""), "{opt}");
+    let fused = std::fs::read_to_string(dir.join("03_fuse_elementwise_micro_step.ir")).unwrap();
+    assert!(fused.contains("f32[8,120] = fused(") && fused.contains("{expr=\"$0 $1 add relu\"}  # net.relu"), "{fused}");
+    let fused = std::fs::read_to_string(dir.join("03_fuse_elementwise_optimizer.ir")).unwrap();
+    assert!(fused.contains("expr=\"$0 0.9 mul $1 $2 mul add\"") && !fused.contains("constant"), "{fused}");
 }
 
 fn inspect(args: &[&str]) -> (bool, String) {

@@ -1,10 +1,12 @@
 //! Numeric gradient checks: every differentiable op, and whole networks, against f64 central
-//! differences, executed on the f64 CPU backend.
+//! differences, executed on the f64 CPU backend. Every backward plan also runs unfused (no
+//! elementwise fusion), on the host kernels and on burn's ops, with the same bits.
 
 use cellgraph::compiler::autodiff::{grad, Sens};
 use cellgraph::compiler::emit::Emit;
 use cellgraph::compiler::{Conv2dAttrs, Pool2dAttrs, ReduceAttrs};
 use cellgraph::prelude::*;
+use cellgraph::runtime::compile_unfused;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -61,6 +63,25 @@ fn run_on(exe: &Executable, params: &[(String, HostTensor)], inputs: &[HostTenso
     s.run(exe, inputs).unwrap()
 }
 
+fn bits(t: &HostTensor) -> Vec<u64> {
+    t.to_f64().iter().map(|v| v.to_bits()).collect()
+}
+
+/// Runs `g`'s fused plan and its unfused reference on the same values, on the host kernels and
+/// on burn's ops: the same bits. Returns how many `fused` nodes the fused plan has.
+fn fused_equals_unfused(g: &Graph, params: &[(String, HostTensor)], inputs: &[HostTensor]) -> usize {
+    let (fused, plain) = (compile(g.clone()).unwrap(), compile_unfused(g.clone()).unwrap());
+    let count = |e: &Executable| e.graph().ids().into_iter().filter(|&id| matches!(e.graph().node(id).op, Op::Fused { .. })).count();
+    assert_eq!(count(&plain), 0, "{}: the unfused plan has fused nodes", g.name);
+    for native in [true, false] {
+        let (a, b) = (run_on(&fused, params, inputs, native), run_on(&plain, params, inputs, native));
+        for (k, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(bits(x) == bits(y), "{}: output {k} fused {:?} vs unfused {:?} (host kernels: {native})", g.name, x.to_f64(), y.to_f64());
+        }
+    }
+    count(&fused)
+}
+
 /// Central difference of the loss w.r.t. element `k` of parameter `pi`, in f64.
 fn numeric_grad(fwd: &Executable, params: &[(String, HostTensor)], inputs: &[HostTensor], pi: usize, k: usize) -> f64 {
     let eps = 1e-6;
@@ -74,7 +95,8 @@ fn numeric_grad(fwd: &Executable, params: &[(String, HostTensor)], inputs: &[Hos
     (at(eps) - at(-eps)) / (2.0 * eps)
 }
 
-fn check(case: &Case) {
+/// Checks one case; returns how many `fused` nodes its backward plan has.
+fn check(case: &Case) -> usize {
     let mut rng = StdRng::seed_from_u64(7);
     let (mut g, ps, loss) = build(case);
     let fwd = {
@@ -84,7 +106,7 @@ fn check(case: &Case) {
     };
     let grads = grad(&mut g, loss, &ps, Sens::One).unwrap();
     g.set_outputs(grads.grads.clone());
-    let bwd = compile(g).unwrap();
+    let bwd = compile(g.clone()).unwrap();
     let mut params: Vec<(String, HostTensor)> = case
         .params
         .iter()
@@ -97,6 +119,7 @@ fn check(case: &Case) {
     let wty = fwd.graph().ty(fwd.graph().find_parameter("w").unwrap()).clone();
     params.push(("w".into(), HostTensor::new(wty.dims().to_vec(), HostData::F64(randn(&mut rng, wty.numel(), false))).unwrap()));
     let inputs: Vec<HostTensor> = case.inputs.iter().map(|h| h.to_f64_tensor()).collect();
+    let fused = fused_equals_unfused(&g, &params, &inputs);
     let analytic = run_loss(&bwd, &params, &inputs);
     // burn's generic ops (the path device backends take) agree with the host kernels.
     let generic = run_on(&bwd, &params, &inputs, false);
@@ -120,6 +143,7 @@ fn check(case: &Case) {
             );
         }
     }
+    fused
 }
 
 fn conv(stride: usize, pad_mode: PadMode, pad: [usize; 4], dilation: usize, groups: usize) -> Conv2dAttrs {
@@ -244,6 +268,7 @@ fn must_be_checked(op: &Op) -> bool {
         Op::Slice { .. } | Op::Pad { .. } | Op::Concat { .. } | Op::Flatten => true,
         Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_) | Op::MatMul { .. } => true,
         Op::SoftmaxCrossEntropy { .. } | Op::Conv2d(_) | Op::MaxPool2d(_) | Op::AvgPool2d(_) => true,
+        Op::Fused { .. } => false, // formed after differentiation; its plans are checked against unfused ones
     }
 }
 
@@ -251,8 +276,9 @@ fn must_be_checked(op: &Op) -> bool {
 fn every_differentiable_op_matches_finite_differences() {
     let cases = cases();
     let mut covered = std::collections::BTreeSet::new();
+    let mut fused = 0;
     for c in &cases {
-        check(c);
+        fused += usize::from(check(c) > 0);
         let (g, _, _) = build(c);
         for id in g.ids() {
             covered.insert(g.node(id).op.name());
@@ -261,6 +287,7 @@ fn every_differentiable_op_matches_finite_differences() {
     let all_ops = cellgraph::compiler::op::Op::examples();
     let missing: Vec<_> = all_ops.iter().filter(|op| must_be_checked(op) && !covered.contains(op.name())).map(|op| op.name()).collect();
     assert!(missing.is_empty(), "differentiable ops without a numeric check: {missing:?}");
+    assert!(fused >= 5, "only {fused} of {} backward plans fused anything: the fused/unfused comparison checks little", cases.len());
 }
 
 #[test]
@@ -289,6 +316,7 @@ fn lenet_or_mlp_check(net: &dyn Cell, x_shape: [usize; 4], seed: u64) {
     let x = HostTensor::new(x_shape.to_vec(), HostData::F64(randn(&mut rng, numel, false))).unwrap();
     let y = HostTensor::i32(vec![n], (0..n as i32).map(|i| i % 10).collect()).unwrap();
     let inputs = [x, y];
+    assert!(fused_equals_unfused(&gg.graph, &params, &inputs) > 0, "bias-add and relu fuse");
     let out = run_loss(&bwd, &params, &inputs);
     for (k, (p, _, _)) in gg.grads.iter().enumerate() {
         let a = out[k + 1].to_f64();

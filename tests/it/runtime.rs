@@ -136,3 +136,48 @@ fn f32_and_f64_backends_coexist_in_one_process() {
     assert_eq!(a, c);
     assert!((a - b).abs() < 1e-5, "{a} vs {b}");
 }
+
+/// LeNet5's GradAccumulation graphs as the compiler sees them before fusion (the golden
+/// dumps), compiled fused and unfused and run in f32 on the same random values: the loss,
+/// every accumulator and every updated parameter and moment are the same bits.
+#[test]
+fn fused_lenet_accumulation_plans_equal_the_unfused_ones() {
+    use cellgraph::runtime::compile_unfused;
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/dumps");
+    for (stem, want) in [("02_dce_micro_step", 2), ("02_dce_optimizer", 16)] {
+        let g = parse(&std::fs::read_to_string(dir.join(format!("{stem}.ir"))).unwrap()).unwrap();
+        let (fused, plain) = (compile(g.clone()).unwrap(), compile_unfused(g.clone()).unwrap());
+        let nodes = fused.graph().ids().into_iter().filter(|&id| matches!(fused.graph().node(id).op, Op::Fused { .. })).count();
+        assert_eq!(nodes, want, "{stem}: fused nodes");
+        assert!(fused.len() < plain.len(), "{stem}: {} steps fused, {} unfused", fused.len(), plain.len());
+        let mut rng = StdRng::seed_from_u64(5);
+        let mut draw = |ty: &TensorType| match ty.dtype {
+            DType::I32 => HostTensor::i32(ty.dims().to_vec(), (0..ty.numel()).map(|_| rng.random_range(0..10)).collect()).unwrap(),
+            _ => HostTensor::f32(ty.dims().to_vec(), (0..ty.numel()).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap(),
+        };
+        let params: Vec<(String, HostTensor)> = g.parameters().into_iter().map(|(id, name)| (name.to_string(), draw(g.ty(id)))).collect();
+        let mut inputs = g.inputs();
+        inputs.sort_by_key(|&(_, index, _)| index);
+        let inputs: Vec<HostTensor> = inputs.into_iter().map(|(id, _, _)| draw(g.ty(id))).collect();
+        let run = |exe: &Executable, native: bool| {
+            let mut s = Session::<Cpu>::new(cpu());
+            s.set_native_kernels(native);
+            for (n, v) in &params {
+                s.set_param(n, v);
+            }
+            let out = s.run(exe, &inputs).unwrap();
+            (out, s.params_host())
+        };
+        let bits = |t: &HostTensor| t.to_f32().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for native in [true, false] {
+            let ((fo, fp), (po, pp)) = (run(&fused, native), run(&plain, native));
+            for (a, b) in fo.iter().zip(&po) {
+                assert_eq!(bits(a), bits(b), "{stem}: output (host kernels: {native})");
+            }
+            for (name, a) in &fp {
+                assert_eq!(bits(a), bits(&pp[name]), "{stem}: {name} (host kernels: {native})");
+            }
+        }
+    }
+}

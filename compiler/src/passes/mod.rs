@@ -2,5 +2,6 @@
 //! pass in debug builds and tests.
 
 pub mod dce;
+pub mod fuse;
 pub mod grad_accumulation;
 pub mod pipeline;

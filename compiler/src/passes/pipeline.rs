@@ -10,28 +10,46 @@ pub struct Pass {
     pub run: fn(&mut Graph) -> Result<()>,
 }
 
-/// Options for [`run`].
+/// Options for [`run`] and [`passes`].
 #[derive(Clone, Debug)]
 pub struct PipelineOptions {
     /// Verify after each pass (on by default in debug builds).
     pub verify: bool,
+    /// Fuse elementwise chains (on by default; off gives the unfused reference plan).
+    pub fuse: bool,
 }
 
 impl Default for PipelineOptions {
     fn default() -> Self {
-        PipelineOptions { verify: cfg!(debug_assertions) }
+        PipelineOptions { verify: cfg!(debug_assertions), fuse: true }
     }
 }
 
-/// The passes run on every graph before lowering.
-pub fn default_passes() -> Vec<Pass> {
-    vec![Pass {
+/// The passes run on every graph before lowering: dead code, then (unless `opts.fuse` is
+/// off) elementwise fusion.
+pub fn passes(opts: &PipelineOptions) -> Vec<Pass> {
+    let mut v = vec![Pass {
         name: "dce",
         run: |g| {
             super::dce::dce(g);
             Ok(())
         },
-    }]
+    }];
+    if opts.fuse {
+        v.push(Pass {
+            name: "fuse_elementwise",
+            run: |g| {
+                super::fuse::fuse_elementwise(g);
+                Ok(())
+            },
+        });
+    }
+    v
+}
+
+/// [`passes`] with the default options.
+pub fn default_passes() -> Vec<Pass> {
+    passes(&PipelineOptions::default())
 }
 
 /// Runs `passes` in order on `g`, calling `observe(index, name, graph)` after each (dumps hook

@@ -22,12 +22,31 @@ thread_local! {
 }
 
 pub use crate::kernel::Geometry;
+use crate::kernel::{Elementwise, Read};
+use cellgraph_compiler::expr::{Binary, Term, Unary};
 
 /// A float element the host kernels compute in.
-pub trait HostFloat: Copy + PartialOrd + std::ops::Add<Output = Self> + std::ops::AddAssign + Send + Sync + 'static {
+pub trait HostFloat:
+    Copy
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::AddAssign
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::ops::Neg<Output = Self>
+    + Send
+    + Sync
+    + 'static
+{
     const ZERO: Self;
     const NEG_INF: Self;
     fn is_nan(self) -> bool;
+    /// `v` rounded to this type (as a `constant` node is).
+    fn from_f64(v: f64) -> Self;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
     /// Runs `f` on `len` elements of this thread's scratch memory (grown, never shrunk: a
     /// steady state allocates nothing; the contents are whatever the last kernel left).
     fn scratch<R>(len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R;
@@ -44,6 +63,18 @@ impl HostFloat for f32 {
     const NEG_INF: f32 = f32::NEG_INFINITY;
     fn is_nan(self) -> bool {
         f32::is_nan(self)
+    }
+    fn from_f64(v: f64) -> f32 {
+        v as f32
+    }
+    fn exp(self) -> f32 {
+        f32::exp(self)
+    }
+    fn ln(self) -> f32 {
+        f32::ln(self)
+    }
+    fn sqrt(self) -> f32 {
+        f32::sqrt(self)
     }
     fn scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
         SCRATCH_F32.with_borrow_mut(|v| {
@@ -63,6 +94,18 @@ impl HostFloat for f64 {
     const NEG_INF: f64 = f64::NEG_INFINITY;
     fn is_nan(self) -> bool {
         f64::is_nan(self)
+    }
+    fn from_f64(v: f64) -> f64 {
+        v as f64
+    }
+    fn exp(self) -> f64 {
+        f64::exp(self)
+    }
+    fn ln(self) -> f64 {
+        f64::ln(self)
+    }
+    fn sqrt(self) -> f64 {
+        f64::sqrt(self)
     }
     fn scratch<R>(len: usize, f: impl FnOnce(&mut [f64]) -> R) -> R {
         SCRATCH_F64.with_borrow_mut(|v| {
@@ -625,6 +668,98 @@ pub fn relu_grad<F: HostFloat>(dy: &[F], x: &[F]) -> Vec<F> {
     dy.iter().zip(x).map(|(&d, &v)| if v > F::ZERO { d } else { F::ZERO }).collect()
 }
 
+/// Output elements a fused program works at a time: each term runs over a whole block, so
+/// its loop is a plain slice loop the compiler vectorises, and the stack stays in L1.
+const BLOCK: usize = 256;
+
+/// A fused elementwise program ([`Elementwise`]) over its operands, block by block. Each op
+/// rounds to `F` exactly as the unfused op does, in the same order, so the bits are the
+/// unfused plan's. Large outputs are cut into per-thread shares of whole blocks.
+pub fn fused<F: HostFloat>(e: &Elementwise, args: &[&[F]]) -> Vec<F> {
+    let mut out = vec![F::ZERO; e.len];
+    let threads = rayon::current_num_threads().min(e.len / (64 * BLOCK)).max(1);
+    let per = e.len.div_ceil(threads).div_ceil(BLOCK) * BLOCK;
+    let shares: Vec<(usize, &mut [F])> = out.chunks_mut(per.max(1)).enumerate().map(|(i, c)| (i * per, c)).collect();
+    each(shares, |(start, dst)| {
+        let mut stack = vec![F::ZERO; e.depth * BLOCK];
+        for (b, dst) in dst.chunks_mut(BLOCK).enumerate() {
+            fused_block(e, args, start + b * BLOCK, &mut stack, dst);
+        }
+    });
+    out
+}
+
+fn fused_block<F: HostFloat>(e: &Elementwise, args: &[&[F]], start: usize, stack: &mut [F], dst: &mut [F]) {
+    let n = dst.len();
+    let mut sp = 0;
+    for t in &e.terms {
+        match *t {
+            Term::Arg(i) => {
+                gather(&e.reads[i], args[i], start, &mut stack[sp * BLOCK..][..n]);
+                sp += 1;
+            }
+            Term::Lit(v) => {
+                stack[sp * BLOCK..][..n].fill(F::from_f64(v));
+                sp += 1;
+            }
+            Term::Unary(u) => {
+                let x = &mut stack[(sp - 1) * BLOCK..][..n];
+                match u {
+                    Unary::Neg => x.iter_mut().for_each(|v| *v = -*v),
+                    Unary::Exp => x.iter_mut().for_each(|v| *v = v.exp()),
+                    Unary::Log => x.iter_mut().for_each(|v| *v = v.ln()),
+                    Unary::Sqrt => x.iter_mut().for_each(|v| *v = v.sqrt()),
+                    // burn's relu (a SIMD max against 0): NaN and -0 give +0.
+                    Unary::Relu => x.iter_mut().for_each(|v| *v = if *v > F::ZERO { *v } else { F::ZERO }),
+                }
+            }
+            Term::Binary(op) => {
+                let (lo, hi) = stack.split_at_mut((sp - 1) * BLOCK);
+                let (a, b) = (&mut lo[(sp - 2) * BLOCK..][..n], &hi[..n]);
+                let z = a.iter_mut().zip(b);
+                match op {
+                    Binary::Add => z.for_each(|(a, &b)| *a = *a + b),
+                    Binary::Sub => z.for_each(|(a, &b)| *a = *a - b),
+                    Binary::Mul => z.for_each(|(a, &b)| *a = *a * b),
+                    Binary::Div => z.for_each(|(a, &b)| *a = *a / b),
+                    // As the host kernel `relu_grad`: `dy` where `y > 0`.
+                    Binary::ReluGrad => z.for_each(|(a, &b)| *a = if b > F::ZERO { *a } else { F::ZERO }),
+                }
+                sp -= 1;
+            }
+        }
+    }
+    dst.copy_from_slice(&stack[..n]);
+}
+
+/// Reads output elements `[start, start + dst.len())`'s values of one operand.
+fn gather<F: HostFloat>(r: &Read, x: &[F], start: usize, dst: &mut [F]) {
+    match r {
+        Read::Same => dst.copy_from_slice(&x[start..start + dst.len()]),
+        Read::Splat => dst.fill(x[0]),
+        Read::Cycle(m) => {
+            let mut j = start % m;
+            for d in dst {
+                *d = x[j];
+                j += 1;
+                if j == *m {
+                    j = 0;
+                }
+            }
+        }
+        Read::Strided { out, strides } => {
+            for (k, d) in dst.iter_mut().enumerate() {
+                let (mut i, mut at) = (start + k, 0);
+                for a in (0..out.len()).rev() {
+                    at += (i % out[a]) * strides[a];
+                    i /= out[a];
+                }
+                *d = x[at];
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -736,6 +871,34 @@ mod tests {
                 argmax_2x2(&g, &plane, &mut two);
                 assert_eq!(two, general, "the 2x2 path");
             }
+        }
+    }
+
+    /// A fused program reading one operand of each kind (the output's extents, one element, a
+    /// trailing bias, and two broadcasts that need strides), over several blocks and thread
+    /// shares, against the same ops written out per element.
+    #[test]
+    fn fused_programs_read_every_broadcast_and_round_as_the_ops_do() {
+        use cellgraph_compiler::{Op, TensorType};
+        let expr: cellgraph_compiler::expr::Expr = "$0 $1 mul $2 add $3 sub relu $4 div $0 relu_grad 0.5 add exp log sqrt neg".parse().unwrap();
+        let dims: [&[usize]; 5] = [&[4, 100, 100], &[], &[100], &[100, 1], &[4, 1, 100]];
+        let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.to_vec())).collect();
+        let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else { panic!("fused binds") };
+        assert_eq!(e.reads[..3], [Read::Same, Read::Splat, Read::Cycle(100)]);
+        assert!(matches!(e.reads[3], Read::Strided { .. }) && matches!(e.reads[4], Read::Strided { .. }));
+        let mut xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i)).collect();
+        xs[4].iter_mut().for_each(|v| *v = v.abs() + 0.5);
+        let args: Vec<&[f32]> = xs.iter().map(|v| &v[..]).collect();
+        let got = fused(&e, &args);
+        assert_eq!(got.len(), 40_000);
+        for (i, &g) in got.iter().enumerate() {
+            let (a, b, c) = (i / 10_000, i / 100 % 100, i % 100);
+            let x0 = xs[0][i];
+            let v = x0 * xs[1][0] + xs[2][c] - xs[3][b];
+            let v = if v > 0.0 { v } else { 0.0 } / xs[4][a * 100 + c];
+            let v = if x0 > 0.0 { v } else { 0.0 };
+            let want = -((v + 0.5f32).exp().ln().sqrt());
+            assert_eq!(g.to_bits(), want.to_bits(), "element {i}: {g} vs {want}");
         }
     }
 }

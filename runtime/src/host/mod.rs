@@ -97,6 +97,7 @@ fn run<F: Elem>(k: &Native, args: &[HostSlice], tys: &[&TensorType], out: &Tenso
             }
         }
         Native::ReluGrad => kernels::relu_grad(a[0], a[1]),
+        Native::Fused(e) => kernels::fused(e, &a),
     })
     .filter(|v| v.len() == out.numel().max(1))
 }

@@ -1,0 +1,188 @@
+//! Elementwise fusion: chains of elementwise ops become one `fused` node.
+//!
+//! Producer into consumer, in topological order. An elementwise node (add, sub, mul, div,
+//! neg, exp, log, relu, relu_grad, sqrt, or a node already fused) takes in:
+//! - an elementwise operand that nothing else reads, that is not an output, and that has the
+//!   consumer's extents (so no element is computed twice);
+//! - a float `constant` of one element, as a literal.
+//!
+//! A node that ends up holding two or more ops becomes one `fused` node with the consumer's
+//! scope, and the producers it took in are removed. The ops and their order are unchanged, so
+//! the fused plan computes the same bits as the unfused one (`compile` can run either).
+
+use crate::expr::{Expr, Term};
+use crate::graph::{Graph, NodeId};
+use crate::op::Op;
+
+/// A node as a program over its own operands: its body when fused, one term when elementwise.
+fn body(g: &Graph, id: NodeId) -> Option<(Vec<Term>, Vec<NodeId>)> {
+    let n = g.node(id);
+    if !n.ty.dtype.is_float() {
+        return None;
+    }
+    let xs = g.operands(id);
+    match &n.op {
+        Op::Fused { expr } => Some((expr.terms().to_vec(), xs)),
+        op => {
+            let t = Term::of(op)?;
+            Some(((0..xs.len()).map(Term::Arg).chain([t]).collect(), xs))
+        }
+    }
+}
+
+/// A float constant of one element, as a literal.
+fn literal(g: &Graph, id: NodeId) -> Option<f64> {
+    match g.node(id).op {
+        Op::Constant { value } if g.ty(id).dtype.is_float() && g.ty(id).numel() == 1 => Some(value),
+        _ => None,
+    }
+}
+
+/// True when `consumer` may take in `x`, its operand read once.
+fn absorbable(g: &Graph, x: NodeId, consumer: NodeId) -> bool {
+    g.ty(x) == g.ty(consumer)
+        && !g.outputs().contains(&x)
+        && g.users(x).iter().all(|&u| u == consumer)
+        && g.operands(consumer).iter().filter(|&&o| o == x).count() == 1
+        && body(g, x).is_some()
+}
+
+/// Builds programs as terms over a growing operand list, one slot per distinct operand.
+struct Builder {
+    terms: Vec<Term>,
+    operands: Vec<NodeId>,
+}
+
+impl Builder {
+    fn read(&mut self, g: &Graph, x: NodeId) {
+        if let Some(v) = literal(g, x) {
+            return self.terms.push(Term::Lit(v));
+        }
+        let i = self.operands.iter().position(|&o| o == x).unwrap_or_else(|| {
+            self.operands.push(x);
+            self.operands.len() - 1
+        });
+        self.terms.push(Term::Arg(i));
+    }
+}
+
+/// Fuses the graph's elementwise chains; returns how many `fused` nodes it made.
+pub fn fuse_elementwise(g: &mut Graph) -> usize {
+    let order = g.topo_order().expect("the pipeline verifies before every pass");
+    let mut made = 0;
+    for id in order {
+        let Some((terms, xs)) = body(g, id) else { continue };
+        let mut b = Builder { terms: Vec::with_capacity(terms.len()), operands: Vec::new() };
+        let mut taken = Vec::new();
+        for t in terms {
+            let Term::Arg(i) = t else {
+                b.terms.push(t);
+                continue;
+            };
+            let x = xs[i];
+            match body(g, x).filter(|_| absorbable(g, x, id)) {
+                Some((inner, ys)) => {
+                    for u in inner {
+                        match u {
+                            Term::Arg(j) => b.read(g, ys[j]),
+                            other => b.terms.push(other),
+                        }
+                    }
+                    taken.push(x);
+                }
+                None => b.read(g, x),
+            }
+        }
+        let expr = Expr::new(b.terms).expect("splicing well-formed programs");
+        if expr.ops() < 2 || b.operands.is_empty() || matches!(&g.node(id).op, Op::Fused { expr: e } if *e == expr) {
+            continue;
+        }
+        let scope = g.node(id).scope.clone();
+        // Literals drop their constants' extents: keep the rewrite only when the type holds.
+        let ty = g.ty(id).clone();
+        let fits = expr.infer(&b.operands.iter().map(|&o| g.ty(o)).collect::<Vec<_>>()).is_ok_and(|t| t == ty);
+        if !fits {
+            continue;
+        }
+        let fused = g.add_unchecked(Op::Fused { expr }, &b.operands, ty, &scope);
+        let mut constants = xs.clone();
+        for &x in &taken {
+            constants.extend(g.operands(x));
+        }
+        constants.retain(|&c| literal(g, c).is_some());
+        g.replace_uses(id, fused);
+        g.remove(id);
+        for x in taken {
+            g.remove(x);
+        }
+        for c in constants {
+            if g.contains(c) && g.users(c).is_empty() && !g.outputs().contains(&c) {
+                g.remove(c);
+            }
+        }
+        made += 1;
+    }
+    made
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::{Shape, TensorType};
+
+    fn leaf(g: &mut Graph, name: &str, dims: Vec<usize>) -> NodeId {
+        g.add_leaf(Op::Parameter { name: name.into() }, TensorType::f32(dims), "t").unwrap()
+    }
+
+    #[test]
+    fn bias_add_and_relu_become_one_node() {
+        let mut g = Graph::new("g");
+        let (x, b) = (leaf(&mut g, "x", vec![8, 120]), leaf(&mut g, "b", vec![120]));
+        let y = g.add(Op::Add, &[x, b], "net.fc1").unwrap();
+        let r = g.add(Op::Relu, &[y], "net.relu").unwrap();
+        g.set_outputs(vec![r]);
+        assert_eq!(fuse_elementwise(&mut g), 1);
+        let out = g.outputs()[0];
+        assert_eq!(g.node(out).op, Op::Fused { expr: "$0 $1 add relu".parse().unwrap() });
+        assert_eq!(g.operands(out), vec![x, b]);
+        assert_eq!(g.node(out).scope, "net.relu");
+        assert_eq!(g.len(), 3);
+    }
+
+    #[test]
+    fn shared_values_and_outputs_stay_materialized() {
+        // Momentum: v' = v * 0.9 + g * s is read twice (assigned, and used for p), so it stays.
+        let mut g = Graph::new("g");
+        let (p, v, d) = (leaf(&mut g, "p", vec![4]), leaf(&mut g, "v", vec![4]), leaf(&mut g, "d", vec![4]));
+        let s = g.add_leaf(Op::Input { index: 0, name: "s".into() }, TensorType::f32(Shape::scalar()), "t").unwrap();
+        let lr = g.add_leaf(Op::Input { index: 1, name: "lr".into() }, TensorType::f32(Shape::scalar()), "t").unwrap();
+        let m = g.add_leaf(Op::Constant { value: 0.9 }, TensorType::f32(Shape::scalar()), "t").unwrap();
+        let gs = g.add(Op::Mul, &[d, s], "t").unwrap();
+        let vm = g.add(Op::Mul, &[v, m], "t").unwrap();
+        let v2 = g.add(Op::Add, &[vm, gs], "t").unwrap();
+        g.add(Op::Assign, &[v, v2], "t").unwrap();
+        let step = g.add(Op::Mul, &[v2, lr], "t").unwrap();
+        let p2 = g.add(Op::Sub, &[p, step], "t").unwrap();
+        g.add(Op::Assign, &[p, p2], "t").unwrap();
+        assert_eq!(fuse_elementwise(&mut g), 2);
+        let mut bodies: Vec<String> = g.ids().into_iter().filter_map(|id| match &g.node(id).op {
+            Op::Fused { expr } => Some(expr.to_string()),
+            _ => None,
+        }).collect();
+        bodies.sort();
+        assert_eq!(bodies, ["$0 $1 $2 mul sub", "$0 0.9 mul $1 $2 mul add"]);
+        assert!(g.ids().into_iter().all(|id| !matches!(g.node(id).op, Op::Constant { .. })), "the literal's constant is gone");
+        crate::verify::verify(&g).unwrap();
+    }
+
+    #[test]
+    fn a_lone_op_and_a_broadcast_producer_are_left_alone() {
+        let mut g = Graph::new("g");
+        let (a, b) = (leaf(&mut g, "a", vec![3]), leaf(&mut g, "b", vec![2, 3]));
+        let e = g.add(Op::Exp, &[a], "t").unwrap();
+        let y = g.add(Op::Mul, &[e, b], "t").unwrap();
+        g.set_outputs(vec![y]);
+        assert_eq!(fuse_elementwise(&mut g), 0, "exp has fewer elements than the product: fusing would recompute it");
+        assert_eq!(g.len(), 4);
+    }
+}
