@@ -72,6 +72,8 @@ pub enum Native {
     /// Max pooling's gradient `(x, dy)`; `kept`: the slot its forward fills (without one, or
     /// when the forward did not run on the host kernels, the argmax is recomputed from `x`).
     MaxPoolGrad { g: Geometry, kept: Option<usize> },
+    /// ReLU: `x` where `x > 0`, else +0 (NaN and -0 included, on every length).
+    Relu,
     /// ReLU's gradient `(dy, x)` of equal extents.
     ReluGrad,
     /// A `fused` node's program, with how each operand is read.
@@ -166,6 +168,7 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
         Op::Conv2dBackpropFilter { conv: c, filter_shape } => conv(ConvKind::FilterGrad, c, d(1), &filter_shape.0),
         Op::MaxPool2d(p) => Some(Native::MaxPool { g: pool(p)?, keep: None }),
         Op::MaxPool2dGrad(p) => Some(Native::MaxPoolGrad { g: pool(p)?, kept: None }),
+        Op::Relu => Some(Native::Relu),
         Op::ReluGrad if d(0) == d(1) => Some(Native::ReluGrad),
         Op::Fused { expr } => elementwise(expr, tys),
         _ => None,

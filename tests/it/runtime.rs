@@ -181,3 +181,42 @@ fn fused_lenet_accumulation_plans_equal_the_unfused_ones() {
         }
     }
 }
+
+/// ReLU and neg keep the unfused plan's bits for NaN and -0 on short and long rows, on the
+/// host kernels and on burn's ops; a `fused` node reading an operand it does not have is an
+/// error from `compile` in every build, not a panic in the fusion pass.
+#[test]
+fn fused_relu_and_neg_keep_the_unfused_bits_for_nan_and_negative_zero() {
+    use cellgraph::runtime::compile_unfused;
+    for n in [3usize, 40] {
+        for op in [Op::Relu, Op::Neg] {
+            let mut g = Graph::new("g");
+            let x = g.add_leaf(Op::Parameter { name: "x".into() }, TensorType::f32([2, n]), "t").unwrap();
+            let b = g.add_leaf(Op::Parameter { name: "b".into() }, TensorType::f32([n]), "t").unwrap();
+            let y = g.add(Op::Add, &[x, b], "t").unwrap();
+            let r = g.add(op.clone(), &[y], "t").unwrap();
+            g.set_outputs(vec![r]);
+            let xs: Vec<f32> = (0..2 * n).map(|i| [f32::NAN, -0.0, -1.5, 2.5, 0.0][i % 5]).collect();
+            let x = HostTensor::f32(vec![2, n], xs).unwrap();
+            let b = HostTensor::f32(vec![n], vec![-0.0; n]).unwrap();
+            let (fused, plain) = (compile(g.clone()).unwrap(), compile_unfused(g).unwrap());
+            assert!(fused.len() < plain.len(), "add + {} fuse", op.name());
+            for native in [true, false] {
+                let run = |exe: &Executable| {
+                    let mut s = Session::<Cpu>::new(cpu());
+                    s.set_native_kernels(native);
+                    s.set_param("x", &x);
+                    s.set_param("b", &b);
+                    s.run(exe, &[]).unwrap()[0].to_f32().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                };
+                assert_eq!(run(&fused), run(&plain), "{} over {n} (host kernels: {native})", op.name());
+            }
+        }
+    }
+    let mut g = Graph::new("g");
+    let a = g.add_leaf(Op::Parameter { name: "a".into() }, TensorType::f32([2]), "t").unwrap();
+    let bad = g.add_unchecked(Op::Fused { expr: "$0 $1 add".parse().unwrap() }, &[a], TensorType::f32([2]), "net.fused");
+    g.set_outputs(vec![bad]);
+    let err = compile(g).unwrap_err().to_string();
+    assert!(err.contains("`$1` names no operand") && err.contains("net.fused"), "{err}");
+}

@@ -664,6 +664,21 @@ pub fn max_pool2d_grad<F: HostFloat>(g: &Geometry, at: &[u32], dy: &[F]) -> Vec<
 }
 
 /// `dy` where `x > 0`, else zero.
+/// ReLU with one answer for NaN and -0 (+0): burn-ndarray's SIMD max gives +0 while its
+/// scalar path (short or strided tensors) keeps them, so the host plans run this instead.
+#[inline]
+fn relu1<F: HostFloat>(v: F) -> F {
+    if v > F::ZERO {
+        v
+    } else {
+        F::ZERO
+    }
+}
+
+pub fn relu<F: HostFloat>(x: &[F]) -> Vec<F> {
+    x.iter().map(|&v| relu1(v)).collect()
+}
+
 pub fn relu_grad<F: HostFloat>(dy: &[F], x: &[F]) -> Vec<F> {
     dy.iter().zip(x).map(|(&d, &v)| if v > F::ZERO { d } else { F::ZERO }).collect()
 }
@@ -705,12 +720,13 @@ fn fused_block<F: HostFloat>(e: &Elementwise, args: &[&[F]], start: usize, stack
             Term::Unary(u) => {
                 let x = &mut stack[(sp - 1) * BLOCK..][..n];
                 match u {
-                    Unary::Neg => x.iter_mut().for_each(|v| *v = -*v),
+                    // burn's neg is a multiplication by -1 (a NaN keeps its sign).
+                    Unary::Neg => x.iter_mut().for_each(|v| *v = *v * F::from_f64(-1.0)),
                     Unary::Exp => x.iter_mut().for_each(|v| *v = v.exp()),
                     Unary::Log => x.iter_mut().for_each(|v| *v = v.ln()),
                     Unary::Sqrt => x.iter_mut().for_each(|v| *v = v.sqrt()),
-                    // burn's relu (a SIMD max against 0): NaN and -0 give +0.
-                    Unary::Relu => x.iter_mut().for_each(|v| *v = if *v > F::ZERO { *v } else { F::ZERO }),
+                    // As the host kernel `relu`.
+                    Unary::Relu => x.iter_mut().for_each(|v| *v = relu1(*v)),
                 }
             }
             Term::Binary(op) => {

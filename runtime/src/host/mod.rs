@@ -96,6 +96,7 @@ fn run<F: Elem>(k: &Native, args: &[HostSlice], tys: &[&TensorType], out: &Tenso
                 }
             }
         }
+        Native::Relu => kernels::relu(a[0]),
         Native::ReluGrad => kernels::relu_grad(a[0], a[1]),
         Native::Fused(e) => kernels::fused(e, &a),
     })
