@@ -162,8 +162,6 @@ pub fn compile_with(graph: Graph, dump: Option<DumpAt>) -> Result<Executable> {
 
 /// [`compile_with`] under the given pipeline options.
 pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &PipelineOptions) -> Result<Executable> {
-    // The passes assume a well-formed graph: check it first, whatever the build.
-    cellgraph_compiler::verify(&graph).map_err(cellgraph_compiler::IrError::from)?;
     let source = graph.clone();
     let mut failed = None;
     pipeline::run(&mut graph, &pipeline::passes(opts), opts, |i, name, g| {

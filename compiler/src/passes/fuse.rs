@@ -38,13 +38,13 @@ fn literal(g: &Graph, id: NodeId) -> Option<f64> {
     }
 }
 
-/// True when `consumer` may take in `x`, its operand read once.
-fn absorbable(g: &Graph, x: NodeId, consumer: NodeId) -> bool {
+/// True when `consumer` (with operands `xs`) may take in its operand `x`, an elementwise
+/// node: read once, by `consumer` alone, not an output, of the consumer's type.
+fn absorbable(g: &Graph, x: NodeId, consumer: NodeId, xs: &[NodeId]) -> bool {
     g.ty(x) == g.ty(consumer)
         && !g.outputs().contains(&x)
         && g.users(x).iter().all(|&u| u == consumer)
-        && g.operands(consumer).iter().filter(|&&o| o == x).count() == 1
-        && body(g, x).is_some()
+        && xs.iter().filter(|&&o| o == x).count() == 1
 }
 
 /// Builds programs as terms over a growing operand list, one slot per distinct operand.
@@ -80,7 +80,7 @@ pub fn fuse_elementwise(g: &mut Graph) -> usize {
                 continue;
             };
             let x = xs[i];
-            match body(g, x).filter(|_| absorbable(g, x, id)) {
+            match body(g, x).filter(|_| absorbable(g, x, id, &xs)) {
                 Some((inner, ys)) => {
                     for u in inner {
                         match u {

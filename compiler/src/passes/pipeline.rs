@@ -47,22 +47,16 @@ pub fn passes(opts: &PipelineOptions) -> Vec<Pass> {
     v
 }
 
-/// [`passes`] with the default options.
-pub fn default_passes() -> Vec<Pass> {
-    passes(&PipelineOptions::default())
-}
-
 /// Runs `passes` in order on `g`, calling `observe(index, name, graph)` after each (dumps hook
-/// in here) and verifying when asked.
+/// in here). The input is always verified; each pass's output when `opts.verify` asks.
 pub fn run(
     g: &mut Graph,
     passes: &[Pass],
     opts: &PipelineOptions,
     mut observe: impl FnMut(usize, &str, &Graph),
 ) -> Result<()> {
-    if opts.verify {
-        verify(g)?;
-    }
+    // The passes assume a well-formed input: checked in every build.
+    verify(g)?;
     observe(0, "input", g);
     for (i, p) in passes.iter().enumerate() {
         (p.run)(g)?;

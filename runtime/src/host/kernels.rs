@@ -58,67 +58,44 @@ pub trait HostFloat:
     unsafe fn gemm(m: usize, k: usize, n: usize, a: *const Self, rsa: isize, csa: isize, b: *const Self, rsb: isize, csb: isize, beta: Self, c: *mut Self, rsc: isize, csc: isize);
 }
 
-impl HostFloat for f32 {
-    const ZERO: f32 = 0.0;
-    const NEG_INF: f32 = f32::NEG_INFINITY;
-    fn is_nan(self) -> bool {
-        f32::is_nan(self)
-    }
-    fn from_f64(v: f64) -> f32 {
-        v as f32
-    }
-    fn exp(self) -> f32 {
-        f32::exp(self)
-    }
-    fn ln(self) -> f32 {
-        f32::ln(self)
-    }
-    fn sqrt(self) -> f32 {
-        f32::sqrt(self)
-    }
-    fn scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-        SCRATCH_F32.with_borrow_mut(|v| {
-            if v.len() < len {
-                v.resize(len, 0.0);
+/// One implementation for both element types (`$scratch`: the type's thread-local scratch).
+macro_rules! host_float {
+    ($t:ident, $scratch:ident) => {
+        impl HostFloat for $t {
+            const ZERO: $t = 0.0;
+            const NEG_INF: $t = $t::NEG_INFINITY;
+            fn is_nan(self) -> bool {
+                $t::is_nan(self)
             }
-            f(&mut v[..len])
-        })
-    }
-    unsafe fn gemm(m: usize, k: usize, n: usize, a: *const f32, rsa: isize, csa: isize, b: *const f32, rsb: isize, csb: isize, beta: f32, c: *mut f32, rsc: isize, csc: isize) {
-        gemm::gemm(m, n, k, c, csc, rsc, beta != 0.0, a, csa, rsa, b, csb, rsb, beta, 1.0, false, false, false, gemm::Parallelism::None)
-    }
+            fn from_f64(v: f64) -> $t {
+                v as $t
+            }
+            fn exp(self) -> $t {
+                $t::exp(self)
+            }
+            fn ln(self) -> $t {
+                $t::ln(self)
+            }
+            fn sqrt(self) -> $t {
+                $t::sqrt(self)
+            }
+            fn scratch<R>(len: usize, f: impl FnOnce(&mut [$t]) -> R) -> R {
+                $scratch.with_borrow_mut(|v| {
+                    if v.len() < len {
+                        v.resize(len, 0.0);
+                    }
+                    f(&mut v[..len])
+                })
+            }
+            unsafe fn gemm(m: usize, k: usize, n: usize, a: *const $t, rsa: isize, csa: isize, b: *const $t, rsb: isize, csb: isize, beta: $t, c: *mut $t, rsc: isize, csc: isize) {
+                gemm::gemm(m, n, k, c, csc, rsc, beta != 0.0, a, csa, rsa, b, csb, rsb, beta, 1.0, false, false, false, gemm::Parallelism::None)
+            }
+        }
+    };
 }
 
-impl HostFloat for f64 {
-    const ZERO: f64 = 0.0;
-    const NEG_INF: f64 = f64::NEG_INFINITY;
-    fn is_nan(self) -> bool {
-        f64::is_nan(self)
-    }
-    fn from_f64(v: f64) -> f64 {
-        v as f64
-    }
-    fn exp(self) -> f64 {
-        f64::exp(self)
-    }
-    fn ln(self) -> f64 {
-        f64::ln(self)
-    }
-    fn sqrt(self) -> f64 {
-        f64::sqrt(self)
-    }
-    fn scratch<R>(len: usize, f: impl FnOnce(&mut [f64]) -> R) -> R {
-        SCRATCH_F64.with_borrow_mut(|v| {
-            if v.len() < len {
-                v.resize(len, 0.0);
-            }
-            f(&mut v[..len])
-        })
-    }
-    unsafe fn gemm(m: usize, k: usize, n: usize, a: *const f64, rsa: isize, csa: isize, b: *const f64, rsb: isize, csb: isize, beta: f64, c: *mut f64, rsc: isize, csc: isize) {
-        gemm::gemm(m, n, k, c, csc, rsc, beta != 0.0, a, csa, rsa, b, csb, rsb, beta, 1.0, false, false, false, gemm::Parallelism::None)
-    }
-}
+host_float!(f32, SCRATCH_F32);
+host_float!(f64, SCRATCH_F64);
 
 /// `C = A B` (`beta` as in [`HostFloat::gemm`]), computed as `C^T = B^T A^T` when that
 /// wastes less of the micro-kernel's tiles: its register tile is 64 bytes of rows (16 f32)
