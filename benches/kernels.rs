@@ -26,6 +26,12 @@ fn data(n: usize) -> Vec<f32> {
     (0..n).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 500.0).collect()
 }
 
+/// Times `kernel` writing into one output buffer of `len` elements, reused across calls.
+fn timed(len: usize, mut kernel: impl FnMut(&mut [f32])) -> f64 {
+    let mut out = vec![0.0f32; len];
+    median_us(|| kernel(black_box(&mut out)))
+}
+
 fn row(name: &str, us: f64, flops: f64) {
     let gf = if flops > 0.0 { format!("{:8.1}", flops / us / 1e3) } else { "       -".into() };
     println!("{name:<34} {us:10.1} {gf}");
@@ -39,23 +45,23 @@ fn main() {
         let g = Geometry { x: [n, c, hw, hw], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [oh, oh] };
         let (x, w, dy) = (data(n * c * hw * hw), data(o * c * 25), data(n * o * oh * oh));
         let flops = 2.0 * (n * o * oh * oh * c * 25) as f64;
-        row(&format!("{name} forward"), median_us(|| drop(black_box(kernels::conv2d(&g, 1, &x, &w, o)))), flops);
-        row(&format!("{name} filter grad"), median_us(|| drop(black_box(kernels::conv2d_filter_grad(&g, 1, &dy, &x, o)))), flops);
-        row(&format!("{name} input grad"), median_us(|| drop(black_box(kernels::conv2d_input_grad(&g, 1, &dy, &w, o)))), flops);
+        row(&format!("{name} forward"), timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y)), flops);
+        row(&format!("{name} filter grad"), timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw)), flops);
+        row(&format!("{name} input grad"), timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx)), flops);
     }
     for (name, c, hw) in [("pool1 6x28x28", 6usize, 28usize), ("pool2 16x10x10", 16, 10)] {
         let g = Geometry { x: [n, c, hw, hw], kernel: [2, 2], stride: [2, 2], dilation: [1, 1], pad: [0, 0], out: [hw / 2, hw / 2] };
         let (x, dy) = (data(n * c * hw * hw), data(n * c * hw * hw / 4));
         let mut at = vec![0u32; dy.len()];
-        row(&format!("{name} max pool"), median_us(|| drop(black_box(kernels::max_pool2d(&g, &x, &mut at)))), 0.0);
-        row(&format!("{name} max pool grad (kept argmax)"), median_us(|| drop(black_box(kernels::max_pool2d_grad(&g, &at, &dy)))), 0.0);
+        row(&format!("{name} max pool"), timed(dy.len(), |y| kernels::max_pool2d(&g, &x, &mut at, y)), 0.0);
+        row(&format!("{name} max pool grad (kept argmax)"), timed(x.len(), |dx| kernels::max_pool2d_grad(&g, &at, &dy, dx)), 0.0);
     }
     for (name, m, k, nn) in [("fc1 32x400 @ 400x120^T", 32usize, 400usize, 120usize), ("fc1 grad 120x32^T @ 32x400", 120, 32, 400)] {
         let (a, b) = (data(m * k), data(k * nn));
         let ma = Mat { data: &a, rows: m, cols: k, transposed: false };
         let mb = Mat { data: &b, rows: k, cols: nn, transposed: false };
-        row(name, median_us(|| drop(black_box(kernels::matmul(ma, mb)))), 2.0 * (m * k * nn) as f64);
+        row(name, timed(m * nn, |c| kernels::matmul(ma, mb, c)), 2.0 * (m * k * nn) as f64);
     }
     let (dy, x) = (data(n * 6 * 28 * 28), data(n * 6 * 28 * 28));
-    row("relu grad 32x6x28x28", median_us(|| drop(black_box(kernels::relu_grad(&dy, &x)))), 0.0);
+    row("relu grad 32x6x28x28", timed(x.len(), |dx| kernels::relu_grad(&dy, &x, dx)), 0.0);
 }

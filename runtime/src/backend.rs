@@ -89,6 +89,12 @@ pub trait Backend: burn_backend::Backend {
         None
     }
 
+    /// The tensor's memory as a vector (row-major, exactly its elements), when the backend
+    /// keeps it in host memory and nothing else holds it; the tensor back otherwise.
+    fn reclaim(t: FloatTensor<Self>) -> Result<HostVec, FloatTensor<Self>> {
+        Err(t)
+    }
+
     /// A float tensor of extents `shape` holding `data`.
     fn from_host_vec(data: HostVec, shape: &[usize], device: &Device<Self>) -> FloatTensor<Self> {
         let shape = bshape(shape);
@@ -117,6 +123,26 @@ where
             NdArrayTensor::F32(s) => Some(HostSlice::F32(cow(s.view()))),
             NdArrayTensor::F64(s) => Some(HostSlice::F64(cow(s.view()))),
             _ => None,
+        }
+    }
+
+    fn reclaim(t: NdArrayTensor) -> Result<HostVec, NdArrayTensor> {
+        /// A unique standard-layout array's elements, in its own vector.
+        fn exact<T: Clone>(a: ndarray::ArcArray<T, ndarray::IxDyn>) -> Vec<T> {
+            let n = a.len();
+            let (mut v, offset) = a.into_owned().into_raw_vec_and_offset();
+            let offset = offset.unwrap_or(0);
+            if offset != 0 || v.len() != n {
+                // A view into part of a larger vector: keep its elements only.
+                v.drain(..offset);
+                v.truncate(n);
+            }
+            v
+        }
+        match t {
+            NdArrayTensor::F32(s) if s.is_unique() && s.view().is_standard_layout() => Ok(HostVec::F32(exact(s.into_shared()))),
+            NdArrayTensor::F64(s) if s.is_unique() && s.view().is_standard_layout() => Ok(HostVec::F64(exact(s.into_shared()))),
+            t => Err(t),
         }
     }
 

@@ -2,10 +2,15 @@
 //!
 //! [`compile`] runs the pass pipeline, verifies, and lowers the graph to a flat schedule of
 //! steps in topological order. Each step knows, for every operand, whether this is the
-//! operand's last use: then the value is moved into the op (so the backend can reuse its
-//! buffer in place) and its slot is freed at once; otherwise it is shared. Results and
-//! parameter writes are kept to the end. A [`Session`] holds parameter values on one device
-//! and runs plans; `assign`/`assign_add` writes land when the plan finishes.
+//! operand's last use: then its slot is freed after the step (on device backends the value
+//! is moved into the op, so the backend can reuse its buffer in place; on host backends the
+//! op borrows it and its buffer goes back to the session's [`Arena`], which the next
+//! value of its length is written into). Results and parameter writes are kept to the end.
+//! The plan's memory is known when it is compiled: [`Executable::arena`] lists how many
+//! buffers of each length its values hold at once, so a steady-state run on a host backend
+//! allocates no tensor memory. A [`Session`] holds parameter values on one device and runs
+//! plans; `assign`/`assign_add` writes land when the plan finishes (on host backends an
+//! accumulator read only by its `assign_add` is added into in place).
 
 use std::collections::BTreeMap;
 
@@ -16,7 +21,7 @@ use cellgraph_compiler::dump::DumpOptions;
 use cellgraph_compiler::{Graph, HostTensor, Op, TensorType};
 
 use crate::error::{Result, RuntimeError};
-use crate::host::Kept;
+use crate::host::{Arena, Kept};
 use crate::kernel::Native;
 use crate::lower::{eval, Ctx};
 use crate::value::{settings, Value};
@@ -57,6 +62,8 @@ pub struct Executable {
     writes: Vec<(String, usize)>,
     slots: usize,
     peak_bytes: usize,
+    /// `(elements, buffers)`: the most float values of each length alive at once.
+    arena: Vec<(usize, usize)>,
 }
 
 impl Executable {
@@ -81,6 +88,12 @@ impl Executable {
     pub fn peak_bytes(&self) -> usize {
         self.peak_bytes
     }
+    /// The plan's memory: `(elements, buffers)`, the most float values of each length that its
+    /// inputs and ops hold at once under this schedule. A session's [`Arena`] keeps that many
+    /// buffers of each length for the values host kernels write.
+    pub fn arena(&self) -> &[(usize, usize)] {
+        &self.arena
+    }
 }
 
 /// True for a parameter node whose only use is as operand 0 of one `assign`/`assign_add`.
@@ -94,6 +107,14 @@ fn deferred_read(g: &Graph, id: cellgraph_compiler::NodeId) -> bool {
     }
 }
 
+/// The slots whose last use is `st`, once each.
+fn released(st: &Step) -> Vec<usize> {
+    let mut v: Vec<usize> = st.args.iter().filter(|(_, moved)| *moved).map(|(s, _)| *s).chain(st.frees.iter().copied()).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
 /// Simulates the schedule: a value is allocated at its step and released at its last use.
 fn simulate_peak(graph: &Graph, steps: &[Step]) -> usize {
     let bytes = |slot: usize| graph.ty(cellgraph_compiler::NodeId(slot as u32)).size_bytes();
@@ -101,13 +122,31 @@ fn simulate_peak(graph: &Graph, steps: &[Step]) -> usize {
     for st in steps {
         live += bytes(st.slot);
         peak = peak.max(live);
-        let released = st.args.iter().filter(|(_, moved)| *moved).map(|(s, _)| *s).chain(st.frees.iter().copied());
-        let mut released: Vec<usize> = released.collect();
-        released.sort_unstable();
-        released.dedup();
-        live -= released.into_iter().map(bytes).sum::<usize>();
+        live -= released(st).into_iter().map(bytes).sum::<usize>();
     }
     peak
+}
+
+/// The same simulation, by length, for the float values a run writes into new memory (inputs
+/// and ops; parameters are the session's): `(elements, most alive at once)`.
+fn arena_sizes(graph: &Graph, steps: &[Step]) -> Vec<(usize, usize)> {
+    let ty = |slot: usize| graph.ty(cellgraph_compiler::NodeId(slot as u32));
+    let counted = |st: &Step| st.ty.dtype.is_float() && !matches!(st.op, Op::Parameter { .. });
+    let (mut live, mut most) = (BTreeMap::<usize, usize>::new(), BTreeMap::<usize, usize>::new());
+    let mut owned = vec![false; graph.id_bound()];
+    for st in steps {
+        if counted(st) {
+            owned[st.slot] = true;
+            let n = live.entry(ty(st.slot).numel()).or_default();
+            *n += 1;
+            let m = most.entry(ty(st.slot).numel()).or_default();
+            *m = (*m).max(*n);
+        }
+        for s in released(st).into_iter().filter(|&s| owned[s]) {
+            *live.get_mut(&ty(s).numel()).expect("counted when written") -= 1;
+        }
+    }
+    most.into_iter().collect()
 }
 
 /// Pairs each max pool with the gradients of it scheduled after it (same input, same window):
@@ -222,17 +261,18 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
     let outputs = graph.outputs().iter().map(|o| o.index()).collect();
     let slots = graph.id_bound();
     let peak_bytes = simulate_peak(&graph, &steps);
-    Ok(Executable { source, graph, steps, outputs, writes, slots, peak_bytes })
+    let arena = arena_sizes(&graph, &steps);
+    Ok(Executable { source, graph, steps, outputs, writes, slots, peak_bytes, arena })
 }
 
 /// Runs a step's bound kernel: on the host kernels on a host backend, on the device's own
 /// kernels otherwise; `None` when it does not apply (a non-float operand, a dtype the kernels
 /// lack), and burn's ops run the step instead.
-fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &TensorType, device: &Device<B>, kept: &mut Kept) -> Option<burn_backend::tensor::FloatTensor<B>> {
+fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &TensorType, device: &Device<B>, kept: &mut Kept, arena: &mut Arena) -> Option<burn_backend::tensor::FloatTensor<B>> {
     let floats: Vec<_> = args.iter().map(|(v, _)| if let Value::Float(t) = v { Some(t) } else { None }).collect::<Option<_>>()?;
     let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
     if B::HOST {
-        crate::host::run_host::<B>(k, &floats, &tys, out, device, kept)
+        crate::host::run_host::<B>(k, &floats, &tys, out, device, kept, arena)
     } else {
         B::device_kernel(k, &floats, out)
     }
@@ -250,12 +290,22 @@ pub struct Session<B: Backend> {
     in_place: bool,
     /// What the host kernels keep between the steps of a run (max pools' argmax).
     kept: Kept,
+    /// The memory host kernels write values into (see [`Executable::arena`]).
+    arena: Arena,
+    /// A run's value slots, kept for the next run.
+    slots: Vec<Option<Value<B>>>,
 }
 
 impl<B: Backend> Session<B> {
     /// An empty session on `device`.
     pub fn new(device: Device<B>) -> Self {
-        Session { device, params: BTreeMap::new(), profile: None, native: true, in_place: false, kept: Kept::default() }
+        Session { device, params: BTreeMap::new(), profile: None, native: true, in_place: false, kept: Kept::default(), arena: Arena::default(), slots: Vec::new() }
+    }
+
+    /// Buffers the session's arena has allocated because none of their length was free: after
+    /// a plan's first runs, a steady state adds none.
+    pub fn fresh_buffers(&self) -> u64 {
+        self.arena.fresh()
     }
 
     /// Turns per-op wall-clock profiling on or off (off by default; on CPU backends the times
@@ -366,8 +416,11 @@ impl<B: Backend> Session<B> {
                 got: format!("{}", inputs.len()),
             });
         }
-        let mut slots: Vec<Option<Value<B>>> = vec![None; exe.slots];
+        let mut slots = std::mem::take(&mut self.slots);
+        slots.clear();
+        slots.resize(exe.slots, None);
         self.kept.begin_run();
+        self.arena.size_for(&exe.arena);
         let s = settings::<B>(&self.device);
         for step in &exe.steps {
             let v = match &step.op {
@@ -382,7 +435,11 @@ impl<B: Backend> Session<B> {
                             got: given.ty().to_string(),
                         });
                     }
-                    Value::from_host(given, &self.device)
+                    let copied = if B::HOST { crate::host::input::<B>(given, s.float_dtype, &mut self.arena, &self.device) } else { None };
+                    match copied {
+                        Some(t) => Value::Float(t),
+                        None => Value::from_host(given, &self.device),
+                    }
                 }
                 op => {
                     if let Some(name) = &step.target {
@@ -393,21 +450,51 @@ impl<B: Backend> Session<B> {
                             slots[target] = self.params.remove(name);
                         }
                     }
+                    // On host backends an accumulator read only here is added into in place, and
+                    // a reshape keeps its operand's memory at the operand's last use (else copies
+                    // it into the arena).
+                    let reshape = matches!(op, Op::Reshape { .. } | Op::Flatten);
+                    let takes_first = B::HOST && self.native && (reshape || (matches!(op, Op::AssignAdd) && step.args[0].1));
                     let args: Vec<_> = step
                         .args
                         .iter()
                         .zip(&step.arg_types)
-                        .map(|(&(slot, moved), ty)| {
-                            let v = if moved { slots[slot].take() } else { slots[slot].clone() };
+                        .enumerate()
+                        .map(|(k, (&(slot, moved), ty))| {
+                            // Host backends lend an operand at its last use too, and take its
+                            // buffer back after the step (below).
+                            let take = moved && (!B::HOST || (takes_first && k == 0));
+                            let v = if take { slots[slot].take() } else { slots[slot].clone() };
                             (v.expect("operands are computed before use"), ty)
                         })
                         .collect();
                     let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.name(), in_place: self.in_place };
                     let t0 = self.profile.is_some().then(std::time::Instant::now);
-                    let bound = step.kernel.as_ref().filter(|_| self.native).and_then(|k| run_bound(k, &args, &step.ty, &self.device, &mut self.kept));
-                    let v = match bound {
-                        Some(t) => Value::Float(t),
-                        None => eval(&cx, op, args, &step.ty)?,
+                    let v = if takes_first && reshape {
+                        let Ok([(x, ty)]) = <[_; 1]>::try_from(args) else { unreachable!("a reshape's arity is checked by the verifier") };
+                        match x {
+                            Value::Float(x) => match crate::host::reshape::<B>(x, &step.ty, &self.device, &mut self.arena) {
+                                Ok(t) => Value::Float(t),
+                                Err(x) => eval(&cx, op, vec![(Value::Float(x), ty)], &step.ty)?,
+                            },
+                            x => eval(&cx, op, vec![(x, ty)], &step.ty)?,
+                        }
+                    } else if takes_first {
+                        let Ok([(acc, _), (g, _)]) = <[_; 2]>::try_from(args) else { unreachable!("assign_add's arity is checked by the verifier") };
+                        let tys = (&step.arg_types[0], &step.arg_types[1]);
+                        match (acc, g) {
+                            (Value::Float(acc), Value::Float(g)) => match crate::host::assign_add::<B>(acc, &g, &step.ty, &self.device) {
+                                Ok(t) => Value::Float(t),
+                                Err(acc) => eval(&cx, op, vec![(Value::Float(acc), tys.0), (Value::Float(g), tys.1)], &step.ty)?,
+                            },
+                            (acc, g) => eval(&cx, op, vec![(acc, tys.0), (g, tys.1)], &step.ty)?,
+                        }
+                    } else {
+                        let bound = step.kernel.as_ref().filter(|_| self.native).and_then(|k| run_bound(k, &args, &step.ty, &self.device, &mut self.kept, &mut self.arena));
+                        match bound {
+                            Some(t) => Value::Float(t),
+                            None => eval(&cx, op, args, &step.ty)?,
+                        }
                     };
                     if let (Some(p), Some(t0)) = (self.profile.as_mut(), t0) {
                         let e = p.entry(op.name()).or_insert((0, 0.0));
@@ -417,16 +504,20 @@ impl<B: Backend> Session<B> {
                     v
                 }
             };
-            for &f in &step.frees {
-                slots[f] = None;
+            for slot in step.args.iter().filter(|(_, moved)| *moved).map(|(s, _)| *s).chain(step.frees.iter().copied()) {
+                if let Some(v) = slots[slot].take() {
+                    self.arena.reclaim(v);
+                }
             }
             slots[step.slot] = Some(v);
         }
         for (name, slot) in &exe.writes {
             let v = slots[*slot].clone().expect("writes are pinned");
-            self.params.insert(name.clone(), v);
+            if let Some(old) = self.params.insert(name.clone(), v) {
+                self.arena.reclaim(old);
+            }
         }
-        Ok(exe
+        let outputs = exe
             .outputs
             .iter()
             .map(|&o| {
@@ -434,6 +525,11 @@ impl<B: Backend> Session<B> {
                 h.shape = exe.graph.ty(cellgraph_compiler::NodeId(o as u32)).dims().to_vec();
                 h
             })
-            .collect())
+            .collect();
+        for v in slots.iter_mut().filter_map(Option::take) {
+            self.arena.reclaim(v);
+        }
+        self.slots = slots;
+        Ok(outputs)
     }
 }

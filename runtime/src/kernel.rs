@@ -76,8 +76,12 @@ pub enum Native {
     Relu,
     /// ReLU's gradient `(dy, x)` of equal extents.
     ReluGrad,
-    /// A `fused` node's program, with how each operand is read.
+    /// A `fused` node's program, with how each operand is read (also one arithmetic op alone:
+    /// an add, sub, mul, div or neg, with its broadcasts).
     Fused(Arc<Elementwise>),
+    /// The sum over the rows of a `[rows, cols]` matrix (`reduce_sum` over axis 0, `cols` > 1:
+    /// a bias gradient).
+    SumRows { cols: usize },
 }
 
 /// A fused elementwise program bound to its operands' extents.
@@ -171,6 +175,14 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
         Op::Relu => Some(Native::Relu),
         Op::ReluGrad if d(0) == d(1) => Some(Native::ReluGrad),
         Op::Fused { expr } => elementwise(expr, tys),
+        // One op as a one-term program: on host backends its output then comes from the
+        // plan's arena (exp, log and sqrt alone stay on burn's ops).
+        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg => {
+            let mut terms: Vec<Term> = (0..tys.len()).map(Term::Arg).collect();
+            terms.push(Term::of(op)?);
+            elementwise(&Expr::new(terms).ok()?, tys)
+        }
+        Op::ReduceSum(r) if r.axes == [0] && tys[0].rank() == 2 && d(0)[1] > 1 => Some(Native::SumRows { cols: d(0)[1] }),
         _ => None,
     }
 }

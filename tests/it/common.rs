@@ -44,3 +44,81 @@ pub fn golden(name: &str, actual: &str) {
         panic!("golden file {name} differs (re-record with BLESS=1 if intended):\n{diff}");
     }
 }
+
+/// The test binary's allocator: the system's, counting the calling thread's allocations while
+/// [`allocations`] runs a closure on it. Allocations aligned to more than 16 bytes are counted
+/// apart: no tensor or vector of numbers asks for that, SIMD scratch does (the `gemm` crate
+/// allocates its packing buffers on every call, with no way to hand it memory).
+pub mod counting {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::cell::Cell;
+
+    pub struct Counting;
+
+    thread_local! {
+        static ON: Cell<bool> = const { Cell::new(false) };
+        /// What [`allocations`] reports, since it began.
+        static SEEN: Cell<Seen> = const { Cell::new(Seen { count: 0, bytes: 0, largest: 0, simd_bytes: 0 }) };
+    }
+
+    /// A thread's allocations while counted.
+    #[derive(Clone, Copy, Debug, Default)]
+    pub struct Seen {
+        /// Allocations (a grown vector counts its new size), and their bytes.
+        pub count: u64,
+        pub bytes: u64,
+        /// The largest.
+        pub largest: usize,
+        /// Bytes of allocations aligned to more than 16 (SIMD scratch), not in the above.
+        pub simd_bytes: u64,
+    }
+
+    fn note(l: Layout, size: usize) {
+        let _ = ON.try_with(|on| {
+            if on.get() {
+                let _ = SEEN.try_with(|s| {
+                    let mut seen = s.get();
+                    if l.align() > 16 {
+                        seen.simd_bytes += size as u64;
+                    } else {
+                        seen.count += 1;
+                        seen.bytes += size as u64;
+                        seen.largest = seen.largest.max(size);
+                    }
+                    s.set(seen);
+                });
+            }
+        });
+    }
+
+    // SAFETY: every call goes to `System` unchanged; counting touches thread-locals only.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+            note(l, l.size());
+            unsafe { System.alloc(l) }
+        }
+        unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+            note(l, l.size());
+            unsafe { System.alloc_zeroed(l) }
+        }
+        unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+            note(l, new);
+            unsafe { System.realloc(p, l, new) }
+        }
+        unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+            unsafe { System.dealloc(p, l) }
+        }
+    }
+
+    #[global_allocator]
+    static COUNTING: Counting = Counting;
+
+    /// What `f` allocated on this thread.
+    pub fn allocations<R>(f: impl FnOnce() -> R) -> (R, Seen) {
+        SEEN.with(|s| s.set(Seen::default()));
+        ON.with(|on| on.set(true));
+        let r = f();
+        ON.with(|on| on.set(false));
+        (r, SEEN.with(Cell::get))
+    }
+}

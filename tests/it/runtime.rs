@@ -182,6 +182,81 @@ fn fused_lenet_accumulation_plans_equal_the_unfused_ones() {
     }
 }
 
+/// LeNet5's accumulation micro-step (batch 8) on the host kernels, in steady state: its values
+/// come from the session's arena, sized by the plan at compile time, so after the first runs
+/// it allocates no new buffer and nothing of 4 KiB or more (the loss's few [8, 10] temporaries
+/// on burn's ops remain, and the GEMM's packing scratch, counted apart); and the accumulators
+/// it adds into in place hold what burn's ops give.
+#[test]
+fn a_steady_state_micro_step_allocates_no_tensor_memory() {
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/dumps");
+    let g = parse(&std::fs::read_to_string(dir.join("02_dce_micro_step.ir")).unwrap()).unwrap();
+    let exe = compile(g.clone()).unwrap();
+    let conv1 = 8 * 6 * 28 * 28;
+    assert!(exe.arena().iter().any(|&(len, n)| len == conv1 && n >= 1), "conv1's output is planned: {:?}", exe.arena());
+    let planned: u64 = exe.arena().iter().map(|&(_, n)| n as u64).sum();
+    let mut rng = StdRng::seed_from_u64(9);
+    let mut draw = |ty: &TensorType| match ty.dtype {
+        DType::I32 => HostTensor::i32(ty.dims().to_vec(), (0..ty.numel()).map(|_| rng.random_range(0..10)).collect()).unwrap(),
+        _ => HostTensor::f32(ty.dims().to_vec(), (0..ty.numel()).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap(),
+    };
+    let params: Vec<(String, HostTensor)> = g.parameters().into_iter().map(|(id, name)| (name.to_string(), draw(g.ty(id)))).collect();
+    let mut inputs = g.inputs();
+    inputs.sort_by_key(|&(_, index, _)| index);
+    let inputs: Vec<HostTensor> = inputs.into_iter().map(|(id, _, _)| draw(g.ty(id))).collect();
+    let session = |native: bool| {
+        let mut s = Session::<Cpu>::new(cpu());
+        s.set_native_kernels(native);
+        for (n, v) in &params {
+            s.set_param(n, v);
+        }
+        s
+    };
+    let (mut host, mut burn) = (session(true), session(false));
+    // One thread: every kernel runs on the thread whose allocations are counted.
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let (warm, (steady, seen)) = pool.install(|| {
+        for _ in 0..2 {
+            host.run(&exe, &inputs).unwrap();
+        }
+        let warm = host.fresh_buffers();
+        let ((), seen) = counting::allocations(|| {
+            for _ in 0..3 {
+                host.run(&exe, &inputs).unwrap();
+            }
+        });
+        (warm, (host.fresh_buffers(), seen))
+    });
+    let counting::Seen { count, bytes, largest, simd_bytes } = seen;
+    eprintln!("3 steady micro-steps: {count} allocations, {bytes} bytes, largest {largest} (and {simd_bytes} bytes of SIMD scratch); arena: {warm} buffers for {planned} planned");
+    assert!(warm > 0 && warm <= planned, "the arena holds at most what the plan said: {warm} of {planned}");
+    assert_eq!(steady, warm, "a steady-state run takes every buffer from the arena");
+    assert!(largest < 4096, "no tensor memory is allocated in steady state: largest allocation {largest} bytes ({count} allocations, {bytes} bytes)");
+    // The same five runs, each in a new session (nothing in its arena yet), carrying the
+    // accumulators over: the bits of the steady state's.
+    let mut cold = params.clone();
+    for _ in 0..5 {
+        let mut s = session(true);
+        for (n, v) in &cold {
+            s.set_param(n, v);
+        }
+        s.run(&exe, &inputs).unwrap();
+        cold = cold.iter().map(|(n, _)| (n.clone(), s.param(n).unwrap())).collect();
+        burn.run(&exe, &inputs).unwrap();
+    }
+    for (name, cold) in cold.iter().filter(|(n, _)| n.starts_with("accu_grads.")) {
+        let bits = |t: &HostTensor| t.to_f32().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let (a, b) = (host.param(name).unwrap(), burn.param(name).unwrap().to_f32());
+        assert_eq!(bits(&a), bits(cold), "{name}: the steady state against new sessions");
+        // burn's ops round the convolutions differently; a lost or doubled add is far off.
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (x, y) in a.to_f32().iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-3 * scale, "{name}: {x} (host kernels, arena) vs {y} (burn's ops)");
+        }
+    }
+}
+
 /// ReLU and neg keep the unfused plan's bits for NaN and -0 on short and long rows on the host
 /// kernels, and its values on burn's ops; a `fused` node reading an operand it does not have is an
 /// error from `compile` in every build, not a panic in the fusion pass.

@@ -19,6 +19,8 @@ use std::cell::RefCell;
 thread_local! {
     static SCRATCH_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static SCRATCH_F64: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
+    static PARTIALS_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static PARTIALS_F64: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
 }
 
 pub use crate::kernel::Geometry;
@@ -50,6 +52,9 @@ pub trait HostFloat:
     /// Runs `f` on `len` elements of this thread's scratch memory (grown, never shrunk: a
     /// steady state allocates nothing; the contents are whatever the last kernel left).
     fn scratch<R>(len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R;
+    /// As [`Self::scratch`], in a second buffer for what a kernel's calling thread holds while
+    /// the chunks it hands out use their own scratch (the filter gradient's partial sums).
+    fn partials<R>(len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R;
     /// `C = A B + beta * C` with element strides (`beta` is 0 or 1; with 0, `C` is not read).
     ///
     /// # Safety
@@ -60,7 +65,7 @@ pub trait HostFloat:
 
 /// One implementation for both element types (`$scratch`: the type's thread-local scratch).
 macro_rules! host_float {
-    ($t:ident, $scratch:ident) => {
+    ($t:ident, $scratch:ident, $partials:ident) => {
         impl HostFloat for $t {
             const ZERO: $t = 0.0;
             const NEG_INF: $t = $t::NEG_INFINITY;
@@ -80,12 +85,10 @@ macro_rules! host_float {
                 $t::sqrt(self)
             }
             fn scratch<R>(len: usize, f: impl FnOnce(&mut [$t]) -> R) -> R {
-                $scratch.with_borrow_mut(|v| {
-                    if v.len() < len {
-                        v.resize(len, 0.0);
-                    }
-                    f(&mut v[..len])
-                })
+                grown(&$scratch, len, f)
+            }
+            fn partials<R>(len: usize, f: impl FnOnce(&mut [$t]) -> R) -> R {
+                grown(&$partials, len, f)
             }
             unsafe fn gemm(m: usize, k: usize, n: usize, a: *const $t, rsa: isize, csa: isize, b: *const $t, rsb: isize, csb: isize, beta: $t, c: *mut $t, rsc: isize, csc: isize) {
                 gemm::gemm(m, n, k, c, csc, rsc, beta != 0.0, a, csa, rsa, b, csb, rsb, beta, 1.0, false, false, false, gemm::Parallelism::None)
@@ -94,8 +97,18 @@ macro_rules! host_float {
     };
 }
 
-host_float!(f32, SCRATCH_F32);
-host_float!(f64, SCRATCH_F64);
+host_float!(f32, SCRATCH_F32, PARTIALS_F32);
+host_float!(f64, SCRATCH_F64, PARTIALS_F64);
+
+/// Runs `f` on the first `len` elements of a thread-local buffer, grown (never shrunk) to fit.
+fn grown<T: Copy + Default + 'static, R>(key: &'static std::thread::LocalKey<RefCell<Vec<T>>>, len: usize, f: impl FnOnce(&mut [T]) -> R) -> R {
+    key.with_borrow_mut(|v| {
+        if v.len() < len {
+            v.resize(len, T::default());
+        }
+        f(&mut v[..len])
+    })
+}
 
 /// `C = A B` (`beta` as in [`HostFloat::gemm`]), computed as `C^T = B^T A^T` when that
 /// wastes less of the micro-kernel's tiles: its register tile is 64 bytes of rows (16 f32)
@@ -143,16 +156,17 @@ impl<F> Mat<'_, F> {
     }
 }
 
-/// `op(a) @ op(b)` as a new row-major matrix.
-pub fn matmul<F: HostFloat>(a: Mat<F>, b: Mat<F>) -> Vec<F> {
+/// `op(a) @ op(b)` into the row-major `c` (every element written).
+pub fn matmul<F: HostFloat>(a: Mat<F>, b: Mat<F>, c: &mut [F]) {
     let ((m, k), (k2, n)) = (a.logical(), b.logical());
     assert_eq!(k, k2, "contracting extents checked by shape inference");
-    assert!(a.data.len() >= a.rows * a.cols && b.data.len() >= b.rows * b.cols);
-    let mut c = vec![F::ZERO; m * n];
+    assert!(a.data.len() >= a.rows * a.cols && b.data.len() >= b.rows * b.cols && c.len() == m * n);
+    if k == 0 {
+        return c.fill(F::ZERO);
+    }
     let ((rsa, csa), (rsb, csb)) = (a.strides(), b.strides());
     // SAFETY: both views were checked to lie inside their slices; `c` is m x n.
     unsafe { gemm_oriented::<F>(m, k, n, a.data.as_ptr(), rsa, csa, b.data.as_ptr(), rsb, csb, F::ZERO, c.as_mut_ptr(), n as isize, 1) };
-    c
 }
 
 /// Unfolds `channels` input planes (`x`, each `h*w`) into rows of `col`: row
@@ -384,12 +398,12 @@ fn scatter_rows<F: HostFloat>(d: &ConvDims, o: usize, gi: usize, rows: &[F], nch
 
 /// Convolution: `x` `[n, c, h, w]`, `w` `[o, c/groups, kh, kw]` -> `[n, o, oh, ow]`. Per chunk
 /// of images and group, one GEMM: `w_g [og, kk] @ col [kk, m*oh*ow]`.
-pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: usize) -> Vec<F> {
+pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: usize, y: &mut [F]) {
     let d = conv_dims(g, groups, o);
     let [n, c, h, wd] = g.x;
-    let mut y = vec![F::ZERO; n * o * d.sp];
+    assert_eq!(y.len(), n * o * d.sp, "output extents");
     if y.is_empty() {
-        return y;
+        return;
     }
     let per = chunk_images::<F>(&d, n);
     let chunks: Vec<_> = y.chunks_mut(per * o * d.sp).enumerate().collect();
@@ -408,17 +422,17 @@ pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: us
             }
         })
     });
-    y
 }
 
 /// Gradient of [`conv2d`] w.r.t. its input: `dy` `[n, o, oh, ow]` -> `[n, c, h, w]`. Per chunk
 /// and group, `w_g^T [kk, og] @ dy_g [og, m*oh*ow]`, then col2im image by image.
-pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w: &[F], o: usize) -> Vec<F> {
+pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w: &[F], o: usize, dx: &mut [F]) {
     let d = conv_dims(g, groups, o);
     let [n, c, h, wi] = g.x;
-    let mut dx = vec![F::ZERO; n * c * h * wi];
+    assert_eq!(dx.len(), n * c * h * wi, "output extents");
+    dx.fill(F::ZERO);
     if dx.is_empty() || d.sp == 0 {
-        return dx;
+        return;
     }
     let per = chunk_images::<F>(&d, n);
     let chunks: Vec<_> = dx.chunks_mut(per * c * h * wi).enumerate().collect();
@@ -439,22 +453,37 @@ pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w:
             }
         })
     });
-    dx
 }
 
 /// Gradient of [`conv2d`] w.r.t. its filter: `[o, c/groups, kh, kw]`. Per chunk and group, one
 /// GEMM contracting over the chunk's pixels, `dy_g [og, m*oh*ow] @ col^T [m*oh*ow, kk]`; the
 /// chunks' partial sums are then added in chunk order (so the thread count changes nothing).
-pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize) -> Vec<F> {
+/// The first chunk's sum is made in `dw` itself, the others in thread-local memory.
+pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize, dw: &mut [F]) {
     let d = conv_dims(g, groups, o);
-    let [n, c, h, wd] = g.x;
+    let n = g.x[0];
     let size = o * d.kk;
+    assert_eq!(dw.len(), size, "output extents");
     let per = chunk_images::<F>(&d, n);
-    let mut parts = vec![F::ZERO; n.div_ceil(per) * size];
-    if parts.is_empty() {
-        return vec![F::ZERO; size];
+    let chunks = n.div_ceil(per);
+    if chunks == 0 || size == 0 {
+        return dw.fill(F::ZERO);
     }
-    let chunks: Vec<_> = parts.chunks_mut(size).enumerate().collect();
+    F::partials((chunks - 1) * size, |rest| {
+        let parts: Vec<_> = std::iter::once(&mut *dw).chain(rest.chunks_mut(size)).enumerate().collect();
+        filter_grad_chunks(g, groups, dy, x, o, per, parts);
+        for part in rest.chunks_exact(size) {
+            for (a, &b) in dw.iter_mut().zip(part) {
+                *a += b;
+            }
+        }
+    })
+}
+
+/// Chunk `k`'s filter gradient (images `k*per..`) into each `(k, part)`.
+fn filter_grad_chunks<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize, per: usize, parts: Vec<(usize, &mut [F])>) {
+    let [n, c, h, wd] = g.x;
+    let chunks = parts;
     each(chunks, |(k, part)| {
         let sub = sub_batch(g, per.min(n - k * per));
         let dc = conv_dims(&sub, groups, o);
@@ -471,14 +500,6 @@ pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x
             }
         })
     });
-    let (dw, rest) = parts.split_at_mut(size);
-    for part in rest.chunks_exact(size) {
-        for (a, &b) in dw.iter_mut().zip(part) {
-            *a += b;
-        }
-    }
-    parts.truncate(size);
-    parts
 }
 
 /// Marks a max-pooling window that lies entirely in padding (its output is -inf and it
@@ -605,11 +626,12 @@ pub fn max_pool2d_argmax<F: HostFloat>(g: &Geometry, x: &[F], at: &mut [u32]) {
 
 /// Max pooling over NCHW `x`; padding never wins. Writes each window's argmax into `at`
 /// (`[n, c, oh, ow]`), which [`max_pool2d_grad`] takes, so the gradient needs no second pass.
-pub fn max_pool2d<F: HostFloat>(g: &Geometry, x: &[F], at: &mut [u32]) -> Vec<F> {
+pub fn max_pool2d<F: HostFloat>(g: &Geometry, x: &[F], at: &mut [u32], y: &mut [F]) {
     let [_, _, h, w] = g.x;
     let sp = g.spatial();
+    assert_eq!(y.len(), at.len(), "output extents");
     max_pool2d_argmax(g, x, at);
-    let mut y = vec![F::NEG_INF; at.len()];
+    y.fill(F::NEG_INF);
     for (p, (y, at)) in y.chunks_exact_mut(sp.max(1)).zip(at.chunks_exact(sp.max(1))).enumerate() {
         let plane = &x[p * h * w..(p + 1) * h * w];
         for (y, &i) in y.iter_mut().zip(at) {
@@ -618,17 +640,17 @@ pub fn max_pool2d<F: HostFloat>(g: &Geometry, x: &[F], at: &mut [u32]) -> Vec<F>
             }
         }
     }
-    y
 }
 
 /// Gradient of [`max_pool2d`] from its argmax `at`: each output's gradient goes to its
 /// window's first maximum.
-pub fn max_pool2d_grad<F: HostFloat>(g: &Geometry, at: &[u32], dy: &[F]) -> Vec<F> {
+pub fn max_pool2d_grad<F: HostFloat>(g: &Geometry, at: &[u32], dy: &[F], dx: &mut [F]) {
     let [n, c, h, w] = g.x;
     let sp = g.spatial();
-    let mut dx = vec![F::ZERO; n * c * h * w];
+    assert_eq!(dx.len(), n * c * h * w, "output extents");
+    dx.fill(F::ZERO);
     if sp == 0 || dx.is_empty() {
-        return dx;
+        return;
     }
     for ((d, at), dy) in dx.chunks_exact_mut(h * w).zip(at.chunks_exact(sp)).zip(dy.chunks_exact(sp)) {
         for (&i, &g) in at.iter().zip(dy) {
@@ -637,7 +659,6 @@ pub fn max_pool2d_grad<F: HostFloat>(g: &Geometry, at: &[u32], dy: &[F]) -> Vec<
             }
         }
     }
-    dx
 }
 
 /// `dy` where `x > 0`, else zero.
@@ -652,12 +673,27 @@ fn relu1<F: HostFloat>(v: F) -> F {
     }
 }
 
-pub fn relu<F: HostFloat>(x: &[F]) -> Vec<F> {
-    x.iter().map(|&v| relu1(v)).collect()
+pub fn relu<F: HostFloat>(x: &[F], y: &mut [F]) {
+    y.iter_mut().zip(x).for_each(|(y, &v)| *y = relu1(v));
 }
 
-pub fn relu_grad<F: HostFloat>(dy: &[F], x: &[F]) -> Vec<F> {
-    dy.iter().zip(x).map(|(&d, &v)| if v > F::ZERO { d } else { F::ZERO }).collect()
+pub fn relu_grad<F: HostFloat>(dy: &[F], x: &[F], dx: &mut [F]) {
+    dx.iter_mut().zip(dy.iter().zip(x)).for_each(|(o, (&d, &v))| *o = if v > F::ZERO { d } else { F::ZERO });
+}
+
+/// `acc += g`, elementwise (the bits of burn's `acc + g`).
+pub fn add_assign<F: HostFloat>(acc: &mut [F], g: &[F]) {
+    acc.iter_mut().zip(g).for_each(|(a, &b)| *a = *a + b);
+}
+
+/// The sum over the rows of a row-major `[rows, cols]` matrix into `out` (`cols`), added
+/// row after row onto zeros: the order (and so the bits) of ndarray's `sum_axis(Axis(0))`,
+/// which burn-ndarray's `sum_dim` runs, for a matrix with more than one column.
+pub fn sum_rows<F: HostFloat>(x: &[F], out: &mut [F]) {
+    out.fill(F::ZERO);
+    for row in x.chunks_exact(out.len().max(1)) {
+        add_assign(out, row);
+    }
 }
 
 /// Output elements a fused program works at a time: each term runs over a whole block, so
@@ -667,18 +703,18 @@ const BLOCK: usize = 256;
 /// A fused elementwise program ([`Elementwise`]) over its operands, block by block. Each op
 /// rounds to `F` exactly as the unfused op does, in the same order, so the bits are the
 /// unfused plan's. Large outputs are cut into per-thread shares of whole blocks.
-pub fn fused<F: HostFloat>(e: &Elementwise, args: &[&[F]]) -> Vec<F> {
-    let mut out = vec![F::ZERO; e.len];
+pub fn fused<F: HostFloat>(e: &Elementwise, args: &[&[F]], out: &mut [F]) {
+    assert_eq!(out.len(), e.len, "output extents");
     let threads = rayon::current_num_threads().min(e.len / (64 * BLOCK)).max(1);
     let per = e.len.div_ceil(threads).div_ceil(BLOCK) * BLOCK;
     let shares: Vec<(usize, &mut [F])> = out.chunks_mut(per.max(1)).enumerate().map(|(i, c)| (i * per, c)).collect();
     each(shares, |(start, dst)| {
-        let mut stack = vec![F::ZERO; e.depth * BLOCK];
-        for (b, dst) in dst.chunks_mut(BLOCK).enumerate() {
-            fused_block(e, args, start + b * BLOCK, &mut stack, dst);
-        }
+        F::scratch(e.depth * BLOCK, |stack| {
+            for (b, dst) in dst.chunks_mut(BLOCK).enumerate() {
+                fused_block(e, args, start + b * BLOCK, stack, dst);
+            }
+        })
     });
-    out
 }
 
 fn fused_block<F: HostFloat>(e: &Elementwise, args: &[&[F]], start: usize, stack: &mut [F], dst: &mut [F]) {
@@ -757,6 +793,14 @@ fn gather<F: HostFloat>(r: &Read, x: &[F], start: usize, dst: &mut [F]) {
 mod tests {
     use super::*;
 
+    /// A kernel's output as a new vector of `len` elements (filled with NaN first: every
+    /// element must be written).
+    fn new(len: usize, kernel: impl FnOnce(&mut [f32])) -> Vec<f32> {
+        let mut v = vec![f32::NAN; len];
+        kernel(&mut v);
+        v
+    }
+
     fn data(n: usize, salt: usize) -> Vec<f32> {
         (0..n).map(|i| (((i * 7919 + salt * 104729) % 2003) as f32 - 1001.0) / 1001.0).collect()
     }
@@ -803,12 +847,13 @@ mod tests {
         for (g, groups, o) in cases {
             let [n, c, h, wd] = g.x;
             let (x, w, dy) = (data(n * c * h * wd, 1), data(o * c / groups * g.kernel[0] * g.kernel[1], 2), data(n * o * g.spatial(), 3));
-            let y = conv2d(&g, groups, &x, &w, o);
+            let y = new(n * o * g.spatial(), |y| conv2d(&g, groups, &x, &w, o, y));
             for (a, b) in y.iter().zip(conv_reference(&g, groups, &x, &w, o)) {
                 assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "{g:?}: {a} vs {b}");
             }
             let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>();
-            let (dx, dw) = (conv2d_input_grad(&g, groups, &dy, &w, o), conv2d_filter_grad(&g, groups, &dy, &x, o));
+            let dx = new(x.len(), |dx| conv2d_input_grad(&g, groups, &dy, &w, o, dx));
+            let dw = new(w.len(), |dw| conv2d_filter_grad(&g, groups, &dy, &x, o, dw));
             let lhs = dot(&y, &dy);
             for rhs in [dot(&x, &dx), dot(&w, &dw)] {
                 assert!((lhs - rhs).abs() <= 1e-4 * (1.0 + lhs.abs()), "{g:?}: {lhs} vs {rhs}");
@@ -827,9 +872,15 @@ mod tests {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
             pool.install(|| {
                 let mut at = vec![0; 32 * 6 * 49];
-                let y = max_pool2d(&p, &x, &mut at);
+                let y = new(at.len(), |y| max_pool2d(&p, &x, &mut at, y));
                 let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
-                [bits(conv2d(&g, 1, &x, &w, 16)), bits(conv2d_input_grad(&g, 1, &dy, &w, 16)), bits(conv2d_filter_grad(&g, 1, &dy, &x, 16)), bits(y), bits(max_pool2d_grad(&p, &at, &x[..at.len()]))]
+                [
+                    bits(new(dy.len(), |y| conv2d(&g, 1, &x, &w, 16, y))),
+                    bits(new(x.len(), |dx| conv2d_input_grad(&g, 1, &dy, &w, 16, dx))),
+                    bits(new(w.len(), |dw| conv2d_filter_grad(&g, 1, &dy, &x, 16, dw))),
+                    bits(y),
+                    bits(new(x.len(), |dx| max_pool2d_grad(&p, &at, &x[..at.len()], dx))),
+                ]
             })
         };
         assert_eq!(run(1), run(3));
@@ -882,7 +933,7 @@ mod tests {
         let mut xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i)).collect();
         xs[4].iter_mut().for_each(|v| *v = v.abs() + 0.5);
         let args: Vec<&[f32]> = xs.iter().map(|v| &v[..]).collect();
-        let got = fused(&e, &args);
+        let got = new(e.len, |out| fused(&e, &args, out));
         assert_eq!(got.len(), 40_000);
         for (i, &g) in got.iter().enumerate() {
             let (a, b, c) = (i / 10_000, i / 100 % 100, i % 100);

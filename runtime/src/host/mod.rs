@@ -1,44 +1,162 @@
 //! Bound kernels ([`crate::kernel::Native`]) on backends that keep tensors in host memory
-//! (burn-ndarray): the slice kernels in [`kernels`], and what they keep between the steps of
-//! a run ([`Kept`]: a max pool's argmax for its gradient in the same plan).
+//! (burn-ndarray): the slice kernels in [`kernels`], what they keep between the steps of a
+//! run ([`Kept`]: a max pool's argmax for its gradient in the same plan), and the memory
+//! their outputs are written into ([`Arena`]).
 
 pub mod kernels;
 
+use std::collections::BTreeMap;
+
 use burn_backend::tensor::{Device, FloatTensor};
-use cellgraph_compiler::TensorType;
+use burn_backend::FloatDType;
+use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
 use crate::backend::{Backend, HostSlice, HostVec};
 use crate::kernel::{ConvKind, Native};
+use crate::value::Value;
 use kernels::{HostFloat, Mat};
 
-/// The element types the kernels run in, tied to their [`HostSlice`]/[`HostVec`] variants.
+/// Free buffers of one element type, by length.
+type Shelf<T> = BTreeMap<usize, Vec<Vec<T>>>;
+
+/// The element types the kernels run in, tied to their [`HostSlice`]/[`HostVec`] variants
+/// and to their shelf of the [`Arena`].
 trait Elem: HostFloat {
     fn slice<'a>(s: &'a HostSlice<'_>) -> Option<&'a [Self]>;
     fn wrap(v: Vec<Self>) -> HostVec;
+    fn shelf(a: &mut Arena) -> &mut Shelf<Self>;
 }
 
-impl Elem for f32 {
-    fn slice<'a>(s: &'a HostSlice<'_>) -> Option<&'a [f32]> {
-        match s {
-            HostSlice::F32(v) => Some(v),
-            HostSlice::F64(_) => None,
+macro_rules! elem {
+    ($t:ident, $variant:ident, $other:ident, $shelf:ident) => {
+        impl Elem for $t {
+            fn slice<'a>(s: &'a HostSlice<'_>) -> Option<&'a [$t]> {
+                match s {
+                    HostSlice::$variant(v) => Some(v),
+                    HostSlice::$other(_) => None,
+                }
+            }
+            fn wrap(v: Vec<$t>) -> HostVec {
+                HostVec::$variant(v)
+            }
+            fn shelf(a: &mut Arena) -> &mut Shelf<$t> {
+                &mut a.$shelf
+            }
+        }
+    };
+}
+
+elem!(f32, F32, F64, f32);
+elem!(f64, F64, F32, f64);
+
+/// The host memory a session's plans write their values into: float buffers by length. A
+/// plan says at compile time how many buffers of each length it holds at once
+/// ([`crate::Executable::arena`]); the arena keeps up to that many of each free, so once every
+/// length has been seen a run takes all its buffers from here, and each value's last use
+/// hands its buffer back ([`Self::reclaim`]) when nothing else holds it.
+#[derive(Default)]
+pub struct Arena {
+    f32: Shelf<f32>,
+    f64: Shelf<f64>,
+    /// Most free buffers kept per length: the most any plan run here holds at once.
+    cap: BTreeMap<usize, usize>,
+    /// Buffers allocated because none of their length was free.
+    fresh: u64,
+}
+
+impl Arena {
+    /// Makes room for a plan's buffers: `(elements, buffers)` pairs.
+    pub fn size_for(&mut self, plan: &[(usize, usize)]) {
+        for &(len, n) in plan {
+            let cap = self.cap.entry(len).or_default();
+            *cap = (*cap).max(n);
         }
     }
-    fn wrap(v: Vec<f32>) -> HostVec {
-        HostVec::F32(v)
+
+    /// Buffers allocated so far because none of their length was free (a steady state adds none).
+    pub fn fresh(&self) -> u64 {
+        self.fresh
+    }
+
+    /// A buffer of `len` elements, contents unspecified.
+    fn take<F: Elem>(&mut self, len: usize) -> Vec<F> {
+        match F::shelf(self).get_mut(&len).and_then(Vec::pop) {
+            Some(v) => v,
+            None => {
+                self.fresh += 1;
+                vec![F::ZERO; len]
+            }
+        }
+    }
+
+    fn give<F: Elem>(&mut self, v: Vec<F>) {
+        let cap = self.cap.get(&v.len()).copied().unwrap_or(0);
+        let shelf = F::shelf(self).entry(v.len()).or_default();
+        if shelf.len() < cap {
+            shelf.push(v);
+        }
+    }
+
+    /// Takes a value's memory back when nothing else holds it (a value is dropped otherwise).
+    pub fn reclaim<B: Backend>(&mut self, v: Value<B>) {
+        if let Value::Float(t) = v {
+            match B::reclaim(t) {
+                Ok(HostVec::F32(v)) => self.give(v),
+                Ok(HostVec::F64(v)) => self.give(v),
+                Err(_) => {}
+            }
+        }
     }
 }
 
-impl Elem for f64 {
-    fn slice<'a>(s: &'a HostSlice<'_>) -> Option<&'a [f64]> {
-        match s {
-            HostSlice::F64(v) => Some(v),
-            HostSlice::F32(_) => None,
+/// `v` copied into a buffer from the arena.
+fn copied<F: Elem>(arena: &mut Arena, v: &[F]) -> HostVec {
+    let mut b = arena.take::<F>(v.len());
+    b.copy_from_slice(v);
+    F::wrap(b)
+}
+
+/// A float input copied into an arena buffer, when the backend computes in its element type
+/// (`None`: the caller copies it as any host tensor).
+pub fn input<B: Backend>(t: &HostTensor, float: FloatDType, arena: &mut Arena, device: &Device<B>) -> Option<FloatTensor<B>> {
+    let data = match (&t.data, float) {
+        (HostData::F32(v), FloatDType::F32) => copied(arena, v),
+        (HostData::F64(v), FloatDType::F64) => copied(arena, v),
+        _ => return None,
+    };
+    Some(B::from_host_vec(data, &t.shape, device))
+}
+
+/// `t` with extents `ty`: its own memory when nothing else holds it, else a copy into an arena
+/// buffer (burn-ndarray's reshape copies every time); `Err(t)` when `t` is not in host memory.
+pub fn reshape<B: Backend>(t: FloatTensor<B>, ty: &TensorType, device: &Device<B>, arena: &mut Arena) -> Result<FloatTensor<B>, FloatTensor<B>> {
+    let data = match B::reclaim(t) {
+        Ok(data) => data,
+        Err(t) => match B::host_slice(&t) {
+            Some(HostSlice::F32(v)) => copied(arena, &v),
+            Some(HostSlice::F64(v)) => copied(arena, &v),
+            None => return Err(t),
+        },
+    };
+    Ok(B::from_host_vec(data, ty.dims(), device))
+}
+
+/// `acc += g` in `acc`'s own memory when nothing else holds it (an accumulator read only by
+/// its `assign_add`) and both are host floats of one type and length; `Err(acc)` otherwise.
+pub fn assign_add<B: Backend>(acc: FloatTensor<B>, g: &FloatTensor<B>, ty: &TensorType, device: &Device<B>) -> Result<FloatTensor<B>, FloatTensor<B>> {
+    let Some(gs) = B::host_slice(g) else { return Err(acc) };
+    let data = match (B::reclaim(acc)?, gs) {
+        (HostVec::F32(mut a), HostSlice::F32(g)) if a.len() == g.len() => {
+            kernels::add_assign(&mut a, &g);
+            return Ok(B::from_host_vec(HostVec::F32(a), ty.dims(), device));
         }
-    }
-    fn wrap(v: Vec<f64>) -> HostVec {
-        HostVec::F64(v)
-    }
+        (HostVec::F64(mut a), HostSlice::F64(g)) if a.len() == g.len() => {
+            kernels::add_assign(&mut a, &g);
+            return Ok(B::from_host_vec(HostVec::F64(a), ty.dims(), device));
+        }
+        (a, _) => a,
+    };
+    Err(B::from_host_vec(data, ty.dims(), device))
 }
 
 /// Per-session host state the kernels keep between steps of a run: the argmax of each max
@@ -69,47 +187,59 @@ impl Kept {
     }
 }
 
-/// Runs a bound kernel in element type `F`, or `None` if an operand is not `F`.
-fn run<F: Elem>(k: &Native, args: &[HostSlice], tys: &[&TensorType], out: &TensorType, kept: &mut Kept) -> Option<Vec<F>> {
+/// Runs a bound kernel in element type `F` into a buffer from the arena, or `None` if an
+/// operand is not `F` or the output is empty.
+fn run<F: Elem>(k: &Native, args: &[HostSlice], tys: &[&TensorType], out: &TensorType, kept: &mut Kept, arena: &mut Arena) -> Option<Vec<F>> {
     let a: Vec<&[F]> = args.iter().map(F::slice).collect::<Option<_>>()?;
     let d = |i: usize| tys[i].dims();
-    Some(match k {
+    let len = out.numel();
+    let fits = match k {
+        Native::Fused(e) => e.len == len,
+        Native::SumRows { cols } => *cols == len && a[0].len() % cols == 0,
+        _ => true,
+    };
+    if len == 0 || !fits {
+        return None;
+    }
+    let mut y = arena.take::<F>(len);
+    match k {
         Native::MatMul { transpose_a, transpose_b, .. } => {
             let m = |i: usize, t: bool| Mat { data: a[i], rows: d(i)[0], cols: d(i)[1], transposed: t };
-            kernels::matmul(m(0, *transpose_a), m(1, *transpose_b))
+            kernels::matmul(m(0, *transpose_a), m(1, *transpose_b), &mut y)
         }
-        Native::Conv { kind: ConvKind::Forward, g, groups, out_channels } => kernels::conv2d(g, *groups, a[0], a[1], *out_channels),
-        Native::Conv { kind: ConvKind::InputGrad, g, groups, out_channels } => kernels::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels),
-        Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels } => kernels::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels),
+        Native::Conv { kind: ConvKind::Forward, g, groups, out_channels } => kernels::conv2d(g, *groups, a[0], a[1], *out_channels, &mut y),
+        Native::Conv { kind: ConvKind::InputGrad, g, groups, out_channels } => kernels::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels, &mut y),
+        Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels } => kernels::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels, &mut y),
         Native::MaxPool { g, keep } => match keep {
-            Some(s) => kernels::max_pool2d(g, a[0], kept.slot(*s, out.numel())),
-            None => kernels::max_pool2d(g, a[0], &mut vec![0; out.numel()]),
+            Some(s) => kernels::max_pool2d(g, a[0], kept.slot(*s, len), &mut y),
+            None => kernels::max_pool2d(g, a[0], &mut vec![0; len], &mut y),
         },
         Native::MaxPoolGrad { g, kept: slot } => {
-            let len = tys[1].numel();
-            match slot.and_then(|s| kept.get(s, len)) {
-                Some(at) => kernels::max_pool2d_grad(g, at, a[1]),
+            let at_len = tys[1].numel();
+            match slot.and_then(|s| kept.get(s, at_len)) {
+                Some(at) => kernels::max_pool2d_grad(g, at, a[1], &mut y),
                 None => {
-                    let mut at = vec![0; len];
+                    let mut at = vec![0; at_len];
                     kernels::max_pool2d_argmax(g, a[0], &mut at);
-                    kernels::max_pool2d_grad(g, &at, a[1])
+                    kernels::max_pool2d_grad(g, &at, a[1], &mut y)
                 }
             }
         }
-        Native::Relu => kernels::relu(a[0]),
-        Native::ReluGrad => kernels::relu_grad(a[0], a[1]),
-        Native::Fused(e) => kernels::fused(e, &a),
-    })
-    .filter(|v| v.len() == out.numel().max(1))
+        Native::Relu => kernels::relu(a[0], &mut y),
+        Native::ReluGrad => kernels::relu_grad(a[0], a[1], &mut y),
+        Native::Fused(e) => kernels::fused(e, &a, &mut y),
+        Native::SumRows { .. } => kernels::sum_rows(a[0], &mut y),
+    }
+    Some(y)
 }
 
 /// Runs a bound kernel on the host kernels when every operand is host-visible in one float
-/// type; `None` sends the step to burn's generic lowering.
-pub fn run_host<B: Backend>(k: &Native, args: &[&FloatTensor<B>], tys: &[&TensorType], out: &TensorType, device: &Device<B>, kept: &mut Kept) -> Option<FloatTensor<B>> {
+/// type, writing into a buffer from `arena`; `None` sends the step to burn's generic lowering.
+pub fn run_host<B: Backend>(k: &Native, args: &[&FloatTensor<B>], tys: &[&TensorType], out: &TensorType, device: &Device<B>, kept: &mut Kept, arena: &mut Arena) -> Option<FloatTensor<B>> {
     let slices: Vec<HostSlice> = args.iter().map(|t| B::host_slice(t)).collect::<Option<_>>()?;
     let data = match slices.first()? {
-        HostSlice::F32(_) => run::<f32>(k, &slices, tys, out, kept).map(f32::wrap),
-        HostSlice::F64(_) => run::<f64>(k, &slices, tys, out, kept).map(f64::wrap),
+        HostSlice::F32(_) => run::<f32>(k, &slices, tys, out, kept, arena).map(f32::wrap),
+        HostSlice::F64(_) => run::<f64>(k, &slices, tys, out, kept, arena).map(f64::wrap),
     }?;
     Some(B::from_host_vec(data, out.dims(), device))
 }
@@ -135,16 +265,16 @@ mod tests {
         let x2: Vec<f32> = x1.iter().rev().copied().collect();
         let dy: Vec<f32> = (0..54).map(|i| i as f32 + 0.5).collect();
         let s = |v: &[f32]| HostSlice::F32(Cow::Owned(v.to_vec()));
-        let mut state = Kept::default();
+        let (mut state, arena) = (Kept::default(), &mut Arena::default());
         state.begin_run();
-        run::<f32>(&keep, &[s(&x1)], &[&xt], &yt, &mut state).expect("forward");
-        let routed = run::<f32>(&kept, &[s(&x1), s(&dy)], &[&xt, &yt], &xt, &mut state).expect("gradient");
-        let searched = run::<f32>(&grad, &[s(&x1), s(&dy)], &[&xt, &yt], &xt, &mut state).expect("gradient");
+        run::<f32>(&keep, &[s(&x1)], &[&xt], &yt, &mut state, arena).expect("forward");
+        let routed = run::<f32>(&kept, &[s(&x1), s(&dy)], &[&xt, &yt], &xt, &mut state, arena).expect("gradient");
+        let searched = run::<f32>(&grad, &[s(&x1), s(&dy)], &[&xt, &yt], &xt, &mut state, arena).expect("gradient");
         assert_eq!(routed.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), searched.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         // The next run's gradient, on other input, before its forward ran: it must search.
         state.begin_run();
-        let fresh = run::<f32>(&kept, &[s(&x2), s(&dy)], &[&xt, &yt], &xt, &mut state).expect("gradient");
-        assert_eq!(fresh, run::<f32>(&grad, &[s(&x2), s(&dy)], &[&xt, &yt], &xt, &mut state).expect("gradient"));
+        let fresh = run::<f32>(&kept, &[s(&x2), s(&dy)], &[&xt, &yt], &xt, &mut state, arena).expect("gradient");
+        assert_eq!(fresh, run::<f32>(&grad, &[s(&x2), s(&dy)], &[&xt, &yt], &xt, &mut state, arena).expect("gradient"));
         assert_ne!(fresh, routed);
     }
 }
