@@ -137,35 +137,49 @@ fn f32_and_f64_backends_coexist_in_one_process() {
     assert!((a - b).abs() < 1e-5, "{a} vs {b}");
 }
 
+/// A golden dump's graph (`tests/golden/dumps/{stem}.ir`), with random values drawn from `seed`
+/// for its parameters (by name) and its inputs (in input-index order): class ids in `0..10`,
+/// floats in `[-1, 1)`.
+fn golden_with_values(stem: &str, seed: u64) -> (Graph, Vec<(String, HostTensor)>, Vec<HostTensor>) {
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/dumps");
+    let g = parse(&std::fs::read_to_string(dir.join(format!("{stem}.ir"))).unwrap()).unwrap();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut draw = |ty: &TensorType| match ty.dtype {
+        DType::I32 => HostTensor::i32(ty.dims().to_vec(), (0..ty.numel()).map(|_| rng.random_range(0..10)).collect()).unwrap(),
+        _ => HostTensor::f32(ty.dims().to_vec(), (0..ty.numel()).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap(),
+    };
+    let params: Vec<(String, HostTensor)> = g.parameters().into_iter().map(|(id, name)| (name.to_string(), draw(g.ty(id)))).collect();
+    let mut inputs = g.inputs();
+    inputs.sort_by_key(|&(_, index, _)| index);
+    let inputs: Vec<HostTensor> = inputs.into_iter().map(|(id, _, _)| draw(g.ty(id))).collect();
+    (g, params, inputs)
+}
+
+/// A CPU session holding `params`, on the host kernels (`native`) or on burn's ops.
+fn session_with(params: &[(String, HostTensor)], native: bool) -> Session<Cpu> {
+    let mut s = Session::<Cpu>::new(cpu());
+    s.set_native_kernels(native);
+    for (n, v) in params {
+        s.set_param(n, v);
+    }
+    s
+}
+
 /// LeNet5's GradAccumulation graphs as the compiler sees them before fusion (the golden
 /// dumps), compiled fused and unfused and run in f32 on the same random values: the loss,
 /// every accumulator and every updated parameter and moment are the same bits.
 #[test]
 fn fused_lenet_accumulation_plans_equal_the_unfused_ones() {
     use cellgraph::runtime::compile_unfused;
-    use rand::{rngs::StdRng, Rng, SeedableRng};
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/dumps");
     for (stem, want) in [("02_dce_micro_step", 2), ("02_dce_optimizer", 16)] {
-        let g = parse(&std::fs::read_to_string(dir.join(format!("{stem}.ir"))).unwrap()).unwrap();
+        let (g, params, inputs) = golden_with_values(stem, 5);
         let (fused, plain) = (compile(g.clone()).unwrap(), compile_unfused(g.clone()).unwrap());
         let nodes = fused.graph().ids().into_iter().filter(|&id| matches!(fused.graph().node(id).op, Op::Fused { .. })).count();
         assert_eq!(nodes, want, "{stem}: fused nodes");
         assert!(fused.len() < plain.len(), "{stem}: {} steps fused, {} unfused", fused.len(), plain.len());
-        let mut rng = StdRng::seed_from_u64(5);
-        let mut draw = |ty: &TensorType| match ty.dtype {
-            DType::I32 => HostTensor::i32(ty.dims().to_vec(), (0..ty.numel()).map(|_| rng.random_range(0..10)).collect()).unwrap(),
-            _ => HostTensor::f32(ty.dims().to_vec(), (0..ty.numel()).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap(),
-        };
-        let params: Vec<(String, HostTensor)> = g.parameters().into_iter().map(|(id, name)| (name.to_string(), draw(g.ty(id)))).collect();
-        let mut inputs = g.inputs();
-        inputs.sort_by_key(|&(_, index, _)| index);
-        let inputs: Vec<HostTensor> = inputs.into_iter().map(|(id, _, _)| draw(g.ty(id))).collect();
         let run = |exe: &Executable, native: bool| {
-            let mut s = Session::<Cpu>::new(cpu());
-            s.set_native_kernels(native);
-            for (n, v) in &params {
-                s.set_param(n, v);
-            }
+            let mut s = session_with(&params, native);
             let out = s.run(exe, &inputs).unwrap();
             (out, s.params_host())
         };
@@ -189,31 +203,12 @@ fn fused_lenet_accumulation_plans_equal_the_unfused_ones() {
 /// it adds into in place hold what burn's ops give.
 #[test]
 fn a_steady_state_micro_step_allocates_no_tensor_memory() {
-    use rand::{rngs::StdRng, Rng, SeedableRng};
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/dumps");
-    let g = parse(&std::fs::read_to_string(dir.join("02_dce_micro_step.ir")).unwrap()).unwrap();
-    let exe = compile(g.clone()).unwrap();
+    let (g, params, inputs) = golden_with_values("02_dce_micro_step", 9);
+    let exe = compile(g).unwrap();
     let conv1 = 8 * 6 * 28 * 28;
     assert!(exe.arena().iter().any(|&(len, n)| len == conv1 && n >= 1), "conv1's output is planned: {:?}", exe.arena());
     let planned: u64 = exe.arena().iter().map(|&(_, n)| n as u64).sum();
-    let mut rng = StdRng::seed_from_u64(9);
-    let mut draw = |ty: &TensorType| match ty.dtype {
-        DType::I32 => HostTensor::i32(ty.dims().to_vec(), (0..ty.numel()).map(|_| rng.random_range(0..10)).collect()).unwrap(),
-        _ => HostTensor::f32(ty.dims().to_vec(), (0..ty.numel()).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap(),
-    };
-    let params: Vec<(String, HostTensor)> = g.parameters().into_iter().map(|(id, name)| (name.to_string(), draw(g.ty(id)))).collect();
-    let mut inputs = g.inputs();
-    inputs.sort_by_key(|&(_, index, _)| index);
-    let inputs: Vec<HostTensor> = inputs.into_iter().map(|(id, _, _)| draw(g.ty(id))).collect();
-    let session = |native: bool| {
-        let mut s = Session::<Cpu>::new(cpu());
-        s.set_native_kernels(native);
-        for (n, v) in &params {
-            s.set_param(n, v);
-        }
-        s
-    };
-    let (mut host, mut burn) = (session(true), session(false));
+    let (mut host, mut burn) = (session_with(&params, true), session_with(&params, false));
     // One thread: every kernel runs on the thread whose allocations are counted.
     let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     let (warm, (steady, seen)) = pool.install(|| {
@@ -237,10 +232,7 @@ fn a_steady_state_micro_step_allocates_no_tensor_memory() {
     // accumulators over: the bits of the steady state's.
     let mut cold = params.clone();
     for _ in 0..5 {
-        let mut s = session(true);
-        for (n, v) in &cold {
-            s.set_param(n, v);
-        }
+        let mut s = session_with(&cold, true);
         s.run(&exe, &inputs).unwrap();
         cold = cold.iter().map(|(n, _)| (n.clone(), s.param(n).unwrap())).collect();
         burn.run(&exe, &inputs).unwrap();
