@@ -16,7 +16,7 @@ use rand::SeedableRng;
 
 use cellgraph_compiler::HostTensor;
 
-use crate::data::mnist::{resize_linear_u8, Mnist};
+use crate::data::mnist::{resize_linear_u8, Mnist, Resize};
 use crate::error::{Result, RuntimeError};
 
 /// One image operation (MindSpore `dataset.vision` names).
@@ -194,26 +194,69 @@ impl MnistDataset {
         [1, hw[0], hw[1]]
     }
 
-    fn transform(&self, i: usize) -> Vec<f32> {
-        apply_ops(&self.ops, self.source.image(i), self.source.rows, self.source.cols)
-    }
-
     /// The batches of epoch `epoch` (0-based), starting at batch `skip`.
     pub fn epoch(&self, epoch: usize, skip: usize) -> impl Iterator<Item = Batch> + '_ {
         let order = self.order(epoch);
         let b = self.batch_size;
         let batches = self.get_dataset_size();
         let shape = self.image_shape();
+        let len = shape.iter().product::<usize>();
+        let ops = Pipeline::new(&self.ops, self.source.rows, self.source.cols);
+        let (mut rows, mut bytes) = (Vec::new(), Vec::new());
         (skip..batches).map(move |k| {
             let idx = &order[k * b..((k + 1) * b).min(order.len())];
             let n = idx.len();
-            let data: Vec<f32> = idx.iter().flat_map(|&i| self.transform(i)).collect();
+            let mut data = vec![0.0f32; n * len];
+            for (&i, out) in idx.iter().zip(data.chunks_exact_mut(len)) {
+                ops.run(self.source.image(i), &mut rows, &mut bytes, out);
+            }
             let label: Vec<i32> = idx.iter().map(|&i| self.source.labels[i] as i32).collect();
             Batch {
                 data: HostTensor::f32(vec![n, shape[0], shape[1], shape[2]], data).expect("consistent sizes"),
                 label: HostTensor::i32(vec![n], label).expect("consistent sizes"),
             }
         })
+    }
+}
+
+/// Image ops made ready once for many images of one size: in MindSpore's order (at most a
+/// resize on the bytes, then ops that map each byte value on its own), the resize's taps and
+/// one table of the 256 values; in any other order, [`apply_ops`] per image.
+enum Pipeline<'a> {
+    Table { resize: Option<Resize>, table: Vec<f32> },
+    General { ops: &'a [ImageOp], h: usize, w: usize },
+}
+
+impl<'a> Pipeline<'a> {
+    fn new(ops: &'a [ImageOp], h: usize, w: usize) -> Self {
+        let (first, rest) = match ops.first() {
+            Some(ImageOp::Resize(oh, ow)) => (Some(Resize::new(h, w, *oh, *ow)), &ops[1..]),
+            _ => (None, ops),
+        };
+        if rest.iter().any(|op| matches!(op, ImageOp::Resize(..))) {
+            return Pipeline::General { ops, h, w };
+        }
+        Pipeline::Table { resize: first, table: float_ops(rest, (0..=255u8).map(f32::from).collect()) }
+    }
+
+    /// One image's pixels through the ops into `out` (`rows`, `bytes`: scratch).
+    fn run(&self, pixels: &[u8], rows: &mut Vec<i32>, bytes: &mut Vec<u8>, out: &mut [f32]) {
+        match self {
+            Pipeline::Table { resize, table } => {
+                let src = match resize {
+                    Some(r) => {
+                        bytes.resize(out.len(), 0);
+                        r.run(pixels, rows, bytes);
+                        &bytes[..]
+                    }
+                    None => pixels,
+                };
+                for (o, &p) in out.iter_mut().zip(src) {
+                    *o = table[p as usize];
+                }
+            }
+            Pipeline::General { ops, h, w } => out.copy_from_slice(&apply_ops(ops, pixels, *h, *w)),
+        }
     }
 }
 
