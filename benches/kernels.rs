@@ -5,6 +5,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
+use cellgraph_runtime::host::direct;
 use cellgraph_runtime::host::kernels::{self, Geometry, Mat};
 
 fn median_us(mut f: impl FnMut()) -> f64 {
@@ -34,20 +35,23 @@ fn timed(len: usize, mut kernel: impl FnMut(&mut [f32])) -> f64 {
 
 fn row(name: &str, us: f64, flops: f64) {
     let gf = if flops > 0.0 { format!("{:8.1}", flops / us / 1e3) } else { "       -".into() };
-    println!("{name:<34} {us:10.1} {gf}");
+    println!("{name:<46} {us:10.1} {gf}");
 }
 
 fn main() {
-    println!("{:<34} {:>10} {:>8}", "kernel (batch 32)", "us/call", "GFLOP/s");
+    println!("{:<46} {:>10} {:>8}", "kernel (batch 32)", "us/call", "GFLOP/s");
     let n = 32;
     for (name, c, hw, o) in [("conv1 1->6 5x5 on 32x32", 1usize, 32usize, 6usize), ("conv2 6->16 5x5 on 14x14", 6, 14, 16)] {
         let oh = hw - 4;
         let g = Geometry { x: [n, c, hw, hw], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [oh, oh] };
         let (x, w, dy) = (data(n * c * hw * hw), data(o * c * 25), data(n * o * oh * oh));
         let flops = 2.0 * (n * o * oh * oh * c * 25) as f64;
-        row(&format!("{name} forward"), timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y)), flops);
-        row(&format!("{name} filter grad"), timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw)), flops);
-        row(&format!("{name} input grad"), timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx)), flops);
+        row(&format!("{name} forward, im2col+GEMM"), timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y)), flops);
+        row(&format!("{name} forward, direct"), timed(dy.len(), |y| direct::forward(&g, &x, &w, o, y)), flops);
+        row(&format!("{name} filter grad, im2col+GEMM"), timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw)), flops);
+        row(&format!("{name} filter grad, direct"), timed(w.len(), |dw| direct::filter_grad(&g, &dy, &x, o, dw)), flops);
+        row(&format!("{name} input grad, im2col+GEMM"), timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx)), flops);
+        row(&format!("{name} input grad, direct"), timed(x.len(), |dx| direct::input_grad(&g, &dy, &w, o, dx)), flops);
     }
     for (name, c, hw) in [("pool1 6x28x28", 6usize, 28usize), ("pool2 16x10x10", 16, 10)] {
         let g = Geometry { x: [n, c, hw, hw], kernel: [2, 2], stride: [2, 2], dilation: [1, 1], pad: [0, 0], out: [hw / 2, hw / 2] };

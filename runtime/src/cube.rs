@@ -429,7 +429,7 @@ where
             Native::MatMul { m, k, n, transpose_a, transpose_b } => {
                 matmul::launch::<F, R>(&client, count, dim, arr(&a), arr(&b), arr(&y), m as u32, k as u32, n as u32, transpose_a, transpose_b)
             }
-            Native::Conv { kind, g, groups, out_channels } => {
+            Native::Conv { kind, g, groups, out_channels, .. } => {
                 let v: Vec<u32> = [
                     g.x[0], g.x[1], g.x[2], g.x[3], out_channels, g.out[0], g.out[1], g.kernel[0], g.kernel[1],
                     g.stride[0], g.stride[1], g.dilation[0], g.dilation[1], g.pad[0], g.pad[1], groups,

@@ -65,7 +65,9 @@ impl Geometry {
 pub enum Native {
     MatMul { m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool },
     /// Forward, input gradient, filter gradient; `out_channels` is the filter's first extent.
-    Conv { kind: ConvKind, g: Geometry, groups: usize, out_channels: usize },
+    /// `direct`: on host backends, the direct kernels ([`crate::host::direct`]) rather than
+    /// im2col + GEMM (see [`direct_conv`]).
+    Conv { kind: ConvKind, g: Geometry, groups: usize, out_channels: usize, direct: bool },
     /// Max pooling; `keep`: the [`crate::host::Kept`] slot its argmax goes to, when its gradient is later in
     /// the same plan.
     MaxPool { g: Geometry, keep: Option<usize> },
@@ -138,6 +140,18 @@ fn elementwise(e: &Expr, tys: &[&TensorType]) -> Option<Native> {
     Some(Native::Fused(Arc::new(Elementwise { terms: e.terms().to_vec(), depth: e.depth(), reads, len: out.iter().product() })))
 }
 
+/// Grid positions a direct convolution kernel holds in registers at a time, per channel.
+pub const DIRECT_BLOCK: usize = 16;
+
+/// Whether a convolution of geometry `g` with `groups` groups runs on the direct kernels:
+/// dense (stride 1, dilation 1, no padding), one group, a kernel larger than one pixel, a
+/// contraction `c * kh * kw` of at most 512 (beyond it im2col's GEMM reuses its operands
+/// better), and at least one block of grid positions. Otherwise im2col + GEMM.
+pub fn direct_conv(g: &Geometry, groups: usize) -> bool {
+    let kk = g.kernel[0] * g.kernel[1];
+    g.is_dense() && groups == 1 && kk > 1 && g.x[1] * kk <= 512 && (g.out[0] - 1) * g.x[3] + g.out[1] >= DIRECT_BLOCK
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ConvKind {
     Forward,
@@ -153,7 +167,8 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
     let resolve = |x: &[usize], k: [usize; 2], s, dil, mode, pad| window::resolve([x[2], x[3]], k, s, dil, mode, pad).ok();
     let conv = |kind, c: &cellgraph_compiler::op::Conv2dAttrs, x: &[usize], w: &[usize]| {
         let win = resolve(x, [w[2], w[3]], c.stride, c.dilation, c.pad_mode, c.pad)?;
-        Some(Native::Conv { kind, g: geometry(x, [w[2], w[3]], c.stride, c.dilation, &win), groups: c.groups, out_channels: w[0] })
+        let g = geometry(x, [w[2], w[3]], c.stride, c.dilation, &win);
+        Some(Native::Conv { kind, g, groups: c.groups, out_channels: w[0], direct: direct_conv(&g, c.groups) })
     };
     let pool = |p: &cellgraph_compiler::Pool2dAttrs| {
         let x = d(0);

@@ -49,6 +49,8 @@ pub trait HostFloat:
     fn exp(self) -> Self;
     fn ln(self) -> Self;
     fn sqrt(self) -> Self;
+    /// `self * a + b` with one rounding (an FMA instruction where the CPU has one).
+    fn mul_add(self, a: Self, b: Self) -> Self;
     /// Runs `f` on `len` elements of this thread's scratch memory (grown, never shrunk: a
     /// steady state allocates nothing; the contents are whatever the last kernel left).
     fn scratch<R>(len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R;
@@ -84,6 +86,10 @@ macro_rules! host_float {
             fn sqrt(self) -> $t {
                 $t::sqrt(self)
             }
+            #[inline(always)]
+            fn mul_add(self, a: $t, b: $t) -> $t {
+                $t::mul_add(self, a, b)
+            }
             fn scratch<R>(len: usize, f: impl FnOnce(&mut [$t]) -> R) -> R {
                 grown(&$scratch, len, f)
             }
@@ -108,6 +114,19 @@ fn grown<T: Copy + Default + 'static, R>(key: &'static std::thread::LocalKey<Ref
         }
         f(&mut v[..len])
     })
+}
+
+/// Runs `op` compiled for the widest vector instructions this CPU has (pulp: AVX-512, else
+/// AVX2 with FMA, else none), chosen per call. Only code inlined into it is compiled so: the
+/// kernels' loops are `#[inline(always)]`. A plain closure is an op (the compiler vectorises
+/// its loops); [`crate::host::direct`]'s kernels take the instruction set as a type.
+#[inline(always)]
+pub(crate) fn vectorized<Op: pulp::WithSimd>(op: Op) -> Op::Output {
+    #[cfg(test)]
+    if tests::SCALAR.with(std::cell::Cell::get) {
+        return pulp::Arch::Scalar.dispatch(op);
+    }
+    pulp::Arch::new().dispatch(op)
 }
 
 /// `C = A B` (`beta` as in [`HostFloat::gemm`]), computed as `C^T = B^T A^T` when that
@@ -344,7 +363,7 @@ fn sub_batch(g: &Geometry, m: usize) -> Geometry {
 /// than one (one thread per rank under `mpirun`: see [`crate::comm`]). The items are cut into
 /// that many contiguous shares; the calling thread works through one share itself while the
 /// pool's threads take the others, so no more threads compete for the cores than asked for.
-fn each<T: Send>(items: Vec<T>, f: impl Fn(T) + Send + Sync) {
+pub(super) fn each<T: Send>(items: Vec<T>, f: impl Fn(T) + Send + Sync) {
     let threads = rayon::current_num_threads().min(items.len());
     if threads <= 1 {
         return items.into_iter().for_each(f);
@@ -583,18 +602,29 @@ fn argmax_inside<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32], best:
 /// [`argmax_inside`] for 2x2 windows at stride 2 (LeNet's and most CNNs' pooling): the same
 /// four comparisons per output, in the same order, on two input rows at a time.
 fn argmax_2x2<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32]) {
-    let w = g.x[3];
-    let ow = g.out[1];
-    for (oy, at) in out.chunks_exact_mut(ow).enumerate() {
+    let mut y = vec![F::ZERO; out.len()];
+    vectorized(
+        #[inline(always)]
+        || pool_2x2(g, plane, out, &mut y),
+    )
+}
+
+/// 2x2 max pooling at stride 2 over one plane: each window's maximum into `y` and its index
+/// into `at`, the comparisons of [`argmax_2x2`] in one pass the compiler vectorises.
+#[inline(always)]
+fn pool_2x2<F: HostFloat>(g: &Geometry, plane: &[F], at: &mut [u32], y: &mut [F]) {
+    let (w, ow) = (g.x[3], g.out[1]);
+    for (oy, (at, y)) in at.chunks_exact_mut(ow).zip(y.chunks_exact_mut(ow)).enumerate() {
         let top = 2 * oy * w;
         let (r0, r1) = (&plane[top..top + 2 * ow], &plane[top + w..top + w + 2 * ow]);
-        for (ox, a) in at.iter_mut().enumerate() {
-            let (mut b, mut k) = (r0[2 * ox], 0u32);
-            for (v, code) in [(r0[2 * ox + 1], 1u32), (r1[2 * ox], 2), (r1[2 * ox + 1], 3)] {
+        for (ox, (((a, y), p0), p1)) in at.iter_mut().zip(y.iter_mut()).zip(r0.chunks_exact(2)).zip(r1.chunks_exact(2)).enumerate() {
+            let (mut b, mut k) = (p0[0], 0u32);
+            for (v, code) in [(p0[1], 1u32), (p1[0], 2), (p1[1], 3)] {
                 let take = v > b || v.is_nan();
                 b = if take { v } else { b };
                 k = if take { code } else { k };
             }
+            *y = b;
             *a = (top + 2 * ox) as u32 + (k & 1) + (k >> 1) * w as u32;
         }
     }
@@ -630,6 +660,22 @@ pub fn max_pool2d<F: HostFloat>(g: &Geometry, x: &[F], at: &mut [u32], y: &mut [
     let [_, _, h, w] = g.x;
     let sp = g.spatial();
     assert_eq!(y.len(), at.len(), "output extents");
+    let fits = g.pad == [0, 0] && g.out[0] * 2 <= h && g.out[1] * 2 <= w;
+    if fits && g.kernel == [2, 2] && g.stride == [2, 2] && g.dilation == [1, 1] && sp > 0 {
+        let per = planes_per_task(g);
+        let tasks: Vec<_> = at.chunks_mut(per * sp).zip(y.chunks_mut(per * sp)).enumerate().collect();
+        return each(tasks, |(k, (at, y))| {
+            vectorized(
+                #[inline(always)]
+                || {
+                    for (p, (at, y)) in at.chunks_exact_mut(sp).zip(y.chunks_exact_mut(sp)).enumerate() {
+                        let p = k * per + p;
+                        pool_2x2(g, &x[p * h * w..(p + 1) * h * w], at, y);
+                    }
+                },
+            )
+        });
+    }
     max_pool2d_argmax(g, x, at);
     y.fill(F::NEG_INF);
     for (p, (y, at)) in y.chunks_exact_mut(sp.max(1)).zip(at.chunks_exact(sp.max(1))).enumerate() {
@@ -664,7 +710,7 @@ pub fn max_pool2d_grad<F: HostFloat>(g: &Geometry, at: &[u32], dy: &[F], dx: &mu
 /// `dy` where `x > 0`, else zero.
 /// ReLU with one answer for NaN and -0 (+0): burn-ndarray's SIMD max gives +0 while its
 /// scalar path (short or strided tensors) keeps them, so the host plans run this instead.
-#[inline]
+#[inline(always)]
 fn relu1<F: HostFloat>(v: F) -> F {
     if v > F::ZERO {
         v
@@ -674,16 +720,25 @@ fn relu1<F: HostFloat>(v: F) -> F {
 }
 
 pub fn relu<F: HostFloat>(x: &[F], y: &mut [F]) {
-    y.iter_mut().zip(x).for_each(|(y, &v)| *y = relu1(v));
+    vectorized(
+        #[inline(always)]
+        || y.iter_mut().zip(x).for_each(|(y, &v)| *y = relu1(v)),
+    )
 }
 
 pub fn relu_grad<F: HostFloat>(dy: &[F], x: &[F], dx: &mut [F]) {
-    dx.iter_mut().zip(dy.iter().zip(x)).for_each(|(o, (&d, &v))| *o = if v > F::ZERO { d } else { F::ZERO });
+    vectorized(
+        #[inline(always)]
+        || dx.iter_mut().zip(dy.iter().zip(x)).for_each(|(o, (&d, &v))| *o = if v > F::ZERO { d } else { F::ZERO }),
+    )
 }
 
 /// `acc += g`, elementwise (the bits of burn's `acc + g`).
 pub fn add_assign<F: HostFloat>(acc: &mut [F], g: &[F]) {
-    acc.iter_mut().zip(g).for_each(|(a, &b)| *a = *a + b);
+    vectorized(
+        #[inline(always)]
+        || acc.iter_mut().zip(g).for_each(|(a, &b)| *a = *a + b),
+    )
 }
 
 /// The sum over the rows of a row-major `[rows, cols]` matrix into `out` (`cols`), added
@@ -710,13 +765,19 @@ pub fn fused<F: HostFloat>(e: &Elementwise, args: &[&[F]], out: &mut [F]) {
     let shares: Vec<(usize, &mut [F])> = out.chunks_mut(per.max(1)).enumerate().map(|(i, c)| (i * per, c)).collect();
     each(shares, |(start, dst)| {
         F::scratch(e.depth * BLOCK, |stack| {
-            for (b, dst) in dst.chunks_mut(BLOCK).enumerate() {
-                fused_block(e, args, start + b * BLOCK, stack, dst);
-            }
+            vectorized(
+                #[inline(always)]
+                || {
+                    for (b, dst) in dst.chunks_mut(BLOCK).enumerate() {
+                        fused_block(e, args, start + b * BLOCK, stack, dst);
+                    }
+                },
+            )
         })
     });
 }
 
+#[inline(always)]
 fn fused_block<F: HostFloat>(e: &Elementwise, args: &[&[F]], start: usize, stack: &mut [F], dst: &mut [F]) {
     let n = dst.len();
     let mut sp = 0;
@@ -762,6 +823,7 @@ fn fused_block<F: HostFloat>(e: &Elementwise, args: &[&[F]], start: usize, stack
 }
 
 /// Reads output elements `[start, start + dst.len())`'s values of one operand.
+#[inline(always)]
 fn gather<F: HostFloat>(r: &Read, x: &[F], start: usize, dst: &mut [F]) {
     match r {
         Read::Same => dst.copy_from_slice(&x[start..start + dst.len()]),
@@ -790,8 +852,13 @@ fn gather<F: HostFloat>(r: &Read, x: &[F], start: usize, dst: &mut [F]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    thread_local! {
+        /// Makes [`vectorized`] run kernels without vector instructions, on this thread.
+        pub(crate) static SCALAR: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
 
     /// A kernel's output as a new vector of `len` elements (filled with NaN first: every
     /// element must be written).
@@ -914,6 +981,16 @@ mod tests {
                 let mut two = vec![0; out[0] * out[1]];
                 argmax_2x2(&g, &plane, &mut two);
                 assert_eq!(two, general, "the 2x2 path");
+                // The one-pass pooling writes the same indices and each window's value, with
+                // vector instructions and without.
+                let want: Vec<u32> = general.iter().map(|&i| plane[i as usize].to_bits()).collect();
+                for scalar in [false, true] {
+                    SCALAR.with(|s| s.set(scalar));
+                    let mut at = vec![0; two.len()];
+                    let y = new(two.len(), |y| max_pool2d(&g, &plane, &mut at, y));
+                    SCALAR.with(|s| s.set(false));
+                    assert_eq!((at, y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()), (general.clone(), want.clone()), "scalar: {scalar}");
+                }
             }
         }
     }

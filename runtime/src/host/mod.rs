@@ -3,6 +3,7 @@
 //! run ([`Kept`]: a max pool's argmax for its gradient in the same plan), and the memory
 //! their outputs are written into ([`Arena`]).
 
+pub mod direct;
 pub mod kernels;
 
 use std::collections::BTreeMap;
@@ -21,7 +22,7 @@ type Shelf<T> = BTreeMap<usize, Vec<Vec<T>>>;
 
 /// The element types the kernels run in, tied to their [`HostSlice`]/[`HostVec`] variants
 /// and to their shelf of the [`Arena`].
-trait Elem: HostFloat {
+trait Elem: HostFloat + direct::Lanes {
     fn slice<'a>(s: &'a HostSlice<'_>) -> Option<&'a [Self]>;
     fn wrap(v: Vec<Self>) -> HostVec;
     fn shelf(a: &mut Arena) -> &mut Shelf<Self>;
@@ -207,9 +208,12 @@ fn run<F: Elem>(k: &Native, args: &[HostSlice], tys: &[&TensorType], out: &Tenso
             let m = |i: usize, t: bool| Mat { data: a[i], rows: d(i)[0], cols: d(i)[1], transposed: t };
             kernels::matmul(m(0, *transpose_a), m(1, *transpose_b), &mut y)
         }
-        Native::Conv { kind: ConvKind::Forward, g, groups, out_channels } => kernels::conv2d(g, *groups, a[0], a[1], *out_channels, &mut y),
-        Native::Conv { kind: ConvKind::InputGrad, g, groups, out_channels } => kernels::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels, &mut y),
-        Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels } => kernels::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels, &mut y),
+        Native::Conv { kind: ConvKind::Forward, g, out_channels, direct: true, .. } => direct::forward(g, a[0], a[1], *out_channels, &mut y),
+        Native::Conv { kind: ConvKind::InputGrad, g, out_channels, direct: true, .. } => direct::input_grad(g, a[0], a[1], *out_channels, &mut y),
+        Native::Conv { kind: ConvKind::FilterGrad, g, out_channels, direct: true, .. } => direct::filter_grad(g, a[0], a[1], *out_channels, &mut y),
+        Native::Conv { kind: ConvKind::Forward, g, groups, out_channels, .. } => kernels::conv2d(g, *groups, a[0], a[1], *out_channels, &mut y),
+        Native::Conv { kind: ConvKind::InputGrad, g, groups, out_channels, .. } => kernels::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels, &mut y),
+        Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } => kernels::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels, &mut y),
         Native::MaxPool { g, keep } => match keep {
             Some(s) => kernels::max_pool2d(g, a[0], kept.slot(*s, len), &mut y),
             None => kernels::max_pool2d(g, a[0], &mut vec![0; len], &mut y),
