@@ -51,6 +51,7 @@ fn graph(batch: usize) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn main() -> ExitCode {
+    cellgraph::runtime::join_thread_pool();
     cellgraph::exit_with(match Cli::parse().cmd {
         Cmd::Train(args) => train::train(args),
         Cmd::Eval(args) => train::eval(args),

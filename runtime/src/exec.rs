@@ -407,7 +407,19 @@ impl<B: Backend> Session<B> {
     }
 
     /// Runs a plan on host inputs (in input-index order) and returns its outputs on the host.
+    ///
+    /// On a host backend with several rayon threads the plan runs on one of rayon's threads:
+    /// its kernels cut their work into jobs for the pool, and a pool thread works through its
+    /// kernels' jobs itself while the others take what they can, where a thread outside the
+    /// pool would hand each kernel's jobs over and sleep until they were done.
     pub fn run(&mut self, exe: &Executable, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+        if B::HOST && rayon::current_thread_index().is_none() && rayon::current_num_threads() > 1 {
+            return rayon::scope(|_| self.run_here(exe, inputs));
+        }
+        self.run_here(exe, inputs)
+    }
+
+    fn run_here(&mut self, exe: &Executable, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
         let graph_inputs = exe.graph.inputs();
         if inputs.len() != graph_inputs.len() {
             return Err(RuntimeError::Mismatch {

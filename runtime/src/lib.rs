@@ -34,6 +34,7 @@ pub use callback::{Callback, CheckpointConfig, LossLog, LossMonitor, ModelCheckp
 pub use exec::{compile, compile_unfused, compile_with, compile_with_options, DumpAt, Executable, Session};
 pub use cellgraph_compiler::passes::pipeline::PipelineOptions;
 pub use backend::Backend;
+pub use host::join_thread_pool;
 pub use model::{Dataset, Metric, Model, Position, TensorDataset};
 pub use value::Value;
 

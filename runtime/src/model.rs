@@ -25,13 +25,15 @@ use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
 use crate::exec::{compile_with, DumpAt, Executable};
 
-/// A source of batches, epoch by epoch.
-pub trait Dataset {
+/// A source of batches, epoch by epoch. `Model::train` draws an epoch's batches on a thread of
+/// their own, a few ahead of training (MindSpore's dataset pipeline and PyTorch's `DataLoader`
+/// workers do the same), so a dataset is `Sync` and its batches come from a `Send` iterator.
+pub trait Dataset: Sync {
     /// Batches per epoch.
     fn dataset_size(&self) -> usize;
     /// The batches of epoch `epoch` (0-based), from batch `skip` on; each batch is the
     /// network's inputs in order (`[data, label]`).
-    fn batches(&self, epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + '_>;
+    fn batches(&self, epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + Send + '_>;
     /// Names of the inputs (for graph dumps).
     fn column_names(&self) -> Vec<&'static str> {
         vec!["data", "label"]
@@ -54,7 +56,7 @@ impl Dataset for crate::data::MnistDataset {
     fn dataset_size(&self) -> usize {
         self.get_dataset_size()
     }
-    fn batches(&self, epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + '_> {
+    fn batches(&self, epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + Send + '_> {
         Box::new(self.epoch(epoch, skip).map(|b| b.inputs().to_vec()))
     }
     fn batch_sizes(&self) -> Vec<usize> {
@@ -89,7 +91,7 @@ impl Dataset for TensorDataset {
     fn describe(&self) -> String {
         format!("a TensorDataset of {} items", self.columns.first().map_or(0, |c| c.shape[0]))
     }
-    fn batches(&self, _epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + '_> {
+    fn batches(&self, _epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + Send + '_> {
         let n = self.columns.first().map_or(0, |c| c.shape[0]);
         Box::new((skip..self.dataset_size()).map(move |k| {
             let (a, b) = (k * self.batch_size, ((k + 1) * self.batch_size).min(n));
@@ -97,6 +99,9 @@ impl Dataset for TensorDataset {
         }))
     }
 }
+
+/// Batches an epoch's data thread makes ahead of training.
+const PREFETCH: usize = 4;
 
 /// Metrics `eval` can compute (MindSpore's `metrics={"Accuracy": Accuracy()}`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -196,24 +201,44 @@ impl<B: Backend> Model<B> {
             for cb in callbacks.iter_mut() {
                 cb.epoch_begin(&mut cx)?;
             }
-            for batch in dataset.batches(epoch, self.position.step) {
-                // A short last batch may be sliced into unequal micro-batches.
-                let last = self.position.step + 1 == steps_per_epoch && sizes[self.position.step] < sizes[0];
-                let out = if last { self.acc.step_last(&batch)? } else { self.acc.step(&batch)? };
-                self.position.step += 1;
-                let mut cx = RunContext::new(epoch + 1, epochs, steps_per_epoch, &self.acc);
-                cx.step = self.position.step;
-                cx.loss = out.loss;
-                cx.applied = out.applied;
-                cx.position = self.position;
-                for cb in callbacks.iter_mut() {
-                    cb.step_end(&mut cx)?;
+            // With more than one core, the epoch's batches are made on a thread of their own, up
+            // to PREFETCH ahead; when training stops or fails, the channel closes and that thread
+            // ends at its next batch. On one core they are made in turn with the steps.
+            std::thread::scope(|s| -> Result<()> {
+                let skip = self.position.step;
+                let batches: Box<dyn Iterator<Item = Vec<HostTensor>>> = if std::thread::available_parallelism().map_or(1, |n| n.get()) > 1 {
+                    let (tx, rx) = std::sync::mpsc::sync_channel(PREFETCH);
+                    s.spawn(move || {
+                        for batch in dataset.batches(epoch, skip) {
+                            if tx.send(batch).is_err() {
+                                break;
+                            }
+                        }
+                    });
+                    Box::new(rx.into_iter())
+                } else {
+                    dataset.batches(epoch, skip)
+                };
+                for batch in batches {
+                    // A short last batch may be sliced into unequal micro-batches.
+                    let last = self.position.step + 1 == steps_per_epoch && sizes[self.position.step] < sizes[0];
+                    let out = if last { self.acc.step_last(&batch)? } else { self.acc.step(&batch)? };
+                    self.position.step += 1;
+                    let mut cx = RunContext::new(epoch + 1, epochs, steps_per_epoch, &self.acc);
+                    cx.step = self.position.step;
+                    cx.loss = out.loss;
+                    cx.applied = out.applied;
+                    cx.position = self.position;
+                    for cb in callbacks.iter_mut() {
+                        cb.step_end(&mut cx)?;
+                    }
+                    if cx.stop_requested {
+                        stop = true;
+                        break;
+                    }
                 }
-                if cx.stop_requested {
-                    stop = true;
-                    break;
-                }
-            }
+                Ok(())
+            })?;
             if stop {
                 break;
             }

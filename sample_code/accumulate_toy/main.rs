@@ -14,6 +14,7 @@ fn model() -> WithLossCell {
 }
 
 fn main() -> std::process::ExitCode {
+    cellgraph::runtime::join_thread_pool();
     cellgraph::exit_with(run())
 }
 

@@ -16,6 +16,7 @@ const GRADIENT_ACCUMULATION: usize = 4;
 const BATCH_SIZE: usize = 32;
 
 fn main() -> std::process::ExitCode {
+    cellgraph::runtime::join_thread_pool();
     cellgraph::exit_with(run())
 }
 

@@ -22,6 +22,7 @@ struct Args {
 }
 
 fn main() -> std::process::ExitCode {
+    cellgraph::runtime::join_thread_pool();
     cellgraph::exit_with(run())
 }
 

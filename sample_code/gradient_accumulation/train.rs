@@ -47,6 +47,7 @@ struct Args {
 }
 
 fn main() -> std::process::ExitCode {
+    cellgraph::runtime::join_thread_pool();
     cellgraph::exit_with(run())
 }
 

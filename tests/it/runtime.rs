@@ -166,6 +166,41 @@ fn session_with(params: &[(String, HostTensor)], native: bool) -> Session<Cpu> {
     s
 }
 
+/// Plans run from several threads at once on one multi-thread pool (a thread waiting inside
+/// a kernel runs other plans' jobs meanwhile, whole plans included) give each session the
+/// bits it gets alone: the kernels' thread-local scratch is not shared between them.
+#[test]
+fn plans_running_at_once_on_one_pool_keep_their_bits() {
+    let (g, params, inputs) = golden_with_values("02_dce_micro_step", 11);
+    let exe = compile(g).unwrap();
+    let alone = {
+        let mut s = session_with(&params, true);
+        s.run(&exe, &inputs).unwrap();
+        s.params_host()
+    };
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let runs: Vec<_> = (0..8)
+            .map(|_| {
+                scope.spawn(|| {
+                    (0..10)
+                        .map(|_| {
+                            let mut s = session_with(&params, true);
+                            pool.install(|| s.run(&exe, &inputs).unwrap());
+                            s.params_host()
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        runs.into_iter().flat_map(|r| r.join().unwrap()).collect()
+    });
+    assert_eq!(results.len(), 80);
+    for r in results {
+        assert_eq!(r, alone);
+    }
+}
+
 /// LeNet5's GradAccumulation graphs as the compiler sees them before fusion (the golden
 /// dumps), compiled fused and unfused and run in f32 on the same random values: the loss,
 /// every accumulator and every updated parameter and moment are the same bits.

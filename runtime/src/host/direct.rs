@@ -29,7 +29,7 @@
 
 use pulp::{Simd, WithSimd};
 
-use super::kernels::{each, vectorized as dispatch, HostFloat};
+use super::kernels::{copy_row, each, vectorized as dispatch, HostFloat};
 use crate::kernel::{Geometry, DIRECT_BLOCK as L};
 
 /// A float type's vectors on each instruction set `S`.
@@ -297,7 +297,7 @@ impl<F: Lanes> WithSimd for Forward<'_, F> {
         // The grid's rows, without the positions past each output row.
         for (yo, ro) in y.chunks_exact_mut(gr.oh * gr.ow).zip(rows.chunks_exact(gr.span)) {
             for oy in 0..gr.oh {
-                yo[oy * gr.ow..][..gr.ow].copy_from_slice(&ro[oy * gr.w..][..gr.ow]);
+                copy_row(&mut yo[oy * gr.ow..][..gr.ow], &ro[oy * gr.w..][..gr.ow]);
             }
         }
     }
@@ -341,7 +341,7 @@ fn spread<F: HostFloat>(gr: &Grid, dy: &[F], dyq: &mut [F]) {
     dyq.fill(F::ZERO);
     for (src, dst) in dy.chunks_exact(gr.oh * gr.ow).zip(dyq.chunks_exact_mut(gr.padded)) {
         for oy in 0..gr.oh {
-            dst[oy * gr.w..][..gr.ow].copy_from_slice(&src[oy * gr.ow..][..gr.ow]);
+            copy_row(&mut dst[oy * gr.w..][..gr.ow], &src[oy * gr.ow..][..gr.ow]);
         }
     }
 }

@@ -14,13 +14,13 @@
 //! stride, dilation, asymmetric padding and groups, so the lowering needs no fallbacks on host
 //! backends.
 
-use std::cell::RefCell;
+use std::cell::Cell;
 
 thread_local! {
-    static SCRATCH_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    static SCRATCH_F64: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
-    static PARTIALS_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    static PARTIALS_F64: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
+    static SCRATCH_F32: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    static SCRATCH_F64: Cell<Vec<f64>> = const { Cell::new(Vec::new()) };
+    static PARTIALS_F32: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    static PARTIALS_F64: Cell<Vec<f64>> = const { Cell::new(Vec::new()) };
 }
 
 pub use crate::kernel::Geometry;
@@ -107,13 +107,20 @@ host_float!(f32, SCRATCH_F32, PARTIALS_F32);
 host_float!(f64, SCRATCH_F64, PARTIALS_F64);
 
 /// Runs `f` on the first `len` elements of a thread-local buffer, grown (never shrunk) to fit.
-fn grown<T: Copy + Default + 'static, R>(key: &'static std::thread::LocalKey<RefCell<Vec<T>>>, len: usize, f: impl FnOnce(&mut [T]) -> R) -> R {
-    key.with_borrow_mut(|v| {
-        if v.len() < len {
-            v.resize(len, T::default());
-        }
-        f(&mut v[..len])
-    })
+/// The buffer is taken out of the thread-local for the call: a thread waiting inside a kernel
+/// may run another plan's jobs (rayon steals work while it waits), and a kernel there then
+/// grows a buffer of its own; the larger goes back.
+fn grown<T: Copy + Default + 'static, R>(key: &'static std::thread::LocalKey<Cell<Vec<T>>>, len: usize, f: impl FnOnce(&mut [T]) -> R) -> R {
+    let mut v = key.take();
+    if v.len() < len {
+        v.resize(len, T::default());
+    }
+    let r = f(&mut v[..len]);
+    key.with(|k| {
+        let other = k.take();
+        k.set(if other.len() > v.len() { other } else { v });
+    });
+    r
 }
 
 /// Runs `op` compiled for the widest vector instructions this CPU has (pulp: AVX-512, else
@@ -269,7 +276,7 @@ fn col2im<F: HostFloat>(g: &Geometry, col: &[F], ld: usize, channels: usize, x: 
 /// Copies a short row (a convolution's output width) without a call to `memcpy`: eight
 /// elements at a time, the tail as an overlapping last eight.
 #[inline(always)]
-fn copy_row<F: Copy>(d: &mut [F], s: &[F]) {
+pub(super) fn copy_row<F: Copy>(d: &mut [F], s: &[F]) {
     let n = d.len();
     if n < 8 {
         return d.copy_from_slice(s);
@@ -360,13 +367,25 @@ fn sub_batch(g: &Geometry, m: usize) -> Geometry {
 }
 
 /// Runs `f` on every item, across `rayon::current_num_threads()` threads when that is more
-/// than one (one thread per rank under `mpirun`: see [`crate::comm`]). The items are cut into
-/// that many contiguous shares; the calling thread works through one share itself while the
-/// pool's threads take the others, so no more threads compete for the cores than asked for.
+/// than one (one thread per rank under `mpirun`: see [`crate::comm`]).
+///
+/// On a pool thread (a plan runs on one: see [`crate::Session::run`]) each item is a job: this
+/// thread works through them from its end of its queue while the other threads steal from the
+/// front, and whatever no thread has taken it runs itself, so it never waits for a thread that
+/// has not woken up. From outside the pool the items are cut into that many contiguous shares;
+/// the calling thread works through one share itself while the pool's threads take the others.
 pub(super) fn each<T: Send>(items: Vec<T>, f: impl Fn(T) + Send + Sync) {
     let threads = rayon::current_num_threads().min(items.len());
     if threads <= 1 {
         return items.into_iter().for_each(f);
+    }
+    let f = &f;
+    if rayon::current_thread_index().is_some() {
+        return rayon::in_place_scope(|s| {
+            for item in items {
+                s.spawn(move |_| f(item));
+            }
+        });
     }
     let per = items.len().div_ceil(threads);
     let mut shares: Vec<Vec<T>> = Vec::with_capacity(threads);
@@ -378,7 +397,6 @@ pub(super) fn each<T: Send>(items: Vec<T>, f: impl Fn(T) + Send + Sync) {
         }
         shares.push(share);
     }
-    let f = &f;
     let mine = shares.remove(0);
     rayon::in_place_scope(|s| {
         for share in shares {
@@ -694,17 +712,22 @@ pub fn max_pool2d_grad<F: HostFloat>(g: &Geometry, at: &[u32], dy: &[F], dx: &mu
     let [n, c, h, w] = g.x;
     let sp = g.spatial();
     assert_eq!(dx.len(), n * c * h * w, "output extents");
-    dx.fill(F::ZERO);
     if sp == 0 || dx.is_empty() {
-        return;
+        return dx.fill(F::ZERO);
     }
-    for ((d, at), dy) in dx.chunks_exact_mut(h * w).zip(at.chunks_exact(sp)).zip(dy.chunks_exact(sp)) {
-        for (&i, &g) in at.iter().zip(dy) {
-            if i != NO_ARGMAX {
-                d[i as usize] += g;
+    let per = planes_per_task(g);
+    let tasks: Vec<_> = dx.chunks_mut(per * h * w).enumerate().collect();
+    each(tasks, |(k, dx)| {
+        dx.fill(F::ZERO);
+        let (at, dy) = (&at[k * per * sp..], &dy[k * per * sp..]);
+        for ((d, at), dy) in dx.chunks_exact_mut(h * w).zip(at.chunks_exact(sp)).zip(dy.chunks_exact(sp)) {
+            for (&i, &g) in at.iter().zip(dy) {
+                if i != NO_ARGMAX {
+                    d[i as usize] += g;
+                }
             }
         }
-    }
+    });
 }
 
 /// `dy` where `x > 0`, else zero.
@@ -760,7 +783,7 @@ const BLOCK: usize = 256;
 /// unfused plan's. Large outputs are cut into per-thread shares of whole blocks.
 pub fn fused<F: HostFloat>(e: &Elementwise, args: &[&[F]], out: &mut [F]) {
     assert_eq!(out.len(), e.len, "output extents");
-    let threads = rayon::current_num_threads().min(e.len / (64 * BLOCK)).max(1);
+    let threads = rayon::current_num_threads().min(e.len / (16 * BLOCK)).max(1);
     let per = e.len.div_ceil(threads).div_ceil(BLOCK) * BLOCK;
     let shares: Vec<(usize, &mut [F])> = out.chunks_mut(per.max(1)).enumerate().map(|(i, c)| (i * per, c)).collect();
     each(shares, |(start, dst)| {

@@ -17,6 +17,15 @@ use crate::kernel::{ConvKind, Native};
 use crate::value::Value;
 use kernels::{HostFloat, Mat};
 
+/// Makes the calling thread thread 0 of rayon's global pool (sized by `RAYON_NUM_THREADS`, else
+/// one thread per core), so the plans it runs split their kernels' work with the pool's other
+/// threads directly, without handing each plan over to the pool and waiting (see
+/// [`crate::Session::run`]). For a single-process program's main thread, first thing in
+/// `main`; does nothing where the pool already exists (under `mpirun` each rank keeps one).
+pub fn join_thread_pool() {
+    let _ = rayon::ThreadPoolBuilder::new().use_current_thread().build_global();
+}
+
 /// Free buffers of one element type, by length.
 type Shelf<T> = BTreeMap<usize, Vec<Vec<T>>>;
 
