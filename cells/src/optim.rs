@@ -2,9 +2,8 @@
 //! the learning rate (and anything else that depends on the update count) is a scalar input
 //! fed per update from the host, so a schedule advances exactly once per applied update.
 
-use cellgraph_compiler::emit::Emit;
-use cellgraph_compiler::update::{FusedRule, StateSpec, UpdateRule};
-use cellgraph_compiler::{NodeId, Op, Result, TensorType};
+use cellgraph_compiler::update::{StateSpec, Target, Update, UpdateRule, Val};
+use cellgraph_compiler::TensorType;
 
 use crate::schedule::{non_negative, LearningRate};
 
@@ -15,21 +14,20 @@ fn state(prefix: &str, param: &str, ty: &TensorType, init: f64) -> StateSpec {
     StateSpec { name: format!("{prefix}.{param}"), ty: ty.clone(), init }
 }
 
-/// `g + wd * p`, or `g` when `wd` is zero.
-fn decayed(e: &mut Emit, g: NodeId, p: NodeId, wd: f64) -> Result<NodeId> {
+/// `g + p * wd`, or `g` when `wd` is zero.
+fn decayed(u: &mut Update, g: Val, wd: f64) -> Val {
     if wd == 0.0 {
-        return Ok(g);
+        return g;
     }
-    let d = e.scale(p, wd)?;
-    e.add(g, d)
+    let d = u.scale(Val::Param, wd);
+    u.add(g, d)
 }
 
-/// `p - lr * step`, written to `p`.
-fn descend(e: &mut Emit, p: NodeId, step: NodeId, lr: NodeId) -> Result<()> {
-    let s = e.mul(step, lr)?;
-    let new = e.sub(p, s)?;
-    e.op(Op::Assign, &[p, new])?;
-    Ok(())
+/// `p - step * lr`, written to `p` (the learning rate is scalar input 0).
+fn descend(u: &mut Update, step: Val) {
+    let s = u.mul(step, Val::Scalar(0));
+    let new = u.sub(Val::Param, s);
+    u.write(Target::Param, new);
 }
 
 /// MindSpore's `nn.Momentum`: `v = v * momentum + g; p -= lr * v` (Nesterov:
@@ -64,21 +62,20 @@ impl UpdateRule for Momentum {
         non_negative("momentum", self.momentum)?;
         non_negative("weight_decay", self.weight_decay)
     }
-    fn fused(&self) -> Option<FusedRule> {
-        Some(FusedRule::Momentum { momentum: self.momentum, weight_decay: self.weight_decay, nesterov: self.use_nesterov })
-    }
-    fn emit(&self, e: &mut Emit, p: NodeId, g: NodeId, st: &[NodeId], sc: &[NodeId]) -> Result<()> {
-        let g = decayed(e, g, p, self.weight_decay)?;
-        let vm = e.scale(st[0], self.momentum)?;
-        let v = e.add(vm, g)?;
-        e.op(Op::Assign, &[st[0], v])?;
+    fn update(&self) -> Update {
+        let mut u = Update::new();
+        let g = decayed(&mut u, Val::Grad, self.weight_decay);
+        let vm = u.scale(Val::State(0), self.momentum);
+        let v = u.add(vm, g);
+        u.write(Target::State(0), v);
         let step = if self.use_nesterov {
-            let mv = e.scale(v, self.momentum)?;
-            e.add(g, mv)?
+            let mv = u.scale(v, self.momentum);
+            u.add(g, mv)
         } else {
             v
         };
-        descend(e, p, step, sc[0])
+        descend(&mut u, step);
+        u
     }
 }
 
@@ -122,33 +119,32 @@ impl UpdateRule for SGD {
         non_negative("dampening", self.dampening)?;
         non_negative("weight_decay", self.weight_decay)
     }
-    fn fused(&self) -> Option<FusedRule> {
-        Some(FusedRule::Sgd { momentum: self.momentum, dampening: self.dampening, weight_decay: self.weight_decay, nesterov: self.nesterov })
-    }
-    fn emit(&self, e: &mut Emit, p: NodeId, g: NodeId, st: &[NodeId], sc: &[NodeId]) -> Result<()> {
-        let g = decayed(e, g, p, self.weight_decay)?;
+    fn update(&self) -> Update {
+        let mut u = Update::new();
+        let g = decayed(&mut u, Val::Grad, self.weight_decay);
         if self.momentum == 0.0 {
-            return descend(e, p, g, sc[0]);
+            descend(&mut u, g);
+            return u;
         }
-        let (v, stat) = (st[0], st[1]);
+        let (v, stat) = (Val::State(0), Val::State(1));
         // v' = stat * g + (1 - stat) * (momentum * v + (1 - dampening) * g)
-        let vm = e.scale(v, self.momentum)?;
-        let gd = e.scale(g, 1.0 - self.dampening)?;
-        let later = e.add(vm, gd)?;
-        let first = e.mul(stat, g)?;
-        let stat_later = e.mul(stat, later)?;
-        let not_first = e.sub(later, stat_later)?;
-        let v_new = e.add(first, not_first)?;
-        e.op(Op::Assign, &[v, v_new])?;
-        let zero = e.op(Op::ZerosLike, &[stat])?;
-        e.op(Op::Assign, &[stat, zero])?;
+        let vm = u.scale(v, self.momentum);
+        let gd = u.scale(g, 1.0 - self.dampening);
+        let later = u.add(vm, gd);
+        let first = u.mul(stat, g);
+        let stat_later = u.mul(stat, later);
+        let not_first = u.sub(later, stat_later);
+        let v_new = u.add(first, not_first);
+        u.write(Target::State(0), v_new);
+        u.write(Target::State(1), Val::Lit(0.0));
         let step = if self.nesterov {
-            let mv = e.scale(v_new, self.momentum)?;
-            e.add(g, mv)?
+            let mv = u.scale(v_new, self.momentum);
+            u.add(g, mv)
         } else {
             v_new
         };
-        descend(e, p, step, sc[0])
+        descend(&mut u, step);
+        u
     }
 }
 
@@ -211,34 +207,32 @@ impl UpdateRule for Adam {
         let t = (update + 1) as i32;
         vec![self.learning_rate(update), 1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t)]
     }
-    fn fused(&self) -> Option<FusedRule> {
-        Some(FusedRule::Adam { beta1: self.beta1, beta2: self.beta2, eps: self.eps, weight_decay: self.weight_decay, decoupled: self.decoupled })
-    }
-    fn emit(&self, e: &mut Emit, p: NodeId, g: NodeId, st: &[NodeId], sc: &[NodeId]) -> Result<()> {
-        let (lr, bc1, bc2) = (sc[0], sc[1], sc[2]);
-        let g = if self.decoupled { g } else { decayed(e, g, p, self.weight_decay)? };
-        let m_old = e.scale(st[0], self.beta1)?;
-        let g1 = e.scale(g, 1.0 - self.beta1)?;
-        let m = e.add(m_old, g1)?;
-        let v_old = e.scale(st[1], self.beta2)?;
-        let gg = e.mul(g, g)?;
-        let g2 = e.scale(gg, 1.0 - self.beta2)?;
-        let v = e.add(v_old, g2)?;
-        e.op(Op::Assign, &[st[0], m])?;
-        e.op(Op::Assign, &[st[1], v])?;
-        let sv = e.op(Op::Sqrt, &[v])?;
-        let eps = e.scalar_like(self.eps, sv)?;
-        let denom = e.add(sv, eps)?;
-        let ratio = e.div(m, denom)?;
-        let sb2 = e.op(Op::Sqrt, &[bc2])?;
-        let corr = e.div(sb2, bc1)?;
-        let step = e.mul(ratio, corr)?;
+    fn update(&self) -> Update {
+        let mut u = Update::new();
+        let (bc1, bc2) = (Val::Scalar(1), Val::Scalar(2));
+        let g = if self.decoupled { Val::Grad } else { decayed(&mut u, Val::Grad, self.weight_decay) };
+        let m_old = u.scale(Val::State(0), self.beta1);
+        let g1 = u.scale(g, 1.0 - self.beta1);
+        let m = u.add(m_old, g1);
+        let v_old = u.scale(Val::State(1), self.beta2);
+        let gg = u.mul(g, g);
+        let g2 = u.scale(gg, 1.0 - self.beta2);
+        let v = u.add(v_old, g2);
+        u.write(Target::State(0), m);
+        u.write(Target::State(1), v);
+        let sv = u.sqrt(v);
+        let denom = u.add(sv, Val::Lit(self.eps));
+        let ratio = u.div(m, denom);
+        let sb2 = u.sqrt(bc2);
+        let corr = u.div(sb2, bc1);
+        let step = u.mul(ratio, corr);
         let step = if self.decoupled && self.weight_decay != 0.0 {
-            let wd = e.scale(p, self.weight_decay)?;
-            e.add(step, wd)?
+            let wd = u.scale(Val::Param, self.weight_decay);
+            u.add(step, wd)
         } else {
             step
         };
-        descend(e, p, step, lr)
+        descend(&mut u, step);
+        u
     }
 }

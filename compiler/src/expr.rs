@@ -15,7 +15,7 @@ use crate::op::Op;
 use crate::types::TensorType;
 
 /// A one-operand elementwise op.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Unary {
     Neg,
     Exp,
@@ -25,7 +25,7 @@ pub enum Unary {
 }
 
 /// A two-operand elementwise op.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Binary {
     Add,
     Sub,
@@ -33,6 +33,32 @@ pub enum Binary {
     Div,
     /// `dy * (y > 0)` over `(dy, y)` of equal extents.
     ReluGrad,
+}
+
+impl Unary {
+    /// The unfused op.
+    pub fn op(self) -> Op {
+        match self {
+            Unary::Neg => Op::Neg,
+            Unary::Exp => Op::Exp,
+            Unary::Log => Op::Log,
+            Unary::Relu => Op::Relu,
+            Unary::Sqrt => Op::Sqrt,
+        }
+    }
+}
+
+impl Binary {
+    /// The unfused op.
+    pub fn op(self) -> Op {
+        match self {
+            Binary::Add => Op::Add,
+            Binary::Sub => Op::Sub,
+            Binary::Mul => Op::Mul,
+            Binary::Div => Op::Div,
+            Binary::ReluGrad => Op::ReluGrad,
+        }
+    }
 }
 
 /// One term of a program.
@@ -66,19 +92,11 @@ impl Term {
 
     /// The unfused op an op term computes (`None` for operands and literals).
     pub fn op(self) -> Option<Op> {
-        Some(match self {
-            Term::Unary(Unary::Neg) => Op::Neg,
-            Term::Unary(Unary::Exp) => Op::Exp,
-            Term::Unary(Unary::Log) => Op::Log,
-            Term::Unary(Unary::Relu) => Op::Relu,
-            Term::Unary(Unary::Sqrt) => Op::Sqrt,
-            Term::Binary(Binary::Add) => Op::Add,
-            Term::Binary(Binary::Sub) => Op::Sub,
-            Term::Binary(Binary::Mul) => Op::Mul,
-            Term::Binary(Binary::Div) => Op::Div,
-            Term::Binary(Binary::ReluGrad) => Op::ReluGrad,
-            Term::Arg(_) | Term::Lit(_) => return None,
-        })
+        match self {
+            Term::Unary(u) => Some(u.op()),
+            Term::Binary(b) => Some(b.op()),
+            Term::Arg(_) | Term::Lit(_) => None,
+        }
     }
 
     /// `(popped, pushed)` stack slots.

@@ -7,10 +7,9 @@ use std::borrow::Cow;
 use burn_backend::tensor::{Device, FloatTensor};
 use burn_backend::{Shape as BShape, TensorData};
 use burn_ndarray::{FloatNdArrayElement, NdArray, NdArrayTensor};
-use cellgraph_compiler::update::FusedRule;
 use cellgraph_compiler::TensorType;
 
-use crate::kernel::Native;
+use crate::kernel::{Native, UpdateKernel};
 
 /// A burn shape for IR extents (`[]` becomes `[1]`: burn has no rank-0 tensors).
 pub fn bshape(dims: &[usize]) -> BShape {
@@ -69,16 +68,17 @@ pub trait Backend: burn_backend::Backend {
         false
     }
 
-    /// One kernel over flat buffers: the optimizer update of every parameter from
-    /// `acc * scale`, then `acc = 0`. Returns the kernels launched, or `None` when the backend
-    /// has no fused kernels.
+    /// One kernel over flat buffers: the optimizer update `prog` of every parameter from
+    /// `acc * scale`, then `acc = 0`; `consts` holds the rule's scalar inputs, then the
+    /// program's literals. Returns the kernels launched, or `None` when the backend has no
+    /// such kernel.
     fn fused_update(
-        _rule: &FusedRule,
+        _prog: &UpdateKernel,
         _params: &FloatTensor<Self>,
         _acc: &FloatTensor<Self>,
         _state: &[FloatTensor<Self>],
         _scale: f32,
-        _scalars: &[f32],
+        _consts: &[f32],
     ) -> Option<usize> {
         None
     }

@@ -3,9 +3,10 @@
 //!
 //! - [`assign_add`]: `acc += g` in place, into an accumulator that is a view of one flat
 //!   accumulator buffer (burn's `add` would allocate a new tensor and break the aliasing).
-//! - [`momentum_clear`], [`sgd_clear`], [`adam_clear`]: the whole boundary of a window, the
-//!   optimizer update of every parameter and the clearing of every accumulator, as one launch
-//!   over flat parameter / accumulator / state buffers.
+//! - [`update_clear`]: the whole boundary of a window, the optimizer update of every parameter
+//!   and the clearing of every accumulator, as one launch over flat parameter / accumulator /
+//!   state buffers; the optimizer's `Update` program (the one its graph comes from) is
+//!   unrolled into the kernel when it is compiled.
 //!
 //! The kernels are generic over cubecl runtimes: CUDA on an NVIDIA GPU (feature `cuda`), and
 //! wgpu (feature `wgpu`), which runs on Mesa's lavapipe CPU Vulkan driver in CI, where the
@@ -15,12 +16,13 @@ use burn_backend::Shape;
 use burn_cubecl::element::{BoolElement, FloatElement, IntElement};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime};
-use cellgraph_compiler::update::FusedRule;
+use cellgraph_compiler::expr::{Binary, Unary};
+use cellgraph_compiler::update::Target;
 use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeDim};
 
 use crate::backend::Backend;
-use crate::kernel::{ConvKind, Native};
+use crate::kernel::{ConvKind, KStep, KVal, Native, UpdateKernel};
 use cellgraph_compiler::TensorType;
 
 /// burn's CUDA backend (no fusion): the executor's tensors are cubecl buffers.
@@ -47,113 +49,92 @@ pub fn assign_add<F: Float>(acc: &mut Array<F>, g: &Array<F>) {
     }
 }
 
-/// MindSpore's Momentum on flat buffers, then `acc = 0`:
-/// `g = acc * scale + wd * p; v = v * momentum + g; p -= lr * (nesterov ? g + momentum * v : v)`.
-#[cube(launch)]
-pub fn momentum_clear<F: Float>(
-    p: &mut Array<F>,
-    acc: &mut Array<F>,
-    v: &mut Array<F>,
-    scale: f32,
-    lr: f32,
-    momentum: f32,
-    weight_decay: f32,
-    #[comptime] nesterov: bool,
-) {
-    let i = ABSOLUTE_POS;
-    if i < p.len() {
-        let w = p[i];
-        let g = acc[i] * F::cast_from(scale) + F::cast_from(weight_decay) * w;
-        let vn = v[i] * F::cast_from(momentum) + g;
-        v[i] = vn;
-        let mut step = vn;
-        if nesterov {
-            step = g + vn * F::cast_from(momentum);
-        }
-        p[i] = w - step * F::cast_from(lr);
-        acc[i] = F::new(0.0);
-    }
-}
-
-/// PyTorch's SGD (MindSpore `nn.SGD`) on flat buffers, then `acc = 0`. `stat` is 1 until the
-/// first update, which sets `v = g`. (`1 - dampening` and Adam's `1 - beta` come computed in
-/// f64, as the graphs' constants do: `1 - 0.999f32` is off by 1e-5 relative.)
-#[cube(launch)]
-pub fn sgd_clear<F: Float>(
-    p: &mut Array<F>,
-    acc: &mut Array<F>,
-    v: &mut Array<F>,
-    stat: &mut Array<F>,
-    scale: f32,
-    lr: f32,
-    momentum: f32,
-    one_minus_dampening: f32,
-    weight_decay: f32,
-    #[comptime] has_momentum: bool,
-    #[comptime] nesterov: bool,
-) {
-    let i = ABSOLUTE_POS;
-    if i < p.len() {
-        let w = p[i];
-        let g = acc[i] * F::cast_from(scale) + F::cast_from(weight_decay) * w;
-        let mut step = g;
-        if has_momentum {
-            let s = stat[i];
-            let later = v[i] * F::cast_from(momentum) + g * F::cast_from(one_minus_dampening);
-            let vn = s * g + (later - s * later);
-            v[i] = vn;
-            stat[i] = F::new(0.0);
-            step = vn;
-            if nesterov {
-                step = g + vn * F::cast_from(momentum);
+/// The value `v` at element `i`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn kval<F: Float>(w: F, g: F, s0: &Array<F>, s1: &Array<F>, consts: &Array<F>, lets: &Sequence<F>, i: usize, #[comptime] v: KVal) -> F {
+    match comptime!(v) {
+        KVal::Param => w,
+        KVal::Grad => g,
+        KVal::State(k) => {
+            if comptime!(k == 0) {
+                s0[i]
+            } else {
+                s1[i]
             }
         }
-        p[i] = w - step * F::cast_from(lr);
-        acc[i] = F::new(0.0);
+        KVal::Const(k) => consts[k as usize],
+        KVal::Let(k) => *lets.index(k as usize),
     }
 }
 
-/// Adam / AdamW (MindSpore's formula: `eps` added to `sqrt(v)` before the bias correction) on
-/// flat buffers, then `acc = 0`. `bc1`, `bc2` are `1 - beta^t`.
+/// One optimizer's `Update` over flat buffers, interpreted when the kernel is compiled
+/// (every step becomes straight-line code), then `acc = 0`: `g = acc * scale` and the
+/// program's steps in order. `s0`, `s1` are the state buffers the program uses (any buffer
+/// where it keeps fewer); `consts` the scalar inputs, then the literals.
 #[cube(launch)]
-pub fn adam_clear<F: Float>(
+#[allow(clippy::too_many_arguments)]
+pub fn update_clear<F: Float>(
     p: &mut Array<F>,
     acc: &mut Array<F>,
-    m: &mut Array<F>,
-    v: &mut Array<F>,
+    s0: &mut Array<F>,
+    s1: &mut Array<F>,
+    consts: &Array<F>,
     scale: f32,
-    lr: f32,
-    bc1: f32,
-    bc2: f32,
-    beta1: f32,
-    beta2: f32,
-    one_minus_beta1: f32,
-    one_minus_beta2: f32,
-    eps: f32,
-    weight_decay: f32,
-    #[comptime] decoupled: bool,
+    #[comptime] prog: UpdateKernel,
 ) {
     let i = ABSOLUTE_POS;
     if i < p.len() {
         let w = p[i];
-        let mut g = acc[i] * F::cast_from(scale);
-        if !decoupled {
-            g += F::cast_from(weight_decay) * w;
+        let g = acc[i] * F::cast_from(scale);
+        let mut lets = Sequence::<F>::new();
+        let n = comptime!(prog.steps.len());
+        #[unroll]
+        for k in 0..n {
+            let step = comptime!(prog.steps[k]);
+            match comptime!(step) {
+                KStep::Unary(op, x) => {
+                    let x = kval(w, g, s0, s1, consts, &lets, i, x);
+                    let y = match comptime!(op) {
+                        Unary::Neg => -x,
+                        Unary::Exp => F::exp(x),
+                        Unary::Log => F::ln(x),
+                        Unary::Relu => select(x > F::new(0.0), x, F::new(0.0)),
+                        Unary::Sqrt => F::sqrt(x),
+                    };
+                    lets.push(y);
+                }
+                KStep::Binary(op, a, b) => {
+                    let a = kval(w, g, s0, s1, consts, &lets, i, a);
+                    let b = kval(w, g, s0, s1, consts, &lets, i, b);
+                    let y = match comptime!(op) {
+                        Binary::Add => a + b,
+                        Binary::Sub => a - b,
+                        Binary::Mul => a * b,
+                        Binary::Div => a / b,
+                        Binary::ReluGrad => select(b > F::new(0.0), a, F::new(0.0)),
+                    };
+                    lets.push(y);
+                }
+                KStep::Write(t, x) => {
+                    let x = kval(w, g, s0, s1, consts, &lets, i, x);
+                    match comptime!(t) {
+                        Target::Param => p[i] = x,
+                        Target::State(k) => {
+                            if comptime!(k == 0) {
+                                s0[i] = x;
+                            } else {
+                                s1[i] = x;
+                            }
+                        }
+                    }
+                    lets.push(F::new(0.0));
+                }
+            }
         }
-        let mn = m[i] * F::cast_from(beta1) + g * F::cast_from(one_minus_beta1);
-        let vn = v[i] * F::cast_from(beta2) + g * g * F::cast_from(one_minus_beta2);
-        m[i] = mn;
-        v[i] = vn;
-        let corr = F::sqrt(F::cast_from(bc2)) / F::cast_from(bc1);
-        let mut step = mn / (F::sqrt(vn) + F::cast_from(eps)) * corr;
-        if decoupled {
-            step += F::cast_from(weight_decay) * w;
-        }
-        p[i] = w - step * F::cast_from(lr);
         acc[i] = F::new(0.0);
     }
 }
-
 
 /// `c = op(a) @ op(b)` in exact f32 (one unit per output element; burn's f32 matmul on
 /// tensor cores rounds its operands to TF32). `a` is `m x k` (`k x m` when `ta`), `b` is
@@ -306,72 +287,29 @@ fn arr<R: CubeRuntime>(t: &CubeTensor<R>) -> ArrayArg<R> {
     unsafe { ArrayArg::from_raw_parts(t.handle.clone(), t.meta.num_elements()) }
 }
 
-/// Launches one fused optimizer-and-clear kernel over flat buffers of equal length: `p`
-/// parameters, `acc` accumulators, `state` the rule's state buffers in its order, `scalars`
-/// the rule's scalar inputs (learning rate first). Returns the kernels launched (1).
-pub fn launch_fused<R: CubeRuntime, F: FloatElement + Float>(
-    rule: &FusedRule,
+/// Launches one optimizer-and-clear kernel ([`update_clear`]) over flat buffers of equal
+/// length: `p` parameters, `acc` accumulators, `state` the rule's state buffers in its order,
+/// `consts` its scalar inputs (learning rate first) then its program's literals. Returns the
+/// kernels launched (1).
+pub fn launch_update<R: CubeRuntime, F: FloatElement + Float>(
+    prog: &UpdateKernel,
     p: &CubeTensor<R>,
     acc: &CubeTensor<R>,
     state: &[CubeTensor<R>],
     scale: f32,
-    scalars: &[f32],
+    consts: &[f32],
 ) -> usize {
     let n = p.meta.num_elements();
     let client = &p.client;
     let (count, dim) = grid(client, n);
-    let lr = scalars[0];
-    match *rule {
-        FusedRule::Momentum { momentum, weight_decay, nesterov } => momentum_clear::launch::<F, R>(
-            client,
-            count,
-            dim,
-            arr(p),
-            arr(acc),
-            arr(&state[0]),
-            scale,
-            lr,
-            momentum as f32,
-            weight_decay as f32,
-            nesterov,
-        ),
-        FusedRule::Sgd { momentum, dampening, weight_decay, nesterov } => sgd_clear::launch::<F, R>(
-            client,
-            count,
-            dim,
-            arr(p),
-            arr(acc),
-            arr(&state[0]),
-            arr(&state[1]),
-            scale,
-            lr,
-            momentum as f32,
-            (1.0 - dampening) as f32,
-            weight_decay as f32,
-            momentum != 0.0,
-            nesterov,
-        ),
-        FusedRule::Adam { beta1, beta2, eps, weight_decay, decoupled } => adam_clear::launch::<F, R>(
-            client,
-            count,
-            dim,
-            arr(p),
-            arr(acc),
-            arr(&state[0]),
-            arr(&state[1]),
-            scale,
-            lr,
-            scalars[1],
-            scalars[2],
-            beta1 as f32,
-            beta2 as f32,
-            (1.0 - beta1) as f32,
-            (1.0 - beta2) as f32,
-            eps as f32,
-            weight_decay as f32,
-            decoupled,
-        ),
-    }
+    // Unused state slots get a one-element buffer the program never touches.
+    let spare = || CubeTensor::new_contiguous(client.clone(), p.device.clone(), Shape::from(vec![1]), client.empty(4), p.dtype);
+    let s0 = state.first().cloned().unwrap_or_else(spare);
+    let s1 = state.get(1).cloned().unwrap_or_else(spare);
+    let c = client.create_from_slice(f32::as_bytes(consts));
+    // SAFETY: `consts.len()` f32 in the handle.
+    let c = unsafe { ArrayArg::from_raw_parts(c, consts.len().max(1)) };
+    update_clear::launch::<F, R>(client, count, dim, arr(p), arr(acc), arr(&s0), arr(&s1), c, scale, prog.clone());
     1
 }
 
@@ -452,7 +390,7 @@ where
         Some(y)
     }
 
-    fn fused_update(rule: &FusedRule, p: &CubeTensor<R>, acc: &CubeTensor<R>, state: &[CubeTensor<R>], scale: f32, scalars: &[f32]) -> Option<usize> {
-        Some(launch_fused::<R, F>(rule, p, acc, state, scale, scalars))
+    fn fused_update(prog: &UpdateKernel, p: &CubeTensor<R>, acc: &CubeTensor<R>, state: &[CubeTensor<R>], scale: f32, consts: &[f32]) -> Option<usize> {
+        Some(launch_update::<R, F>(prog, p, acc, state, scale, consts))
     }
 }

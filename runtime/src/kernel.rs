@@ -8,7 +8,8 @@
 
 use std::sync::Arc;
 
-use cellgraph_compiler::expr::{Expr, Term};
+use cellgraph_compiler::expr::{Binary, Expr, Term, Unary};
+use cellgraph_compiler::update::{Step, Target, Update, Val};
 use cellgraph_compiler::infer::broadcast_shapes;
 use cellgraph_compiler::{window, Op, TensorType};
 
@@ -206,3 +207,62 @@ fn geometry(x: &[usize], kernel: [usize; 2], stride: [usize; 2], dilation: [usiz
     Geometry { x: [x[0], x[1], x[2], x[3]], kernel, stride, dilation, pad: [w.pad[0], w.pad[2]], out: w.out }
 }
 
+/// A value an [`UpdateKernel`] step reads: `Const(i)` is element `i` of the constants buffer
+/// (the scalar inputs, then the literals in reading order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KVal {
+    Param,
+    Grad,
+    State(u8),
+    Const(u16),
+    Let(u16),
+}
+
+/// One step of an [`UpdateKernel`] (see [`Step`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KStep {
+    Unary(Unary, KVal),
+    Binary(Binary, KVal, KVal),
+    Write(Target, KVal),
+}
+
+/// An optimizer's [`Update`] as the program of a device's boundary kernel (`cube::update_clear`),
+/// which unrolls it when the kernel is compiled. Literals move to a constants buffer after the
+/// scalar inputs (a kernel's compile-time values must hash; floats do not).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct UpdateKernel {
+    pub steps: Vec<KStep>,
+}
+
+impl UpdateKernel {
+    /// The kernel program of `u` for a rule with `scalars` scalar inputs, and the literals to
+    /// put after the scalars in the constants buffer. `None` when the program does not fit
+    /// (more than two state buffers or 65,535 steps or constants).
+    pub fn new(u: &Update, scalars: usize) -> Option<(UpdateKernel, Vec<f64>)> {
+        let mut lits = Vec::new();
+        let mut val = |v: Val| -> Option<KVal> {
+            Some(match v {
+                Val::Param => KVal::Param,
+                Val::Grad => KVal::Grad,
+                Val::State(k) if k < 2 => KVal::State(k as u8),
+                Val::State(_) => return None,
+                Val::Scalar(k) => KVal::Const(u16::try_from(k).ok()?),
+                Val::Lit(c) => {
+                    lits.push(c);
+                    KVal::Const(u16::try_from(scalars + lits.len() - 1).ok()?)
+                }
+                Val::Let(k) => KVal::Let(u16::try_from(k).ok()?),
+            })
+        };
+        let mut steps = Vec::new();
+        for s in u.steps() {
+            steps.push(match *s {
+                Step::Unary(op, x) => KStep::Unary(op, val(x)?),
+                Step::Binary(op, a, b) => KStep::Binary(op, val(a)?, val(b)?),
+                Step::Write(Target::State(k), _) if k >= 2 => return None,
+                Step::Write(t, x) => KStep::Write(t, val(x)?),
+            });
+        }
+        Some((UpdateKernel { steps }, lits))
+    }
+}

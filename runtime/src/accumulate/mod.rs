@@ -1,0 +1,349 @@
+//! Running a [`GradAccumulation`] network: micro-steps, window boundaries, counters.
+//!
+//! The [`Accumulator`] owns the compiled `micro_step` graphs (one per micro-batch shape, so a
+//! short last batch just compiles another), the `optimizer` and `clear` graphs, and a
+//! [`Session`] holding parameters, accumulators and optimizer state. A window ends after
+//! `micro_size` micro-batches: the optimizer runs once with the window's normalisation scale
+//! and its update number (for the learning-rate schedule), then clear runs once.
+//!
+//! Its parts, one job each:
+//! - [`window`]: where accumulation stands (the open window, updates, run counters and the
+//!   one table of those a checkpoint stores), the normalisation scale and clipping;
+//! - [`store`]: the trained parameters' buffers by typed slot, flat host copies of them, and
+//!   the flat device buffers behind them;
+//! - [`sync`]: data parallelism across ranks, replicated or sharded (hsdp);
+//! - [`snapshot`]: checkpoints, saved and restored.
+
+mod snapshot;
+mod store;
+mod sync;
+mod window;
+
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use burn_backend::tensor::Device;
+use cellgraph_cells::{Cell, GradAccumulation, Optimizer, Slicing};
+use cellgraph_compiler::dump::DumpOptions;
+use cellgraph_compiler::passes::grad_accumulation::ACCUMULATOR_PREFIX;
+use cellgraph_compiler::{HostData, HostTensor, TensorType};
+
+use crate::comm::Communicator;
+use crate::error::{Result, RuntimeError};
+use crate::exec::{compile, compile_with, DumpAt, Executable, Session};
+use crate::Backend;
+
+use cellgraph_compiler::passes::grad_accumulation::accumulator_name;
+pub use snapshot::LoadReport;
+pub use sync::SHARD;
+pub use window::Counters;
+
+use store::Store;
+use sync::Parallel;
+use window::{scale, Progress};
+
+/// What one call to [`Accumulator::step`] did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepOutcome {
+    /// The step's loss: the sum of its micro losses (in-step slicing) or the micro loss.
+    pub loss: f64,
+    /// True when this step ended a window and the optimizer ran.
+    pub applied: bool,
+}
+
+/// The compiled graphs, and how they are named and dumped.
+struct Plans {
+    /// One `micro_step` per micro-batch shape.
+    micro: HashMap<Vec<TensorType>, Executable>,
+    optimizer: Executable,
+    clear: Executable,
+    /// Names of the micro-step graphs' inputs.
+    names: Vec<String>,
+    /// Graph dumps, when switched on.
+    dump: Option<DumpOptions>,
+}
+
+/// Drives one GradAccumulation network on one device.
+pub struct Accumulator<B: Backend> {
+    net: Rc<GradAccumulation>,
+    opt: Rc<dyn Optimizer>,
+    plans: Plans,
+    /// Parameters, accumulators and optimizer state.
+    pub session: Session<B>,
+    progress: Progress,
+    store: Store<B>,
+    parallel: Option<Parallel>,
+}
+
+/// The optimizer graph's inputs: the gradient scale, then the rule's host scalars.
+fn optimizer_inputs(scale: f64, scalars: &[f64]) -> Vec<HostTensor> {
+    std::iter::once(scale).chain(scalars.iter().copied()).map(HostTensor::scalar_f32).collect()
+}
+
+/// `items` rows split into `min(k, items)` contiguous ranges whose sizes differ by at most one,
+/// larger first: equal micro-batches when `k` divides `items`.
+pub fn micro_ranges(items: usize, k: usize) -> Vec<(usize, usize)> {
+    let n = k.min(items).max(1);
+    let (q, r) = (items / n, items % n);
+    let mut start = 0;
+    (0..n)
+        .map(|i| {
+            let len = q + usize::from(i < r);
+            start += len;
+            (start - len, start)
+        })
+        .collect()
+}
+
+/// Rows `start..end` (along dim 0) of a host tensor.
+pub fn slice_rows(t: &HostTensor, start: usize, end: usize) -> HostTensor {
+    let row: usize = t.shape[1..].iter().product();
+    let (a, b) = (start * row, end * row);
+    let data = match &t.data {
+        HostData::F32(v) => HostData::F32(v[a..b].to_vec()),
+        HostData::F64(v) => HostData::F64(v[a..b].to_vec()),
+        HostData::I32(v) => HostData::I32(v[a..b].to_vec()),
+        HostData::I64(v) => HostData::I64(v[a..b].to_vec()),
+        HostData::Bool(v) => HostData::Bool(v[a..b].to_vec()),
+    };
+    let mut shape = t.shape.clone();
+    shape[0] = end - start;
+    HostTensor { shape, data }
+}
+
+impl<B: Backend> Accumulator<B> {
+    /// Compiles the boundary graphs of `net` and fills a new session on `device`: parameters
+    /// drawn from `seed`, zero accumulators, initial optimizer state. Micro-step graphs are
+    /// compiled on first use, one per micro-batch shape.
+    pub fn new(net: Rc<GradAccumulation>, opt: Rc<dyn Optimizer>, device: Device<B>, seed: u64) -> Result<Self> {
+        net.check()?;
+        opt.check().map_err(|detail| cellgraph_cells::CellError::Config { cell: opt.name().into(), detail })?;
+        let (optimizer, clear, accumulators, state) = net.boundary_graphs(opt.as_ref())?;
+        let mut session = Session::new(device);
+        session.init_params(&net.parameters(), seed);
+        for (name, ty) in &accumulators {
+            session.set_param(name, &HostTensor::full(ty, 0.0));
+        }
+        session.init_state(&state);
+        let trained: Vec<(String, TensorType)> = accumulators.iter().map(|(n, t)| (n[ACCUMULATOR_PREFIX.len() + 1..].to_string(), t.clone())).collect();
+        let store = Store::new(&trained, accumulator_name, opt.as_ref());
+        let plans = Plans { micro: HashMap::new(), optimizer: compile(optimizer)?, clear: compile(clear)?, names: Vec::new(), dump: None };
+        let mut acc = Accumulator { net, opt, plans, session, progress: Progress::default(), store, parallel: None };
+        acc.store.enter_flat(&mut acc.session, acc.opt.as_ref())?;
+        Ok(acc)
+    }
+
+    /// Names the inputs of micro-step graphs (default `input0`, `input1`, ...), as they appear
+    /// in dumps.
+    pub fn set_input_names(&mut self, names: &[&str]) {
+        self.plans.names = names.iter().map(|n| n.to_string()).collect();
+    }
+
+    /// Names input types as micro-step graphs name their inputs (see [`Self::set_input_names`]).
+    pub fn named_inputs(&self, types: &[TensorType]) -> Vec<(String, TensorType)> {
+        types.iter().enumerate().map(|(i, t)| (self.plans.names.get(i).cloned().unwrap_or_else(|| format!("input{i}")), t.clone())).collect()
+    }
+
+    /// Writes every graph after every compiler pass to `opts.dir` (under `rank_<id>/` when
+    /// data-parallel over several ranks): the optimizer and clear graphs at once, each
+    /// micro-step graph (with the traced forward graph it came from) when it is compiled.
+    pub fn save_graphs(&mut self, opts: DumpOptions) -> Result<()> {
+        let opts = match &self.parallel {
+            Some(p) if p.comm.size() > 1 => opts.for_rank(p.comm.rank()),
+            _ => opts,
+        };
+        let at = DumpAt { opts: &opts, first: 1, input: "grad_accumulation" };
+        self.plans.clear = compile_with(self.plans.clear.source().clone(), Some(at))?;
+        // The optimizer graph that runs: this rank's shard under hsdp, else the whole one.
+        match self.parallel.as_mut().and_then(|p| p.shard.as_mut()) {
+            Some(sh) => sh.optimizer = compile_with(sh.optimizer.source().clone(), Some(at))?,
+            None => self.plans.optimizer = compile_with(self.plans.optimizer.source().clone(), Some(at))?,
+        }
+        self.plans.micro.clear();
+        self.plans.dump = Some(opts);
+        Ok(())
+    }
+
+    /// The dump options in force (with the rank directory applied).
+    pub fn dump_options(&self) -> Option<&DumpOptions> {
+        self.plans.dump.as_ref()
+    }
+
+    /// The communicator, when training data-parallel.
+    pub fn communicator(&self) -> Option<&Arc<dyn Communicator>> {
+        self.parallel.as_ref().map(|p| &p.comm)
+    }
+
+    /// This process's rank (0 without data parallelism).
+    pub fn rank(&self) -> usize {
+        self.parallel.as_ref().map_or(0, |p| p.comm.rank())
+    }
+
+    /// Elements of the optimizer state this rank holds (all of it, unless hsdp).
+    pub fn optimizer_state_elements(&self) -> usize {
+        let state = |n: &str| n != SHARD && !n.starts_with(ACCUMULATOR_PREFIX) && !self.store.params().any(|t| t == n);
+        self.session.param_names().iter().filter(|n| state(n)).map(|n| self.session.param_shape(n).map_or(0, |s| s.iter().product::<usize>())).sum()
+    }
+
+    /// The wrapped network.
+    pub fn network(&self) -> &GradAccumulation {
+        &self.net
+    }
+
+    /// The graphs' run counts.
+    pub fn counters(&self) -> Counters {
+        self.progress.counters
+    }
+
+    /// Optimizer updates applied so far.
+    pub fn updates(&self) -> u64 {
+        self.progress.updates
+    }
+
+    /// Micro-batches accumulated in the open window.
+    pub fn window_len(&self) -> usize {
+        self.progress.micro as usize
+    }
+
+    /// The compiled micro-step for a first micro-batch of the given shapes (for dumps).
+    pub fn micro_plans(&self) -> impl Iterator<Item = &Executable> {
+        self.plans.micro.values()
+    }
+
+    /// The compiled optimizer and clear plans.
+    pub fn boundary_plans(&self) -> (&Executable, &Executable) {
+        (&self.plans.optimizer, &self.plans.clear)
+    }
+
+    /// One training step. In-step slicing: the batch is split into `micro_size` equal
+    /// micro-batches (a size `micro_size` does not divide is an error, as in MindSpore) and the
+    /// window applied; the loss is their sum. Across steps: the batch is one micro-batch, and
+    /// the window is applied when it is full.
+    pub fn step(&mut self, batch: &[HostTensor]) -> Result<StepOutcome> {
+        let b = batch.first().and_then(|t| t.shape.first().copied()).unwrap_or(0);
+        if self.net.slicing == Slicing::InStep {
+            self.net.check_batch(b)?;
+        }
+        self.step_split(batch, b)
+    }
+
+    /// The last batch of an epoch, which may be shorter than the others (a dataset without
+    /// `drop_remainder`, or a wrapped shard). With in-step slicing a size that `micro_size`
+    /// does not divide is split into `min(micro_size, items)` micro-batches whose sizes differ
+    /// by at most one, larger first (11 items, `micro_size` 4: 3, 3, 3, 2); the normalisation
+    /// counts the micro-batches and items the window really had. Otherwise as [`Self::step`].
+    pub fn step_last(&mut self, batch: &[HostTensor]) -> Result<StepOutcome> {
+        let b = batch.first().and_then(|t| t.shape.first().copied()).unwrap_or(0);
+        self.step_split(batch, b)
+    }
+
+    fn step_split(&mut self, batch: &[HostTensor], b: usize) -> Result<StepOutcome> {
+        let k = self.net.micro_size;
+        if b == 0 {
+            return Err(RuntimeError::Mismatch { what: "training batch".into(), expected: "at least one item".into(), got: "an empty batch".into() });
+        }
+        match self.net.slicing {
+            Slicing::InStep => {
+                let mut loss = 0.0;
+                for (start, end) in micro_ranges(b, k) {
+                    let micro: Vec<HostTensor> = batch.iter().map(|t| slice_rows(t, start, end)).collect();
+                    loss += self.micro_step(&micro)?;
+                }
+                self.apply()?;
+                Ok(StepOutcome { loss, applied: true })
+            }
+            Slicing::AcrossSteps => {
+                let loss = self.micro_step(batch)?;
+                let applied = self.progress.micro == k as u64;
+                if applied {
+                    self.apply()?;
+                }
+                Ok(StepOutcome { loss, applied })
+            }
+        }
+    }
+
+    /// At the end of the data: an incomplete window is applied with its true counts, or
+    /// dropped (accumulators cleared, no update) when the network asks for that. Returns
+    /// whether an update was applied.
+    pub fn finish(&mut self) -> Result<bool> {
+        if self.progress.micro == 0 {
+            return Ok(false);
+        }
+        if self.net.drop_incomplete_window {
+            self.clear_window(false)?;
+            return Ok(false);
+        }
+        self.apply()?;
+        Ok(true)
+    }
+
+    /// Runs one micro-batch: forward, backward, gradients added into the accumulators.
+    pub fn micro_step(&mut self, inputs: &[HostTensor]) -> Result<f64> {
+        let key: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+        if !self.plans.micro.contains_key(&key) {
+            let named = self.named_inputs(&key);
+            let (forward, mut g) = self.net.traced_micro_step(&named)?;
+            if !self.plans.micro.is_empty() {
+                // Another micro-batch shape (a short last batch): its own dump files.
+                g.name = format!("micro_step_{}", self.plans.micro.len());
+            }
+            let exe = match &self.plans.dump {
+                Some(d) => {
+                    cellgraph_compiler::dump::write(d, 0, "trace", &forward).map_err(|source| RuntimeError::Io { path: d.dir.display().to_string(), source })?;
+                    compile_with(g, Some(DumpAt { opts: d, first: 1, input: "grad_accumulation" }))?
+                }
+                None => compile(g)?,
+            };
+            self.plans.micro.insert(key.clone(), exe);
+        }
+        let loss = self.session.run(&self.plans.micro[&key], inputs)?[0].scalar();
+        self.progress.micro_step(inputs.first().and_then(|t| t.shape.first().copied()).unwrap_or(1));
+        Ok(loss)
+    }
+
+    /// Ends the open window: the optimizer once (normalised by the window's true counts),
+    /// then clear once. Does nothing on an empty window.
+    pub fn apply(&mut self) -> Result<()> {
+        if self.progress.micro == 0 {
+            return Ok(());
+        }
+        let scalars = self.opt.scalar_values(self.progress.updates);
+        match self.parallel.as_ref().map(|p| p.shard.is_some()) {
+            None => {
+                let scale = scale(self.net.normalization, self.progress.micro, self.progress.items as f64, 1, false);
+                self.run_optimizer(scale, &scalars)?;
+            }
+            Some(false) => self.apply_replicated(&scalars)?,
+            Some(true) => self.apply_sharded(&scalars)?,
+        }
+        self.progress.counters.optimizer_runs += 1;
+        self.progress.updates += 1;
+        // The fused kernel has already zeroed the accumulators.
+        self.clear_window(self.store.is_flat())
+    }
+
+    /// The optimizer over every parameter: one fused kernel on flat buffers, else the graph.
+    fn run_optimizer(&mut self, scale: f64, scalars: &[f64]) -> Result<()> {
+        match self.store.fused_update(scale, self.net.clip_global_norm, scalars) {
+            Some(launches) => self.progress.counters.fused_launches += launches? as u64,
+            None => {
+                self.session.run(&self.plans.optimizer, &optimizer_inputs(scale, scalars))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn clear_window(&mut self, cleared: bool) -> Result<()> {
+        if self.store.is_flat() {
+            if !cleared {
+                self.store.clear_flat(&mut self.session);
+            }
+        } else {
+            self.session.run(&self.plans.clear, &[])?;
+        }
+        self.progress.cleared();
+        Ok(())
+    }
+}

@@ -1,0 +1,249 @@
+//! The trained parameters' buffers: each trained parameter's value, its accumulator and each
+//! of its optimizer states, addressed by a typed [`Slot`] whose session name is worked out once;
+//! flat host copies of one kind of buffer (what crosses the ranks); and, on device backends,
+//! the flat buffers behind them.
+
+use burn_backend::tensor::FloatTensor;
+use cellgraph_cells::Optimizer;
+use cellgraph_compiler::{HostData, HostTensor, TensorType};
+
+use crate::backend::{HostVec, FLAT_ALIGN};
+use crate::error::{Result, RuntimeError};
+use crate::exec::Session;
+use crate::kernel::UpdateKernel;
+use crate::value::Value;
+use crate::Backend;
+
+/// Which of a trained parameter's buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Param,
+    Accu,
+    /// The optimizer's `i`-th state (`moments` for Momentum).
+    State(usize),
+}
+
+impl Kind {
+    fn index(self) -> usize {
+        match self {
+            Kind::Param => 0,
+            Kind::Accu => 1,
+            Kind::State(i) => 2 + i,
+        }
+    }
+}
+
+/// One buffer of one trained parameter (`param`: its place in flat-buffer order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Slot {
+    pub kind: Kind,
+    pub param: usize,
+}
+
+/// A trained parameter.
+#[derive(Clone, Debug)]
+struct Trained {
+    name: String,
+    shape: Vec<usize>,
+    len: usize,
+}
+
+/// Flat device buffers (see [`Backend::flat_buffers`]): every trained parameter, its
+/// accumulator and each of its optimizer states is a view of one buffer per kind, at an
+/// aligned offset, so a boundary is one fused kernel launch and a collective moves one buffer.
+struct Flat<B: Backend> {
+    /// The optimizer's update as the boundary kernel's program, and its literals.
+    prog: UpdateKernel,
+    literals: Vec<f32>,
+    /// Each trained parameter's offset, in flat-buffer order.
+    offsets: Vec<usize>,
+    len: usize,
+    /// One buffer per kind, in [`Kind::index`] order.
+    buffers: Vec<FloatTensor<B>>,
+}
+
+/// The trained parameters' buffers in a session.
+pub(crate) struct Store<B: Backend> {
+    params: Vec<Trained>,
+    /// `names[kind.index()][param]`: the session name of each slot.
+    names: Vec<Vec<String>>,
+    /// Each kind's initial value (what pads its flat buffer).
+    inits: Vec<f32>,
+    flat: Option<Flat<B>>,
+}
+
+impl<B: Backend> Store<B> {
+    /// The buffers of the parameters `(name, type)` trained with `opt`: accumulators named
+    /// `accumulator(name)`, state as the optimizer names it.
+    pub fn new(params: &[(String, TensorType)], accumulator: impl Fn(&str) -> String, opt: &dyn Optimizer) -> Self {
+        let specs: Vec<_> = params.iter().map(|(name, ty)| opt.state(name, ty)).collect();
+        let kinds = specs.first().map_or(0, Vec::len);
+        let mut names = vec![params.iter().map(|(n, _)| n.clone()).collect(), params.iter().map(|(n, _)| accumulator(n)).collect()];
+        names.extend((0..kinds).map(|k| specs.iter().map(|s| s[k].name.clone()).collect()));
+        let mut inits = vec![0.0, 0.0];
+        inits.extend(specs.first().into_iter().flatten().map(|s| s.init as f32));
+        let params = params.iter().map(|(name, ty)| Trained { name: name.clone(), shape: ty.dims().to_vec(), len: ty.numel() }).collect();
+        Store { params, names, inits, flat: None }
+    }
+
+    /// The session name of a slot.
+    pub fn name(&self, s: Slot) -> &str {
+        &self.names[s.kind.index()][s.param]
+    }
+
+    /// Every kind: the parameters, the accumulators, each optimizer state.
+    pub fn kinds(&self) -> impl Iterator<Item = Kind> {
+        [Kind::Param, Kind::Accu].into_iter().chain((0..self.names.len() - 2).map(Kind::State))
+    }
+
+    /// The slots of one kind, in flat-buffer order.
+    pub fn slots(&self, kind: Kind) -> impl Iterator<Item = Slot> {
+        (0..self.params.len()).map(move |param| Slot { kind, param })
+    }
+
+    /// The trained parameters' names, in flat-buffer order.
+    pub fn params(&self) -> impl Iterator<Item = &str> {
+        self.params.iter().map(|p| p.name.as_str())
+    }
+
+    /// Elements of one kind's flat buffer, unpadded.
+    pub fn total(&self) -> usize {
+        self.params.iter().map(|p| p.len).sum()
+    }
+
+    pub fn is_flat(&self) -> bool {
+        self.flat.is_some()
+    }
+
+    /// Splits a flat buffer of one kind into one tensor per trained parameter, shaped like it.
+    pub fn split<'a>(&'a self, flat: &'a [f32]) -> impl Iterator<Item = (usize, HostTensor)> + 'a {
+        self.params.iter().enumerate().scan(0, move |at, (i, p)| {
+            let t = HostTensor::f32(p.shape.clone(), flat[*at..*at + p.len].to_vec()).expect("sizes match");
+            *at += p.len;
+            Some((i, t))
+        })
+    }
+
+    /// One kind's buffers as one flat f32 buffer (from the device buffer when flat: one read).
+    pub fn gather(&self, session: &Session<B>, kind: Kind) -> Result<Vec<f32>> {
+        if let Some(f) = &self.flat {
+            let all = Value::<B>::Float(f.buffers[kind.index()].clone()).to_host().to_f32();
+            return Ok(self.params.iter().zip(&f.offsets).flat_map(|(p, &at)| all[at..at + p.len].iter().copied()).collect());
+        }
+        let mut out = Vec::with_capacity(self.total());
+        for s in self.slots(kind) {
+            let name = self.name(s);
+            let t = session.param(name).ok_or_else(|| RuntimeError::MissingParam(name.into()))?;
+            match &t.data {
+                HostData::F32(v) => out.extend_from_slice(v),
+                _ => return Err(RuntimeError::Comm(format!("data parallelism needs f32 values; `{name}` is {}", t.ty()))),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes a flat buffer (unpadded, in flat-buffer order) back into one kind's buffers.
+    pub fn scatter(&mut self, session: &mut Session<B>, kind: Kind, data: &[f32]) {
+        if self.flat.is_some() {
+            return self.upload(session, kind, data);
+        }
+        let parts: Vec<_> = self.split(data).collect();
+        for (param, t) in parts {
+            session.set_param(self.name(Slot { kind, param }), &t);
+        }
+    }
+
+    /// Moves every buffer into flat device buffers, when the backend keeps them so and the
+    /// optimizer's update fits the boundary kernel (re-packs them when already flat, after
+    /// values were set from the host).
+    pub fn enter_flat(&mut self, session: &mut Session<B>, opt: &dyn Optimizer) -> Result<()> {
+        if !B::flat_buffers() || self.params.is_empty() {
+            return Ok(());
+        }
+        let Some((prog, literals)) = UpdateKernel::new(&opt.update(), opt.scalar_inputs().len()) else {
+            return Ok(());
+        };
+        let literals = literals.iter().map(|&c| c as f32).collect();
+        let mut offsets = Vec::new();
+        let mut len = 0;
+        for p in &self.params {
+            offsets.push(len);
+            len += p.len.div_ceil(FLAT_ALIGN) * FLAT_ALIGN;
+        }
+        let mut buffers = Vec::new();
+        for kind in self.kinds() {
+            let mut v = vec![self.inits[kind.index()]; len];
+            for (s, &at) in self.slots(kind).zip(&offsets) {
+                let name = self.name(s);
+                let t = session.param(name).ok_or_else(|| RuntimeError::MissingParam(name.into()))?;
+                v[at..at + self.params[s.param].len].copy_from_slice(&t.to_f32());
+            }
+            buffers.push(B::from_host_vec(HostVec::F32(v), &[len], session.device()));
+        }
+        self.flat = Some(Flat { prog, literals, offsets, len, buffers });
+        for kind in self.kinds() {
+            self.bind_views(session, kind);
+        }
+        session.set_in_place_accumulation(true);
+        Ok(())
+    }
+
+    /// Back to one tensor per name (hsdp updates slices on the host).
+    pub fn leave_flat(&mut self, session: &mut Session<B>) {
+        if self.flat.take().is_none() {
+            return;
+        }
+        for kind in self.kinds() {
+            for s in self.slots(kind) {
+                let name = self.name(s);
+                if let Some(t) = session.param(name) {
+                    session.set_param(name, &t);
+                }
+            }
+        }
+        session.set_in_place_accumulation(false);
+    }
+
+    /// Points every slot of `kind` at its part of the flat buffer.
+    fn bind_views(&self, session: &mut Session<B>, kind: Kind) {
+        let Some(f) = &self.flat else { return };
+        for (s, &at) in self.slots(kind).zip(&f.offsets) {
+            let view = B::flat_view(&f.buffers[kind.index()], at, &self.params[s.param].shape).expect("flat offsets are aligned and in bounds");
+            session.set_value(self.name(s), Value::Float(view));
+        }
+    }
+
+    /// Replaces the flat buffer of `kind` by `data` (unpadded, in flat-buffer order).
+    fn upload(&mut self, session: &mut Session<B>, kind: Kind, data: &[f32]) {
+        let Some(f) = &mut self.flat else { return };
+        let mut v = vec![self.inits[kind.index()]; f.len];
+        let mut from = 0;
+        for (p, &at) in self.params.iter().zip(&f.offsets) {
+            v[at..at + p.len].copy_from_slice(&data[from..from + p.len]);
+            from += p.len;
+        }
+        f.buffers[kind.index()] = B::from_host_vec(HostVec::F32(v), &[f.len], session.device());
+        self.bind_views(session, kind);
+    }
+
+    /// Zeroes the accumulators of flat buffers.
+    pub fn clear_flat(&mut self, session: &mut Session<B>) {
+        let zeros = vec![0.0; self.total()];
+        self.upload(session, Kind::Accu, &zeros);
+    }
+
+    /// The boundary on flat buffers: one fused kernel updates every parameter from its
+    /// accumulator times `scale` (clipped by global norm when `clip` is given) and zeroes the
+    /// accumulators. Returns the kernels launched; `None` when the buffers are not flat.
+    pub fn fused_update(&self, scale: f64, clip: Option<f64>, scalars: &[f64]) -> Option<Result<usize>> {
+        let f = self.flat.as_ref()?;
+        let [params, accu, state @ ..] = &f.buffers[..] else { unreachable!("flat buffers hold parameters and accumulators") };
+        let mut scale = scale;
+        if clip.is_some() {
+            let sq = B::float_sum(B::float_mul(accu.clone(), accu.clone()));
+            scale = super::window::clipped(scale, Value::<B>::Float(sq).to_host().scalar(), clip);
+        }
+        let consts: Vec<f32> = scalars.iter().map(|&v| v as f32).chain(f.literals.iter().copied()).collect();
+        Some(B::fused_update(&f.prog, params, accu, state, scale as f32, &consts).ok_or_else(|| RuntimeError::Device("the backend keeps flat buffers but has no fused update kernel".into())))
+    }
+}

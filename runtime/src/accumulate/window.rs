@@ -1,0 +1,134 @@
+//! Where accumulation stands and what a window's end applies: the micro-batches and items of
+//! the open window, the updates applied and how often each graph ran (with the one table of
+//! the counters a checkpoint stores), the window's normalisation scale, and clipping by
+//! global norm where the host computes the norm.
+
+use cellgraph_cells::Normalization;
+
+/// How many times each graph ran.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub micro_steps: u64,
+    pub optimizer_runs: u64,
+    pub clear_runs: u64,
+    /// Collectives that carried gradients across ranks (one per applied update).
+    pub grad_collectives: u64,
+    /// Fused optimizer-and-clear kernel launches (device backends with flat buffers: one per
+    /// update, whatever the number of parameters).
+    pub fused_launches: u64,
+}
+
+/// The open window, the updates applied, and the run counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Progress {
+    /// Micro-batches accumulated in the open window.
+    pub micro: u64,
+    /// Items in those micro-batches.
+    pub items: u64,
+    /// Optimizer updates applied (the learning-rate schedule's step).
+    pub updates: u64,
+    pub counters: Counters,
+}
+
+/// A counter a checkpoint stores: its name (as `cellgraph.<name>`, an int64 scalar) and where
+/// it lives.
+type Checkpointed = (&'static str, fn(&mut Progress) -> &mut u64);
+
+/// Every counter a checkpoint stores, the one list that saving and restoring both read.
+const CHECKPOINTED: [Checkpointed; 6] = [
+    ("updates", |p| &mut p.updates),
+    ("window_micro", |p| &mut p.micro),
+    ("window_items", |p| &mut p.items),
+    ("micro_steps", |p| &mut p.counters.micro_steps),
+    ("optimizer_runs", |p| &mut p.counters.optimizer_runs),
+    ("clear_runs", |p| &mut p.counters.clear_runs),
+];
+
+impl Progress {
+    /// One micro-batch of `items` accumulated.
+    pub fn micro_step(&mut self, items: usize) {
+        self.counters.micro_steps += 1;
+        self.micro += 1;
+        self.items += items as u64;
+    }
+
+    /// The window closed (its update applied or dropped) and its accumulators cleared.
+    pub fn cleared(&mut self) {
+        self.counters.clear_runs += 1;
+        self.micro = 0;
+        self.items = 0;
+    }
+
+    /// `(cellgraph.<name>, value)` of every checkpointed counter.
+    pub fn saved(&self) -> Vec<(String, i64)> {
+        let mut p = *self;
+        CHECKPOINTED.iter().map(|(name, at)| (format!("cellgraph.{name}"), *at(&mut p) as i64)).collect()
+    }
+
+    /// Sets the checkpointed counter `name` (without the `cellgraph.` prefix); false when
+    /// there is none of that name.
+    pub fn restore(&mut self, name: &str, value: u64) -> bool {
+        match CHECKPOINTED.iter().find(|(n, _)| *n == name) {
+            Some((_, at)) => {
+                *at(self) = value;
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// The factor a window's summed gradients are multiplied by: `micro` micro-batches and
+/// `items` items counted over every rank, the gradients summed over `ranks` (averaged when
+/// `mean_over_ranks`).
+pub(crate) fn scale(normalization: Normalization, micro: u64, items: f64, ranks: usize, mean_over_ranks: bool) -> f64 {
+    let per_rank = if mean_over_ranks { 1.0 / ranks as f64 } else { 1.0 };
+    match normalization {
+        Normalization::Sum => per_rank,
+        Normalization::Mean => per_rank / micro as f64,
+        Normalization::ItemWeighted => 1.0 / items,
+    }
+}
+
+/// Clipping by global norm where the host computes the norm (flat device buffers, hsdp
+/// shards), as the optimizer graph's `clip_by_global_norm` does: the gradients are the
+/// accumulators times `scale`, whose squares sum to `scale^2 * sum_sq`; when their norm
+/// reaches `max`, the scale is multiplied by `max / norm`.
+pub(crate) fn clipped(scale: f64, sum_sq: f64, max: Option<f64>) -> f64 {
+    let Some(max) = max else { return scale };
+    let norm = scale * sum_sq.sqrt();
+    if norm >= max {
+        scale * max / norm
+    } else {
+        scale
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every checkpointed counter survives saving and restoring, by its own name.
+    #[test]
+    fn checkpointed_counters_round_trip() {
+        let mut p = Progress { micro: 3, items: 96, updates: 7, counters: Counters { micro_steps: 31, optimizer_runs: 7, clear_runs: 7, grad_collectives: 7, fused_launches: 0 } };
+        let saved = p.saved();
+        assert_eq!(saved.len(), 6);
+        assert!(saved.contains(&("cellgraph.window_items".into(), 96)));
+        let mut q = Progress::default();
+        for (name, v) in &saved {
+            assert!(q.restore(name.strip_prefix("cellgraph.").unwrap(), *v as u64), "{name}");
+        }
+        p.counters.grad_collectives = 0; // not checkpointed: a resumed run counts its own
+        assert_eq!(q, p);
+        assert!(!q.restore("epoch", 1), "the position is the model's");
+    }
+
+    #[test]
+    fn clipping_scales_down_only_at_or_past_the_norm() {
+        assert_eq!(clipped(0.5, 16.0, None), 0.5);
+        assert_eq!(clipped(0.5, 16.0, Some(3.0)), 0.5, "norm 2 < 3");
+        assert_eq!(clipped(0.5, 16.0, Some(2.0)), 0.5, "norm 2 reaches 2: factor 1");
+        assert_eq!(clipped(0.5, 16.0, Some(1.0)), 0.25, "norm 2 > 1: halved");
+    }
+}
