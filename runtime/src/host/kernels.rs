@@ -632,25 +632,35 @@ fn argmax_2x2<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32]) {
 #[inline(always)]
 fn pool_2x2<F: HostFloat>(g: &Geometry, plane: &[F], at: &mut [u32], y: &mut [F]) {
     let (w, ow) = (g.x[3], g.out[1]);
+    // Takes `v` over the best so far `b` as the general path does: when greater, or NaN.
+    let take = |v: F, b: F| v > b || v.is_nan();
     for (oy, (at, y)) in at.chunks_exact_mut(ow).zip(y.chunks_exact_mut(ow)).enumerate() {
         let top = 2 * oy * w;
         let (r0, r1) = (&plane[top..top + 2 * ow], &plane[top + w..top + w + 2 * ow]);
-        for (ox, (((a, y), p0), p1)) in at.iter_mut().zip(y.iter_mut()).zip(r0.chunks_exact(2)).zip(r1.chunks_exact(2)).enumerate() {
-            let (mut b, mut k) = (p0[0], 0u32);
-            for (v, code) in [(p0[1], 1u32), (p1[0], 2), (p1[1], 3)] {
-                let take = v > b || v.is_nan();
-                b = if take { v } else { b };
-                k = if take { code } else { k };
-            }
-            *y = b;
-            *a = (top + 2 * ox) as u32 + (k & 1) + (k >> 1) * w as u32;
+        let (at, y) = (&mut at[..ow], &mut y[..ow]);
+        for ox in 0..ow {
+            let (a, b, c, d) = (r0[2 * ox], r0[2 * ox + 1], r1[2 * ox], r1[2 * ox + 1]);
+            // Left to right along the top row, then the bottom row; `k` the winner's place.
+            let t1 = take(b, a);
+            let m1 = if t1 { b } else { a };
+            let k1 = t1 as u32;
+            let t2 = take(c, m1);
+            let m2 = if t2 { c } else { m1 };
+            let k2 = if t2 { w as u32 } else { k1 };
+            let t3 = take(d, m2);
+            y[ox] = if t3 { d } else { m2 };
+            at[ox] = (top + 2 * ox) as u32 + if t3 { w as u32 + 1 } else { k2 };
         }
     }
 }
 
-/// Planes per parallel task of a pooling kernel (about 64 Ki inputs each).
+/// Planes per parallel task of a pooling kernel: one task per thread, as long as each holds
+/// about 32 Ki inputs or more (planes are independent, so the cut never changes the bits).
 fn planes_per_task(g: &Geometry) -> usize {
-    ((64 << 10) / (g.x[2] * g.x[3]).max(1)).max(1)
+    let plane = (g.x[2] * g.x[3]).max(1);
+    let planes = g.x[0] * g.x[1];
+    let tasks = (planes * plane / (32 << 10)).clamp(1, rayon::current_num_threads());
+    planes.div_ceil(tasks).max(1)
 }
 
 /// The argmax of every max-pooling window over NCHW `x` into `at` (`[n, c, oh, ow]`; see
