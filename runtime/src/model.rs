@@ -201,12 +201,14 @@ impl<B: Backend> Model<B> {
             for cb in callbacks.iter_mut() {
                 cb.epoch_begin(&mut cx)?;
             }
-            // With more than one core, the epoch's batches are made on a thread of their own, up
-            // to PREFETCH ahead; when training stops or fails, the channel closes and that thread
-            // ends at its next batch. On one core they are made in turn with the steps.
+            // When the process has more than one thread for its kernels (rayon's pool), the
+            // epoch's batches are made on a thread of their own, up to PREFETCH ahead; when
+            // training stops or fails, the channel closes and that thread ends at its next batch.
+            // Otherwise (one core, or one thread per rank under mpirun, where a data thread per
+            // rank would only compete with the other ranks) they are made in turn with the steps.
             std::thread::scope(|s| -> Result<()> {
                 let skip = self.position.step;
-                let batches: Box<dyn Iterator<Item = Vec<HostTensor>>> = if std::thread::available_parallelism().map_or(1, |n| n.get()) > 1 {
+                let batches: Box<dyn Iterator<Item = Vec<HostTensor>>> = if rayon::current_num_threads() > 1 {
                     let (tx, rx) = std::sync::mpsc::sync_channel(PREFETCH);
                     s.spawn(move || {
                         for batch in dataset.batches(epoch, skip) {
