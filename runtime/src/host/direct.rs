@@ -78,6 +78,18 @@ fn zeros<F: Lanes, S: Simd>(s: S) -> Block<F, S> {
     F::splat(s, F::ZERO)
 }
 
+/// `acc[k][j] += w[k] * v[j]`: one rank-1 update of a register tile (a filter tap's weights
+/// against a row of input or gradient vectors).
+#[inline(always)]
+fn rank1<F: Lanes, S: Simd, const T: usize, const Q: usize>(s: S, acc: &mut [[Block<F, S>; Q]; T], w: &[F], v: &[Block<F, S>; Q]) {
+    for (a, &wk) in acc.iter_mut().zip(w) {
+        let wk = F::splat(s, wk);
+        for (a, &v) in a.iter_mut().zip(v) {
+            *a = F::fma(s, wk, v, *a);
+        }
+    }
+}
+
 /// The vector at `p`.
 ///
 /// # Safety
@@ -319,12 +331,7 @@ fn forward_tile<F: Lanes, S: Simd, const T: usize, const Q: usize>(s: S, gr: &Gr
                 // SAFETY: q0 + off + lanes <= span + off <= plane (checked by the caller).
                 *xv = unsafe { load::<F, S>(xc.add(q0 + off)) };
             }
-            for (a, &wk) in acc.iter_mut().zip(wt) {
-                let wk = F::splat(s, wk);
-                for (a, &xv) in a.iter_mut().zip(&xv) {
-                    *a = F::fma(s, wk, xv, *a);
-                }
-            }
+            rank1(s, &mut acc, wt, &xv);
         }
     }
     for (k, a) in acc.iter().enumerate() {
@@ -531,12 +538,7 @@ fn input_tile<F: Lanes, S: Simd, const T: usize, const Q: usize>(s: S, gr: &Grid
             // SAFETY: q0 + lanes <= padded, inside filter oo < o (checked by the caller).
             *d = unsafe { load::<F, S>(dy.add(oo * gr.padded + q0)) };
         }
-        for (a, &wk) in acc.iter_mut().zip(wt) {
-            let wk = F::splat(s, wk);
-            for (a, &d) in a.iter_mut().zip(&d) {
-                *a = F::fma(s, wk, d, *a);
-            }
-        }
+        rank1(s, &mut acc, wt, &d);
     }
     for (k, a) in acc.iter().enumerate() {
         for (&a, &q0) in a.iter().zip(&q) {
