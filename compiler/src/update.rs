@@ -120,17 +120,11 @@ impl Update {
     }
 
     /// Every value step `s` reads, in order.
-    pub fn reads(s: &Step) -> Vec<Val> {
+    fn reads(s: &Step) -> Vec<Val> {
         match *s {
             Step::Unary(_, x) | Step::Write(_, x) => vec![x],
             Step::Binary(_, a, b) => vec![a, b],
         }
-    }
-
-    /// The literals, in the order the steps read them (the device kernel reads them from a
-    /// buffer, after the scalar inputs).
-    pub fn literals(&self) -> Vec<f64> {
-        self.steps.iter().flat_map(Update::reads).filter_map(|v| if let Val::Lit(c) = v { Some(c) } else { None }).collect()
     }
 
     /// Checks the program against a rule with `states` state buffers and `scalars` scalar
@@ -309,15 +303,5 @@ mod tests {
         let mut u = Update::new();
         u.write(Target::Param, Val::Let(0));
         assert!(u.check(0, 0).unwrap_err().contains("not an earlier value"));
-    }
-
-    #[test]
-    fn literals_come_in_reading_order() {
-        let mut u = Update::new();
-        let a = u.scale(Val::Grad, 0.5);
-        let b = u.add(Val::Lit(2.0), a);
-        u.write(Target::State(0), Val::Lit(0.0));
-        u.write(Target::Param, b);
-        assert_eq!(u.literals(), vec![0.5, 2.0, 0.0]);
     }
 }

@@ -266,3 +266,33 @@ impl UpdateKernel {
         Some((UpdateKernel { steps }, lits))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn update_kernels_read_literals_after_the_scalars_in_reading_order() {
+        let mut u = Update::new();
+        let a = u.scale(Val::Grad, 0.5);
+        let b = u.add(Val::Lit(2.0), a);
+        u.write(Target::State(0), Val::Lit(0.0));
+        u.write(Target::Param, b);
+        let (k, lits) = UpdateKernel::new(&u, 1).expect("fits");
+        assert_eq!(lits, vec![0.5, 2.0, 0.0]);
+        use {KStep as S, KVal as V};
+        assert_eq!(
+            k.steps,
+            vec![
+                S::Binary(Binary::Mul, V::Grad, V::Const(1)),
+                S::Binary(Binary::Add, V::Const(2), V::Let(0)),
+                S::Write(Target::State(0), V::Const(3)),
+                S::Write(Target::Param, V::Let(1)),
+            ]
+        );
+        let mut u = Update::new();
+        let s = u.add(Val::State(2), Val::Grad);
+        u.write(Target::Param, s);
+        assert!(UpdateKernel::new(&u, 0).is_none(), "a third state buffer does not fit the kernel");
+    }
+}

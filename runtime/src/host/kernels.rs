@@ -544,16 +544,27 @@ fn filter_grad_chunks<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[
 pub const NO_ARGMAX: u32 = u32::MAX;
 
 /// For each output of a max pool over one plane, the flat index (within the plane) of the
-/// window's first largest input (a NaN wins), or [`NO_ARGMAX`]. `best` is scratch of `ow`.
+/// window's first largest input (a NaN wins), or [`NO_ARGMAX`]. `best` is
+/// scratch of the plane's outputs (`oh * ow`).
 fn argmax_windows<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32], best: &mut [F]) {
-    let inside = |a: usize| g.out[a] > 0 && (g.out[a] - 1) * g.stride[a] + (g.kernel[a] - 1) * g.dilation[a] < g.x[2 + a];
-    if g.pad == [0, 0] && inside(0) && inside(1) {
-        if g.kernel == [2, 2] && g.stride == [2, 2] && g.dilation == [1, 1] {
-            return argmax_2x2(g, plane, out);
-        }
+    if is_2x2(g) {
+        return argmax_2x2(g, plane, out, best);
+    }
+    if windows_inside(g) {
         return argmax_inside(g, plane, out, best);
     }
     argmax_general(g, plane, out)
+}
+
+/// No padding, and every window inside the plane.
+fn windows_inside(g: &Geometry) -> bool {
+    let inside = |a: usize| g.out[a] > 0 && (g.out[a] - 1) * g.stride[a] + (g.kernel[a] - 1) * g.dilation[a] < g.x[2 + a];
+    g.pad == [0, 0] && inside(0) && inside(1)
+}
+
+/// 2x2 windows at stride 2, all inside the plane: [`pool_2x2`]'s case.
+fn is_2x2(g: &Geometry) -> bool {
+    g.kernel == [2, 2] && g.stride == [2, 2] && g.dilation == [1, 1] && windows_inside(g)
 }
 
 /// [`argmax_windows`] for any window, padded or not.
@@ -618,12 +629,13 @@ fn argmax_inside<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32], best:
 }
 
 /// [`argmax_inside`] for 2x2 windows at stride 2 (LeNet's and most CNNs' pooling): the same
-/// four comparisons per output, in the same order, on two input rows at a time.
-fn argmax_2x2<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32]) {
-    let mut y = vec![F::ZERO; out.len()];
+/// four comparisons per output, in the same order, on two input rows at a time (the values go
+/// to `best`, scratch of at least the plane's outputs).
+fn argmax_2x2<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32], best: &mut [F]) {
+    let y = &mut best[..out.len()];
     vectorized(
         #[inline(always)]
-        || pool_2x2(g, plane, out, &mut y),
+        || pool_2x2(g, plane, out, y),
     )
 }
 
@@ -674,7 +686,7 @@ pub fn max_pool2d_argmax<F: HostFloat>(g: &Geometry, x: &[F], at: &mut [u32]) {
     let per = planes_per_task(g);
     let tasks: Vec<_> = at.chunks_mut(per * sp).enumerate().collect();
     each(tasks, |(k, at)| {
-        let mut best = vec![F::ZERO; g.out[1]];
+        let mut best = vec![F::ZERO; sp];
         for (p, at) in at.chunks_exact_mut(sp).enumerate() {
             let p = k * per + p;
             argmax_windows(g, &x[p * h * w..(p + 1) * h * w], at, &mut best);
@@ -688,8 +700,7 @@ pub fn max_pool2d<F: HostFloat>(g: &Geometry, x: &[F], at: &mut [u32], y: &mut [
     let [_, _, h, w] = g.x;
     let sp = g.spatial();
     assert_eq!(y.len(), at.len(), "output extents");
-    let fits = g.pad == [0, 0] && g.out[0] * 2 <= h && g.out[1] * 2 <= w;
-    if fits && g.kernel == [2, 2] && g.stride == [2, 2] && g.dilation == [1, 1] && sp > 0 {
+    if is_2x2(g) {
         let per = planes_per_task(g);
         let tasks: Vec<_> = at.chunks_mut(per * sp).zip(y.chunks_mut(per * sp)).enumerate().collect();
         return each(tasks, |(k, (at, y))| {
@@ -1012,7 +1023,7 @@ pub(crate) mod tests {
             assert_eq!(fast, general, "kernel {kernel:?} stride {stride:?} dilation {dilation:?}");
             if kernel == [2, 2] && stride == [2, 2] && dilation == [1, 1] {
                 let mut two = vec![0; out[0] * out[1]];
-                argmax_2x2(&g, &plane, &mut two);
+                argmax_2x2(&g, &plane, &mut two, &mut vec![0.0; out[0] * out[1]]);
                 assert_eq!(two, general, "the 2x2 path");
                 // The one-pass pooling writes the same indices and each window's value, with
                 // vector instructions and without.
