@@ -53,6 +53,16 @@ impl<B: crate::Backend> Value<B> {
         }
     }
 
+    /// [`Self::from_host`], taking the host memory instead of copying it (floats and ints).
+    pub fn from_host_owned(t: HostTensor, device: &Device<B>) -> Self {
+        let shape = crate::backend::bshape(&t.shape);
+        match t.data {
+            HostData::F32(v) => Value::Float(B::float_from_data(TensorData::new(v, shape).convert::<B::FloatElem>(), device)),
+            HostData::F64(v) => Value::Float(B::float_from_data(TensorData::new(v, shape).convert::<B::FloatElem>(), device)),
+            _ => Self::from_host(&t, device),
+        }
+    }
+
     /// Copies the value back to the host. Floats come back as f64 when the backend computes in f64.
     pub fn to_host(&self) -> HostTensor {
         let (data, shape) = match self {

@@ -7,7 +7,7 @@ use burn_backend::tensor::FloatTensor;
 use cellgraph_cells::Optimizer;
 use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
-use crate::backend::{HostVec, FLAT_ALIGN};
+use crate::backend::{HostSlice, HostVec, FLAT_ALIGN};
 use crate::error::{Result, RuntimeError};
 use crate::exec::Session;
 use crate::kernel::UpdateKernel;
@@ -126,30 +126,59 @@ impl<B: Backend> Store<B> {
 
     /// One kind's buffers as one flat f32 buffer (from the device buffer when flat: one read).
     pub fn gather(&self, session: &Session<B>, kind: Kind) -> Result<Vec<f32>> {
-        if let Some(f) = &self.flat {
-            let all = Value::<B>::Float(f.buffers[kind.index()].clone()).to_host().to_f32();
-            return Ok(self.params.iter().zip(&f.offsets).flat_map(|(p, &at)| all[at..at + p.len].iter().copied()).collect());
-        }
-        let mut out = Vec::with_capacity(self.total());
-        for s in self.slots(kind) {
-            let name = self.name(s);
-            let t = session.param(name).ok_or_else(|| RuntimeError::MissingParam(name.into()))?;
-            match &t.data {
-                HostData::F32(v) => out.extend_from_slice(v),
-                _ => return Err(RuntimeError::Comm(format!("data parallelism needs f32 values; `{name}` is {}", t.ty()))),
+        self.gather_range(session, kind, 0, self.total())
+    }
+
+    /// Elements `lo..lo + len` of one kind's flat buffer (unpadded order), zeros past its end:
+    /// on host backends one copy, straight out of the session's memory.
+    pub fn gather_range(&self, session: &Session<B>, kind: Kind, lo: usize, len: usize) -> Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(len);
+        let all = match &self.flat {
+            Some(f) => Some(Value::<B>::Float(f.buffers[kind.index()].clone()).to_host().to_f32()),
+            None => None,
+        };
+        let mut at = 0;
+        for (s, p) in self.slots(kind).zip(&self.params) {
+            let (a, b) = (lo.max(at), (lo + len).min(at + p.len));
+            if a < b {
+                let part = a - at..b - at;
+                match (&all, &self.flat) {
+                    (Some(all), Some(f)) => out.extend_from_slice(&all[f.offsets[s.param]..][part]),
+                    _ => {
+                        let name = self.name(s);
+                        let v = session.value(name).ok_or_else(|| RuntimeError::MissingParam(name.into()))?;
+                        let not_f32 = || RuntimeError::Comm(format!("data parallelism needs f32 values; `{name}` is held in another type (use the f32 CPU backend or a device)"));
+                        match v {
+                            Value::Float(t) => match B::host_slice(t) {
+                                Some(HostSlice::F32(h)) => out.extend_from_slice(&h[part]),
+                                Some(HostSlice::F64(_)) => return Err(not_f32()),
+                                None => match &v.to_host().data {
+                                    HostData::F32(h) => out.extend_from_slice(&h[part]),
+                                    _ => return Err(not_f32()),
+                                },
+                            },
+                            _ => return Err(not_f32()),
+                        }
+                    }
+                }
             }
+            at += p.len;
         }
+        out.resize(len, 0.0);
         Ok(out)
     }
 
-    /// Writes a flat buffer (unpadded, in flat-buffer order) back into one kind's buffers.
+    /// Sets one kind's buffers from a flat f32 buffer (into the device buffer when flat).
     pub fn scatter(&mut self, session: &mut Session<B>, kind: Kind, data: &[f32]) {
         if self.flat.is_some() {
             return self.upload(session, kind, data);
         }
-        let parts: Vec<_> = self.split(data).collect();
-        for (param, t) in parts {
-            session.set_param(self.name(Slot { kind, param }), &t);
+        let mut at = 0;
+        for (s, p) in self.slots(kind).zip(&self.params) {
+            let t = HostTensor::f32(p.shape.clone(), data[at..at + p.len].to_vec()).expect("sizes match");
+            at += p.len;
+            let v = Value::from_host_owned(t, session.device());
+            session.set_value(self.name(s), v);
         }
     }
 

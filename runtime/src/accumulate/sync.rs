@@ -16,6 +16,7 @@ use super::{optimizer_inputs, Accumulator};
 use crate::comm::Communicator;
 use crate::error::Result;
 use crate::exec::{compile, Executable};
+use crate::value::Value;
 use crate::Backend;
 
 /// The name the hsdp shard's parameter takes in the session.
@@ -106,17 +107,20 @@ impl<B: Backend> Accumulator<B> {
     /// global item count); it updates that slice of the parameters and of the optimizer
     /// state; one all-gather brings every rank the whole updated parameters.
     pub(super) fn apply_sharded(&mut self, scalars: &[f64]) -> Result<()> {
-        let grads = self.store.gather(&self.session, Kind::Accu)?;
-        let params = self.store.gather(&self.session, Kind::Param)?;
         let p = self.parallel.as_ref().expect("parallel");
         let (comm, mean) = (p.comm.clone(), p.gradients_mean);
         let len = p.shard.as_ref().expect("sharded").len;
-        let (size, rank, total) = (comm.size(), comm.rank(), grads.len());
+        let (size, rank, total) = (comm.size(), comm.rank(), self.store.total());
+        // Each rank's slice of the gradients, then the window's item count.
+        let grads = self.store.gather(&self.session, Kind::Accu)?;
         let mut send = Vec::with_capacity(size * (len + 1));
         for r in 0..size {
-            send.extend(shard_of(&grads, r, len, 0.0));
+            let part = &grads[(r * len).min(total)..((r + 1) * len).min(total)];
+            send.extend_from_slice(part);
+            send.resize(send.len() + len - part.len(), 0.0);
             send.push(self.progress.items as f32);
         }
+        drop(grads);
         let mut mine = vec![0.0f32; len + 1];
         comm.reduce_scatter_sum(&send, &mut mine);
         self.progress.counters.grad_collectives += 1;
@@ -127,8 +131,10 @@ impl<B: Backend> Accumulator<B> {
             comm.all_reduce_sum(&mut sq);
             scale = clipped(scale, sq[0] as f64, self.net.clip_global_norm);
         }
-        self.session.set_param(SHARD, &HostTensor::f32(vec![len], shard_of(&params, rank, len, 0.0)).expect("len"));
-        self.session.set_param(&super::accumulator_name(SHARD), &HostTensor::f32(vec![len], mine).expect("len"));
+        let params = self.store.gather_range(&self.session, Kind::Param, rank * len, len)?;
+        let device = self.session.device().clone();
+        self.session.set_value(SHARD, Value::from_host_owned(HostTensor::f32(vec![len], params).expect("len"), &device));
+        self.session.set_value(&super::accumulator_name(SHARD), Value::from_host_owned(HostTensor::f32(vec![len], mine).expect("len"), &device));
         let shard = self.parallel.as_ref().and_then(|p| p.shard.as_ref()).expect("sharded");
         self.session.run(&shard.optimizer, &optimizer_inputs(scale, scalars))?;
         let updated = self.session.param(SHARD).expect("written by the optimizer").to_f32();
