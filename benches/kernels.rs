@@ -46,8 +46,8 @@ fn main() {
         let g = Geometry { x: [n, c, hw, hw], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [oh, oh] };
         let (x, w, dy) = (data(n * c * hw * hw), data(o * c * 25), data(n * o * oh * oh));
         let flops = 2.0 * (n * o * oh * oh * c * 25) as f64;
-        row(&format!("{name} forward, im2col+GEMM"), timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y)), flops);
-        row(&format!("{name} forward, direct"), timed(dy.len(), |y| direct::forward(&g, &x, &w, o, y)), flops);
+        row(&format!("{name} forward, im2col+GEMM"), timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y, None)), flops);
+        row(&format!("{name} forward, direct"), timed(dy.len(), |y| direct::forward(&g, &x, &w, o, y, None)), flops);
         row(&format!("{name} filter grad, im2col+GEMM"), timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw)), flops);
         row(&format!("{name} filter grad, direct"), timed(w.len(), |dw| direct::filter_grad(&g, &dy, &x, o, dw)), flops);
         row(&format!("{name} input grad, im2col+GEMM"), timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx)), flops);
@@ -58,7 +58,7 @@ fn main() {
         let (x, dy) = (data(n * c * hw * hw), data(n * c * hw * hw / 4));
         let mut at = vec![0u32; dy.len()];
         row(&format!("{name} max pool"), timed(dy.len(), |y| kernels::max_pool2d(&g, &x, &mut at, y)), 0.0);
-        row(&format!("{name} max pool grad (kept argmax)"), timed(x.len(), |dx| kernels::max_pool2d_grad(&g, &at, &dy, dx)), 0.0);
+        row(&format!("{name} max pool grad (kept argmax)"), timed(x.len(), |dx| kernels::max_pool2d_grad(&g, &at, &dy, dx, None)), 0.0);
     }
     for (name, m, k, nn) in [("fc1 32x400 @ 400x120^T", 32usize, 400usize, 120usize), ("fc1 grad 120x32^T @ 32x400", 120, 32, 400)] {
         let (a, b) = (data(m * k), data(k * nn));

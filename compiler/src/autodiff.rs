@@ -232,7 +232,8 @@ pub fn vjp(e: &mut Emit, op: &Op, xs: &[NodeId], y: NodeId, g: NodeId) -> Result
             | Op::AvgPool2dGrad(_)
             | Op::Assign
             | Op::AssignAdd
-            | Op::Fused { .. } => return Ok(None),
+            | Op::Fused { .. }
+            | Op::Epilogue { .. } => return Ok(None),
     }))
 }
 

@@ -2,17 +2,31 @@
 //! bytes of parameters a graph reads. `cellgraph inspect` reports them.
 
 use crate::graph::{Graph, NodeId};
-use crate::expr::{Term, Unary};
+use crate::expr::{Expr, Term, Unary};
 use crate::op::Op;
+use crate::types::TensorType;
 
 /// Estimated floating-point operations of one node.
 pub fn node_flops(g: &Graph, id: NodeId) -> u64 {
-    let n = g.node(id);
-    let out = n.ty.numel() as u64;
-    let arg = |i: usize| g.ty(g.operands(id)[i]).clone();
+    let args: Vec<&TensorType> = g.operands(id).into_iter().map(|o| g.ty(o)).collect();
+    op_flops(&g.node(id).op, &g.node(id).ty, &args)
+}
+
+/// Estimated floating-point operations of `op` producing `out` from operands of types `args`.
+fn op_flops(op: &Op, out_ty: &TensorType, args: &[&TensorType]) -> u64 {
+    let out = out_ty.numel() as u64;
+    let arg = |i: usize| args[i];
     // Multiply-adds of a convolution producing `y` from `x`-shaped input with `w`'s window.
     let conv = |y: &[usize], w: &[usize]| 2 * y.iter().product::<usize>() as u64 * (w[1] * w[2] * w[3]) as u64;
-    match &n.op {
+    let program = |expr: &Expr| {
+        let weight = |t: &Term| match t {
+            Term::Unary(Unary::Exp | Unary::Log) => 4,
+            Term::Unary(_) | Term::Binary(_) => 1,
+            Term::Arg(_) | Term::Lit(_) => 0,
+        };
+        out * expr.terms().iter().map(weight).sum::<u64>()
+    };
+    match op {
         Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => 0,
         Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Pad { .. } => 0,
         Op::Concat { .. } | Op::Flatten | Op::Cast { .. } | Op::ZerosLike | Op::Assign => 0,
@@ -27,19 +41,13 @@ pub fn node_flops(g: &Graph, id: NodeId) -> u64 {
             2 * out * k as u64
         }
         Op::SoftmaxCrossEntropy { .. } | Op::SoftmaxCrossEntropyGrad { .. } => 6 * arg(0).numel() as u64,
-        Op::Conv2d(_) => conv(n.ty.dims(), arg(1).dims()),
+        Op::Conv2d(_) => conv(out_ty.dims(), arg(1).dims()),
         Op::Conv2dBackpropInput { .. } => conv(arg(0).dims(), arg(1).dims()),
         Op::Conv2dBackpropFilter { filter_shape, .. } => conv(arg(0).dims(), &filter_shape.0),
         Op::MaxPool2d(p) | Op::AvgPool2d(p) => out * (p.kernel[0] * p.kernel[1]) as u64,
         Op::MaxPool2dGrad(p) | Op::AvgPool2dGrad(p) => arg(1).numel() as u64 * (p.kernel[0] * p.kernel[1]) as u64,
-        Op::Fused { expr } => {
-            let weight = |t: &Term| match t {
-                Term::Unary(Unary::Exp | Unary::Log) => 4,
-                Term::Unary(_) | Term::Binary(_) => 1,
-                Term::Arg(_) | Term::Lit(_) => 0,
-            };
-            out * expr.terms().iter().map(weight).sum::<u64>()
-        }
+        Op::Fused { expr } => program(expr),
+        Op::Epilogue { head, expr } => op_flops(head, out_ty, &args[..head.arity().min()]) + program(expr),
     }
 }
 

@@ -272,5 +272,18 @@ pub fn infer(op: &Op, xs: &[&TensorType]) -> Result<TensorType, String> {
             Ok(xs[0].clone())
         }
         Op::Fused { expr } => expr.infer(xs),
+        Op::Epilogue { head, expr } => {
+            if !head.takes_epilogue() {
+                return Err(format!("`{}` cannot head an epilogue", head.name()));
+            }
+            let (hs, rest) = xs.split_at(head.arity().min().min(xs.len()));
+            let y = infer(head, hs).map_err(|e| format!("head `{}`: {e}", head.name()))?;
+            let ys: Vec<&TensorType> = std::iter::once(&y).chain(rest.iter().copied()).collect();
+            let t = expr.infer(&ys)?;
+            if t != y {
+                return Err(format!("the epilogue gives {t}, not its head's {y}"));
+            }
+            Ok(t)
+        }
     }
 }

@@ -135,6 +135,12 @@ pub enum Op {
     /// Elementwise ops fused into one node by [`crate::passes::fuse`]: `expr` runs per output
     /// element over the operands (broadcast numpy-style). Formed after differentiation.
     Fused { expr: Expr },
+    /// An op with elementwise ops fused onto its output, by [`crate::passes::epilogue`]: `head`
+    /// runs on the first operands (as many as it takes), then `expr` per output element, `$0`
+    /// reading the head's result and `$1, $2, ...` the operands after the head's. The result
+    /// keeps the head's type. Kernels apply the program to each part of the output as the
+    /// head finishes it, while it is still in cache. Formed after differentiation.
+    Epilogue { head: Box<Op>, expr: Expr },
 }
 
 /// A printed attribute value.
@@ -184,6 +190,12 @@ impl Arity {
         match self {
             Arity::Exactly(k) => n == k,
             Arity::AtLeast(k) => n >= k,
+        }
+    }
+    /// The fewest operands accepted.
+    pub fn min(self) -> usize {
+        match self {
+            Arity::Exactly(k) | Arity::AtLeast(k) => k,
         }
     }
 }
@@ -262,6 +274,21 @@ impl Op {
             Op::Assign => "assign",
             Op::AssignAdd => "assign_add",
             Op::Fused { .. } => "fused",
+            Op::Epilogue { .. } => "epilogue",
+        }
+    }
+
+    /// The name profiles and error messages give a node: [`Self::name`], or for an epilogue
+    /// its head's name and `+epilogue`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Op::Epilogue { head, .. } => match **head {
+                Op::MatMul { .. } => "matmul+epilogue",
+                Op::Conv2d(_) => "conv2d+epilogue",
+                Op::MaxPool2dGrad(_) => "max_pool2d_grad+epilogue",
+                _ => "epilogue",
+            },
+            op => op.name(),
         }
     }
 
@@ -283,7 +310,15 @@ impl Op {
             Op::MaxPool2dGrad(_) | Op::AvgPool2dGrad(_) | Op::Assign | Op::AssignAdd => Exactly(2),
             Op::ReduceMaxGrad(_) | Op::SoftmaxCrossEntropyGrad { .. } => Exactly(3),
             Op::Concat { .. } | Op::Fused { .. } => Arity::AtLeast(1),
+            Op::Epilogue { head, .. } => Arity::AtLeast(head.arity().min()),
         }
+    }
+
+    /// True for the ops an [`Op::Epilogue`] may have as its head: ops of a fixed arity whose
+    /// host kernels hand their output over in parts (matrix products, convolutions, max
+    /// pooling's gradient).
+    pub fn takes_epilogue(&self) -> bool {
+        matches!(self, Op::MatMul { .. } | Op::Conv2d(_) | Op::MaxPool2dGrad(_))
     }
 
     /// True for ops without operands whose type is given, not inferred.
@@ -314,6 +349,12 @@ impl Op {
             Op::Pad { lo, hi } => vec![("hi", ints(hi)), ("lo", ints(lo))],
             Op::Concat { axis } => vec![("axis", Attr::Int(*axis as i64))],
             Op::Fused { expr } => vec![("expr", Attr::Str(expr.to_string()))],
+            Op::Epilogue { head, expr } => {
+                let mut v = head.attrs();
+                v.push(("expr", Attr::Str(expr.to_string())));
+                v.push(("head", Attr::Sym(head.name().into())));
+                v
+            }
             Op::ReduceSum(r) | Op::ReduceMean(r) | Op::ReduceMax(r) | Op::ReduceMaxGrad(r) => {
                 vec![("axes", ints(&r.axes)), ("keep_dims", Attr::Bool(r.keep_dims))]
             }
@@ -405,6 +446,15 @@ impl Op {
             "assign" => Op::Assign,
             "assign_add" => Op::AssignAdd,
             "fused" => Op::Fused { expr: a.str("expr")?.parse().map_err(|e| format!("attribute `expr`: {e}"))? },
+            "epilogue" => {
+                let expr = a.str("expr")?.parse().map_err(|e| format!("attribute `expr`: {e}"))?;
+                let name = a.sym("head")?;
+                let head = Op::from_parts(&name, std::mem::take(&mut a.attrs)).map_err(|e| format!("head `{name}`: {e}"))?;
+                if !head.takes_epilogue() {
+                    return Err(format!("`{name}` cannot head an epilogue (matmul, conv2d and max_pool2d_grad can)"));
+                }
+                Op::Epilogue { head: Box::new(head), expr }
+            }
             other => return Err(format!("unknown op `{other}`")),
         };
         match a.attrs.keys().next() {
@@ -518,6 +568,7 @@ impl Op {
     pub fn examples() -> Vec<Op> {
         let conv = Conv2dAttrs { stride: [2, 1], pad_mode: PadMode::Pad, pad: [1, 0, 2, 1], dilation: [1, 2], groups: 1 };
         let pool = Pool2dAttrs { kernel: [2, 3], stride: [2, 2], pad_mode: PadMode::Same, pad: [0; 4] };
+        let pool_e = pool.clone();
         let r = ReduceAttrs { axes: vec![0, 2], keep_dims: true };
         vec![
             Op::Parameter { name: "fc1.weight".into() },
@@ -561,6 +612,7 @@ impl Op {
             Op::GreaterEqual,
             Op::Select,
             Op::Fused { expr: "$0 $1 add relu".parse().expect("a well-formed program") },
+            Op::Epilogue { head: Box::new(Op::MaxPool2dGrad(pool_e)), expr: "$0 $1 relu_grad".parse().expect("a well-formed program") },
         ]
     }
 
@@ -608,11 +660,12 @@ impl Op {
             Op::GreaterEqual => 38,
             Op::Select => 39,
             Op::Fused { .. } => 40,
+            Op::Epilogue { .. } => 41,
         }
     }
 
     /// Number of op variants.
-    pub const COUNT: usize = 41;
+    pub const COUNT: usize = 42;
 }
 
 #[cfg(test)]
@@ -639,5 +692,8 @@ mod tests {
         let extra = BTreeMap::from([("axis".to_string(), Attr::Int(1))]);
         assert!(Op::from_parts("add", extra).unwrap_err().contains("has no attribute `axis`"));
         assert!(Op::from_parts("concat", BTreeMap::new()).unwrap_err().contains("missing attribute `axis`"));
+        let head = |name: &str| BTreeMap::from([("head".to_string(), Attr::Sym(name.into())), ("expr".to_string(), Attr::Str("$0 relu".into()))]);
+        assert!(Op::from_parts("epilogue", head("relu")).unwrap_err().contains("`relu` cannot head an epilogue"));
+        assert!(Op::from_parts("epilogue", head("matmul")).unwrap_err().contains("head `matmul`: missing attribute"));
     }
 }

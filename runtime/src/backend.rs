@@ -4,7 +4,7 @@
 
 use std::borrow::Cow;
 
-use burn_backend::tensor::{Device, FloatTensor};
+use burn_backend::tensor::{Device, FloatTensor, IntTensor};
 use burn_backend::{Shape as BShape, TensorData};
 use burn_ndarray::{FloatNdArrayElement, NdArray, NdArrayTensor};
 use cellgraph_compiler::TensorType;
@@ -45,6 +45,12 @@ pub trait Backend: burn_backend::Backend {
     /// The tensor's contents when the backend keeps them in host memory (no copy when the
     /// layout is already row-major); `None` for device backends.
     fn host_slice(_t: &FloatTensor<Self>) -> Option<HostSlice<'_>> {
+        None
+    }
+
+    /// An integer tensor's contents when the backend keeps them in host memory (class labels
+    /// for the host loss kernels); `None` for device backends.
+    fn host_ints(_t: &IntTensor<Self>) -> Option<Cow<'_, [i64]>> {
         None
     }
 
@@ -122,6 +128,25 @@ where
         match t {
             NdArrayTensor::F32(s) => Some(HostSlice::F32(cow(s.view()))),
             NdArrayTensor::F64(s) => Some(HostSlice::F64(cow(s.view()))),
+            _ => None,
+        }
+    }
+
+    fn host_ints(t: &NdArrayTensor) -> Option<Cow<'_, [i64]>> {
+        fn wide<T: Copy + Into<i64>>(v: ndarray::ArrayViewD<'_, T>) -> Cow<'static, [i64]> {
+            Cow::Owned(v.iter().map(|&x| x.into()).collect())
+        }
+        match t {
+            NdArrayTensor::I64(s) => Some(match s.view().to_slice() {
+                Some(v) => Cow::Borrowed(v),
+                None => Cow::Owned(s.view().iter().copied().collect()),
+            }),
+            NdArrayTensor::I32(s) => Some(wide(s.view())),
+            NdArrayTensor::I16(s) => Some(wide(s.view())),
+            NdArrayTensor::I8(s) => Some(wide(s.view())),
+            NdArrayTensor::U32(s) => Some(wide(s.view())),
+            NdArrayTensor::U16(s) => Some(wide(s.view())),
+            NdArrayTensor::U8(s) => Some(wide(s.view())),
             _ => None,
         }
     }

@@ -149,24 +149,38 @@ fn arena_sizes(graph: &Graph, steps: &[Step]) -> Vec<(usize, usize)> {
     most.into_iter().collect()
 }
 
-/// Pairs each max pool with the gradients of it scheduled after it (same input, same window):
-/// the forward keeps its argmax in a [`Kept`] slot and they route by it instead of searching
-/// the windows again.
+/// Pairs each max pool with the gradients of it scheduled after it (same input, same window;
+/// a gradient heading an epilogue too): the forward keeps its argmax in a [`Kept`] slot and
+/// they route by it instead of searching the windows again.
 fn keep_pool_argmax(steps: &mut [Step]) {
+    /// The pooling window of a max pool's gradient, alone or heading an epilogue.
+    fn pool_grad(op: &Op) -> Option<&cellgraph_compiler::Pool2dAttrs> {
+        match op {
+            Op::MaxPool2dGrad(q) => Some(q),
+            Op::Epilogue { head, .. } => pool_grad(head),
+            _ => None,
+        }
+    }
+    /// Where a bound pool gradient keeps the slot it routes by.
+    fn kept_slot(k: &mut Native) -> Option<&mut Option<usize>> {
+        match k {
+            Native::MaxPoolGrad { kept, .. } => Some(kept),
+            Native::Epilogue { head, .. } => kept_slot(head),
+            _ => None,
+        }
+    }
     let mut slots = 0;
     for i in 0..steps.len() {
         let Op::MaxPool2d(p) = &steps[i].op else { continue };
         let x = steps[i].args[0].0;
-        let grads: Vec<usize> = (i + 1..steps.len())
-            .filter(|&j| matches!(&steps[j].op, Op::MaxPool2dGrad(q) if q == p) && steps[j].args[0].0 == x)
-            .collect();
+        let grads: Vec<usize> = (i + 1..steps.len()).filter(|&j| pool_grad(&steps[j].op) == Some(p) && steps[j].args[0].0 == x).collect();
         if grads.is_empty() {
             continue;
         }
         if let Some(Native::MaxPool { keep, .. }) = &mut steps[i].kernel {
             *keep = Some(slots);
             for j in grads {
-                if let Some(Native::MaxPoolGrad { kept, .. }) = &mut steps[j].kernel {
+                if let Some(kept) = steps[j].kernel.as_mut().and_then(kept_slot) {
                     *kept = Some(slots);
                 }
             }
@@ -269,12 +283,21 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
 /// kernels otherwise; `None` when it does not apply (a non-float operand, a dtype the kernels
 /// lack), and burn's ops run the step instead.
 fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &TensorType, device: &Device<B>, kept: &mut Kept, arena: &mut Arena) -> Option<burn_backend::tensor::FloatTensor<B>> {
-    let floats: Vec<_> = args.iter().map(|(v, _)| if let Value::Float(t) = v { Some(t) } else { None }).collect::<Option<_>>()?;
+    let (mut floats, mut ints) = (Vec::new(), Vec::new());
+    for (v, _) in args {
+        match v {
+            Value::Float(t) => floats.push(t),
+            Value::Int(t) => ints.push(t),
+            Value::Bool(_) => return None,
+        }
+    }
     let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
     if B::HOST {
-        crate::host::run_host::<B>(k, &floats, &tys, out, device, kept, arena)
-    } else {
+        crate::host::run_host::<B>(k, &floats, &ints, &tys, out, device, kept, arena)
+    } else if ints.is_empty() {
         B::device_kernel(k, &floats, out)
+    } else {
+        None
     }
 }
 
@@ -480,7 +503,7 @@ impl<B: Backend> Session<B> {
                             (v.expect("operands are computed before use"), ty)
                         })
                         .collect();
-                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.name(), in_place: self.in_place };
+                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.label(), in_place: self.in_place };
                     let t0 = self.profile.is_some().then(std::time::Instant::now);
                     let v = if takes_first && reshape {
                         let Ok([(x, ty)]) = <[_; 1]>::try_from(args) else { unreachable!("a reshape's arity is checked by the verifier") };
@@ -502,14 +525,27 @@ impl<B: Backend> Session<B> {
                             (acc, g) => eval(&cx, op, vec![(acc, tys.0), (g, tys.1)], &step.ty)?,
                         }
                     } else {
-                        let bound = step.kernel.as_ref().filter(|_| self.native).and_then(|k| run_bound(k, &args, &step.ty, &self.device, &mut self.kept, &mut self.arena));
-                        match bound {
+                        let kernel = step.kernel.as_ref().filter(|_| self.native);
+                        match kernel.and_then(|k| run_bound(k, &args, &step.ty, &self.device, &mut self.kept, &mut self.arena)) {
                             Some(t) => Value::Float(t),
-                            None => eval(&cx, op, args, &step.ty)?,
+                            None => match (op, kernel) {
+                                // On device backends: the head on its bound kernel, the program on burn's ops.
+                                (Op::Epilogue { head, expr }, Some(Native::Epilogue { head: k, .. })) => {
+                                    let mut args = args;
+                                    let rest = args.split_off(head.arity().min());
+                                    let y = match run_bound(k, &args, &step.ty, &self.device, &mut self.kept, &mut self.arena) {
+                                        Some(t) => Value::Float(t),
+                                        None => eval(&cx, head, args, &step.ty)?,
+                                    };
+                                    let args = std::iter::once((y, &step.ty)).chain(rest).collect();
+                                    eval(&cx, &Op::Fused { expr: expr.clone() }, args, &step.ty)?
+                                }
+                                _ => eval(&cx, op, args, &step.ty)?,
+                            },
                         }
                     };
                     if let (Some(p), Some(t0)) = (self.profile.as_mut(), t0) {
-                        let e = p.entry(op.name()).or_insert((0, 0.0));
+                        let e = p.entry(op.label()).or_insert((0, 0.0));
                         e.0 += 1;
                         e.1 += t0.elapsed().as_secs_f64();
                     }

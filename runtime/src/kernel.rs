@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use cellgraph_compiler::expr::{Binary, Expr, Term, Unary};
 use cellgraph_compiler::update::{Step, Target, Update, Val};
-use cellgraph_compiler::infer::broadcast_shapes;
-use cellgraph_compiler::{window, Op, TensorType};
+use cellgraph_compiler::infer::{broadcast_shapes, infer};
+use cellgraph_compiler::{window, Op, Reduction, TensorType};
 
 /// The geometry of one 2-D convolution (or pooling window) over NCHW input.
 #[derive(Clone, Copy, Debug)]
@@ -85,6 +85,14 @@ pub enum Native {
     /// The sum over the rows of a `[rows, cols]` matrix (`reduce_sum` over axis 0, `cols` > 1:
     /// a bias gradient).
     SumRows { cols: usize },
+    /// Softmax cross-entropy over `[n, c]` logits with class-id labels, reduced by
+    /// `reduction` `(logits, labels)`, or (`grad`) its gradient w.r.t. the logits
+    /// `(logits, labels, dloss)`.
+    SoftmaxCrossEntropy { c: usize, reduction: Reduction, grad: bool },
+    /// An `epilogue` node: `head` on the first operands, then `post` over its output in place
+    /// (`post`'s operand 0 is the head's output, the others the node's operands after the
+    /// head's).
+    Epilogue { head: Box<Native>, post: Arc<Elementwise> },
 }
 
 /// A fused elementwise program bound to its operands' extents.
@@ -135,10 +143,10 @@ impl Read {
     }
 }
 
-fn elementwise(e: &Expr, tys: &[&TensorType]) -> Option<Native> {
+fn elementwise(e: &Expr, tys: &[&TensorType]) -> Option<Arc<Elementwise>> {
     let out = tys.iter().try_fold(Vec::new(), |s, t| broadcast_shapes(&s, t.dims()))?;
     let reads = tys.iter().map(|t| Read::of(t.dims(), &out)).collect();
-    Some(Native::Fused(Arc::new(Elementwise { terms: e.terms().to_vec(), depth: e.depth(), reads, len: out.iter().product() })))
+    Some(Arc::new(Elementwise { terms: e.terms().to_vec(), depth: e.depth(), reads, len: out.iter().product() }))
 }
 
 /// Grid positions a direct convolution kernel holds in registers at a time, per channel.
@@ -190,15 +198,23 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
         Op::MaxPool2dGrad(p) => Some(Native::MaxPoolGrad { g: pool(p)?, kept: None }),
         Op::Relu => Some(Native::Relu),
         Op::ReluGrad if d(0) == d(1) => Some(Native::ReluGrad),
-        Op::Fused { expr } => elementwise(expr, tys),
+        Op::Fused { expr } => elementwise(expr, tys).map(Native::Fused),
         // One op as a one-term program: on host backends its output then comes from the
         // plan's arena (exp, log and sqrt alone stay on burn's ops).
         Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg => {
             let mut terms: Vec<Term> = (0..tys.len()).map(Term::Arg).collect();
             terms.push(Term::of(op)?);
-            elementwise(&Expr::new(terms).ok()?, tys)
+            elementwise(&Expr::new(terms).ok()?, tys).map(Native::Fused)
         }
         Op::ReduceSum(r) if r.axes == [0] && tys[0].rank() == 2 && d(0)[1] > 1 => Some(Native::SumRows { cols: d(0)[1] }),
+        Op::SoftmaxCrossEntropy { sparse: true, reduction } => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: false }),
+        Op::SoftmaxCrossEntropyGrad { sparse: true, reduction } => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: true }),
+        Op::Epilogue { head, expr } => {
+            let (hs, rest) = tys.split_at(head.arity().min());
+            let y = infer(head, hs).ok()?;
+            let ys: Vec<&TensorType> = std::iter::once(&y).chain(rest.iter().copied()).collect();
+            Some(Native::Epilogue { head: Box::new(bind(head, hs)?), post: elementwise(expr, &ys)? })
+        }
         _ => None,
     }
 }

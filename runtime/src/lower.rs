@@ -359,6 +359,15 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
             }
             stack.pop().expect("a program leaves one value").0
         }
+        Op::Epilogue { head, expr } => {
+            // The reference lowering: the head, then its program.
+            let n = head.arity().min();
+            let xs: Vec<Value<B>> = tys.iter().map(|_| next()).collect();
+            let mut xs = xs.into_iter();
+            let y = eval(cx, head, xs.by_ref().take(n).zip(tys[..n].iter().copied()).collect(), out)?;
+            let args = std::iter::once((y, out)).chain(xs.zip(tys[n..].iter().copied())).collect();
+            eval(cx, &Op::Fused { expr: expr.clone() }, args, out)?
+        }
     })
 }
 

@@ -31,7 +31,7 @@ fn dump_lenet(level: u8, dir: &Path) -> Vec<String> {
     names
 }
 
-const STEMS: [&str; 10] = [
+const STEMS: [&str; 13] = [
     "00_trace_forward",
     "01_grad_accumulation_clear",
     "01_grad_accumulation_micro_step",
@@ -42,6 +42,9 @@ const STEMS: [&str; 10] = [
     "03_fuse_elementwise_clear",
     "03_fuse_elementwise_micro_step",
     "03_fuse_elementwise_optimizer",
+    "04_fuse_epilogue_clear",
+    "04_fuse_epilogue_micro_step",
+    "04_fuse_epilogue_optimizer",
 ];
 
 #[test]
@@ -80,6 +83,11 @@ fn every_dump_parses_back_and_names_accumulators_and_state() {
     assert!(fused.contains("f32[8,120] = fused(") && fused.contains("{expr=\"$0 $1 add relu\"}  # net.relu"), "{fused}");
     let fused = std::fs::read_to_string(dir.join("03_fuse_elementwise_optimizer.ir")).unwrap();
     assert!(fused.contains("expr=\"$0 0.9 mul $1 $2 mul add\"") && !fused.contains("constant"), "{fused}");
+    let last = std::fs::read_to_string(dir.join("04_fuse_epilogue_micro_step.ir")).unwrap();
+    for (head, expr) in [("conv2d", "$0 relu"), ("matmul", "$0 $1 add relu"), ("matmul", "$0 $1 relu_grad"), ("max_pool2d_grad", "$0 $1 relu_grad")] {
+        assert!(last.lines().any(|l| l.contains("= epilogue(") && l.contains(&format!("expr=\"{expr}\"")) && l.contains(&format!("head={head}"))), "{head} + {expr}: {last}");
+    }
+    assert!(!last.contains("= relu(") && !last.contains("= relu_grad(") && !last.contains("= fused("), "{last}");
 }
 
 fn inspect(args: &[&str]) -> (bool, String) {

@@ -68,10 +68,10 @@ fn bits(t: &HostTensor) -> Vec<u64> {
 }
 
 /// Runs `g`'s fused plan and its unfused reference on the same values, on the host kernels and
-/// on burn's ops: the same bits. Returns how many `fused` nodes the fused plan has.
+/// on burn's ops: the same bits. Returns how many `fused` and `epilogue` nodes the fused plan has.
 fn fused_equals_unfused(g: &Graph, params: &[(String, HostTensor)], inputs: &[HostTensor]) -> usize {
     let (fused, plain) = (compile(g.clone()).unwrap(), compile_unfused(g.clone()).unwrap());
-    let count = |e: &Executable| e.graph().ids().into_iter().filter(|&id| matches!(e.graph().node(id).op, Op::Fused { .. })).count();
+    let count = |e: &Executable| e.graph().ids().into_iter().filter(|&id| matches!(e.graph().node(id).op, Op::Fused { .. } | Op::Epilogue { .. })).count();
     assert_eq!(count(&plain), 0, "{}: the unfused plan has fused nodes", g.name);
     for native in [true, false] {
         let (a, b) = (run_on(&fused, params, inputs, native), run_on(&plain, params, inputs, native));
@@ -268,7 +268,8 @@ fn must_be_checked(op: &Op) -> bool {
         Op::Slice { .. } | Op::Pad { .. } | Op::Concat { .. } | Op::Flatten => true,
         Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_) | Op::MatMul { .. } => true,
         Op::SoftmaxCrossEntropy { .. } | Op::Conv2d(_) | Op::MaxPool2d(_) | Op::AvgPool2d(_) => true,
-        Op::Fused { .. } => false, // formed after differentiation; its plans are checked against unfused ones
+        // Formed after differentiation; their plans are checked against unfused ones.
+        Op::Fused { .. } | Op::Epilogue { .. } => false,
     }
 }
 

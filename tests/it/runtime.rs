@@ -207,11 +207,15 @@ fn plans_running_at_once_on_one_pool_keep_their_bits() {
 #[test]
 fn fused_lenet_accumulation_plans_equal_the_unfused_ones() {
     use cellgraph::runtime::compile_unfused;
-    for (stem, want) in [("02_dce_micro_step", 2), ("02_dce_optimizer", 16)] {
+    // The micro-step's bias + ReLU chains join their matmuls as epilogues, with the other
+    // ReLUs (onto the convolutions), ReLU gradients (onto matmuls and pooling gradients) and
+    // fc3's bias.
+    for (stem, want) in [("02_dce_micro_step", (0, 9)), ("02_dce_optimizer", (16, 0))] {
         let (g, params, inputs) = golden_with_values(stem, 5);
         let (fused, plain) = (compile(g.clone()).unwrap(), compile_unfused(g.clone()).unwrap());
-        let nodes = fused.graph().ids().into_iter().filter(|&id| matches!(fused.graph().node(id).op, Op::Fused { .. })).count();
-        assert_eq!(nodes, want, "{stem}: fused nodes");
+        let count = |f: fn(&Op) -> bool| fused.graph().ids().into_iter().filter(|&id| f(&fused.graph().node(id).op)).count();
+        let nodes = (count(|op| matches!(op, Op::Fused { .. })), count(|op| matches!(op, Op::Epilogue { .. })));
+        assert_eq!(nodes, want, "{stem}: (fused, epilogue) nodes");
         assert!(fused.len() < plain.len(), "{stem}: {} steps fused, {} unfused", fused.len(), plain.len());
         let run = |exe: &Executable, native: bool| {
             let mut s = session_with(&params, native);
@@ -329,4 +333,45 @@ fn fused_relu_and_neg_keep_the_unfused_bits_for_nan_and_negative_zero() {
     g.set_outputs(vec![bad]);
     let err = compile(g).unwrap_err().to_string();
     assert!(err.contains("`$1` names no operand") && err.contains("net.fused"), "{err}");
+}
+
+/// The host kernels of softmax cross-entropy (class-id labels) and its gradient give the
+/// bits of the reference lowering on burn's ops, for every reduction, on rows shorter and
+/// longer than ndarray's eight running sums, in f32 and in f64 (the CPU backend in double
+/// precision); an out-of-range label is still
+/// the reference lowering's clear error.
+#[test]
+fn host_loss_kernels_give_the_reference_bits() {
+    fn case<B: cellgraph::runtime::Backend>(n: usize, c: usize, reduction: Reduction, wide: bool) {
+        let dt = TensorType::f32;
+        let mut g = Graph::new("loss");
+        let l = g.add_leaf(Op::Input { index: 0, name: "logits".into() }, dt(vec![n, c]), "t").unwrap();
+        let y = g.add_leaf(Op::Input { index: 1, name: "labels".into() }, TensorType::i32([n]), "t").unwrap();
+        let loss = g.add(Op::SoftmaxCrossEntropy { sparse: true, reduction }, &[l, y], "net.loss").unwrap();
+        let dl = g.add_leaf(Op::Input { index: 2, name: "dl".into() }, g.ty(loss).clone(), "t").unwrap();
+        let grad = g.add(Op::SoftmaxCrossEntropyGrad { sparse: true, reduction }, &[l, y, dl], "net.loss").unwrap();
+        g.set_outputs(vec![loss, grad]);
+        let exe = compile(g.clone()).unwrap();
+        let logits: Vec<f64> = (0..n * c).map(|i| ((i * 7919) % 113) as f64 / 9.0 - 6.0).collect();
+        let host = |d: Vec<usize>, v: Vec<f64>| if wide { HostTensor::new(d, HostData::F64(v)).unwrap() } else { HostTensor::f32(d, v.iter().map(|&x| x as f32).collect()).unwrap() };
+        let dls: Vec<f64> = (0..g.ty(loss).numel()).map(|i| 0.75 + i as f64).collect();
+        let labels = |bad: bool| HostTensor::i32(vec![n], (0..n).map(|i| if bad && i == n - 1 { c as i32 } else { ((i * 5) % c) as i32 }).collect()).unwrap();
+        let inputs = |bad| [host(vec![n, c], logits.clone()), labels(bad), host(g.ty(loss).dims().to_vec(), dls.clone())];
+        let run = |native: bool, bad: bool| {
+            let mut s = Session::<B>::new(Default::default());
+            s.set_native_kernels(native);
+            s.run(&exe, &inputs(bad))
+        };
+        let bits = |ts: Vec<HostTensor>| ts.iter().map(|t| t.to_f64().iter().map(|v| v.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>();
+        let (fast, reference) = (run(true, false).unwrap(), run(false, false).unwrap());
+        assert_eq!(bits(fast), bits(reference), "n {n}, c {c}, {reduction:?}, f64 {wide}");
+        let err = run(true, true).unwrap_err().to_string();
+        assert!(err.contains(&format!("label {c} at batch position {}", n - 1)) && err.contains("net.loss"), "{err}");
+    }
+    for (n, c) in [(32, 10), (5, 3), (3, 17), (1, 8)] {
+        for r in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+            case::<Cpu>(n, c, r, false);
+            case::<CpuF64>(n, c, r, true);
+        }
+    }
 }

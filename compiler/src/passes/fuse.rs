@@ -15,7 +15,7 @@ use crate::graph::{Graph, NodeId};
 use crate::op::Op;
 
 /// A node as a program over its own operands: its body when fused, one term when elementwise.
-fn body(g: &Graph, id: NodeId) -> Option<(Vec<Term>, Vec<NodeId>)> {
+pub(super) fn body(g: &Graph, id: NodeId) -> Option<(Vec<Term>, Vec<NodeId>)> {
     let n = g.node(id);
     if !n.ty.dtype.is_float() {
         return None;
@@ -40,7 +40,7 @@ fn literal(g: &Graph, id: NodeId) -> Option<f64> {
 
 /// True when `consumer` (with operands `xs`) may take in its operand `x`, an elementwise
 /// node: read once, by `consumer` alone, not an output, of the consumer's type.
-fn absorbable(g: &Graph, x: NodeId, consumer: NodeId, xs: &[NodeId]) -> bool {
+pub(super) fn absorbable(g: &Graph, x: NodeId, consumer: NodeId, xs: &[NodeId]) -> bool {
     g.ty(x) == g.ty(consumer)
         && !g.outputs().contains(&x)
         && g.users(x).iter().all(|&u| u == consumer)

@@ -2,6 +2,7 @@
 //! pass in debug builds and tests.
 
 pub mod dce;
+pub mod epilogue;
 pub mod fuse;
 pub mod grad_accumulation;
 pub mod pipeline;

@@ -15,7 +15,8 @@ pub struct Pass {
 pub struct PipelineOptions {
     /// Verify after each pass (on by default in debug builds).
     pub verify: bool,
-    /// Fuse elementwise chains (on by default; off gives the unfused reference plan).
+    /// Fuse elementwise chains, then fuse them onto the ops that produce their input
+    /// (epilogues); on by default, off gives the unfused reference plan.
     pub fuse: bool,
 }
 
@@ -26,7 +27,7 @@ impl Default for PipelineOptions {
 }
 
 /// The passes run on every graph before lowering: dead code, then (unless `opts.fuse` is
-/// off) elementwise fusion.
+/// off) elementwise fusion and epilogue fusion.
 pub fn passes(opts: &PipelineOptions) -> Vec<Pass> {
     let mut v = vec![Pass {
         name: "dce",
@@ -40,6 +41,13 @@ pub fn passes(opts: &PipelineOptions) -> Vec<Pass> {
             name: "fuse_elementwise",
             run: |g| {
                 super::fuse::fuse_elementwise(g);
+                Ok(())
+            },
+        });
+        v.push(Pass {
+            name: "fuse_epilogue",
+            run: |g| {
+                super::epilogue::fuse_epilogues(g);
                 Ok(())
             },
         });

@@ -29,7 +29,7 @@
 
 use pulp::{Simd, WithSimd};
 
-use super::kernels::{copy_row, each, vectorized as dispatch, HostFloat};
+use super::kernels::{copy_row, each, vectorized as dispatch, HostFloat, Post};
 use crate::kernel::{Geometry, DIRECT_BLOCK as L};
 
 /// A float type's vectors on each instruction set `S`.
@@ -257,8 +257,8 @@ fn cap_here<F: Lanes>() -> usize {
 }
 
 /// Forward: `x` `[n, c, h, w]`, `w` `[o, c, kh, kw]` -> `y` `[n, o, oh, ow]`, image by image
-/// across the threads.
-pub fn forward<F: Lanes>(g: &Geometry, x: &[F], w: &[F], o: usize, y: &mut [F]) {
+/// across the threads; `post` runs on each image's output.
+pub fn forward<F: Lanes>(g: &Geometry, x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>) {
     let gr = Grid::new(g, o);
     let (xin, yout) = gr.images();
     assert_eq!(y.len(), g.x[0] * yout, "output extents");
@@ -268,7 +268,10 @@ pub fn forward<F: Lanes>(g: &Geometry, x: &[F], w: &[F], o: usize, y: &mut [F]) 
         pack(w, o, gr.c, gr.taps(), false, cap, packed);
         let images: Vec<_> = y.chunks_mut(yout.max(1)).enumerate().collect();
         each(images, |(i, y)| {
-            F::scratch(o * gr.span, |rows| dispatch(Forward { gr: &gr, x: &x[i * xin..][..xin], w: packed, offsets: &offsets, cap, rows, y }))
+            F::scratch(o * gr.span, |rows| dispatch(Forward { gr: &gr, x: &x[i * xin..][..xin], w: packed, offsets: &offsets, cap, rows, y: &mut *y }));
+            if let Some(post) = post {
+                post(i * yout, y);
+            }
         });
     })
 }
@@ -587,7 +590,7 @@ mod tests {
         let [n, c, h, w] = g.x;
         let (x, wt, dy) = (data(n * c * h * w, salt), data(o * c * g.kernel[0] * g.kernel[1], salt + 1), data(n * o * g.spatial(), salt + 2));
         let r = Run {
-            y: new(n * o * g.spatial(), |y| forward(g, &x, &wt, o, y)),
+            y: new(n * o * g.spatial(), |y| forward(g, &x, &wt, o, y, None)),
             dx: new(x.len(), |dx| input_grad(g, &dy, &wt, o, dx)),
             dw: new(wt.len(), |dw| filter_grad(g, &dy, &x, o, dw)),
         };

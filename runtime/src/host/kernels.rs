@@ -26,6 +26,7 @@ thread_local! {
 pub use crate::kernel::Geometry;
 use crate::kernel::{Elementwise, Read};
 use cellgraph_compiler::expr::{Binary, Term, Unary};
+use cellgraph_compiler::Reduction;
 
 /// A float element the host kernels compute in.
 pub trait HostFloat:
@@ -434,8 +435,9 @@ fn scatter_rows<F: HostFloat>(d: &ConvDims, o: usize, gi: usize, rows: &[F], nch
 }
 
 /// Convolution: `x` `[n, c, h, w]`, `w` `[o, c/groups, kh, kw]` -> `[n, o, oh, ow]`. Per chunk
-/// of images and group, one GEMM: `w_g [og, kk] @ col [kk, m*oh*ow]`.
-pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: usize, y: &mut [F]) {
+/// of images and group, one GEMM: `w_g [og, kk] @ col [kk, m*oh*ow]`; `post` runs on each
+/// chunk's output.
+pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>) {
     let d = conv_dims(g, groups, o);
     let [n, c, h, wd] = g.x;
     assert_eq!(y.len(), n * o * d.sp, "output extents");
@@ -457,7 +459,10 @@ pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: us
                 unsafe { gemm_oriented::<F>(dc.og, dc.kk, dc.cols, wg.as_ptr(), dc.kk as isize, 1, col.as_ptr(), dc.cols as isize, 1, F::ZERO, rows.as_mut_ptr(), dc.cols as isize, 1) };
                 scatter_rows(&dc, o, gi, rows, yc);
             }
-        })
+        });
+        if let Some(post) = post {
+            post(k * per * o * d.sp, yc);
+        }
     });
 }
 
@@ -728,13 +733,14 @@ pub fn max_pool2d<F: HostFloat>(g: &Geometry, x: &[F], at: &mut [u32], y: &mut [
 }
 
 /// Gradient of [`max_pool2d`] from its argmax `at`: each output's gradient goes to its
-/// window's first maximum.
-pub fn max_pool2d_grad<F: HostFloat>(g: &Geometry, at: &[u32], dy: &[F], dx: &mut [F]) {
+/// window's first maximum. `post` runs on each task's planes.
+pub fn max_pool2d_grad<F: HostFloat>(g: &Geometry, at: &[u32], dy: &[F], dx: &mut [F], post: Post<F>) {
     let [n, c, h, w] = g.x;
     let sp = g.spatial();
     assert_eq!(dx.len(), n * c * h * w, "output extents");
     if sp == 0 || dx.is_empty() {
-        return dx.fill(F::ZERO);
+        dx.fill(F::ZERO);
+        return post_all(post, dx);
     }
     let per = planes_per_task(g);
     let tasks: Vec<_> = dx.chunks_mut(per * h * w).enumerate().collect();
@@ -747,6 +753,9 @@ pub fn max_pool2d_grad<F: HostFloat>(g: &Geometry, at: &[u32], dy: &[F], dx: &mu
                     d[i as usize] += g;
                 }
             }
+        }
+        if let Some(post) = post {
+            post(k * per * h * w, dx);
         }
     });
 }
@@ -795,40 +804,157 @@ pub fn sum_rows<F: HostFloat>(x: &[F], out: &mut [F]) {
     }
 }
 
+/// The sum of a slice in the order of ndarray's `sum` (and `sum_axis` over contiguous lanes),
+/// which burn-ndarray's reductions run: eight running sums over the first multiple of eight
+/// elements, added pairwise (`p0 + p4`, then `p1 + p5`, ...) onto zero, then the rest in order.
+/// The host loss kernels sum this way so that they give burn's bits.
+fn ndarray_sum<F: HostFloat>(xs: &[F]) -> F {
+    let mut p = [F::ZERO; 8];
+    let mut chunks = xs.chunks_exact(8);
+    for c in &mut chunks {
+        for (p, &x) in p.iter_mut().zip(c) {
+            *p = *p + x;
+        }
+    }
+    let mut acc = F::ZERO;
+    for k in 0..4 {
+        acc = acc + (p[k] + p[k + 4]);
+    }
+    chunks.remainder().iter().fold(acc, |acc, &x| acc + x)
+}
+
+/// One row's log-softmax in `z` (`[c]` logits in, `logit - max - ln(sum(exp(logit - max)))`
+/// out), in the order of the reference lowering's burn ops.
+fn log_softmax_row<F: HostFloat>(row: &[F], z: &mut [F], e: &mut [F]) {
+    let m = row.iter().copied().fold(F::NEG_INF, |m, x| if x > m { x } else { m });
+    for ((z, e), &x) in z.iter_mut().zip(e.iter_mut()).zip(row) {
+        *z = x - m;
+        *e = z.exp();
+    }
+    let lse = ndarray_sum(e).ln();
+    z.iter_mut().for_each(|z| *z = *z - lse);
+}
+
+/// The class id at batch position `i`, if it is one of `c` classes.
+fn class(labels: &[i64], i: usize, c: usize) -> Option<usize> {
+    usize::try_from(labels[i]).ok().filter(|&l| l < c)
+}
+
+/// Softmax cross-entropy of `[n, c]` `logits` against class ids (`-log_softmax[label]` per
+/// item, then summed or averaged as `reduction` says) into `out` (`[n]` or one element).
+/// `false` (nothing meaningful written) when a label is out of range: the reference lowering
+/// then reports it. The same ops in the same order as the reference lowering on burn's ops,
+/// so the same bits.
+pub fn softmax_cross_entropy<F: HostFloat>(logits: &[F], labels: &[i64], c: usize, reduction: Reduction, out: &mut [F]) -> bool {
+    let n = labels.len();
+    F::scratch(2 * c + n, |s| {
+        let (z, rest) = s.split_at_mut(c);
+        let (e, items) = rest.split_at_mut(c);
+        for (i, row) in logits.chunks_exact(c).enumerate().take(n) {
+            let Some(l) = class(labels, i, c) else { return false };
+            log_softmax_row(row, z, e);
+            items[i] = z[l] * F::from_f64(-1.0);
+        }
+        match reduction {
+            Reduction::None => out.copy_from_slice(items),
+            Reduction::Sum => out[0] = ndarray_sum(items),
+            Reduction::Mean => out[0] = ndarray_sum(items) * F::from_f64(1.0 / n as f64),
+        }
+        true
+    })
+}
+
+/// The gradient of [`softmax_cross_entropy`] w.r.t. the logits: `(softmax - one_hot) * dl`,
+/// `dl` per item (no reduction), as given (sum) or divided by `n` (mean). `false` when a
+/// label is out of range.
+pub fn softmax_cross_entropy_grad<F: HostFloat>(logits: &[F], labels: &[i64], dl: &[F], c: usize, reduction: Reduction, dx: &mut [F]) -> bool {
+    let n = labels.len();
+    F::scratch(c, |e| {
+        for (i, (row, d)) in logits.chunks_exact(c).zip(dx.chunks_exact_mut(c)).enumerate().take(n) {
+            let Some(l) = class(labels, i, c) else { return false };
+            let scale = match reduction {
+                Reduction::None => dl[i],
+                Reduction::Sum => dl[0],
+                Reduction::Mean => dl[0] * F::from_f64(1.0 / n as f64),
+            };
+            log_softmax_row(row, d, e);
+            for (j, d) in d.iter_mut().enumerate() {
+                let target = if j == l { F::from_f64(1.0) } else { F::ZERO };
+                *d = (d.exp() - target) * scale;
+            }
+        }
+        true
+    })
+}
+
 /// Output elements a fused program works at a time: each term runs over a whole block, so
 /// its loop is a plain slice loop the compiler vectorises, and the stack stays in L1.
 const BLOCK: usize = 256;
+
+/// What a kernel does to each part of its output once the part is final: `(first, part)`,
+/// `first` being the index of the part's first element in the whole output (an epilogue's
+/// program, run while the part is still in cache).
+pub type Post<'a, F> = Option<&'a (dyn Fn(usize, &mut [F]) + Sync)>;
+
+/// Runs `post` over the whole of `y` (for kernels that do not hand their output over in
+/// parts), cut into per-thread shares of whole blocks.
+pub fn post_all<F: HostFloat>(post: Post<F>, y: &mut [F]) {
+    let Some(post) = post else { return };
+    let threads = rayon::current_num_threads().min(y.len() / (16 * BLOCK)).max(1);
+    let per = y.len().div_ceil(threads).div_ceil(BLOCK) * BLOCK;
+    let shares: Vec<(usize, &mut [F])> = y.chunks_mut(per.max(1)).enumerate().map(|(i, c)| (i * per, c)).collect();
+    each(shares, |(first, part)| post(first, part));
+}
+
+/// Where a program's operands are: all in slices, or (an epilogue) operand 0 in the output
+/// itself and operand `i` > 0 in slice `i - 1`.
+#[derive(Clone, Copy)]
+enum Operands<'a, F> {
+    All(&'a [&'a [F]]),
+    Head(&'a [&'a [F]]),
+}
 
 /// A fused elementwise program ([`Elementwise`]) over its operands, block by block. Each op
 /// rounds to `F` exactly as the unfused op does, in the same order, so the bits are the
 /// unfused plan's. Large outputs are cut into per-thread shares of whole blocks.
 pub fn fused<F: HostFloat>(e: &Elementwise, args: &[&[F]], out: &mut [F]) {
     assert_eq!(out.len(), e.len, "output extents");
-    let threads = rayon::current_num_threads().min(e.len / (16 * BLOCK)).max(1);
-    let per = e.len.div_ceil(threads).div_ceil(BLOCK) * BLOCK;
-    let shares: Vec<(usize, &mut [F])> = out.chunks_mut(per.max(1)).enumerate().map(|(i, c)| (i * per, c)).collect();
-    each(shares, |(start, dst)| {
-        F::scratch(e.depth * BLOCK, |stack| {
-            vectorized(
-                #[inline(always)]
-                || {
-                    for (b, dst) in dst.chunks_mut(BLOCK).enumerate() {
-                        fused_block(e, args, start + b * BLOCK, stack, dst);
-                    }
-                },
-            )
-        })
-    });
+    post_all(Some(&|first, part: &mut [F]| program(e, Operands::All(args), first, part)), out);
+}
+
+/// An epilogue's program ([`crate::kernel::Native::Epilogue`]) over `part` of the output, in
+/// place: operand 0 is the head's output (the part itself), operand `i` > 0 is `extras[i - 1]`;
+/// `first` is the part's first element's index in the whole output.
+pub fn epilogue<F: HostFloat>(e: &Elementwise, extras: &[&[F]], first: usize, part: &mut [F]) {
+    program(e, Operands::Head(extras), first, part)
+}
+
+fn program<F: HostFloat>(e: &Elementwise, args: Operands<F>, first: usize, part: &mut [F]) {
+    F::scratch(e.depth * BLOCK, |stack| {
+        vectorized(
+            #[inline(always)]
+            || {
+                for (b, dst) in part.chunks_mut(BLOCK).enumerate() {
+                    fused_block(e, args, first + b * BLOCK, stack, dst);
+                }
+            },
+        )
+    })
 }
 
 #[inline(always)]
-fn fused_block<F: HostFloat>(e: &Elementwise, args: &[&[F]], start: usize, stack: &mut [F], dst: &mut [F]) {
+fn fused_block<F: HostFloat>(e: &Elementwise, args: Operands<F>, start: usize, stack: &mut [F], dst: &mut [F]) {
     let n = dst.len();
     let mut sp = 0;
     for t in &e.terms {
         match *t {
             Term::Arg(i) => {
-                gather(&e.reads[i], args[i], start, &mut stack[sp * BLOCK..][..n]);
+                let slot = &mut stack[sp * BLOCK..][..n];
+                match args {
+                    Operands::All(a) => gather(&e.reads[i], a[i], start, slot),
+                    Operands::Head(_) if i == 0 => slot.copy_from_slice(dst),
+                    Operands::Head(a) => gather(&e.reads[i], a[i - 1], start, slot),
+                }
                 sp += 1;
             }
             Term::Lit(v) => {
@@ -958,7 +1084,7 @@ pub(crate) mod tests {
         for (g, groups, o) in cases {
             let [n, c, h, wd] = g.x;
             let (x, w, dy) = (data(n * c * h * wd, 1), data(o * c / groups * g.kernel[0] * g.kernel[1], 2), data(n * o * g.spatial(), 3));
-            let y = new(n * o * g.spatial(), |y| conv2d(&g, groups, &x, &w, o, y));
+            let y = new(n * o * g.spatial(), |y| conv2d(&g, groups, &x, &w, o, y, None));
             for (a, b) in y.iter().zip(conv_reference(&g, groups, &x, &w, o)) {
                 assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "{g:?}: {a} vs {b}");
             }
@@ -986,11 +1112,11 @@ pub(crate) mod tests {
                 let y = new(at.len(), |y| max_pool2d(&p, &x, &mut at, y));
                 let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
                 [
-                    bits(new(dy.len(), |y| conv2d(&g, 1, &x, &w, 16, y))),
+                    bits(new(dy.len(), |y| conv2d(&g, 1, &x, &w, 16, y, None))),
                     bits(new(x.len(), |dx| conv2d_input_grad(&g, 1, &dy, &w, 16, dx))),
                     bits(new(w.len(), |dw| conv2d_filter_grad(&g, 1, &dy, &x, 16, dw))),
                     bits(y),
-                    bits(new(x.len(), |dx| max_pool2d_grad(&p, &at, &x[..at.len()], dx))),
+                    bits(new(x.len(), |dx| max_pool2d_grad(&p, &at, &x[..at.len()], dx, None))),
                 ]
             })
         };

@@ -8,7 +8,7 @@ pub mod kernels;
 
 use std::collections::BTreeMap;
 
-use burn_backend::tensor::{Device, FloatTensor};
+use burn_backend::tensor::{Device, FloatTensor, IntTensor};
 use burn_backend::FloatDType;
 use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
@@ -199,12 +199,23 @@ impl Kept {
 
 /// Runs a bound kernel in element type `F` into a buffer from the arena, or `None` if an
 /// operand is not `F` or the output is empty.
-fn run<F: Elem>(k: &Native, args: &[HostSlice], tys: &[&TensorType], out: &TensorType, kept: &mut Kept, arena: &mut Arena) -> Option<Vec<F>> {
+/// `args` are the float operands and `ints` the integer ones, each in operand order; `tys` every
+/// operand's type, in order.
+fn run<F: Elem>(k: &Native, args: &[HostSlice], ints: &[&[i64]], tys: &[&TensorType], out: &TensorType, kept: &mut Kept, arena: &mut Arena) -> Option<Vec<F>> {
     let a: Vec<&[F]> = args.iter().map(F::slice).collect::<Option<_>>()?;
-    let d = |i: usize| tys[i].dims();
     let len = out.numel();
+    if let Native::SoftmaxCrossEntropy { c, reduction, grad } = *k {
+        // A label out of range leaves the step to the reference lowering, which reports it.
+        let mut y = arena.take::<F>(len);
+        let ok = match (grad, ints) {
+            (false, [labels]) => kernels::softmax_cross_entropy(a[0], labels, c, reduction, &mut y),
+            (true, [labels]) => kernels::softmax_cross_entropy_grad(a[0], labels, a[1], c, reduction, &mut y),
+            _ => false,
+        };
+        return ok.then_some(y);
+    }
     let fits = match k {
-        Native::Fused(e) => e.len == len,
+        Native::Fused(e) | Native::Epilogue { post: e, .. } => e.len == len,
         Native::SumRows { cols } => *cols == len && a[0].len() % cols == 0,
         _ => true,
     };
@@ -213,46 +224,68 @@ fn run<F: Elem>(k: &Native, args: &[HostSlice], tys: &[&TensorType], out: &Tenso
     }
     let mut y = arena.take::<F>(len);
     match k {
-        Native::MatMul { transpose_a, transpose_b, .. } => {
-            let m = |i: usize, t: bool| Mat { data: a[i], rows: d(i)[0], cols: d(i)[1], transposed: t };
-            kernels::matmul(m(0, *transpose_a), m(1, *transpose_b), &mut y)
+        Native::Epilogue { head, post } => {
+            // The head's operands come first; `post` reads the output and the rest.
+            let split = a.len() + 1 - post.reads.len();
+            let extras = &a[split..];
+            let part = |first: usize, part: &mut [F]| kernels::epilogue(post, extras, first, part);
+            run_into(head, &a[..split], &tys[..split], kept, &mut y, Some(&part))
         }
-        Native::Conv { kind: ConvKind::Forward, g, out_channels, direct: true, .. } => direct::forward(g, a[0], a[1], *out_channels, &mut y),
-        Native::Conv { kind: ConvKind::InputGrad, g, out_channels, direct: true, .. } => direct::input_grad(g, a[0], a[1], *out_channels, &mut y),
-        Native::Conv { kind: ConvKind::FilterGrad, g, out_channels, direct: true, .. } => direct::filter_grad(g, a[0], a[1], *out_channels, &mut y),
-        Native::Conv { kind: ConvKind::Forward, g, groups, out_channels, .. } => kernels::conv2d(g, *groups, a[0], a[1], *out_channels, &mut y),
-        Native::Conv { kind: ConvKind::InputGrad, g, groups, out_channels, .. } => kernels::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels, &mut y),
-        Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } => kernels::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels, &mut y),
-        Native::MaxPool { g, keep } => match keep {
-            Some(s) => kernels::max_pool2d(g, a[0], kept.slot(*s, len), &mut y),
-            None => kernels::max_pool2d(g, a[0], &mut vec![0; len], &mut y),
-        },
-        Native::MaxPoolGrad { g, kept: slot } => {
-            let at_len = tys[1].numel();
-            match slot.and_then(|s| kept.get(s, at_len)) {
-                Some(at) => kernels::max_pool2d_grad(g, at, a[1], &mut y),
-                None => {
-                    let mut at = vec![0; at_len];
-                    kernels::max_pool2d_argmax(g, a[0], &mut at);
-                    kernels::max_pool2d_grad(g, &at, a[1], &mut y)
-                }
-            }
-        }
-        Native::Relu => kernels::relu(a[0], &mut y),
-        Native::ReluGrad => kernels::relu_grad(a[0], a[1], &mut y),
-        Native::Fused(e) => kernels::fused(e, &a, &mut y),
-        Native::SumRows { .. } => kernels::sum_rows(a[0], &mut y),
+        k => run_into(k, &a, tys, kept, &mut y, None),
     }
     Some(y)
 }
 
+/// Runs a bound kernel (not an epilogue) into `y`, then `post` over each part of `y` as the
+/// kernel finishes it (or over the whole of `y` after kernels that do not cut their output).
+fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kept, y: &mut [F], post: kernels::Post<F>) {
+    let d = |i: usize| tys[i].dims();
+    match k {
+        Native::Conv { kind: ConvKind::Forward, g, out_channels, direct: true, .. } => return direct::forward(g, a[0], a[1], *out_channels, y, post),
+        Native::Conv { kind: ConvKind::Forward, g, groups, out_channels, .. } => return kernels::conv2d(g, *groups, a[0], a[1], *out_channels, y, post),
+        Native::MaxPoolGrad { g, kept: slot } => {
+            let at_len = tys[1].numel();
+            return match slot.and_then(|s| kept.get(s, at_len)) {
+                Some(at) => kernels::max_pool2d_grad(g, at, a[1], y, post),
+                None => {
+                    let mut at = vec![0; at_len];
+                    kernels::max_pool2d_argmax(g, a[0], &mut at);
+                    kernels::max_pool2d_grad(g, &at, a[1], y, post)
+                }
+            };
+        }
+        Native::MatMul { transpose_a, transpose_b, .. } => {
+            let m = |i: usize, t: bool| Mat { data: a[i], rows: d(i)[0], cols: d(i)[1], transposed: t };
+            kernels::matmul(m(0, *transpose_a), m(1, *transpose_b), y)
+        }
+        Native::Conv { kind: ConvKind::InputGrad, g, out_channels, direct: true, .. } => direct::input_grad(g, a[0], a[1], *out_channels, y),
+        Native::Conv { kind: ConvKind::FilterGrad, g, out_channels, direct: true, .. } => direct::filter_grad(g, a[0], a[1], *out_channels, y),
+        Native::Conv { kind: ConvKind::InputGrad, g, groups, out_channels, .. } => kernels::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels, y),
+        Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } => kernels::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels, y),
+        Native::MaxPool { g, keep } => match keep {
+            Some(s) => kernels::max_pool2d(g, a[0], kept.slot(*s, y.len()), y),
+            None => kernels::max_pool2d(g, a[0], &mut vec![0; y.len()], y),
+        },
+        Native::Relu => kernels::relu(a[0], y),
+        Native::ReluGrad => kernels::relu_grad(a[0], a[1], y),
+        Native::Fused(e) => kernels::fused(e, a, y),
+        Native::SumRows { .. } => kernels::sum_rows(a[0], y),
+        Native::Epilogue { .. } | Native::SoftmaxCrossEntropy { .. } => unreachable!("an epilogue's head is neither an epilogue nor a loss"),
+    }
+    kernels::post_all(post, y)
+}
+
 /// Runs a bound kernel on the host kernels when every operand is host-visible in one float
 /// type, writing into a buffer from `arena`; `None` sends the step to burn's generic lowering.
-pub fn run_host<B: Backend>(k: &Native, args: &[&FloatTensor<B>], tys: &[&TensorType], out: &TensorType, device: &Device<B>, kept: &mut Kept, arena: &mut Arena) -> Option<FloatTensor<B>> {
+/// `args` are the float operands and `ints` the integer ones, each in operand order.
+#[allow(clippy::too_many_arguments)]
+pub fn run_host<B: Backend>(k: &Native, args: &[&FloatTensor<B>], ints: &[&IntTensor<B>], tys: &[&TensorType], out: &TensorType, device: &Device<B>, kept: &mut Kept, arena: &mut Arena) -> Option<FloatTensor<B>> {
     let slices: Vec<HostSlice> = args.iter().map(|t| B::host_slice(t)).collect::<Option<_>>()?;
+    let ints: Vec<_> = ints.iter().map(|t| B::host_ints(t)).collect::<Option<_>>()?;
+    let ints: Vec<&[i64]> = ints.iter().map(|v| &v[..]).collect();
     let data = match slices.first()? {
-        HostSlice::F32(_) => run::<f32>(k, &slices, tys, out, kept, arena).map(f32::wrap),
-        HostSlice::F64(_) => run::<f64>(k, &slices, tys, out, kept, arena).map(f64::wrap),
+        HostSlice::F32(_) => run::<f32>(k, &slices, &ints, tys, out, kept, arena).map(f32::wrap),
+        HostSlice::F64(_) => run::<f64>(k, &slices, &ints, tys, out, kept, arena).map(f64::wrap),
     }?;
     Some(B::from_host_vec(data, out.dims(), device))
 }
@@ -280,14 +313,14 @@ mod tests {
         let s = |v: &[f32]| HostSlice::F32(Cow::Owned(v.to_vec()));
         let (mut state, arena) = (Kept::default(), &mut Arena::default());
         state.begin_run();
-        run::<f32>(&keep, &[s(&x1)], &[&xt], &yt, &mut state, arena).expect("forward");
-        let routed = run::<f32>(&kept, &[s(&x1), s(&dy)], &[&xt, &yt], &xt, &mut state, arena).expect("gradient");
-        let searched = run::<f32>(&grad, &[s(&x1), s(&dy)], &[&xt, &yt], &xt, &mut state, arena).expect("gradient");
+        run::<f32>(&keep, &[s(&x1)], &[], &[&xt], &yt, &mut state, arena).expect("forward");
+        let routed = run::<f32>(&kept, &[s(&x1), s(&dy)], &[], &[&xt, &yt], &xt, &mut state, arena).expect("gradient");
+        let searched = run::<f32>(&grad, &[s(&x1), s(&dy)], &[], &[&xt, &yt], &xt, &mut state, arena).expect("gradient");
         assert_eq!(routed.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), searched.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         // The next run's gradient, on other input, before its forward ran: it must search.
         state.begin_run();
-        let fresh = run::<f32>(&kept, &[s(&x2), s(&dy)], &[&xt, &yt], &xt, &mut state, arena).expect("gradient");
-        assert_eq!(fresh, run::<f32>(&grad, &[s(&x2), s(&dy)], &[&xt, &yt], &xt, &mut state, arena).expect("gradient"));
+        let fresh = run::<f32>(&kept, &[s(&x2), s(&dy)], &[], &[&xt, &yt], &xt, &mut state, arena).expect("gradient");
+        assert_eq!(fresh, run::<f32>(&grad, &[s(&x2), s(&dy)], &[], &[&xt, &yt], &xt, &mut state, arena).expect("gradient"));
         assert_ne!(fresh, routed);
     }
 }

@@ -1,0 +1,119 @@
+//! Epilogue fusion: an elementwise node (or a `fused` one) that reads the result of a matrix
+//! product, a convolution or max pooling's gradient becomes an `epilogue` of that op.
+//!
+//! Runs after [`super::fuse`]. The consumer takes in its producer (the head) when the head
+//! [takes epilogues](Op::takes_epilogue) and is [absorbable](super::fuse::absorbable): read
+//! once, by the consumer alone, not an output, of the consumer's type (so the program runs
+//! over the head's output, element for element). `relu(conv2d(x, w))` becomes
+//! `epilogue(x, w) {head=conv2d, expr="$0 relu"}`; `relu_grad(max_pool2d_grad(x, dy), x)`
+//! becomes `epilogue(x, dy, x) {head=max_pool2d_grad, expr="$0 $1 relu_grad"}`. The ops and
+//! their order are unchanged, so the plan computes the same bits; kernels apply the program
+//! to each part of the output as the head finishes it, while it is still in cache.
+
+use crate::expr::{Expr, Term};
+use crate::graph::Graph;
+use crate::op::Op;
+
+use super::fuse::{absorbable, body};
+
+/// Fuses elementwise consumers onto their heads; returns how many `epilogue` nodes it made.
+pub fn fuse_epilogues(g: &mut Graph) -> usize {
+    let order = g.topo_order().expect("the pipeline verifies before every pass");
+    let mut made = 0;
+    for id in order {
+        let Some((terms, xs)) = body(g, id) else { continue };
+        let Some(&head) = xs.iter().find(|&&x| g.node(x).op.takes_epilogue() && absorbable(g, x, id, &xs)) else { continue };
+        // `$0` is the head's result; the other operands follow the head's, once each.
+        let mut extras = Vec::new();
+        let terms: Vec<Term> = terms
+            .into_iter()
+            .map(|t| match t {
+                Term::Arg(i) if xs[i] == head => Term::Arg(0),
+                Term::Arg(i) => {
+                    let k = extras.iter().position(|&o| o == xs[i]).unwrap_or_else(|| {
+                        extras.push(xs[i]);
+                        extras.len() - 1
+                    });
+                    Term::Arg(1 + k)
+                }
+                t => t,
+            })
+            .collect();
+        let expr = Expr::new(terms).expect("renumbering keeps a program well-formed");
+        let mut operands = g.operands(head);
+        operands.extend(extras);
+        let (op, ty, scope) = (Op::Epilogue { head: Box::new(g.node(head).op.clone()), expr }, g.ty(id).clone(), g.node(head).scope.clone());
+        let fused = g.add_unchecked(op, &operands, ty, &scope);
+        g.replace_uses(id, fused);
+        g.remove(id);
+        g.remove(head);
+        made += 1;
+    }
+    made
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op::{Conv2dAttrs, PadMode, Pool2dAttrs};
+    use crate::types::TensorType;
+    use crate::NodeId;
+
+    fn leaf(g: &mut Graph, name: &str, dims: Vec<usize>) -> NodeId {
+        g.add_leaf(Op::Parameter { name: name.into() }, TensorType::f32(dims), "t").unwrap()
+    }
+
+    fn epilogue(g: &Graph, id: NodeId) -> (String, String) {
+        match &g.node(id).op {
+            Op::Epilogue { head, expr } => (head.name().to_string(), expr.to_string()),
+            other => panic!("expected an epilogue, got {}", other.name()),
+        }
+    }
+
+    #[test]
+    fn relu_joins_its_convolution_and_relu_grad_its_pooling_gradient() {
+        let mut g = Graph::new("g");
+        let (x, w) = (leaf(&mut g, "x", vec![2, 1, 8, 8]), leaf(&mut g, "w", vec![3, 1, 3, 3]));
+        let conv = Conv2dAttrs { stride: [1, 1], pad_mode: PadMode::Valid, pad: [0; 4], dilation: [1, 1], groups: 1 };
+        let y = g.add(Op::Conv2d(conv), &[x, w], "net.conv").unwrap();
+        let r = g.add(Op::Relu, &[y], "net.relu").unwrap();
+        let pool = Pool2dAttrs { kernel: [2, 2], stride: [2, 2], pad_mode: PadMode::Valid, pad: [0; 4] };
+        let p = g.add(Op::MaxPool2d(pool.clone()), &[r], "net.pool").unwrap();
+        let dy = leaf(&mut g, "dy", vec![2, 3, 3, 3]);
+        let dp = g.add(Op::MaxPool2dGrad(pool), &[r, dy], "grad.pool").unwrap();
+        let dr = g.add(Op::ReluGrad, &[dp, r], "grad.relu").unwrap();
+        g.set_outputs(vec![p, dr]);
+        assert_eq!(fuse_epilogues(&mut g), 2);
+        crate::verify::verify(&g).unwrap();
+        let conv_relu = g.operands(p)[0];
+        assert_eq!(epilogue(&g, conv_relu), ("conv2d".into(), "$0 relu".into()));
+        assert_eq!(g.operands(conv_relu), vec![x, w]);
+        assert_eq!(g.node(conv_relu).scope, "net.conv", "the head's scope");
+        let grad = g.outputs()[1];
+        assert_eq!(epilogue(&g, grad), ("max_pool2d_grad".into(), "$0 $1 relu_grad".into()));
+        assert_eq!(g.operands(grad), vec![conv_relu, dy, conv_relu]);
+        let text = crate::print::print(&g);
+        assert_eq!(crate::parse::parse(&text).map(|h| crate::print::print(&h)).unwrap(), text, "prints and parses");
+    }
+
+    #[test]
+    fn a_head_read_twice_or_a_broadcast_head_stays() {
+        let mut g = Graph::new("g");
+        let (a, b, c) = (leaf(&mut g, "a", vec![4, 3]), leaf(&mut g, "b", vec![3, 5]), leaf(&mut g, "c", vec![4, 5]));
+        let m = g.add(Op::MatMul { transpose_a: false, transpose_b: false }, &[a, b], "t").unwrap();
+        let r = g.add(Op::Relu, &[m], "t").unwrap();
+        let s = g.add(Op::Add, &[m, c], "t").unwrap();
+        let v = leaf(&mut g, "v", vec![5]);
+        let n = g.add(Op::MatMul { transpose_a: false, transpose_b: false }, &[a, b], "t").unwrap();
+        let n1 = g.add(Op::ReduceSum(crate::op::ReduceAttrs { axes: vec![0], keep_dims: false }), &[n], "t").unwrap();
+        let e = g.add(Op::Mul, &[n1, v], "t").unwrap();
+        g.set_outputs(vec![r, s, e]);
+        assert_eq!(fuse_epilogues(&mut g), 0, "m has two users; n feeds a reduction");
+        let mut g = Graph::new("g");
+        let (a, b, c) = (leaf(&mut g, "a", vec![1, 3]), leaf(&mut g, "b", vec![3, 5]), leaf(&mut g, "c", vec![4, 5]));
+        let m = g.add(Op::MatMul { transpose_a: false, transpose_b: false }, &[a, b], "t").unwrap();
+        let s = g.add(Op::Add, &[m, c], "t").unwrap();
+        g.set_outputs(vec![s]);
+        assert_eq!(fuse_epilogues(&mut g), 0, "the sum is larger than the product: the head's type differs");
+    }
+}
