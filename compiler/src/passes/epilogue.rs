@@ -55,13 +55,9 @@ pub fn fuse_epilogues(g: &mut Graph) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::passes::testing::leaf;
     use crate::op::{Conv2dAttrs, PadMode, Pool2dAttrs};
-    use crate::types::TensorType;
     use crate::NodeId;
-
-    fn leaf(g: &mut Graph, name: &str, dims: Vec<usize>) -> NodeId {
-        g.add_leaf(Op::Parameter { name: name.into() }, TensorType::f32(dims), "t").unwrap()
-    }
 
     fn epilogue(g: &Graph, id: NodeId) -> (String, String) {
         match &g.node(id).op {

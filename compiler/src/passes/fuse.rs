@@ -128,11 +128,8 @@ pub fn fuse_elementwise(g: &mut Graph) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::passes::testing::leaf;
     use crate::types::{Shape, TensorType};
-
-    fn leaf(g: &mut Graph, name: &str, dims: Vec<usize>) -> NodeId {
-        g.add_leaf(Op::Parameter { name: name.into() }, TensorType::f32(dims), "t").unwrap()
-    }
 
     #[test]
     fn bias_add_and_relu_become_one_node() {
