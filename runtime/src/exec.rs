@@ -530,15 +530,14 @@ impl<B: Backend> Session<B> {
                             Some(t) => Value::Float(t),
                             None => match (op, kernel) {
                                 // On device backends: the head on its bound kernel, the program on burn's ops.
-                                (Op::Epilogue { head, expr }, Some(Native::Epilogue { head: k, .. })) => {
+                                (Op::Epilogue { head, expr }, Some(Native::Epilogue { head: k, head_args, .. })) => {
                                     let mut args = args;
-                                    let rest = args.split_off(head.arity().min());
+                                    let rest = args.split_off(*head_args);
                                     let y = match run_bound(k, &args, &step.ty, &self.device, &mut self.kept, &mut self.arena) {
                                         Some(t) => Value::Float(t),
                                         None => eval(&cx, head, args, &step.ty)?,
                                     };
-                                    let args = std::iter::once((y, &step.ty)).chain(rest).collect();
-                                    eval(&cx, &Op::Fused { expr: expr.clone() }, args, &step.ty)?
+                                    crate::lower::epilogue_program(&cx, y, expr, rest, &step.ty)?
                                 }
                                 _ => eval(&cx, op, args, &step.ty)?,
                             },

@@ -89,10 +89,10 @@ pub enum Native {
     /// `reduction` `(logits, labels)`, or (`grad`) its gradient w.r.t. the logits
     /// `(logits, labels, dloss)`.
     SoftmaxCrossEntropy { c: usize, reduction: Reduction, grad: bool },
-    /// An `epilogue` node: `head` on the first operands, then `post` over its output in place
-    /// (`post`'s operand 0 is the head's output, the others the node's operands after the
-    /// head's).
-    Epilogue { head: Box<Native>, post: Arc<Elementwise> },
+    /// An `epilogue` node: `head` on the first `head_args` operands, then `post` over its
+    /// output in place (`post`'s operand 0 is the head's output, the others the node's operands
+    /// after the head's).
+    Epilogue { head: Box<Native>, head_args: usize, post: Arc<Elementwise> },
 }
 
 /// A fused elementwise program bound to its operands' extents.
@@ -207,13 +207,13 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
             elementwise(&Expr::new(terms).ok()?, tys).map(Native::Fused)
         }
         Op::ReduceSum(r) if r.axes == [0] && tys[0].rank() == 2 && d(0)[1] > 1 => Some(Native::SumRows { cols: d(0)[1] }),
-        Op::SoftmaxCrossEntropy { sparse: true, reduction } => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: false }),
-        Op::SoftmaxCrossEntropyGrad { sparse: true, reduction } => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: true }),
+        Op::SoftmaxCrossEntropy { sparse: true, reduction } if d(0)[1] > 0 => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: false }),
+        Op::SoftmaxCrossEntropyGrad { sparse: true, reduction } if d(0)[1] > 0 => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: true }),
         Op::Epilogue { head, expr } => {
             let (hs, rest) = tys.split_at(head.arity().min());
             let y = infer(head, hs).ok()?;
             let ys: Vec<&TensorType> = std::iter::once(&y).chain(rest.iter().copied()).collect();
-            Some(Native::Epilogue { head: Box::new(bind(head, hs)?), post: elementwise(expr, &ys)? })
+            Some(Native::Epilogue { head: Box::new(bind(head, hs)?), head_args: hs.len(), post: elementwise(expr, &ys)? })
         }
         _ => None,
     }

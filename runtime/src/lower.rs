@@ -365,10 +365,16 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
             let xs: Vec<Value<B>> = tys.iter().map(|_| next()).collect();
             let mut xs = xs.into_iter();
             let y = eval(cx, head, xs.by_ref().take(n).zip(tys[..n].iter().copied()).collect(), out)?;
-            let args = std::iter::once((y, out)).chain(xs.zip(tys[n..].iter().copied())).collect();
-            eval(cx, &Op::Fused { expr: expr.clone() }, args, out)?
+            epilogue_program(cx, y, expr, xs.zip(tys[n..].iter().copied()).collect(), out)?
         }
     })
+}
+
+/// An epilogue's program on burn's ops, over the head's result `y` and the operands after the
+/// head's (`rest`).
+pub fn epilogue_program<B: Backend>(cx: &Ctx<B>, y: Value<B>, expr: &cellgraph_compiler::expr::Expr, rest: Vec<(Value<B>, &TensorType)>, out: &TensorType) -> Result<Value<B>> {
+    let args = std::iter::once((y, out)).chain(rest).collect();
+    eval(cx, &Op::Fused { expr: expr.clone() }, args, out)
 }
 
 /// Gradient of a convolution w.r.t. its input, as a forward convolution: `dy` dilated by the

@@ -173,12 +173,9 @@ impl<B: Backend> Store<B> {
         if self.flat.is_some() {
             return self.upload(session, kind, data);
         }
-        let mut at = 0;
-        for (s, p) in self.slots(kind).zip(&self.params) {
-            let t = HostTensor::f32(p.shape.clone(), data[at..at + p.len].to_vec()).expect("sizes match");
-            at += p.len;
+        for (param, t) in self.split(data) {
             let v = Value::from_host_owned(t, session.device());
-            session.set_value(self.name(s), v);
+            session.set_value(self.name(Slot { kind, param }), v);
         }
     }
 

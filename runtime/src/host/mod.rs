@@ -212,7 +212,15 @@ fn run<F: Elem>(k: &Native, args: &[HostSlice], ints: &[&[i64]], tys: &[&TensorT
             (true, [labels]) => kernels::softmax_cross_entropy_grad(a[0], labels, a[1], c, reduction, &mut y),
             _ => false,
         };
-        return ok.then_some(y);
+        if ok {
+            return Some(y);
+        }
+        arena.give(y);
+        return None;
+    }
+    if !ints.is_empty() {
+        // The other kernels read float operands only.
+        return None;
     }
     let fits = match k {
         Native::Fused(e) | Native::Epilogue { post: e, .. } => e.len == len,
@@ -224,9 +232,9 @@ fn run<F: Elem>(k: &Native, args: &[HostSlice], ints: &[&[i64]], tys: &[&TensorT
     }
     let mut y = arena.take::<F>(len);
     match k {
-        Native::Epilogue { head, post } => {
+        Native::Epilogue { head, head_args: split, post } => {
             // The head's operands come first; `post` reads the output and the rest.
-            let split = a.len() + 1 - post.reads.len();
+            let split = *split;
             let extras = &a[split..];
             let part = |first: usize, part: &mut [F]| kernels::epilogue(post, extras, first, part);
             run_into(head, &a[..split], &tys[..split], kept, &mut y, Some(&part))
