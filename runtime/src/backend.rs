@@ -112,6 +112,14 @@ pub trait Backend: burn_backend::Backend {
     }
 }
 
+/// An array's elements in row-major order: its own memory when that is how it lies, else a copy.
+fn cow<T: Clone>(v: ndarray::ArrayViewD<'_, T>) -> Cow<'_, [T]> {
+    match v.to_slice() {
+        Some(s) => Cow::Borrowed(s),
+        None => Cow::Owned(v.iter().cloned().collect()),
+    }
+}
+
 impl<E: FloatNdArrayElement> Backend for NdArray<E>
 where
     NdArrayTensor: From<ndarray::ArcArray<E, ndarray::IxDyn>>,
@@ -119,12 +127,6 @@ where
     const HOST: bool = true;
 
     fn host_slice(t: &NdArrayTensor) -> Option<HostSlice<'_>> {
-        fn cow<T: Clone>(v: ndarray::ArrayViewD<'_, T>) -> Cow<'_, [T]> {
-            match v.to_slice() {
-                Some(s) => Cow::Borrowed(s),
-                None => Cow::Owned(v.iter().cloned().collect()),
-            }
-        }
         match t {
             NdArrayTensor::F32(s) => Some(HostSlice::F32(cow(s.view()))),
             NdArrayTensor::F64(s) => Some(HostSlice::F64(cow(s.view()))),
@@ -137,10 +139,7 @@ where
             Cow::Owned(v.iter().map(|&x| x.into()).collect())
         }
         match t {
-            NdArrayTensor::I64(s) => Some(match s.view().to_slice() {
-                Some(v) => Cow::Borrowed(v),
-                None => Cow::Owned(s.view().iter().copied().collect()),
-            }),
+            NdArrayTensor::I64(s) => Some(cow(s.view())),
             NdArrayTensor::I32(s) => Some(wide(s.view())),
             NdArrayTensor::I16(s) => Some(wide(s.view())),
             NdArrayTensor::I8(s) => Some(wide(s.view())),

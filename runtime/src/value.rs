@@ -33,33 +33,18 @@ pub fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
 impl<B: crate::Backend> Value<B> {
     /// Copies a host tensor to the device.
     pub fn from_host(t: &HostTensor, device: &Device<B>) -> Self {
-        let shape = crate::backend::bshape(&t.shape);
-        match &t.data {
-            HostData::F32(v) => Value::Float(B::float_from_data(
-                TensorData::new(v.clone(), shape).convert::<B::FloatElem>(),
-                device,
-            )),
-            HostData::F64(v) => Value::Float(B::float_from_data(
-                TensorData::new(v.clone(), shape).convert::<B::FloatElem>(),
-                device,
-            )),
-            HostData::I32(v) => {
-                Value::Int(B::int_from_data(TensorData::new(v.clone(), shape).convert::<B::IntElem>(), device))
-            }
-            HostData::I64(v) => {
-                Value::Int(B::int_from_data(TensorData::new(v.clone(), shape).convert::<B::IntElem>(), device))
-            }
-            HostData::Bool(v) => Value::Bool(B::bool_from_data(TensorData::new(v.clone(), shape), device)),
-        }
+        Self::from_host_owned(t.clone(), device)
     }
 
-    /// [`Self::from_host`], taking the host memory instead of copying it (floats and ints).
+    /// [`Self::from_host`], taking the host memory instead of copying it.
     pub fn from_host_owned(t: HostTensor, device: &Device<B>) -> Self {
         let shape = crate::backend::bshape(&t.shape);
         match t.data {
             HostData::F32(v) => Value::Float(B::float_from_data(TensorData::new(v, shape).convert::<B::FloatElem>(), device)),
             HostData::F64(v) => Value::Float(B::float_from_data(TensorData::new(v, shape).convert::<B::FloatElem>(), device)),
-            _ => Self::from_host(&t, device),
+            HostData::I32(v) => Value::Int(B::int_from_data(TensorData::new(v, shape).convert::<B::IntElem>(), device)),
+            HostData::I64(v) => Value::Int(B::int_from_data(TensorData::new(v, shape).convert::<B::IntElem>(), device)),
+            HostData::Bool(v) => Value::Bool(B::bool_from_data(TensorData::new(v, shape), device)),
         }
     }
 

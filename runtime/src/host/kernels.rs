@@ -52,6 +52,9 @@ pub trait HostFloat:
     fn sqrt(self) -> Self;
     /// `self * a + b` with one rounding (an FMA instruction where the CPU has one).
     fn mul_add(self, a: Self, b: Self) -> Self;
+    /// The sum of `xs` by ndarray's own `sum` (eight running sums, paired): the order, and so
+    /// the bits, of burn-ndarray's reductions, which the host loss kernels must reproduce.
+    fn ndarray_sum(xs: &[Self]) -> Self;
     /// Runs `f` on `len` elements of this thread's scratch memory (grown, never shrunk: a
     /// steady state allocates nothing; the contents are whatever the last kernel left).
     fn scratch<R>(len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R;
@@ -90,6 +93,9 @@ macro_rules! host_float {
             #[inline(always)]
             fn mul_add(self, a: $t, b: $t) -> $t {
                 $t::mul_add(self, a, b)
+            }
+            fn ndarray_sum(xs: &[$t]) -> $t {
+                ndarray::aview1(xs).sum()
             }
             fn scratch<R>(len: usize, f: impl FnOnce(&mut [$t]) -> R) -> R {
                 grown(&$scratch, len, f)
@@ -804,25 +810,6 @@ pub fn sum_rows<F: HostFloat>(x: &[F], out: &mut [F]) {
     }
 }
 
-/// The sum of a slice in the order of ndarray's `sum` (and `sum_axis` over contiguous lanes),
-/// which burn-ndarray's reductions run: eight running sums over the first multiple of eight
-/// elements, added pairwise (`p0 + p4`, then `p1 + p5`, ...) onto zero, then the rest in order.
-/// The host loss kernels sum this way so that they give burn's bits.
-fn ndarray_sum<F: HostFloat>(xs: &[F]) -> F {
-    let mut p = [F::ZERO; 8];
-    let mut chunks = xs.chunks_exact(8);
-    for c in &mut chunks {
-        for (p, &x) in p.iter_mut().zip(c) {
-            *p = *p + x;
-        }
-    }
-    let mut acc = F::ZERO;
-    for k in 0..4 {
-        acc = acc + (p[k] + p[k + 4]);
-    }
-    chunks.remainder().iter().fold(acc, |acc, &x| acc + x)
-}
-
 /// One row's log-softmax in `z` (`[c]` logits in, `logit - max - ln(sum(exp(logit - max)))`
 /// out), in the order of the reference lowering's burn ops.
 fn log_softmax_row<F: HostFloat>(row: &[F], z: &mut [F], e: &mut [F]) {
@@ -831,7 +818,7 @@ fn log_softmax_row<F: HostFloat>(row: &[F], z: &mut [F], e: &mut [F]) {
         *z = x - m;
         *e = z.exp();
     }
-    let lse = ndarray_sum(e).ln();
+    let lse = F::ndarray_sum(e).ln();
     z.iter_mut().for_each(|z| *z = *z - lse);
 }
 
@@ -857,8 +844,8 @@ pub fn softmax_cross_entropy<F: HostFloat>(logits: &[F], labels: &[i64], c: usiz
         }
         match reduction {
             Reduction::None => out.copy_from_slice(items),
-            Reduction::Sum => out[0] = ndarray_sum(items),
-            Reduction::Mean => out[0] = ndarray_sum(items) * F::from_f64(1.0 / n as f64),
+            Reduction::Sum => out[0] = F::ndarray_sum(items),
+            Reduction::Mean => out[0] = F::ndarray_sum(items) * F::from_f64(1.0 / n as f64),
         }
         true
     })
