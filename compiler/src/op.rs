@@ -286,6 +286,7 @@ impl Op {
                 Op::MatMul { .. } => "matmul+epilogue",
                 Op::Conv2d(_) => "conv2d+epilogue",
                 Op::MaxPool2dGrad(_) => "max_pool2d_grad+epilogue",
+                Op::Conv2dBackpropFilter { .. } => "conv2d_backprop_filter+epilogue",
                 _ => "epilogue",
             },
             op => op.name(),
@@ -316,9 +317,10 @@ impl Op {
 
     /// True for the ops an [`Op::Epilogue`] may have as its head: ops of a fixed arity whose
     /// host kernels hand their output over in parts (matrix products, convolutions, max
-    /// pooling's gradient).
+    /// pooling's gradient), or produce a weight's gradient (a convolution's filter gradient,
+    /// whose epilogue adds it into its accumulator).
     pub fn takes_epilogue(&self) -> bool {
-        matches!(self, Op::MatMul { .. } | Op::Conv2d(_) | Op::MaxPool2dGrad(_))
+        matches!(self, Op::MatMul { .. } | Op::Conv2d(_) | Op::MaxPool2dGrad(_) | Op::Conv2dBackpropFilter { .. })
     }
 
     /// True for ops without operands whose type is given, not inferred.

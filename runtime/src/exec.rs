@@ -48,6 +48,9 @@ struct Step {
     frees: Vec<usize>,
     /// The step's kernel, bound when the plan is compiled; `None` runs burn's ops.
     kernel: Option<Native>,
+    /// For an epilogue that adds its head's result to an accumulator only it and its write
+    /// read ([`cellgraph_compiler::passes::epilogue::accumulator`]): the accumulator's operand.
+    accumulator: Option<usize>,
 }
 
 /// A graph lowered to a schedule.
@@ -149,10 +152,12 @@ fn arena_sizes(graph: &Graph, steps: &[Step]) -> Vec<(usize, usize)> {
     most.into_iter().collect()
 }
 
-/// Pairs each max pool with the gradients of it scheduled after it (same input, same window;
-/// a gradient heading an epilogue too): the forward keeps its argmax in a [`Kept`] slot and
-/// they route by it instead of searching the windows again.
-fn keep_pool_argmax(steps: &mut [Step]) {
+/// Pairs each forward whose gradient reuses what it computed with the gradients of it
+/// scheduled after it, on the same operands: a max pool keeps its argmax (its gradients,
+/// alone or heading an epilogue, route by it instead of searching the windows again), a
+/// softmax cross-entropy its log-softmax (its gradients exponentiate it instead of computing
+/// it again). Each pair gets a [`Kept`] slot.
+fn keep_for_gradients(steps: &mut [Step]) {
     /// The pooling window of a max pool's gradient, alone or heading an epilogue.
     fn pool_grad(op: &Op) -> Option<&cellgraph_compiler::Pool2dAttrs> {
         match op {
@@ -161,30 +166,48 @@ fn keep_pool_argmax(steps: &mut [Step]) {
             _ => None,
         }
     }
-    /// Where a bound pool gradient keeps the slot it routes by.
+    /// Where a bound gradient keeps the slot it reads.
     fn kept_slot(k: &mut Native) -> Option<&mut Option<usize>> {
         match k {
             Native::MaxPoolGrad { kept, .. } => Some(kept),
+            Native::SoftmaxCrossEntropy { grad: true, kept, .. } => Some(kept),
             Native::Epilogue { head, .. } => kept_slot(head),
             _ => None,
         }
     }
-    let mut slots = 0;
+    /// When `op` is a gradient of `fwd` that can reuse what it keeps: how many leading
+    /// operands they must share.
+    fn reuses(fwd: &Op, op: &Op) -> Option<usize> {
+        match (fwd, op) {
+            (Op::MaxPool2d(p), op) if pool_grad(op) == Some(p) => Some(1),
+            (Op::SoftmaxCrossEntropy { sparse: true, .. }, Op::SoftmaxCrossEntropyGrad { sparse: true, .. }) => Some(2),
+            _ => None,
+        }
+    }
+    // Argmax and log-softmax slots are counted apart (they are kept apart).
+    let (mut pools, mut losses) = (0, 0);
     for i in 0..steps.len() {
-        let Op::MaxPool2d(p) = &steps[i].op else { continue };
-        let x = steps[i].args[0].0;
-        let grads: Vec<usize> = (i + 1..steps.len()).filter(|&j| pool_grad(&steps[j].op) == Some(p) && steps[j].args[0].0 == x).collect();
+        let grads: Vec<usize> = (i + 1..steps.len())
+            .filter(|&j| reuses(&steps[i].op, &steps[j].op).is_some_and(|n| steps[j].args.iter().zip(&steps[i].args).take(n).all(|(a, b)| a.0 == b.0)))
+            .collect();
         if grads.is_empty() {
             continue;
         }
-        if let Some(Native::MaxPool { keep, .. }) = &mut steps[i].kernel {
-            *keep = Some(slots);
-            for j in grads {
-                if let Some(kept) = steps[j].kernel.as_mut().and_then(kept_slot) {
-                    *kept = Some(slots);
-                }
+        let slot = match &mut steps[i].kernel {
+            Some(Native::MaxPool { keep, .. }) => {
+                pools += 1;
+                *keep.insert(pools - 1)
             }
-            slots += 1;
+            Some(Native::SoftmaxCrossEntropy { grad: false, kept, .. }) => {
+                losses += 1;
+                *kept.insert(losses - 1)
+            }
+            _ => continue,
+        };
+        for j in grads {
+            if let Some(kept) = steps[j].kernel.as_mut().and_then(kept_slot) {
+                *kept = Some(slot);
+            }
         }
     }
 }
@@ -268,10 +291,11 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
                 _ => None,
             };
             let kernel = crate::kernel::bind(&n.op, &arg_types.iter().collect::<Vec<_>>());
-            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred, kernel }
+            let accumulator = cellgraph_compiler::passes::epilogue::accumulator(&graph, id);
+            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred, kernel, accumulator }
         })
         .collect();
-    keep_pool_argmax(&mut steps);
+    keep_for_gradients(&mut steps);
     let outputs = graph.outputs().iter().map(|o| o.index()).collect();
     let slots = graph.id_bound();
     let peak_bytes = simulate_peak(&graph, &steps);
@@ -298,6 +322,19 @@ fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &Ten
         B::device_kernel(k, &floats, out)
     } else {
         None
+    }
+}
+
+/// An epilogue step's head (`args`: its operands) on the head's bound kernel where the backend
+/// runs it (`native`), else on burn's ops.
+fn run_head<B: Backend>(cx: &Ctx<B>, head: &Op, step: &Step, args: Vec<(Value<B>, &TensorType)>, native: bool, kept: &mut Kept, arena: &mut Arena) -> Result<Value<B>> {
+    let bound = match &step.kernel {
+        Some(Native::Epilogue { head, .. }) if native => run_bound(head, &args, &step.ty, cx.device, kept, arena),
+        _ => None,
+    };
+    match bound {
+        Some(t) => Ok(Value::Float(t)),
+        None => eval(cx, head, args, &step.ty),
     }
 }
 
@@ -524,19 +561,23 @@ impl<B: Backend> Session<B> {
                             },
                             (acc, g) => eval(&cx, op, vec![(acc, tys.0), (g, tys.1)], &step.ty)?,
                         }
+                    } else if let (Some(n), Op::Epilogue { head, .. }) = (step.accumulator.filter(|_| !B::HOST && self.in_place), op) {
+                        // Accumulators that are views of one flat device buffer: the head, then
+                        // `assign_add` into the view's own memory.
+                        let mut args = args;
+                        let acc = args.split_off(n);
+                        let g = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
+                        eval(&cx, &Op::AssignAdd, acc.into_iter().chain([(g, &step.ty)]).collect(), &step.ty)?
                     } else {
                         let kernel = step.kernel.as_ref().filter(|_| self.native);
                         match kernel.and_then(|k| run_bound(k, &args, &step.ty, &self.device, &mut self.kept, &mut self.arena)) {
                             Some(t) => Value::Float(t),
                             None => match (op, kernel) {
                                 // On device backends: the head on its bound kernel, the program on burn's ops.
-                                (Op::Epilogue { head, expr }, Some(Native::Epilogue { head: k, head_args, .. })) => {
+                                (Op::Epilogue { head, expr }, Some(Native::Epilogue { head_args, .. })) => {
                                     let mut args = args;
                                     let rest = args.split_off(*head_args);
-                                    let y = match run_bound(k, &args, &step.ty, &self.device, &mut self.kept, &mut self.arena) {
-                                        Some(t) => Value::Float(t),
-                                        None => eval(&cx, head, args, &step.ty)?,
-                                    };
+                                    let y = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
                                     crate::lower::epilogue_program(&cx, y, expr, rest, &step.ty)?
                                 }
                                 _ => eval(&cx, op, args, &step.ty)?,

@@ -87,8 +87,10 @@ pub enum Native {
     SumRows { cols: usize },
     /// Softmax cross-entropy over `[n, c]` logits with class-id labels, reduced by
     /// `reduction` `(logits, labels)`, or (`grad`) its gradient w.r.t. the logits
-    /// `(logits, labels, dloss)`.
-    SoftmaxCrossEntropy { c: usize, reduction: Reduction, grad: bool },
+    /// `(logits, labels, dloss)`. `kept`: the [`crate::host::Kept`] slot the forward writes
+    /// its log-softmax to and its gradient later in the same plan reads it from (without
+    /// one, or when the forward did not run on the host kernels, the gradient recomputes it).
+    SoftmaxCrossEntropy { c: usize, reduction: Reduction, grad: bool, kept: Option<usize> },
     /// An `epilogue` node: `head` on the first `head_args` operands, then `post` over its
     /// output in place (`post`'s operand 0 is the head's output, the others the node's operands
     /// after the head's).
@@ -207,8 +209,8 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
             elementwise(&Expr::new(terms).ok()?, tys).map(Native::Fused)
         }
         Op::ReduceSum(r) if r.axes == [0] && tys[0].rank() == 2 && d(0)[1] > 1 => Some(Native::SumRows { cols: d(0)[1] }),
-        Op::SoftmaxCrossEntropy { sparse: true, reduction } if d(0)[1] > 0 => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: false }),
-        Op::SoftmaxCrossEntropyGrad { sparse: true, reduction } if d(0)[1] > 0 => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: true }),
+        Op::SoftmaxCrossEntropy { sparse: true, reduction } if d(0)[1] > 0 => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: false, kept: None }),
+        Op::SoftmaxCrossEntropyGrad { sparse: true, reduction } if d(0)[1] > 0 => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: true, kept: None }),
         Op::Epilogue { head, expr } => {
             let (hs, rest) = tys.split_at(head.arity().min());
             let y = infer(head, hs).ok()?;

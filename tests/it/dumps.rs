@@ -31,7 +31,7 @@ fn dump_lenet(level: u8, dir: &Path) -> Vec<String> {
     names
 }
 
-const STEMS: [&str; 13] = [
+const STEMS: [&str; 16] = [
     "00_trace_forward",
     "01_grad_accumulation_clear",
     "01_grad_accumulation_micro_step",
@@ -45,6 +45,9 @@ const STEMS: [&str; 13] = [
     "04_fuse_epilogue_clear",
     "04_fuse_epilogue_micro_step",
     "04_fuse_epilogue_optimizer",
+    "05_fuse_accumulation_clear",
+    "05_fuse_accumulation_micro_step",
+    "05_fuse_accumulation_optimizer",
 ];
 
 #[test]
@@ -83,11 +86,17 @@ fn every_dump_parses_back_and_names_accumulators_and_state() {
     assert!(fused.contains("f32[8,120] = fused(") && fused.contains("{expr=\"$0 $1 add relu\"}  # net.relu"), "{fused}");
     let fused = std::fs::read_to_string(dir.join("03_fuse_elementwise_optimizer.ir")).unwrap();
     assert!(fused.contains("expr=\"$0 0.9 mul $1 $2 mul add\"") && !fused.contains("constant"), "{fused}");
-    let last = std::fs::read_to_string(dir.join("04_fuse_epilogue_micro_step.ir")).unwrap();
+    let epilogues = std::fs::read_to_string(dir.join("04_fuse_epilogue_micro_step.ir")).unwrap();
     for (head, expr) in [("conv2d", "$0 relu"), ("matmul", "$0 $1 add relu"), ("matmul", "$0 $1 relu_grad"), ("max_pool2d_grad", "$0 $1 relu_grad")] {
-        assert!(last.lines().any(|l| l.contains("= epilogue(") && l.contains(&format!("expr=\"{expr}\"")) && l.contains(&format!("head={head}"))), "{head} + {expr}: {last}");
+        assert!(epilogues.lines().any(|l| l.contains("= epilogue(") && l.contains(&format!("expr=\"{expr}\"")) && l.contains(&format!("head={head}"))), "{head} + {expr}: {epilogues}");
     }
-    assert!(!last.contains("= relu(") && !last.contains("= relu_grad(") && !last.contains("= fused("), "{last}");
+    assert!(!epilogues.contains("= relu(") && !epilogues.contains("= relu_grad(") && !epilogues.contains("= fused("), "{epilogues}");
+    // The weights' gradients are added into their accumulators by the ops producing them; the
+    // biases' (a reduction, then a reshape) are still `assign_add`-ed.
+    let last = std::fs::read_to_string(dir.join("05_fuse_accumulation_micro_step.ir")).unwrap();
+    let adds = |head: &str| last.lines().filter(|l| l.contains("= epilogue(") && l.contains("expr=\"$0 $1 add\"") && l.contains(&format!("head={head},")) && l.contains("# Gradients/")).count();
+    assert_eq!((adds("conv2d_backprop_filter"), adds("matmul")), (2, 3), "{last}");
+    assert_eq!((last.matches("= assign(").count(), last.matches("= assign_add(").count()), (5, 3), "{last}");
 }
 
 fn inspect(args: &[&str]) -> (bool, String) {

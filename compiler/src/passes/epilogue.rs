@@ -9,9 +9,16 @@
 //! becomes `epilogue(x, dy, x) {head=max_pool2d_grad, expr="$0 $1 relu_grad"}`. The ops and
 //! their order are unchanged, so the plan computes the same bits; kernels apply the program
 //! to each part of the output as the head finishes it, while it is still in cache.
+//!
+//! [`fuse_accumulation`] (the next pass) does the same for gradient accumulation: a weight's
+//! gradient `assign_add`-ed into its accumulator, `assign_add(acc, matmul(dy, x))`, becomes
+//! `assign(acc, epilogue(dy, x, acc) {head=matmul, expr="$0 $1 add"})`: the head's result is
+//! added to the accumulator while it is in cache, and the sum is written back. `g + acc` and
+//! `acc + g` are the same bits. A plan whose accumulators are views of one flat device buffer
+//! runs [such an epilogue](accumulator) as the head and then `assign_add` into the view.
 
-use crate::expr::{Expr, Term};
-use crate::graph::Graph;
+use crate::expr::{Binary, Expr, Term};
+use crate::graph::{Graph, NodeId};
 use crate::op::Op;
 
 use super::fuse::{absorbable, body};
@@ -50,6 +57,59 @@ pub fn fuse_epilogues(g: &mut Graph) -> usize {
         made += 1;
     }
     made
+}
+
+/// The program of an accumulating epilogue: the head's result plus the accumulator.
+fn accumulating() -> Expr {
+    Expr::new(vec![Term::Arg(0), Term::Arg(1), Term::Binary(Binary::Add)]).expect("a well-formed program")
+}
+
+/// Moves each `assign_add(acc, head(...))` whose value is a head's result, read by it alone,
+/// into an epilogue of that head (see the module's documentation); returns how many.
+pub fn fuse_accumulation(g: &mut Graph) -> usize {
+    let order = g.topo_order().expect("the pipeline verifies before every pass");
+    let mut made = 0;
+    for id in order {
+        if !matches!(g.node(id).op, Op::AssignAdd) {
+            continue;
+        }
+        let [acc, head] = g.operands(id)[..] else { continue };
+        if acc == head || !g.node(head).op.takes_epilogue() || !absorbable(g, head, id, &[head]) {
+            continue;
+        }
+        let mut operands = g.operands(head);
+        operands.push(acc);
+        let op = Op::Epilogue { head: Box::new(g.node(head).op.clone()), expr: accumulating() };
+        let sum = g.add_unchecked(op, &operands, g.ty(id).clone(), &g.node(head).scope.clone());
+        let scope = g.node(id).scope.clone();
+        let write = g.add_unchecked(Op::Assign, &[acc, sum], g.ty(id).clone(), &scope);
+        g.replace_uses(id, write);
+        g.remove(id);
+        g.remove(head);
+        made += 1;
+    }
+    made
+}
+
+/// For an epilogue [`fuse_accumulation`] made, whose sum only its `assign` reads and whose
+/// accumulator (a parameter) only it and that `assign` read: the accumulator's operand index.
+/// Such a step may add its head's result into the accumulator's own memory.
+pub fn accumulator(g: &Graph, id: NodeId) -> Option<usize> {
+    let Op::Epilogue { head, expr } = &g.node(id).op else { return None };
+    let n = head.arity().min();
+    let xs = g.operands(id);
+    if xs.len() != n + 1 || *expr != accumulating() || g.outputs().contains(&id) {
+        return None;
+    }
+    let acc = xs[n];
+    let [write] = g.users(id)[..] else { return None };
+    let ok = matches!(g.node(acc).op, Op::Parameter { .. })
+        && !g.outputs().contains(&acc)
+        && !xs[..n].contains(&acc)
+        && matches!(g.node(write).op, Op::Assign)
+        && g.operands(write) == [acc, id]
+        && g.users(acc) == [id.min(write), id.max(write)];
+    ok.then_some(n)
 }
 
 #[cfg(test)]
@@ -111,5 +171,57 @@ mod tests {
         let s = g.add(Op::Add, &[m, c], "t").unwrap();
         g.set_outputs(vec![s]);
         assert_eq!(fuse_epilogues(&mut g), 0, "the sum is larger than the product: the head's type differs");
+    }
+
+    #[test]
+    fn a_weight_gradient_is_added_into_its_accumulator_by_its_head() {
+        let mut g = Graph::new("g");
+        let (dy, x, w) = (leaf(&mut g, "dy", vec![8, 4]), leaf(&mut g, "x", vec![8, 3]), leaf(&mut g, "w", vec![4, 3]));
+        let y = g.add(Op::MatMul { transpose_a: false, transpose_b: true }, &[x, w], "net.fc").unwrap();
+        let acc = leaf(&mut g, "accu_grads.w", vec![4, 3]);
+        let dw = g.add(Op::MatMul { transpose_a: true, transpose_b: false }, &[dy, x], "grad.fc").unwrap();
+        g.add(Op::AssignAdd, &[acc, dw], "accumulate.w").unwrap();
+        // A gradient someone else reads too stays where it is.
+        let acc2 = leaf(&mut g, "accu_grads.v", vec![4, 3]);
+        let dv = g.add(Op::MatMul { transpose_a: true, transpose_b: false }, &[dy, x], "grad.v").unwrap();
+        g.add(Op::AssignAdd, &[acc2, dv], "accumulate.v").unwrap();
+        g.set_outputs(vec![y, dv]);
+        assert_eq!(fuse_accumulation(&mut g), 1);
+        crate::verify::verify(&g).unwrap();
+        let writes = g.effects();
+        let (fused, kept): (Vec<NodeId>, Vec<NodeId>) = writes.iter().partition(|&&e| matches!(g.node(e).op, Op::Assign));
+        assert_eq!((fused.len(), kept.len()), (1, 1));
+        let [target, sum] = g.operands(fused[0])[..] else { panic!("assign has two operands") };
+        assert_eq!(target, acc);
+        assert_eq!(epilogue(&g, sum), ("matmul".into(), "$0 $1 add".into()));
+        assert_eq!(g.operands(sum), vec![dy, x, acc]);
+        assert_eq!(accumulator(&g, sum), Some(2));
+        assert_eq!(g.node(sum).scope, "grad.fc", "the head's scope");
+        assert_eq!(g.node(fused[0]).scope, "accumulate.w", "the write's scope");
+        assert_eq!(accumulator(&g, g.operands(y)[0]), None, "not an epilogue");
+        let text = crate::print::print(&g);
+        assert_eq!(crate::parse::parse(&text).map(|h| crate::print::print(&h)).unwrap(), text, "prints and parses");
+    }
+
+    #[test]
+    fn a_filter_gradient_takes_its_accumulation_and_an_epilogue_read_elsewhere_is_not_an_accumulator() {
+        let mut g = Graph::new("g");
+        let (x, dy) = (leaf(&mut g, "x", vec![2, 1, 8, 8]), leaf(&mut g, "dy", vec![2, 3, 6, 6]));
+        let conv = Conv2dAttrs { stride: [1, 1], pad_mode: PadMode::Valid, pad: [0; 4], dilation: [1, 1], groups: 1 };
+        let filter_shape = crate::Shape(vec![3, 1, 3, 3]);
+        let dw = g.add(Op::Conv2dBackpropFilter { conv, filter_shape }, &[dy, x], "grad.conv").unwrap();
+        let acc = leaf(&mut g, "accu_grads.conv", vec![3, 1, 3, 3]);
+        g.add(Op::AssignAdd, &[acc, dw], "accumulate.conv").unwrap();
+        g.set_outputs(vec![dy]);
+        assert_eq!(fuse_accumulation(&mut g), 1);
+        crate::verify::verify(&g).unwrap();
+        let write = g.effects()[0];
+        let sum = g.operands(write)[1];
+        assert_eq!(epilogue(&g, sum), ("conv2d_backprop_filter".into(), "$0 $1 add".into()));
+        assert_eq!(g.node(sum).op.label(), "conv2d_backprop_filter+epilogue");
+        assert_eq!(accumulator(&g, sum), Some(2));
+        // Read by anything but its write, the accumulator may not be added into in place.
+        g.set_outputs(vec![dy, acc]);
+        assert_eq!(accumulator(&g, sum), None);
     }
 }

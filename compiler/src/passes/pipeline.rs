@@ -16,7 +16,8 @@ pub struct PipelineOptions {
     /// Verify after each pass (on by default in debug builds).
     pub verify: bool,
     /// Fuse elementwise chains, then fuse them onto the ops that produce their input
-    /// (epilogues); on by default, off gives the unfused reference plan.
+    /// (epilogues), then the accumulation of weight gradients onto the ops that produce
+    /// them; on by default, off gives the unfused reference plan.
     pub fuse: bool,
 }
 
@@ -27,7 +28,7 @@ impl Default for PipelineOptions {
 }
 
 /// The passes run on every graph before lowering: dead code, then (unless `opts.fuse` is
-/// off) elementwise fusion and epilogue fusion.
+/// off) elementwise fusion, epilogue fusion and accumulation fusion.
 pub fn passes(opts: &PipelineOptions) -> Vec<Pass> {
     let mut v = vec![Pass {
         name: "dce",
@@ -48,6 +49,13 @@ pub fn passes(opts: &PipelineOptions) -> Vec<Pass> {
             name: "fuse_epilogue",
             run: |g| {
                 super::epilogue::fuse_epilogues(g);
+                Ok(())
+            },
+        });
+        v.push(Pass {
+            name: "fuse_accumulation",
+            run: |g| {
+                super::epilogue::fuse_accumulation(g);
                 Ok(())
             },
         });

@@ -828,17 +828,22 @@ fn class(labels: &[i64], i: usize, c: usize) -> Option<usize> {
 }
 
 /// Softmax cross-entropy of `[n, c]` `logits` against class ids (`-log_softmax[label]` per
-/// item, then summed or averaged as `reduction` says) into `out` (`[n]` or one element).
+/// item, then summed or averaged as `reduction` says) into `out` (`[n]` or one element),
+/// and each row's log-softmax into `keep` (`[n, c]`) when given, for the gradient.
 /// `false` (nothing meaningful written) when a label is out of range: the reference lowering
 /// then reports it. The same ops in the same order as the reference lowering on burn's ops,
 /// so the same bits.
-pub fn softmax_cross_entropy<F: HostFloat>(logits: &[F], labels: &[i64], c: usize, reduction: Reduction, out: &mut [F]) -> bool {
+pub fn softmax_cross_entropy<F: HostFloat>(logits: &[F], labels: &[i64], c: usize, reduction: Reduction, out: &mut [F], mut keep: Option<&mut [F]>) -> bool {
     let n = labels.len();
     F::scratch(2 * c + n, |s| {
         let (z, rest) = s.split_at_mut(c);
         let (e, items) = rest.split_at_mut(c);
         for (i, row) in logits.chunks_exact(c).enumerate().take(n) {
             let Some(l) = class(labels, i, c) else { return false };
+            let z = match keep.as_deref_mut() {
+                Some(k) => &mut k[i * c..(i + 1) * c],
+                None => &mut *z,
+            };
             log_softmax_row(row, z, e);
             items[i] = z[l] * F::from_f64(-1.0);
         }
@@ -852,9 +857,10 @@ pub fn softmax_cross_entropy<F: HostFloat>(logits: &[F], labels: &[i64], c: usiz
 }
 
 /// The gradient of [`softmax_cross_entropy`] w.r.t. the logits: `(softmax - one_hot) * dl`,
-/// `dl` per item (no reduction), as given (sum) or divided by `n` (mean). `false` when a
-/// label is out of range.
-pub fn softmax_cross_entropy_grad<F: HostFloat>(logits: &[F], labels: &[i64], dl: &[F], c: usize, reduction: Reduction, dx: &mut [F]) -> bool {
+/// `dl` per item (no reduction), as given (sum) or divided by `n` (mean). The log-softmax is
+/// the forward's (`kept`, the same bits) when given, else computed again from `logits`.
+/// `false` when a label is out of range.
+pub fn softmax_cross_entropy_grad<F: HostFloat>(logits: &[F], kept: Option<&[F]>, labels: &[i64], dl: &[F], c: usize, reduction: Reduction, dx: &mut [F]) -> bool {
     let n = labels.len();
     F::scratch(c, |e| {
         for (i, (row, d)) in logits.chunks_exact(c).zip(dx.chunks_exact_mut(c)).enumerate().take(n) {
@@ -864,7 +870,10 @@ pub fn softmax_cross_entropy_grad<F: HostFloat>(logits: &[F], labels: &[i64], dl
                 Reduction::Sum => dl[0],
                 Reduction::Mean => dl[0] * F::from_f64(1.0 / n as f64),
             };
-            log_softmax_row(row, d, e);
+            match kept {
+                Some(k) => d.copy_from_slice(&k[i * c..(i + 1) * c]),
+                None => log_softmax_row(row, d, e),
+            }
             for (j, d) in d.iter_mut().enumerate() {
                 let target = if j == l { F::from_f64(1.0) } else { F::ZERO };
                 *d = (d.exp() - target) * scale;

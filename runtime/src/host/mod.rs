@@ -31,10 +31,11 @@ type Shelf<T> = BTreeMap<usize, Vec<Vec<T>>>;
 
 /// The element types the kernels run in, tied to their [`HostSlice`]/[`HostVec`] variants
 /// and to their shelf of the [`Arena`].
-trait Elem: HostFloat + direct::Lanes {
+trait Elem: HostFloat + direct::Lanes + Default {
     fn slice<'a>(s: &'a HostSlice<'_>) -> Option<&'a [Self]>;
     fn wrap(v: Vec<Self>) -> HostVec;
     fn shelf(a: &mut Arena) -> &mut Shelf<Self>;
+    fn kept(k: &mut Kept) -> &mut Stamped<Self>;
 }
 
 macro_rules! elem {
@@ -51,6 +52,9 @@ macro_rules! elem {
             }
             fn shelf(a: &mut Arena) -> &mut Shelf<$t> {
                 &mut a.$shelf
+            }
+            fn kept(k: &mut Kept) -> &mut Stamped<$t> {
+                &mut k.$shelf
             }
         }
     };
@@ -169,13 +173,35 @@ pub fn assign_add<B: Backend>(acc: FloatTensor<B>, g: &FloatTensor<B>, ty: &Tens
     Err(B::from_host_vec(data, ty.dims(), device))
 }
 
-/// Per-session host state the kernels keep between steps of a run: the argmax of each max
-/// pool whose gradient is later in the same plan ([`Native::MaxPool`]'s `keep`), stamped with
-/// the run that wrote it (a gradient only trusts its own run's argmax).
+/// Buffers kept between the steps of a run, by slot, each stamped with the run that wrote it.
+#[derive(Default)]
+struct Stamped<T>(Vec<(u64, Vec<T>)>);
+
+impl<T: Copy + Default> Stamped<T> {
+    fn slot(&mut self, run: u64, k: usize, len: usize) -> &mut [T] {
+        if self.0.len() <= k {
+            self.0.resize_with(k + 1, Default::default);
+        }
+        let (stamp, v) = &mut self.0[k];
+        *stamp = run;
+        v.resize(len, T::default());
+        v
+    }
+    fn get(&self, run: u64, k: usize, len: usize) -> Option<&[T]> {
+        self.0.get(k).filter(|(stamp, v)| *stamp == run && v.len() == len).map(|(_, v)| &v[..])
+    }
+}
+
+/// Per-session host state the kernels keep between steps of a run for a gradient later in the
+/// same plan: the argmax of a max pool ([`Native::MaxPool`]'s `keep`) and the log-softmax of
+/// a loss ([`Native::SoftmaxCrossEntropy`]'s `kept`), stamped with the run that wrote them (a
+/// gradient only trusts its own run's).
 #[derive(Default)]
 pub struct Kept {
     run: u64,
-    argmax: Vec<(u64, Vec<u32>)>,
+    argmax: Stamped<u32>,
+    f32: Stamped<f32>,
+    f64: Stamped<f64>,
 }
 
 impl Kept {
@@ -183,17 +209,19 @@ impl Kept {
     pub fn begin_run(&mut self) {
         self.run += 1;
     }
-    fn slot(&mut self, k: usize, len: usize) -> &mut Vec<u32> {
-        if self.argmax.len() <= k {
-            self.argmax.resize_with(k + 1, Default::default);
-        }
-        let (stamp, v) = &mut self.argmax[k];
-        *stamp = self.run;
-        v.resize(len, 0);
-        v
+    fn argmax(&mut self, k: usize, len: usize) -> &mut [u32] {
+        self.argmax.slot(self.run, k, len)
     }
-    fn get(&self, k: usize, len: usize) -> Option<&[u32]> {
-        self.argmax.get(k).filter(|(stamp, v)| *stamp == self.run && v.len() == len).map(|(_, v)| &v[..])
+    fn argmax_of(&self, k: usize, len: usize) -> Option<&[u32]> {
+        self.argmax.get(self.run, k, len)
+    }
+    fn rows<F: Elem>(&mut self, k: usize, len: usize) -> &mut [F] {
+        let run = self.run;
+        F::kept(self).slot(run, k, len)
+    }
+    fn rows_of<F: Elem>(&mut self, k: usize, len: usize) -> Option<&[F]> {
+        let run = self.run;
+        F::kept(self).get(run, k, len)
     }
 }
 
@@ -204,12 +232,18 @@ impl Kept {
 fn run<F: Elem>(k: &Native, args: &[HostSlice], ints: &[&[i64]], tys: &[&TensorType], out: &TensorType, kept: &mut Kept, arena: &mut Arena) -> Option<Vec<F>> {
     let a: Vec<&[F]> = args.iter().map(F::slice).collect::<Option<_>>()?;
     let len = out.numel();
-    if let Native::SoftmaxCrossEntropy { c, reduction, grad } = *k {
+    if let Native::SoftmaxCrossEntropy { c, reduction, grad, kept: slot } = *k {
         // A label out of range leaves the step to the reference lowering, which reports it.
         let mut y = arena.take::<F>(len);
         let ok = match (grad, ints) {
-            (false, [labels]) => kernels::softmax_cross_entropy(a[0], labels, c, reduction, &mut y),
-            (true, [labels]) => kernels::softmax_cross_entropy_grad(a[0], labels, a[1], c, reduction, &mut y),
+            (false, [labels]) => {
+                let keep = slot.map(|s| kept.rows::<F>(s, labels.len() * c));
+                kernels::softmax_cross_entropy(a[0], labels, c, reduction, &mut y, keep)
+            }
+            (true, [labels]) => {
+                let from = slot.and_then(|s| kept.rows_of::<F>(s, labels.len() * c));
+                kernels::softmax_cross_entropy_grad(a[0], from, labels, a[1], c, reduction, &mut y)
+            }
             _ => false,
         };
         if ok {
@@ -253,7 +287,7 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         Native::Conv { kind: ConvKind::Forward, g, groups, out_channels, .. } => return kernels::conv2d(g, *groups, a[0], a[1], *out_channels, y, post),
         Native::MaxPoolGrad { g, kept: slot } => {
             let at_len = tys[1].numel();
-            return match slot.and_then(|s| kept.get(s, at_len)) {
+            return match slot.and_then(|s| kept.argmax_of(s, at_len)) {
                 Some(at) => kernels::max_pool2d_grad(g, at, a[1], y, post),
                 None => {
                     let mut at = vec![0; at_len];
@@ -271,7 +305,7 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         Native::Conv { kind: ConvKind::InputGrad, g, groups, out_channels, .. } => kernels::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels, y),
         Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } => kernels::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels, y),
         Native::MaxPool { g, keep } => match keep {
-            Some(s) => kernels::max_pool2d(g, a[0], kept.slot(*s, y.len()), y),
+            Some(s) => kernels::max_pool2d(g, a[0], kept.argmax(*s, y.len()), y),
             None => kernels::max_pool2d(g, a[0], &mut vec![0; y.len()], y),
         },
         Native::Relu => kernels::relu(a[0], y),
