@@ -385,7 +385,7 @@ where
                     ConvKind::FilterGrad => conv2d_filter_grad::launch::<F, R>(&client, count, dim, arr(&b), arr(&a), arr(&y), geom),
                 }
             }
-            Native::MaxPool { .. } | Native::MaxPoolGrad { .. } | Native::Relu | Native::ReluGrad | Native::Fused(_) | Native::SumRows { .. } | Native::SoftmaxCrossEntropy { .. } | Native::Epilogue { .. } => unreachable!("checked above"),
+            Native::MaxPool { .. } | Native::MaxPoolGrad { .. } | Native::Fill(_) | Native::Relu | Native::ReluGrad | Native::Fused(_) | Native::SumRows { .. } | Native::SoftmaxCrossEntropy { .. } | Native::Epilogue { .. } => unreachable!("checked above"),
         }
         Some(y)
     }

@@ -91,6 +91,9 @@ pub enum Native {
     /// its log-softmax to and its gradient later in the same plan reads it from (without
     /// one, or when the forward did not run on the host kernels, the gradient recomputes it).
     SoftmaxCrossEntropy { c: usize, reduction: Reduction, grad: bool, kept: Option<usize> },
+    /// A float `constant`: every element `value` (on host backends in the plan's arena, so a
+    /// clear of the accumulators allocates nothing).
+    Fill(f64),
     /// An `epilogue` node: `head` on the first `head_args` operands, then `post` over its
     /// output in place (`post`'s operand 0 is the head's output, the others the node's operands
     /// after the head's).
@@ -198,6 +201,7 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
         Op::Conv2dBackpropFilter { conv: c, filter_shape } => conv(ConvKind::FilterGrad, c, d(1), &filter_shape.0),
         Op::MaxPool2d(p) => Some(Native::MaxPool { g: pool(p)?, keep: None }),
         Op::MaxPool2dGrad(p) => Some(Native::MaxPoolGrad { g: pool(p)?, kept: None }),
+        Op::Constant { value } => Some(Native::Fill(*value)),
         Op::Relu => Some(Native::Relu),
         Op::ReluGrad if d(0) == d(1) => Some(Native::ReluGrad),
         Op::Fused { expr } => elementwise(expr, tys).map(Native::Fused),

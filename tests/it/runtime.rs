@@ -238,9 +238,10 @@ fn fused_lenet_accumulation_plans_equal_the_unfused_ones() {
 
 /// LeNet5's accumulation micro-step (batch 8) on the host kernels, in steady state: its values
 /// come from the session's arena, sized by the plan at compile time, so after the first runs
-/// it allocates no new buffer and nothing of 4 KiB or more (the loss's few [8, 10] temporaries
-/// on burn's ops remain, and the GEMM's packing scratch, counted apart); and the accumulators
-/// it adds into in place hold what burn's ops give.
+/// it allocates no new buffer and nothing of 4 KiB or more (the labels widened for the loss
+/// kernels remain, and the GEMM's packing scratch, counted apart); the accumulators it adds
+/// into hold what burn's ops give; and the clear at a window's end takes its zeros from the
+/// arena too.
 #[test]
 fn a_steady_state_micro_step_allocates_no_tensor_memory() {
     let (g, params, inputs) = golden_with_values("02_dce_micro_step", 9);
@@ -286,6 +287,21 @@ fn a_steady_state_micro_step_allocates_no_tensor_memory() {
         for (x, y) in a.to_f32().iter().zip(&b) {
             assert!((x - y).abs() <= 1e-3 * scale, "{name}: {x} (host kernels, arena) vs {y} (burn's ops)");
         }
+    }
+    let clear = compile(golden_with_values("02_dce_clear", 9).0).unwrap();
+    let (fresh, seen) = pool.install(|| {
+        host.run(&clear, &[]).unwrap();
+        host.run(&exe, &inputs).unwrap();
+        let before = host.fresh_buffers();
+        let ((), seen) = counting::allocations(|| {
+            host.run(&clear, &[]).unwrap();
+        });
+        (host.fresh_buffers() - before, seen)
+    });
+    assert_eq!(fresh, 0, "a steady-state clear takes every buffer from the arena");
+    assert!(seen.largest < 4096, "a steady-state clear allocates no tensor memory: largest allocation {} bytes", seen.largest);
+    for name in host.param_names().iter().filter(|n| n.starts_with("accu_grads.")) {
+        assert!(host.param(name).unwrap().to_f32().iter().all(|v| v.to_bits() == 0), "{name} is +0 everywhere after the clear");
     }
 }
 

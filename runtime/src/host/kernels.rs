@@ -922,7 +922,29 @@ pub fn fused<F: HostFloat>(e: &Elementwise, args: &[&[F]], out: &mut [F]) {
 /// place: operand 0 is the head's output (the part itself), operand `i` > 0 is `extras[i - 1]`;
 /// `first` is the part's first element's index in the whole output.
 pub fn epilogue<F: HostFloat>(e: &Elementwise, extras: &[&[F]], first: usize, part: &mut [F]) {
+    if let ([Term::Arg(0), Term::Arg(1), Term::Binary(op)], [_, Read::Same]) = (&e.terms[..], &e.reads[..]) {
+        // One op with an operand of the output's extents (an accumulator, say): in one pass.
+        let x = &extras[0][first..first + part.len()];
+        return vectorized(
+            #[inline(always)]
+            || binary(*op, part, x),
+        );
+    }
     program(e, Operands::Head(extras), first, part)
+}
+
+/// `a = a op b`, element by element.
+#[inline(always)]
+fn binary<F: HostFloat>(op: Binary, a: &mut [F], b: &[F]) {
+    let z = a.iter_mut().zip(b);
+    match op {
+        Binary::Add => z.for_each(|(a, &b)| *a = *a + b),
+        Binary::Sub => z.for_each(|(a, &b)| *a = *a - b),
+        Binary::Mul => z.for_each(|(a, &b)| *a = *a * b),
+        Binary::Div => z.for_each(|(a, &b)| *a = *a / b),
+        // As the host kernel `relu_grad`: `dy` where `y > 0`.
+        Binary::ReluGrad => z.for_each(|(a, &b)| *a = if b > F::ZERO { *a } else { F::ZERO }),
+    }
 }
 
 fn program<F: HostFloat>(e: &Elementwise, args: Operands<F>, first: usize, part: &mut [F]) {
@@ -971,16 +993,7 @@ fn fused_block<F: HostFloat>(e: &Elementwise, args: Operands<F>, start: usize, s
             }
             Term::Binary(op) => {
                 let (lo, hi) = stack.split_at_mut((sp - 1) * BLOCK);
-                let (a, b) = (&mut lo[(sp - 2) * BLOCK..][..n], &hi[..n]);
-                let z = a.iter_mut().zip(b);
-                match op {
-                    Binary::Add => z.for_each(|(a, &b)| *a = *a + b),
-                    Binary::Sub => z.for_each(|(a, &b)| *a = *a - b),
-                    Binary::Mul => z.for_each(|(a, &b)| *a = *a * b),
-                    Binary::Div => z.for_each(|(a, &b)| *a = *a / b),
-                    // As the host kernel `relu_grad`: `dy` where `y > 0`.
-                    Binary::ReluGrad => z.for_each(|(a, &b)| *a = if b > F::ZERO { *a } else { F::ZERO }),
-                }
+                binary(op, &mut lo[(sp - 2) * BLOCK..][..n], &hi[..n]);
                 sp -= 1;
             }
         }

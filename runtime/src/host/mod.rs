@@ -308,6 +308,7 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
             Some(s) => kernels::max_pool2d(g, a[0], kept.argmax(*s, y.len()), y),
             None => kernels::max_pool2d(g, a[0], &mut vec![0; y.len()], y),
         },
+        Native::Fill(v) => y.fill(F::from_f64(*v)),
         Native::Relu => kernels::relu(a[0], y),
         Native::ReluGrad => kernels::relu_grad(a[0], a[1], y),
         Native::Fused(e) => kernels::fused(e, a, y),
@@ -322,12 +323,21 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
 /// `args` are the float operands and `ints` the integer ones, each in operand order.
 #[allow(clippy::too_many_arguments)]
 pub fn run_host<B: Backend>(k: &Native, args: &[&FloatTensor<B>], ints: &[&IntTensor<B>], tys: &[&TensorType], out: &TensorType, device: &Device<B>, kept: &mut Kept, arena: &mut Arena) -> Option<FloatTensor<B>> {
+    if !out.dtype.is_float() {
+        return None;
+    }
     let slices: Vec<HostSlice> = args.iter().map(|t| B::host_slice(t)).collect::<Option<_>>()?;
     let ints: Vec<_> = ints.iter().map(|t| B::host_ints(t)).collect::<Option<_>>()?;
     let ints: Vec<&[i64]> = ints.iter().map(|v| &v[..]).collect();
-    let data = match slices.first()? {
-        HostSlice::F32(_) => run::<f32>(k, &slices, &ints, tys, out, kept, arena).map(f32::wrap),
-        HostSlice::F64(_) => run::<f64>(k, &slices, &ints, tys, out, kept, arena).map(f64::wrap),
+    // The operands' element type, or (a constant) the backend's.
+    let wide = match slices.first() {
+        Some(s) => matches!(s, HostSlice::F64(_)),
+        None => <B::FloatElem as burn_backend::Element>::dtype() == burn_backend::DType::F64,
+    };
+    let data = if wide {
+        run::<f64>(k, &slices, &ints, tys, out, kept, arena).map(f64::wrap)
+    } else {
+        run::<f32>(k, &slices, &ints, tys, out, kept, arena).map(f32::wrap)
     }?;
     Some(B::from_host_vec(data, out.dims(), device))
 }
