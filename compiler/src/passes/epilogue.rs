@@ -65,7 +65,8 @@ fn accumulating() -> Expr {
 }
 
 /// Moves each `assign_add(acc, head(...))` whose value is a head's result, read by it alone,
-/// into an epilogue of that head (see the module's documentation); returns how many.
+/// and whose accumulator nothing else reads, into an epilogue of that head (see the module's
+/// documentation); returns how many. Every epilogue it makes is an [`accumulator`]'s.
 pub fn fuse_accumulation(g: &mut Graph) -> usize {
     let order = g.topo_order().expect("the pipeline verifies before every pass");
     let mut made = 0;
@@ -75,6 +76,11 @@ pub fn fuse_accumulation(g: &mut Graph) -> usize {
         }
         let [acc, head] = g.operands(id)[..] else { continue };
         if acc == head || !g.node(head).op.takes_epilogue() || !absorbable(g, head, id, &[head]) {
+            continue;
+        }
+        // Only where the sum may be made in the accumulator's own memory (see
+        // [`accumulator`]): nothing else reads the accumulator, nor is it an output.
+        if g.users(acc) != [id] || g.outputs().contains(&acc) || g.operands(head).contains(&acc) {
             continue;
         }
         let mut operands = g.operands(head);
@@ -181,16 +187,23 @@ mod tests {
         let acc = leaf(&mut g, "accu_grads.w", vec![4, 3]);
         let dw = g.add(Op::MatMul { transpose_a: true, transpose_b: false }, &[dy, x], "grad.fc").unwrap();
         g.add(Op::AssignAdd, &[acc, dw], "accumulate.w").unwrap();
-        // A gradient someone else reads too stays where it is.
+        // A gradient someone else reads too stays where it is; so does one whose accumulator
+        // is an output, or read by its own head.
         let acc2 = leaf(&mut g, "accu_grads.v", vec![4, 3]);
         let dv = g.add(Op::MatMul { transpose_a: true, transpose_b: false }, &[dy, x], "grad.v").unwrap();
         g.add(Op::AssignAdd, &[acc2, dv], "accumulate.v").unwrap();
-        g.set_outputs(vec![y, dv]);
+        let acc3 = leaf(&mut g, "accu_grads.u", vec![4, 3]);
+        let du = g.add(Op::MatMul { transpose_a: true, transpose_b: false }, &[dy, x], "grad.u").unwrap();
+        g.add(Op::AssignAdd, &[acc3, du], "accumulate.u").unwrap();
+        let acc4 = leaf(&mut g, "accu_grads.t", vec![3, 3]);
+        let dt = g.add(Op::MatMul { transpose_a: false, transpose_b: false }, &[acc4, acc4], "grad.t").unwrap();
+        g.add(Op::AssignAdd, &[acc4, dt], "accumulate.t").unwrap();
+        g.set_outputs(vec![y, dv, acc3]);
         assert_eq!(fuse_accumulation(&mut g), 1);
         crate::verify::verify(&g).unwrap();
         let writes = g.effects();
         let (fused, kept): (Vec<NodeId>, Vec<NodeId>) = writes.iter().partition(|&&e| matches!(g.node(e).op, Op::Assign));
-        assert_eq!((fused.len(), kept.len()), (1, 1));
+        assert_eq!((fused.len(), kept.len()), (1, 3));
         let [target, sum] = g.operands(fused[0])[..] else { panic!("assign has two operands") };
         assert_eq!(target, acc);
         assert_eq!(epilogue(&g, sum), ("matmul".into(), "$0 $1 add".into()));

@@ -830,11 +830,15 @@ fn class(labels: &[i64], i: usize, c: usize) -> Option<usize> {
 /// Softmax cross-entropy of `[n, c]` `logits` against class ids (`-log_softmax[label]` per
 /// item, then summed or averaged as `reduction` says) into `out` (`[n]` or one element),
 /// and each row's log-softmax into `keep` (`[n, c]`) when given, for the gradient.
-/// `false` (nothing meaningful written) when a label is out of range: the reference lowering
+/// `false` (nothing written) when a label is out of range: the reference lowering
 /// then reports it. The same ops in the same order as the reference lowering on burn's ops,
 /// so the same bits.
 pub fn softmax_cross_entropy<F: HostFloat>(logits: &[F], labels: &[i64], c: usize, reduction: Reduction, out: &mut [F], mut keep: Option<&mut [F]>) -> bool {
     let n = labels.len();
+    // Every label first: a bad one leaves nothing kept for a gradient.
+    if (0..n).any(|i| class(labels, i, c).is_none()) {
+        return false;
+    }
     F::scratch(2 * c + n, |s| {
         let (z, rest) = s.split_at_mut(c);
         let (e, items) = rest.split_at_mut(c);
