@@ -18,7 +18,7 @@ use burn_backend::tensor::Device;
 use crate::Backend;
 use cellgraph_compiler::passes::pipeline::{self, PipelineOptions};
 use cellgraph_compiler::dump::DumpOptions;
-use cellgraph_compiler::{Graph, HostTensor, Op, TensorType};
+use cellgraph_compiler::{Graph, HostData, HostTensor, Op, TensorType};
 
 use crate::error::{Result, RuntimeError};
 use crate::host::{Arena, Kept};
@@ -51,6 +51,18 @@ struct Step {
     /// For an epilogue that adds its head's result to an accumulator only it and its write
     /// read ([`cellgraph_compiler::passes::epilogue::accumulator`]): the accumulator's operand.
     accumulator: Option<usize>,
+    /// A loss whose class-id labels are a plan input, checked on the host before the run.
+    labels_checked: bool,
+}
+
+/// Class-id labels a plan takes as an input: checked on the host before they are uploaded, so
+/// no step reads them back from the device.
+#[derive(Clone, Debug)]
+struct LabelCheck {
+    input: usize,
+    classes: usize,
+    scope: String,
+    op: &'static str,
 }
 
 /// A graph lowered to a schedule.
@@ -67,6 +79,7 @@ pub struct Executable {
     peak_bytes: usize,
     /// `(elements, buffers)`: the most float values of each length alive at once.
     arena: Vec<(usize, usize)>,
+    labels: Vec<LabelCheck>,
 }
 
 impl Executable {
@@ -292,15 +305,37 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
             };
             let kernel = crate::kernel::bind(&n.op, &arg_types.iter().collect::<Vec<_>>());
             let accumulator = cellgraph_compiler::passes::epilogue::accumulator(&graph, id);
-            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred, kernel, accumulator }
+            let labels_checked = label_input(&graph, id).is_some();
+            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred, kernel, accumulator, labels_checked }
         })
         .collect();
     keep_for_gradients(&mut steps);
+    let mut labels: Vec<LabelCheck> = Vec::new();
+    for &id in &order {
+        if let Some(check) = label_input(&graph, id) {
+            if !labels.iter().any(|l| l.input == check.input && l.classes == check.classes) {
+                labels.push(check);
+            }
+        }
+    }
     let outputs = graph.outputs().iter().map(|o| o.index()).collect();
     let slots = graph.id_bound();
     let peak_bytes = simulate_peak(&graph, &steps);
     let arena = arena_sizes(&graph, &steps);
-    Ok(Executable { source, graph, steps, outputs, writes, slots, peak_bytes, arena })
+    Ok(Executable { source, graph, steps, outputs, writes, slots, peak_bytes, arena, labels })
+}
+
+/// For a softmax cross-entropy (or its gradient) with class-id labels that are a plan input:
+/// the check they need.
+fn label_input(g: &Graph, id: cellgraph_compiler::NodeId) -> Option<LabelCheck> {
+    let n = g.node(id);
+    if !matches!(n.op, Op::SoftmaxCrossEntropy { sparse: true, .. } | Op::SoftmaxCrossEntropyGrad { sparse: true, .. }) {
+        return None;
+    }
+    let xs = g.operands(id);
+    let Op::Input { index, .. } = g.node(*xs.get(1)?).op else { return None };
+    let classes = *g.ty(xs[0]).dims().get(1)?;
+    Some(LabelCheck { input: index, classes, scope: n.scope.clone(), op: n.op.label() })
 }
 
 /// Runs a step's bound kernel: on the host kernels on a host backend, on the device's own
@@ -473,13 +508,28 @@ impl<B: Backend> Session<B> {
     /// kernels' jobs itself while the others take what they can, where a thread outside the
     /// pool would hand each kernel's jobs over and sleep until they were done.
     pub fn run(&mut self, exe: &Executable, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
-        if B::HOST && rayon::current_thread_index().is_none() && rayon::current_num_threads() > 1 {
-            return rayon::scope(|_| self.run_here(exe, inputs));
-        }
-        self.run_here(exe, inputs)
+        self.run_mapped(exe, inputs, &|v, ty| {
+            let mut h = v.to_host();
+            h.shape = ty.dims().to_vec();
+            h
+        })
     }
 
-    fn run_here(&mut self, exe: &Executable, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+    /// [`Self::run`], leaving the outputs on the device: the run itself reads nothing back
+    /// (labels are checked on the host before they are uploaded; see
+    /// [`crate::value::device_reads`]).
+    pub fn run_device(&mut self, exe: &Executable, inputs: &[HostTensor]) -> Result<Vec<Value<B>>> {
+        self.run_mapped(exe, inputs, &|v, _| v.clone())
+    }
+
+    fn run_mapped<T: Send>(&mut self, exe: &Executable, inputs: &[HostTensor], out: &(dyn Fn(&Value<B>, &TensorType) -> T + Sync)) -> Result<Vec<T>> {
+        if B::HOST && rayon::current_thread_index().is_none() && rayon::current_num_threads() > 1 {
+            return rayon::scope(|_| self.run_here(exe, inputs, out));
+        }
+        self.run_here(exe, inputs, out)
+    }
+
+    fn run_here<T>(&mut self, exe: &Executable, inputs: &[HostTensor], out: &dyn Fn(&Value<B>, &TensorType) -> T) -> Result<Vec<T>> {
         let graph_inputs = exe.graph.inputs();
         if inputs.len() != graph_inputs.len() {
             return Err(RuntimeError::Mismatch {
@@ -487,6 +537,17 @@ impl<B: Backend> Session<B> {
                 expected: format!("{} inputs", graph_inputs.len()),
                 got: format!("{}", inputs.len()),
             });
+        }
+        for l in &exe.labels {
+            let ids: Option<Vec<i64>> = match &inputs[l.input].data {
+                HostData::I32(v) => Some(v.iter().map(|&x| x.into()).collect()),
+                HostData::I64(v) => Some(v.clone()),
+                // Not class ids: the input's type check below reports it.
+                _ => None,
+            };
+            if let Some(detail) = ids.and_then(|v| crate::lower::label_error(v, l.classes)) {
+                return Err(RuntimeError::BadValue { scope: l.scope.clone(), op: l.op, detail });
+            }
         }
         let mut slots = std::mem::take(&mut self.slots);
         slots.clear();
@@ -540,7 +601,7 @@ impl<B: Backend> Session<B> {
                             (v.expect("operands are computed before use"), ty)
                         })
                         .collect();
-                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.label(), in_place: self.in_place };
+                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.label(), in_place: self.in_place, labels_checked: step.labels_checked };
                     let t0 = self.profile.is_some().then(std::time::Instant::now);
                     let v = if takes_first && reshape {
                         let Ok([(x, ty)]) = <[_; 1]>::try_from(args) else { unreachable!("a reshape's arity is checked by the verifier") };
@@ -605,15 +666,7 @@ impl<B: Backend> Session<B> {
                 self.arena.reclaim(old);
             }
         }
-        let outputs = exe
-            .outputs
-            .iter()
-            .map(|&o| {
-                let mut h = slots[o].as_ref().expect("outputs are pinned").to_host();
-                h.shape = exe.graph.ty(cellgraph_compiler::NodeId(o as u32)).dims().to_vec();
-                h
-            })
-            .collect();
+        let outputs = exe.outputs.iter().map(|&o| out(slots[o].as_ref().expect("outputs are pinned"), exe.graph.ty(cellgraph_compiler::NodeId(o as u32)))).collect();
         for v in slots.iter_mut().filter_map(Option::take) {
             self.arena.reclaim(v);
         }

@@ -24,6 +24,9 @@ pub struct Ctx<'a, B: Backend> {
     pub op: &'static str,
     /// `assign_add` writes into its target's memory (flat device buffers).
     pub in_place: bool,
+    /// The step's class-id labels are a plan input the executor checked on the host before
+    /// uploading it ([`label_error`]), so the lowering does not read them back.
+    pub labels_checked: bool,
 }
 
 impl<B: Backend> Ctx<'_, B> {
@@ -105,12 +108,20 @@ fn log_softmax<B: Backend>(l: FloatTensor<B>, n: usize, c: usize) -> FloatTensor
     B::float_sub(z, B::float_expand(lse, bshape(&[n, c])))
 }
 
-/// Checks sparse labels are class ids in `0..c` and returns them as `[N, 1]`.
+/// What is wrong with class-id `labels` for `c` classes: the first one outside `0..c`.
+pub fn label_error(labels: impl IntoIterator<Item = i64>, c: usize) -> Option<String> {
+    let (i, bad) = labels.into_iter().enumerate().find(|&(_, l)| l < 0 || l >= c as i64)?;
+    Some(format!("label {bad} at batch position {i} is out of range for {c} classes (valid: 0..{})", c.saturating_sub(1)))
+}
+
+/// Checks sparse labels are class ids in `0..c` (unless the executor did, on the host) and
+/// returns them as `[N, 1]`.
 fn checked_labels<B: Backend>(cx: &Ctx<B>, y: IntTensor<B>, n: usize, c: usize) -> Result<IntTensor<B>> {
-    let host = crate::value::block_on(B::int_into_data(y.clone())).expect("device read");
-    let v = host.convert::<i64>().to_vec::<i64>().expect("int data");
-    if let Some((i, &bad)) = v.iter().enumerate().find(|(_, &l)| l < 0 || l >= c as i64) {
-        return cx.bad(format!("label {bad} at batch position {i} is out of range for {c} classes (valid: 0..{})", c - 1));
+    if !cx.labels_checked {
+        let host = crate::value::block_on(B::int_into_data(y.clone())).expect("device read");
+        if let Some(e) = label_error(host.convert::<i64>().to_vec::<i64>().expect("int data"), c) {
+            return cx.bad(e);
+        }
     }
     Ok(B::int_reshape(y, bshape(&[n, 1])))
 }

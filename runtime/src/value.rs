@@ -25,9 +25,21 @@ impl<B: Backend> Clone for Value<B> {
     }
 }
 
-/// Blocks on a backend future (ready at once on CPU backends).
+thread_local! {
+    static DEVICE_READS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Blocks on a backend future that reads device memory back to the host (ready at once on
+/// CPU backends), counting it in [`device_reads`].
 pub fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
+    DEVICE_READS.with(|n| n.set(n.get() + 1));
     burn_backend::read_sync(f)
+}
+
+/// How many device-to-host reads this thread has made through the runtime (each one waits for
+/// the device to finish what it was given: a sync). Host backends' values are read without one.
+pub fn device_reads() -> u64 {
+    DEVICE_READS.with(std::cell::Cell::get)
 }
 
 impl<B: crate::Backend> Value<B> {

@@ -168,6 +168,39 @@ mod wgpu {
         }
     }
 
+    /// LeNet5's micro-step on the device reads nothing back: its labels are checked on the
+    /// host before they are uploaded (a bad one is still the error naming it, the loss's
+    /// scope and its batch position, with nothing read), and its loss stays on the device
+    /// until asked for (one read). The loss equals the CPU's.
+    #[test]
+    fn a_device_micro_step_reads_nothing_back() {
+        use cellgraph::runtime::value::device_reads;
+        use cellgraph::runtime::{compile, Session};
+        let (g, params, inputs) = crate::runtime::golden_with_values("02_dce_micro_step", 3);
+        let exe = compile(g).unwrap();
+        let mut s = Session::<Wgpu>::new(dev());
+        for (n, v) in &params {
+            s.set_param(n, v);
+        }
+        s.run_device(&exe, &inputs).unwrap();
+        let before = device_reads();
+        let out = s.run_device(&exe, &inputs).unwrap();
+        assert_eq!(device_reads() - before, 0, "device-to-host reads in one micro-step");
+        let loss = out[0].to_host().to_f32();
+        assert_eq!(device_reads() - before, 1, "the loss, when asked for");
+        let mut bad = inputs.clone();
+        bad[1] = HostTensor::i32(vec![8], vec![0, 1, 2, 3, 4, 5, 6, 10]).unwrap();
+        let err = s.run_device(&exe, &bad).unwrap_err().to_string();
+        assert!(err.contains("label 10 at batch position 7") && err.contains("net.loss_fn"), "{err}");
+        assert_eq!(device_reads() - before, 1, "a bad label is found on the host");
+        let mut cpu = Session::<Cpu>::new(Default::default());
+        for (n, v) in &params {
+            cpu.set_param(n, v);
+        }
+        let want = cpu.run(&exe, &inputs).unwrap()[0].to_f32();
+        assert!(max_rel(&loss, &want) < 1e-5, "loss on wgpu {loss:?}, on the CPU {want:?}");
+    }
+
     /// LeNet5 (convolutions, pooling) with in-step slicing on wgpu equals the CPU.
     #[test]
     fn lenet_on_wgpu_matches_cpu() {

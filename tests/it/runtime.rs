@@ -140,7 +140,7 @@ fn f32_and_f64_backends_coexist_in_one_process() {
 /// A golden dump's graph (`tests/golden/dumps/{stem}.ir`), with random values drawn from `seed`
 /// for its parameters (by name) and its inputs (in input-index order): class ids in `0..10`,
 /// floats in `[-1, 1)`.
-fn golden_with_values(stem: &str, seed: u64) -> (Graph, Vec<(String, HostTensor)>, Vec<HostTensor>) {
+pub(crate) fn golden_with_values(stem: &str, seed: u64) -> (Graph, Vec<(String, HostTensor)>, Vec<HostTensor>) {
     use rand::{rngs::StdRng, Rng, SeedableRng};
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/dumps");
     let g = parse(&std::fs::read_to_string(dir.join(format!("{stem}.ir"))).unwrap()).unwrap();
