@@ -184,20 +184,20 @@ mod tests {
         let mut g = Graph::new("g");
         let (dy, x, w) = (leaf(&mut g, "dy", vec![8, 4]), leaf(&mut g, "x", vec![8, 3]), leaf(&mut g, "w", vec![4, 3]));
         let y = g.add(Op::MatMul { transpose_a: false, transpose_b: true }, &[x, w], "net.fc").unwrap();
-        let acc = leaf(&mut g, "accu_grads.w", vec![4, 3]);
-        let dw = g.add(Op::MatMul { transpose_a: true, transpose_b: false }, &[dy, x], "grad.fc").unwrap();
-        g.add(Op::AssignAdd, &[acc, dw], "accumulate.w").unwrap();
+        // `acc += a^T b`, accumulated into a new `[a, b]`-shaped accumulator `name`.
+        let accumulate = |g: &mut Graph, name: &str, a: NodeId, b: NodeId, dims: Vec<usize>| {
+            let acc = leaf(g, &format!("accu_grads.{name}"), dims);
+            let (a, b) = (if a == b { acc } else { a }, if a == b { acc } else { b });
+            let d = g.add(Op::MatMul { transpose_a: a != acc, transpose_b: false }, &[a, b], "grad").unwrap();
+            g.add(Op::AssignAdd, &[acc, d], "accumulate").unwrap();
+            (acc, d)
+        };
+        let (acc, _) = accumulate(&mut g, "w", dy, x, vec![4, 3]);
         // A gradient someone else reads too stays where it is; so does one whose accumulator
-        // is an output, or read by its own head.
-        let acc2 = leaf(&mut g, "accu_grads.v", vec![4, 3]);
-        let dv = g.add(Op::MatMul { transpose_a: true, transpose_b: false }, &[dy, x], "grad.v").unwrap();
-        g.add(Op::AssignAdd, &[acc2, dv], "accumulate.v").unwrap();
-        let acc3 = leaf(&mut g, "accu_grads.u", vec![4, 3]);
-        let du = g.add(Op::MatMul { transpose_a: true, transpose_b: false }, &[dy, x], "grad.u").unwrap();
-        g.add(Op::AssignAdd, &[acc3, du], "accumulate.u").unwrap();
-        let acc4 = leaf(&mut g, "accu_grads.t", vec![3, 3]);
-        let dt = g.add(Op::MatMul { transpose_a: false, transpose_b: false }, &[acc4, acc4], "grad.t").unwrap();
-        g.add(Op::AssignAdd, &[acc4, dt], "accumulate.t").unwrap();
+        // is an output, or read by its own head (`acc^T acc` when `a == b`).
+        let (_, dv) = accumulate(&mut g, "v", dy, x, vec![4, 3]);
+        let (acc3, _) = accumulate(&mut g, "u", dy, x, vec![4, 3]);
+        accumulate(&mut g, "t", x, x, vec![3, 3]);
         g.set_outputs(vec![y, dv, acc3]);
         assert_eq!(fuse_accumulation(&mut g), 1);
         crate::verify::verify(&g).unwrap();
@@ -209,8 +209,8 @@ mod tests {
         assert_eq!(epilogue(&g, sum), ("matmul".into(), "$0 $1 add".into()));
         assert_eq!(g.operands(sum), vec![dy, x, acc]);
         assert_eq!(accumulator(&g, sum), Some(2));
-        assert_eq!(g.node(sum).scope, "grad.fc", "the head's scope");
-        assert_eq!(g.node(fused[0]).scope, "accumulate.w", "the write's scope");
+        assert_eq!(g.node(sum).scope, "grad", "the head's scope");
+        assert_eq!(g.node(fused[0]).scope, "accumulate", "the write's scope");
         assert_eq!(accumulator(&g, g.operands(y)[0]), None, "not an epilogue");
         let text = crate::print::print(&g);
         assert_eq!(crate::parse::parse(&text).map(|h| crate::print::print(&h)).unwrap(), text, "prints and parses");
