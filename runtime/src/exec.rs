@@ -283,6 +283,7 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
             writes.push((name.clone(), e.index()));
         }
     }
+    let mut labels: Vec<LabelCheck> = Vec::new();
     let mut steps: Vec<Step> = order
         .iter()
         .map(|&id| {
@@ -305,19 +306,15 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
             };
             let kernel = crate::kernel::bind(&n.op, &arg_types.iter().collect::<Vec<_>>());
             let accumulator = cellgraph_compiler::passes::epilogue::accumulator(&graph, id);
-            let labels_checked = label_input(&graph, id).is_some();
+            let check = label_input(&graph, id);
+            let labels_checked = check.is_some();
+            if let Some(c) = check.filter(|c| !labels.iter().any(|l| l.input == c.input && l.classes == c.classes)) {
+                labels.push(c);
+            }
             Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred, kernel, accumulator, labels_checked }
         })
         .collect();
     keep_for_gradients(&mut steps);
-    let mut labels: Vec<LabelCheck> = Vec::new();
-    for &id in &order {
-        if let Some(check) = label_input(&graph, id) {
-            if !labels.iter().any(|l| l.input == check.input && l.classes == check.classes) {
-                labels.push(check);
-            }
-        }
-    }
     let outputs = graph.outputs().iter().map(|o| o.index()).collect();
     let slots = graph.id_bound();
     let peak_bytes = simulate_peak(&graph, &steps);
@@ -539,13 +536,13 @@ impl<B: Backend> Session<B> {
             });
         }
         for l in &exe.labels {
-            let ids: Option<Vec<i64>> = match &inputs[l.input].data {
-                HostData::I32(v) => Some(v.iter().map(|&x| x.into()).collect()),
-                HostData::I64(v) => Some(v.clone()),
+            let wrong = match &inputs[l.input].data {
+                HostData::I32(v) => crate::lower::label_error(v.iter().map(|&x| i64::from(x)), l.classes),
+                HostData::I64(v) => crate::lower::label_error(v.iter().copied(), l.classes),
                 // Not class ids: the input's type check below reports it.
                 _ => None,
             };
-            if let Some(detail) = ids.and_then(|v| crate::lower::label_error(v, l.classes)) {
+            if let Some(detail) = wrong {
                 return Err(RuntimeError::BadValue { scope: l.scope.clone(), op: l.op, detail });
             }
         }
