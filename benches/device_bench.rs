@@ -37,6 +37,13 @@ struct Args {
     /// Print the table header first.
     #[arg(long)]
     header: bool,
+    /// Let matmuls use TF32 tensor cores (default: exact f32).
+    #[arg(long)]
+    tf32: bool,
+    /// After timing, count the kernels one window launches (cubecl's execution log): per
+    /// micro-step, at the boundary, and by kernel name. Device backends only.
+    #[arg(long)]
+    launches: bool,
 }
 
 struct Bench(Args, String);
@@ -70,6 +77,7 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         })
         .collect();
     let mut acc = Accumulator::<B>::new(Rc::new(net), opt, device, 1)?;
+    acc.session.set_tf32(args.tf32);
     let mut i = 0;
     let mut run = |acc: &mut Accumulator<B>, updates: usize| -> Result<f64, Box<dyn std::error::Error>> {
         let mut loss = 0.0;
@@ -94,6 +102,7 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         println!("|---|---|---|---|---|---|---|---|---|");
     }
     let launches = if fused > 0.0 { format!("{fused:.0} (fused)") } else { "graph (per parameter)".into() };
+    let label = if args.tf32 { format!("{label} tf32") } else { label.to_string() };
     println!(
         "| cellgraph | {label} | {} | {b} x {k} | {:.0} | {:.3} | {launches} | {:.5} | {:.3} |",
         args.net,
@@ -103,11 +112,43 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         flops_per_image * images / secs / 1e12
     );
     eprintln!("last loss {loss:.4}");
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if args.launches && k >= 2 {
+        use cellgraph::runtime::launches;
+        // Finish the open window, then count a whole one: K - 1 micro-steps, then the last
+        // with the boundary (each step reads its loss, so the device is idle at each count).
+        while acc.window_len() != 0 {
+            run(&mut acc, 1)?;
+        }
+        let before: std::collections::BTreeMap<String, u64> = launches::by_name().into_iter().collect();
+        let c0 = launches::settled();
+        for _ in 0..k - 1 {
+            acc.step(&batches[0])?;
+        }
+        let c1 = launches::settled();
+        acc.step(&batches[0])?;
+        let _ = acc.session.params_host();
+        let c2 = launches::settled();
+        let micro = (c1 - c0) as f64 / (k - 1) as f64;
+        eprintln!("kernel launches: {micro:.1} per micro-step, {:.1} at the boundary, {} per window", (c2 - c1) as f64 - micro, c2 - c0);
+        let mut names: Vec<(String, u64)> = launches::by_name().into_iter().map(|(n, c)| (c - before.get(&n).copied().unwrap_or(0), n)).filter(|(c, _)| *c > 0).map(|(c, n)| (n, c)).collect();
+        names.sort_by(|a, b| b.1.cmp(&a.1));
+        for (n, c) in names {
+            eprintln!("  {c:>4}  {n}");
+        }
+    }
     Ok(())
 }
 
 fn main() {
     let args = Args::parse();
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if args.launches {
+        if let Err(e) = cellgraph::runtime::launches::start() {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    }
     let result = device::choose(&args.device, 0).and_then(|(spec, msg)| {
         eprintln!("{msg}");
         device::dispatch(spec, Bench(args.clone(), spec.to_string()))

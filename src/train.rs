@@ -154,6 +154,11 @@ pub struct TrainArgs {
     /// Print the time spent per op at the end.
     #[arg(long)]
     profile: bool,
+    /// Let device matmuls round f32 operands to TF32 on tensor cores (faster on GPUs that have
+    /// them; about 1e-3 relative error per product, like PyTorch's `allow_tf32`). Off: every
+    /// backend multiplies in exact f32. The CPU ignores it.
+    #[arg(long)]
+    tf32: bool,
 }
 
 const TRAIN_EXAMPLES: &str = "\
@@ -347,6 +352,7 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     }
     let mut log = args.loss_log.as_deref().map(|p| RunLog::open(p, args.resume.is_some())).transpose()?;
     model.accumulator_mut().session.set_profiling(args.profile);
+    model.accumulator_mut().session.set_tf32(args.tf32);
     let updates_before = model.accumulator().updates();
     let t0 = Instant::now();
     let steps = run_epochs(args, &mut model, &ds, test.as_ref(), log.as_mut())?;

@@ -90,8 +90,9 @@ pub trait Backend: burn_backend::Backend {
     }
 
     /// Runs a matmul or convolution (see [`crate::kernel::bind`]) on the backend's own kernels, when
-    /// it has them (device backends: exact f32, where burn's would use TF32 tensor cores).
-    fn device_kernel(_op: &Native, _args: &[&FloatTensor<Self>], _out: &TensorType) -> Option<FloatTensor<Self>> {
+    /// it has them (device backends: exact f32, where burn's would use TF32 tensor cores;
+    /// `tf32`: matmuls may, [`crate::Session::set_tf32`]).
+    fn device_kernel(_op: &Native, _args: &[&FloatTensor<Self>], _out: &TensorType, _tf32: bool) -> Option<FloatTensor<Self>> {
         None
     }
 

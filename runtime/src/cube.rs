@@ -7,6 +7,9 @@
 //!   and the clearing of every accumulator, as one launch over flat parameter / accumulator /
 //!   state buffers; the optimizer's `Update` program (the one its graph comes from) is
 //!   unrolled into the kernel when it is compiled.
+//! - matmuls on cubek's exact-f32 tiled kernels (the strategy bound per shape, TF32 only when
+//!   the session allows it), and convolutions on [`conv2d_forward`], [`conv2d_input_grad`] and
+//!   the split [`conv2d_filter_grad`] + [`sum_parts`], their geometry compile-time constants.
 //!
 //! The kernels are generic over cubecl runtimes: CUDA on an NVIDIA GPU (feature `cuda`), and
 //! wgpu (feature `wgpu`), which runs on Mesa's lavapipe CPU Vulkan driver in CI, where the
@@ -22,7 +25,7 @@ use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeDim};
 
 use crate::backend::Backend;
-use crate::kernel::{ConvKind, KStep, KVal, Native, UpdateKernel};
+use crate::kernel::{ConvKind, KStep, KVal, Native, Tiling, UpdateKernel};
 use cellgraph_compiler::TensorType;
 
 /// burn's CUDA backend (no fusion): the executor's tensors are cubecl buffers.
@@ -136,14 +139,246 @@ pub fn update_clear<F: Float>(
     }
 }
 
-/// `c = op(a) @ op(b)` in exact f32 (one unit per output element; burn's f32 matmul on
-/// tensor cores rounds its operands to TF32). `a` is `m x k` (`k x m` when `ta`), `b` is
-/// `k x n` (`n x k` when `tb`), all row-major.
-#[cube(launch)]
-pub fn matmul<F: Float>(a: &Array<F>, b: &Array<F>, c: &mut Array<F>, m: u32, k: u32, n: u32, #[comptime] ta: bool, #[comptime] tb: bool) {
+/// A convolution's geometry as its kernels' compile-time constants: one kernel per shape, so
+/// nothing is uploaded per call and the index arithmetic folds. `[pt, pl]`: top and left
+/// padding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConvDims {
+    pub n: u32,
+    pub c: u32,
+    pub h: u32,
+    pub w: u32,
+    pub o: u32,
+    pub oh: u32,
+    pub ow: u32,
+    pub kh: u32,
+    pub kw: u32,
+    pub sh: u32,
+    pub sw: u32,
+    pub dh: u32,
+    pub dw: u32,
+    pub pt: u32,
+    pub pl: u32,
+    pub groups: u32,
+}
+
+impl ConvDims {
+    fn of(g: &crate::kernel::Geometry, groups: usize, out_channels: usize) -> ConvDims {
+        let u = |v: usize| v as u32;
+        ConvDims {
+            n: u(g.x[0]),
+            c: u(g.x[1]),
+            h: u(g.x[2]),
+            w: u(g.x[3]),
+            o: u(out_channels),
+            oh: u(g.out[0]),
+            ow: u(g.out[1]),
+            kh: u(g.kernel[0]),
+            kw: u(g.kernel[1]),
+            sh: u(g.stride[0]),
+            sw: u(g.stride[1]),
+            dh: u(g.dilation[0]),
+            dw: u(g.dilation[1]),
+            pt: u(g.pad[0]),
+            pl: u(g.pad[1]),
+            groups: u(groups),
+        }
+    }
+    /// Elements of the filter (and of its gradient).
+    fn filter_len(&self) -> usize {
+        (self.o * (self.c / self.groups) * self.kh * self.kw) as usize
+    }
+    /// Output positions `n * oh * ow`: the filter gradient's inner extent.
+    fn positions(&self) -> usize {
+        (self.n * self.oh * self.ow) as usize
+    }
+}
+
+/// Direct convolution: one unit per output element `y[n, o, oh, ow]`.
+#[cube(launch_unchecked)]
+pub fn conv2d_forward<F: Float>(x: &Array<F>, w: &Array<F>, y: &mut Array<F>, #[comptime] g: ConvDims) {
+    let idx = ABSOLUTE_POS;
+    if idx < y.len() {
+        let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as i32, g.w as i32, g.o as usize, g.oh as usize, g.ow as usize));
+        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!((g.kh as usize, g.kw as usize, g.sh as i32, g.sw as i32, g.dh as i32, g.dw as i32, g.pt as i32, g.pl as i32));
+        let (cg, og) = comptime!(((g.c / g.groups) as usize, (g.o / g.groups) as usize));
+        let ox = idx % ow;
+        let oy = (idx / ow) % oh;
+        let co = (idx / (ow * oh)) % o;
+        let b = idx / (ow * oh * o);
+        let gi = co / og;
+        let mut acc = F::new(0.0);
+        for ci in 0..cg {
+            for ky in 0..kh {
+                let iy = oy as i32 * sh + ky as i32 * dh - pt;
+                if iy >= 0 && iy < h {
+                    for kx in 0..kw {
+                        let ix = ox as i32 * sw + kx as i32 * dw - pl;
+                        if ix >= 0 && ix < wi {
+                            let xv = x[((b * c + gi * cg + ci) * (h as usize) + iy as usize) * (wi as usize) + ix as usize];
+                            let wv = w[((co * cg + ci) * kh + ky) * kw + kx];
+                            acc += xv * wv;
+                        }
+                    }
+                }
+            }
+        }
+        y[idx] = acc;
+    }
+}
+
+/// Gradient w.r.t. the input: one unit per `dx[n, c, h, w]`.
+#[cube(launch_unchecked)]
+pub fn conv2d_input_grad<F: Float>(dy: &Array<F>, w: &Array<F>, dx: &mut Array<F>, #[comptime] g: ConvDims) {
+    let idx = ABSOLUTE_POS;
+    if idx < dx.len() {
+        let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as usize, g.w as usize, g.o as usize, g.oh as i32, g.ow as i32));
+        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!((g.kh as usize, g.kw as usize, g.sh as i32, g.sw as i32, g.dh as i32, g.dw as i32, g.pt as i32, g.pl as i32));
+        let (cg, og) = comptime!(((g.c / g.groups) as usize, (g.o / g.groups) as usize));
+        let ix = idx % wi;
+        let iy = (idx / wi) % h;
+        let ci = (idx / (wi * h)) % c;
+        let b = idx / (wi * h * c);
+        let gi = ci / cg;
+        let cl = ci % cg;
+        let mut acc = F::new(0.0);
+        for q in 0..og {
+            let co = gi * og + q;
+            for ky in 0..kh {
+                let ty = iy as i32 + pt - ky as i32 * dh;
+                if ty >= 0 && ty % sh == 0 && ty / sh < oh {
+                    let oy = (ty / sh) as usize;
+                    for kx in 0..kw {
+                        let tx = ix as i32 + pl - kx as i32 * dw;
+                        if tx >= 0 && tx % sw == 0 && tx / sw < ow {
+                            let ox = (tx / sw) as usize;
+                            let gv = dy[((b * o + co) * (oh as usize) + oy) * (ow as usize) + ox];
+                            let wv = w[((co * cg + cl) * kh + ky) * kw + kx];
+                            acc += gv * wv;
+                        }
+                    }
+                }
+            }
+        }
+        dx[idx] = acc;
+    }
+}
+
+/// Gradient w.r.t. the filter, split over its inner extent (the `n * oh * ow` output
+/// positions): `part[s, e]` is filter element `e`'s sum over positions `s * per ..
+/// (s + 1) * per`. With one slice `part` is the gradient; otherwise [`sum_parts`] adds the
+/// slices in order (a fixed order: the same bits on every run).
+#[cube(launch_unchecked)]
+pub fn conv2d_filter_grad<F: Float>(x: &Array<F>, dy: &Array<F>, part: &mut Array<F>, #[comptime] g: ConvDims, #[comptime] per: u32) {
+    let idx = ABSOLUTE_POS;
+    if idx < part.len() {
+        let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as i32, g.w as i32, g.o as usize, g.oh as usize, g.ow as usize));
+        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!((g.kh as usize, g.kw as usize, g.sh as i32, g.sw as i32, g.dh as i32, g.dw as i32, g.pt as i32, g.pl as i32));
+        let (cg, og, len, total, per) = comptime!(((g.c / g.groups) as usize, (g.o / g.groups) as usize, g.filter_len(), g.positions(), per as usize));
+        let e = idx % len;
+        let s = idx / len;
+        let kx = e % kw;
+        let ky = (e / kw) % kh;
+        let cl = (e / (kw * kh)) % cg;
+        let co = e / (kw * kh * cg);
+        let ci = (co / og) * cg + cl;
+        let start = s * per;
+        let mut end = start + per;
+        if end > total {
+            end = total;
+        }
+        let mut acc = F::new(0.0);
+        for p in start..end {
+            let ox = p % ow;
+            let oy = (p / ow) % oh;
+            let b = p / (ow * oh);
+            let iy = oy as i32 * sh + ky as i32 * dh - pt;
+            let ix = ox as i32 * sw + kx as i32 * dw - pl;
+            if iy >= 0 && iy < h && ix >= 0 && ix < wi {
+                acc += x[((b * c + ci) * (h as usize) + iy as usize) * (wi as usize) + ix as usize] * dy[((b * o + co) * oh + oy) * ow + ox];
+            }
+        }
+        part[idx] = acc;
+    }
+}
+
+/// `y[e]` = the sum over `s` of `part[s, e]`, in slice order.
+#[cube(launch_unchecked)]
+pub fn sum_parts<F: Float>(part: &Array<F>, y: &mut Array<F>, #[comptime] slices: u32) {
+    let idx = ABSOLUTE_POS;
+    let len = y.len();
+    if idx < len {
+        let mut acc = F::new(0.0);
+        for s in 0..comptime!(slices as usize) {
+            acc += part[s * len + idx];
+        }
+        y[idx] = acc;
+    }
+}
+
+/// Slices of the filter gradient's inner extent and positions per slice: about 64K units in
+/// all, each summing at least 32 positions.
+fn filter_grad_split(g: &ConvDims) -> (usize, usize) {
+    let (len, total) = (g.filter_len().max(1), g.positions().max(1));
+    let slices = (65_536usize.div_ceil(len)).min(total.div_ceil(32)).max(1);
+    let per = total.div_ceil(slices);
+    (total.div_ceil(per), per)
+}
+
+/// cubek's exact-f32 kernel for a bound matmul's tiling.
+fn exact_strategy(tiling: Tiling) -> cubek::matmul::launch::Strategy {
+    use cubek::matmul::launch::Strategy;
+    match tiling {
+        Tiling::Simple => Strategy::SimpleUnit(Default::default()),
+        Tiling::Double => Strategy::DoubleUnit(Default::default()),
+    }
+}
+
+/// `y = op(a) @ op(b)` on cubek's kernel for `tiling` (with `tf32`, first its tensor-core
+/// kernel, which rounds f32 operands to TF32, where the device has one); `a` and `b`
+/// contiguous, row-major as stored (`k x m` when `ta`), `y` `m x n`. False when cubek cannot
+/// set a kernel up on this device.
+#[allow(clippy::too_many_arguments)]
+fn cubek_matmul<R: CubeRuntime>(a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, [m, k, n]: [usize; 3], ta: bool, tb: bool, tiling: Tiling, tf32: bool) -> bool {
+    use burn_backend::DType;
+    use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
+    // A transposed operand is its stored matrix with its strides swapped (no copy).
+    let operand = |t: &CubeTensor<R>, rows: usize, cols: usize, transposed: bool| {
+        let stored = if transposed { [cols, rows] } else { [rows, cols] };
+        let mut v = CubeTensor::new_contiguous(t.client.clone(), t.device.clone(), Shape::from(stored.to_vec()), t.handle.clone(), DType::F32);
+        if transposed {
+            v.meta.swap(0, 1);
+        }
+        cubek::std::InputBinding::new(v.binding(), DType::F32.into())
+    };
+    let out = CubeTensor::new_contiguous(y.client.clone(), y.device.clone(), Shape::from(vec![m, n]), y.handle.clone(), DType::F32);
+    let f32s = DType::F32.into();
+    let mut dtypes = MatmulElems::from_globals(&MatmulGlobalElems { lhs: f32s, rhs: f32s, out: f32s });
+    let launch = |strategy: &cubek::matmul::launch::Strategy, dtypes: &mut MatmulElems| {
+        cubek::matmul::launch::launch_ref(strategy, &y.client, operand(a, m, k, ta), operand(b, k, n, tb), out.clone().binding(), dtypes).is_ok()
+    };
+    if tf32 && launch(&cubek::matmul::launch::Strategy::SimpleCyclicCmma(Default::default()), &mut dtypes.clone()) {
+        return true;
+    }
+    launch(&exact_strategy(tiling), &mut dtypes)
+}
+
+/// Matmuls that ran on [`matmul`] because cubek's kernel did not set up (in this process).
+static NAIVE_MATMULS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many matmuls fell back from cubek's tiled kernels to the one-unit-per-output kernel in
+/// this process (0 on wgpu and CUDA for every shape the tests run).
+pub fn naive_matmuls() -> u64 {
+    NAIVE_MATMULS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `c = op(a) @ op(b)` in exact f32, one unit per output element: where cubek's kernels do
+/// not set up on a device.
+#[cube(launch_unchecked)]
+pub fn matmul<F: Float>(a: &Array<F>, b: &Array<F>, c: &mut Array<F>, #[comptime] mkn: [u32; 3], #[comptime] ta: bool, #[comptime] tb: bool) {
     let idx = ABSOLUTE_POS;
     if idx < c.len() {
-        let (mm, kk, nn) = (m as usize, k as usize, n as usize);
+        let (mm, kk, nn) = comptime!((mkn[0] as usize, mkn[1] as usize, mkn[2] as usize));
         let i = idx / nn;
         let j = idx % nn;
         let mut acc = F::new(0.0);
@@ -162,123 +397,18 @@ pub fn matmul<F: Float>(a: &Array<F>, b: &Array<F>, c: &mut Array<F>, m: u32, k:
     }
 }
 
-/// Convolution geometry as kernel scalars: `[n, c, h, w, o, oh, ow, kh, kw, sh, sw, dh, dw,
-/// pad_top, pad_left, groups]`.
-#[derive(CubeLaunch, CubeType)]
-pub struct ConvGeom {
-    dims: Array<u32>,
-}
-
-/// Direct convolution: one unit per output element `y[n, o, oh, ow]`.
-#[cube(launch)]
-pub fn conv2d_forward<F: Float>(x: &Array<F>, w: &Array<F>, y: &mut Array<F>, g: &ConvGeom) {
-    let idx = ABSOLUTE_POS;
-    if idx < y.len() {
-        let d = &g.dims;
-        let (c, h, wi, o, oh, ow, kh, kw) = (d[1] as usize, d[2] as usize, d[3] as usize, d[4] as usize, d[5] as usize, d[6] as usize, d[7] as usize, d[8] as usize);
-        let (sh, sw, dh, dw, pt, pl, groups) = (d[9] as i32, d[10] as i32, d[11] as i32, d[12] as i32, d[13] as i32, d[14] as i32, d[15] as usize);
-        let ox = idx % ow;
-        let oy = (idx / ow) % oh;
-        let co = (idx / (ow * oh)) % o;
-        let b = idx / (ow * oh * o);
-        let cg = c / groups;
-        let gi = co / (o / groups);
-        let mut acc = F::new(0.0);
-        for ci in 0..cg {
-            for ky in 0..kh {
-                let iy = oy as i32 * sh + ky as i32 * dh - pt;
-                if iy >= 0 && iy < h as i32 {
-                    for kx in 0..kw {
-                        let ix = ox as i32 * sw + kx as i32 * dw - pl;
-                        if ix >= 0 && ix < wi as i32 {
-                            let xv = x[((b * c + gi * cg + ci) * h + iy as usize) * wi + ix as usize];
-                            let wv = w[((co * cg + ci) * kh + ky) * kw + kx];
-                            acc += xv * wv;
-                        }
-                    }
-                }
-            }
-        }
-        y[idx] = acc;
-    }
-}
-
-/// Gradient w.r.t. the input: one unit per `dx[n, c, h, w]`.
-#[cube(launch)]
-pub fn conv2d_input_grad<F: Float>(dy: &Array<F>, w: &Array<F>, dx: &mut Array<F>, g: &ConvGeom) {
-    let idx = ABSOLUTE_POS;
-    if idx < dx.len() {
-        let d = &g.dims;
-        let (c, h, wi, o, oh, ow, kh, kw) = (d[1] as usize, d[2] as usize, d[3] as usize, d[4] as usize, d[5] as usize, d[6] as usize, d[7] as usize, d[8] as usize);
-        let (sh, sw, dh, dw, pt, pl, groups) = (d[9] as i32, d[10] as i32, d[11] as i32, d[12] as i32, d[13] as i32, d[14] as i32, d[15] as usize);
-        let ix = idx % wi;
-        let iy = (idx / wi) % h;
-        let ci = (idx / (wi * h)) % c;
-        let b = idx / (wi * h * c);
-        let cg = c / groups;
-        let og = o / groups;
-        let gi = ci / cg;
-        let cl = ci % cg;
-        let mut acc = F::new(0.0);
-        for q in 0..og {
-            let co = gi * og + q;
-            for ky in 0..kh {
-                let ty = iy as i32 + pt - ky as i32 * dh;
-                if ty >= 0 && ty % sh == 0 && ty / sh < oh as i32 {
-                    let oy = (ty / sh) as usize;
-                    for kx in 0..kw {
-                        let tx = ix as i32 + pl - kx as i32 * dw;
-                        if tx >= 0 && tx % sw == 0 && tx / sw < ow as i32 {
-                            let ox = (tx / sw) as usize;
-                            let gv = dy[((b * o + co) * oh + oy) * ow + ox];
-                            let wv = w[((co * cg + cl) * kh + ky) * kw + kx];
-                            acc += gv * wv;
-                        }
-                    }
-                }
-            }
-        }
-        dx[idx] = acc;
-    }
-}
-
-/// Gradient w.r.t. the filter: one unit per `dw[o, c / groups, kh, kw]`.
-#[cube(launch)]
-pub fn conv2d_filter_grad<F: Float>(x: &Array<F>, dy: &Array<F>, dw: &mut Array<F>, g: &ConvGeom) {
-    let idx = ABSOLUTE_POS;
-    if idx < dw.len() {
-        let d = &g.dims;
-        let (n, c, h, wi, o, oh, ow, kh, kw) = (d[0] as usize, d[1] as usize, d[2] as usize, d[3] as usize, d[4] as usize, d[5] as usize, d[6] as usize, d[7] as usize, d[8] as usize);
-        let (sh, sw, dh, dwl, pt, pl, groups) = (d[9] as i32, d[10] as i32, d[11] as i32, d[12] as i32, d[13] as i32, d[14] as i32, d[15] as usize);
-        let kx = idx % kw;
-        let ky = (idx / kw) % kh;
-        let cg = c / groups;
-        let cl = (idx / (kw * kh)) % cg;
-        let co = idx / (kw * kh * cg);
-        let gi = co / (o / groups);
-        let ci = gi * cg + cl;
-        let mut acc = F::new(0.0);
-        for b in 0..n {
-            for oy in 0..oh {
-                let iy = oy as i32 * sh + ky as i32 * dh - pt;
-                if iy >= 0 && iy < h as i32 {
-                    for ox in 0..ow {
-                        let ix = ox as i32 * sw + kx as i32 * dwl - pl;
-                        if ix >= 0 && ix < wi as i32 {
-                            acc += x[((b * c + ci) * h + iy as usize) * wi + ix as usize] * dy[((b * o + co) * oh + oy) * ow + ox];
-                        }
-                    }
-                }
-            }
-        }
-        dw[idx] = acc;
-    }
-}
-
 /// Launch geometry for `n` elements.
 fn grid<R: CubeRuntime>(client: &ComputeClient<R>, n: usize) -> (CubeCount, CubeDim) {
     let dim = CubeDim::new(client, n);
     (calculate_cube_count_elemwise(client, n, dim), dim)
+}
+
+/// A new contiguous f32 tensor of IR extents `dims` (rank 0 as `[1]`).
+fn empty<R: CubeRuntime>(client: &ComputeClient<R>, device: &R::Device, dims: &[usize]) -> CubeTensor<R> {
+    let numel = dims.iter().product::<usize>().max(1);
+    let handle = client.empty(numel * core::mem::size_of::<f32>());
+    let dims = if dims.is_empty() { vec![1] } else { dims.to_vec() };
+    CubeTensor::new_contiguous(client.clone(), device.clone(), Shape::from(dims), handle, burn_backend::DType::F32)
 }
 
 /// The tensor's buffer as a kernel array (the tensor must be contiguous).
@@ -347,7 +477,7 @@ where
         true
     }
 
-    fn device_kernel(op: &Native, args: &[&CubeTensor<R>], out: &TensorType) -> Option<CubeTensor<R>> {
+    fn device_kernel(op: &Native, args: &[&CubeTensor<R>], out: &TensorType, tf32: bool) -> Option<CubeTensor<R>> {
         if !matches!(op, Native::MatMul { .. } | Native::Conv { .. }) {
             return None;
         }
@@ -355,34 +485,41 @@ where
             return None;
         }
         let client = args[0].client.clone();
-        let device = args[0].device.clone();
         let a = burn_cubecl::kernel::into_contiguous(args[0].clone());
         let b = burn_cubecl::kernel::into_contiguous(args[1].clone());
+        let y = empty::<R>(&client, &args[0].device, out.dims());
         let numel = out.numel().max(1);
-        let handle = client.empty(numel * core::mem::size_of::<f32>());
-        let dims = if out.dims().is_empty() { vec![1] } else { out.dims().to_vec() };
-        let y = CubeTensor::new_contiguous(client.clone(), device, Shape::from(dims), handle, burn_backend::DType::F32);
         let (count, dim) = grid(&client, numel);
+        // SAFETY (every launch below): the kernels index only below their arrays' lengths
+        // (each unit checks its position against its output's length; the operands' extents
+        // are the bound op's, which the plan's types fix).
         match *op {
-            Native::MatMul { m, k, n, transpose_a, transpose_b } => {
-                matmul::launch::<F, R>(&client, count, dim, arr(&a), arr(&b), arr(&y), m as u32, k as u32, n as u32, transpose_a, transpose_b)
+            Native::MatMul { m, k, n, transpose_a, transpose_b, tiling } => {
+                if !cubek_matmul(&a, &b, &y, [m, k, n], transpose_a, transpose_b, tiling, tf32) {
+                    NAIVE_MATMULS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let mkn = [m as u32, k as u32, n as u32];
+                    unsafe { matmul::launch_unchecked::<F, R>(&client, count, dim, arr(&a), arr(&b), arr(&y), mkn, transpose_a, transpose_b) }
+                }
             }
             Native::Conv { kind, g, groups, out_channels, .. } => {
-                let v: Vec<u32> = [
-                    g.x[0], g.x[1], g.x[2], g.x[3], out_channels, g.out[0], g.out[1], g.kernel[0], g.kernel[1],
-                    g.stride[0], g.stride[1], g.dilation[0], g.dilation[1], g.pad[0], g.pad[1], groups,
-                ]
-                .iter()
-                .map(|&d| d as u32)
-                .collect();
-                let gh = client.create_from_slice(u32::as_bytes(&v));
-                // SAFETY: 16 u32 in the handle.
-                let geom = ConvGeomLaunch::new(unsafe { ArrayArg::from_raw_parts(gh, v.len()) });
+                let dims = ConvDims::of(&g, groups, out_channels);
                 match kind {
-                    ConvKind::Forward => conv2d_forward::launch::<F, R>(&client, count, dim, arr(&a), arr(&b), arr(&y), geom),
-                    ConvKind::InputGrad => conv2d_input_grad::launch::<F, R>(&client, count, dim, arr(&a), arr(&b), arr(&y), geom),
+                    ConvKind::Forward => unsafe { conv2d_forward::launch_unchecked::<F, R>(&client, count, dim, arr(&a), arr(&b), arr(&y), dims) },
+                    ConvKind::InputGrad => unsafe { conv2d_input_grad::launch_unchecked::<F, R>(&client, count, dim, arr(&a), arr(&b), arr(&y), dims) },
                     // The op's operands are (dy, x).
-                    ConvKind::FilterGrad => conv2d_filter_grad::launch::<F, R>(&client, count, dim, arr(&b), arr(&a), arr(&y), geom),
+                    ConvKind::FilterGrad => {
+                        let (slices, per) = filter_grad_split(&dims);
+                        if slices == 1 {
+                            unsafe { conv2d_filter_grad::launch_unchecked::<F, R>(&client, count, dim, arr(&b), arr(&a), arr(&y), dims, per as u32) }
+                        } else {
+                            let part = empty::<R>(&client, &args[0].device, &[slices, numel]);
+                            let (pc, pd) = grid(&client, slices * numel);
+                            unsafe {
+                                conv2d_filter_grad::launch_unchecked::<F, R>(&client, pc, pd, arr(&b), arr(&a), arr(&part), dims, per as u32);
+                                sum_parts::launch_unchecked::<F, R>(&client, count, dim, arr(&part), arr(&y), slices as u32);
+                            }
+                        }
+                    }
                 }
             }
             Native::MaxPool { .. } | Native::MaxPoolGrad { .. } | Native::Fill(_) | Native::Relu | Native::ReluGrad | Native::Fused(_) | Native::SumRows { .. } | Native::SoftmaxCrossEntropy { .. } | Native::Epilogue { .. } => unreachable!("checked above"),

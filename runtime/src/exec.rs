@@ -338,7 +338,7 @@ fn label_input(g: &Graph, id: cellgraph_compiler::NodeId) -> Option<LabelCheck> 
 /// Runs a step's bound kernel: on the host kernels on a host backend, on the device's own
 /// kernels otherwise; `None` when it does not apply (a non-float operand, a dtype the kernels
 /// lack), and burn's ops run the step instead.
-fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &TensorType, device: &Device<B>, kept: &mut Kept, arena: &mut Arena) -> Option<burn_backend::tensor::FloatTensor<B>> {
+fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &TensorType, cx: &Ctx<B>, kept: &mut Kept, arena: &mut Arena) -> Option<burn_backend::tensor::FloatTensor<B>> {
     let (mut floats, mut ints) = (Vec::new(), Vec::new());
     for (v, _) in args {
         match v {
@@ -349,9 +349,9 @@ fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &Ten
     }
     let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
     if B::HOST {
-        crate::host::run_host::<B>(k, &floats, &ints, &tys, out, device, kept, arena)
+        crate::host::run_host::<B>(k, &floats, &ints, &tys, out, cx.device, kept, arena)
     } else if ints.is_empty() {
-        B::device_kernel(k, &floats, out)
+        B::device_kernel(k, &floats, out, cx.tf32)
     } else {
         None
     }
@@ -361,7 +361,7 @@ fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &Ten
 /// runs it (`native`), else on burn's ops.
 fn run_head<B: Backend>(cx: &Ctx<B>, head: &Op, step: &Step, args: Vec<(Value<B>, &TensorType)>, native: bool, kept: &mut Kept, arena: &mut Arena) -> Result<Value<B>> {
     let bound = match &step.kernel {
-        Some(Native::Epilogue { head, .. }) if native => run_bound(head, &args, &step.ty, cx.device, kept, arena),
+        Some(Native::Epilogue { head, .. }) if native => run_bound(head, &args, &step.ty, cx, kept, arena),
         _ => None,
     };
     match bound {
@@ -380,6 +380,8 @@ pub struct Session<B: Backend> {
     native: bool,
     /// `assign_add` writes into the accumulator's memory (see [`Self::set_in_place_accumulation`]).
     in_place: bool,
+    /// Device matmuls may use TF32 tensor cores (see [`Self::set_tf32`]).
+    tf32: bool,
     /// What the host kernels keep between the steps of a run (max pools' argmax).
     kept: Kept,
     /// The memory host kernels write values into (see [`Executable::arena`]).
@@ -391,7 +393,7 @@ pub struct Session<B: Backend> {
 impl<B: Backend> Session<B> {
     /// An empty session on `device`.
     pub fn new(device: Device<B>) -> Self {
-        Session { device, params: BTreeMap::new(), profile: None, native: true, in_place: false, kept: Kept::default(), arena: Arena::default(), slots: Vec::new() }
+        Session { device, params: BTreeMap::new(), profile: None, native: true, in_place: false, tf32: false, kept: Kept::default(), arena: Arena::default(), slots: Vec::new() }
     }
 
     /// Buffers the session's arena has allocated because none of their length was free: after
@@ -410,6 +412,14 @@ impl<B: Backend> Session<B> {
     /// memory) and burn's generic ops for every op; both give the same results to rounding.
     pub fn set_native_kernels(&mut self, on: bool) {
         self.native = on;
+    }
+
+    /// Lets device matmuls round their operands to TF32 and run on tensor cores (off by
+    /// default: every backend multiplies in exact f32). Like PyTorch's `allow_tf32`: about
+    /// 1e-3 relative error on a product (10 mantissa bits), so results no longer equal the
+    /// CPU's to 1e-5. Host backends ignore it.
+    pub fn set_tf32(&mut self, on: bool) {
+        self.tf32 = on;
     }
 
     /// Makes `assign_add` write into the accumulator's own memory where the backend can (its
@@ -598,7 +608,7 @@ impl<B: Backend> Session<B> {
                             (v.expect("operands are computed before use"), ty)
                         })
                         .collect();
-                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.label(), in_place: self.in_place, labels_checked: step.labels_checked };
+                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.label(), in_place: self.in_place, labels_checked: step.labels_checked, tf32: self.tf32 };
                     let t0 = self.profile.is_some().then(std::time::Instant::now);
                     let v = if takes_first && reshape {
                         let Ok([(x, ty)]) = <[_; 1]>::try_from(args) else { unreachable!("a reshape's arity is checked by the verifier") };
@@ -628,7 +638,7 @@ impl<B: Backend> Session<B> {
                         eval(&cx, &Op::AssignAdd, acc.into_iter().chain([(g, &step.ty)]).collect(), &step.ty)?
                     } else {
                         let kernel = step.kernel.as_ref().filter(|_| self.native);
-                        match kernel.and_then(|k| run_bound(k, &args, &step.ty, &self.device, &mut self.kept, &mut self.arena)) {
+                        match kernel.and_then(|k| run_bound(k, &args, &step.ty, &cx, &mut self.kept, &mut self.arena)) {
                             Some(t) => Value::Float(t),
                             None => match (op, kernel) {
                                 // On device backends: the head on its bound kernel, the program on burn's ops.

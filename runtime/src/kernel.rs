@@ -64,7 +64,8 @@ impl Geometry {
 /// ([`crate::backend::Backend::device_kernel`]) and the rest on burn's ops.
 #[derive(Clone, Debug)]
 pub enum Native {
-    MatMul { m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool },
+    /// `op(a) @ op(b)`, `m x k` by `k x n`; `tiling`: the kernel a device runs it on.
+    MatMul { m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool, tiling: Tiling },
     /// Forward, input gradient, filter gradient; `out_channels` is the filter's first extent.
     /// `direct`: on host backends, the direct kernels ([`crate::host::direct`]) rather than
     /// im2col + GEMM (see [`direct_conv`]).
@@ -98,6 +99,31 @@ pub enum Native {
     /// output in place (`post`'s operand 0 is the head's output, the others the node's operands
     /// after the head's).
     Epilogue { head: Box<Native>, head_args: usize, post: Arc<Elementwise> },
+}
+
+/// Which of cubek's exact-f32 matmul kernels a device runs a matmul on, chosen from its
+/// extents when the plan is bound. All of them multiply in f32 on the units' registers (no
+/// tensor cores, so no rounding of the operands to TF32: that is the session's opt-in,
+/// [`crate::Session::set_tf32`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tiling {
+    /// Few outputs or a short inner extent: one register tile per unit, one stage
+    /// (`SimpleUnit`).
+    Simple,
+    /// Register tiles, double-buffered stages (`DoubleUnit`).
+    Double,
+}
+
+impl Tiling {
+    /// The kernel for an `m x k` by `k x n` product: the double-buffered one when the
+    /// output fills at least a few dozen 8 x 8 tiles and the inner extent spans several stages.
+    pub fn for_extents(m: usize, k: usize, n: usize) -> Tiling {
+        if m * n >= 64 * 64 && k >= 64 {
+            Tiling::Double
+        } else {
+            Tiling::Simple
+        }
+    }
 }
 
 /// A fused elementwise program bound to its operands' extents.
@@ -194,7 +220,7 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
             let (a, b) = (d(0), d(1));
             let (m, k) = if *transpose_a { (a[1], a[0]) } else { (a[0], a[1]) };
             let n = if *transpose_b { b[0] } else { b[1] };
-            Some(Native::MatMul { m, k, n, transpose_a: *transpose_a, transpose_b: *transpose_b })
+            Some(Native::MatMul { m, k, n, transpose_a: *transpose_a, transpose_b: *transpose_b, tiling: Tiling::for_extents(m, k, n) })
         }
         Op::Conv2d(c) => conv(ConvKind::Forward, c, d(0), d(1)),
         Op::Conv2dBackpropInput { conv: c, input_shape } => conv(ConvKind::InputGrad, c, &input_shape.0, d(1)),

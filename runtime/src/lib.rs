@@ -7,7 +7,8 @@
 //! - [`lower`]: the exhaustive op-to-backend lowering (burn's ops) for everything else.
 //! - [`value`]: device values and host transfers.
 //! - [`data`]: datasets (MNIST IDX files).
-//! - `cube` (features `cuda`, `wgpu`): burn's cubecl backend and the runtime's own kernels.
+//! - `cube` (features `cuda`, `wgpu`): burn's cubecl backend and the runtime's own kernels;
+//!   `launches`: counting the kernels a process launches on them.
 
 pub mod accumulate;
 pub mod backend;
@@ -22,6 +23,8 @@ pub mod error;
 pub mod exec;
 pub mod host;
 pub mod kernel;
+#[cfg(feature = "cube")]
+pub mod launches;
 pub mod lower;
 pub mod model;
 pub mod value;

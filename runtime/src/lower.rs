@@ -27,6 +27,8 @@ pub struct Ctx<'a, B: Backend> {
     /// The step's class-id labels are a plan input the executor checked on the host before
     /// uploading it ([`label_error`]), so the lowering does not read them back.
     pub labels_checked: bool,
+    /// Matmuls may round their operands to TF32 on tensor cores (the session's opt-in).
+    pub tf32: bool,
 }
 
 impl<B: Backend> Ctx<'_, B> {

@@ -201,6 +201,60 @@ mod wgpu {
         assert!(max_rel(&loss, &want) < 1e-5, "loss on wgpu {loss:?}, on the CPU {want:?}");
     }
 
+    /// Kernel launches per LeNet5 micro-step (4 x 32, across steps, Momentum: the issue's
+    /// benchmark) and at its window's boundary, counted from cubecl's own execution log. The
+    /// count needs cubecl configured before the process first uses a device, so the test runs
+    /// [`launches_child`] in a process of its own.
+    #[test]
+    fn launches_per_lenet_micro_step() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["device::wgpu::launches_child", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+        println!("{text}");
+    }
+
+    #[test]
+    #[ignore = "run in its own process by launches_per_lenet_micro_step"]
+    fn launches_child() {
+        use cellgraph::runtime::{launches, Accumulator};
+        launches::start().unwrap();
+        let (b, k) = (32, 4);
+        let net = GradAccumulation::across_steps(crate::common::lenet_with_loss(), k);
+        let mut acc = Accumulator::<Wgpu>::new(Rc::new(net), Rc::new(Momentum::new(0.01, 0.9)), dev(), 1).unwrap();
+        let batch = &lenet_batches(1, b, 3)[0];
+        // A first window compiles the kernels; count the second. cubecl registers a launch
+        // when its queue reaches the device, so each count follows a read (a sync).
+        for _ in 0..k {
+            acc.step(batch).unwrap();
+        }
+        let _ = acc.session.params_host();
+        let c0 = launches::settled();
+        let mut micro = Vec::new();
+        for _ in 0..k - 1 {
+            let c = launches::settled();
+            acc.step(batch).unwrap();
+            micro.push(launches::settled() - c);
+        }
+        let c1 = launches::settled();
+        acc.step(batch).unwrap();
+        let _ = acc.session.params_host();
+        let window = launches::settled() - c0;
+        let boundary = window - (c1 - c0) - micro[0];
+        println!("launches per micro-step {micro:?}, at the boundary {boundary}, per window {window}");
+        for (name, n) in launches::by_name() {
+            println!("  {n:>5}  {name}");
+        }
+        assert!(micro.iter().all(|&m| m == micro[0]), "every micro-step launches the same kernels: {micro:?}");
+        assert!(micro[0] >= 20, "a LeNet5 micro-step launches at least its 20 compute kernels: {micro:?} (is counting on?)");
+        // Measured 85 (issue 14's bar is 35: fused loss, bias + ReLU, pools keeping their
+        // argmax, no operand copies); the count may only go down.
+        assert!(micro[0] <= 85, "launches per LeNet5 micro-step: {}", micro[0]);
+        assert_eq!(boundary, 1, "the boundary is one fused update-and-clear kernel");
+    }
+
     /// LeNet5 (convolutions, pooling) with in-step slicing on wgpu equals the CPU.
     #[test]
     fn lenet_on_wgpu_matches_cpu() {

@@ -343,39 +343,68 @@ fn seed002_mlp_gradients_match_finite_differences() {
     lenet_or_mlp_check(&net, [4, 1, 28, 28], 12);
 }
 
-/// The device kernels (wgpu here; the same `#[cube]` code runs on CUDA) for every matmul and
-/// convolution case, forward and both gradients, against the CPU's host kernels in f32.
+/// Cases big enough for the device's tiled kernels: cubek's double-buffered matmul (its
+/// gradients are the NT and TN products), and convolutions whose filter gradient is split over
+/// the output positions (LeNet5's two layers, a strided padded one with a short last slice,
+/// a grouped one).
+fn device_cases() -> Vec<Case> {
+    vec![
+        case!("matmul_double", [[96, 200], [200, 80]], |e, p, x| e.matmul(p[0], p[1], false, false).unwrap()),
+        case!("matmul_double_ta_tb", [[200, 96], [80, 200]], |e, p, x| e.matmul(p[0], p[1], true, true).unwrap()),
+        case!("matmul_odd", [[37, 300], [300, 7]], |e, p, x| e.matmul(p[0], p[1], false, false).unwrap()),
+        case!("conv2d_lenet_c1", [[8, 1, 32, 32], [6, 1, 5, 5]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_lenet_c2", [[8, 6, 14, 14], [16, 6, 5, 5]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_split_stride2_same", [[4, 3, 17, 17], [8, 3, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Same, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_split_groups", [[4, 4, 12, 12], [6, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 2)), &[p[0], p[1]]).unwrap()),
+    ]
+}
+
+/// The device kernels (wgpu here; the same `#[cube]` and cubek code runs on CUDA) for every
+/// matmul and convolution case, forward and both gradients, against the CPU's host kernels in
+/// f32; matmuls again with TF32 allowed (on lavapipe, without tensor cores, cubek's default
+/// runs a unit kernel). No matmul falls back from cubek's kernels to the one-unit-per-output one.
 #[cfg(feature = "wgpu")]
 #[test]
 fn device_kernels_match_the_host_kernels() {
     use cellgraph::runtime::cube::{Wgpu, WgpuDevice};
     let mut rng = StdRng::seed_from_u64(11);
     let mut checked = 0;
-    for case in cases().iter().filter(|c| c.name.starts_with("matmul") || c.name.starts_with("conv2d")) {
-        let (mut g, ps, loss) = build(case);
+    let all = cases().into_iter().filter(|c| c.name.starts_with("matmul") || c.name.starts_with("conv2d")).chain(device_cases());
+    for case in all {
+        let (mut g, ps, loss) = build(&case);
         let grads = grad(&mut g, loss, &ps, Sens::One).unwrap();
         let mut outs = vec![loss];
         outs.extend(grads.grads.clone());
         g.set_outputs(outs);
         let exe = compile(g).unwrap();
+        let tf32_too = case.name.starts_with("matmul");
         let mut cpu_s = Session::<Cpu>::new(cpu());
-        let mut dev_s = Session::<Wgpu>::new(WgpuDevice::DefaultDevice);
+        let mut devs: Vec<(bool, Session<Wgpu>)> = [false, true].into_iter().filter(|&t| !t || tf32_too).map(|t| (t, Session::<Wgpu>::new(WgpuDevice::DefaultDevice))).collect();
         for (p, name) in exe.graph().parameters() {
             let ty = exe.graph().ty(p).clone();
             let v: Vec<f32> = (0..ty.numel()).map(|_| rng.random_range(-1.0..1.0)).collect();
             let t = HostTensor::f32(ty.dims().to_vec(), v).unwrap();
             cpu_s.set_param(name, &t);
-            dev_s.set_param(name, &t);
+            for (_, s) in &mut devs {
+                s.set_param(name, &t);
+            }
         }
         let inputs: Vec<HostTensor> = case.inputs.clone();
-        let (a, b) = (cpu_s.run(&exe, &inputs).unwrap(), dev_s.run(&exe, &inputs).unwrap());
-        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-            let (x, y) = (x.to_f32(), y.to_f32());
-            let scale = x.iter().map(|v| v.abs()).fold(1e-6f32, f32::max);
-            let d = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max) / scale;
-            assert!(d < 1e-5, "{}: output {i} differs between host and device kernels by {d:e} relative", case.name);
+        let a = cpu_s.run(&exe, &inputs).unwrap();
+        for (tf32, s) in &mut devs {
+            s.set_tf32(*tf32);
+            let b = s.run(&exe, &inputs).unwrap();
+            // TF32 keeps 10 mantissa bits: PyTorch's allow_tf32 tolerance.
+            let tol = if *tf32 { 1e-3 } else { 1e-5 };
+            for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                let (x, y) = (x.to_f32(), y.to_f32());
+                let scale = x.iter().map(|v| v.abs()).fold(1e-6f32, f32::max);
+                let d = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max) / scale;
+                assert!(d < tol, "{} (tf32 {tf32}): output {i} differs between host and device kernels by {d:e} relative", case.name);
+            }
         }
         checked += 1;
     }
-    assert!(checked >= 13, "only {checked} matmul/convolution cases");
+    assert!(checked >= 20, "only {checked} matmul/convolution cases");
+    assert_eq!(cellgraph::runtime::cube::naive_matmuls(), 0, "a matmul fell back from cubek's kernels");
 }
