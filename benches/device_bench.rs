@@ -115,13 +115,10 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     if args.launches && k >= 2 {
         use cellgraph::runtime::launches;
-        // Finish the open window, then count a whole one: K - 1 micro-steps, then the last
-        // with the boundary (each step reads its loss, so the device is idle at each count).
-        while acc.window_len() != 0 {
-            run(&mut acc, 1)?;
-        }
-        let before: std::collections::BTreeMap<String, u64> = launches::by_name().into_iter().collect();
+        // The timed run ended on a boundary; count a whole window: K - 1 micro-steps, then the
+        // last with the boundary (each step reads its loss, so the device is idle at each count).
         let c0 = launches::settled();
+        let before: std::collections::BTreeMap<String, u64> = launches::by_name().into_iter().collect();
         for _ in 0..k - 1 {
             acc.step(&batches[0])?;
         }
@@ -131,9 +128,9 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         let c2 = launches::settled();
         let micro = (c1 - c0) as f64 / (k - 1) as f64;
         eprintln!("kernel launches: {micro:.1} per micro-step, {:.1} at the boundary, {} per window", (c2 - c1) as f64 - micro, c2 - c0);
-        let mut names: Vec<(String, u64)> = launches::by_name().into_iter().map(|(n, c)| (c - before.get(&n).copied().unwrap_or(0), n)).filter(|(c, _)| *c > 0).map(|(c, n)| (n, c)).collect();
-        names.sort_by(|a, b| b.1.cmp(&a.1));
-        for (n, c) in names {
+        let mut names: Vec<(u64, String)> = launches::by_name().into_iter().map(|(n, c)| (c - before.get(&n).copied().unwrap_or(0), n)).filter(|(c, _)| *c > 0).collect();
+        names.sort_by(|a, b| b.0.cmp(&a.0));
+        for (c, n) in names {
             eprintln!("  {c:>4}  {n}");
         }
     }

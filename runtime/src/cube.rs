@@ -433,7 +433,7 @@ pub fn launch_update<R: CubeRuntime, F: FloatElement + Float>(
     let client = &p.client;
     let (count, dim) = grid(client, n);
     // Unused state slots get a one-element buffer the program never touches.
-    let spare = || CubeTensor::new_contiguous(client.clone(), p.device.clone(), Shape::from(vec![1]), client.empty(4), p.dtype);
+    let spare = || empty::<R>(client, &p.device, &[1]);
     let s0 = state.first().cloned().unwrap_or_else(spare);
     let s1 = state.get(1).cloned().unwrap_or_else(spare);
     let c = client.create_from_slice(f32::as_bytes(consts));

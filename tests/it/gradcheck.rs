@@ -379,7 +379,15 @@ fn device_kernels_match_the_host_kernels() {
         let exe = compile(g).unwrap();
         let tf32_too = case.name.starts_with("matmul");
         let mut cpu_s = Session::<Cpu>::new(cpu());
-        let mut devs: Vec<(bool, Session<Wgpu>)> = [false, true].into_iter().filter(|&t| !t || tf32_too).map(|t| (t, Session::<Wgpu>::new(WgpuDevice::DefaultDevice))).collect();
+        let mut devs: Vec<(bool, Session<Wgpu>)> = [false, true]
+            .into_iter()
+            .filter(|&t| !t || tf32_too)
+            .map(|t| {
+                let mut s = Session::<Wgpu>::new(WgpuDevice::DefaultDevice);
+                s.set_tf32(t);
+                (t, s)
+            })
+            .collect();
         for (p, name) in exe.graph().parameters() {
             let ty = exe.graph().ty(p).clone();
             let v: Vec<f32> = (0..ty.numel()).map(|_| rng.random_range(-1.0..1.0)).collect();
@@ -392,7 +400,6 @@ fn device_kernels_match_the_host_kernels() {
         let inputs: Vec<HostTensor> = case.inputs.clone();
         let a = cpu_s.run(&exe, &inputs).unwrap();
         for (tf32, s) in &mut devs {
-            s.set_tf32(*tf32);
             let b = s.run(&exe, &inputs).unwrap();
             // TF32 keeps 10 mantissa bits: PyTorch's allow_tf32 tolerance.
             let tol = if *tf32 { 1e-3 } else { 1e-5 };
