@@ -2,20 +2,17 @@
 //! log; `eval`; `plot`; and bad arguments refused with a sentence before anything trains.
 //! Runs use a small MNIST directory (256 training and 64 test digits from `data/mnist`).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use cellgraph::prelude::*;
 
-use crate::common::mnist_dir;
+use crate::common::{mnist_dir, TmpDir};
 
 const CELLGRAPH: &str = env!("CARGO_BIN_EXE_cellgraph");
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("cellgraph-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmp(name: &str) -> TmpDir {
+    TmpDir::created(&format!("cli-{name}"))
 }
 
 /// Runs `cellgraph ARGS`: (exit code, stdout, stderr).

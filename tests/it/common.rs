@@ -1,7 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::ops::Deref;
+use std::path::{Path, PathBuf};
 
 use cellgraph::prelude::*;
 
@@ -18,6 +19,55 @@ pub fn mlp_with_loss() -> WithLossCell {
 /// `(data, label)` input types for a batch of `n` images of `hw x hw`.
 pub fn image_inputs(n: usize, hw: usize) -> [(&'static str, TensorType); 2] {
     [("data", TensorType::f32([n, 1, hw, hw])), ("label", TensorType::i32([n]))]
+}
+
+/// A test's own directory, `cellgraph-{name}-{pid}` under the system's temp dir: emptied when
+/// made, removed when the test passes, kept (and named on stderr) when it fails.
+pub struct TmpDir(PathBuf);
+
+impl TmpDir {
+    /// The directory, not created: for code under test that makes it.
+    pub fn fresh(name: &str) -> TmpDir {
+        let d = std::env::temp_dir().join(format!("cellgraph-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        TmpDir(d)
+    }
+
+    /// The directory, created.
+    pub fn created(name: &str) -> TmpDir {
+        let d = TmpDir::fresh(name);
+        std::fs::create_dir_all(&d.0).unwrap();
+        d
+    }
+}
+
+impl Deref for TmpDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TmpDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for TmpDir {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("kept {} for the failing test", self.0.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 /// The vendored MNIST directory.

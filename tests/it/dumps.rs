@@ -2,20 +2,18 @@
 //! pass for every graph at each level (golden files, `BLESS=1` re-records them), every dump
 //! parses back, and each `inspect` subcommand works on them and fails clearly on bad files.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use cellgraph::compiler::dump::DumpOptions;
 use cellgraph::prelude::*;
 
-use crate::common::{golden, lenet_with_loss};
+use crate::common::{golden, lenet_with_loss, TmpDir};
 
 const CELLGRAPH: &str = env!("CARGO_BIN_EXE_cellgraph");
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("cellgraph-dumps-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+fn tmp(name: &str) -> TmpDir {
+    TmpDir::fresh(&format!("dumps-{name}"))
 }
 
 /// Dumps LeNet5 + GradAccumulation(4), Momentum, after one training step at batch 32.
@@ -157,7 +155,7 @@ fn inspect_rejects_bad_files_with_their_place() {
     assert!(out.contains("f32[6,1,5,4] = assign("), "the offending equation is shown: {out}");
     let (ok, out) = inspect(&["/nonexistent/dump.ir"]);
     assert!(!ok && out.contains("/nonexistent/dump.ir"), "{out}");
-    let (ok, out) = inspect(&[tmp("empty").parent().unwrap().join("no-such-dir.json").to_str().unwrap()]);
+    let (ok, out) = inspect(&[std::env::temp_dir().join("cellgraph-no-such-dir.json").to_str().unwrap()]);
     assert!(!ok, "{out}");
 }
 

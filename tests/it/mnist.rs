@@ -81,8 +81,7 @@ fn idx(magic3: u8, dims: &[u32], data: &[u8]) -> Vec<u8> {
 
 #[test]
 fn malformed_files_name_the_file_and_offset() {
-    let dir = std::env::temp_dir().join(format!("cellgraph-mnist-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = TmpDir::created("mnist");
     let p = Path::new("x.idx");
     let e = parse_idx(p, &[0, 0, 9, 1, 0, 0, 0, 1, 5]).unwrap_err().to_string();
     assert_eq!(e, "x.idx: at byte offset 0: bad IDX magic 00 00 09 01: expected 00 00 08 NDIM (unsigned bytes)");

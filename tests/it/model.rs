@@ -14,11 +14,8 @@ use cellgraph::runtime::data::{create_dataset, create_eval_dataset, ImageOp, Mni
 use cellgraph::runtime::{Callback, CheckpointConfig, LossMonitor, ModelCheckpoint, RunContext, TensorDataset};
 use crate::common::*;
 
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("cellgraph-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmpdir(name: &str) -> TmpDir {
+    TmpDir::created(name)
 }
 
 #[test]

@@ -6,6 +6,8 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use crate::common::TmpDir;
+
 const BIN: &str = env!("CARGO_BIN_EXE_distributed_gradient_accumulation");
 
 fn have_mpirun() -> bool {
@@ -59,10 +61,8 @@ fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
-fn tmp(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("cellgraph-mpi-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+fn tmp(name: &str) -> TmpDir {
+    TmpDir::fresh(&format!("mpi-{name}"))
 }
 
 #[test]

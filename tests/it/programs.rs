@@ -4,6 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use crate::common::TmpDir;
+
 /// An example program built by `cargo test` (target/<profile>/examples/NAME).
 fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
@@ -27,11 +29,8 @@ fn refused(name: &str, args: &[&str], want: &str) {
     assert!(!s.contains("panicked") && !s.contains("Error: ") && !s.contains(" { "), "{name} {args:?} printed a panic or Debug output: {s}");
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("cellgraph-programs-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmp(name: &str) -> TmpDir {
+    TmpDir::created(&format!("programs-{name}"))
 }
 
 /// A tiny MNIST directory of `n` training and `n` test images (IDX, uncompressed).
