@@ -494,6 +494,6 @@ impl RunLog {
 
 impl<B: Backend> Callback<B> for RunLog {
     fn step_end(&mut self, cx: &mut RunContext<B>) -> cellgraph::runtime::Result<()> {
-        self.write(&serde_json::json!({"epoch": cx.epoch, "step": cx.step, "updates": cx.accumulator.updates(), "loss": cx.loss}))
+        self.write(&serde_json::json!({"epoch": cx.epoch, "step": cx.step, "updates": cx.accumulator.updates(), "loss": cx.loss()}))
     }
 }

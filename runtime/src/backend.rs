@@ -89,10 +89,13 @@ pub trait Backend: burn_backend::Backend {
         None
     }
 
-    /// Runs a matmul or convolution (see [`crate::kernel::bind`]) on the backend's own kernels, when
-    /// it has them (device backends: exact f32, where burn's would use TF32 tensor cores;
-    /// `tf32`: matmuls may, [`crate::Session::set_tf32`]).
-    fn device_kernel(_op: &Native, _args: &[&FloatTensor<Self>], _out: &TensorType, _tf32: bool) -> Option<FloatTensor<Self>> {
+    /// Runs a bound kernel (see [`crate::kernel::bind`]) on the backend's own kernels, when it
+    /// has them: `args` the float operands in order, `ints` the integer ones (class labels,
+    /// already checked on the host). Device backends: matmuls in exact f32, where burn's would
+    /// use TF32 tensor cores (`tf32`: they may, [`crate::Session::set_tf32`]), and one launch
+    /// for what burn's ops take several for (elementwise programs, epilogues, the loss and
+    /// its gradient, pooling).
+    fn device_kernel(_op: &Native, _args: &[&FloatTensor<Self>], _ints: &[&IntTensor<Self>], _out: &TensorType, _tf32: bool) -> Option<FloatTensor<Self>> {
         None
     }
 

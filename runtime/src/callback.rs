@@ -19,7 +19,6 @@ pub struct RunContext<'a, B: Backend> {
     /// Batches done in this epoch (1-based at `step_end`).
     pub step: usize,
     pub steps_per_epoch: usize,
-    pub loss: f64,
     /// True when this step applied an optimizer update.
     pub applied: bool,
     /// Seconds the epoch took (at `epoch_end`).
@@ -38,7 +37,6 @@ impl<'a, B: Backend> RunContext<'a, B> {
             epochs,
             step: 0,
             steps_per_epoch,
-            loss: f64::NAN,
             applied: false,
             epoch_seconds: 0.0,
             position: Position::default(),
@@ -46,6 +44,13 @@ impl<'a, B: Backend> RunContext<'a, B> {
             stop_requested: false,
         }
     }
+    /// The last step's loss (NaN before the first step). On a device backend the step's loss
+    /// stays on the device until a callback asks for it here (the first call after a step
+    /// waits for the device to finish the step and reads it back; later ones do not).
+    pub fn loss(&self) -> f64 {
+        self.accumulator.step_loss()
+    }
+
     /// Asks training to stop after this step.
     pub fn request_stop(&mut self) {
         self.stop_requested = true;
@@ -90,11 +95,11 @@ impl LossMonitor {
 
 impl<B: Backend> Callback<B> for LossMonitor {
     fn step_end(&mut self, cx: &mut RunContext<B>) -> Result<()> {
-        if !cx.loss.is_finite() {
+        if !cx.loss().is_finite() {
             return Err(RuntimeError::BadValue {
                 scope: format!("epoch {} step {}", cx.epoch, cx.step),
                 op: "LossMonitor",
-                detail: format!("loss is {}; training stopped (lower the learning rate or check the data)", cx.loss),
+                detail: format!("loss is {}; training stopped (lower the learning rate or check the data)", cx.loss()),
             });
         }
         let global = (cx.epoch - 1) * cx.steps_per_epoch + cx.step;
@@ -104,7 +109,7 @@ impl<B: Backend> Callback<B> for LossMonitor {
         }
         if self.per_print_times != 0 && global - self.last_print >= self.per_print_times {
             self.last_print = global;
-            let _ = writeln!(self.out, "epoch: {} step: {}, loss is {}", cx.epoch, cx.step, py_float(cx.loss as f32 as f64));
+            let _ = writeln!(self.out, "epoch: {} step: {}, loss is {}", cx.epoch, cx.step, py_float(cx.loss() as f32 as f64));
             let _ = self.out.flush();
         }
         Ok(())
@@ -243,7 +248,7 @@ impl LossLog {
 
 impl<B: Backend> Callback<B> for LossLog {
     fn step_end(&mut self, cx: &mut RunContext<B>) -> Result<()> {
-        let line = serde_json::json!({"epoch": cx.epoch, "step": cx.step, "updates": cx.accumulator.updates(), "loss": cx.loss});
+        let line = serde_json::json!({"epoch": cx.epoch, "step": cx.step, "updates": cx.accumulator.updates(), "loss": cx.loss()});
         writeln!(self.file, "{line}").map_err(|source| RuntimeError::Io { path: self.path.display().to_string(), source })
     }
 }

@@ -350,10 +350,11 @@ fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &Ten
     let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
     if B::HOST {
         crate::host::run_host::<B>(k, &floats, &ints, &tys, out, cx.device, kept, arena)
-    } else if ints.is_empty() {
-        B::device_kernel(k, &floats, out, cx.tf32)
-    } else {
+    } else if matches!(k, Native::SoftmaxCrossEntropy { .. }) && !cx.labels_checked {
+        // Class ids computed in the plan: the lowering reads and checks them.
         None
+    } else {
+        B::device_kernel(k, &floats, &ints, out, cx.tf32)
     }
 }
 

@@ -43,6 +43,10 @@ impl Geometry {
             && self.out[0] + self.kernel[0] <= self.x[2] + 1
             && self.out[1] + self.kernel[1] <= self.x[3] + 1
     }
+    /// True when some output's window lies wholly in the padding (no input element).
+    pub fn has_empty_window(&self) -> bool {
+        (0..2).any(|a| (0..self.out[a]).any(|o| (0..self.kernel[a]).all(|k| self.at(a, o, k).is_none())))
+    }
     /// The input coordinate read by output `o` at kernel offset `k` along axis `a`, if inside.
     #[inline]
     pub(crate) fn at(&self, a: usize, o: usize, k: usize) -> Option<usize> {

@@ -224,12 +224,12 @@ impl<B: Backend> Model<B> {
                 for batch in batches {
                     // A short last batch may be sliced into unequal micro-batches.
                     let last = self.position.step + 1 == steps_per_epoch && sizes[self.position.step] < sizes[0];
-                    let out = if last { self.acc.step_last(&batch)? } else { self.acc.step(&batch)? };
+                    // The loss stays on a device until a callback asks for it (`RunContext::loss`).
+                    let applied = if last { self.acc.advance_last(&batch)? } else { self.acc.advance(&batch)? };
                     self.position.step += 1;
                     let mut cx = RunContext::new(epoch + 1, epochs, steps_per_epoch, &self.acc);
                     cx.step = self.position.step;
-                    cx.loss = out.loss;
-                    cx.applied = out.applied;
+                    cx.applied = applied;
                     cx.position = self.position;
                     for cb in callbacks.iter_mut() {
                         cb.step_end(&mut cx)?;

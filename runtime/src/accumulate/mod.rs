@@ -32,6 +32,7 @@ use cellgraph_compiler::{HostData, HostTensor, TensorType};
 use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
 use crate::exec::{compile, compile_with, DumpAt, Executable, Session};
+use crate::value::Value;
 use crate::Backend;
 
 use cellgraph_compiler::passes::grad_accumulation::accumulator_name;
@@ -74,6 +75,16 @@ pub struct Accumulator<B: Backend> {
     progress: Progress,
     store: Store<B>,
     parallel: Option<Parallel>,
+    /// The last step's micro-batch losses, left on the device until read ([`Self::step_loss`]),
+    /// and their sum once read.
+    losses: Vec<Loss<B>>,
+    loss: std::cell::Cell<Option<f64>>,
+}
+
+/// A micro-batch's loss: read (host backends read it at once, at no cost), or on the device.
+enum Loss<B: Backend> {
+    Read(f64),
+    Device(Value<B>),
 }
 
 /// The optimizer graph's inputs: the gradient scale, then the rule's host scalars.
@@ -129,7 +140,7 @@ impl<B: Backend> Accumulator<B> {
         let trained: Vec<(String, TensorType)> = accumulators.iter().map(|(n, t)| (n[ACCUMULATOR_PREFIX.len() + 1..].to_string(), t.clone())).collect();
         let store = Store::new(&trained, accumulator_name, opt.as_ref());
         let plans = Plans { micro: HashMap::new(), optimizer: compile(optimizer)?, clear: compile(clear)?, names: Vec::new(), dump: None };
-        let mut acc = Accumulator { net, opt, plans, session, progress: Progress::default(), store, parallel: None };
+        let mut acc = Accumulator { net, opt, plans, session, progress: Progress::default(), store, parallel: None, losses: Vec::new(), loss: std::cell::Cell::new(None) };
         acc.store.enter_flat(&mut acc.session, acc.opt.as_ref())?;
         Ok(acc)
     }
@@ -221,11 +232,51 @@ impl<B: Backend> Accumulator<B> {
     /// window applied; the loss is their sum. Across steps: the batch is one micro-batch, and
     /// the window is applied when it is full.
     pub fn step(&mut self, batch: &[HostTensor]) -> Result<StepOutcome> {
+        let applied = self.advance(batch)?;
+        Ok(StepOutcome { loss: self.step_loss(), applied })
+    }
+
+    /// [`Self::step`] without reading the loss back: on a device backend nothing waits for the
+    /// device, which runs the step while the host prepares the next one. The step's loss stays
+    /// where it was computed until [`Self::step_loss`] asks for it. Returns whether the step
+    /// ended a window.
+    pub fn advance(&mut self, batch: &[HostTensor]) -> Result<bool> {
         let b = batch.first().and_then(|t| t.shape.first().copied()).unwrap_or(0);
         if self.net.slicing == Slicing::InStep {
             self.net.check_batch(b)?;
         }
         self.step_split(batch, b)
+    }
+
+    /// The last step's loss: the sum of its micro-batches' losses (each as the network computed
+    /// it, added in f64), NaN before the first step. On a device backend the first call after a
+    /// step reads the losses back (one read: the device finishes the step's work first).
+    pub fn step_loss(&self) -> f64 {
+        if let Some(l) = self.loss.get() {
+            return l;
+        }
+        let on_device: Vec<_> = self.losses.iter().filter_map(|l| if let Loss::Device(Value::Float(t)) = l { Some(t.clone()) } else { None }).collect();
+        // One read for all of the step's device losses, gathered on the device first.
+        let mut read = match on_device.len() {
+            0 => Vec::new(),
+            1 => Value::<B>::Float(on_device[0].clone()).to_host().to_f64(),
+            _ => Value::<B>::Float(B::float_cat(on_device, 0)).to_host().to_f64(),
+        }
+        .into_iter();
+        let l = if self.losses.is_empty() {
+            f64::NAN
+        } else {
+            self.losses
+                .iter()
+                .map(|l| match l {
+                    Loss::Read(v) => *v,
+                    Loss::Device(Value::Float(_)) => read.next().unwrap_or(f64::NAN),
+                    Loss::Device(v) => v.to_host().scalar(),
+                })
+                .sum()
+        };
+        self.loss.set(Some(l));
+        l
     }
 
     /// The last batch of an epoch, which may be shorter than the others (a dataset without
@@ -234,32 +285,39 @@ impl<B: Backend> Accumulator<B> {
     /// by at most one, larger first (11 items, `micro_size` 4: 3, 3, 3, 2); the normalisation
     /// counts the micro-batches and items the window really had. Otherwise as [`Self::step`].
     pub fn step_last(&mut self, batch: &[HostTensor]) -> Result<StepOutcome> {
+        let applied = self.advance_last(batch)?;
+        Ok(StepOutcome { loss: self.step_loss(), applied })
+    }
+
+    /// [`Self::step_last`] without reading the loss back (see [`Self::advance`]).
+    pub fn advance_last(&mut self, batch: &[HostTensor]) -> Result<bool> {
         let b = batch.first().and_then(|t| t.shape.first().copied()).unwrap_or(0);
         self.step_split(batch, b)
     }
 
-    fn step_split(&mut self, batch: &[HostTensor], b: usize) -> Result<StepOutcome> {
+    fn step_split(&mut self, batch: &[HostTensor], b: usize) -> Result<bool> {
         let k = self.net.micro_size;
         if b == 0 {
             return Err(RuntimeError::Mismatch { what: "training batch".into(), expected: "at least one item".into(), got: "an empty batch".into() });
         }
+        self.losses.clear();
+        self.loss.set(None);
         match self.net.slicing {
             Slicing::InStep => {
-                let mut loss = 0.0;
                 for (start, end) in micro_ranges(b, k) {
                     let micro: Vec<HostTensor> = batch.iter().map(|t| slice_rows(t, start, end)).collect();
-                    loss += self.micro_step(&micro)?;
+                    self.run_micro(&micro)?;
                 }
                 self.apply()?;
-                Ok(StepOutcome { loss, applied: true })
+                Ok(true)
             }
             Slicing::AcrossSteps => {
-                let loss = self.micro_step(batch)?;
+                self.run_micro(batch)?;
                 let applied = self.progress.micro == k as u64;
                 if applied {
                     self.apply()?;
                 }
-                Ok(StepOutcome { loss, applied })
+                Ok(applied)
             }
         }
     }
@@ -280,7 +338,16 @@ impl<B: Backend> Accumulator<B> {
     }
 
     /// Runs one micro-batch: forward, backward, gradients added into the accumulators.
+    /// Returns its loss (read back: see [`Self::advance`] for steps that do not wait for it).
     pub fn micro_step(&mut self, inputs: &[HostTensor]) -> Result<f64> {
+        self.losses.clear();
+        self.loss.set(None);
+        self.run_micro(inputs)?;
+        Ok(self.step_loss())
+    }
+
+    /// One micro-batch, its loss kept with the step's others.
+    fn run_micro(&mut self, inputs: &[HostTensor]) -> Result<()> {
         let key: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
         if !self.plans.micro.contains_key(&key) {
             let named = self.named_inputs(&key);
@@ -298,9 +365,11 @@ impl<B: Backend> Accumulator<B> {
             };
             self.plans.micro.insert(key.clone(), exe);
         }
-        let loss = self.session.run(&self.plans.micro[&key], inputs)?[0].scalar();
+        let exe = &self.plans.micro[&key];
+        let loss = if B::HOST { Loss::Read(self.session.run(exe, inputs)?[0].scalar()) } else { Loss::Device(self.session.run_device(exe, inputs)?.swap_remove(0)) };
+        self.losses.push(loss);
         self.progress.micro_step(inputs.first().and_then(|t| t.shape.first().copied()).unwrap_or(1));
-        Ok(loss)
+        Ok(())
     }
 
     /// Ends the open window: the optimizer once (normalised by the window's true counts),

@@ -9,18 +9,28 @@
 //!   unrolled into the kernel when it is compiled.
 //! - matmuls on cubek's exact-f32 tiled kernels (the strategy bound per shape, TF32 only when
 //!   the session allows it), and convolutions on [`conv2d_forward`], [`conv2d_input_grad`] and
-//!   the split [`conv2d_filter_grad`] + [`sum_parts`], their geometry compile-time constants.
+//!   the split [`conv2d_filter_grad`] + [`sum_rows`], their geometry compile-time constants.
+//! - [`ew`]: elementwise programs (fused nodes, epilogues over a head's output in place, ReLU
+//!   and its gradient) unrolled into one kernel each.
+//! - [`loss`]: softmax cross-entropy and its gradient, one launch each.
+//! - [`pool`]: max pooling and its gradient on NCHW, without copies or a second forward.
+//! - [`sum_rows`]: a bias gradient (or a split filter gradient's slices), one unit per column.
 //!
 //! The kernels are generic over cubecl runtimes: CUDA on an NVIDIA GPU (feature `cuda`), and
 //! wgpu (feature `wgpu`), which runs on Mesa's lavapipe CPU Vulkan driver in CI, where the
 //! tests check them against the CPU reference (the optimizer graphs run on burn-ndarray).
 
-use burn_backend::Shape;
+pub mod ew;
+pub mod loss;
+pub mod pool;
+
+use burn_backend::{DType, Shape};
 use burn_cubecl::element::{BoolElement, FloatElement, IntElement};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime};
 use cellgraph_compiler::expr::{Binary, Unary};
 use cellgraph_compiler::update::Target;
+use ew::{EStep, EVal, EwKernel};
 use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeDim};
 
@@ -98,26 +108,12 @@ pub fn update_clear<F: Float>(
             match comptime!(step) {
                 KStep::Unary(op, x) => {
                     let x = kval(w, g, s0, s1, consts, &lets, i, x);
-                    let y = match comptime!(op) {
-                        Unary::Neg => -x,
-                        Unary::Exp => F::exp(x),
-                        Unary::Log => F::ln(x),
-                        Unary::Relu => select(x > F::new(0.0), x, F::new(0.0)),
-                        Unary::Sqrt => F::sqrt(x),
-                    };
-                    lets.push(y);
+                    lets.push(ew::unary::<F>(x, op));
                 }
                 KStep::Binary(op, a, b) => {
                     let a = kval(w, g, s0, s1, consts, &lets, i, a);
                     let b = kval(w, g, s0, s1, consts, &lets, i, b);
-                    let y = match comptime!(op) {
-                        Binary::Add => a + b,
-                        Binary::Sub => a - b,
-                        Binary::Mul => a * b,
-                        Binary::Div => a / b,
-                        Binary::ReluGrad => select(b > F::new(0.0), a, F::new(0.0)),
-                    };
-                    lets.push(y);
+                    lets.push(ew::binary::<F>(a, b, op));
                 }
                 KStep::Write(t, x) => {
                     let x = kval(w, g, s0, s1, consts, &lets, i, x);
@@ -194,9 +190,11 @@ impl ConvDims {
     }
 }
 
-/// Direct convolution: one unit per output element `y[n, o, oh, ow]`.
+/// Direct convolution: one unit per output element `y[n, o, oh, ow]`, stored through the
+/// epilogue `post` (its operands after the first in `x1`..; [`EwKernel::identity`] for none).
 #[cube(launch_unchecked)]
-pub fn conv2d_forward<F: Float>(x: &Array<F>, w: &Array<F>, y: &mut Array<F>, #[comptime] g: ConvDims) {
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_forward<F: Float>(x: &Array<F>, w: &Array<F>, y: &mut Array<F>, x1: &Array<F>, x2: &Array<F>, x3: &Array<F>, #[comptime] g: ConvDims, #[comptime] post: EwKernel) {
     let idx = ABSOLUTE_POS;
     if idx < y.len() {
         let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as i32, g.w as i32, g.o as usize, g.oh as usize, g.ow as usize));
@@ -223,7 +221,7 @@ pub fn conv2d_forward<F: Float>(x: &Array<F>, w: &Array<F>, y: &mut Array<F>, #[
                 }
             }
         }
-        y[idx] = acc;
+        y[idx] = ew::apply::<F>(acc, x1, x2, x3, idx, post);
     }
 }
 
@@ -266,7 +264,7 @@ pub fn conv2d_input_grad<F: Float>(dy: &Array<F>, w: &Array<F>, dx: &mut Array<F
 
 /// Gradient w.r.t. the filter, split over its inner extent (the `n * oh * ow` output
 /// positions): `part[s, e]` is filter element `e`'s sum over positions `s * per ..
-/// (s + 1) * per`. With one slice `part` is the gradient; otherwise [`sum_parts`] adds the
+/// (s + 1) * per`. With one slice `part` is the gradient; otherwise [`sum_rows`] adds the
 /// slices in order (a fixed order: the same bits on every run).
 #[cube(launch_unchecked)]
 pub fn conv2d_filter_grad<F: Float>(x: &Array<F>, dy: &Array<F>, part: &mut Array<F>, #[comptime] g: ConvDims, #[comptime] per: u32) {
@@ -302,17 +300,19 @@ pub fn conv2d_filter_grad<F: Float>(x: &Array<F>, dy: &Array<F>, part: &mut Arra
     }
 }
 
-/// `y[e]` = the sum over `s` of `part[s, e]`, in slice order.
+/// `y[j]` = the sum over the rows of a row-major `[rows, cols]` matrix of column `j`, added row
+/// after row onto zero (the host kernel's order): a bias gradient, or the slices of a split
+/// filter gradient (in slice order: the same bits on every run).
 #[cube(launch_unchecked)]
-pub fn sum_parts<F: Float>(part: &Array<F>, y: &mut Array<F>, #[comptime] slices: u32) {
-    let idx = ABSOLUTE_POS;
-    let len = y.len();
-    if idx < len {
+pub fn sum_rows<F: Float>(x: &Array<F>, y: &mut Array<F>, #[comptime] rows: u32) {
+    let j = ABSOLUTE_POS;
+    let cols = y.len();
+    if j < cols {
         let mut acc = F::new(0.0);
-        for s in 0..comptime!(slices as usize) {
-            acc += part[s * len + idx];
+        for r in 0..comptime!(rows as usize) {
+            acc += x[r * cols + j];
         }
-        y[idx] = acc;
+        y[j] = acc;
     }
 }
 
@@ -443,6 +443,67 @@ pub fn launch_update<R: CubeRuntime, F: FloatElement + Float>(
     1
 }
 
+/// A two-operand head `(a, b)` (matmul, convolution, max pooling's gradient) into `y`
+/// (`numel` elements) on the kernel bound for it. A convolution forward or a pooling gradient
+/// stores its result through the in-place epilogue `post` (operands after the first in
+/// `rest`); the others take [`EwKernel::identity`] only.
+#[allow(clippy::too_many_arguments)]
+fn head_kernel<R: CubeRuntime, F: FloatElement + Float>(op: &Native, a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, numel: usize, tf32: bool, post: &EwKernel, rest: &[CubeTensor<R>]) {
+    let client = &y.client;
+    let (count, dim) = grid(client, numel);
+    // The epilogue's operands 1.. (slots it does not read get another operand, never `y`).
+    let x = |k: usize| arr(rest.get(k).unwrap_or(a));
+    // SAFETY (every launch below): the kernels index only below their arrays' lengths (each
+    // unit checks its position against its output's length; the operands' extents are the
+    // bound op's, which the plan's types fix).
+    match *op {
+        Native::MatMul { m, k, n, transpose_a, transpose_b, tiling } => {
+            if !cubek_matmul(a, b, y, [m, k, n], transpose_a, transpose_b, tiling, tf32) {
+                NAIVE_MATMULS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let mkn = [m as u32, k as u32, n as u32];
+                unsafe { matmul::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(b), arr(y), mkn, transpose_a, transpose_b) }
+            }
+        }
+        Native::Conv { kind, g, groups, out_channels, .. } => {
+            let dims = ConvDims::of(&g, groups, out_channels);
+            match kind {
+                ConvKind::Forward => unsafe { conv2d_forward::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(b), arr(y), x(0), x(1), x(2), dims, post.clone()) },
+                ConvKind::InputGrad => unsafe { conv2d_input_grad::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(b), arr(y), dims) },
+                // The op's operands are (dy, x).
+                ConvKind::FilterGrad => {
+                    let (slices, per) = filter_grad_split(&dims);
+                    if slices == 1 {
+                        unsafe { conv2d_filter_grad::launch_unchecked::<F, R>(client, count, dim, arr(b), arr(a), arr(y), dims, per as u32) }
+                    } else {
+                        let part = empty::<R>(client, &y.device, &[slices, numel]);
+                        let (pc, pd) = grid(client, slices * numel);
+                        unsafe {
+                            conv2d_filter_grad::launch_unchecked::<F, R>(client, pc, pd, arr(b), arr(a), arr(&part), dims, per as u32);
+                            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(&part), arr(y), slices as u32);
+                        }
+                    }
+                }
+            }
+        }
+        Native::MaxPoolGrad { g, .. } => unsafe { pool::max_pool2d_grad::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(b), arr(y), x(0), x(1), x(2), ConvDims::of(&g, 1, g.x[1]), post.clone()) },
+        _ => unreachable!("a head kernel runs matmuls, convolutions and pooling gradients"),
+    }
+}
+
+/// Launches the elementwise program `p` writing `y`: operand `k` is `xs[k]`, or with `p` in
+/// place, operand 0 is `y` and operand `k` is `xs[k - 1]`. Slots the program does not read get
+/// another operand (or a one-element buffer): never `y`, which the kernel writes.
+fn launch_elementwise<R: CubeRuntime, F: FloatElement + Float>(p: &EwKernel, y: &CubeTensor<R>, xs: &[CubeTensor<R>]) {
+    let client = &y.client;
+    let (count, dim) = grid(client, y.meta.num_elements());
+    let spare = xs.first().cloned().unwrap_or_else(|| empty::<R>(client, &y.device, &[1]));
+    let skip = usize::from(p.in_place);
+    let slot = |k: usize| arr(k.checked_sub(skip).and_then(|k| xs.get(k)).unwrap_or(&spare));
+    // SAFETY: each unit checks its position against `y`'s length, and reads each operand at
+    // an index its bound read keeps below the operand's extents.
+    unsafe { ew::elementwise::launch_unchecked::<F, R>(client, count, dim, arr(y), slot(0), slot(1), slot(2), slot(3), p.clone()) }
+}
+
 impl<R, F, I, BT> Backend for CubeBackend<R, F, I, BT>
 where
     R: CubeRuntime,
@@ -477,53 +538,100 @@ where
         true
     }
 
-    fn device_kernel(op: &Native, args: &[&CubeTensor<R>], out: &TensorType, tf32: bool) -> Option<CubeTensor<R>> {
-        if !matches!(op, Native::MatMul { .. } | Native::Conv { .. }) {
+    fn device_kernel(op: &Native, args: &[&CubeTensor<R>], ints: &[&CubeTensor<R>], out: &TensorType, tf32: bool) -> Option<CubeTensor<R>> {
+        if F::dtype() != DType::F32 || args.iter().any(|t| t.dtype != DType::F32) || ints.iter().any(|t| t.dtype != I::dtype()) {
             return None;
         }
-        if F::dtype() != burn_backend::DType::F32 || args.iter().any(|t| t.dtype != burn_backend::DType::F32) {
-            return None;
-        }
-        let client = args[0].client.clone();
-        let a = burn_cubecl::kernel::into_contiguous(args[0].clone());
-        let b = burn_cubecl::kernel::into_contiguous(args[1].clone());
-        let y = empty::<R>(&client, &args[0].device, out.dims());
+        let first = args.first()?;
+        let (client, device) = (first.client.clone(), first.device.clone());
+        let contiguous = |t: &CubeTensor<R>| burn_cubecl::kernel::into_contiguous(t.clone());
         let numel = out.numel().max(1);
         let (count, dim) = grid(&client, numel);
+        let new_out = || empty::<R>(&client, &device, out.dims());
         // SAFETY (every launch below): the kernels index only below their arrays' lengths
         // (each unit checks its position against its output's length; the operands' extents
-        // are the bound op's, which the plan's types fix).
-        match *op {
-            Native::MatMul { m, k, n, transpose_a, transpose_b, tiling } => {
-                if !cubek_matmul(&a, &b, &y, [m, k, n], transpose_a, transpose_b, tiling, tf32) {
-                    NAIVE_MATMULS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let mkn = [m as u32, k as u32, n as u32];
-                    unsafe { matmul::launch_unchecked::<F, R>(&client, count, dim, arr(&a), arr(&b), arr(&y), mkn, transpose_a, transpose_b) }
+        // are the bound op's, which the plan's types fix; class ids were checked on the host,
+        // see `run_bound`).
+        let y = match op {
+            Native::MatMul { .. } | Native::Conv { .. } => {
+                let (a, b) = (contiguous(args[0]), contiguous(args[1]));
+                let y = new_out();
+                head_kernel::<R, F>(op, &a, &b, &y, numel, tf32, &EwKernel::identity(), &[]);
+                y
+            }
+            Native::Epilogue { head, head_args, post } => {
+                let prog = EwKernel::new(post, true)?;
+                let rest: Vec<_> = args.get(*head_args..)?.iter().map(|t| contiguous(t)).collect();
+                if matches!(**head, Native::Conv { kind: ConvKind::Forward, .. } | Native::MaxPoolGrad { .. }) && *head_args == 2 {
+                    // The program inside the head's kernel, on its result before it is stored.
+                    let (a, b) = (contiguous(args[0]), contiguous(args[1]));
+                    let y = new_out();
+                    head_kernel::<R, F>(head, &a, &b, &y, numel, tf32, &prog, &rest);
+                    y
+                } else {
+                    // The head, then the program over the head's output in place.
+                    let y = Self::device_kernel(head, args.get(..*head_args)?, &[], out, tf32)?;
+                    launch_elementwise::<R, F>(&prog, &y, &rest);
+                    y
                 }
             }
-            Native::Conv { kind, g, groups, out_channels, .. } => {
-                let dims = ConvDims::of(&g, groups, out_channels);
-                match kind {
-                    ConvKind::Forward => unsafe { conv2d_forward::launch_unchecked::<F, R>(&client, count, dim, arr(&a), arr(&b), arr(&y), dims) },
-                    ConvKind::InputGrad => unsafe { conv2d_input_grad::launch_unchecked::<F, R>(&client, count, dim, arr(&a), arr(&b), arr(&y), dims) },
-                    // The op's operands are (dy, x).
-                    ConvKind::FilterGrad => {
-                        let (slices, per) = filter_grad_split(&dims);
-                        if slices == 1 {
-                            unsafe { conv2d_filter_grad::launch_unchecked::<F, R>(&client, count, dim, arr(&b), arr(&a), arr(&y), dims, per as u32) }
-                        } else {
-                            let part = empty::<R>(&client, &args[0].device, &[slices, numel]);
-                            let (pc, pd) = grid(&client, slices * numel);
-                            unsafe {
-                                conv2d_filter_grad::launch_unchecked::<F, R>(&client, pc, pd, arr(&b), arr(&a), arr(&part), dims, per as u32);
-                                sum_parts::launch_unchecked::<F, R>(&client, count, dim, arr(&part), arr(&y), slices as u32);
-                            }
-                        }
-                    }
-                }
+            Native::Fused(e) => {
+                let prog = EwKernel::new(e, false)?;
+                let xs: Vec<_> = args.iter().map(|t| contiguous(t)).collect();
+                let y = new_out();
+                launch_elementwise::<R, F>(&prog, &y, &xs);
+                y
             }
-            Native::MaxPool { .. } | Native::MaxPoolGrad { .. } | Native::Fill(_) | Native::Relu | Native::ReluGrad | Native::Fused(_) | Native::SumRows { .. } | Native::SoftmaxCrossEntropy { .. } | Native::Epilogue { .. } => unreachable!("checked above"),
-        }
+            Native::Relu | Native::ReluGrad => {
+                let prog = match op {
+                    Native::Relu => EwKernel::same(1, EStep::Unary(Unary::Relu, EVal::Arg(0))),
+                    _ => EwKernel::same(2, EStep::Binary(Binary::ReluGrad, EVal::Arg(0), EVal::Arg(1))),
+                };
+                let xs: Vec<_> = args.iter().map(|t| contiguous(t)).collect();
+                let y = new_out();
+                launch_elementwise::<R, F>(&prog, &y, &xs);
+                y
+            }
+            Native::SumRows { cols } => {
+                let x = contiguous(args[0]);
+                let rows = u32::try_from(x.meta.num_elements() / cols).ok()?;
+                let y = new_out();
+                let (count, dim) = grid(&client, *cols);
+                unsafe { sum_rows::launch_unchecked::<F, R>(&client, count, dim, arr(&x), arr(&y), rows) };
+                y
+            }
+            Native::MaxPool { g, .. } if !g.has_empty_window() => {
+                let x = contiguous(args[0]);
+                let y = new_out();
+                unsafe { pool::max_pool2d::launch_unchecked::<F, R>(&client, count, dim, arr(&x), arr(&y), ConvDims::of(g, 1, g.x[1])) };
+                y
+            }
+            Native::MaxPoolGrad { .. } => {
+                let (x, dy) = (contiguous(args[0]), contiguous(args[1]));
+                let y = new_out();
+                head_kernel::<R, F>(op, &x, &dy, &y, numel, tf32, &EwKernel::identity(), &[]);
+                y
+            }
+            Native::SoftmaxCrossEntropy { c, reduction, grad, .. } => {
+                let (logits, labels) = (contiguous(args[0]), contiguous(ints.first()?));
+                let n = labels.meta.num_elements();
+                let dims = loss::LossDims::new(n, *c, *reduction)?;
+                let y = new_out();
+                if *grad {
+                    let dl = contiguous(args.get(1)?);
+                    unsafe { loss::softmax_cross_entropy_grad::launch_unchecked::<F, I, R>(&client, count, dim, arr(&logits), arr(&labels), arr(&dl), arr(&y), dims) };
+                } else if *reduction == cellgraph_compiler::Reduction::None {
+                    let (count, dim) = grid(&client, n);
+                    unsafe { loss::softmax_cross_entropy::launch_unchecked::<F, I, R>(&client, count, dim, arr(&logits), arr(&labels), arr(&y), dims) };
+                } else {
+                    let (count, dim) = (CubeCount::new_single(), CubeDim::new_1d(loss::REDUCE_UNITS));
+                    unsafe { loss::softmax_cross_entropy::launch_unchecked::<F, I, R>(&client, count, dim, arr(&logits), arr(&labels), arr(&y), dims) };
+                }
+                y
+            }
+            // burn's `full`: one launch either way.
+            Native::Fill(_) | Native::MaxPool { .. } => return None,
+        };
         Some(y)
     }
 

@@ -1,0 +1,270 @@
+//! Elementwise programs as device kernels: a bound [`Elementwise`] (a `fused` node's program,
+//! an epilogue's, ReLU and its gradient alone) becomes an [`EwKernel`] that [`elementwise`]
+//! unrolls when it is compiled, so the whole program is one launch with its operands read
+//! once and no intermediate in memory.
+
+use cellgraph_compiler::expr::{Binary, Term, Unary};
+use cubecl::prelude::*;
+
+use crate::kernel::{Elementwise, Read};
+
+/// Operands an [`elementwise`] kernel reads (more fall back to burn's ops).
+pub const MAX_OPERANDS: usize = 4;
+
+/// Output axes a strided read may span (more fall back to burn's ops).
+pub const MAX_AXES: usize = 4;
+
+/// How output element `i` finds an operand's value (the device form of [`Read`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KRead {
+    Same,
+    Splat,
+    /// At `i % n`.
+    Cycle(u32),
+    /// At the sum over `rank` output axes of `(i / div) % extent * stride` (broadcast axes left
+    /// out).
+    Strided { axes: [(u32, u32, u32); MAX_AXES], rank: u8 },
+}
+
+impl KRead {
+    fn of(r: &Read) -> Option<KRead> {
+        let u = |v: usize| u32::try_from(v).ok();
+        Some(match r {
+            Read::Same => KRead::Same,
+            Read::Splat => KRead::Splat,
+            Read::Cycle(n) => KRead::Cycle(u(*n)?),
+            Read::Strided { out, strides } => {
+                let mut axes = [(1, 1, 0); MAX_AXES];
+                let mut rank = 0;
+                for a in (0..out.len()).filter(|&a| strides[a] != 0) {
+                    let div: usize = out[a + 1..].iter().product();
+                    *axes.get_mut(rank)? = (u(div)?, u(out[a])?, u(strides[a])?);
+                    rank += 1;
+                }
+                KRead::Strided { axes, rank: rank as u8 }
+            }
+        })
+    }
+}
+
+/// A value a program step reads: an operand, a literal (its f32 bits: a kernel's compile-time
+/// values must hash), or an earlier step's result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EVal {
+    Arg(u8),
+    Lit(u32),
+    Let(u16),
+}
+
+/// One step: an op on earlier values, its result the next `Let`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EStep {
+    Unary(Unary, EVal),
+    Binary(Binary, EVal, EVal),
+}
+
+/// A postfix [`Elementwise`] program in single-assignment form, with how each operand is read.
+/// `in_place`: operand 0 is the output buffer itself, read and overwritten element by element
+/// (an epilogue's program over its head's output).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct EwKernel {
+    pub steps: Vec<EStep>,
+    pub result: EVal,
+    pub reads: Vec<KRead>,
+    pub in_place: bool,
+}
+
+impl EwKernel {
+    /// The kernel program of `e`; `None` when it does not fit (more than [`MAX_OPERANDS`]
+    /// operands, a read over more than [`MAX_AXES`] axes, extents past `u32`).
+    pub fn new(e: &Elementwise, in_place: bool) -> Option<EwKernel> {
+        if e.reads.len() > MAX_OPERANDS || (in_place && e.reads.first() != Some(&Read::Same)) {
+            return None;
+        }
+        let reads = e.reads.iter().map(KRead::of).collect::<Option<Vec<_>>>()?;
+        let (mut stack, mut steps) = (Vec::new(), Vec::new());
+        for t in &e.terms {
+            let v = match *t {
+                Term::Arg(i) => EVal::Arg(u8::try_from(i).ok()?),
+                Term::Lit(c) => EVal::Lit((c as f32).to_bits()),
+                Term::Unary(op) => {
+                    let x = stack.pop()?;
+                    steps.push(EStep::Unary(op, x));
+                    EVal::Let(u16::try_from(steps.len() - 1).ok()?)
+                }
+                Term::Binary(op) => {
+                    let b = stack.pop()?;
+                    let a = stack.pop()?;
+                    steps.push(EStep::Binary(op, a, b));
+                    EVal::Let(u16::try_from(steps.len() - 1).ok()?)
+                }
+            };
+            stack.push(v);
+        }
+        let result = stack.pop()?;
+        stack.is_empty().then_some(EwKernel { steps, result, reads, in_place })
+    }
+
+    /// The program that leaves operand 0 as it is (a head kernel without an epilogue).
+    pub fn identity() -> EwKernel {
+        EwKernel { steps: Vec::new(), result: EVal::Arg(0), reads: vec![KRead::Same], in_place: true }
+    }
+
+    /// `op` over operands of the output's extents (ReLU, its gradient).
+    pub fn same(arity: usize, step: EStep) -> EwKernel {
+        EwKernel { steps: vec![step], result: EVal::Let(0), reads: vec![KRead::Same; arity], in_place: false }
+    }
+}
+
+/// A one-operand op, as the host kernels compute it (ReLU: +0 for NaN and -0).
+#[cube]
+pub fn unary<F: Float>(x: F, #[comptime] op: Unary) -> F {
+    match comptime!(op) {
+        Unary::Neg => -x,
+        Unary::Exp => F::exp(x),
+        Unary::Log => F::ln(x),
+        Unary::Relu => select(x > F::new(0.0), x, F::new(0.0)),
+        Unary::Sqrt => F::sqrt(x),
+    }
+}
+
+/// A two-operand op, as the host kernels compute it (ReLU's gradient: `a` where `b > 0`).
+#[cube]
+pub fn binary<F: Float>(a: F, b: F, #[comptime] op: Binary) -> F {
+    match comptime!(op) {
+        Binary::Add => a + b,
+        Binary::Sub => a - b,
+        Binary::Mul => a * b,
+        Binary::Div => a / b,
+        Binary::ReluGrad => select(b > F::new(0.0), a, F::new(0.0)),
+    }
+}
+
+/// The index of output element `i` in an operand read as `r`.
+#[cube]
+#[allow(clippy::needless_range_loop)] // an unrolled loop indexes its compile-time table
+fn read_at(i: usize, #[comptime] r: KRead) -> usize {
+    let mut j = i;
+    match comptime!(r) {
+        KRead::Same => {}
+        KRead::Splat => {
+            j = 0;
+        }
+        KRead::Cycle(n) => {
+            j = i % comptime!(n as usize);
+        }
+        KRead::Strided { axes, rank } => {
+            j = 0;
+            #[unroll]
+            for a in 0..comptime!(rank as usize) {
+                let (div, ext, stride) = comptime!(axes[a]);
+                j += (i / comptime!(div as usize)) % comptime!(ext as usize) * comptime!(stride as usize);
+            }
+        }
+    }
+    j
+}
+
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn value<F: Float>(a0: F, a1: F, a2: F, a3: F, lets: &Sequence<F>, #[comptime] v: EVal) -> F {
+    match comptime!(v) {
+        EVal::Arg(k) => {
+            if comptime!(k == 0) {
+                a0
+            } else if comptime!(k == 1) {
+                a1
+            } else if comptime!(k == 2) {
+                a2
+            } else {
+                a3
+            }
+        }
+        EVal::Lit(bits) => F::new(comptime!(f32::from_bits(bits))),
+        EVal::Let(k) => *lets.index(k as usize),
+    }
+}
+
+/// The program at output element `i`, operand 0 being `a0` (already read) and operands 1..
+/// read from `x1`.. (slots the program does not use are never read): what [`elementwise`]
+/// stores, and what a head kernel stores when its epilogue runs inside it.
+#[cube]
+pub fn apply<F: Float>(a0: F, x1: &Array<F>, x2: &Array<F>, x3: &Array<F>, i: usize, #[comptime] p: EwKernel) -> F {
+    let n = comptime!(p.reads.len());
+    let mut a1 = F::new(0.0);
+    let mut a2 = F::new(0.0);
+    let mut a3 = F::new(0.0);
+    if comptime!(n > 1) {
+        a1 = x1[read_at(i, comptime!(p.reads[1]))];
+    }
+    if comptime!(n > 2) {
+        a2 = x2[read_at(i, comptime!(p.reads[2]))];
+    }
+    if comptime!(n > 3) {
+        a3 = x3[read_at(i, comptime!(p.reads[3]))];
+    }
+    let mut lets = Sequence::<F>::new();
+    #[unroll]
+    for k in 0..comptime!(p.steps.len()) {
+        let step = comptime!(p.steps[k]);
+        match comptime!(step) {
+            EStep::Unary(op, x) => {
+                let x = value::<F>(a0, a1, a2, a3, &lets, x);
+                lets.push(unary::<F>(x, op));
+            }
+            EStep::Binary(op, a, b) => {
+                let a = value::<F>(a0, a1, a2, a3, &lets, a);
+                let b = value::<F>(a0, a1, a2, a3, &lets, b);
+                lets.push(binary::<F>(a, b, op));
+            }
+        }
+    }
+    value::<F>(a0, a1, a2, a3, &lets, comptime!(p.result))
+}
+
+/// `y[i]` = the program over the operands at `i` (operand 0 is `y[i]` itself when the program
+/// is in place; unused operand slots are never read).
+#[cube(launch_unchecked)]
+pub fn elementwise<F: Float>(y: &mut Array<F>, x0: &Array<F>, x1: &Array<F>, x2: &Array<F>, x3: &Array<F>, #[comptime] p: EwKernel) {
+    let i = ABSOLUTE_POS;
+    if i < y.len() {
+        let mut a0 = F::new(0.0);
+        if comptime!(p.in_place) {
+            a0 = y[i];
+        } else if comptime!(!p.reads.is_empty()) {
+            a0 = x0[read_at(i, comptime!(p.reads[0]))];
+        }
+        y[i] = apply::<F>(a0, x1, x2, x3, i, p);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cellgraph_compiler::expr::Expr;
+
+    #[test]
+    fn postfix_programs_become_single_assignment_steps() {
+        // $0 $1 add 2.5 mul relu, the bias read cyclically.
+        let terms = vec![Term::Arg(0), Term::Arg(1), Term::Binary(Binary::Add), Term::Lit(2.5), Term::Binary(Binary::Mul), Term::Unary(Unary::Relu)];
+        let e = Elementwise { terms: Expr::new(terms).unwrap().terms().to_vec(), depth: 2, reads: vec![Read::Same, Read::Cycle(4)], len: 12 };
+        let k = EwKernel::new(&e, true).unwrap();
+        use {EStep as S, EVal as V};
+        assert_eq!(k.steps, vec![S::Binary(Binary::Add, V::Arg(0), V::Arg(1)), S::Binary(Binary::Mul, V::Let(0), V::Lit(2.5f32.to_bits())), S::Unary(Unary::Relu, V::Let(1))]);
+        assert_eq!((k.result, k.reads.clone()), (V::Let(2), vec![KRead::Same, KRead::Cycle(4)]));
+        // In place needs operand 0 at the output's extents; five operands do not fit.
+        assert!(EwKernel::new(&Elementwise { reads: vec![Read::Cycle(4), Read::Same], ..e }, true).is_none());
+        let five = Elementwise { terms: vec![Term::Arg(0)], depth: 1, reads: vec![Read::Same; 5], len: 1 };
+        assert!(EwKernel::new(&five, false).is_none());
+    }
+
+    #[test]
+    fn strided_reads_keep_only_the_axes_they_move_along() {
+        // A [1, 3, 1, 1] per-channel operand over a [2, 3, 4, 5] output.
+        let r = KRead::of(&Read::Strided { out: vec![2, 3, 4, 5], strides: vec![0, 1, 0, 0] }).unwrap();
+        let KRead::Strided { axes, rank } = r else { panic!("{r:?}") };
+        assert_eq!((rank, axes[0]), (1, (20, 3, 1)));
+        let deep = Read::Strided { out: vec![2; 6], strides: vec![1; 6] };
+        assert!(KRead::of(&deep).is_none(), "six moving axes do not fit");
+    }
+}
