@@ -99,6 +99,14 @@ pub trait Backend: burn_backend::Backend {
         None
     }
 
+    /// Runs a bound head (an accumulating epilogue's, see [`crate::kernel::bind`]) adding its
+    /// result into `acc`'s memory (`acc += head(args)`, the sum in `assign_add`'s order); false
+    /// when the backend has no such kernel for it (the caller then runs the head and an
+    /// `assign_add`).
+    fn device_accumulate(_op: &Native, _args: &[&FloatTensor<Self>], _acc: &FloatTensor<Self>) -> bool {
+        false
+    }
+
     /// The tensor's memory as a vector (row-major, exactly its elements), when the backend
     /// keeps it in host memory and nothing else holds it; the tensor back otherwise.
     fn reclaim(t: FloatTensor<Self>) -> Result<HostVec, FloatTensor<Self>> {

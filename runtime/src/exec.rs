@@ -631,12 +631,24 @@ impl<B: Backend> Session<B> {
                             (acc, g) => eval(&cx, op, vec![(acc, tys.0), (g, tys.1)], &step.ty)?,
                         }
                     } else if let (Some(n), Op::Epilogue { head, .. }) = (step.accumulator.filter(|_| !B::HOST && self.in_place), op) {
-                        // Accumulators that are views of one flat device buffer: the head, then
-                        // `assign_add` into the view's own memory.
+                        // Accumulators that are views of one flat device buffer: the head adding
+                        // into the view's own memory where the device has such a kernel, else the
+                        // head, then `assign_add` into it.
                         let mut args = args;
-                        let acc = args.split_off(n);
-                        let g = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
-                        eval(&cx, &Op::AssignAdd, acc.into_iter().chain([(g, &step.ty)]).collect(), &step.ty)?
+                        let mut acc = args.split_off(n);
+                        let into = match (&step.kernel, acc.as_slice()) {
+                            (Some(Native::Epilogue { head: k, .. }), [(Value::Float(a), _)]) if self.native => {
+                                let floats: Option<Vec<_>> = args.iter().map(|(v, _)| if let Value::Float(t) = v { Some(t) } else { None }).collect();
+                                floats.is_some_and(|f| B::device_accumulate(k, &f, a))
+                            }
+                            _ => false,
+                        };
+                        if into {
+                            acc.swap_remove(0).0
+                        } else {
+                            let g = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
+                            eval(&cx, &Op::AssignAdd, acc.into_iter().chain([(g, &step.ty)]).collect(), &step.ty)?
+                        }
                     } else {
                         let kernel = step.kernel.as_ref().filter(|_| self.native);
                         match kernel.and_then(|k| run_bound(k, &args, &step.ty, &cx, &mut self.kept, &mut self.arena)) {

@@ -282,9 +282,10 @@ mod wgpu {
         }
         assert!(micro.iter().all(|&m| m == micro[0]), "every micro-step launches the same kernels: {micro:?}");
         assert!(micro[0] >= 20, "a LeNet5 micro-step launches at least its 20 compute kernels: {micro:?} (is counting on?)");
-        // Measured 39 (85 before the runtime's elementwise, loss and pooling kernels; issue 14's
-        // bar is 35); the count may only go down.
-        assert!(micro[0] <= 39, "launches per LeNet5 micro-step: {}", micro[0]);
+        // Measured 37 (85 before the runtime's elementwise, loss and pooling kernels and the
+        // filter gradients summed into their accumulators; issue 14's bar is 35); the count may
+        // only go down.
+        assert!(micro[0] <= 37, "launches per LeNet5 micro-step: {}", micro[0]);
         let names = launches::by_name();
         let copies: u64 = names.iter().filter(|(n, _)| n.starts_with("CopyKernel")).map(|(_, c)| c).sum();
         assert_eq!(copies, 0, "no operand is copied to make it contiguous: {names:?}");

@@ -302,9 +302,10 @@ pub fn conv2d_filter_grad<F: Float>(x: &Array<F>, dy: &Array<F>, part: &mut Arra
 
 /// `y[j]` = the sum over the rows of a row-major `[rows, cols]` matrix of column `j`, added row
 /// after row onto zero (the host kernel's order): a bias gradient, or the slices of a split
-/// filter gradient (in slice order: the same bits on every run).
+/// filter gradient (in slice order: the same bits on every run). `accumulate`: `y[j] += sum`
+/// instead (an accumulator's view, in `assign_add`'s order).
 #[cube(launch_unchecked)]
-pub fn sum_rows<F: Float>(x: &Array<F>, y: &mut Array<F>, #[comptime] rows: u32) {
+pub fn sum_rows<F: Float>(x: &Array<F>, y: &mut Array<F>, #[comptime] rows: u32, #[comptime] accumulate: bool) {
     let j = ABSOLUTE_POS;
     let cols = y.len();
     if j < cols {
@@ -312,7 +313,11 @@ pub fn sum_rows<F: Float>(x: &Array<F>, y: &mut Array<F>, #[comptime] rows: u32)
         for r in 0..comptime!(rows as usize) {
             acc += x[r * cols + j];
         }
-        y[j] = acc;
+        if comptime!(accumulate) {
+            y[j] = y[j] + acc;
+        } else {
+            y[j] = acc;
+        }
     }
 }
 
@@ -479,7 +484,7 @@ fn head_kernel<R: CubeRuntime, F: FloatElement + Float>(op: &Native, a: &CubeTen
                         let (pc, pd) = grid(client, slices * numel);
                         unsafe {
                             conv2d_filter_grad::launch_unchecked::<F, R>(client, pc, pd, arr(b), arr(a), arr(&part), dims, per as u32);
-                            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(&part), arr(y), slices as u32);
+                            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(&part), arr(y), slices as u32, false);
                         }
                     }
                 }
@@ -597,7 +602,7 @@ where
                 let rows = u32::try_from(x.meta.num_elements() / cols).ok()?;
                 let y = new_out();
                 let (count, dim) = grid(&client, *cols);
-                unsafe { sum_rows::launch_unchecked::<F, R>(&client, count, dim, arr(&x), arr(&y), rows) };
+                unsafe { sum_rows::launch_unchecked::<F, R>(&client, count, dim, arr(&x), arr(&y), rows, false) };
                 y
             }
             Native::MaxPool { g, .. } if !g.has_empty_window() => {
@@ -633,6 +638,31 @@ where
             Native::Fill(_) | Native::MaxPool { .. } => return None,
         };
         Some(y)
+    }
+
+    fn device_accumulate(op: &Native, args: &[&CubeTensor<R>], acc: &CubeTensor<R>) -> bool {
+        // A filter gradient: its slices summed straight into the accumulator (one launch
+        // fewer than the gradient and an `assign_add`).
+        let Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } = *op else { return false };
+        let dims = ConvDims::of(&g, groups, out_channels);
+        let numel = dims.filter_len();
+        let f32s = F::dtype() == DType::F32 && acc.dtype == DType::F32 && args.iter().all(|t| t.dtype == DType::F32);
+        if !f32s || args.len() != 2 || !acc.is_contiguous() || acc.meta.num_elements() != numel {
+            return false;
+        }
+        let client = &acc.client;
+        // The op's operands are (dy, x).
+        let (dy, x) = (burn_cubecl::kernel::into_contiguous(args[0].clone()), burn_cubecl::kernel::into_contiguous(args[1].clone()));
+        let (slices, per) = filter_grad_split(&dims);
+        let part = empty::<R>(client, &acc.device, &[slices, numel]);
+        let (pc, pd) = grid(client, slices * numel);
+        let (count, dim) = grid(client, numel);
+        // SAFETY: as in `head_kernel`; `acc` holds exactly the filter's elements (checked above).
+        unsafe {
+            conv2d_filter_grad::launch_unchecked::<F, R>(client, pc, pd, arr(&x), arr(&dy), arr(&part), dims, per as u32);
+            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(&part), arr(acc), slices as u32, true);
+        }
+        true
     }
 
     fn fused_update(prog: &UpdateKernel, p: &CubeTensor<R>, acc: &CubeTensor<R>, state: &[CubeTensor<R>], scale: f32, consts: &[f32]) -> Option<usize> {
