@@ -137,6 +137,14 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         for (c, n) in names {
             eprintln!("  {c:>4}  {n}");
         }
+        // Transfers of a window whose losses nobody reads (as PyTorch's script: no readback).
+        use cellgraph::runtime::value::{device_reads, device_uploads};
+        let (r0, u0) = (device_reads(), device_uploads());
+        for _ in 0..k {
+            acc.advance(&batches[0])?;
+        }
+        let (reads, uploads) = (device_reads() - r0, device_uploads() - u0);
+        eprintln!("transfers per window of {k} micro-steps, loss not read: {reads} device-to-host reads, {uploads} host-to-device copies");
     }
     Ok(())
 }

@@ -287,6 +287,7 @@ impl Op {
                 Op::Conv2d(_) => "conv2d+epilogue",
                 Op::MaxPool2dGrad(_) => "max_pool2d_grad+epilogue",
                 Op::Conv2dBackpropFilter { .. } => "conv2d_backprop_filter+epilogue",
+                Op::ReduceSum(_) => "reduce_sum+epilogue",
                 _ => "epilogue",
             },
             op => op.name(),
@@ -317,10 +318,15 @@ impl Op {
 
     /// True for the ops an [`Op::Epilogue`] may have as its head: ops of a fixed arity whose
     /// host kernels hand their output over in parts (matrix products, convolutions, max
-    /// pooling's gradient), or produce a weight's gradient (a convolution's filter gradient,
-    /// whose epilogue adds it into its accumulator).
+    /// pooling's gradient), or produce a weight's gradient (a convolution's filter gradient
+    /// and a sum over the leading axis, a bias's gradient, whose epilogues add them into their
+    /// accumulators).
     pub fn takes_epilogue(&self) -> bool {
-        matches!(self, Op::MatMul { .. } | Op::Conv2d(_) | Op::MaxPool2dGrad(_) | Op::Conv2dBackpropFilter { .. })
+        match self {
+            Op::MatMul { .. } | Op::Conv2d(_) | Op::MaxPool2dGrad(_) | Op::Conv2dBackpropFilter { .. } => true,
+            Op::ReduceSum(r) => r.axes == [0] && !r.keep_dims,
+            _ => false,
+        }
     }
 
     /// True for ops without operands whose type is given, not inferred.

@@ -9,6 +9,7 @@ use burn_backend::{Shape as BShape, TensorData};
 use burn_ndarray::{FloatNdArrayElement, NdArray, NdArrayTensor};
 use cellgraph_compiler::TensorType;
 
+use crate::host::Arena;
 use crate::kernel::{Native, UpdateKernel};
 
 /// A burn shape for IR extents (`[]` becomes `[1]`: burn has no rank-0 tensors).
@@ -95,7 +96,15 @@ pub trait Backend: burn_backend::Backend {
     /// use TF32 tensor cores (`tf32`: they may, [`crate::Session::set_tf32`]), and one launch
     /// for what burn's ops take several for (elementwise programs, epilogues, the loss and
     /// its gradient, pooling).
-    fn device_kernel(_op: &Native, _args: &[&FloatTensor<Self>], _ints: &[&IntTensor<Self>], _out: &TensorType, _tf32: bool) -> Option<FloatTensor<Self>> {
+    /// Outputs come from `arena` ([`Arena::take_device`]).
+    fn device_kernel(_op: &Native, _args: &[&FloatTensor<Self>], _ints: &[&IntTensor<Self>], _out: &TensorType, _tf32: bool, _arena: &mut Arena) -> Option<FloatTensor<Self>> {
+        None
+    }
+
+    /// A softmax cross-entropy forward (`op`, class-id labels) and its gradient for the constant
+    /// `dloss` `seed`, in one kernel: `(loss, gradient)`, or `None` where the backend has no
+    /// such kernel (the two steps then run apart).
+    fn device_loss_with_grad(_op: &Native, _args: &[&FloatTensor<Self>], _ints: &[&IntTensor<Self>], _out: &TensorType, _seed: f64, _arena: &mut Arena) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
         None
     }
 
@@ -103,7 +112,7 @@ pub trait Backend: burn_backend::Backend {
     /// result into `acc`'s memory (`acc += head(args)`, the sum in `assign_add`'s order); false
     /// when the backend has no such kernel for it (the caller then runs the head and an
     /// `assign_add`).
-    fn device_accumulate(_op: &Native, _args: &[&FloatTensor<Self>], _acc: &FloatTensor<Self>) -> bool {
+    fn device_accumulate(_op: &Native, _args: &[&FloatTensor<Self>], _acc: &FloatTensor<Self>, _arena: &mut Arena) -> bool {
         false
     }
 
@@ -111,6 +120,13 @@ pub trait Backend: burn_backend::Backend {
     /// keeps it in host memory and nothing else holds it; the tensor back otherwise.
     fn reclaim(t: FloatTensor<Self>) -> Result<HostVec, FloatTensor<Self>> {
         Err(t)
+    }
+
+    /// A device tensor whose memory may be written again, with its length: contiguous, its
+    /// memory exactly its elements, and held by nothing else (so never a view of a live flat
+    /// buffer); `None` otherwise, and always on host backends (see [`Self::reclaim`]).
+    fn device_reusable(_t: FloatTensor<Self>) -> Option<(usize, FloatTensor<Self>)> {
+        None
     }
 
     /// A float tensor of extents `shape` holding `data`.

@@ -53,6 +53,9 @@ struct Step {
     accumulator: Option<usize>,
     /// A loss whose class-id labels are a plan input, checked on the host before the run.
     labels_checked: bool,
+    /// A constant that no `assign`/`assign_add` writes and that is not an output: on device
+    /// backends made once per session and shared (see [`Session::run`]).
+    shared_constant: bool,
 }
 
 /// Class-id labels a plan takes as an input: checked on the host before they are uploaded, so
@@ -206,13 +209,23 @@ fn keep_for_gradients(steps: &mut [Step]) {
         if grads.is_empty() {
             continue;
         }
+        // A loss with one gradient whose `dloss` is a constant: the value, for a device to
+        // compute that gradient with the loss.
+        let seed = match grads[..] {
+            [j] => steps[j].args.get(2).and_then(|&(dl, _)| steps[..j].iter().find(|st| st.slot == dl)).and_then(|st| match st.op {
+                Op::Constant { value } => Some(value),
+                _ => None,
+            }),
+            _ => None,
+        };
         let slot = match &mut steps[i].kernel {
             Some(Native::MaxPool { keep, .. }) => {
                 pools += 1;
                 *keep.insert(pools - 1)
             }
-            Some(Native::SoftmaxCrossEntropy { grad: false, kept, .. }) => {
+            Some(Native::SoftmaxCrossEntropy { grad: false, kept, seed: s, .. }) => {
                 losses += 1;
+                *s = seed;
                 *kept.insert(losses - 1)
             }
             _ => continue,
@@ -311,7 +324,8 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
             if let Some(c) = check.filter(|c| !labels.iter().any(|l| l.input == c.input && l.classes == c.classes)) {
                 labels.push(c);
             }
-            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred, kernel, accumulator, labels_checked }
+            let shared_constant = matches!(n.op, Op::Constant { .. }) && !graph.outputs().contains(&id) && graph.users(id).iter().all(|&u| !graph.node(u).op.is_effect());
+            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred, kernel, accumulator, labels_checked, shared_constant }
         })
         .collect();
     keep_for_gradients(&mut steps);
@@ -354,7 +368,22 @@ fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &Ten
         // Class ids computed in the plan: the lowering reads and checks them.
         None
     } else {
-        B::device_kernel(k, &floats, &ints, out, cx.tf32)
+        match *k {
+            // The loss's gradient, made with the loss (below).
+            Native::SoftmaxCrossEntropy { grad: true, kept: Some(s), .. } => {
+                if let Some(g) = kept.take_device::<burn_backend::tensor::FloatTensor<B>>(s) {
+                    return Some(g);
+                }
+            }
+            Native::SoftmaxCrossEntropy { grad: false, kept: Some(s), seed: Some(seed), .. } => {
+                if let Some((loss, g)) = B::device_loss_with_grad(k, &floats, &ints, out, seed, arena) {
+                    kept.keep_device(s, g);
+                    return Some(loss);
+                }
+            }
+            _ => {}
+        }
+        B::device_kernel(k, &floats, &ints, out, cx.tf32, arena)
     }
 }
 
@@ -366,7 +395,12 @@ fn run_head<B: Backend>(cx: &Ctx<B>, head: &Op, step: &Step, args: Vec<(Value<B>
         _ => None,
     };
     match bound {
-        Some(t) => Ok(Value::Float(t)),
+        Some(t) => {
+            for (v, _) in args {
+                arena.reclaim(v);
+            }
+            Ok(Value::Float(t))
+        }
         None => eval(cx, head, args, &step.ty),
     }
 }
@@ -389,12 +423,16 @@ pub struct Session<B: Backend> {
     arena: Arena,
     /// A run's value slots, kept for the next run.
     slots: Vec<Option<Value<B>>>,
+    /// On device backends, the constants plans share (`(value bits, type)`): made once, so a
+    /// step's constant (a loss's seed) is no launch after the first run. Held here, so burn's
+    /// ops never write into them in place.
+    constants: Vec<((u64, TensorType), Value<B>)>,
 }
 
 impl<B: Backend> Session<B> {
     /// An empty session on `device`.
     pub fn new(device: Device<B>) -> Self {
-        Session { device, params: BTreeMap::new(), profile: None, native: true, in_place: false, tf32: false, kept: Kept::default(), arena: Arena::default(), slots: Vec::new() }
+        Session { device, params: BTreeMap::new(), profile: None, native: true, in_place: false, tf32: false, kept: Kept::default(), arena: Arena::default(), slots: Vec::new(), constants: Vec::new() }
     }
 
     /// Buffers the session's arena has allocated because none of their length was free: after
@@ -427,6 +465,12 @@ impl<B: Backend> Session<B> {
     /// accumulators are then views of one flat buffer; see [`Backend::flat_buffers`]).
     pub fn set_in_place_accumulation(&mut self, on: bool) {
         self.in_place = on;
+    }
+
+    /// Gives a value a plan returned (and the caller no longer needs) back to the session's
+    /// memory, for later runs to write into; dropped if anything else still holds it.
+    pub fn give_back(&mut self, v: Value<B>) {
+        self.arena.reclaim(v);
     }
 
     /// Sets a parameter to a device value (a view of a flat buffer, say).
@@ -582,6 +626,18 @@ impl<B: Backend> Session<B> {
                         None => Value::from_host(given, &self.device),
                     }
                 }
+                Op::Constant { value } if !B::HOST && step.shared_constant => {
+                    let key = (value.to_bits(), step.ty.clone());
+                    match self.constants.iter().find(|(k, _)| *k == key) {
+                        Some((_, v)) => v.clone(),
+                        None => {
+                            let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: step.op.label(), in_place: self.in_place, labels_checked: false, tf32: self.tf32 };
+                            let v = eval(&cx, &step.op, Vec::new(), &step.ty)?;
+                            self.constants.push((key, v.clone()));
+                            v
+                        }
+                    }
+                }
                 op => {
                     if let Some(name) = &step.target {
                         let target = step.args[0].0;
@@ -639,20 +695,36 @@ impl<B: Backend> Session<B> {
                         let into = match (&step.kernel, acc.as_slice()) {
                             (Some(Native::Epilogue { head: k, .. }), [(Value::Float(a), _)]) if self.native => {
                                 let floats: Option<Vec<_>> = args.iter().map(|(v, _)| if let Value::Float(t) = v { Some(t) } else { None }).collect();
-                                floats.is_some_and(|f| B::device_accumulate(k, &f, a))
+                                floats.is_some_and(|f| B::device_accumulate(k, &f, a, &mut self.arena))
                             }
                             _ => false,
                         };
                         if into {
+                            for (v, _) in args {
+                                self.arena.reclaim(v);
+                            }
                             acc.swap_remove(0).0
                         } else {
                             let g = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
-                            eval(&cx, &Op::AssignAdd, acc.into_iter().chain([(g, &step.ty)]).collect(), &step.ty)?
+                            match (acc.as_slice(), g) {
+                                ([(Value::Float(a), _)], Value::Float(g)) if B::assign_add_in_place(a, g.clone()) => {
+                                    self.arena.reclaim(Value::<B>::Float(g));
+                                    acc.swap_remove(0).0
+                                }
+                                (_, g) => eval(&cx, &Op::AssignAdd, acc.into_iter().chain([(g, &step.ty)]).collect(), &step.ty)?,
+                            }
                         }
                     } else {
                         let kernel = step.kernel.as_ref().filter(|_| self.native);
                         match kernel.and_then(|k| run_bound(k, &args, &step.ty, &cx, &mut self.kept, &mut self.arena)) {
-                            Some(t) => Value::Float(t),
+                            Some(t) => {
+                                // Operands at their last use give their memory back (a
+                                // device kernel only read them; later launches run after it).
+                                for (v, _) in args {
+                                    self.arena.reclaim(v);
+                                }
+                                Value::Float(t)
+                            }
                             None => match (op, kernel) {
                                 // On device backends: the head on its bound kernel, the program on burn's ops.
                                 (Op::Epilogue { head, expr }, Some(Native::Epilogue { head_args, .. })) => {

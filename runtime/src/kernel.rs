@@ -95,7 +95,10 @@ pub enum Native {
     /// `(logits, labels, dloss)`. `kept`: the [`crate::host::Kept`] slot the forward writes
     /// its log-softmax to and its gradient later in the same plan reads it from (without
     /// one, or when the forward did not run on the host kernels, the gradient recomputes it).
-    SoftmaxCrossEntropy { c: usize, reduction: Reduction, grad: bool, kept: Option<usize> },
+    /// `seed`: on a forward whose one gradient later in the plan has a constant `dloss`, that
+    /// constant; a device then computes the gradient with the loss, in the same launch, and
+    /// keeps it in the slot for the gradient step.
+    SoftmaxCrossEntropy { c: usize, reduction: Reduction, grad: bool, kept: Option<usize>, seed: Option<f64> },
     /// A float `constant`: every element `value` (on host backends in the plan's arena, so a
     /// clear of the accumulators allocates nothing).
     Fill(f64),
@@ -243,8 +246,8 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
             elementwise(&Expr::new(terms).ok()?, tys).map(Native::Fused)
         }
         Op::ReduceSum(r) if r.axes == [0] && tys[0].rank() == 2 && d(0)[1] > 1 => Some(Native::SumRows { cols: d(0)[1] }),
-        Op::SoftmaxCrossEntropy { sparse: true, reduction } if d(0)[1] > 0 => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: false, kept: None }),
-        Op::SoftmaxCrossEntropyGrad { sparse: true, reduction } if d(0)[1] > 0 => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: true, kept: None }),
+        Op::SoftmaxCrossEntropy { sparse: true, reduction } if d(0)[1] > 0 => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: false, kept: None, seed: None }),
+        Op::SoftmaxCrossEntropyGrad { sparse: true, reduction } if d(0)[1] > 0 => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: true, kept: None, seed: None }),
         Op::Epilogue { head, expr } => {
             let (hs, rest) = tys.split_at(head.arity().min());
             let y = infer(head, hs).ok()?;

@@ -27,6 +27,18 @@ impl<B: Backend> Clone for Value<B> {
 
 thread_local! {
     static DEVICE_READS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static DEVICE_UPLOADS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many host-to-device copies this thread has made through the runtime (a batch's inputs,
+/// a parameter set from the host, the boundary kernel's constants); host backends make none.
+pub fn device_uploads() -> u64 {
+    DEVICE_UPLOADS.with(std::cell::Cell::get)
+}
+
+/// Counts one host-to-device copy in [`device_uploads`].
+pub(crate) fn count_upload() {
+    DEVICE_UPLOADS.with(|n| n.set(n.get() + 1));
 }
 
 /// Blocks on a backend future that reads device memory back to the host (ready at once on
@@ -50,6 +62,9 @@ impl<B: crate::Backend> Value<B> {
 
     /// [`Self::from_host`], taking the host memory instead of copying it.
     pub fn from_host_owned(t: HostTensor, device: &Device<B>) -> Self {
+        if !B::HOST {
+            count_upload();
+        }
         let shape = crate::backend::bshape(&t.shape);
         match t.data {
             HostData::F32(v) => Value::Float(B::float_from_data(TensorData::new(v, shape).convert::<B::FloatElem>(), device)),

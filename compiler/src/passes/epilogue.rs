@@ -165,12 +165,13 @@ mod tests {
         let m = g.add(Op::MatMul { transpose_a: false, transpose_b: false }, &[a, b], "t").unwrap();
         let r = g.add(Op::Relu, &[m], "t").unwrap();
         let s = g.add(Op::Add, &[m, c], "t").unwrap();
-        let v = leaf(&mut g, "v", vec![5]);
+        let v = leaf(&mut g, "v", vec![4]);
         let n = g.add(Op::MatMul { transpose_a: false, transpose_b: false }, &[a, b], "t").unwrap();
-        let n1 = g.add(Op::ReduceSum(crate::op::ReduceAttrs { axes: vec![0], keep_dims: false }), &[n], "t").unwrap();
+        // A sum over the last axis is no head (a sum over the first, a bias's gradient, is).
+        let n1 = g.add(Op::ReduceSum(crate::op::ReduceAttrs { axes: vec![1], keep_dims: false }), &[n], "t").unwrap();
         let e = g.add(Op::Mul, &[n1, v], "t").unwrap();
         g.set_outputs(vec![r, s, e]);
-        assert_eq!(fuse_epilogues(&mut g), 0, "m has two users; n feeds a reduction");
+        assert_eq!(fuse_epilogues(&mut g), 0, "m has two users; n feeds a reduction over its rows");
         let mut g = Graph::new("g");
         let (a, b, c) = (leaf(&mut g, "a", vec![1, 3]), leaf(&mut g, "b", vec![3, 5]), leaf(&mut g, "c", vec![4, 5]));
         let m = g.add(Op::MatMul { transpose_a: false, transpose_b: false }, &[a, b], "t").unwrap();
@@ -236,5 +237,30 @@ mod tests {
         // Read by anything but its write, the accumulator may not be added into in place.
         g.set_outputs(vec![dy, acc]);
         assert_eq!(accumulator(&g, sum), None);
+    }
+
+    #[test]
+    fn a_bias_gradient_summed_over_the_batch_takes_its_accumulation() {
+        let mut g = Graph::new("g");
+        let dy = leaf(&mut g, "dy", vec![8, 4]);
+        let sum = |axes, keep_dims| Op::ReduceSum(crate::op::ReduceAttrs { axes, keep_dims });
+        let db = g.add(sum(vec![0], false), &[dy], "grad.fc").unwrap();
+        let acc = leaf(&mut g, "accu_grads.fc.bias", vec![4]);
+        g.add(Op::AssignAdd, &[acc, db], "accumulate.fc.bias").unwrap();
+        // Kept dims (a `[1, 4]` accumulator) or another axis: not a bias's gradient.
+        let kept = g.add(sum(vec![0], true), &[dy], "grad.other").unwrap();
+        let acc2 = leaf(&mut g, "accu_grads.other", vec![1, 4]);
+        g.add(Op::AssignAdd, &[acc2, kept], "accumulate.other").unwrap();
+        let rows = g.add(sum(vec![1], false), &[dy], "grad.rows").unwrap();
+        let acc3 = leaf(&mut g, "accu_grads.rows", vec![8]);
+        g.add(Op::AssignAdd, &[acc3, rows], "accumulate.rows").unwrap();
+        g.set_outputs(vec![dy]);
+        assert_eq!(fuse_accumulation(&mut g), 1);
+        crate::verify::verify(&g).unwrap();
+        let write = g.effects().into_iter().find(|&e| matches!(g.node(e).op, Op::Assign)).unwrap();
+        let made = g.operands(write)[1];
+        assert_eq!(epilogue(&g, made), ("reduce_sum".into(), "$0 $1 add".into()));
+        assert_eq!(g.node(made).op.label(), "reduce_sum+epilogue");
+        assert_eq!((g.operands(made), accumulator(&g, made)), (vec![dy, acc], Some(1)));
     }
 }

@@ -300,8 +300,7 @@ impl<B: Backend> Accumulator<B> {
         if b == 0 {
             return Err(RuntimeError::Mismatch { what: "training batch".into(), expected: "at least one item".into(), got: "an empty batch".into() });
         }
-        self.losses.clear();
-        self.loss.set(None);
+        self.forget_losses();
         match self.net.slicing {
             Slicing::InStep => {
                 for (start, end) in micro_ranges(b, k) {
@@ -340,10 +339,20 @@ impl<B: Backend> Accumulator<B> {
     /// Runs one micro-batch: forward, backward, gradients added into the accumulators.
     /// Returns its loss (read back: see [`Self::advance`] for steps that do not wait for it).
     pub fn micro_step(&mut self, inputs: &[HostTensor]) -> Result<f64> {
-        self.losses.clear();
-        self.loss.set(None);
+        self.forget_losses();
         self.run_micro(inputs)?;
         Ok(self.step_loss())
+    }
+
+    /// Drops the last step's losses; those on the device give their memory back to the
+    /// session (the next step's losses are written there).
+    fn forget_losses(&mut self) {
+        for l in self.losses.drain(..) {
+            if let Loss::Device(v) = l {
+                self.session.give_back(v);
+            }
+        }
+        self.loss.set(None);
     }
 
     /// One micro-batch, its loss kept with the step's others.

@@ -35,6 +35,7 @@ use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeDim};
 
 use crate::backend::Backend;
+use crate::host::Arena;
 use crate::kernel::{ConvKind, KStep, KVal, Native, Tiling, UpdateKernel};
 use cellgraph_compiler::TensorType;
 
@@ -180,6 +181,13 @@ impl ConvDims {
             groups: u(groups),
         }
     }
+    /// `(kh, kw, sh, sw, dh, dw, pt, pl)`: the window's extents as indices, its stride,
+    /// dilation and top-left padding as signed offsets (what every window loop reads).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn window(&self) -> (usize, usize, i32, i32, i32, i32, i32, i32) {
+        let i = |v: u32| v as i32;
+        (self.kh as usize, self.kw as usize, i(self.sh), i(self.sw), i(self.dh), i(self.dw), i(self.pt), i(self.pl))
+    }
     /// Elements of the filter (and of its gradient).
     fn filter_len(&self) -> usize {
         (self.o * (self.c / self.groups) * self.kh * self.kw) as usize
@@ -198,7 +206,7 @@ pub fn conv2d_forward<F: Float>(x: &Array<F>, w: &Array<F>, y: &mut Array<F>, x1
     let idx = ABSOLUTE_POS;
     if idx < y.len() {
         let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as i32, g.w as i32, g.o as usize, g.oh as usize, g.ow as usize));
-        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!((g.kh as usize, g.kw as usize, g.sh as i32, g.sw as i32, g.dh as i32, g.dw as i32, g.pt as i32, g.pl as i32));
+        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
         let (cg, og) = comptime!(((g.c / g.groups) as usize, (g.o / g.groups) as usize));
         let ox = idx % ow;
         let oy = (idx / ow) % oh;
@@ -231,7 +239,7 @@ pub fn conv2d_input_grad<F: Float>(dy: &Array<F>, w: &Array<F>, dx: &mut Array<F
     let idx = ABSOLUTE_POS;
     if idx < dx.len() {
         let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as usize, g.w as usize, g.o as usize, g.oh as i32, g.ow as i32));
-        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!((g.kh as usize, g.kw as usize, g.sh as i32, g.sw as i32, g.dh as i32, g.dw as i32, g.pt as i32, g.pl as i32));
+        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
         let (cg, og) = comptime!(((g.c / g.groups) as usize, (g.o / g.groups) as usize));
         let ix = idx % wi;
         let iy = (idx / wi) % h;
@@ -271,7 +279,7 @@ pub fn conv2d_filter_grad<F: Float>(x: &Array<F>, dy: &Array<F>, part: &mut Arra
     let idx = ABSOLUTE_POS;
     if idx < part.len() {
         let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as i32, g.w as i32, g.o as usize, g.oh as usize, g.ow as usize));
-        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!((g.kh as usize, g.kw as usize, g.sh as i32, g.sw as i32, g.dh as i32, g.dw as i32, g.pt as i32, g.pl as i32));
+        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
         let (cg, og, len, total, per) = comptime!(((g.c / g.groups) as usize, (g.o / g.groups) as usize, g.filter_len(), g.positions(), per as usize));
         let e = idx % len;
         let s = idx / len;
@@ -416,6 +424,23 @@ fn empty<R: CubeRuntime>(client: &ComputeClient<R>, device: &R::Device, dims: &[
     CubeTensor::new_contiguous(client.clone(), device.clone(), Shape::from(dims), handle, burn_backend::DType::F32)
 }
 
+/// An output of IR extents `dims` in a free buffer of the session's arena (a new one when none
+/// of its length is free).
+fn output<R: CubeRuntime>(arena: &mut Arena, client: &ComputeClient<R>, device: &R::Device, dims: &[usize]) -> CubeTensor<R> {
+    match arena.take_device::<CubeTensor<R>>(dims.iter().product::<usize>().max(1)) {
+        Some(t) => CubeTensor::new_contiguous(client.clone(), device.clone(), crate::backend::bshape(dims), t.handle, DType::F32),
+        None => empty(client, device, dims),
+    }
+}
+
+/// The launch of a loss over `n` rows: a unit per row without a reduction, else one cube.
+fn loss_grid<R: CubeRuntime>(client: &ComputeClient<R>, n: usize, reduction: cellgraph_compiler::Reduction) -> (CubeCount, CubeDim) {
+    match reduction {
+        cellgraph_compiler::Reduction::None => grid(client, n),
+        _ => (CubeCount::new_single(), CubeDim::new_1d(loss::REDUCE_UNITS)),
+    }
+}
+
 /// The tensor's buffer as a kernel array (the tensor must be contiguous).
 fn arr<R: CubeRuntime>(t: &CubeTensor<R>) -> ArrayArg<R> {
     // SAFETY: `len` is the tensor's element count, which its handle holds.
@@ -442,10 +467,35 @@ pub fn launch_update<R: CubeRuntime, F: FloatElement + Float>(
     let s0 = state.first().cloned().unwrap_or_else(spare);
     let s1 = state.get(1).cloned().unwrap_or_else(spare);
     let c = client.create_from_slice(f32::as_bytes(consts));
+    crate::value::count_upload();
     // SAFETY: `consts.len()` f32 in the handle.
     let c = unsafe { ArrayArg::from_raw_parts(c, consts.len().max(1)) };
     update_clear::launch::<F, R>(client, count, dim, arr(p), arr(acc), arr(&s0), arr(&s1), c, scale, prog.clone());
     1
+}
+
+/// The filter gradient of `(dy, x)` into `y` (added into it with `accumulate`, in
+/// `assign_add`'s order): split over its output positions ([`filter_grad_split`]), the slices
+/// summed in order by [`sum_rows`]; one slice without accumulation is written straight to `y`.
+fn filter_grad<R: CubeRuntime, F: FloatElement + Float>(dims: &ConvDims, dy: &CubeTensor<R>, x: &CubeTensor<R>, y: &CubeTensor<R>, accumulate: bool, arena: &mut Arena) {
+    let client = &y.client;
+    let numel = dims.filter_len();
+    let (slices, per) = filter_grad_split(dims);
+    let (count, dim) = grid(client, numel);
+    // SAFETY: as in `head_kernel`; `y` holds exactly the filter's elements.
+    unsafe {
+        if slices == 1 && !accumulate {
+            conv2d_filter_grad::launch_unchecked::<F, R>(client, count, dim, arr(x), arr(dy), arr(y), *dims, per as u32);
+        } else {
+            // The slices in the arena's scratch buffer of their length (launches run in order,
+            // so the next user of the buffer writes it after the sum has read it).
+            let part = arena.take_scratch::<CubeTensor<R>>(slices * numel).unwrap_or_else(|| empty::<R>(client, &y.device, &[slices, numel]));
+            let (pc, pd) = grid(client, slices * numel);
+            conv2d_filter_grad::launch_unchecked::<F, R>(client, pc, pd, arr(x), arr(dy), arr(&part), *dims, per as u32);
+            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(&part), arr(y), slices as u32, accumulate);
+            arena.give_scratch(slices * numel, part);
+        }
+    }
 }
 
 /// A two-operand head `(a, b)` (matmul, convolution, max pooling's gradient) into `y`
@@ -453,7 +503,7 @@ pub fn launch_update<R: CubeRuntime, F: FloatElement + Float>(
 /// stores its result through the in-place epilogue `post` (operands after the first in
 /// `rest`); the others take [`EwKernel::identity`] only.
 #[allow(clippy::too_many_arguments)]
-fn head_kernel<R: CubeRuntime, F: FloatElement + Float>(op: &Native, a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, numel: usize, tf32: bool, post: &EwKernel, rest: &[CubeTensor<R>]) {
+fn head_kernel<R: CubeRuntime, F: FloatElement + Float>(op: &Native, a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, numel: usize, tf32: bool, post: &EwKernel, rest: &[CubeTensor<R>], arena: &mut Arena) {
     let client = &y.client;
     let (count, dim) = grid(client, numel);
     // The epilogue's operands 1.. (slots it does not read get another operand, never `y`).
@@ -475,19 +525,7 @@ fn head_kernel<R: CubeRuntime, F: FloatElement + Float>(op: &Native, a: &CubeTen
                 ConvKind::Forward => unsafe { conv2d_forward::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(b), arr(y), x(0), x(1), x(2), dims, post.clone()) },
                 ConvKind::InputGrad => unsafe { conv2d_input_grad::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(b), arr(y), dims) },
                 // The op's operands are (dy, x).
-                ConvKind::FilterGrad => {
-                    let (slices, per) = filter_grad_split(&dims);
-                    if slices == 1 {
-                        unsafe { conv2d_filter_grad::launch_unchecked::<F, R>(client, count, dim, arr(b), arr(a), arr(y), dims, per as u32) }
-                    } else {
-                        let part = empty::<R>(client, &y.device, &[slices, numel]);
-                        let (pc, pd) = grid(client, slices * numel);
-                        unsafe {
-                            conv2d_filter_grad::launch_unchecked::<F, R>(client, pc, pd, arr(b), arr(a), arr(&part), dims, per as u32);
-                            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(&part), arr(y), slices as u32, false);
-                        }
-                    }
-                }
+                ConvKind::FilterGrad => filter_grad::<R, F>(&dims, a, b, y, false, arena),
             }
         }
         Native::MaxPoolGrad { g, .. } => unsafe { pool::max_pool2d_grad::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(b), arr(y), x(0), x(1), x(2), ConvDims::of(&g, 1, g.x[1]), post.clone()) },
@@ -532,6 +570,15 @@ where
         Some(CubeTensor::new_contiguous(buffer.client.clone(), buffer.device.clone(), Shape::from(shape), handle, buffer.dtype))
     }
 
+    fn device_reusable(t: CubeTensor<R>) -> Option<(usize, CubeTensor<R>)> {
+        let n = t.meta.num_elements();
+        let h = &t.handle;
+        // Exactly its elements (cubecl may pad a buffer at its end); a memory nothing else
+        // holds, so never a view of a flat buffer that is still alive.
+        let exact = h.size_in_used() == (n * core::mem::size_of::<f32>()) as u64;
+        (t.dtype == DType::F32 && t.is_contiguous() && exact && h.can_mut()).then_some((n, t))
+    }
+
     fn assign_add_in_place(acc: &CubeTensor<R>, g: CubeTensor<R>) -> bool {
         if !acc.is_contiguous() || acc.meta.num_elements() != g.meta.num_elements() || acc.dtype != g.dtype {
             return false;
@@ -543,7 +590,7 @@ where
         true
     }
 
-    fn device_kernel(op: &Native, args: &[&CubeTensor<R>], ints: &[&CubeTensor<R>], out: &TensorType, tf32: bool) -> Option<CubeTensor<R>> {
+    fn device_kernel(op: &Native, args: &[&CubeTensor<R>], ints: &[&CubeTensor<R>], out: &TensorType, tf32: bool, arena: &mut Arena) -> Option<CubeTensor<R>> {
         if F::dtype() != DType::F32 || args.iter().any(|t| t.dtype != DType::F32) || ints.iter().any(|t| t.dtype != I::dtype()) {
             return None;
         }
@@ -552,7 +599,6 @@ where
         let contiguous = |t: &CubeTensor<R>| burn_cubecl::kernel::into_contiguous(t.clone());
         let numel = out.numel().max(1);
         let (count, dim) = grid(&client, numel);
-        let new_out = || empty::<R>(&client, &device, out.dims());
         // SAFETY (every launch below): the kernels index only below their arrays' lengths
         // (each unit checks its position against its output's length; the operands' extents
         // are the bound op's, which the plan's types fix; class ids were checked on the host,
@@ -560,8 +606,8 @@ where
         let y = match op {
             Native::MatMul { .. } | Native::Conv { .. } => {
                 let (a, b) = (contiguous(args[0]), contiguous(args[1]));
-                let y = new_out();
-                head_kernel::<R, F>(op, &a, &b, &y, numel, tf32, &EwKernel::identity(), &[]);
+                let y = output::<R>(arena, &client, &device, out.dims());
+                head_kernel::<R, F>(op, &a, &b, &y, numel, tf32, &EwKernel::identity(), &[], arena);
                 y
             }
             Native::Epilogue { head, head_args, post } => {
@@ -570,12 +616,12 @@ where
                 if matches!(**head, Native::Conv { kind: ConvKind::Forward, .. } | Native::MaxPoolGrad { .. }) && *head_args == 2 {
                     // The program inside the head's kernel, on its result before it is stored.
                     let (a, b) = (contiguous(args[0]), contiguous(args[1]));
-                    let y = new_out();
-                    head_kernel::<R, F>(head, &a, &b, &y, numel, tf32, &prog, &rest);
+                    let y = output::<R>(arena, &client, &device, out.dims());
+                    head_kernel::<R, F>(head, &a, &b, &y, numel, tf32, &prog, &rest, arena);
                     y
                 } else {
                     // The head, then the program over the head's output in place.
-                    let y = Self::device_kernel(head, args.get(..*head_args)?, &[], out, tf32)?;
+                    let y = Self::device_kernel(head, args.get(..*head_args)?, &[], out, tf32, arena)?;
                     launch_elementwise::<R, F>(&prog, &y, &rest);
                     y
                 }
@@ -583,7 +629,7 @@ where
             Native::Fused(e) => {
                 let prog = EwKernel::new(e, false)?;
                 let xs: Vec<_> = args.iter().map(|t| contiguous(t)).collect();
-                let y = new_out();
+                let y = output::<R>(arena, &client, &device, out.dims());
                 launch_elementwise::<R, F>(&prog, &y, &xs);
                 y
             }
@@ -593,44 +639,44 @@ where
                     _ => EwKernel::same(2, EStep::Binary(Binary::ReluGrad, EVal::Arg(0), EVal::Arg(1))),
                 };
                 let xs: Vec<_> = args.iter().map(|t| contiguous(t)).collect();
-                let y = new_out();
+                let y = output::<R>(arena, &client, &device, out.dims());
                 launch_elementwise::<R, F>(&prog, &y, &xs);
                 y
             }
             Native::SumRows { cols } => {
                 let x = contiguous(args[0]);
                 let rows = u32::try_from(x.meta.num_elements() / cols).ok()?;
-                let y = new_out();
+                let y = output::<R>(arena, &client, &device, out.dims());
                 let (count, dim) = grid(&client, *cols);
                 unsafe { sum_rows::launch_unchecked::<F, R>(&client, count, dim, arr(&x), arr(&y), rows, false) };
                 y
             }
             Native::MaxPool { g, .. } if !g.has_empty_window() => {
                 let x = contiguous(args[0]);
-                let y = new_out();
+                let y = output::<R>(arena, &client, &device, out.dims());
                 unsafe { pool::max_pool2d::launch_unchecked::<F, R>(&client, count, dim, arr(&x), arr(&y), ConvDims::of(g, 1, g.x[1])) };
                 y
             }
             Native::MaxPoolGrad { .. } => {
                 let (x, dy) = (contiguous(args[0]), contiguous(args[1]));
-                let y = new_out();
-                head_kernel::<R, F>(op, &x, &dy, &y, numel, tf32, &EwKernel::identity(), &[]);
+                let y = output::<R>(arena, &client, &device, out.dims());
+                head_kernel::<R, F>(op, &x, &dy, &y, numel, tf32, &EwKernel::identity(), &[], arena);
                 y
             }
             Native::SoftmaxCrossEntropy { c, reduction, grad, .. } => {
                 let (logits, labels) = (contiguous(args[0]), contiguous(ints.first()?));
                 let n = labels.meta.num_elements();
                 let dims = loss::LossDims::new(n, *c, *reduction)?;
-                let y = new_out();
+                let y = output::<R>(arena, &client, &device, out.dims());
                 if *grad {
                     let dl = contiguous(args.get(1)?);
                     unsafe { loss::softmax_cross_entropy_grad::launch_unchecked::<F, I, R>(&client, count, dim, arr(&logits), arr(&labels), arr(&dl), arr(&y), dims) };
-                } else if *reduction == cellgraph_compiler::Reduction::None {
-                    let (count, dim) = grid(&client, n);
-                    unsafe { loss::softmax_cross_entropy::launch_unchecked::<F, I, R>(&client, count, dim, arr(&logits), arr(&labels), arr(&y), dims) };
                 } else {
-                    let (count, dim) = (CubeCount::new_single(), CubeDim::new_1d(loss::REDUCE_UNITS));
-                    unsafe { loss::softmax_cross_entropy::launch_unchecked::<F, I, R>(&client, count, dim, arr(&logits), arr(&labels), arr(&y), dims) };
+                    let (count, dim) = loss_grid(&client, n, *reduction);
+                    // No gradient: `dx` is never touched (a one-element buffer of its own).
+                    let dx = arena.take_scratch::<CubeTensor<R>>(1).unwrap_or_else(|| empty::<R>(&client, &device, &[1]));
+                    unsafe { loss::softmax_cross_entropy::launch_unchecked::<F, I, R>(&client, count, dim, arr(&logits), arr(&labels), arr(&y), arr(&dx), dims, None) };
+                    arena.give_scratch(1, dx);
                 }
                 y
             }
@@ -640,29 +686,63 @@ where
         Some(y)
     }
 
-    fn device_accumulate(op: &Native, args: &[&CubeTensor<R>], acc: &CubeTensor<R>) -> bool {
-        // A filter gradient: its slices summed straight into the accumulator (one launch
-        // fewer than the gradient and an `assign_add`).
-        let Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } = *op else { return false };
-        let dims = ConvDims::of(&g, groups, out_channels);
-        let numel = dims.filter_len();
+    fn device_loss_with_grad(op: &Native, args: &[&CubeTensor<R>], ints: &[&CubeTensor<R>], out: &TensorType, seed: f64, arena: &mut Arena) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
+        let Native::SoftmaxCrossEntropy { c, reduction, grad: false, .. } = *op else { return None };
+        let ([logits], [labels]) = (args, ints) else { return None };
+        if F::dtype() != DType::F32 || logits.dtype != DType::F32 || labels.dtype != I::dtype() {
+            return None;
+        }
+        let contiguous = |t: &CubeTensor<R>| burn_cubecl::kernel::into_contiguous(t.clone());
+        let (logits, labels) = (contiguous(logits), contiguous(labels));
+        let n = labels.meta.num_elements();
+        let dims = loss::LossDims::new(n, c, reduction)?;
+        // One cube sums a reduced loss: beyond a few thousand rows the two kernels apart
+        // (a unit per logit for the gradient) spread the work better.
+        if reduction != cellgraph_compiler::Reduction::None && n > loss::FUSED_ROWS {
+            return None;
+        }
+        let client = &logits.client;
+        let (y, dx) = (output::<R>(arena, client, &logits.device, out.dims()), output::<R>(arena, client, &logits.device, &[n, c]));
+        let (count, dim) = loss_grid(client, n, reduction);
+        // SAFETY: each unit writes rows below `n` of `dx` (`n * c` elements) and of `y`, reading
+        // rows below `n` of the logits and labels (class ids checked on the host).
+        unsafe { loss::softmax_cross_entropy::launch_unchecked::<F, I, R>(client, count, dim, arr(&logits), arr(&labels), arr(&y), arr(&dx), dims, Some((seed as f32).to_bits())) };
+        Some((y, dx))
+    }
+
+    fn device_accumulate(op: &Native, args: &[&CubeTensor<R>], acc: &CubeTensor<R>, arena: &mut Arena) -> bool {
         let f32s = F::dtype() == DType::F32 && acc.dtype == DType::F32 && args.iter().all(|t| t.dtype == DType::F32);
-        if !f32s || args.len() != 2 || !acc.is_contiguous() || acc.meta.num_elements() != numel {
+        if !f32s || !acc.is_contiguous() {
             return false;
         }
-        let client = &acc.client;
-        // The op's operands are (dy, x).
-        let (dy, x) = (burn_cubecl::kernel::into_contiguous(args[0].clone()), burn_cubecl::kernel::into_contiguous(args[1].clone()));
-        let (slices, per) = filter_grad_split(&dims);
-        let part = empty::<R>(client, &acc.device, &[slices, numel]);
-        let (pc, pd) = grid(client, slices * numel);
-        let (count, dim) = grid(client, numel);
-        // SAFETY: as in `head_kernel`; `acc` holds exactly the filter's elements (checked above).
-        unsafe {
-            conv2d_filter_grad::launch_unchecked::<F, R>(client, pc, pd, arr(&x), arr(&dy), arr(&part), dims, per as u32);
-            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(&part), arr(acc), slices as u32, true);
+        let contiguous = |t: &CubeTensor<R>| burn_cubecl::kernel::into_contiguous(t.clone());
+        match *op {
+            // A filter gradient: its slices summed straight into the accumulator (one launch
+            // fewer than the gradient and an `assign_add`). The op's operands are (dy, x).
+            Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } => {
+                let dims = ConvDims::of(&g, groups, out_channels);
+                if args.len() != 2 || acc.meta.num_elements() != dims.filter_len() {
+                    return false;
+                }
+                filter_grad::<R, F>(&dims, &contiguous(args[0]), &contiguous(args[1]), acc, true, arena);
+                true
+            }
+            // A bias gradient: the column sums added into the accumulator.
+            Native::SumRows { cols } => {
+                let [x] = args else { return false };
+                let x = contiguous(x);
+                let Ok(rows) = u32::try_from(x.meta.num_elements() / cols) else { return false };
+                if acc.meta.num_elements() != cols {
+                    return false;
+                }
+                let (count, dim) = grid(&acc.client, cols);
+                // SAFETY: one unit per column of `acc` (checked above), reading `rows * cols`
+                // elements of `x`.
+                unsafe { sum_rows::launch_unchecked::<F, R>(&acc.client, count, dim, arr(&x), arr(acc), rows, true) };
+                true
+            }
+            _ => false,
         }
-        true
     }
 
     fn fused_update(prog: &UpdateKernel, p: &CubeTensor<R>, acc: &CubeTensor<R>, state: &[CubeTensor<R>], scale: f32, consts: &[f32]) -> Option<usize> {

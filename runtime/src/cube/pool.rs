@@ -15,7 +15,8 @@ use super::ConvDims;
 #[cube]
 #[allow(clippy::eq_op)]
 fn argmax<F: Float>(x: &Array<F>, base: usize, oy: usize, ox: usize, #[comptime] g: ConvDims) -> i32 {
-    let (h, w, kh, kw, sh, sw, dh, dw, pt, pl) = comptime!((g.h as i32, g.w as i32, g.kh as usize, g.kw as usize, g.sh as i32, g.sw as i32, g.dh as i32, g.dw as i32, g.pt as i32, g.pl as i32));
+    let (h, w) = comptime!((g.h as i32, g.w as i32));
+    let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
     let mut best = F::new(0.0);
     // -1: none yet (a negative literal cannot start a runtime variable).
     let mut at = 0i32;
@@ -66,8 +67,8 @@ pub fn max_pool2d<F: Float>(x: &Array<F>, y: &mut Array<F>, #[comptime] g: ConvD
 pub fn max_pool2d_grad<F: Float>(x: &Array<F>, dy: &Array<F>, dx: &mut Array<F>, x1: &Array<F>, x2: &Array<F>, x3: &Array<F>, #[comptime] g: ConvDims, #[comptime] post: EwKernel) {
     let idx = ABSOLUTE_POS;
     if idx < dx.len() {
-        let (h, w, oh, ow, kh, kw) = comptime!((g.h as usize, g.w as usize, g.oh as i32, g.ow as i32, g.kh as usize, g.kw as usize));
-        let (sh, sw, dh, dw, pt, pl) = comptime!((g.sh as i32, g.sw as i32, g.dh as i32, g.dw as i32, g.pt as i32, g.pl as i32));
+        let (h, w, oh, ow) = comptime!((g.h as usize, g.w as usize, g.oh as i32, g.ow as i32));
+        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
         let ix = idx % w;
         let iy = (idx / w) % h;
         let plane = idx / (w * h);

@@ -63,15 +63,21 @@ macro_rules! elem {
 elem!(f32, F32, F64, f32);
 elem!(f64, F64, F32, f64);
 
-/// The host memory a session's plans write their values into: float buffers by length. A
-/// plan says at compile time how many buffers of each length it holds at once
+/// The memory a session's plans write their values into: float buffers by length, in host
+/// memory for the host kernels, or device buffers for a device's own kernels. A plan says at
+/// compile time how many buffers of each length it holds at once
 /// ([`crate::Executable::arena`]); the arena keeps up to that many of each free, so once every
 /// length has been seen a run takes all its buffers from here, and each value's last use
-/// hands its buffer back ([`Self::reclaim`]) when nothing else holds it.
+/// hands its buffer back ([`Self::reclaim`]) when nothing else holds it. Runs of one plan
+/// take and give in the same order, so each step writes into the same buffers every run.
 #[derive(Default)]
 pub struct Arena {
     f32: Shelf<f32>,
     f64: Shelf<f64>,
+    /// Free device buffers (a device backend's float tensors), by length.
+    device: BTreeMap<usize, Vec<Box<dyn std::any::Any + Send>>>,
+    /// A device kernel's scratch buffer of each length (taken and given back around a launch).
+    scratch: BTreeMap<usize, Box<dyn std::any::Any + Send>>,
     /// Most free buffers kept per length: the most any plan run here holds at once.
     cap: BTreeMap<usize, usize>,
     /// Buffers allocated because none of their length was free.
@@ -117,8 +123,46 @@ impl Arena {
             match B::reclaim(t) {
                 Ok(HostVec::F32(v)) => self.give(v),
                 Ok(HostVec::F64(v)) => self.give(v),
-                Err(_) => {}
+                Err(t) => {
+                    if let Some((len, t)) = B::device_reusable(t) {
+                        self.give_device(len, t);
+                    }
+                }
             }
+        }
+    }
+
+    /// A free device buffer `T` of `len` elements, contents unspecified; `None` (counted as a
+    /// fresh buffer: the caller makes one) when none is free.
+    pub fn take_device<T: 'static>(&mut self, len: usize) -> Option<T> {
+        let t = self.device.get_mut(&len).and_then(Vec::pop).and_then(|b| b.downcast::<T>().ok()).map(|b| *b);
+        if t.is_none() {
+            self.fresh += 1;
+        }
+        t
+    }
+
+    /// The device scratch buffer `T` of `len` elements, `None` (counted as fresh) the first
+    /// time; give it back after the launches that use it ([`Self::give_scratch`]).
+    pub fn take_scratch<T: 'static>(&mut self, len: usize) -> Option<T> {
+        let t = self.scratch.remove(&len).and_then(|b| b.downcast::<T>().ok()).map(|b| *b);
+        if t.is_none() {
+            self.fresh += 1;
+        }
+        t
+    }
+
+    /// Keeps a device scratch buffer of `len` elements for the next launch that needs one.
+    pub fn give_scratch<T: Send + 'static>(&mut self, len: usize, t: T) {
+        self.scratch.insert(len, Box::new(t));
+    }
+
+    /// Gives a device buffer of `len` elements back, which nothing else may hold.
+    pub fn give_device<T: Send + 'static>(&mut self, len: usize, t: T) {
+        let cap = self.cap.get(&len).copied().unwrap_or(0);
+        let shelf = self.device.entry(len).or_default();
+        if shelf.len() < cap {
+            shelf.push(Box::new(t));
         }
     }
 }
@@ -192,22 +236,34 @@ impl<T: Copy + Default> Stamped<T> {
     }
 }
 
-/// Per-session host state the kernels keep between steps of a run for a gradient later in the
+/// Per-session state the kernels keep between steps of a run for a gradient later in the
 /// same plan: the argmax of a max pool ([`Native::MaxPool`]'s `keep`) and the log-softmax of
 /// a loss ([`Native::SoftmaxCrossEntropy`]'s `kept`), stamped with the run that wrote them (a
-/// gradient only trusts its own run's).
+/// gradient only trusts its own run's); on device backends, a loss's gradient computed with
+/// the loss (its `seed`), until its gradient step takes it.
 #[derive(Default)]
 pub struct Kept {
     run: u64,
     argmax: Stamped<u32>,
     f32: Stamped<f32>,
     f64: Stamped<f64>,
+    device: BTreeMap<usize, Box<dyn std::any::Any + Send>>,
 }
 
 impl Kept {
     /// Starts a run: what earlier runs kept is stale from now on.
     pub fn begin_run(&mut self) {
         self.run += 1;
+        self.device.clear();
+    }
+    /// Keeps a device value for slot `k` until [`Self::take_device`] (or the next run).
+    pub(crate) fn keep_device<T: Send + 'static>(&mut self, k: usize, t: T) {
+        self.device.insert(k, Box::new(t));
+    }
+    /// What slot `k` kept in this run, taken out.
+    pub(crate) fn take_device<T: 'static>(&mut self, k: usize) -> Option<T> {
+        let v = self.device.remove(&k)?;
+        v.downcast().ok().map(|b| *b)
     }
     fn argmax(&mut self, k: usize, len: usize) -> &mut [u32] {
         self.argmax.slot(self.run, k, len)
@@ -232,7 +288,7 @@ impl Kept {
 fn run<F: Elem>(k: &Native, args: &[HostSlice], ints: &[&[i64]], tys: &[&TensorType], out: &TensorType, kept: &mut Kept, arena: &mut Arena) -> Option<Vec<F>> {
     let a: Vec<&[F]> = args.iter().map(F::slice).collect::<Option<_>>()?;
     let len = out.numel();
-    if let Native::SoftmaxCrossEntropy { c, reduction, grad, kept: slot } = *k {
+    if let Native::SoftmaxCrossEntropy { c, reduction, grad, kept: slot, .. } = *k {
         // A label out of range leaves the step to the reference lowering, which reports it.
         let mut y = arena.take::<F>(len);
         let ok = match (grad, ints) {
