@@ -5,7 +5,8 @@
 #   RANKS=N     number of ranks (default 8)
 #   TIMEOUT=S   kill the whole job after S seconds (default 1800)
 #   FEATURES=cuda  build with CUDA (then `--device cuda`: rank r on GPU r % count)
-# Extra arguments pass through (`--net lenet`, `--epochs 2`, `--no-hsdp`, `--gradients-mean`;
+# Extra arguments pass through (`--net lenet`, `--net resnet18` (Colossal-AI's ResNet-18 example),
+# `--epochs 2`, `--no-hsdp`, `--gradients-mean`;
 # see `./target/release/distributed_gradient_accumulation --help`).
 # Rank 0 prints its progress; every rank writes log_output/worker_<rank>.log.
 set -euo pipefail

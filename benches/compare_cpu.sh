@@ -4,7 +4,7 @@
 # prints each pair's training-loop images/s and the ratio cellgraph / PyTorch, then per case
 # the median ratio and its min-max range.
 #
-#   bash benches/compare_cpu.sh [--pairs N] [--case lenet1|lenet2|lenet8|mlp8|all]
+#   bash benches/compare_cpu.sh [--pairs N] [--case lenet1|lenet2|lenet8|mlp8|resnet1|resnet2|all]
 #
 #   --pairs N   pairs per case (default 5)
 #   --case C    one case, or all (default):
@@ -15,6 +15,10 @@
 #             (mpirun) against torchrun + gloo DDP with no_sync, 1 thread per rank, CPUs 0,1
 #     mlp8    8 ranks of the seed-002 MLP (the main job's configuration, run.sh, with --epochs 1)
 #             against torchrun + gloo DDP on the same MLP, 1 thread per rank, CPUs 0,1
+#     resnet1 ResNet-18 (BatchNorm in training mode) on the MNIST digits as 3x32x32 images,
+#             batch 32, 4 batches per update (Colossal-AI's loop: loss / 4, SGD(0.1, 0.9,
+#             weight decay 5e-4)), one epoch, 1 thread, CPU 0 (colossal_resnet18 --train)
+#     resnet2 the same with 2 threads on each side, CPUs 0,1
 #
 # Environment:
 #   PYTHON=/path/to/python  the Python with torch (default: python3). This script installs
@@ -26,6 +30,7 @@
 #
 # Needs the release binaries (built elsewhere; this script builds nothing):
 #   cargo build --release --locked --bin cellgraph --bin distributed_gradient_accumulation
+#   cargo build --release --locked --example colossal_resnet18   (resnet1, resnet2)
 # and bash, awk, taskset, mpirun (Open MPI) and torch's torchrun (`python -m torch.distributed.run`).
 #
 # What each side times (see the docstrings of benches/pytorch_lenet_cpu.py and pytorch_ddp.py):
@@ -51,7 +56,7 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --pairs) [[ $# -ge 2 ]] || die "--pairs needs a number"; PAIRS=$2; shift 2 ;;
         --pairs=*) PAIRS=${1#*=}; shift ;;
-        --case) [[ $# -ge 2 ]] || die "--case needs one of lenet1, lenet2, lenet8, mlp8, all"; CASE=$2; shift 2 ;;
+        --case) [[ $# -ge 2 ]] || die "--case needs one of lenet1, lenet2, lenet8, mlp8, resnet1, resnet2, all"; CASE=$2; shift 2 ;;
         --case=*) CASE=${1#*=}; shift ;;
         -h | --help) usage; exit 0 ;;
         *) usage >&2; die "unknown argument: $1" ;;
@@ -59,9 +64,9 @@ while [[ $# -gt 0 ]]; do
 done
 [[ "$PAIRS" =~ ^[1-9][0-9]*$ ]] || die "--pairs must be a positive integer, got '$PAIRS'"
 case "$CASE" in
-    lenet1 | lenet2 | lenet8 | mlp8) CASES=("$CASE") ;;
-    all) CASES=(lenet1 lenet2 lenet8 mlp8) ;;
-    *) die "--case must be lenet1, lenet2, lenet8, mlp8 or all, got '$CASE'" ;;
+    lenet1 | lenet2 | lenet8 | mlp8 | resnet1 | resnet2) CASES=("$CASE") ;;
+    all) CASES=(lenet1 lenet2 lenet8 mlp8 resnet1 resnet2) ;;
+    *) die "--case must be lenet1, lenet2, lenet8, mlp8, resnet1, resnet2 or all, got '$CASE'" ;;
 esac
 RUN_TIMEOUT=${RUN_TIMEOUT:-600}
 PYTHON=${PYTHON:-python3}
@@ -91,6 +96,10 @@ need_bin() {
 for c in "${CASES[@]}"; do
     case "$c" in
         lenet1 | lenet2) need_bin target/release/cellgraph ;;
+        resnet1 | resnet2)
+            [[ -x target/release/examples/colossal_resnet18 ]] || die "target/release/examples/colossal_resnet18 is missing: build it first with
+    cargo build --release --locked --example colossal_resnet18"
+            ;;
         lenet8 | mlp8)
             need_bin target/release/distributed_gradient_accumulation
             command -v mpirun >/dev/null || die "mpirun not found (Open MPI: apt-get install openmpi-bin)"
@@ -144,6 +153,15 @@ set_commands() {
             PT_ENV=(OMP_NUM_THREADS=$n)
             PT=(taskset -c $cpus "$PYTHON" benches/pytorch_lenet_cpu.py --threads "$n" --batch-size 32 --micro-size 4 --epochs 1)
             ;;
+        resnet1 | resnet2)
+            local n=${c#resnet} cpus=0
+            [[ $n == 2 ]] && cpus=0,1
+            CG_ENV=(MATMUL_NUM_THREADS=$n RAYON_NUM_THREADS=$n)
+            CG=(taskset -c $cpus target/release/examples/colossal_resnet18 --train --batch-size 32 --epochs 1 --print-every 0
+                --ckpt LOGDIR)
+            PT_ENV=(OMP_NUM_THREADS=$n)
+            PT=(taskset -c $cpus "$PYTHON" benches/pytorch_resnet18_cpu.py --threads "$n" --batch-size 32 --micro-size 4 --epochs 1)
+            ;;
         lenet8 | mlp8)
             local net=()
             [[ $c == lenet8 ]] && net=(--net lenet --batch-size 128)
@@ -171,7 +189,7 @@ run_cellgraph() {
             IPS=$(grab "$log" '/^trained [0-9]+ steps, [0-9]+ optimizer updates in .* images\/s\)/ { x = $(NF-1); sub(/^\(/, "", x); print x }' "cellgraph's images/s")
             WORK=$(grab "$log" '/^trained [0-9]+ steps, [0-9]+ optimizer updates in/ { print $2, $4 }' "cellgraph's steps and updates")
             ;;
-        lenet8 | mlp8)
+        lenet8 | mlp8 | resnet1 | resnet2)
             # "ranks: 8, updates: 7, gradient collectives: 7, ..." and "training: 2.06 s, 3891 images/s across ranks"
             local ru tp ranks updates secs printed
             ru=$(grab "$log" '/^ranks: [0-9]+, updates: [0-9]+/ { r = $2; u = $4; sub(/,/, "", r); sub(/,/, "", u); print r, u }' "cellgraph's ranks and updates")
@@ -192,6 +210,10 @@ run_pytorch() {
             # "pytorch: trained 250 steps, 63 optimizer updates, 8000 images in 1.575 s (5080.0 images/s)"
             IPS=$(grab "$log" '/^pytorch: trained [0-9]+ steps/ { x = $(NF-1); sub(/^\(/, "", x); print x }' "PyTorch's images/s")
             WORK=$(grab "$log" '/^pytorch: trained [0-9]+ steps/ { print $3, $5 }' "PyTorch's steps and updates")
+            ;;
+        resnet1 | resnet2)
+            IPS=$(grab "$log" '/^pytorch: trained [0-9]+ steps/ { x = $(NF-1); sub(/^\(/, "", x); print x }' "PyTorch's images/s")
+            WORK=$(grab "$log" '/^pytorch: trained [0-9]+ steps/ { print $5 }' "PyTorch's updates")
             ;;
         lenet8 | mlp8)
             # "pytorch ddp: ranks 8, updates 7, 7168 images, training: 1.075 s, 6665.5 images/s across ranks"

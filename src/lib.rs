@@ -23,7 +23,7 @@ pub mod prelude {
         LeNet5, LearningRate, MSELoss, Momentum, Network, Parameter, Pool2d, ReLU, Scope, SequentialCell,
         SoftmaxCrossEntropyWithLogits, Tracer, WithLossCell, SGD,
     };
-    pub use cellgraph_cells::{Conv2d, Optimizer};
+    pub use cellgraph_cells::{AdaptiveAvgPool2d, AutoParallel, BatchNorm2d, Conv2d, Optimizer, ResNet18};
     pub use cellgraph_compiler::autodiff::Sens;
     pub use cellgraph_compiler::{
         parse, print, verify, DType, Graph, HostData, HostTensor, NodeId, Op, PadMode, Reduction, Shape, TensorType,

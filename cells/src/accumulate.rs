@@ -143,6 +143,21 @@ impl GradAccumulation {
         Ok((optimizer, clear, accumulators, state))
     }
 
+    /// The `window_stats` graph: the state updates the network's cells make once per window,
+    /// at its boundary ([`Phase::Boundary`](crate::cell::Phase): batch norm's once-per-window
+    /// statistics), traced on micro-batches of the given types; `None` when no cell has any.
+    pub fn window_graph(&self, micro_inputs: &[(String, TensorType)]) -> Result<Option<Graph>> {
+        let mut t = Tracer::boundary("window_stats");
+        let xs = micro_inputs.iter().map(|(n, ty)| t.input(n, ty.clone())).collect::<Result<Vec<_>>>()?;
+        t.call(self.network.as_ref(), &xs)?;
+        let mut g = t.finish(Vec::new());
+        if g.effects().is_empty() {
+            return Ok(None);
+        }
+        cellgraph_compiler::passes::dce::dce(&mut g);
+        Ok(Some(g))
+    }
+
     fn trace_forward(&self, micro_inputs: &[(String, TensorType)]) -> Result<(Graph, NodeId)> {
         let mut t = Tracer::new("forward");
         let xs = micro_inputs.iter().map(|(n, ty)| t.input(n, ty.clone())).collect::<Result<Vec<_>>>()?;

@@ -26,7 +26,9 @@ pub trait Cell {
     }
     /// A short type name for error messages.
     fn kind(&self) -> &'static str;
-    /// Switches training behaviour (MindSpore's `set_train`); no built-in layer differs yet.
+    /// Switches training behaviour (MindSpore's `set_train`). Built-in layers read the mode
+    /// from the trace instead ([`Tracer::training`]): a training graph and an evaluation graph
+    /// of one network come from one cell.
     fn set_train(&mut self, _train: bool) {}
     /// The network inside a loss wrapper (`WithLossCell`'s backbone), for evaluation.
     fn backbone(&self) -> Option<&dyn Cell> {
@@ -47,20 +49,58 @@ pub fn expect_inputs(cell: &dyn Cell, xs: &[NodeId], n: usize) -> Result<()> {
     }
 }
 
-/// Records cells into a graph.
+/// Records cells into a graph, in training mode (batch statistics, state updates) or in
+/// inference mode.
 pub struct Tracer {
     graph: Graph,
     scopes: Vec<String>,
     params: HashMap<String, NodeId>,
+    phase: Phase,
+}
+
+/// What a trace records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// A training step: batch statistics, state updates.
+    Training,
+    /// Evaluation and prediction: moving statistics, no writes.
+    Inference,
+    /// The state updates a [`GradAccumulation`](crate::GradAccumulation) window runs once, at
+    /// its boundary (batch norm's once-per-window statistics); the network's computation is
+    /// traced only to reach them and is dropped.
+    Boundary,
 }
 
 /// The scope of the top-level network in traces.
 pub const ROOT_SCOPE: &str = "net";
 
 impl Tracer {
-    /// An empty trace producing a graph called `name`.
+    /// An empty training trace producing a graph called `name` (what training graphs are
+    /// built from: `BatchNorm2d` normalises with the batch's statistics and updates its moving
+    /// ones).
     pub fn new(name: &str) -> Self {
-        Tracer { graph: Graph::new(name), scopes: vec![ROOT_SCOPE.to_string()], params: HashMap::new() }
+        Tracer { graph: Graph::new(name), scopes: vec![ROOT_SCOPE.to_string()], params: HashMap::new(), phase: Phase::Training }
+    }
+
+    /// An empty inference trace (MindSpore's `set_train(False)`: `BatchNorm2d` normalises with
+    /// its moving statistics and writes nothing).
+    pub fn inference(name: &str) -> Self {
+        Tracer { phase: Phase::Inference, ..Tracer::new(name) }
+    }
+
+    /// An empty trace of a window's boundary updates ([`Phase::Boundary`]).
+    pub fn boundary(name: &str) -> Self {
+        Tracer { phase: Phase::Boundary, ..Tracer::new(name) }
+    }
+
+    /// True in a training trace.
+    pub fn training(&self) -> bool {
+        self.phase == Phase::Training
+    }
+
+    /// What this trace records.
+    pub fn phase(&self) -> Phase {
+        self.phase
     }
 
     /// The scope new nodes are tagged with.
@@ -90,6 +130,13 @@ impl Tracer {
     pub fn op(&mut self, op: Op, xs: &[NodeId]) -> Result<NodeId> {
         let scope = self.scope().to_string();
         Ok(self.graph.add(op, xs, &scope)?)
+    }
+
+    /// Writes `value` into non-trainable state `p` when the graph finishes (`assign`): a
+    /// moving statistic, say. A parameter is written at most once per graph.
+    pub fn assign(&mut self, p: &Parameter, value: NodeId) -> Result<NodeId> {
+        let target = self.param(p)?;
+        self.op(Op::Assign, &[target, value])
     }
 
     /// A constant of type `ty` in the current scope.
@@ -136,10 +183,18 @@ impl Tracer {
     }
 }
 
-/// Traces `cell` on fresh inputs of the given names and types; returns the graph (with the
-/// cell's result as its one output) and the result node.
+/// Traces `cell` on fresh inputs of the given names and types, for training; returns the
+/// graph (with the cell's result as its one output) and the result node.
 pub fn trace(cell: &dyn Cell, name: &str, inputs: &[(&str, TensorType)]) -> Result<(Graph, NodeId)> {
-    let mut t = Tracer::new(name);
+    trace_with(Tracer::new(name), cell, inputs)
+}
+
+/// [`trace`] in inference mode (evaluation, prediction).
+pub fn trace_inference(cell: &dyn Cell, name: &str, inputs: &[(&str, TensorType)]) -> Result<(Graph, NodeId)> {
+    trace_with(Tracer::inference(name), cell, inputs)
+}
+
+fn trace_with(mut t: Tracer, cell: &dyn Cell, inputs: &[(&str, TensorType)]) -> Result<(Graph, NodeId)> {
     let xs = inputs.iter().map(|(n, ty)| t.input(n, ty.clone())).collect::<Result<Vec<_>>>()?;
     let y = t.call(cell, &xs)?;
     Ok((t.finish(vec![y]), y))

@@ -29,6 +29,9 @@ pub enum Initializer {
     HeUniform { negative_slope: f64 },
     /// Kaiming normal, fan-in mode, leaky-relu gain with `negative_slope`.
     HeNormal { negative_slope: f64 },
+    /// Kaiming normal, fan-out mode (torchvision's ResNet convolutions:
+    /// `kaiming_normal_(mode="fan_out", nonlinearity="relu")` is `negative_slope = 0`).
+    HeNormalFanOut { negative_slope: f64 },
 }
 
 impl Initializer {
@@ -93,6 +96,10 @@ impl Initializer {
             }
             Initializer::HeNormal { negative_slope } => {
                 let std = gain(negative_slope) / fan_in.sqrt();
+                (0..n).map(|_| (std * std_normal(&mut rng)) as f32).collect()
+            }
+            Initializer::HeNormalFanOut { negative_slope } => {
+                let std = gain(negative_slope) / fan_out.sqrt();
                 (0..n).map(|_| (std * std_normal(&mut rng)) as f32).collect()
             }
         };

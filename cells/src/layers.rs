@@ -235,6 +235,14 @@ impl Pool2d {
         self.attrs.pad_mode = m;
         self
     }
+    /// Explicit padding `p` on every side; implies `pad_mode = pad` (PyTorch's
+    /// `MaxPool2d(3, 2, padding=1)` is `Pool2d::max(3, 2).padding(1)`; max pooling never picks
+    /// the padding).
+    pub fn padding(mut self, p: usize) -> Self {
+        self.attrs.pad_mode = PadMode::Pad;
+        self.attrs.pad = [p; 4];
+        self
+    }
 }
 
 impl Cell for Pool2d {
@@ -249,6 +257,47 @@ impl Cell for Pool2d {
         } else {
             "AvgPool2d"
         }
+    }
+}
+
+/// Average pooling to a fixed output size (MindSpore's `nn.AdaptiveAvgPool2d`): `(1, 1)` is
+/// the global mean over each channel's plane (ResNet's head), `[N, C, H, W] -> [N, C, 1, 1]`;
+/// other sizes must divide the input's (the windows are then equal and do not overlap).
+#[derive(Clone, Debug)]
+pub struct AdaptiveAvgPool2d {
+    output: [usize; 2],
+}
+
+impl AdaptiveAvgPool2d {
+    /// Pooling to `(height, width)`.
+    pub fn new(output: (usize, usize)) -> Self {
+        AdaptiveAvgPool2d { output: [output.0, output.1] }
+    }
+}
+
+impl Cell for AdaptiveAvgPool2d {
+    fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
+        expect_inputs(self, xs, 1)?;
+        let ty = t.ty(xs[0]).clone();
+        let [_, _, h, w] = ty.dims()[..] else {
+            return Err(CellError::Config { cell: "AdaptiveAvgPool2d".into(), detail: format!("expects NCHW input, got {ty}") });
+        };
+        let [oh, ow] = self.output;
+        if [oh, ow] == [1, 1] {
+            return t.op(Op::ReduceMean(cellgraph_compiler::ReduceAttrs { axes: vec![2, 3], keep_dims: true }), &[xs[0]]);
+        }
+        if oh == 0 || ow == 0 || h % oh != 0 || w % ow != 0 {
+            return Err(CellError::Config {
+                cell: "AdaptiveAvgPool2d".into(),
+                detail: format!("output size ({oh}, {ow}) must divide the input's ({h}, {w}) (input {ty})"),
+            });
+        }
+        let (kh, kw) = (h / oh, w / ow);
+        let attrs = Pool2dAttrs { kernel: [kh, kw], stride: [kh, kw], pad_mode: PadMode::Valid, pad: [0; 4] };
+        t.op(Op::AvgPool2d(attrs), &[xs[0]])
+    }
+    fn kind(&self) -> &'static str {
+        "AdaptiveAvgPool2d"
     }
 }
 

@@ -20,7 +20,12 @@ pub struct GradGraph {
 /// Traces `net_with_loss` on inputs of the given names and types and differentiates the loss
 /// with respect to its trainable parameters. Outputs: the loss, then each gradient.
 pub fn grad_graph(net_with_loss: &dyn Cell, name: &str, inputs: &[(&str, TensorType)], sens: Sens) -> Result<GradGraph> {
-    let mut t = Tracer::new(name);
+    grad_graph_in(Tracer::new(name), net_with_loss, inputs, sens)
+}
+
+/// [`grad_graph`] on a given tracer: [`Tracer::inference`] differentiates the inference
+/// graph (batch norm on its moving statistics).
+pub fn grad_graph_in(mut t: Tracer, net_with_loss: &dyn Cell, inputs: &[(&str, TensorType)], sens: Sens) -> Result<GradGraph> {
     let xs = inputs.iter().map(|(n, ty)| t.input(n, ty.clone())).collect::<Result<Vec<_>>>()?;
     let loss = t.call(net_with_loss, &xs)?;
     let params = net_with_loss.trainable_params();

@@ -1,11 +1,12 @@
-//! Reference networks: MindSpore's LeNet5 and the seed-002 MLP.
+//! Reference networks: MindSpore's LeNet5, the seed-002 MLP, and torchvision's ResNet-18.
 
-use cellgraph_compiler::{NodeId, PadMode};
+use cellgraph_compiler::{NodeId, Op, PadMode};
 
 use crate::cell::{expect_inputs, Cell, Tracer};
 use crate::error::Result;
 use crate::init::Initializer;
-use crate::layers::{Conv2d, Dense, Flatten, MaxPool2d, Pool2d, ReLU, SequentialCell};
+use crate::layers::{AdaptiveAvgPool2d, Conv2d, Dense, Flatten, MaxPool2d, Pool2d, ReLU, SequentialCell};
+use crate::norm::BatchNorm2d;
 use crate::param::{Parameter, Scope};
 
 /// LeNet5 exactly as MindSpore's model zoo: input `[N, 1, 32, 32]`, 61,684 parameters.
@@ -99,5 +100,132 @@ impl Cell for Network {
     }
     fn kind(&self) -> &'static str {
         "Network"
+    }
+}
+
+/// A `k x k` convolution without bias, padded by `k / 2`, with torchvision's ResNet initializer
+/// (Kaiming normal, fan-out mode, ReLU gain).
+fn resnet_conv(s: &Scope, in_channels: usize, out_channels: usize, k: usize, stride: usize) -> Conv2d {
+    Conv2d::new(s, in_channels, out_channels, k).stride(stride).padding([k / 2; 4]).weight_init(Initializer::HeNormalFanOut { negative_slope: 0.0 })
+}
+
+/// torchvision's `BasicBlock`: `relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))`, the
+/// shortcut a strided 1x1 convolution and batch norm (`downsample.0`, `downsample.1`) when the
+/// block changes the stride or the width, else `x`.
+pub struct BasicBlock {
+    conv1: Conv2d,
+    bn1: BatchNorm2d,
+    conv2: Conv2d,
+    bn2: BatchNorm2d,
+    relu: ReLU,
+    downsample: Option<SequentialCell>,
+    path: String,
+}
+
+impl BasicBlock {
+    /// A block from `in_channels` to `channels` whose first convolution has `stride`.
+    pub fn new(s: &Scope, in_channels: usize, channels: usize, stride: usize) -> Self {
+        let downsample = (stride != 1 || in_channels != channels).then(|| {
+            SequentialCell::new(&s.child("downsample")).add(|s| resnet_conv(s, in_channels, channels, 1, stride)).add(|s| BatchNorm2d::new(s, channels))
+        });
+        BasicBlock {
+            conv1: resnet_conv(&s.child("conv1"), in_channels, channels, 3, stride),
+            bn1: BatchNorm2d::new(&s.child("bn1"), channels),
+            conv2: resnet_conv(&s.child("conv2"), channels, channels, 3, 1),
+            bn2: BatchNorm2d::new(&s.child("bn2"), channels),
+            relu: ReLU::new(),
+            downsample,
+            path: s.path().to_string(),
+        }
+    }
+}
+
+impl Cell for BasicBlock {
+    fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
+        expect_inputs(self, xs, 1)?;
+        let x = t.call(&self.conv1, xs)?;
+        let x = t.call(&self.bn1, &[x])?;
+        let x = t.call_in(&format!("{}.relu", self.path), &self.relu, &[x])?;
+        let x = t.call(&self.conv2, &[x])?;
+        let x = t.call(&self.bn2, &[x])?;
+        let identity = match &self.downsample {
+            Some(d) => t.call(d, xs)?,
+            None => xs[0],
+        };
+        let x = t.op(Op::Add, &[x, identity])?;
+        t.call_in(&format!("{}.relu", self.path), &self.relu, &[x])
+    }
+    fn parameters(&self) -> Vec<Parameter> {
+        let mut v: Vec<Parameter> = [&self.conv1 as &dyn Cell, &self.bn1, &self.conv2, &self.bn2].iter().flat_map(|c| c.parameters()).collect();
+        v.extend(self.downsample.iter().flat_map(|d| d.parameters()));
+        v
+    }
+    fn path(&self) -> Option<&str> {
+        Some(&self.path)
+    }
+    fn kind(&self) -> &'static str {
+        "BasicBlock"
+    }
+}
+
+/// torchvision's `resnet18(num_classes)`, with MindSpore's batch-norm names: a 7x7 stride-2
+/// stem (`conv1`, `bn1`), 3x3 stride-2 max pooling padded by 1, four stages of two
+/// [`BasicBlock`]s (`layer1` .. `layer4`: 64, 128, 256, 512 channels, stride 2 from the
+/// second), global average pooling and `fc`. Input `[N, 3, H, W]`; 11,181,642 trainable
+/// parameters for 10 classes. Convolutions are drawn Kaiming normal (fan-out), batch norms
+/// start at gamma 1, beta 0, and `fc` has `Dense`'s defaults (those of `torch.nn.Linear`).
+pub struct ResNet18 {
+    conv1: Conv2d,
+    bn1: BatchNorm2d,
+    relu: ReLU,
+    maxpool: MaxPool2d,
+    layers: [SequentialCell; 4],
+    avgpool: AdaptiveAvgPool2d,
+    flatten: Flatten,
+    fc: Dense,
+}
+
+impl ResNet18 {
+    /// ResNet-18 for `num_classes` classes over 3 input channels.
+    pub fn new(s: &Scope, num_classes: usize) -> Self {
+        let stage = |name: &str, i: usize, o: usize, stride: usize| {
+            SequentialCell::new(&s.child(name)).add(|s| BasicBlock::new(s, i, o, stride)).add(|s| BasicBlock::new(s, o, o, 1))
+        };
+        ResNet18 {
+            conv1: resnet_conv(&s.child("conv1"), 3, 64, 7, 2),
+            bn1: BatchNorm2d::new(&s.child("bn1"), 64),
+            relu: ReLU::new(),
+            maxpool: Pool2d::max(3, 2).padding(1),
+            layers: [stage("layer1", 64, 64, 1), stage("layer2", 64, 128, 2), stage("layer3", 128, 256, 2), stage("layer4", 256, 512, 2)],
+            avgpool: AdaptiveAvgPool2d::new((1, 1)),
+            flatten: Flatten::new(),
+            fc: Dense::new(&s.child("fc"), 512, num_classes),
+        }
+    }
+}
+
+impl Cell for ResNet18 {
+    fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
+        expect_inputs(self, xs, 1)?;
+        let x = t.call(&self.conv1, xs)?;
+        let x = t.call(&self.bn1, &[x])?;
+        let x = t.call_in("relu", &self.relu, &[x])?;
+        let mut x = t.call_in("maxpool", &self.maxpool, &[x])?;
+        for layer in &self.layers {
+            x = t.call(layer, &[x])?;
+        }
+        let x = t.call_in("avgpool", &self.avgpool, &[x])?;
+        let x = t.call_in("flatten", &self.flatten, &[x])?;
+        t.call(&self.fc, &[x])
+    }
+    fn parameters(&self) -> Vec<Parameter> {
+        let mut v = self.conv1.parameters();
+        v.extend(self.bn1.parameters());
+        v.extend(self.layers.iter().flat_map(|l| l.parameters()));
+        v.extend(self.fc.parameters());
+        v
+    }
+    fn kind(&self) -> &'static str {
+        "ResNet18"
     }
 }

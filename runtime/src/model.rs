@@ -330,7 +330,7 @@ impl<B: Backend> Model<B> {
                     expected: "a network wrapped with its loss (WithLossCell), whose backbone gives logits".into(),
                     got: format!("a {} without a backbone", self.acc.network().network.kind()),
                 })?;
-                let (g, _) = cellgraph_cells::trace(backbone, "eval", &[("data", key[0].clone())])?;
+                let (g, _) = cellgraph_cells::cell::trace_inference(backbone, "eval", &[("data", key[0].clone())])?;
                 let dump = self.acc.dump_options().map(|opts| DumpAt { opts, first: 0, input: "trace" });
                 self.eval_plans.insert(key.clone(), compile_with(g, dump)?);
             }

@@ -12,6 +12,12 @@
 //! its shard of the training images, writes its LossMonitor lines to
 //! `<log-dir>/worker_<rank>.log` (rank 0 also prints them), and rank 0 reports throughput,
 //! the bytes reduced per update and the test accuracy.
+//!
+//! `--net resnet18` runs Colossal-AI's ResNet-18 example (seeds 000/004) the same way:
+//! `GradAccumulation::across_steps(.., 4)` with mean normalisation, SGD(0.1, momentum 0.9,
+//! weight decay 5e-4), 128 images per rank and step, CIFAR-10's augmentation, and gradients
+//! averaged across ranks once per window (TorchDDPPlugin + `no_sync`: replicated optimizer).
+//! `--data-path` may hold CIFAR-10's binary files; otherwise the MNIST digits stand in.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -26,22 +32,25 @@ use cellgraph::runtime::comm::{self, Communicator};
 use cellgraph::runtime::device::{self, OnDevice};
 use cellgraph::runtime::Backend;
 use cellgraph::runtime::burn_backend::tensor::Device;
-use cellgraph::runtime::data::{create_dataset, ImageOp, MnistDataset};
+use cellgraph::runtime::data::{create_dataset, Cifar10, Cifar10Dataset, ImageOp, MnistDataset};
 
 #[derive(Parser)]
 #[command(about = "cellgraph distributed gradient accumulation (MindSpore seed 002): run under mpirun", allow_negative_numbers = true)]
 struct Args {
-    /// Directory with the MNIST IDX files.
+    /// Directory with the MNIST IDX files (with `--net resnet18`: CIFAR-10's binary files, or
+    /// MNIST's, which then stand in).
     #[arg(long, default_value = "data/mnist")]
     data_path: PathBuf,
-    /// `mlp` (the seed's Network, SGD 1e-2) or `lenet` (LeNet5, Momentum(0.01, 0.9)).
+    /// `mlp` (the seed's Network, SGD 1e-2), `lenet` (LeNet5, Momentum(0.01, 0.9)) or
+    /// `resnet18` (Colossal-AI's example: SGD(0.1, 0.9, weight decay 5e-4), batch 128).
     #[arg(long, default_value = "mlp")]
     net: String,
     #[arg(long, default_value_t = 10)]
     epochs: usize,
-    /// Per-rank batch size (sliced into `micro-size` micro-batches).
-    #[arg(long, default_value_t = 32)]
-    batch_size: usize,
+    /// Per-rank batch size (sliced into `micro-size` micro-batches; with `--net resnet18` one
+    /// micro-batch per step, 128 by default).
+    #[arg(long)]
+    batch_size: Option<usize>,
     #[arg(long, default_value_t = 4)]
     micro_size: usize,
     /// Replicate the optimizer state instead of sharding it (hsdp).
@@ -57,8 +66,9 @@ struct Args {
     log_dir: PathBuf,
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    #[arg(long, default_value_t = 0.01)]
-    lr: f64,
+    /// Learning rate (0.01; 0.1 with `--net resnet18`).
+    #[arg(long)]
+    lr: Option<f64>,
     /// Rank 0 saves the trained model here at the end (`.ckpt` or `.safetensors`).
     #[arg(long)]
     ckpt: Option<PathBuf>,
@@ -119,24 +129,44 @@ fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>
     if let (Some(path), 0) = (&args.ckpt, rank) {
         cellgraph::runtime::checkpoint::check_writable(path)?;
     }
-    let (ds, test, model) = match args.net.as_str() {
+    let batch = args.batch_size.unwrap_or(if args.net == "resnet18" { 128 } else { 32 });
+    let lr = args.lr.unwrap_or(if args.net == "resnet18" { 0.1 } else { 0.01 });
+    let (ds, test, model): (Box<dyn Dataset>, Box<dyn Dataset>, Model<B>) = match args.net.as_str() {
         "mlp" => {
             let ops = [ImageOp::rescale(1.0 / 255.0, 0.0), ImageOp::Normalize { mean: 0.1307, std: 0.3081 }, ImageOp::Hwc2Chw];
-            let ds = MnistDataset::new(&args.data_path, "train")?.map(ops.clone()).batch(args.batch_size, false)?.shard(size, rank)?;
-            let test = MnistDataset::new(&args.data_path, "t10k")?.map(ops).batch(args.batch_size, false)?;
+            let ds = MnistDataset::new(&args.data_path, "train")?.map(ops.clone()).batch(batch, false)?.shard(size, rank)?;
+            let test = MnistDataset::new(&args.data_path, "t10k")?.map(ops).batch(batch, false)?;
             let net = GradAccumulation::new(WithLossCell::new(Network::new(&Scope::root()), CrossEntropyLoss::new()), args.micro_size);
-            let model = Model::<B>::parallel(parallel(net, args), SGD::new(args.lr), device, args.seed, comm.clone())?;
-            (ds, test, model)
+            let model = Model::<B>::parallel(parallel(net, args), SGD::new(lr), device, args.seed, comm.clone())?;
+            (Box::new(ds), Box::new(test), model)
         }
         "lenet" => {
-            let ds = create_dataset(&args.data_path, "train", args.batch_size, 1, args.seed)?.shard(size, rank)?;
-            let test = create_dataset(&args.data_path, "t10k", args.batch_size, 1, 0)?;
+            let ds = create_dataset(&args.data_path, "train", batch, 1, args.seed)?.shard(size, rank)?;
+            let test = create_dataset(&args.data_path, "t10k", batch, 1, 0)?;
             let loss = SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean);
             let net = GradAccumulation::new(WithLossCell::new(LeNet5::new(&Scope::root(), 10, 1), loss), args.micro_size);
-            let model = Model::<B>::parallel(parallel(net, args), Momentum::new(args.lr, 0.9), device, args.seed, comm.clone())?;
-            (ds, test, model)
+            let model = Model::<B>::parallel(parallel(net, args), Momentum::new(lr, 0.9), device, args.seed, comm.clone())?;
+            (Box::new(ds), Box::new(test), model)
         }
-        other => return Err(format!("--net must be mlp or lenet, got `{other}`").into()),
+        "resnet18" => {
+            let (train, test) = if args.data_path.join("data_batch_1.bin").exists() {
+                (Cifar10::load(&args.data_path, "train")?, Cifar10::load(&args.data_path, "test")?)
+            } else {
+                if rank == 0 {
+                    println!("no CIFAR-10 in {}: training on its MNIST digits as 3 x 32 x 32 images", args.data_path.display());
+                }
+                (Cifar10::from_mnist(&Mnist::load(&args.data_path, "train")?), Cifar10::from_mnist(&Mnist::load(&args.data_path, "t10k")?))
+            };
+            let ds = Cifar10Dataset::new(train).augment(args.seed).shuffle(args.seed).batch(batch, true)?.shard(size, rank)?;
+            let test = Cifar10Dataset::new(test).batch(batch, false)?;
+            let net = WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new());
+            let net = GradAccumulation::across_steps(net, args.micro_size).normalization(Normalization::Mean);
+            let opt = SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(lr) };
+            // TorchDDPPlugin: replicated optimizer, gradients averaged across ranks.
+            let model = Model::<B>::parallel(AutoParallel::new(net).enable_gradients_mean(), opt, device, args.seed, comm.clone())?;
+            (Box::new(ds), Box::new(test), model)
+        }
+        other => return Err(format!("--net must be mlp, lenet or resnet18, got `{other}`").into()),
     };
     let mut model = model;
     // MindSpore's MS_DEV_SAVE_GRAPHS, read once here: CELLGRAPH_SAVE_GRAPHS=1..3 and
@@ -152,7 +182,7 @@ fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>
         }
     }
     let t0 = Instant::now();
-    model.train(args.epochs, &ds, &mut [&mut loss_cb, &mut panic_cb])?;
+    model.train(args.epochs, ds.as_ref(), &mut [&mut loss_cb, &mut panic_cb])?;
     let secs = t0.elapsed().as_secs_f64();
     let acc = model.accumulator();
     let trained = acc.network().parameters();
@@ -165,14 +195,14 @@ fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>
     }
     if rank == 0 {
         // The images trained (a batch dropped by drop_remainder is not), on every rank.
-        let images = ds.batch_lengths().iter().sum::<usize>() * args.epochs * size;
+        let images = ds.batch_sizes().iter().sum::<usize>() * args.epochs * size;
         let elements: usize = trained.iter().map(|p| p.ty.numel()).sum();
         let c = acc.counters();
         println!("ranks: {size}, updates: {}, gradient collectives: {}, fused optimizer launches: {}", acc.updates(), c.grad_collectives, c.fused_launches);
         println!("training: {secs:.2} s, {:.0} images/s across ranks", images as f64 / secs);
         println!("gradient bytes reduced per update: {} ({} f32 + the item count)", 4 * (elements + 1), elements);
         println!("optimizer state on this rank: {} elements", acc.optimizer_state_elements());
-        println!("test accuracy: {:.4}", model.eval(&test)?["Accuracy"]);
+        println!("test accuracy: {:.4}", model.eval(test.as_ref())?["Accuracy"]);
     }
     Ok(())
 }

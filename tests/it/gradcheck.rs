@@ -303,16 +303,30 @@ fn backward_ops_have_no_second_order_rule() {
 }
 
 fn lenet_or_mlp_check(net: &dyn Cell, x_shape: [usize; 4], seed: u64) {
+    network_check(net, x_shape, seed, Tracer::new("net"))
+}
+
+/// Every trainable parameter's gradient of `net` (traced by `t`) against central differences
+/// at 6 random coordinates. Moving statistics, if any, are set away from their initial zeros
+/// and ones so that an inference trace's normalisation is not the identity.
+fn network_check(net: &dyn Cell, x_shape: [usize; 4], seed: u64, t: Tracer) {
     let n = x_shape[0];
     let inputs = [("data", TensorType::f32(x_shape)), ("label", TensorType::i32([n]))];
-    let gg = grad_graph(net, "net", &inputs, Sens::One).unwrap();
+    let gg = cellgraph::cells::train::grad_graph_in(t, net, &inputs, Sens::One).unwrap();
     let mut fwd_g = gg.graph.clone();
     fwd_g.set_outputs(vec![gg.loss]);
     let fwd = compile(fwd_g).unwrap();
     let bwd = compile(gg.graph.clone()).unwrap();
-    let params: Vec<(String, HostTensor)> =
-        materialize(&net.parameters(), seed).into_iter().map(|(n, t)| (n, t.to_f64_tensor())).collect();
     let mut rng = StdRng::seed_from_u64(seed);
+    let params: Vec<(String, HostTensor)> = materialize(&net.parameters(), seed)
+        .into_iter()
+        .map(|(n, t)| {
+            let t = t.to_f64_tensor();
+            let mut moving = |positive| HostTensor::new(t.shape.clone(), HostData::F64(randn(&mut rng, t.shape.iter().product(), positive))).unwrap();
+            let t = if n.ends_with("moving_mean") { moving(false) } else if n.ends_with("moving_variance") { moving(true) } else { t };
+            (n, t)
+        })
+        .collect();
     let numel: usize = x_shape.iter().product();
     let x = HostTensor::new(x_shape.to_vec(), HostData::F64(randn(&mut rng, numel, false))).unwrap();
     let y = HostTensor::i32(vec![n], (0..n as i32).map(|i| i % 10).collect()).unwrap();
@@ -335,6 +349,16 @@ fn lenet_or_mlp_check(net: &dyn Cell, x_shape: [usize; 4], seed: u64) {
 fn lenet5_gradients_match_finite_differences() {
     let net = WithLossCell::new(LeNet5::new(&Scope::root(), 10, 1), SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean));
     lenet_or_mlp_check(&net, [3, 1, 32, 32], 11);
+}
+
+/// Batch norm in training (batch statistics: the gradient flows through the mean and the
+/// variance) and in inference (moving statistics), inside a residual block with a strided 1x1
+/// downsample, global average pooling and a dense head.
+#[test]
+fn batch_norm_and_residual_gradients_match_finite_differences() {
+    let net = WithLossCell::new(crate::batchnorm::BlockNet::new(), CrossEntropyLoss::new());
+    network_check(&net, [4, 3, 6, 6], 13, Tracer::new("net"));
+    network_check(&net, [2, 3, 6, 6], 14, Tracer::inference("net"));
 }
 
 #[test]

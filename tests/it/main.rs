@@ -3,7 +3,9 @@
 mod common;
 
 mod accumulation;
+mod batchnorm;
 mod cells;
+mod cifar;
 mod cli;
 mod device;
 mod dumps;

@@ -210,3 +210,25 @@ fn a_batch_micro_size_cannot_slice_fails_on_every_rank_before_the_first_step() {
     assert!(logs.iter().any(|l| l.contains("error: rank ") && l.contains("multiple of 4")), "{logs:?}");
     assert!(logs.iter().all(|l| !l.contains("loss is")), "{logs:?}");
 }
+
+/// The Colossal-AI ResNet-18 example under `mpirun -n 2` (TorchDDPPlugin + `no_sync`): each
+/// rank reads its shard, the parameters change only at the fourth iteration, and the window
+/// took one gradient collective.
+#[test]
+fn the_resnet18_example_on_two_ranks_reduces_once_per_window() {
+    if !have_mpirun() {
+        return;
+    }
+    let dir = tmp("resnet18");
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = std::env::current_exe().unwrap().parent().and_then(Path::parent).unwrap().join("examples/colossal_resnet18");
+    let mut c = Command::new("timeout");
+    c.args(["120", "mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader", "-n", "2"]).arg(exe);
+    c.args(["--batch-size", "2", "--mnist-path", concat!(env!("CARGO_MANIFEST_DIR"), "/data/mnist")]);
+    c.env("MATMUL_NUM_THREADS", "1").env("RAYON_NUM_THREADS", "1");
+    let (out, _) = launch(c, &dir);
+    let s = text(&out);
+    assert!(out.status.success(), "{s}");
+    assert!(s.contains("The parameter is only updated in the last iteration") && s.contains("ranks: 2, gradient collectives: 1"), "{s}");
+    assert_eq!(s.matches("iteration 3, first 10 elements").count(), 1, "rank 0 prints: {s}");
+}

@@ -92,3 +92,27 @@ fn the_seed_002_program_refuses_bad_settings_before_training_and_logs_why() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Colossal-AI's ResNet-18 example (seeds 000/004), small batches: the seed's four lines and
+/// its verdict, the MNIST stand-in announced; bad settings refused before any work.
+#[test]
+fn the_colossal_resnet18_example_prints_the_seeds_boundary_check() {
+    let (out, s) = run("colossal_resnet18", &["--batch-size", "4"]);
+    assert!(out.status.success(), "{s}");
+    assert!(s.contains("training on the MNIST digits"), "{s}");
+    let params: Vec<&str> = (0..4)
+        .map(|i| {
+            let head = format!("iteration {i}, first 10 elements of param: [");
+            let line = s.lines().find(|l| l.starts_with(&head)).unwrap_or_else(|| panic!("no `{head}` line in {s}"));
+            &line[head.len()..]
+        })
+        .collect();
+    assert!(params[1] == params[0] && params[2] == params[0] && params[3] != params[0], "{s}");
+    assert_eq!(params[0].split(", ").count(), 10);
+    assert!(s.trim_end().ends_with("The parameter is only updated in the last iteration"), "{s}");
+    refused("colossal_resnet18", &["--data-path", "no/such/dir"], "--data-path");
+    refused("colossal_resnet18", &["--epochs", "0"], "--epochs must be at least 1");
+    refused("colossal_resnet18", &["--batch-size", "9000"], "gives no batch per epoch");
+    let dir = tmp("resnet18");
+    refused("colossal_resnet18", &["--train", "--ckpt", dir.to_str().unwrap()], "is a directory");
+}

@@ -59,6 +59,9 @@ struct Plans {
     micro: HashMap<Vec<TensorType>, Executable>,
     optimizer: Executable,
     clear: Executable,
+    /// The cells' once-per-window state updates (`window_stats`), traced with the first
+    /// micro-step: `Some(None)` when there are none.
+    window: Option<Option<Executable>>,
     /// Names of the micro-step graphs' inputs.
     names: Vec<String>,
     /// Graph dumps, when switched on.
@@ -139,7 +142,7 @@ impl<B: Backend> Accumulator<B> {
         session.init_state(&state);
         let trained: Vec<(String, TensorType)> = accumulators.iter().map(|(n, t)| (n[ACCUMULATOR_PREFIX.len() + 1..].to_string(), t.clone())).collect();
         let store = Store::new(&trained, accumulator_name, opt.as_ref());
-        let plans = Plans { micro: HashMap::new(), optimizer: compile(optimizer)?, clear: compile(clear)?, names: Vec::new(), dump: None };
+        let plans = Plans { micro: HashMap::new(), optimizer: compile(optimizer)?, clear: compile(clear)?, window: None, names: Vec::new(), dump: None };
         let mut acc = Accumulator { net, opt, plans, session, progress: Progress::default(), store, parallel: None, losses: Vec::new(), loss: std::cell::Cell::new(None) };
         acc.store.enter_flat(&mut acc.session, acc.opt.as_ref())?;
         Ok(acc)
@@ -373,6 +376,9 @@ impl<B: Backend> Accumulator<B> {
                 None => compile(g)?,
             };
             self.plans.micro.insert(key.clone(), exe);
+            if self.plans.window.is_none() {
+                self.plans.window = Some(self.net.window_graph(&named)?.map(compile).transpose()?);
+            }
         }
         let exe = &self.plans.micro[&key];
         let loss = if B::HOST { Loss::Read(self.session.run(exe, inputs)?[0].scalar()) } else { Loss::Device(self.session.run_device(exe, inputs)?.swap_remove(0)) };
@@ -420,6 +426,11 @@ impl<B: Backend> Accumulator<B> {
             }
         } else {
             self.session.run(&self.plans.clear, &[])?;
+        }
+        // Once-per-window statistics fold in every window, applied or dropped, as per-micro
+        // statistics would have.
+        if let Some(Some(window)) = &self.plans.window {
+            self.session.run(window, &[])?;
         }
         self.progress.cleared();
         Ok(())

@@ -60,6 +60,15 @@ impl<B: Backend> Accumulator<B> {
         crate::comm::agree(comm.as_ref(), "configuration (network, optimizer, accumulation options)", fingerprint.as_bytes())?;
         let params: Vec<u8> = self.store.gather(&self.session, Kind::Param)?.iter().flat_map(|v| v.to_le_bytes()).collect();
         crate::comm::agree(comm.as_ref(), "initial parameters (seed)", &params)?;
+        // Non-trainable state (batch norm's moving statistics) starts equal too.
+        let state: Vec<u8> = cellgraph_cells::Cell::parameters(net.as_ref())
+            .iter()
+            .filter(|p| !p.requires_grad)
+            .filter_map(|p| self.session.param(&p.name))
+            .flat_map(|t| t.to_f32())
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        crate::comm::agree(comm.as_ref(), "initial non-trainable state (moving statistics)", &state)?;
         let shard = if hsdp {
             self.store.leave_flat(&mut self.session);
             let shard = self.shard(comm.size())?;

@@ -1,7 +1,10 @@
-//! Datasets: MNIST in IDX format and the MindSpore LeNet preprocessing.
+//! Datasets: MNIST in IDX format with the MindSpore LeNet preprocessing, and CIFAR-10's binary
+//! version with torchvision's augmentation.
 
+pub mod cifar;
 pub mod dataset;
 pub mod mnist;
 
+pub use cifar::{Cifar10, Cifar10Dataset};
 pub use dataset::{create_dataset, create_eval_dataset, Batch, ImageOp, MnistDataset};
 pub use mnist::{lenet_transform, read_idx, Idx, Mnist};

@@ -1,0 +1,170 @@
+//! Colossal-AI's gradient accumulation example (seeds 000/004), for real: torchvision's
+//! `resnet18(num_classes=10)` on CIFAR-10 with `BATCH_SIZE = 128`, `GRADIENT_ACCUMULATION = 4`,
+//! `SGD(lr=0.1, momentum=0.9, weight_decay=5e-4)`, `RandomCrop(32, padding=4)`,
+//! `RandomHorizontalFlip()`, `Normalize(mean, std)` and `CrossEntropyLoss`, the loss divided
+//! by 4 (`GradAccumulation` across steps with mean normalisation).
+//!
+//! By default it runs the seed's check: four iterations, printing the first 10 elements of the
+//! first parameter (`conv1.weight`) after each; it must change only at the last (exit status 1
+//! otherwise). `--train --epochs N` trains on: LossMonitor lines, a progress line per epoch,
+//! test accuracy (batch norm in inference mode, on its moving statistics) and a checkpoint.
+//!
+//! Under `mpirun -n W` it is the seed's `TorchDDPPlugin` + `booster.no_sync()` run: each rank
+//! reads its shard and the gradients travel once per window (the count is printed).
+//!
+//! CIFAR-10 cannot be downloaded here: `--data-path` takes a `cifar-10-batches-bin` directory;
+//! without it the program trains on the vendored MNIST digits resized to 32 x 32 and copied to
+//! three channels, and says so.
+//!
+//! Run: `cargo run --release --example colossal_resnet18 [-- --train --epochs 1]`
+
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use clap::Parser;
+
+use cellgraph::prelude::*;
+use cellgraph::runtime::comm::{self, Communicator};
+use cellgraph::runtime::data::{Cifar10, Cifar10Dataset};
+use cellgraph::runtime::{Accumulator, Dataset};
+
+const GRADIENT_ACCUMULATION: usize = 4;
+
+#[derive(Parser)]
+#[command(about = "Colossal-AI's ResNet-18 gradient accumulation example (seeds 000/004)")]
+struct Args {
+    /// A `cifar-10-batches-bin` directory; without it, the MNIST digits stand in.
+    #[arg(long)]
+    data_path: Option<PathBuf>,
+    /// The MNIST digits used when there is no CIFAR-10.
+    #[arg(long, default_value = "data/mnist")]
+    mnist_path: PathBuf,
+    /// Per-rank batch size (the seed's BATCH_SIZE).
+    #[arg(long, default_value_t = 128)]
+    batch_size: usize,
+    /// Train for `--epochs` instead of the four-iteration check.
+    #[arg(long)]
+    train: bool,
+    /// Epochs for `--train` (3 reach about 0.89 test accuracy on the MNIST stand-in; after 1
+    /// the moving statistics still lag the weights).
+    #[arg(long, default_value_t = 3)]
+    epochs: usize,
+    /// Print the loss every this many steps (micro-batches) when training.
+    #[arg(long, default_value_t = 10)]
+    print_every: usize,
+    /// Where `--train` writes the final checkpoint (`.ckpt`: MindSpore's format).
+    #[arg(long, default_value = "resnet18.ckpt")]
+    ckpt: PathBuf,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+fn main() -> std::process::ExitCode {
+    cellgraph::runtime::join_thread_pool();
+    let comm = match comm::init() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let result = run(Args::parse(), comm.clone());
+    if comm.size() > 1 {
+        if let Err(e) = &result {
+            eprintln!("rank {}: error: {e}", comm.rank());
+            comm.abort(1);
+        }
+    }
+    cellgraph::exit_with(result)
+}
+
+fn data(args: &Args, split: &str, rank: usize) -> Result<Cifar10, Box<dyn std::error::Error>> {
+    Ok(match &args.data_path {
+        Some(dir) => Cifar10::load(dir, split)?,
+        None => {
+            if rank == 0 && split == "train" {
+                println!("no --data-path: training on the MNIST digits ({}) as 3 x 32 x 32 images in place of CIFAR-10", args.mnist_path.display());
+            }
+            Cifar10::from_mnist(&Mnist::load(&args.mnist_path, if split == "train" { "train" } else { "t10k" })?)
+        }
+    })
+}
+
+fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error::Error>> {
+    let (rank, size) = (comm.rank(), comm.size());
+    if args.epochs == 0 {
+        return Err("--epochs must be at least 1".into());
+    }
+    if args.train && rank == 0 {
+        cellgraph::runtime::checkpoint::check_writable(&args.ckpt)?;
+    }
+    let train_dataset = Cifar10Dataset::new(data(&args, "train", rank)?).augment(args.seed).shuffle(args.seed).batch(args.batch_size, true)?.shard(size, rank)?;
+    train_dataset.check_batches()?;
+    let model = ResNet18::new(&Scope::root(), 10);
+    let criterion = CrossEntropyLoss::new();
+    let optimizer = SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(0.1) };
+    // The seed divides each micro-batch's loss by 4 and steps every 4 iterations.
+    let net = GradAccumulation::across_steps(WithLossCell::new(model, criterion), GRADIENT_ACCUMULATION).normalization(Normalization::Mean);
+    if args.train {
+        return train(&args, net, optimizer, &train_dataset, comm);
+    }
+
+    let mut booster = Accumulator::<Cpu>::new(Rc::new(net), Rc::new(optimizer), cpu(), args.seed)?;
+    if size > 1 {
+        booster.set_parallel(comm.clone(), false, false)?;
+    }
+    let mut param_by_iter = Vec::new();
+    for (idx, batch) in train_dataset.epoch(0, 0).take(GRADIENT_ACCUMULATION).enumerate() {
+        booster.step(&batch)?;
+        let param = booster.session.param("conv1.weight").expect("ResNet-18 has conv1").to_f32();
+        if rank == 0 {
+            println!("iteration {idx}, first 10 elements of param: {:?}", &param[..10]);
+        }
+        param_by_iter.push(param);
+    }
+    if param_by_iter.len() < GRADIENT_ACCUMULATION {
+        return Err(format!("the data gave {} batches of {}, the check needs {GRADIENT_ACCUMULATION}", param_by_iter.len(), args.batch_size).into());
+    }
+    let unchanged_inside = param_by_iter[1..GRADIENT_ACCUMULATION - 1].iter().all(|p| *p == param_by_iter[0]);
+    if !(unchanged_inside && param_by_iter[GRADIENT_ACCUMULATION - 1] != param_by_iter[0]) {
+        return Err("gradient accumulation check failed: the parameter changed inside the window or not at its end".into());
+    }
+    if rank == 0 {
+        println!("The parameter is only updated in the last iteration");
+        if size > 1 {
+            println!("ranks: {size}, gradient collectives: {}", booster.counters().grad_collectives);
+        }
+    }
+    Ok(())
+}
+
+fn train(args: &Args, net: GradAccumulation, optimizer: SGD, ds: &Cifar10Dataset, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error::Error>> {
+    let (rank, size) = (comm.rank(), comm.size());
+    let mut model = if size > 1 { Model::<Cpu>::parallel(AutoParallel::new(net), optimizer, cpu(), args.seed, comm.clone())? } else { Model::<Cpu>::new(net, optimizer, cpu(), args.seed)? };
+    let out: Box<dyn std::io::Write> = if rank == 0 { Box::new(std::io::stdout()) } else { Box::new(std::io::sink()) };
+    let mut loss_cb = LossMonitor::to_writer(args.print_every, out);
+    let mut time_cb = TimeMonitor::new();
+    if rank == 0 {
+        println!("{}; {} steps per epoch, {} per update", ds.describe(), ds.dataset_size(), GRADIENT_ACCUMULATION);
+    }
+    let t0 = std::time::Instant::now();
+    if rank == 0 {
+        model.train(args.epochs, ds, &mut [&mut loss_cb, &mut time_cb])?;
+    } else {
+        model.train(args.epochs, ds, &mut [&mut loss_cb])?;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let snapshot = model.snapshot();
+    if rank == 0 {
+        let acc = model.accumulator();
+        let images = ds.dataset_size() * args.batch_size * args.epochs * size;
+        println!("ranks: {size}, updates: {}, gradient collectives: {}", acc.updates(), acc.counters().grad_collectives);
+        println!("training: {secs:.1} s, {:.1} images/s across ranks", images as f64 / secs);
+        let test = Cifar10Dataset::new(data(args, "test", rank)?).batch(args.batch_size, false)?;
+        println!("test accuracy: {:.4}", model.eval(&test)?["Accuracy"]);
+        cellgraph::runtime::checkpoint::save(&args.ckpt, &snapshot, &Default::default())?;
+        println!("checkpoint: {}", args.ckpt.display());
+    }
+    Ok(())
+}
