@@ -58,6 +58,9 @@ struct Args {
     ckpt: PathBuf,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// With `--train`: time every op and print the slowest (rank 0).
+    #[arg(long)]
+    profile: bool,
 }
 
 fn main() -> std::process::ExitCode {
@@ -142,6 +145,7 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
 fn train(args: &Args, net: GradAccumulation, optimizer: SGD, ds: &Cifar10Dataset, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error::Error>> {
     let (rank, size) = (comm.rank(), comm.size());
     let mut model = if size > 1 { Model::<Cpu>::parallel(AutoParallel::new(net), optimizer, cpu(), args.seed, comm.clone())? } else { Model::<Cpu>::new(net, optimizer, cpu(), args.seed)? };
+    model.accumulator_mut().session.set_profiling(args.profile);
     let out: Box<dyn std::io::Write> = if rank == 0 { Box::new(std::io::stdout()) } else { Box::new(std::io::sink()) };
     let mut loss_cb = LossMonitor::to_writer(args.print_every, out);
     let mut time_cb = TimeMonitor::new();
@@ -161,6 +165,9 @@ fn train(args: &Args, net: GradAccumulation, optimizer: SGD, ds: &Cifar10Dataset
         let images = ds.dataset_size() * args.batch_size * args.epochs * size;
         println!("ranks: {size}, updates: {}, gradient collectives: {}", acc.updates(), acc.counters().grad_collectives);
         println!("training: {secs:.1} s, {:.1} images/s across ranks", images as f64 / secs);
+        for (op, calls, t) in acc.session.profile().into_iter().take(20) {
+            println!("{op:>28} {calls:>8} calls {:>10.1} ms", t * 1e3);
+        }
         let test = Cifar10Dataset::new(data(args, "test", rank)?).batch(args.batch_size, false)?;
         println!("test accuracy: {:.4}", model.eval(&test)?["Accuracy"]);
         cellgraph::runtime::checkpoint::save(&args.ckpt, &snapshot, &Default::default())?;

@@ -4,7 +4,11 @@
 //! neg, exp, log, relu, relu_grad, sqrt, or a node already fused) takes in:
 //! - an elementwise operand that nothing else reads, that is not an output, and that has the
 //!   consumer's extents (so no element is computed twice);
-//! - a float `constant` of one element, as a literal.
+//! - a float `constant` of one element, as a literal;
+//! - the operand of a `broadcast` it reads, in the broadcast's place, when the program's
+//!   implicit (right-aligned) broadcasting gives the same type: the program reads the small
+//!   tensor strided instead of a materialised copy (batch norm's gradients broadcast
+//!   per-channel values over N, H, W). This alone makes a one-op node `fused`.
 //!
 //! A node that ends up holding two or more ops becomes one `fused` node with the consumer's
 //! scope, and the producers it took in are removed. The ops and their order are unchanged, so
@@ -51,6 +55,10 @@ pub(super) fn absorbable(g: &Graph, x: NodeId, consumer: NodeId, xs: &[NodeId]) 
 struct Builder {
     terms: Vec<Term>,
     operands: Vec<NodeId>,
+    /// Read a broadcast's operand in its place.
+    through: bool,
+    /// The broadcasts read through.
+    broadcasts: Vec<NodeId>,
 }
 
 impl Builder {
@@ -58,6 +66,13 @@ impl Builder {
         if let Some(v) = literal(g, x) {
             return self.terms.push(Term::Lit(v));
         }
+        let x = match (self.through, &g.node(x).op) {
+            (true, Op::Broadcast { .. }) => {
+                self.broadcasts.push(x);
+                g.operands(x)[0]
+            }
+            _ => x,
+        };
         let i = self.operands.iter().position(|&o| o == x).unwrap_or_else(|| {
             self.operands.push(x);
             self.operands.len() - 1
@@ -72,38 +87,21 @@ pub fn fuse_elementwise(g: &mut Graph) -> usize {
     let mut made = 0;
     for id in order {
         let Some((terms, xs)) = body(g, id) else { continue };
-        let mut b = Builder { terms: Vec::with_capacity(terms.len()), operands: Vec::new() };
-        let mut taken = Vec::new();
-        for t in terms {
-            let Term::Arg(i) = t else {
-                b.terms.push(t);
-                continue;
-            };
-            let x = xs[i];
-            match body(g, x).filter(|_| absorbable(g, x, id, &xs)) {
-                Some((inner, ys)) => {
-                    for u in inner {
-                        match u {
-                            Term::Arg(j) => b.read(g, ys[j]),
-                            other => b.terms.push(other),
-                        }
-                    }
-                    taken.push(x);
-                }
-                None => b.read(g, x),
-            }
-        }
-        let expr = Expr::new(b.terms).expect("splicing well-formed programs");
-        if expr.ops() < 2 || b.operands.is_empty() || matches!(&g.node(id).op, Op::Fused { expr: e } if *e == expr) {
-            continue;
-        }
         let scope = g.node(id).scope.clone();
-        // Literals drop their constants' extents: keep the rewrite only when the type holds.
         let ty = g.ty(id).clone();
-        let fits = expr.infer(&b.operands.iter().map(|&o| g.ty(o)).collect::<Vec<_>>()).is_ok_and(|t| t == ty);
-        if !fits {
-            continue;
-        }
+        // With broadcasts read through first; without, when that changes the type.
+        let built = [true, false].into_iter().find_map(|through| {
+            let (b, taken) = splice(g, id, &terms, &xs, through);
+            let expr = Expr::new(b.terms.clone()).expect("splicing well-formed programs");
+            let changed = expr.ops() >= 2 || !b.broadcasts.is_empty();
+            if !changed || b.operands.is_empty() || matches!(&g.node(id).op, Op::Fused { expr: e } if *e == expr) {
+                return None;
+            }
+            // Literals drop their constants' extents: keep the rewrite only when the type holds.
+            let fits = expr.infer(&b.operands.iter().map(|&o| g.ty(o)).collect::<Vec<_>>()).is_ok_and(|t| t == ty);
+            fits.then_some((b, taken, expr))
+        });
+        let Some((b, taken, expr)) = built else { continue };
         let fused = g.add_unchecked(Op::Fused { expr }, &b.operands, ty, &scope);
         let mut constants = xs.clone();
         for &x in &taken {
@@ -115,7 +113,7 @@ pub fn fuse_elementwise(g: &mut Graph) -> usize {
         for x in taken {
             g.remove(x);
         }
-        for c in constants {
+        for c in constants.into_iter().chain(b.broadcasts) {
             if g.contains(c) && g.users(c).is_empty() && !g.outputs().contains(&c) {
                 g.remove(c);
             }
@@ -125,11 +123,56 @@ pub fn fuse_elementwise(g: &mut Graph) -> usize {
     made
 }
 
+/// `id`'s program with its absorbable elementwise operands spliced in, and those operands.
+fn splice(g: &Graph, id: NodeId, terms: &[Term], xs: &[NodeId], through: bool) -> (Builder, Vec<NodeId>) {
+    let mut b = Builder { terms: Vec::with_capacity(terms.len()), operands: Vec::new(), through, broadcasts: Vec::new() };
+    let mut taken = Vec::new();
+    for &t in terms {
+        let Term::Arg(i) = t else {
+            b.terms.push(t);
+            continue;
+        };
+        let x = xs[i];
+        match body(g, x).filter(|_| absorbable(g, x, id, xs)) {
+            Some((inner, ys)) => {
+                for u in inner {
+                    match u {
+                        Term::Arg(j) => b.read(g, ys[j]),
+                        other => b.terms.push(other),
+                    }
+                }
+                taken.push(x);
+            }
+            None => b.read(g, x),
+        }
+    }
+    (b, taken)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::passes::testing::leaf;
     use crate::types::{Shape, TensorType};
+
+    #[test]
+    fn a_broadcast_operand_is_read_in_place_when_the_type_holds() {
+        let mut g = Graph::new("g");
+        let (x, a) = (leaf(&mut g, "x", vec![2, 4, 3, 3]), leaf(&mut g, "a", vec![1, 4, 1, 1]));
+        let wide = g.add(Op::Broadcast { shape: Shape(vec![2, 4, 3, 3]) }, &[a], "t").unwrap();
+        let y = g.add(Op::Mul, &[wide, x], "net.bn").unwrap();
+        // Needed for its type: [3] + [1] would be [3], not [2, 3].
+        let (c, d) = (leaf(&mut g, "c", vec![3]), leaf(&mut g, "d", vec![1]));
+        let cw = g.add(Op::Broadcast { shape: Shape(vec![2, 3]) }, &[c], "t").unwrap();
+        let z = g.add(Op::Add, &[cw, d], "t").unwrap();
+        g.set_outputs(vec![y, z]);
+        assert_eq!(fuse_elementwise(&mut g), 1);
+        let out = g.outputs()[0];
+        assert_eq!(g.node(out).op, Op::Fused { expr: "$0 $1 mul".parse().unwrap() });
+        assert_eq!(g.operands(out), vec![a, x]);
+        assert!(!g.contains(wide), "the unused broadcast is removed");
+        assert_eq!((g.outputs()[1], g.operands(z)), (z, vec![cw, d]));
+    }
 
     #[test]
     fn bias_add_and_relu_become_one_node() {

@@ -1021,6 +1021,7 @@ fn gather<F: HostFloat>(r: &Read, x: &[F], start: usize, dst: &mut [F]) {
                 }
             }
         }
+        Read::Strided { out, strides } if out.len() <= MAX_RANK => strided_runs(out, strides, x, start, dst),
         Read::Strided { out, strides } => {
             for (k, d) in dst.iter_mut().enumerate() {
                 let (mut i, mut at) = (start + k, 0);
@@ -1030,6 +1031,47 @@ fn gather<F: HostFloat>(r: &Read, x: &[F], start: usize, dst: &mut [F]) {
                 }
                 *d = x[at];
             }
+        }
+    }
+}
+
+/// Ranks [`strided_runs`] keeps its index for.
+const MAX_RANK: usize = 8;
+
+/// [`Read::Strided`] by runs along the last axis: the multi-index of `start` is worked out
+/// once, then advanced like an odometer (a per-channel operand of an NCHW output is a `fill`
+/// per row instead of a division per axis per element).
+#[inline(always)]
+fn strided_runs<F: HostFloat>(out: &[usize], strides: &[usize], x: &[F], start: usize, dst: &mut [F]) {
+    let rank = out.len();
+    let mut idx = [0usize; MAX_RANK];
+    let (mut i, mut at) = (start, 0);
+    for a in (0..rank).rev() {
+        idx[a] = i % out[a];
+        at += idx[a] * strides[a];
+        i /= out[a];
+    }
+    let last = rank - 1;
+    let (extent, step) = (out[last], strides[last]);
+    let mut k = 0;
+    while k < dst.len() {
+        let run = (extent - idx[last]).min(dst.len() - k);
+        let d = &mut dst[k..k + run];
+        if step == 0 {
+            d.fill(x[at]);
+        } else {
+            d.iter_mut().enumerate().for_each(|(j, v)| *v = x[at + j * step]);
+        }
+        k += run;
+        at += run * step;
+        idx[last] += run;
+        let mut a = last;
+        while a > 0 && idx[a] == out[a] {
+            at -= out[a] * strides[a];
+            idx[a] = 0;
+            a -= 1;
+            idx[a] += 1;
+            at += strides[a];
         }
     }
 }
