@@ -291,24 +291,34 @@ impl<B: Backend> Model<B> {
     }
 
     /// Data parallel: every rank must take the same number of steps and run the same network.
-    /// The micro-step graph is compared as traced on micro-batches of one item, so ranks may
-    /// bring batches of different sizes.
+    /// The micro-step graph is compared as traced on micro-batches of the smallest first
+    /// micro-batch of any rank, so ranks may bring batches of different sizes (one item would
+    /// not do: batch norm refuses a micro-batch with one value per channel).
     fn check_ranks_agree(&self, dataset: &dyn Dataset, steps_per_epoch: usize) -> Result<()> {
         let Some(comm) = self.acc.communicator() else { return Ok(()) };
         let what = format!("number of batches per epoch (this rank has {steps_per_epoch}; shard the dataset with shard(size, rank))");
         crate::comm::agree(comm.as_ref(), &what, &(steps_per_epoch as u64).to_le_bytes())?;
         let Some(first) = dataset.batches(0, 0).next() else { return Ok(()) };
-        let one_item: Vec<TensorType> = first
+        let net = self.acc.network();
+        let b = first.first().and_then(|t| t.shape.first().copied()).unwrap_or(1);
+        let mine = match net.slicing {
+            cellgraph_cells::Slicing::InStep => (b / net.micro_size).max(1),
+            cellgraph_cells::Slicing::AcrossSteps => b,
+        } as u64;
+        let mut all = vec![0u8; 8 * comm.size()];
+        comm.all_gather_bytes(&mine.to_le_bytes(), &mut all);
+        let items = all.chunks(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).min().unwrap_or(1) as usize;
+        let traced: Vec<TensorType> = first
             .iter()
             .map(|t| {
                 let mut dims = t.shape.clone();
                 if let Some(d) = dims.first_mut() {
-                    *d = 1;
+                    *d = items;
                 }
                 TensorType::new(t.ty().dtype, cellgraph_compiler::Shape(dims))
             })
             .collect();
-        let inputs = self.acc.named_inputs(&one_item);
+        let inputs = self.acc.named_inputs(&traced);
         let (_, micro) = self.acc.network().traced_micro_step(&inputs)?;
         crate::comm::agree(comm.as_ref(), "network (its micro-step graph)", cellgraph_compiler::print(&micro).as_bytes())
     }

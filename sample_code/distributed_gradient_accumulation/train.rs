@@ -59,9 +59,10 @@ struct Args {
     /// Average gradients across ranks (MindSpore's enable_gradients_mean) instead of summing.
     #[arg(long)]
     gradients_mean: bool,
-    /// LossMonitor's per_print_times.
-    #[arg(long, default_value_t = 100)]
-    print_every: usize,
+    /// LossMonitor's per_print_times (100; with `--net resnet18`, whose epoch is a few steps
+    /// per rank, once per epoch).
+    #[arg(long)]
+    print_every: Option<usize>,
     #[arg(long, default_value = "log_output")]
     log_dir: PathBuf,
     #[arg(long, default_value_t = 1)]
@@ -174,7 +175,8 @@ fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>
     if let Some(opts) = cellgraph::compiler::dump::DumpOptions::from_env()? {
         model.save_graphs(opts)?;
     }
-    let mut loss_cb = LossMonitor::to_writer(args.print_every, Box::new(Tee(log, rank == 0)));
+    let print_every = args.print_every.unwrap_or(if args.net == "resnet18" { ds.dataset_size() } else { 100 });
+    let mut loss_cb = LossMonitor::to_writer(print_every, Box::new(Tee(log, rank == 0)));
     let mut panic_cb = PanicAt(usize::MAX);
     if let Some((r, s)) = args.panic_at.as_deref().and_then(|v| v.split_once(':')) {
         if r.parse() == Ok(rank) {
@@ -185,7 +187,9 @@ fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>
     model.train(args.epochs, ds.as_ref(), &mut [&mut loss_cb, &mut panic_cb])?;
     let secs = t0.elapsed().as_secs_f64();
     let acc = model.accumulator();
-    let trained = acc.network().parameters();
+    // Trained parameters agree across ranks; batch norm's moving statistics are per rank (as DDP's
+    // running statistics on each rank), and rank 0's go into the checkpoint.
+    let trained = acc.network().trainable_params();
     let params: Vec<u8> = trained.iter().filter_map(|p| acc.session.param(&p.name)).flat_map(|t| t.to_f32()).flat_map(|v| v.to_le_bytes()).collect();
     comm::agree(comm.as_ref(), "final parameters", &params)?;
     // Every rank takes the snapshot (with hsdp it gathers the optimizer state); rank 0 saves.
