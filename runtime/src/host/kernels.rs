@@ -212,13 +212,14 @@ fn im2col<F: HostFloat>(g: &Geometry, x: &[F], channels: usize, col: &mut [F], l
     }
     let (h, w) = (g.x[2], g.x[3]);
     let (ow, sp) = (g.out[1], g.spatial());
+    let spans = ColSpans::new(g);
     let mut row = 0;
     for c in 0..channels {
         let plane = &x[c * h * w..(c + 1) * h * w];
         for ky in 0..g.kernel[0] {
             for kx in 0..g.kernel[1] {
                 let dst = &mut col[row * ld..row * ld + sp];
-                let (lo, hi) = g.valid_cols(kx);
+                let (lo, hi) = spans.get(g, kx);
                 let base = kx * g.dilation[1];
                 for oy in 0..g.out[0] {
                     let d = &mut dst[oy * ow..(oy + 1) * ow];
@@ -243,6 +244,28 @@ fn im2col<F: HostFloat>(g: &Geometry, x: &[F], channels: usize, col: &mut [F], l
     }
 }
 
+/// [`Geometry::valid_cols`] of the first 16 kernel columns, worked out once per call rather
+/// than once per channel and kernel row (ResNet's small maps have rows of 1 to 8 elements, where
+/// the divisions cost as much as the copies).
+struct ColSpans([(usize, usize); 16]);
+
+impl ColSpans {
+    fn new(g: &Geometry) -> Self {
+        let mut v = [(0, 0); 16];
+        for (kx, s) in v.iter_mut().enumerate().take(g.kernel[1]) {
+            *s = g.valid_cols(kx);
+        }
+        ColSpans(v)
+    }
+    #[inline(always)]
+    fn get(&self, g: &Geometry, kx: usize) -> (usize, usize) {
+        match self.0.get(kx) {
+            Some(&s) => s,
+            None => g.valid_cols(kx),
+        }
+    }
+}
+
 /// The adjoint of [`im2col`]: adds the rows of `col` (row stride `ld`) back into `channels`
 /// planes of `x`.
 fn col2im<F: HostFloat>(g: &Geometry, col: &[F], ld: usize, channels: usize, x: &mut [F]) {
@@ -251,13 +274,14 @@ fn col2im<F: HostFloat>(g: &Geometry, col: &[F], ld: usize, channels: usize, x: 
     }
     let (h, w) = (g.x[2], g.x[3]);
     let (ow, sp) = (g.out[1], g.spatial());
+    let spans = ColSpans::new(g);
     let mut row = 0;
     for c in 0..channels {
         let plane = &mut x[c * h * w..(c + 1) * h * w];
         for ky in 0..g.kernel[0] {
             for kx in 0..g.kernel[1] {
                 let src = &col[row * ld..row * ld + sp];
-                let (lo, hi) = g.valid_cols(kx);
+                let (lo, hi) = spans.get(g, kx);
                 let base = kx * g.dilation[1];
                 for oy in 0..g.out[0] {
                     let Some(iy) = g.at(0, oy, ky) else { continue };
