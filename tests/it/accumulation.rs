@@ -70,10 +70,11 @@ pub(crate) fn data(rng: &mut StdRng, n: usize) -> Vec<HostTensor> {
 pub(crate) fn concat(parts: &[Vec<HostTensor>]) -> Vec<HostTensor> {
     (0..2)
         .map(|i| {
-            let n: usize = parts.iter().map(|p| p[i].shape[0]).sum();
+            let mut shape = parts[0][i].shape.clone();
+            shape[0] = parts.iter().map(|p| p[i].shape[0]).sum();
             match &parts[0][i].data {
-                HostData::F32(_) => HostTensor::f32(vec![n, FEATURES], parts.iter().flat_map(|p| p[i].to_f32()).collect()).unwrap(),
-                _ => HostTensor::i32(vec![n], parts.iter().flat_map(|p| p[i].to_f64()).map(|v| v as i32).collect()).unwrap(),
+                HostData::F32(_) => HostTensor::f32(shape, parts.iter().flat_map(|p| p[i].to_f32()).collect()).unwrap(),
+                _ => HostTensor::i32(shape, parts.iter().flat_map(|p| p[i].to_f64()).map(|v| v as i32).collect()).unwrap(),
             }
         })
         .collect()

@@ -314,7 +314,7 @@ fn ranks_with_batch_norm_equal_one_process_on_the_gathered_batches() {
         let single = {
             let net = GradAccumulation::new(with_loss(), k * w).normalization(Normalization::Mean);
             let mut m = Model::<Cpu>::new(net, Momentum::new(0.1, 0.9), cpu(), 1).unwrap();
-            m.train(1, &TensorDataset { columns: concat_rows(&global), batch_size: w * k * b }, &mut []).unwrap();
+            m.train(1, &TensorDataset { columns: crate::accumulation::concat(&global), batch_size: w * k * b }, &mut []).unwrap();
             BnNet::new(None).parameters().iter().map(|p| (p.name.clone(), m.accumulator().session.param(&p.name).unwrap().to_f32())).collect::<std::collections::BTreeMap<_, _>>()
         };
         let handles: Vec<_> = LocalGroup::new(w)
@@ -326,7 +326,7 @@ fn ranks_with_batch_norm_equal_one_process_on_the_gathered_batches() {
                     let comm: Arc<dyn Communicator> = Arc::new(c);
                     let net = GradAccumulation::new(WithLossCell::new(BnNet::new(None), CrossEntropyLoss::new()), k).normalization(Normalization::Mean);
                     let mut m = Model::<Cpu>::parallel(AutoParallel::new(net).enable_gradients_mean(), Momentum::new(0.1, 0.9), cpu(), 1, comm).unwrap();
-                    m.train(1, &TensorDataset { columns: concat_rows(&mine), batch_size: k * b }, &mut []).unwrap();
+                    m.train(1, &TensorDataset { columns: crate::accumulation::concat(&mine), batch_size: k * b }, &mut []).unwrap();
                     BnNet::new(None).parameters().iter().map(|p| (p.name.clone(), m.accumulator().session.param(&p.name).unwrap().to_f32())).collect::<std::collections::BTreeMap<_, _>>()
                 })
             })
@@ -342,20 +342,6 @@ fn ranks_with_batch_norm_equal_one_process_on_the_gathered_batches() {
             assert_ne!(ranks[0]["bn.moving_mean"], ranks[1]["bn.moving_mean"], "moving statistics are per rank");
         }
     }
-}
-
-/// The batches' rows, one after another (images `[n, ...]` and labels `[n]`).
-fn concat_rows(parts: &[Vec<HostTensor>]) -> Vec<HostTensor> {
-    (0..2)
-        .map(|i| {
-            let mut shape = parts[0][i].shape.clone();
-            shape[0] = parts.iter().map(|p| p[i].shape[0]).sum();
-            match i {
-                0 => HostTensor::f32(shape, parts.iter().flat_map(|p| p[i].to_f32()).collect()).unwrap(),
-                _ => HostTensor::i32(shape, parts.iter().flat_map(|p| p[i].to_f64()).map(|v| v as i32).collect()).unwrap(),
-            }
-        })
-        .collect()
 }
 
 /// The once-per-window option: the moving statistics change once per window, at its boundary,

@@ -152,11 +152,18 @@ fn ranks_started_with_different_arguments_fail_with_a_clear_error() {
 
 /// `mpirun -n ranks` of the program in its default configuration but for `extra`.
 fn mpirun_default(ranks: usize, extra: &[&str], log_dir: &Path) -> (Output, Duration) {
-    let mut c = Command::new("timeout");
-    c.args(["120", "mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader", "-n", &ranks.to_string(), BIN]);
+    let mut c = mpirun_command(ranks, BIN);
     c.args(["--data-path", concat!(env!("CARGO_MANIFEST_DIR"), "/data/mnist"), "--log-dir"]).arg(log_dir).args(extra);
-    c.env("MATMUL_NUM_THREADS", "1").env("RAYON_NUM_THREADS", "1");
     launch(c, log_dir)
+}
+
+/// `mpirun` with this machine's flags running `ranks` copies of `exe` (one compute thread
+/// each), under a 120 s timeout; the program's arguments follow.
+fn mpirun_command(ranks: usize, exe: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut c = Command::new("timeout");
+    c.args(["120", "mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader", "-n", &ranks.to_string()]).arg(exe);
+    c.env("MATMUL_NUM_THREADS", "1").env("RAYON_NUM_THREADS", "1");
+    c
 }
 
 #[test]
@@ -222,10 +229,8 @@ fn the_resnet18_example_on_two_ranks_reduces_once_per_window() {
     let dir = tmp("resnet18");
     std::fs::create_dir_all(&dir).unwrap();
     let exe = std::env::current_exe().unwrap().parent().and_then(Path::parent).unwrap().join("examples/colossal_resnet18");
-    let mut c = Command::new("timeout");
-    c.args(["120", "mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader", "-n", "2"]).arg(exe);
+    let mut c = mpirun_command(2, exe);
     c.args(["--batch-size", "2", "--mnist-path", concat!(env!("CARGO_MANIFEST_DIR"), "/data/mnist")]);
-    c.env("MATMUL_NUM_THREADS", "1").env("RAYON_NUM_THREADS", "1");
     let (out, _) = launch(c, &dir);
     let s = text(&out);
     assert!(out.status.success(), "{s}");
@@ -256,10 +261,8 @@ fn the_resnet18_job_runs_on_two_ranks() {
         std::fs::write(data.join(format!("{split}-images-idx3-ubyte")), idx(3, &[16, 28, 28], pixels)).unwrap();
         std::fs::write(data.join(format!("{split}-labels-idx1-ubyte")), idx(1, &[16], (0..16).map(|i| (i % 10) as u8).collect())).unwrap();
     }
-    let mut c = Command::new("timeout");
-    c.args(["120", "mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader", "-n", "2", BIN]);
+    let mut c = mpirun_command(2, BIN);
     c.args(["--net", "resnet18", "--batch-size", "2", "--epochs", "2", "--data-path"]).arg(&data).arg("--log-dir").arg(dir.join("logs"));
-    c.env("MATMUL_NUM_THREADS", "1").env("RAYON_NUM_THREADS", "1");
     let (out, _) = launch(c, &dir);
     let s = text(&out);
     assert!(out.status.success(), "{s}");

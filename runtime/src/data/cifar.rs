@@ -14,12 +14,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
-
 use cellgraph_compiler::HostTensor;
 
+use crate::data::dataset::Sampling;
 use crate::data::mnist::{resize_linear_u8, Mnist};
 use crate::error::{Result, RuntimeError};
 
@@ -173,18 +170,14 @@ pub fn augment_normalize(pixels: &[u8], a: Augment, padding: usize, out: &mut [f
 }
 
 /// CIFAR-10 (or its MNIST stand-in) with a pipeline: optional augmentation, normalisation,
-/// seeded shuffle, `shard`, `batch`. Sharding and shuffling as [`MnistDataset`]'s: every shard
-/// gets `ceil(N / num_shards)` items of one seeded permutation per epoch.
+/// and [`MnistDataset`]'s seeded shuffle, `shard` and `batch` ([`Sampling`]).
 ///
 /// [`MnistDataset`]: crate::data::MnistDataset
 #[derive(Clone, Debug)]
 pub struct Cifar10Dataset {
     source: Arc<Cifar10>,
     augment: Option<u64>,
-    shuffle: Option<u64>,
-    batch_size: usize,
-    drop_remainder: bool,
-    shard: (usize, usize),
+    sampling: Sampling,
 }
 
 /// `RandomCrop(32, padding=4)`'s padding.
@@ -193,7 +186,7 @@ pub const PADDING: usize = 4;
 impl Cifar10Dataset {
     /// Normalised images in file order, one per batch.
     pub fn new(source: Cifar10) -> Self {
-        Cifar10Dataset { source: Arc::new(source), augment: None, shuffle: None, batch_size: 1, drop_remainder: false, shard: (1, 0) }
+        Cifar10Dataset { source: Arc::new(source), augment: None, sampling: Sampling::default() }
     }
     /// `RandomCrop(32, padding=4)` and `RandomHorizontalFlip()`, drawn from (seed, epoch,
     /// image index).
@@ -203,64 +196,39 @@ impl Cifar10Dataset {
     }
     /// Shuffles each epoch with a seeded permutation (the same on every rank).
     pub fn shuffle(mut self, seed: u64) -> Self {
-        self.shuffle = Some(seed);
+        self.sampling.shuffle(seed);
         self
     }
     /// Groups items into batches of `n`; the last short batch is dropped when asked.
     pub fn batch(mut self, n: usize, drop_remainder: bool) -> Result<Self> {
-        if n == 0 {
-            return Err(RuntimeError::Mismatch { what: "batch size".into(), expected: "at least 1".into(), got: "0".into() });
-        }
-        (self.batch_size, self.drop_remainder) = (n, drop_remainder);
+        self.sampling.batch(n, drop_remainder)?;
         Ok(self)
     }
     /// Keeps shard `shard_id` of `num_shards`.
     pub fn shard(mut self, num_shards: usize, shard_id: usize) -> Result<Self> {
-        if num_shards == 0 || shard_id >= num_shards {
-            return Err(RuntimeError::Mismatch { what: "shard".into(), expected: format!("shard_id in 0..{num_shards}"), got: format!("shard_id {shard_id} of {num_shards} shards") });
-        }
-        self.shard = (num_shards, shard_id);
+        self.sampling.shard(num_shards, shard_id)?;
         Ok(self)
     }
     /// Items one shard sees per epoch.
     pub fn items_per_pass(&self) -> usize {
-        self.source.len().div_ceil(self.shard.0)
+        self.sampling.items_per_pass(self.source.len())
     }
     /// Batches per epoch.
     pub fn get_dataset_size(&self) -> usize {
-        let n = self.items_per_pass();
-        if self.drop_remainder {
-            n / self.batch_size
-        } else {
-            n.div_ceil(self.batch_size)
-        }
+        self.sampling.dataset_size(self.source.len())
     }
     /// An error naming the dataset unless an epoch has at least one batch.
     pub fn check_batches(&self) -> Result<()> {
-        if self.get_dataset_size() == 0 {
-            return Err(RuntimeError::Invalid { what: self.describe(), detail: "gives no batch per epoch: fewer items than one batch; use a smaller batch size".into() });
-        }
-        Ok(())
+        self.sampling.check_batches(self.source.len(), || self.describe())
     }
     /// What this is, for messages.
     pub fn describe(&self) -> String {
-        let (num, id) = self.shard;
-        let shard = if num > 1 { format!(", shard {id} of {num}") } else { String::new() };
-        format!("{}{shard}: {} items per epoch, batch size {}", self.source.source, self.items_per_pass(), self.batch_size)
+        self.sampling.describe(&self.source.source, self.source.len())
     }
 
     /// The file indices of this shard's items in epoch `epoch`, in order.
     pub fn order(&self, epoch: usize) -> Vec<usize> {
-        let (num, id) = self.shard;
-        let n = self.source.len();
-        if n == 0 {
-            return Vec::new();
-        }
-        let mut all: Vec<usize> = (0..n).collect();
-        if let Some(seed) = self.shuffle {
-            all.shuffle(&mut StdRng::seed_from_u64(seed ^ (epoch as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
-        }
-        (0..self.items_per_pass()).map(|k| all[(id + k * num) % n]).collect()
+        self.sampling.order(self.source.len(), epoch)
     }
 
     /// One normalised (and, when asked, augmented) image in epoch `epoch`, by file index.
@@ -275,7 +243,7 @@ impl Cifar10Dataset {
     /// The batches of epoch `epoch`, from batch `skip` on.
     pub fn epoch(&self, epoch: usize, skip: usize) -> impl Iterator<Item = Vec<HostTensor>> + Send + '_ {
         let order = self.order(epoch);
-        let b = self.batch_size;
+        let b = self.sampling.batch_size();
         (skip..self.get_dataset_size()).map(move |k| {
             let idx = &order[k * b..((k + 1) * b).min(order.len())];
             let mut data = vec![0.0f32; idx.len() * PIXELS];
@@ -298,8 +266,11 @@ impl crate::model::Dataset for Cifar10Dataset {
     fn batches(&self, epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + Send + '_> {
         Box::new(self.epoch(epoch, skip))
     }
+    fn batch_sizes(&self) -> Vec<usize> {
+        self.sampling.batch_lengths(self.source.len())
+    }
     fn batch_size(&self) -> usize {
-        self.batch_size
+        self.sampling.batch_size()
     }
     fn describe(&self) -> String {
         Cifar10Dataset::describe(self)

@@ -57,11 +57,113 @@ pub struct MnistDataset {
     /// Where the items came from, for error messages.
     name: String,
     ops: Vec<ImageOp>,
+    sampling: Sampling,
+}
+
+/// How a dataset's items become an epoch's batches, shared by [`MnistDataset`] and
+/// [`Cifar10Dataset`](crate::data::Cifar10Dataset): shard the item indices (every shard gets
+/// `ceil(N / num_shards)` items, wrapping around), shuffle within the epoch (seeded by the seed
+/// and the epoch, the same on every rank), batch, repeat.
+#[derive(Clone, Debug)]
+pub struct Sampling {
     shuffle: Option<u64>,
     batch_size: usize,
     drop_remainder: bool,
     repeat: usize,
     shard: (usize, usize),
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling { shuffle: None, batch_size: 1, drop_remainder: false, repeat: 1, shard: (1, 0) }
+    }
+}
+
+impl Sampling {
+    /// Shuffles each epoch with a seeded permutation.
+    pub fn shuffle(&mut self, seed: u64) {
+        self.shuffle = Some(seed);
+    }
+    /// Batches of `n`; the last short batch is dropped when asked.
+    pub fn batch(&mut self, n: usize, drop_remainder: bool) -> Result<()> {
+        if n == 0 {
+            return Err(RuntimeError::Mismatch { what: "batch size".into(), expected: "at least 1".into(), got: "0".into() });
+        }
+        (self.batch_size, self.drop_remainder) = (n, drop_remainder);
+        Ok(())
+    }
+    /// Each epoch `n` times over.
+    pub fn repeat(&mut self, n: usize) {
+        self.repeat = n.max(1);
+    }
+    /// Shard `shard_id` of `num_shards`.
+    pub fn shard(&mut self, num_shards: usize, shard_id: usize) -> Result<()> {
+        if num_shards == 0 || shard_id >= num_shards {
+            return Err(RuntimeError::Mismatch {
+                what: "shard".into(),
+                expected: format!("shard_id in 0..{num_shards}"),
+                got: format!("shard_id {shard_id} of {num_shards} shards"),
+            });
+        }
+        self.shard = (num_shards, shard_id);
+        Ok(())
+    }
+    /// Items one shard sees per pass over `n` items.
+    pub fn items_per_pass(&self, n: usize) -> usize {
+        n.div_ceil(self.shard.0)
+    }
+    /// Items in each batch of an epoch over `n` items, in order.
+    pub fn batch_lengths(&self, n: usize) -> Vec<usize> {
+        let n = self.items_per_pass(n) * self.repeat;
+        let mut v = vec![self.batch_size; n / self.batch_size];
+        if !self.drop_remainder && n % self.batch_size != 0 {
+            v.push(n % self.batch_size);
+        }
+        v
+    }
+    /// Batches per epoch over `n` items.
+    pub fn dataset_size(&self, n: usize) -> usize {
+        let n = self.items_per_pass(n) * self.repeat;
+        if self.drop_remainder {
+            n / self.batch_size
+        } else {
+            n.div_ceil(self.batch_size)
+        }
+    }
+    /// The batch size.
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+    /// The item indices of epoch `epoch` over `n` items, in order.
+    pub fn order(&self, n: usize, epoch: usize) -> Vec<usize> {
+        let (num, id) = self.shard;
+        if n == 0 {
+            return Vec::new();
+        }
+        let mut all: Vec<usize> = (0..n).collect();
+        if let Some(seed) = self.shuffle {
+            all.shuffle(&mut StdRng::seed_from_u64(seed ^ (epoch as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
+        }
+        let mine: Vec<usize> = (0..self.items_per_pass(n)).map(|k| all[(id + k * num) % n]).collect();
+        (0..self.repeat).flat_map(|_| mine.iter().copied()).collect()
+    }
+    /// `source` (what it is, with `n` items) with this sampling, for messages.
+    pub fn describe(&self, source: &str, n: usize) -> String {
+        let (num, id) = self.shard;
+        let shard = if num > 1 { format!(", shard {id} of {num}") } else { String::new() };
+        let drop = if self.drop_remainder { ", drop_remainder" } else { "" };
+        format!("{source}{shard}: {} items per epoch ({n} in the files), batch size {}{drop}", self.items_per_pass(n) * self.repeat, self.batch_size)
+    }
+    /// An error naming `what` unless an epoch over `n` items has at least one batch.
+    pub fn check_batches(&self, n: usize, what: impl FnOnce() -> String) -> Result<()> {
+        if self.dataset_size(n) == 0 {
+            return Err(RuntimeError::Invalid {
+                what: what(),
+                detail: "gives no batch per epoch: it has fewer items than one batch; use a smaller batch size or more data".into(),
+            });
+        }
+        Ok(())
+    }
 }
 
 impl MnistDataset {
@@ -73,7 +175,7 @@ impl MnistDataset {
     }
     /// A pipeline over already loaded data.
     pub fn from_mnist(m: Mnist) -> Self {
-        MnistDataset { source: Arc::new(m), name: "MNIST".into(), ops: Vec::new(), shuffle: None, batch_size: 1, drop_remainder: false, repeat: 1, shard: (1, 0) }
+        MnistDataset { source: Arc::new(m), name: "MNIST".into(), ops: Vec::new(), sampling: Sampling::default() }
     }
     /// Appends image operations.
     pub fn map(mut self, ops: impl IntoIterator<Item = ImageOp>) -> Self {
@@ -82,105 +184,54 @@ impl MnistDataset {
     }
     /// Shuffles each epoch with a seeded permutation.
     pub fn shuffle(mut self, seed: u64) -> Self {
-        self.shuffle = Some(seed);
+        self.sampling.shuffle(seed);
         self
     }
     /// Groups items into batches of `n`; the last short batch is dropped when asked.
     pub fn batch(mut self, n: usize, drop_remainder: bool) -> Result<Self> {
-        if n == 0 {
-            return Err(RuntimeError::Mismatch { what: "batch size".into(), expected: "at least 1".into(), got: "0".into() });
-        }
-        self.batch_size = n;
-        self.drop_remainder = drop_remainder;
+        self.sampling.batch(n, drop_remainder)?;
         Ok(self)
     }
     /// Repeats the data `n` times per epoch.
     pub fn repeat(mut self, n: usize) -> Self {
-        self.repeat = n.max(1);
+        self.sampling.repeat(n);
         self
     }
     /// Keeps shard `shard_id` of `num_shards` (for data-parallel ranks).
     pub fn shard(mut self, num_shards: usize, shard_id: usize) -> Result<Self> {
-        if num_shards == 0 || shard_id >= num_shards {
-            return Err(RuntimeError::Mismatch {
-                what: "shard".into(),
-                expected: format!("shard_id in 0..{num_shards}"),
-                got: format!("shard_id {shard_id} of {num_shards} shards"),
-            });
-        }
-        self.shard = (num_shards, shard_id);
+        self.sampling.shard(num_shards, shard_id)?;
         Ok(self)
     }
 
     /// Items one shard sees per pass over the data.
     pub fn items_per_pass(&self) -> usize {
-        self.source.len().div_ceil(self.shard.0)
+        self.sampling.items_per_pass(self.source.len())
     }
 
     /// Batches per epoch (MindSpore's `get_dataset_size`).
     pub fn get_dataset_size(&self) -> usize {
-        let n = self.items_per_pass() * self.repeat;
-        if self.drop_remainder {
-            n / self.batch_size
-        } else {
-            n.div_ceil(self.batch_size)
-        }
+        self.sampling.dataset_size(self.source.len())
     }
 
     /// The batch size.
     pub fn batch_size(&self) -> usize {
-        self.batch_size
+        self.sampling.batch_size()
     }
 
     /// Items in each batch of an epoch: `batch_size` but for a short last one (kept unless
     /// `drop_remainder`).
     pub fn batch_lengths(&self) -> Vec<usize> {
-        let n = self.items_per_pass() * self.repeat;
-        let mut v = vec![self.batch_size; n / self.batch_size];
-        if !self.drop_remainder && n % self.batch_size != 0 {
-            v.push(n % self.batch_size);
-        }
-        v
+        self.sampling.batch_lengths(self.source.len())
     }
 
     /// An error naming the dataset unless an epoch has at least one batch.
     pub fn check_batches(&self) -> Result<()> {
-        if self.get_dataset_size() == 0 {
-            return Err(RuntimeError::Invalid {
-                what: self.describe(),
-                detail: "gives no batch per epoch: it has fewer items than one batch; use a smaller batch size or more data".into(),
-            });
-        }
-        Ok(())
+        self.sampling.check_batches(self.source.len(), || self.describe())
     }
 
     /// What this is, for error messages: source, shard, items per epoch and batching.
     pub fn describe(&self) -> String {
-        let (num, id) = self.shard;
-        let shard = if num > 1 { format!(", shard {id} of {num}") } else { String::new() };
-        let drop = if self.drop_remainder { ", drop_remainder" } else { "" };
-        format!(
-            "{}{shard}: {} items per epoch ({} in the files), batch size {}{drop}",
-            self.name,
-            self.items_per_pass() * self.repeat,
-            self.source.len(),
-            self.batch_size
-        )
-    }
-
-    /// The item indices of an epoch, in order.
-    fn order(&self, epoch: usize) -> Vec<usize> {
-        let (num, id) = self.shard;
-        let n = self.source.len();
-        if n == 0 {
-            return Vec::new();
-        }
-        let mut all: Vec<usize> = (0..n).collect();
-        if let Some(seed) = self.shuffle {
-            all.shuffle(&mut StdRng::seed_from_u64(seed ^ (epoch as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
-        }
-        let mine: Vec<usize> = (0..self.items_per_pass()).map(|k| all[(id + k * num) % n]).collect();
-        (0..self.repeat).flat_map(|_| mine.iter().copied()).collect()
+        self.sampling.describe(&self.name, self.source.len())
     }
 
     /// The output shape `[channels, height, width]` of one image after the ops.
@@ -196,8 +247,8 @@ impl MnistDataset {
 
     /// The batches of epoch `epoch` (0-based), starting at batch `skip`.
     pub fn epoch(&self, epoch: usize, skip: usize) -> impl Iterator<Item = Batch> + '_ {
-        let order = self.order(epoch);
-        let b = self.batch_size;
+        let order = self.sampling.order(self.source.len(), epoch);
+        let b = self.sampling.batch_size();
         let batches = self.get_dataset_size();
         let shape = self.image_shape();
         let len = shape.iter().product::<usize>();

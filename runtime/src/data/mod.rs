@@ -6,5 +6,5 @@ pub mod dataset;
 pub mod mnist;
 
 pub use cifar::{Cifar10, Cifar10Dataset};
-pub use dataset::{create_dataset, create_eval_dataset, Batch, ImageOp, MnistDataset};
+pub use dataset::{create_dataset, create_eval_dataset, Batch, ImageOp, MnistDataset, Sampling};
 pub use mnist::{lenet_transform, read_idx, Idx, Mnist};
