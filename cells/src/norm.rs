@@ -28,6 +28,16 @@
 //! the moving statistics are updated ONCE from the whole window's mean and unbiased variance,
 //! and the window state is zeroed.
 //!
+//! Option [`BatchNorm2d::sync`] (MindSpore's and PyTorch's `SyncBatchNorm`): under data
+//! parallelism each micro-step normalises with the statistics of the micro-batch of *every*
+//! rank together: W ranks with micro-batches of `b` normalise as one process with micro-batches
+//! of `W * b`. The statistics cross the ranks in the graph (`all_reduce`): the per-channel sums
+//! with the item count, then the sums of squared deviations from that global mean (the
+//! two-pass variance, which does not cancel), and the gradient sums both back: four
+//! collectives per batch norm per micro-step, counted in `Counters::step_collectives`. The
+//! moving statistics, updated from the global statistics, stay equal on every rank. In a world
+//! of one it is the default batch norm.
+//!
 //! The ops are the graph's own (reductions, elementwise arithmetic), so the gradient is the
 //! autodiff of what runs, and the compiler's passes fuse the elementwise parts.
 
@@ -52,6 +62,8 @@ pub struct BatchNorm2d {
     eps: f64,
     momentum: f64,
     ghost: Option<usize>,
+    /// Statistics summed across ranks (SyncBatchNorm).
+    sync: bool,
     /// `window_count`, `window_mean`, `window_m2` when the moving statistics are updated once
     /// per accumulation window.
     window: Option<[Parameter; 3]>,
@@ -71,6 +83,7 @@ impl BatchNorm2d {
             eps: 1e-5,
             momentum: 0.9,
             ghost: None,
+            sync: false,
             window: None,
         }
     }
@@ -120,10 +133,24 @@ impl BatchNorm2d {
         if self.window.is_some() {
             return Err(self.config("ghost batches and once-per-window statistics do not combine: choose one".into()));
         }
+        if self.sync {
+            return Err(self.config("ghost batches and statistics synchronised across ranks do not combine: choose one".into()));
+        }
         if size == 0 {
             return Err(self.config("a ghost batch needs at least one item".into()));
         }
         self.ghost = Some(size);
+        Ok(self)
+    }
+
+    /// SyncBatchNorm: in training, the statistics are those of every rank's batch together
+    /// (see the module documentation); four collectives per micro-step. Combines with
+    /// [`Self::window_statistics`], not with ghost batches.
+    pub fn sync(mut self) -> Result<Self> {
+        if self.ghost.is_some() {
+            return Err(self.config("ghost batches and statistics synchronised across ranks do not combine: choose one".into()));
+        }
+        self.sync = true;
         Ok(self)
     }
 
@@ -155,6 +182,33 @@ impl BatchNorm2d {
         Ok((y, mean, var))
     }
 
+    /// Normalises NCHW `x` with the statistics of every rank's batch together; `count` is
+    /// this rank's values per channel. Returns `(y, mean, biased variance, count)`, the
+    /// statistics `[C]` and the count of all ranks `[1]`.
+    fn normalise_across_ranks(&self, t: &mut Tracer, x: NodeId, count: usize) -> Result<(NodeId, NodeId, NodeId, NodeId)> {
+        let c = self.num_features();
+        let dtype = t.ty(x).dtype;
+        let sum = |t: &mut Tracer, v| t.op(Op::ReduceSum(ReduceAttrs { axes: vec![0, 2, 3], keep_dims: false }), &[v]);
+        let part = |t: &mut Tracer, v, range: std::ops::Range<usize>| t.op(Op::Slice { begin: vec![range.start], end: vec![range.end] }, &[v]);
+        // The sums and the count, in one collective.
+        let s = sum(t, x)?;
+        let n = t.constant(count as f64, TensorType::new(dtype, [1]))?;
+        let packed = t.op(Op::Concat { axis: 0 }, &[s, n])?;
+        let total = t.op(Op::AllReduce, &[packed])?;
+        let (s, n) = (part(t, total, 0..c)?, part(t, total, c..c + 1)?);
+        let mean = t.op(Op::Div, &[s, n])?;
+        let m = self.per_channel(t, mean, 4)?;
+        let xc = t.op(Op::Sub, &[x, m])?;
+        // Then the squared deviations from the global mean.
+        let sq = t.op(Op::Mul, &[xc, xc])?;
+        let q = sum(t, sq)?;
+        let q = t.op(Op::AllReduce, &[q])?;
+        let var = t.op(Op::Div, &[q, n])?;
+        let v = self.per_channel(t, var, 4)?;
+        let y = self.scale(t, xc, v)?;
+        Ok((y, mean, var, n))
+    }
+
     /// `xc / sqrt(var + eps)`.
     fn scale(&self, t: &mut Tracer, xc: NodeId, var: NodeId) -> Result<NodeId> {
         let ty = t.ty(var).clone();
@@ -178,10 +232,8 @@ impl BatchNorm2d {
     /// Merges one batch of `n_b` values per channel (its mean and biased variance, `[C]`) into
     /// the window state: `n = n_a + n_b`, `d = mean_b - mean_a`,
     /// `mean = mean_a + d * n_b / n`, `m2 = m2_a + var_b * n_b + d^2 * n_a * n_b / n`.
-    fn merge_window(&self, t: &mut Tracer, w: &[Parameter; 3], n_b: usize, mean_b: NodeId, var_b: NodeId) -> Result<()> {
-        let scalar = TensorType::f32(cellgraph_compiler::Shape::scalar());
+    fn merge_window(&self, t: &mut Tracer, w: &[Parameter; 3], nb: NodeId, mean_b: NodeId, var_b: NodeId) -> Result<()> {
         let (n_a, mean_a, m2_a) = (t.param(&w[0])?, t.param(&w[1])?, t.param(&w[2])?);
-        let nb = t.constant(n_b as f64, scalar)?;
         let n = t.op(Op::Add, &[n_a, nb])?;
         let share = t.op(Op::Div, &[nb, n])?;
         let d = t.op(Op::Sub, &[mean_b, mean_a])?;
@@ -256,18 +308,36 @@ impl Cell for BatchNorm2d {
                     if self.ghost.is_some() { format!(", ghost batches of {group}") } else { String::new() }
                 )));
             }
-            let (y, mean, var) = if group == n {
-                self.normalise_with_batch(t, x, vec![0, 2, 3])?
+            let scalar = TensorType::f32(cellgraph_compiler::Shape::scalar());
+            // The statistics `[C]` and, across ranks, the count of all ranks' values.
+            let (y, mean, var, across) = if self.sync {
+                let (y, mean, var, n) = self.normalise_across_ranks(t, x, count)?;
+                (y, mean, var, Some(n))
+            } else if group == n {
+                let (y, mean, var) = self.normalise_with_batch(t, x, vec![0, 2, 3])?;
+                (y, self.channels(t, mean)?, self.channels(t, var)?, None)
             } else {
                 let x5 = t.op(Op::Reshape { shape: vec![n / group, group, c, h, w].into() }, &[x])?;
                 let (y5, mean, var) = self.normalise_with_batch(t, x5, vec![1, 3, 4])?;
-                (t.op(Op::Reshape { shape: dims.clone().into() }, &[y5])?, mean, var)
+                (t.op(Op::Reshape { shape: dims.clone().into() }, &[y5])?, self.channels(t, mean)?, self.channels(t, var)?, None)
             };
-            let (mean, var) = (self.channels(t, mean)?, self.channels(t, var)?);
             match &self.window {
-                Some(w) => self.merge_window(t, w, count, mean, var)?,
+                Some(w) => {
+                    let nb = match across {
+                        Some(n) => t.op(Op::Reshape { shape: cellgraph_compiler::Shape::scalar() }, &[n])?,
+                        None => t.constant(count as f64, scalar)?,
+                    };
+                    self.merge_window(t, w, nb, mean, var)?
+                }
                 None => {
-                    let unbiased = t.constant(count as f64 / (count - 1) as f64, TensorType::f32(cellgraph_compiler::Shape::scalar()))?;
+                    let unbiased = match across {
+                        Some(n) => {
+                            let one = t.constant(1.0, scalar)?;
+                            let dof = t.op(Op::Sub, &[n, one])?;
+                            t.op(Op::Div, &[n, dof])?
+                        }
+                        None => t.constant(count as f64 / (count - 1) as f64, scalar)?,
+                    };
                     let var = t.op(Op::Mul, &[var, unbiased])?;
                     self.update(t, &self.moving_mean, mean)?;
                     self.update(t, &self.moving_variance, var)?;

@@ -122,21 +122,36 @@ pub struct BasicBlock {
     path: String,
 }
 
+/// How a network makes each of its batch norms from the default one: the identity, or an
+/// option applied to every one (`|bn| bn.sync()`, `|bn| bn.window_statistics()`).
+pub type NormOption<'a> = &'a dyn Fn(BatchNorm2d) -> Result<BatchNorm2d>;
+
 impl BasicBlock {
     /// A block from `in_channels` to `channels` whose first convolution has `stride`.
     pub fn new(s: &Scope, in_channels: usize, channels: usize, stride: usize) -> Self {
-        let downsample = (stride != 1 || in_channels != channels).then(|| {
-            SequentialCell::new(&s.child("downsample")).add(|s| resnet_conv(s, in_channels, channels, 1, stride)).add(|s| BatchNorm2d::new(s, channels))
-        });
-        BasicBlock {
+        Self::with_norm(s, in_channels, channels, stride, &Ok).expect("the default batch norm")
+    }
+
+    /// [`Self::new`] with `norm` applied to each batch norm.
+    pub fn with_norm(s: &Scope, in_channels: usize, channels: usize, stride: usize, norm: NormOption) -> Result<Self> {
+        let bn = |s: &Scope| norm(BatchNorm2d::new(s, channels));
+        let downsample = match stride != 1 || in_channels != channels {
+            true => {
+                let d = s.child("downsample");
+                let norm = bn(&d.child("1"))?;
+                Some(SequentialCell::new(&d).add(|s| resnet_conv(s, in_channels, channels, 1, stride)).add(|_| norm))
+            }
+            false => None,
+        };
+        Ok(BasicBlock {
             conv1: resnet_conv(&s.child("conv1"), in_channels, channels, 3, stride),
-            bn1: BatchNorm2d::new(&s.child("bn1"), channels),
+            bn1: bn(&s.child("bn1"))?,
             conv2: resnet_conv(&s.child("conv2"), channels, channels, 3, 1),
-            bn2: BatchNorm2d::new(&s.child("bn2"), channels),
+            bn2: bn(&s.child("bn2"))?,
             relu: ReLU::new(),
             downsample,
             path: s.path().to_string(),
-        }
+        })
     }
 }
 
@@ -188,19 +203,28 @@ pub struct ResNet18 {
 impl ResNet18 {
     /// ResNet-18 for `num_classes` classes over 3 input channels.
     pub fn new(s: &Scope, num_classes: usize) -> Self {
-        let stage = |name: &str, i: usize, o: usize, stride: usize| {
-            SequentialCell::new(&s.child(name)).add(|s| BasicBlock::new(s, i, o, stride)).add(|s| BasicBlock::new(s, o, o, 1))
+        Self::with_norm(s, num_classes, &Ok).expect("the default batch norm")
+    }
+
+    /// [`Self::new`] with `norm` applied to each of its 20 batch norms:
+    /// `ResNet18::with_norm(s, 10, &|bn| bn.sync())` is PyTorch's
+    /// `SyncBatchNorm.convert_sync_batchnorm(resnet18(num_classes=10))`.
+    pub fn with_norm(s: &Scope, num_classes: usize, norm: NormOption) -> Result<Self> {
+        let stage = |name: &str, i: usize, o: usize, stride: usize| -> Result<SequentialCell> {
+            let s = s.child(name);
+            let (first, second) = (BasicBlock::with_norm(&s.child("0"), i, o, stride, norm)?, BasicBlock::with_norm(&s.child("1"), o, o, 1, norm)?);
+            Ok(SequentialCell::new(&s).add(|_| first).add(|_| second))
         };
-        ResNet18 {
+        Ok(ResNet18 {
             conv1: resnet_conv(&s.child("conv1"), 3, 64, 7, 2),
-            bn1: BatchNorm2d::new(&s.child("bn1"), 64),
+            bn1: norm(BatchNorm2d::new(&s.child("bn1"), 64))?,
             relu: ReLU::new(),
             maxpool: Pool2d::max(3, 2).padding(1),
-            layers: [stage("layer1", 64, 64, 1), stage("layer2", 64, 128, 2), stage("layer3", 128, 256, 2), stage("layer4", 256, 512, 2)],
+            layers: [stage("layer1", 64, 64, 1)?, stage("layer2", 64, 128, 2)?, stage("layer3", 128, 256, 2)?, stage("layer4", 256, 512, 2)?],
             avgpool: AdaptiveAvgPool2d::new((1, 1)),
             flatten: Flatten::new(),
             fc: Dense::new(&s.child("fc"), 512, num_classes),
-        }
+        })
     }
 }
 

@@ -140,6 +140,9 @@ pub fn vjp(e: &mut Emit, op: &Op, xs: &[NodeId], y: NodeId, g: NodeId) -> Result
                 vec![Some(e.unbroadcast(ga, &s(e, 0))?), Some(e.unbroadcast(gb, &s(e, 1))?)]
             }
             Op::Neg => vec![Some(e.neg(g)?)],
+            // y = sum over ranks of x_r: every rank's loss reads y, so x_r's cotangent is the
+            // sum over ranks of theirs.
+            Op::AllReduce => vec![Some(e.op(Op::AllReduce, &[g])?)],
             Op::Exp => vec![Some(e.mul(g, y)?)],
             Op::Log => vec![Some(e.div(g, xs[0])?)],
             Op::Relu => vec![Some(e.op(Op::ReluGrad, &[g, y])?)],

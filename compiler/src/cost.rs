@@ -31,7 +31,7 @@ fn op_flops(op: &Op, out_ty: &TensorType, args: &[&TensorType]) -> u64 {
         Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Pad { .. } => 0,
         Op::Concat { .. } | Op::Flatten | Op::Cast { .. } | Op::ZerosLike | Op::Assign => 0,
         Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Relu | Op::ReluGrad | Op::Sqrt => out,
-        Op::GreaterEqual | Op::Select | Op::AssignAdd => out,
+        Op::GreaterEqual | Op::Select | Op::AssignAdd | Op::AllReduce => out,
         Op::Exp | Op::Log => 4 * out,
         Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_) => arg(0).numel() as u64,
         Op::ReduceMaxGrad(_) => 3 * out,

@@ -157,7 +157,7 @@ pub fn infer(op: &Op, xs: &[&TensorType]) -> Result<TensorType, String> {
                 .ok_or_else(|| format!("condition {} does not broadcast with {ab}", xs[0]))?;
             Ok(ab.with_shape(shape))
         }
-        Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::Sqrt => {
+        Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::Sqrt | Op::AllReduce => {
             float_operand(xs[0])?;
             Ok(xs[0].clone())
         }

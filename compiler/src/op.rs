@@ -126,6 +126,12 @@ pub enum Op {
     AvgPool2d(Pool2dAttrs),
     /// Operands `(x, dy)`; `x` is read for its shape only.
     AvgPool2dGrad(Pool2dAttrs),
+    // ---- collectives
+    /// The element-wise sum of the operand over every rank of the data-parallel world
+    /// (MindSpore's `AllReduce(ReduceOp.SUM)`); the identity in a world of one. Its gradient
+    /// is the same sum of the cotangent. Every rank must run the same collectives in the same
+    /// order: the executor calls them in schedule order, on the operand's values as f32.
+    AllReduce,
     // ---- side effects
     /// `param := value` when the graph finishes; operands `(param, value)`.
     Assign,
@@ -273,6 +279,7 @@ impl Op {
             Op::AvgPool2dGrad(_) => "avg_pool2d_grad",
             Op::Assign => "assign",
             Op::AssignAdd => "assign_add",
+            Op::AllReduce => "all_reduce",
             Op::Fused { .. } => "fused",
             Op::Epilogue { .. } => "epilogue",
         }
@@ -300,6 +307,7 @@ impl Op {
         match self {
             Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => Exactly(0),
             Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::Sqrt | Op::Cast { .. } | Op::ZerosLike => Exactly(1),
+            Op::AllReduce => Exactly(1),
             Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } => Exactly(1),
             Op::Slice { .. } | Op::Pad { .. } | Op::Flatten => Exactly(1),
             Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_) => Exactly(1),
@@ -349,7 +357,7 @@ impl Op {
             Op::Constant { value } => vec![("value", Attr::Float(*value))],
             Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Exp | Op::Log => vec![],
             Op::Relu | Op::ReluGrad | Op::ZerosLike | Op::Flatten | Op::Assign | Op::AssignAdd => vec![],
-            Op::Sqrt | Op::GreaterEqual | Op::Select => vec![],
+            Op::Sqrt | Op::GreaterEqual | Op::Select | Op::AllReduce => vec![],
             Op::Cast { dtype } => vec![("dtype", Attr::Sym(dtype.name().into()))],
             Op::Broadcast { shape } | Op::Reshape { shape } => vec![("shape", ints(&shape.0))],
             Op::Transpose { perm } => vec![("perm", ints(perm))],
@@ -453,6 +461,7 @@ impl Op {
             "avg_pool2d_grad" => Op::AvgPool2dGrad(a.pool()?),
             "assign" => Op::Assign,
             "assign_add" => Op::AssignAdd,
+            "all_reduce" => Op::AllReduce,
             "fused" => Op::Fused { expr: a.str("expr")?.parse().map_err(|e| format!("attribute `expr`: {e}"))? },
             "epilogue" => {
                 let expr = a.str("expr")?.parse().map_err(|e| format!("attribute `expr`: {e}"))?;
@@ -621,6 +630,7 @@ impl Op {
             Op::Select,
             Op::Fused { expr: "$0 $1 add relu".parse().expect("a well-formed program") },
             Op::Epilogue { head: Box::new(Op::MaxPool2dGrad(pool_e)), expr: "$0 $1 relu_grad".parse().expect("a well-formed program") },
+            Op::AllReduce,
         ]
     }
 
@@ -669,11 +679,12 @@ impl Op {
             Op::Select => 39,
             Op::Fused { .. } => 40,
             Op::Epilogue { .. } => 41,
+            Op::AllReduce => 42,
         }
     }
 
     /// Number of op variants.
-    pub const COUNT: usize = 42;
+    pub const COUNT: usize = 43;
 }
 
 #[cfg(test)]

@@ -20,6 +20,7 @@ use cellgraph_compiler::passes::pipeline::{self, PipelineOptions};
 use cellgraph_compiler::dump::DumpOptions;
 use cellgraph_compiler::{Graph, HostData, HostTensor, Op, TensorType};
 
+use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
 use crate::host::{Arena, Kept};
 use crate::kernel::Native;
@@ -83,6 +84,8 @@ pub struct Executable {
     /// `(elements, buffers)`: the most float values of each length alive at once.
     arena: Vec<(usize, usize)>,
     labels: Vec<LabelCheck>,
+    /// Steps that are collectives (`all_reduce`).
+    collectives: usize,
 }
 
 impl Executable {
@@ -112,6 +115,10 @@ impl Executable {
     /// buffers of each length for the values host kernels write.
     pub fn arena(&self) -> &[(usize, usize)] {
         &self.arena
+    }
+    /// How many collectives (`all_reduce`) one run calls.
+    pub fn collectives(&self) -> usize {
+        self.collectives
     }
 }
 
@@ -333,7 +340,8 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
     let slots = graph.id_bound();
     let peak_bytes = simulate_peak(&graph, &steps);
     let arena = arena_sizes(&graph, &steps);
-    Ok(Executable { source, graph, steps, outputs, writes, slots, peak_bytes, arena, labels })
+    let collectives = steps.iter().filter(|st| matches!(st.op, Op::AllReduce)).count();
+    Ok(Executable { source, graph, steps, outputs, writes, slots, peak_bytes, arena, labels, collectives })
 }
 
 /// For a softmax cross-entropy (or its gradient) with class-id labels that are a plan input:
@@ -560,7 +568,14 @@ impl<B: Backend> Session<B> {
     /// kernels' jobs itself while the others take what they can, where a thread outside the
     /// pool would hand each kernel's jobs over and sleep until they were done.
     pub fn run(&mut self, exe: &Executable, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
-        self.run_mapped(exe, inputs, &|v, ty| {
+        self.run_over(exe, inputs, None)
+    }
+
+    /// [`Self::run`], with the plan's collectives (`all_reduce`) summing over `comm`'s ranks;
+    /// every rank must run the same plan together. Without a communicator ([`Self::run`]) a
+    /// collective sums over a world of one: it passes its operand on.
+    pub fn run_over(&mut self, exe: &Executable, inputs: &[HostTensor], comm: Option<&dyn Communicator>) -> Result<Vec<HostTensor>> {
+        self.run_mapped(exe, inputs, comm, &|v, ty| {
             let mut h = v.to_host();
             h.shape = ty.dims().to_vec();
             h
@@ -571,17 +586,26 @@ impl<B: Backend> Session<B> {
     /// (labels are checked on the host before they are uploaded; see
     /// [`crate::value::device_reads`]).
     pub fn run_device(&mut self, exe: &Executable, inputs: &[HostTensor]) -> Result<Vec<Value<B>>> {
-        self.run_mapped(exe, inputs, &|v, _| v.clone())
+        self.run_device_over(exe, inputs, None)
     }
 
-    fn run_mapped<T: Send>(&mut self, exe: &Executable, inputs: &[HostTensor], out: &(dyn Fn(&Value<B>, &TensorType) -> T + Sync)) -> Result<Vec<T>> {
-        if B::HOST && rayon::current_thread_index().is_none() && rayon::current_num_threads() > 1 {
-            return rayon::scope(|_| self.run_here(exe, inputs, out));
+    /// [`Self::run_device`] with the plan's collectives over `comm` (see [`Self::run_over`]).
+    /// A collective reads its operand back to the host.
+    pub fn run_device_over(&mut self, exe: &Executable, inputs: &[HostTensor], comm: Option<&dyn Communicator>) -> Result<Vec<Value<B>>> {
+        self.run_mapped(exe, inputs, comm, &|v, _| v.clone())
+    }
+
+    fn run_mapped<T: Send>(&mut self, exe: &Executable, inputs: &[HostTensor], comm: Option<&dyn Communicator>, out: &(dyn Fn(&Value<B>, &TensorType) -> T + Sync)) -> Result<Vec<T>> {
+        // Collectives are called from the thread that runs the plan: MPI wants the thread
+        // that initialised it, so a plan with collectives never moves to rayon's pool.
+        let comm = comm.filter(|c| c.size() > 1 && exe.collectives > 0);
+        if comm.is_none() && B::HOST && rayon::current_thread_index().is_none() && rayon::current_num_threads() > 1 {
+            return rayon::scope(|_| self.run_here(exe, inputs, None, out));
         }
-        self.run_here(exe, inputs, out)
+        self.run_here(exe, inputs, comm, out)
     }
 
-    fn run_here<T>(&mut self, exe: &Executable, inputs: &[HostTensor], out: &dyn Fn(&Value<B>, &TensorType) -> T) -> Result<Vec<T>> {
+    fn run_here<T>(&mut self, exe: &Executable, inputs: &[HostTensor], comm: Option<&dyn Communicator>, out: &dyn Fn(&Value<B>, &TensorType) -> T) -> Result<Vec<T>> {
         let graph_inputs = exe.graph.inputs();
         if inputs.len() != graph_inputs.len() {
             return Err(RuntimeError::Mismatch {
@@ -637,6 +661,20 @@ impl<B: Backend> Session<B> {
                             v
                         }
                     }
+                }
+                Op::AllReduce if comm.is_some() => {
+                    let c = comm.expect("matched");
+                    let t0 = self.profile.is_some().then(std::time::Instant::now);
+                    let x = slots[step.args[0].0].as_ref().expect("operands are computed before use");
+                    let mut sum = x.to_host().to_f32();
+                    c.all_reduce_sum(&mut sum);
+                    let sum = HostTensor::f32(step.ty.dims().to_vec(), sum).expect("the operand's extents");
+                    if let (Some(p), Some(t0)) = (self.profile.as_mut(), t0) {
+                        let e = p.entry(step.op.label()).or_insert((0, 0.0));
+                        e.0 += 1;
+                        e.1 += t0.elapsed().as_secs_f64();
+                    }
+                    Value::from_host_owned(sum, &self.device)
                 }
                 op => {
                     if let Some(name) = &step.target {

@@ -11,6 +11,9 @@
 //!
 //! Under `mpirun -n W` it is the seed's `TorchDDPPlugin` + `booster.no_sync()` run: each rank
 //! reads its shard and the gradients travel once per window (the count is printed).
+//! `--sync-bn` makes every batch norm a SyncBatchNorm (statistics of all ranks' micro-batches,
+//! four collectives per batch norm per micro-step, counted); `--window-statistics` updates the
+//! moving statistics once per window.
 //!
 //! CIFAR-10 cannot be downloaded here: `--data-path` takes a `cifar-10-batches-bin` directory;
 //! without it the program trains on the vendored MNIST digits resized to 32 x 32 and copied to
@@ -61,6 +64,15 @@ struct Args {
     /// With `--train`: time every op and print the slowest (rank 0).
     #[arg(long)]
     profile: bool,
+    /// SyncBatchNorm (PyTorch's `convert_sync_batchnorm`): under mpirun each micro-step
+    /// normalises with the statistics of every rank's micro-batch together, at four
+    /// collectives per batch norm per micro-step (counted). By default statistics stay per rank.
+    #[arg(long)]
+    sync_bn: bool,
+    /// Update batch norm's moving statistics once per window, from every item the window's
+    /// micro-batches normalised (by default each micro-step updates them).
+    #[arg(long)]
+    window_statistics: bool,
 }
 
 fn main() -> std::process::ExitCode {
@@ -104,7 +116,11 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
     }
     let train_dataset = Cifar10Dataset::new(data(&args, "train", rank)?).augment(args.seed).shuffle(args.seed).batch(args.batch_size, true)?.shard(size, rank)?;
     train_dataset.check_batches()?;
-    let model = ResNet18::new(&Scope::root(), 10);
+    let (sync, window) = (args.sync_bn, args.window_statistics);
+    let model = ResNet18::with_norm(&Scope::root(), 10, &|bn| {
+        let bn = if sync { bn.sync()? } else { bn };
+        if window { bn.window_statistics() } else { Ok(bn) }
+    })?;
     let criterion = CrossEntropyLoss::new();
     let optimizer = SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(0.1) };
     // The seed divides each micro-batch's loss by 4 and steps every 4 iterations.
@@ -136,10 +152,18 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
     if rank == 0 {
         println!("The parameter is only updated in the last iteration");
         if size > 1 {
-            println!("ranks: {size}, gradient collectives: {}", booster.counters().grad_collectives);
+            println!("ranks: {size}, {}", collectives(booster.counters()));
         }
     }
     Ok(())
+}
+
+/// The collectives a run made: the gradients' (one per window), and SyncBatchNorm's if any.
+fn collectives(c: cellgraph::runtime::accumulate::Counters) -> String {
+    match c.step_collectives {
+        0 => format!("gradient collectives: {}", c.grad_collectives),
+        n => format!("gradient collectives: {}, batch-norm collectives: {n}", c.grad_collectives),
+    }
 }
 
 fn train(args: &Args, net: GradAccumulation, optimizer: SGD, ds: &Cifar10Dataset, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error::Error>> {
@@ -163,7 +187,7 @@ fn train(args: &Args, net: GradAccumulation, optimizer: SGD, ds: &Cifar10Dataset
     if rank == 0 {
         let acc = model.accumulator();
         let images = ds.dataset_size() * args.batch_size * args.epochs * size;
-        println!("ranks: {size}, updates: {}, gradient collectives: {}", acc.updates(), acc.counters().grad_collectives);
+        println!("ranks: {size}, updates: {}, {}", acc.updates(), collectives(acc.counters()));
         println!("training: {secs:.1} s, {:.1} images/s across ranks", images as f64 / secs);
         for (op, calls, t) in acc.session.profile().into_iter().take(20) {
             println!("{op:>28} {calls:>8} calls {:>10.1} ms", t * 1e3);

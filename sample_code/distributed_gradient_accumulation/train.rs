@@ -77,6 +77,10 @@ struct Args {
     /// GPU r % count; the CPU otherwise).
     #[arg(long, default_value = "auto")]
     device: String,
+    /// With `--net resnet18`: SyncBatchNorm (each micro-step normalises with the statistics of
+    /// every rank's micro-batch; four collectives per batch norm per micro-step).
+    #[arg(long)]
+    sync_bn: bool,
     /// Test hook: this rank panics at the given step (`RANK:STEP`).
     #[arg(long, hide = true)]
     panic_at: Option<String>,
@@ -126,6 +130,9 @@ fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>
     if args.epochs == 0 {
         return Err("--epochs must be at least 1".into());
     }
+    if args.sync_bn && args.net != "resnet18" {
+        return Err(format!("--sync-bn synchronises batch norms: it needs --net resnet18 (`{}` has none)", args.net).into());
+    }
     // Found now, not after training: rank 0 writes the checkpoint at the end.
     if let (Some(path), 0) = (&args.ckpt, rank) {
         cellgraph::runtime::checkpoint::check_writable(path)?;
@@ -160,7 +167,9 @@ fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>
             };
             let ds = Cifar10Dataset::new(train).augment(args.seed).shuffle(args.seed).batch(batch, true)?.shard(size, rank)?;
             let test = Cifar10Dataset::new(test).batch(batch, false)?;
-            let net = WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new());
+            let sync = args.sync_bn;
+            let resnet = ResNet18::with_norm(&Scope::root(), 10, &|bn| if sync { bn.sync() } else { Ok(bn) })?;
+            let net = WithLossCell::new(resnet, CrossEntropyLoss::new());
             let net = GradAccumulation::across_steps(net, args.micro_size).normalization(Normalization::Mean);
             let opt = SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(lr) };
             // TorchDDPPlugin: replicated optimizer, gradients averaged across ranks.
@@ -188,8 +197,8 @@ fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>
     let secs = t0.elapsed().as_secs_f64();
     let acc = model.accumulator();
     // Trained parameters agree across ranks; batch norm's moving statistics are per rank (as DDP's
-    // running statistics on each rank), and rank 0's go into the checkpoint.
-    let trained = acc.network().trainable_params();
+    // running statistics on each rank; rank 0's go into the checkpoint), unless synchronised.
+    let trained = if args.sync_bn { acc.network().parameters() } else { acc.network().trainable_params() };
     let params: Vec<u8> = trained.iter().filter_map(|p| acc.session.param(&p.name)).flat_map(|t| t.to_f32()).flat_map(|v| v.to_le_bytes()).collect();
     comm::agree(comm.as_ref(), "final parameters", &params)?;
     // Every rank takes the snapshot (with hsdp it gathers the optimizer state); rank 0 saves.
@@ -203,6 +212,9 @@ fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>
         let elements: usize = trained.iter().map(|p| p.ty.numel()).sum();
         let c = acc.counters();
         println!("ranks: {size}, updates: {}, gradient collectives: {}, fused optimizer launches: {}", acc.updates(), c.grad_collectives, c.fused_launches);
+        if c.step_collectives > 0 {
+            println!("batch-norm collectives: {} (SyncBatchNorm)", c.step_collectives);
+        }
         println!("training: {secs:.2} s, {:.0} images/s across ranks", images as f64 / secs);
         println!("gradient bytes reduced per update: {} ({} f32 + the item count)", 4 * (elements + 1), elements);
         println!("optimizer state on this rank: {} elements", acc.optimizer_state_elements());

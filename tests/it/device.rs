@@ -409,6 +409,41 @@ mod wgpu {
         assert!(d < 1e-5, "window statistics on wgpu differ from the CPU by {d:e} relative");
     }
 
+    /// SyncBatchNorm on 2 ranks on wgpu (each collective reads its operand back to the host
+    /// and uploads the sum) equals the same 2 ranks on the CPU, moving statistics included.
+    #[test]
+    fn sync_batch_norm_on_two_wgpu_ranks_matches_cpu() {
+        use cellgraph::runtime::comm::{Communicator, LocalGroup};
+        use std::sync::Arc;
+        fn ranks<B: Backend>(device: fn() -> Device<B>) -> Vec<(BTreeMap<String, Vec<f32>>, u64)> {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(6);
+            let data: Vec<Vec<Vec<HostTensor>>> = (0..2).map(|_| (0..4).map(|_| crate::batchnorm::images(&mut rng, 3)).collect()).collect();
+            let handles: Vec<_> = LocalGroup::new(2)
+                .into_iter()
+                .zip(data)
+                .map(|(c, batches)| {
+                    std::thread::spawn(move || {
+                        let net = GradAccumulation::across_steps(WithLossCell::new(crate::batchnorm::BnNet::synced(false), CrossEntropyLoss::new()), 2);
+                        let names: Vec<String> = net.parameters().iter().map(|p| p.name.clone()).collect();
+                        let mut acc = Accumulator::<B>::new(Rc::new(net), Rc::new(Momentum::new(0.1, 0.9)), device(), 1).unwrap();
+                        let comm: Arc<dyn Communicator> = Arc::new(c);
+                        acc.set_parallel(comm, true, false).unwrap();
+                        batches.iter().for_each(|b| drop(acc.step(b).unwrap()));
+                        (names.iter().map(|n| (n.clone(), acc.session.param(n).unwrap().to_f32())).collect(), acc.counters().step_collectives)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        }
+        let (on_cpu, on_dev) = (ranks::<Cpu>(cpu), ranks::<Wgpu>(dev));
+        for r in 0..2 {
+            let d = rel_diff(&on_dev[r].0, &on_cpu[r].0);
+            assert!(d < 1e-5, "rank {r}: SyncBatchNorm on wgpu differs from the CPU by {d:e} relative");
+            assert_eq!(on_dev[r].1, 16, "4 micro-steps x 4 collectives");
+        }
+        assert_ne!(on_dev[0].0["bn.moving_mean"], vec![0.0; 4]);
+    }
+
     /// LeNet5 (convolutions, pooling) with in-step slicing on wgpu equals the CPU.
     #[test]
     fn lenet_on_wgpu_matches_cpu() {

@@ -174,6 +174,11 @@ fn cases() -> Vec<Case> {
         case!("sub_broadcast", [[3, 1], [1, 4]], |e, p, x| e.sub(p[0], p[1]).unwrap()),
         case!("mul_broadcast", [[2, 3, 4], [3, 1]], |e, p, x| e.mul(p[0], p[1]).unwrap()),
         case!("neg", [[5]], |e, p, x| e.neg(p[0]).unwrap()),
+        // A world of one: the plumbing of the rule (ranks are checked in batchnorm.rs).
+        case!("all_reduce", [[2, 3]], |e, p, x| {
+            let y = e.op(Op::AllReduce, &[p[0]]).unwrap();
+            e.mul(y, p[0]).unwrap()
+        }),
         case!("exp", [[2, 3]], |e, p, x| e.op(Op::Exp, &[p[0]]).unwrap()),
         case!("relu", [[3, 5]], |e, p, x| e.op(Op::Relu, &[p[0]]).unwrap()),
         case!("relu_grad_wrt_dy", [[3, 5], [3, 5]], |e, p, x| {
@@ -263,7 +268,7 @@ fn must_be_checked(op: &Op) -> bool {
         Op::Assign | Op::AssignAdd => false,
         Op::GreaterEqual => false, // a comparison: zero gradient almost everywhere
         Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::ReluGrad => true,
-        Op::Sqrt | Op::Select => true,
+        Op::Sqrt | Op::Select | Op::AllReduce => true,
         Op::Cast { .. } | Op::ZerosLike | Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } => true,
         Op::Slice { .. } | Op::Pad { .. } | Op::Concat { .. } | Op::Flatten => true,
         Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_) | Op::MatMul { .. } => true,
@@ -359,6 +364,9 @@ fn batch_norm_and_residual_gradients_match_finite_differences() {
     let net = WithLossCell::new(crate::batchnorm::BlockNet::new(), CrossEntropyLoss::new());
     network_check(&net, [4, 3, 6, 6], 13, Tracer::new("net"));
     network_check(&net, [2, 3, 6, 6], 14, Tracer::inference("net"));
+    // SyncBatchNorm's graph (its collectives over a world of one).
+    let synced = WithLossCell::new(crate::batchnorm::BlockNet::with_norm(&|bn| bn.sync()), CrossEntropyLoss::new());
+    network_check(&synced, [4, 3, 6, 6], 15, Tracer::new("net"));
 }
 
 #[test]

@@ -234,8 +234,14 @@ fn the_resnet18_example_on_two_ranks_reduces_once_per_window() {
     let (out, _) = launch(c, &dir);
     let s = text(&out);
     assert!(out.status.success(), "{s}");
-    assert!(s.contains("The parameter is only updated in the last iteration") && s.contains("ranks: 2, gradient collectives: 1"), "{s}");
+    assert!(s.contains("The parameter is only updated in the last iteration") && s.contains("ranks: 2, gradient collectives: 1\n"), "{s}");
     assert_eq!(s.matches("iteration 3, first 10 elements").count(), 1, "rank 0 prints: {s}");
+    // SyncBatchNorm over MPI: 20 batch norms, 4 collectives each per micro-step, 4 micro-steps.
+    let mut c = mpirun_command(2, std::env::current_exe().unwrap().parent().and_then(Path::parent).unwrap().join("examples/colossal_resnet18"));
+    c.args(["--batch-size", "2", "--sync-bn", "--mnist-path", concat!(env!("CARGO_MANIFEST_DIR"), "/data/mnist")]);
+    let (out, _) = launch(c, &dir);
+    let s = text(&out);
+    assert!(out.status.success() && s.contains("ranks: 2, gradient collectives: 1, batch-norm collectives: 320"), "{s}");
 }
 
 /// `run.sh --net resnet18` on 2 ranks of a tiny MNIST directory (16 digits, batches of 2):
@@ -270,4 +276,11 @@ fn the_resnet18_job_runs_on_two_ranks() {
     assert!(s.contains("training on its MNIST digits") && s.contains("ranks: 2, updates: 2, gradient collectives: 2"), "{s}");
     let heads: Vec<&str> = s.lines().filter(|l| l.contains(", loss is ")).map(|l| l.split(", loss").next().unwrap()).collect();
     assert_eq!(heads, ["epoch: 1 step: 4", "epoch: 2 step: 4"], "{s}");
+    // With SyncBatchNorm the ranks end with the same moving statistics too (the final
+    // agreement then compares every parameter); 4 micro-steps x 20 batch norms x 4.
+    let mut c = mpirun_command(2, BIN);
+    c.args(["--net", "resnet18", "--sync-bn", "--batch-size", "2", "--epochs", "1", "--data-path"]).arg(&data).arg("--log-dir").arg(dir.join("logs"));
+    let (out, _) = launch(c, &dir);
+    let s = text(&out);
+    assert!(out.status.success() && s.contains("batch-norm collectives: 320 (SyncBatchNorm)"), "{s}");
 }

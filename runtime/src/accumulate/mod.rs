@@ -381,7 +381,12 @@ impl<B: Backend> Accumulator<B> {
             }
         }
         let exe = &self.plans.micro[&key];
-        let loss = if B::HOST { Loss::Read(self.session.run(exe, inputs)?[0].scalar()) } else { Loss::Device(self.session.run_device(exe, inputs)?.swap_remove(0)) };
+        // Collectives inside the step (SyncBatchNorm's statistics) sum over the ranks.
+        let comm = self.parallel.as_ref().map(|p| p.comm.as_ref()).filter(|c| c.size() > 1);
+        let loss = if B::HOST { Loss::Read(self.session.run_over(exe, inputs, comm)?[0].scalar()) } else { Loss::Device(self.session.run_device_over(exe, inputs, comm)?.swap_remove(0)) };
+        if comm.is_some() {
+            self.progress.counters.step_collectives += exe.collectives() as u64;
+        }
         self.losses.push(loss);
         self.progress.micro_step(inputs.first().and_then(|t| t.shape.first().copied()).unwrap_or(1));
         Ok(())

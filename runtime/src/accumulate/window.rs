@@ -13,6 +13,9 @@ pub struct Counters {
     pub clear_runs: u64,
     /// Collectives that carried gradients across ranks (one per applied update).
     pub grad_collectives: u64,
+    /// Collectives inside micro-steps, across ranks (SyncBatchNorm: four per batch norm per
+    /// micro-step); not counted in a world of one.
+    pub step_collectives: u64,
     /// Fused optimizer-and-clear kernel launches (device backends with flat buffers: one per
     /// update, whatever the number of parameters).
     pub fused_launches: u64,
@@ -111,7 +114,7 @@ mod tests {
     /// Every checkpointed counter survives saving and restoring, by its own name.
     #[test]
     fn checkpointed_counters_round_trip() {
-        let mut p = Progress { micro: 3, items: 96, updates: 7, counters: Counters { micro_steps: 31, optimizer_runs: 7, clear_runs: 7, grad_collectives: 7, fused_launches: 0 } };
+        let mut p = Progress { micro: 3, items: 96, updates: 7, counters: Counters { micro_steps: 31, optimizer_runs: 7, clear_runs: 7, grad_collectives: 7, step_collectives: 0, fused_launches: 0 } };
         let saved = p.saved();
         assert_eq!(saved.len(), 6);
         assert!(saved.contains(&("cellgraph.window_items".into(), 96)));
