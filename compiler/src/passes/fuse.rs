@@ -81,8 +81,22 @@ impl Builder {
     }
 }
 
-/// Fuses the graph's elementwise chains; returns how many `fused` nodes it made.
+/// Fuses the graph's elementwise chains; returns how many `fused` nodes it made (or grew).
+///
+/// A round takes each node's producers in one level deep, so it runs rounds until one
+/// changes nothing: an operand that two producers read (a per-channel factor that both
+/// terms of a sum scale by) becomes absorbable only once they are one node.
 pub fn fuse_elementwise(g: &mut Graph) -> usize {
+    let mut made = 0;
+    loop {
+        match fuse_round(g) {
+            0 => return made,
+            n => made += n,
+        }
+    }
+}
+
+fn fuse_round(g: &mut Graph) -> usize {
     let order = g.topo_order().expect("the pipeline verifies before every pass");
     let mut made = 0;
     for id in order {
