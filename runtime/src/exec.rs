@@ -486,6 +486,11 @@ impl<B: Backend> Session<B> {
         self.params.insert(name.to_string(), value);
     }
 
+    /// Takes a parameter's value out of the session (put it back with [`Self::set_value`]).
+    pub fn take_value(&mut self, name: &str) -> Option<Value<B>> {
+        self.params.remove(name)
+    }
+
     /// A parameter's device value.
     pub fn value(&self, name: &str) -> Option<&Value<B>> {
         self.params.get(name)

@@ -90,6 +90,10 @@ pub enum Native {
     /// The sum over the rows of a `[rows, cols]` matrix (`reduce_sum` over axis 0, `cols` > 1:
     /// a bias gradient).
     SumRows { cols: usize },
+    /// The sum of `[outer, kept, inner]` over its first and last axes: a
+    /// `reduce_sum` keeping contiguous axes, batch norm's per-channel sums over `N, H, W`;
+    /// times `scale` for a `reduce_mean`.
+    SumPlanes { outer: usize, inner: usize, scale: Option<f64> },
     /// Softmax cross-entropy over `[n, c]` logits with class-id labels, reduced by
     /// `reduction` `(logits, labels)`, or (`grad`) its gradient w.r.t. the logits
     /// `(logits, labels, dloss)`. `kept`: the [`crate::host::Kept`] slot the forward writes
@@ -246,6 +250,11 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
             elementwise(&Expr::new(terms).ok()?, tys).map(Native::Fused)
         }
         Op::ReduceSum(r) if r.axes == [0] && tys[0].rank() == 2 && d(0)[1] > 1 => Some(Native::SumRows { cols: d(0)[1] }),
+        Op::ReduceSum(r) | Op::ReduceMean(r) => {
+            let (outer, kept, inner) = planes(d(0), &r.axes)?;
+            let scale = matches!(op, Op::ReduceMean(_)).then(|| 1.0 / (outer * inner) as f64);
+            (kept > 0).then_some(Native::SumPlanes { outer, inner, scale })
+        }
         Op::SoftmaxCrossEntropy { sparse: true, reduction } if d(0)[1] > 0 => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: false, kept: None, seed: None }),
         Op::SoftmaxCrossEntropyGrad { sparse: true, reduction } if d(0)[1] > 0 => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: true, kept: None, seed: None }),
         Op::Epilogue { head, expr } => {
@@ -256,6 +265,19 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
         }
         _ => None,
     }
+}
+
+/// A reduction of extents `dims` over `axes` as `[outer, kept, inner]` summed over its first
+/// and last axes: when the axes kept lie together (at least one), their product, and the
+/// products of the extents before and after them.
+fn planes(dims: &[usize], axes: &[usize]) -> Option<(usize, usize, usize)> {
+    let kept: Vec<usize> = (0..dims.len()).filter(|a| !axes.contains(a)).collect();
+    let (&first, &last) = (kept.first()?, kept.last()?);
+    if last - first + 1 != kept.len() {
+        return None;
+    }
+    let prod = |r: std::ops::Range<usize>| dims[r].iter().product::<usize>();
+    Some((prod(0..first), prod(first..last + 1), prod(last + 1..dims.len())))
 }
 
 fn geometry(x: &[usize], kernel: [usize; 2], stride: [usize; 2], dilation: [usize; 2], w: &window::Window) -> Geometry {

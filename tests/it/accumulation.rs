@@ -303,3 +303,38 @@ fn a_loss_that_is_not_a_scalar_is_a_clear_error() {
     let err = m.accumulator_mut().step(&data(&mut StdRng::seed_from_u64(1), 4)).unwrap_err().to_string();
     assert!(err.contains("GradAccumulation needs a scalar loss, got f32[2]"), "{err}");
 }
+
+/// On the CPU a window's boundary is one pass per parameter (the optimizer's update and the
+/// accumulator's clearing, from the `Update` program the optimizer graph comes from): for
+/// every built-in optimizer, 5 windows give the same bits as the optimizer and clear graphs
+/// (which a clip at 1e30 selects: its factor is exactly 1), and the accumulators are zero.
+#[test]
+fn the_one_pass_host_boundary_equals_the_optimizer_and_clear_graphs_bit_for_bit() {
+    let rules: Vec<(&str, fn() -> Rc<dyn Optimizer>)> = vec![
+        ("Momentum", || Rc::new(Momentum::new(0.1, 0.9))),
+        ("Momentum nesterov + wd", || Rc::new(Momentum { weight_decay: 0.01, use_nesterov: true, ..Momentum::new(0.1, 0.9) })),
+        ("SGD", || Rc::new(SGD::new(0.1))),
+        ("SGD momentum dampening nesterov wd", || Rc::new(SGD { dampening: 0.1, weight_decay: 0.01, nesterov: true, ..SGD::new(0.1).momentum(0.9) })),
+        ("Adam", || Rc::new(Adam { weight_decay: 0.01, ..Adam::new(0.01) })),
+        ("AdamW", || Rc::new(Adam::adamw(0.01, 0.05))),
+    ];
+    let mut rng = StdRng::seed_from_u64(31);
+    let batches: Vec<Vec<HostTensor>> = (0..10).map(|_| data(&mut rng, 6)).collect();
+    for (what, opt) in rules {
+        let run = |clip: bool| {
+            let net = GradAccumulation::across_steps(net(), 2).normalization(Normalization::Mean);
+            let net = if clip { net.clip_global_norm(1e30) } else { net };
+            let mut acc = Accumulator::<Cpu>::new(Rc::new(net), opt(), cpu(), 3).unwrap();
+            batches.iter().for_each(|b| drop(acc.step(b).unwrap()));
+            acc.session.params_host().into_iter().map(|(n, t)| (n, t.to_f32())).collect::<BTreeMap<_, _>>()
+        };
+        let (one_pass, graphs) = (run(false), run(true));
+        assert_eq!(one_pass.keys().collect::<Vec<_>>(), graphs.keys().collect::<Vec<_>>());
+        for (name, v) in &one_pass {
+            assert!(v.iter().map(|x| x.to_bits()).eq(graphs[name].iter().map(|x| x.to_bits())), "{what}: `{name}` differs from the graphs'");
+            if name.starts_with("accu_grads.") {
+                assert!(v.iter().all(|&x| x == 0.0), "{what}: {name} is cleared");
+            }
+        }
+    }
+}

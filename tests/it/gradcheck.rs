@@ -211,6 +211,10 @@ fn cases() -> Vec<Case> {
         case!("conv2d_pad_dilation", [[1, 2, 7, 7], [2, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Pad, [1, 1, 2, 2], 2, 1)), &[p[0], p[1]]).unwrap()),
         case!("conv2d_stride3", [[1, 1, 8, 8], [2, 1, 2, 2]], |e, p, x| e.op(Op::Conv2d(conv(3, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
         case!("conv2d_1x1_wide_pad_fallback", [[1, 2, 4, 4], [3, 2, 1, 1]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Pad, [1, 2, 2, 1], 1, 1)), &[p[0], p[1]]).unwrap()),
+        // Taps that only ever read padding are cropped off: ResNet's layer4 (3x3 padded by 1
+        // on a 1x1 map reads its centre alone; stride 2 on a 2x2 map reads a 2x2 corner).
+        case!("conv2d_3x3_pad1_on_1x1", [[2, 3, 1, 1], [4, 3, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Pad, [1; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_3x3_stride2_pad1_on_2x2", [[2, 3, 2, 2], [4, 3, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Pad, [1; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
         case!("conv2d_groups", [[1, 4, 5, 5], [6, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 2)), &[p[0], p[1]]).unwrap()),
         case!("conv2d_groups_stride2_same", [[2, 4, 7, 7], [4, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Same, [0; 4], 1, 2)), &[p[0], p[1]]).unwrap()),
         case!("conv2d_groups_dilation_pad", [[1, 6, 6, 6], [3, 2, 2, 2]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Pad, [0, 1, 2, 0], 2, 3)), &[p[0], p[1]]).unwrap()),

@@ -399,38 +399,44 @@ impl<B: Backend> Accumulator<B> {
             return Ok(());
         }
         let scalars = self.opt.scalar_values(self.progress.updates);
-        match self.parallel.as_ref().map(|p| p.shard.is_some()) {
+        let cleared = match self.parallel.as_ref().map(|p| p.shard.is_some()) {
             None => {
                 let scale = scale(self.net.normalization, self.progress.micro, self.progress.items as f64, 1, false);
-                self.run_optimizer(scale, &scalars)?;
+                self.run_optimizer(scale, &scalars)?
             }
             Some(false) => self.apply_replicated(&scalars)?,
-            Some(true) => self.apply_sharded(&scalars)?,
-        }
+            Some(true) => {
+                self.apply_sharded(&scalars)?;
+                false
+            }
+        };
         self.progress.counters.optimizer_runs += 1;
         self.progress.updates += 1;
-        // The fused kernel has already zeroed the accumulators.
-        self.clear_window(self.store.is_flat())
+        self.clear_window(cleared)
     }
 
-    /// The optimizer over every parameter: one fused kernel on flat buffers, else the graph.
-    fn run_optimizer(&mut self, scale: f64, scalars: &[f64]) -> Result<()> {
-        match self.store.fused_update(scale, self.net.clip_global_norm, scalars) {
-            Some(launches) => self.progress.counters.fused_launches += launches? as u64,
-            None => {
-                self.session.run(&self.plans.optimizer, &optimizer_inputs(scale, scalars))?;
-            }
+    /// The optimizer over every parameter: one fused kernel on flat device buffers, one pass
+    /// per parameter on a host backend (without clipping, whose norm the graph computes),
+    /// else the graph. Returns whether the accumulators were zeroed with it.
+    fn run_optimizer(&mut self, scale: f64, scalars: &[f64]) -> Result<bool> {
+        if let Some(launches) = self.store.fused_update(scale, self.net.clip_global_norm, scalars) {
+            self.progress.counters.fused_launches += launches? as u64;
+            return Ok(true);
         }
-        Ok(())
+        if self.net.clip_global_norm.is_none() && self.store.host_update(&mut self.session, scale, scalars) {
+            return Ok(true);
+        }
+        self.session.run(&self.plans.optimizer, &optimizer_inputs(scale, scalars))?;
+        Ok(false)
     }
 
+    /// Zeroes the accumulators (unless the update already did: `cleared`), folds once-per-
+    /// window statistics in, and closes the window.
     fn clear_window(&mut self, cleared: bool) -> Result<()> {
-        if self.store.is_flat() {
-            if !cleared {
-                self.store.clear_flat(&mut self.session);
-            }
-        } else {
-            self.session.run(&self.plans.clear, &[])?;
+        match (cleared, self.store.is_flat()) {
+            (true, _) => {}
+            (false, true) => self.store.clear_flat(&mut self.session),
+            (false, false) => drop(self.session.run(&self.plans.clear, &[])?),
         }
         // Once-per-window statistics fold in every window, applied or dropped, as per-micro
         // statistics would have.

@@ -70,6 +70,9 @@ pub(crate) struct Store<B: Backend> {
     /// Each kind's initial value (what pads its flat buffer).
     inits: Vec<f32>,
     flat: Option<Flat<B>>,
+    /// On host backends: the optimizer's update as a one-pass boundary program, with its
+    /// literals (see [`Self::host_update`]).
+    host: Option<(UpdateKernel, Vec<f32>)>,
 }
 
 impl<B: Backend> Store<B> {
@@ -83,7 +86,8 @@ impl<B: Backend> Store<B> {
         let mut inits = vec![0.0, 0.0];
         inits.extend(specs.first().into_iter().flatten().map(|s| s.init as f32));
         let params = params.iter().map(|(name, ty)| Trained { name: name.clone(), shape: ty.dims().to_vec(), len: ty.numel() }).collect();
-        Store { params, names, inits, flat: None }
+        let host = B::HOST.then(|| UpdateKernel::new(&opt.update(), opt.scalar_inputs().len())).flatten().map(|(k, lits)| (k, lits.iter().map(|&c| c as f32).collect()));
+        Store { params, names, inits, flat: None, host }
     }
 
     /// The session name of a slot.
@@ -256,6 +260,51 @@ impl<B: Backend> Store<B> {
     pub fn clear_flat(&mut self, session: &mut Session<B>) {
         let zeros = vec![0.0; self.total()];
         self.upload(session, Kind::Accu, &zeros);
+    }
+
+    /// The boundary on a host backend: for each trained parameter one pass updates it (and its
+    /// optimizer states) from its accumulator times `scale` and zeroes the accumulator, in the
+    /// memory the session holds them in: the optimizer and clear graphs' results, bit for bit,
+    /// reading and writing each buffer once instead of once per op. Returns false (and
+    /// changes nothing) where it does not apply: a device backend, a program that does not
+    /// fit, values that are not f32.
+    pub fn host_update(&self, session: &mut Session<B>, scale: f64, scalars: &[f64]) -> bool {
+        let Some((prog, literals)) = &self.host else { return false };
+        // Every buffer an f32 host value of its parameter's length, before any is changed.
+        let host_f32 = |kind, i: usize, t: &Trained| match session.value(self.name(Slot { kind, param: i })) {
+            Some(Value::Float(v)) => matches!(B::host_slice(v), Some(HostSlice::F32(h)) if h.len() == t.len),
+            _ => false,
+        };
+        if !self.params.iter().enumerate().all(|(i, t)| self.kinds().all(|k| host_f32(k, i, t))) {
+            return false;
+        }
+        let consts: Vec<f32> = scalars.iter().map(|&v| v as f32).chain(literals.iter().copied()).collect();
+        let device = session.device().clone();
+        for (i, t) in self.params.iter().enumerate() {
+            let names: Vec<&str> = self.kinds().map(|kind| self.name(Slot { kind, param: i })).collect();
+            let bufs: Option<Vec<FloatTensor<B>>> = names.iter().map(|n| match session.take_value(n) {
+                Some(Value::Float(t)) => Some(t),
+                Some(v) => {
+                    session.set_value(n, v);
+                    None
+                }
+                None => None,
+            }).collect();
+            let Some(bufs) = bufs else { unreachable!("checked above") };
+            let out = match crate::host::update_clear::<B>(prog, bufs, &t.shape, &consts, scale as f32, &device) {
+                Ok(out) => out,
+                Err(bufs) => {
+                    for (n, b) in names.iter().zip(bufs) {
+                        session.set_value(n, Value::Float(b));
+                    }
+                    return false;
+                }
+            };
+            for (n, b) in names.iter().zip(out) {
+                session.set_value(n, Value::Float(b));
+            }
+        }
+        true
     }
 
     /// The boundary on flat buffers: one fused kernel updates every parameter from its

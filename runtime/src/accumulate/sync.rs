@@ -98,8 +98,8 @@ impl<B: Backend> Accumulator<B> {
     }
 
     /// One all-reduce of the flat accumulators (with the window's item count appended), then
-    /// the optimizer on every rank.
-    pub(super) fn apply_replicated(&mut self, scalars: &[f64]) -> Result<()> {
+    /// the optimizer on every rank. Returns whether the accumulators were zeroed with it.
+    pub(super) fn apply_replicated(&mut self, scalars: &[f64]) -> Result<bool> {
         let p = self.parallel.as_ref().expect("parallel");
         let (comm, mean) = (p.comm.clone(), p.gradients_mean);
         let mut flat = self.store.gather(&self.session, Kind::Accu)?;

@@ -681,7 +681,7 @@ where
                 y
             }
             // burn's `full`: one launch either way.
-            Native::Fill(_) | Native::MaxPool { .. } => return None,
+            Native::Fill(_) | Native::MaxPool { .. } | Native::SumPlanes { .. } => return None,
         };
         Some(y)
     }

@@ -13,7 +13,7 @@ use burn_backend::FloatDType;
 use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
 use crate::backend::{Backend, HostSlice, HostVec};
-use crate::kernel::{ConvKind, Native};
+use crate::kernel::{ConvKind, Native, UpdateKernel};
 use crate::value::Value;
 use kernels::{HostFloat, Mat};
 
@@ -217,6 +217,33 @@ pub fn assign_add<B: Backend>(acc: FloatTensor<B>, g: &FloatTensor<B>, ty: &Tens
     Err(B::from_host_vec(data, ty.dims(), device))
 }
 
+/// A window's boundary for one parameter on a host backend, in one pass (see
+/// [`kernels::update_clear`]): `bufs` are the parameter, its accumulator and its optimizer
+/// states, in place where nothing else holds them (else copied), returned updated (the
+/// accumulator zeroed). `Err(bufs)` when they are not all f32 host values of one length.
+pub fn update_clear<B: Backend>(prog: &UpdateKernel, bufs: Vec<FloatTensor<B>>, dims: &[usize], consts: &[f32], scale: f32, device: &Device<B>) -> Result<Vec<FloatTensor<B>>, Vec<FloatTensor<B>>> {
+    let n: usize = dims.iter().product();
+    let fits = |t: &FloatTensor<B>| matches!(B::host_slice(t), Some(HostSlice::F32(v)) if v.len() == n);
+    if bufs.len() < 2 || !bufs.iter().all(fits) {
+        return Err(bufs);
+    }
+    let mut vecs: Vec<Vec<f32>> = bufs
+        .into_iter()
+        .map(|t| match B::reclaim(t) {
+            Ok(HostVec::F32(v)) => v,
+            Ok(HostVec::F64(_)) => unreachable!("checked f32"),
+            Err(t) => match B::host_slice(&t) {
+                Some(HostSlice::F32(v)) => v.into_owned(),
+                _ => unreachable!("checked f32"),
+            },
+        })
+        .collect();
+    let (pa, states) = vecs.split_at_mut(2);
+    let [p, acc] = pa else { unreachable!("two") };
+    kernels::update_clear(prog, p, acc, states, consts, scale);
+    Ok(vecs.into_iter().map(|v| B::from_host_vec(HostVec::F32(v), dims, device)).collect())
+}
+
 /// Buffers kept between the steps of a run, by slot, each stamped with the run that wrote it.
 #[derive(Default)]
 struct Stamped<T>(Vec<(u64, Vec<T>)>);
@@ -315,6 +342,7 @@ fn run<F: Elem>(k: &Native, args: &[HostSlice], ints: &[&[i64]], tys: &[&TensorT
     let fits = match k {
         Native::Fused(e) | Native::Epilogue { post: e, .. } => e.len == len,
         Native::SumRows { cols } => *cols == len && a[0].len() % cols == 0,
+        Native::SumPlanes { outer, inner, .. } => a[0].len() == outer * len * inner,
         _ => true,
     };
     if len == 0 || !fits {
@@ -369,6 +397,7 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         Native::ReluGrad => kernels::relu_grad(a[0], a[1], y),
         Native::Fused(e) => kernels::fused(e, a, y),
         Native::SumRows { .. } => kernels::sum_rows(a[0], y),
+        Native::SumPlanes { outer, inner, scale } => kernels::sum_planes(a[0], *outer, *inner, scale.map(F::from_f64), y),
         Native::Epilogue { .. } | Native::SoftmaxCrossEntropy { .. } => unreachable!("an epilogue's head is neither an epilogue nor a loss"),
     }
     kernels::post_all(post, y)
