@@ -400,3 +400,37 @@ fn host_loss_kernels_give_the_reference_bits() {
         }
     }
 }
+
+/// A convolution whose batch is one im2col chunk runs its GEMMs on every thread of the pool;
+/// gemm splits the output, never the contraction, so forward, input gradient and filter
+/// gradient give the same bits on 1, 2 and 3 threads.
+#[test]
+fn one_chunk_convolutions_give_the_same_bits_on_any_number_of_threads() {
+    use cellgraph::compiler::autodiff::{grad, Sens};
+    use cellgraph::compiler::{Conv2dAttrs, ReduceAttrs};
+    let mut g = Graph::new("g");
+    let x = g.add_leaf(Op::Parameter { name: "x".into() }, TensorType::f32([8, 256, 2, 2]), "net").unwrap();
+    let w = g.add_leaf(Op::Parameter { name: "w".into() }, TensorType::f32([256, 256, 3, 3]), "net").unwrap();
+    let attrs = Conv2dAttrs { stride: [1, 1], pad_mode: PadMode::Pad, pad: [1; 4], dilation: [1, 1], groups: 1 };
+    let y = g.add(Op::Conv2d(attrs), &[x, w], "net").unwrap();
+    let sq = g.add(Op::Mul, &[y, y], "net").unwrap();
+    let l = g.add(Op::ReduceSum(ReduceAttrs { axes: vec![0, 1, 2, 3], keep_dims: false }), &[sq], "net").unwrap();
+    let d = grad(&mut g, l, &[x, w], Sens::One).unwrap();
+    g.set_outputs([vec![y], d.grads.clone()].concat());
+    let exe = compile(g).unwrap();
+    let wave = |n: usize, f: f64| HostTensor::f32(vec![n], (0..n).map(|i| ((i as f64 * f).sin() * 0.5) as f32).collect()).unwrap();
+    let run = |threads: usize| {
+        let mut s = Session::<Cpu>::new(cpu());
+        s.set_param("x", &HostTensor { shape: vec![8, 256, 2, 2], ..wave(8 * 256 * 4, 0.37) });
+        s.set_param("w", &HostTensor { shape: vec![256, 256, 3, 3], ..wave(256 * 256 * 9, 0.011) });
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| s.run(&exe, &[]).unwrap()).into_iter().map(|t| t.to_f32()).collect::<Vec<_>>()
+    };
+    let one = run(1);
+    for threads in [2, 3] {
+        let other = run(threads);
+        for (k, (a, b)) in one.iter().zip(&other).enumerate() {
+            assert!(a.iter().map(|v| v.to_bits()).eq(b.iter().map(|v| v.to_bits())), "output {k} differs on {threads} threads");
+        }
+    }
+}

@@ -62,12 +62,14 @@ pub trait HostFloat:
     /// As [`Self::scratch`], in a second buffer for what a kernel's calling thread holds while
     /// the chunks it hands out use their own scratch (the filter gradient's partial sums).
     fn partials<R>(len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R;
-    /// `C = A B + beta * C` with element strides (`beta` is 0 or 1; with 0, `C` is not read).
+    /// `C = A B + beta * C` with element strides (`beta` is 0 or 1; with 0, `C` is not read),
+    /// on up to `threads` of rayon's threads (gemm splits the output, never the contraction,
+    /// so the bits do not depend on it).
     ///
     /// # Safety
     /// The pointers and strides must describe matrices inside their allocations.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn gemm(m: usize, k: usize, n: usize, a: *const Self, rsa: isize, csa: isize, b: *const Self, rsb: isize, csb: isize, beta: Self, c: *mut Self, rsc: isize, csc: isize);
+    unsafe fn gemm(m: usize, k: usize, n: usize, a: *const Self, rsa: isize, csa: isize, b: *const Self, rsb: isize, csb: isize, beta: Self, c: *mut Self, rsc: isize, csc: isize, threads: usize);
 }
 
 /// One implementation for both element types (`$scratch`: the type's thread-local scratch).
@@ -104,8 +106,9 @@ macro_rules! host_float {
             fn partials<R>(len: usize, f: impl FnOnce(&mut [$t]) -> R) -> R {
                 grown(&$partials, len, f)
             }
-            unsafe fn gemm(m: usize, k: usize, n: usize, a: *const $t, rsa: isize, csa: isize, b: *const $t, rsb: isize, csb: isize, beta: $t, c: *mut $t, rsc: isize, csc: isize) {
-                gemm::gemm(m, n, k, c, csc, rsc, beta != 0.0, a, csa, rsa, b, csb, rsb, beta, 1.0, false, false, false, gemm::Parallelism::None)
+            unsafe fn gemm(m: usize, k: usize, n: usize, a: *const $t, rsa: isize, csa: isize, b: *const $t, rsb: isize, csb: isize, beta: $t, c: *mut $t, rsc: isize, csc: isize, threads: usize) {
+                let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+                gemm::gemm(m, n, k, c, csc, rsc, beta != 0.0, a, csa, rsa, b, csb, rsb, beta, 1.0, false, false, false, par)
             }
         }
     };
@@ -152,13 +155,13 @@ pub(crate) fn vectorized<Op: pulp::WithSimd>(op: Op) -> Op::Output {
 /// # Safety
 /// As [`HostFloat::gemm`].
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_oriented<F: HostFloat>(m: usize, k: usize, n: usize, a: *const F, rsa: isize, csa: isize, b: *const F, rsb: isize, csb: isize, beta: F, c: *mut F, rsc: isize, csc: isize) {
+unsafe fn gemm_oriented<F: HostFloat>(m: usize, k: usize, n: usize, a: *const F, rsa: isize, csa: isize, b: *const F, rsb: isize, csb: isize, beta: F, c: *mut F, rsc: isize, csc: isize, threads: usize) {
     let mr = 64 / std::mem::size_of::<F>();
     let padded = |m: usize, n: usize| m.div_ceil(mr) * mr * n.div_ceil(6) * 6;
     if 4 * padded(n, m) < 3 * padded(m, n) {
-        F::gemm(n, k, m, b, csb, rsb, a, csa, rsa, beta, c, csc, rsc)
+        F::gemm(n, k, m, b, csb, rsb, a, csa, rsa, beta, c, csc, rsc, threads)
     } else {
-        F::gemm(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+        F::gemm(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc, threads)
     }
 }
 
@@ -200,7 +203,7 @@ pub fn matmul<F: HostFloat>(a: Mat<F>, b: Mat<F>, c: &mut [F]) {
     }
     let ((rsa, csa), (rsb, csb)) = (a.strides(), b.strides());
     // SAFETY: both views were checked to lie inside their slices; `c` is m x n.
-    unsafe { gemm_oriented::<F>(m, k, n, a.data.as_ptr(), rsa, csa, b.data.as_ptr(), rsb, csb, F::ZERO, c.as_mut_ptr(), n as isize, 1) };
+    unsafe { gemm_oriented::<F>(m, k, n, a.data.as_ptr(), rsa, csa, b.data.as_ptr(), rsb, csb, F::ZERO, c.as_mut_ptr(), n as isize, 1, 1) };
 }
 
 /// Unfolds `channels` input planes (`x`, each `h*w`) into rows of `col`: row
@@ -420,7 +423,19 @@ fn crop_filter<F: Copy>(w: &[F], big: [usize; 2], small: [usize; 2], at: [usize;
 /// never on the thread count, so neither do the results.
 fn chunk_images<F>(d: &ConvDims, n: usize) -> usize {
     let per_image = d.kk * d.sp * std::mem::size_of::<F>();
-    (CHUNK_BYTES / per_image.max(1)).clamp(1, n.max(1))
+    let most = (CHUNK_BYTES / per_image.max(1)).clamp(1, n.max(1));
+    // As many chunks as that needs, of sizes as equal as they can be.
+    n.max(1).div_ceil(n.max(1).div_ceil(most))
+}
+
+/// The threads one chunk's GEMM may use: all of rayon's when the batch is one chunk (else
+/// the chunks are the threads' work).
+fn gemm_threads(chunks: usize) -> usize {
+    if chunks == 1 {
+        rayon::current_num_threads()
+    } else {
+        1
+    }
 }
 
 /// The geometry of images `[i0, i0 + m)` of `g`'s batch.
@@ -512,6 +527,7 @@ pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: us
         return;
     }
     let per = chunk_images::<F>(&d, n);
+    let par = gemm_threads(n.div_ceil(per));
     let chunks: Vec<_> = y.chunks_mut(per * o * d.sp).enumerate().collect();
     each(chunks, |(k, yc)| {
         let sub = sub_batch(g, yc.len() / (o * d.sp));
@@ -523,7 +539,7 @@ pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: us
                 im2col_batch(&sub, &dc, gi, xc, col);
                 let wg = &w[gi * dc.og * dc.kk..(gi + 1) * dc.og * dc.kk];
                 // SAFETY: wg is og x kk, col is kk x cols, rows is og x cols, all row-major.
-                unsafe { gemm_oriented::<F>(dc.og, dc.kk, dc.cols, wg.as_ptr(), dc.kk as isize, 1, col.as_ptr(), dc.cols as isize, 1, F::ZERO, rows.as_mut_ptr(), dc.cols as isize, 1) };
+                unsafe { gemm_oriented::<F>(dc.og, dc.kk, dc.cols, wg.as_ptr(), dc.kk as isize, 1, col.as_ptr(), dc.cols as isize, 1, F::ZERO, rows.as_mut_ptr(), dc.cols as isize, 1, par) };
                 scatter_rows(&dc, o, gi, rows, yc);
             }
         });
@@ -550,6 +566,7 @@ pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w:
         return;
     }
     let per = chunk_images::<F>(&d, n);
+    let par = gemm_threads(n.div_ceil(per));
     let chunks: Vec<_> = dx.chunks_mut(per * c * h * wi).enumerate().collect();
     each(chunks, |(k, dxc)| {
         let sub = sub_batch(g, dxc.len() / (c * h * wi));
@@ -561,7 +578,7 @@ pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w:
                 gather_rows(&dc, o, gi, dyc, rows);
                 let wg = &w[gi * dc.og * dc.kk..(gi + 1) * dc.og * dc.kk];
                 // SAFETY: wg^T is kk x og (read with swapped strides), rows is og x cols, col kk x cols.
-                unsafe { gemm_oriented::<F>(dc.kk, dc.og, dc.cols, wg.as_ptr(), 1, dc.kk as isize, rows.as_ptr(), dc.cols as isize, 1, F::ZERO, col.as_mut_ptr(), dc.cols as isize, 1) };
+                unsafe { gemm_oriented::<F>(dc.kk, dc.og, dc.cols, wg.as_ptr(), 1, dc.kk as isize, rows.as_ptr(), dc.cols as isize, 1, F::ZERO, col.as_mut_ptr(), dc.cols as isize, 1, par) };
                 for i in 0..sub.x[0] {
                     col2im(&sub, &col[i * dc.sp..], dc.cols, dc.cg, &mut dxc[(i * c + gi * dc.cg) * h * wi..(i * c + (gi + 1) * dc.cg) * h * wi]);
                 }
@@ -615,6 +632,7 @@ pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x
 /// Chunk `k`'s filter gradient (images `k*per..`) into each `(k, part)`.
 fn filter_grad_chunks<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize, per: usize, parts: Vec<(usize, &mut [F])>) {
     let [n, c, h, wd] = g.x;
+    let par = gemm_threads(parts.len());
     let chunks = parts;
     each(chunks, |(k, part)| {
         let sub = sub_batch(g, per.min(n - k * per));
@@ -628,7 +646,7 @@ fn filter_grad_chunks<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[
                 gather_rows(&dc, o, gi, dyc, rows);
                 let dwg = &mut part[gi * dc.og * dc.kk..(gi + 1) * dc.og * dc.kk];
                 // SAFETY: rows is og x cols, col^T is cols x kk (swapped strides), dwg is og x kk.
-                unsafe { gemm_oriented::<F>(dc.og, dc.cols, dc.kk, rows.as_ptr(), dc.cols as isize, 1, col.as_ptr(), 1, dc.cols as isize, F::ZERO, dwg.as_mut_ptr(), dc.kk as isize, 1) };
+                unsafe { gemm_oriented::<F>(dc.og, dc.cols, dc.kk, rows.as_ptr(), dc.cols as isize, 1, col.as_ptr(), 1, dc.cols as isize, F::ZERO, dwg.as_mut_ptr(), dc.kk as isize, 1, par) };
             }
         })
     });
