@@ -1099,6 +1099,29 @@ pub fn update_clear<F: HostFloat>(prog: &UpdateKernel, p: &mut [F], acc: &mut [F
     assert!(acc.len() == n && states.iter().all(|s| s.len() == n), "one length for a parameter's buffers");
     // A value per step (`Let(i)` is step `i`'s; a write's is never read).
     let lets = prog.steps.len();
+    // The buffers the program reads after writing them: those are read from copies.
+    let mut kept = vec![false; 1 + states.len()];
+    let slot = |v: KVal| match v {
+        KVal::Param => Some(0),
+        KVal::State(j) => Some(1 + j as usize),
+        _ => None,
+    };
+    let mut written = vec![false; 1 + states.len()];
+    for step in &prog.steps {
+        let reads: &[KVal] = match step {
+            KStep::Unary(_, x) | KStep::Write(_, x) => std::slice::from_ref(x),
+            KStep::Binary(_, a, b) => &[*a, *b][..],
+        };
+        for i in reads.iter().filter_map(|&v| slot(v)) {
+            kept[i] |= written[i];
+        }
+        if let KStep::Write(t, _) = step {
+            written[match t {
+                Target::Param => 0,
+                Target::State(j) => 1 + j,
+            }] = true;
+        }
+    }
     let threads = rayon::current_num_threads().min(n / (16 * BLOCK)).max(1);
     let per = n.div_ceil(threads).div_ceil(BLOCK).max(1) * BLOCK;
     // Each share: its part of the parameter, the accumulator and every state.
@@ -1106,13 +1129,13 @@ pub fn update_clear<F: HostFloat>(prog: &UpdateKernel, p: &mut [F], acc: &mut [F
     let shares: Vec<_> = p.chunks_mut(per).zip(acc.chunks_mut(per)).map(|(p, a)| (p, a, parts.iter_mut().map(|v| v.remove(0)).collect::<Vec<_>>())).collect();
     each(shares, |(p, acc, mut st)| {
         // Scratch: the parameter, the gradient, the states (as they were), a constant, the lets.
-        F::scratch((3 + st.len() + lets) * BLOCK, |scratch| {
+        F::scratch((2 + st.len() + lets) * BLOCK, |scratch| {
             vectorized(
                 #[inline(always)]
                 || {
                     for start in (0..p.len()).step_by(BLOCK) {
                         let m = BLOCK.min(p.len() - start);
-                        update_block(prog, consts, scale, &mut p[start..start + m], &mut acc[start..start + m], &mut st, start, scratch);
+                        update_block(prog, &kept, consts, scale, &mut p[start..start + m], &mut acc[start..start + m], &mut st, start, scratch);
                     }
                 },
             )
@@ -1120,64 +1143,123 @@ pub fn update_clear<F: HostFloat>(prog: &UpdateKernel, p: &mut [F], acc: &mut [F
     });
 }
 
+/// `a = a op b`, element by element.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
+fn binary_assign<F: HostFloat>(op: Binary, a: &mut [F], b: Src<F>) {
+    match b {
+        Src::Block(b) => binary(op, a, b),
+        Src::Splat(y) => match op {
+            Binary::Add => a.iter_mut().for_each(|x| *x = *x + y),
+            Binary::Sub => a.iter_mut().for_each(|x| *x = *x - y),
+            Binary::Mul => a.iter_mut().for_each(|x| *x = *x * y),
+            Binary::Div => a.iter_mut().for_each(|x| *x = *x / y),
+            // As `binary`: `a` where `y > 0`.
+            Binary::ReluGrad if y > F::ZERO => {}
+            Binary::ReluGrad => a.fill(F::ZERO),
+        },
+    }
+}
+
+/// An operand of an update step: a block's values, or one value for every element.
+#[derive(Clone, Copy)]
+enum Src<'a, F> {
+    Block(&'a [F]),
+    Splat(F),
+}
+
+/// `dst = a op b`, element by element, in one pass.
+#[inline(always)]
+fn binary_into<F: HostFloat>(op: Binary, dst: &mut [F], a: Src<F>, b: Src<F>) {
+    macro_rules! each {
+        ($f:expr) => {
+            match (a, b) {
+                (Src::Block(a), Src::Block(b)) => dst.iter_mut().zip(a).zip(b).for_each(|((d, &x), &y)| *d = $f(x, y)),
+                (Src::Block(a), Src::Splat(y)) => dst.iter_mut().zip(a).for_each(|(d, &x)| *d = $f(x, y)),
+                (Src::Splat(x), Src::Block(b)) => dst.iter_mut().zip(b).for_each(|(d, &y)| *d = $f(x, y)),
+                (Src::Splat(x), Src::Splat(y)) => dst.fill($f(x, y)),
+            }
+        };
+    }
+    match op {
+        Binary::Add => each!(|x: F, y: F| x + y),
+        Binary::Sub => each!(|x: F, y: F| x - y),
+        Binary::Mul => each!(|x: F, y: F| x * y),
+        Binary::Div => each!(|x: F, y: F| x / y),
+        Binary::ReluGrad => each!(|x: F, y: F| if y > F::ZERO { x } else { F::ZERO }),
+    }
+}
+
 /// One block of [`update_clear`]: `p` and `acc` the block's elements, `states` the share's
-/// (the block's are `start..start + p.len()`).
-fn update_block<F: HostFloat>(prog: &UpdateKernel, consts: &[F], scale: F, p: &mut [F], acc: &mut [F], states: &mut [&mut [F]], start: usize, scratch: &mut [F]) {
+/// (the block's are `start..start + p.len()`). Every step writes its own slot of `lets`, in
+/// one pass over its operands; the parameter and the states are read in place, or (`kept`:
+/// where the program reads one after writing it) from copies taken first.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn update_block<F: HostFloat>(prog: &UpdateKernel, kept: &[bool], consts: &[F], scale: F, p: &mut [F], acc: &mut [F], states: &mut [&mut [F]], start: usize, scratch: &mut [F]) {
     let m = p.len();
     let k = states.len();
-    let (fixed, lets) = scratch.split_at_mut((3 + k) * BLOCK);
-    let (w, rest) = fixed.split_at_mut(BLOCK);
-    let (g, rest) = rest.split_at_mut(BLOCK);
-    let (c, old) = rest.split_at_mut(BLOCK);
-    w[..m].copy_from_slice(p);
-    g[..m].copy_from_slice(acc);
-    g[..m].iter_mut().for_each(|v| *v = *v * scale);
-    for (j, s) in states.iter().enumerate() {
+    let (fixed, lets) = scratch.split_at_mut((2 + k) * BLOCK);
+    let (g, rest) = fixed.split_at_mut(BLOCK);
+    let (w, old) = rest.split_at_mut(BLOCK);
+    g[..m].iter_mut().zip(&*acc).for_each(|(g, &a)| *g = a * scale);
+    if kept[0] {
+        w[..m].copy_from_slice(p);
+    }
+    for (j, s) in states.iter().enumerate().filter(|(j, _)| kept[1 + j]) {
         old[j * BLOCK..][..m].copy_from_slice(&s[start..start + m]);
     }
-    let mut next = 0;
-    for step in &prog.steps {
-        // The value `v` for this block: in a slice, or (a constant) filled into `c`.
-        macro_rules! val {
-            ($v:expr, $lets:expr) => {
-                match $v {
-                    KVal::Param => &w[..m],
-                    KVal::Grad => &g[..m],
-                    KVal::State(j) => &old[j as usize * BLOCK..][..m],
-                    KVal::Const(i) => {
-                        c[..m].fill(consts[i as usize]);
-                        &c[..m]
-                    }
-                    KVal::Let(i) => &$lets[i as usize * BLOCK..][..m],
-                }
+    for (next, step) in prog.steps.iter().enumerate() {
+        let (done, rest) = lets.split_at_mut(next * BLOCK);
+        let dst = &mut rest[..m];
+        if let KStep::Write(t, x @ (KVal::Let(_) | KVal::Const(_))) = *step {
+            let to: &mut [F] = match t {
+                Target::Param => &mut *p,
+                Target::State(j) => &mut states[j][start..start + m],
             };
+            match x {
+                KVal::Let(i) => to.copy_from_slice(&done[i as usize * BLOCK..][..m]),
+                KVal::Const(i) => to.fill(consts[i as usize]),
+                _ => unreachable!("matched"),
+            }
+            continue;
         }
-        match *step {
+        let val = |v: KVal| match v {
+            KVal::Param if kept[0] => Src::Block(&w[..m]),
+            KVal::Param => Src::Block(&*p),
+            KVal::Grad => Src::Block(&g[..m]),
+            KVal::State(j) if kept[1 + j as usize] => Src::Block(&old[j as usize * BLOCK..][..m]),
+            KVal::State(j) => Src::Block(&states[j as usize][start..start + m]),
+            KVal::Const(i) => Src::Splat(consts[i as usize]),
+            KVal::Let(i) => Src::Block(&done[i as usize * BLOCK..][..m]),
+        };
+        let write = match *step {
             KStep::Unary(op, x) => {
-                let (done, rest) = lets.split_at_mut(next * BLOCK);
-                let dst = &mut rest[..m];
-                dst.copy_from_slice(val!(x, done));
+                match val(x) {
+                    Src::Block(x) => dst.copy_from_slice(x),
+                    Src::Splat(x) => dst.fill(x),
+                }
                 unary(op, dst);
-                next += 1;
+                None
             }
             KStep::Binary(op, a, b) => {
-                let (done, rest) = lets.split_at_mut(next * BLOCK);
-                let dst = &mut rest[..m];
-                dst.copy_from_slice(val!(a, done));
-                // A constant `a` was filled into `c`; `b` may need it for its own.
-                binary(op, dst, val!(b, done));
-                next += 1;
+                binary_into(op, dst, val(a), val(b));
+                None
             }
-            KStep::Write(Target::Param, x) => {
-                p.copy_from_slice(val!(x, lets));
-                next += 1;
+            // The parameter or a state written as it is: through this step's slot.
+            KStep::Write(t, x) => {
+                match val(x) {
+                    Src::Block(x) => dst.copy_from_slice(x),
+                    Src::Splat(x) => dst.fill(x),
+                }
+                Some(t)
             }
-            KStep::Write(Target::State(j), x) => {
-                states[j][start..start + m].copy_from_slice(val!(x, lets));
-                next += 1;
-            }
+        };
+        if let Some(t) = write {
+            let to: &mut [F] = match t {
+                Target::Param => &mut *p,
+                Target::State(j) => &mut states[j][start..start + m],
+            };
+            to.copy_from_slice(dst);
         }
     }
     acc.fill(F::ZERO);
@@ -1200,7 +1282,31 @@ fn program<F: HostFloat>(e: &Elementwise, args: Operands<F>, first: usize, part:
 fn fused_block<F: HostFloat>(e: &Elementwise, args: Operands<F>, start: usize, stack: &mut [F], dst: &mut [F]) {
     let n = dst.len();
     let mut sp = 0;
-    for t in &e.terms {
+    let mut skip = false;
+    for (k, t) in e.terms.iter().enumerate() {
+        if std::mem::take(&mut skip) {
+            continue;
+        }
+        // A literal, an operand read in place or a splat, then a binary op: applied to the
+        // top of the stack in one pass (the same op on the same values).
+        if let (Some(&Term::Binary(op)), true) = (e.terms.get(k + 1), sp >= 1) {
+            let b = match *t {
+                Term::Lit(v) => Some(Src::Splat(F::from_f64(v))),
+                Term::Arg(i) => match (args, &e.reads[i]) {
+                    (Operands::All(a), Read::Same) => Some(Src::Block(&a[i][start..start + n])),
+                    (Operands::All(a), Read::Splat) => Some(Src::Splat(a[i][0])),
+                    (Operands::Head(a), Read::Same) if i > 0 => Some(Src::Block(&a[i - 1][start..start + n])),
+                    (Operands::Head(a), Read::Splat) if i > 0 => Some(Src::Splat(a[i - 1][0])),
+                    _ => None,
+                },
+                _ => None,
+            };
+            if let Some(b) = b {
+                binary_assign(op, &mut stack[(sp - 1) * BLOCK..][..n], b);
+                skip = true;
+                continue;
+            }
+        }
         match *t {
             Term::Arg(i) => {
                 let slot = &mut stack[sp * BLOCK..][..n];
