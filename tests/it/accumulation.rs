@@ -325,7 +325,7 @@ fn the_one_pass_host_boundary_equals_the_optimizer_and_clear_graphs_bit_for_bit(
             let net = GradAccumulation::across_steps(net(), 2).normalization(Normalization::Mean);
             let net = if clip { net.clip_global_norm(1e30) } else { net };
             let mut acc = Accumulator::<Cpu>::new(Rc::new(net), opt(), cpu(), 3).unwrap();
-            batches.iter().for_each(|b| drop(acc.step(b).unwrap()));
+            batches.iter().for_each(|b| { acc.step(b).unwrap(); });
             acc.session.params_host().into_iter().map(|(n, t)| (n, t.to_f32())).collect::<BTreeMap<_, _>>()
         };
         let (one_pass, graphs) = (run(false), run(true));

@@ -307,14 +307,36 @@ fn a_mid_window_checkpoint_keeps_the_moving_statistics_and_resumes_bit_identical
     assert!(err.contains("bn.moving_variance"), "{err}");
 }
 
+/// W ranks (threads of one process, `LocalGroup`) each train `Model::parallel` (gradients
+/// averaged, Momentum(0.1, 0.9)) for one epoch on rows `r*k*b..(r+1)*k*b` of every global
+/// batch, sliced into K micro-batches of b: each rank's parameters (all of `net()`'s, moving
+/// statistics included) and run counters.
+fn train_ranks(w: usize, k: usize, b: usize, global: &[Vec<HostTensor>], net: impl Fn() -> BnNet + Send + Copy + 'static) -> Vec<(std::collections::BTreeMap<String, Vec<f32>>, cellgraph::runtime::Counters)> {
+    use cellgraph::runtime::comm::{Communicator, LocalGroup};
+    use std::sync::Arc;
+    let handles: Vec<_> = LocalGroup::new(w)
+        .into_iter()
+        .enumerate()
+        .map(|(r, c)| {
+            let mine: Vec<Vec<HostTensor>> = global.iter().map(|g| g.iter().map(|t| cellgraph::runtime::accumulate::slice_rows(t, r * k * b, (r + 1) * k * b)).collect()).collect();
+            std::thread::spawn(move || {
+                let comm: Arc<dyn Communicator> = Arc::new(c);
+                let accumulate = GradAccumulation::new(WithLossCell::new(net(), CrossEntropyLoss::new()), k).normalization(Normalization::Mean);
+                let mut m = Model::<Cpu>::parallel(AutoParallel::new(accumulate).enable_gradients_mean(), Momentum::new(0.1, 0.9), cpu(), 1, comm).unwrap();
+                m.train(1, &TensorDataset { columns: crate::accumulation::concat(&mine), batch_size: k * b }, &mut []).unwrap();
+                (params_of(m.accumulator(), &net()), m.accumulator().counters())
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
 /// Data parallel with batch norm: statistics stay per rank (as DDP's `BatchNorm2d`), so W ranks
 /// of K micro-batches of b equal one process on the gathered batch sliced into K*W micro-batches
 /// of b (each normalised with its own statistics), within 1e-6 relative after 6 updates; every
 /// rank ends with the same trained parameters, and its own moving statistics.
 #[test]
 fn ranks_with_batch_norm_equal_one_process_on_the_gathered_batches() {
-    use cellgraph::runtime::comm::{Communicator, LocalGroup};
-    use std::sync::Arc;
     let (k, b, updates) = (2, 3, 6);
     let with_loss = || WithLossCell::new(BnNet::new(None), CrossEntropyLoss::new());
     let trainable: Vec<String> = BnNet::new(None).trainable_params().iter().map(|p| p.name.clone()).collect();
@@ -327,21 +349,7 @@ fn ranks_with_batch_norm_equal_one_process_on_the_gathered_batches() {
             m.train(1, &TensorDataset { columns: crate::accumulation::concat(&global), batch_size: w * k * b }, &mut []).unwrap();
             BnNet::new(None).parameters().iter().map(|p| (p.name.clone(), m.accumulator().session.param(&p.name).unwrap().to_f32())).collect::<std::collections::BTreeMap<_, _>>()
         };
-        let handles: Vec<_> = LocalGroup::new(w)
-            .into_iter()
-            .enumerate()
-            .map(|(r, c)| {
-                let mine: Vec<Vec<HostTensor>> = global.iter().map(|g| g.iter().map(|t| cellgraph::runtime::accumulate::slice_rows(t, r * k * b, (r + 1) * k * b)).collect()).collect();
-                std::thread::spawn(move || {
-                    let comm: Arc<dyn Communicator> = Arc::new(c);
-                    let net = GradAccumulation::new(WithLossCell::new(BnNet::new(None), CrossEntropyLoss::new()), k).normalization(Normalization::Mean);
-                    let mut m = Model::<Cpu>::parallel(AutoParallel::new(net).enable_gradients_mean(), Momentum::new(0.1, 0.9), cpu(), 1, comm).unwrap();
-                    m.train(1, &TensorDataset { columns: crate::accumulation::concat(&mine), batch_size: k * b }, &mut []).unwrap();
-                    BnNet::new(None).parameters().iter().map(|p| (p.name.clone(), m.accumulator().session.param(&p.name).unwrap().to_f32())).collect::<std::collections::BTreeMap<_, _>>()
-                })
-            })
-            .collect();
-        let ranks: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let ranks: Vec<_> = train_ranks(w, k, b, &global, || BnNet::new(None)).into_iter().map(|(p, _)| p).collect();
         let pick = |m: &std::collections::BTreeMap<String, Vec<f32>>| m.iter().filter(|(n, _)| trainable.contains(n)).map(|(n, v)| (n.clone(), v.clone())).collect::<std::collections::BTreeMap<_, _>>();
         for (r, p) in ranks.iter().enumerate() {
             let d = rel_diff(&pick(p), &pick(&single));
@@ -431,9 +439,7 @@ fn window_statistics_update_the_moving_statistics_once_per_window() {
 /// are counted. In a world of one it is the default batch norm.
 #[test]
 fn sync_batch_norm_on_w_ranks_equals_one_process_on_the_joined_micro_batches() {
-    use cellgraph::runtime::comm::{Communicator, LocalGroup};
     use std::collections::BTreeMap;
-    use std::sync::Arc;
     let (k, b, updates) = (2, 3, 4);
     let opt = || Momentum::new(0.1, 0.9);
     let accumulate = |net: BnNet| GradAccumulation::new(WithLossCell::new(net, CrossEntropyLoss::new()), k).normalization(Normalization::Mean);
@@ -456,21 +462,7 @@ fn sync_batch_norm_on_w_ranks_equals_one_process_on_the_joined_micro_batches() {
             joined.iter().for_each(|batch| assert!(acc.step(batch).unwrap().applied));
             all(&acc, windowed)
         };
-        let handles: Vec<_> = LocalGroup::new(w)
-            .into_iter()
-            .enumerate()
-            .map(|(r, c)| {
-                let mine: Vec<Vec<HostTensor>> = global.iter().map(|g| g.iter().map(|t| cellgraph::runtime::accumulate::slice_rows(t, r * k * b, (r + 1) * k * b)).collect()).collect();
-                std::thread::spawn(move || {
-                    let comm: Arc<dyn Communicator> = Arc::new(c);
-                    let net = GradAccumulation::new(WithLossCell::new(BnNet::synced(windowed), CrossEntropyLoss::new()), k).normalization(Normalization::Mean);
-                    let mut m = Model::<Cpu>::parallel(AutoParallel::new(net).enable_gradients_mean(), Momentum::new(0.1, 0.9), cpu(), 1, comm).unwrap();
-                    m.train(1, &TensorDataset { columns: crate::accumulation::concat(&mine), batch_size: k * b }, &mut []).unwrap();
-                    (params_of(m.accumulator(), &BnNet::synced(windowed)), m.accumulator().counters())
-                })
-            })
-            .collect();
-        let ranks: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let ranks = train_ranks(w, k, b, &global, move || BnNet::synced(windowed));
         for (r, (p, counters)) in ranks.iter().enumerate() {
             let d = rel_diff(p, &single);
             assert!(d < 1e-6, "W={w} windowed={windowed} rank {r}: {d:e} relative to one process on the joined micro-batches");
@@ -484,7 +476,7 @@ fn sync_batch_norm_on_w_ranks_equals_one_process_on_the_joined_micro_batches() {
     let data: Vec<Vec<HostTensor>> = (0..3).map(|_| images(&mut rng, k * b)).collect();
     let run = |net: BnNet| {
         let mut acc = Accumulator::<Cpu>::new(Rc::new(accumulate(net)), Rc::new(opt()), cpu(), 1).unwrap();
-        data.iter().for_each(|batch| drop(acc.step(batch).unwrap()));
+        data.iter().for_each(|batch| { acc.step(batch).unwrap(); });
         (all(&acc, false), acc.counters().step_collectives)
     };
     let ((synced, counted), (plain, _)) = (run(BnNet::synced(false)), run(BnNet::new(None)));

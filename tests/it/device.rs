@@ -428,7 +428,7 @@ mod wgpu {
                         let mut acc = Accumulator::<B>::new(Rc::new(net), Rc::new(Momentum::new(0.1, 0.9)), device(), 1).unwrap();
                         let comm: Arc<dyn Communicator> = Arc::new(c);
                         acc.set_parallel(comm, true, false).unwrap();
-                        batches.iter().for_each(|b| drop(acc.step(b).unwrap()));
+                        batches.iter().for_each(|b| { acc.step(b).unwrap(); });
                         (names.iter().map(|n| (n.clone(), acc.session.param(n).unwrap().to_f32())).collect(), acc.counters().step_collectives)
                     })
                 })
