@@ -282,24 +282,14 @@ impl<B: Backend> Store<B> {
         let device = session.device().clone();
         for (i, t) in self.params.iter().enumerate() {
             let names: Vec<&str> = self.kinds().map(|kind| self.name(Slot { kind, param: i })).collect();
-            let bufs: Option<Vec<FloatTensor<B>>> = names.iter().map(|n| match session.take_value(n) {
-                Some(Value::Float(t)) => Some(t),
-                Some(v) => {
-                    session.set_value(n, v);
-                    None
-                }
-                None => None,
-            }).collect();
-            let Some(bufs) = bufs else { unreachable!("checked above") };
-            let out = match crate::host::update_clear::<B>(prog, bufs, &t.shape, &consts, scale as f32, &device) {
-                Ok(out) => out,
-                Err(bufs) => {
-                    for (n, b) in names.iter().zip(bufs) {
-                        session.set_value(n, Value::Float(b));
-                    }
-                    return false;
-                }
-            };
+            let bufs: Vec<FloatTensor<B>> = names
+                .iter()
+                .map(|n| match session.take_value(n) {
+                    Some(Value::Float(t)) => t,
+                    _ => unreachable!("checked above"),
+                })
+                .collect();
+            let Ok(out) = crate::host::update_clear::<B>(prog, bufs, &t.shape, &consts, scale as f32, &device) else { unreachable!("f32 host values of one length, checked above") };
             for (n, b) in names.iter().zip(out) {
                 session.set_value(n, Value::Float(b));
             }
