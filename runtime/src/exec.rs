@@ -413,6 +413,15 @@ fn run_head<B: Backend>(cx: &Ctx<B>, head: &Op, step: &Step, args: Vec<(Value<B>
     }
 }
 
+/// Counts one call of `op` since `t0` in a profile, when profiling is on.
+fn record(profile: &mut Option<BTreeMap<&'static str, (u64, f64)>>, op: &'static str, t0: Option<std::time::Instant>) {
+    if let (Some(p), Some(t0)) = (profile.as_mut(), t0) {
+        let e = p.entry(op).or_insert((0, 0.0));
+        e.0 += 1;
+        e.1 += t0.elapsed().as_secs_f64();
+    }
+}
+
 /// Parameter values on one device, and the plans that read and write them.
 pub struct Session<B: Backend> {
     device: Device<B>,
@@ -674,11 +683,7 @@ impl<B: Backend> Session<B> {
                     let mut sum = x.to_host().to_f32();
                     c.all_reduce_sum(&mut sum);
                     let sum = HostTensor::f32(step.ty.dims().to_vec(), sum).expect("the operand's extents");
-                    if let (Some(p), Some(t0)) = (self.profile.as_mut(), t0) {
-                        let e = p.entry(step.op.label()).or_insert((0, 0.0));
-                        e.0 += 1;
-                        e.1 += t0.elapsed().as_secs_f64();
-                    }
+                    record(&mut self.profile, step.op.label(), t0);
                     Value::from_host_owned(sum, &self.device)
                 }
                 op => {
@@ -780,11 +785,7 @@ impl<B: Backend> Session<B> {
                             },
                         }
                     };
-                    if let (Some(p), Some(t0)) = (self.profile.as_mut(), t0) {
-                        let e = p.entry(op.label()).or_insert((0, 0.0));
-                        e.0 += 1;
-                        e.1 += t0.elapsed().as_secs_f64();
-                    }
+                    record(&mut self.profile, op.label(), t0);
                     v
                 }
             };
