@@ -682,19 +682,20 @@ fn is_2x2(g: &Geometry) -> bool {
 
 /// [`argmax_windows`] for any window, padded or not.
 fn argmax_general<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32]) {
-    // Input rows (or columns) `[lo, hi)` that output `o` reads along axis `a`.
+    // The first input row (or column) of output `o`'s window along axis `a`, the step, and
+    // the kernel offsets `[lo, hi)` that land inside the input (`lo == hi`: none).
     let span = |a: usize, o: usize| {
         let start = (o * g.stride[a]) as isize - g.pad[a] as isize;
-        let step = g.dilation[a] as isize;
-        let k = (0..g.kernel[a] as isize).filter(|&k| (0..g.x[2 + a] as isize).contains(&(start + k * step)));
-        let (lo, hi) = (k.clone().min(), k.max());
-        (start, step, lo.unwrap_or(0), hi.map_or(0, |h| h + 1))
+        let (d, x) = (g.dilation[a] as isize, g.x[2 + a] as isize);
+        let lo = if start < 0 { (-start + d - 1) / d } else { 0 };
+        let hi = if x > start { ((x - start + d - 1) / d).min(g.kernel[a] as isize) } else { 0 };
+        (start, d, lo, hi.max(lo))
     };
     let w = g.x[3];
-    let cols: Vec<_> = (0..g.out[1]).map(|ox| span(1, ox)).collect();
     for oy in 0..g.out[0] {
         let (ys, ysd, ky0, ky1) = span(0, oy);
-        for (ox, &(xs, xsd, kx0, kx1)) in cols.iter().enumerate() {
+        for ox in 0..g.out[1] {
+            let (xs, xsd, kx0, kx1) = span(1, ox);
             let (mut best, mut at) = (F::NEG_INF, NO_ARGMAX);
             for ky in ky0..ky1 {
                 let row = (ys + ky * ysd) as usize * w;
