@@ -229,7 +229,7 @@ fn the_resnet18_example_on_two_ranks_reduces_once_per_window() {
     let dir = tmp("resnet18");
     std::fs::create_dir_all(&dir).unwrap();
     let exe = std::env::current_exe().unwrap().parent().and_then(Path::parent).unwrap().join("examples/colossal_resnet18");
-    let mut c = mpirun_command(2, exe);
+    let mut c = mpirun_command(2, &exe);
     c.args(["--batch-size", "2", "--mnist-path", concat!(env!("CARGO_MANIFEST_DIR"), "/data/mnist")]);
     let (out, _) = launch(c, &dir);
     let s = text(&out);
@@ -237,7 +237,7 @@ fn the_resnet18_example_on_two_ranks_reduces_once_per_window() {
     assert!(s.contains("The parameter is only updated in the last iteration") && s.contains("ranks: 2, gradient collectives: 1\n"), "{s}");
     assert_eq!(s.matches("iteration 3, first 10 elements").count(), 1, "rank 0 prints: {s}");
     // SyncBatchNorm over MPI: 20 batch norms, 4 collectives each per micro-step, 4 micro-steps.
-    let mut c = mpirun_command(2, std::env::current_exe().unwrap().parent().and_then(Path::parent).unwrap().join("examples/colossal_resnet18"));
+    let mut c = mpirun_command(2, &exe);
     c.args(["--batch-size", "2", "--sync-bn", "--mnist-path", concat!(env!("CARGO_MANIFEST_DIR"), "/data/mnist")]);
     let (out, _) = launch(c, &dir);
     let s = text(&out);

@@ -436,7 +436,9 @@ impl<B: Backend> Accumulator<B> {
         match (cleared, self.store.is_flat()) {
             (true, _) => {}
             (false, true) => self.store.clear_flat(&mut self.session),
-            (false, false) => drop(self.session.run(&self.plans.clear, &[])?),
+            (false, false) => {
+                self.session.run(&self.plans.clear, &[])?;
+            }
         }
         // Once-per-window statistics fold in every window, applied or dropped, as per-micro
         // statistics would have.

@@ -272,7 +272,7 @@ impl<B: Backend> Store<B> {
         let Some((prog, literals)) = &self.host else { return false };
         // Every buffer an f32 host value of its parameter's length, before any is changed.
         let host_f32 = |kind, i: usize, t: &Trained| match session.value(self.name(Slot { kind, param: i })) {
-            Some(Value::Float(v)) => matches!(B::host_slice(v), Some(HostSlice::F32(h)) if h.len() == t.len),
+            Some(Value::Float(v)) => crate::host::is_host_f32::<B>(v, t.len),
             _ => false,
         };
         if !self.params.iter().enumerate().all(|(i, t)| self.kinds().all(|k| host_f32(k, i, t))) {

@@ -409,13 +409,18 @@ fn cropped(g: &Geometry) -> Option<(Geometry, [usize; 2])> {
     Some((Geometry { kernel: [r.1 - r.0, c.1 - c.0], pad, ..*g }, [r.0, c.0]))
 }
 
-/// The taps `at..at + small.kernel` of every `[kh, kw]` plane of `w` (`big`'s kernel), into `out`.
-fn crop_filter<F: Copy>(w: &[F], big: [usize; 2], small: [usize; 2], at: [usize; 2], out: &mut [F]) {
-    for (plane, dst) in w.chunks_exact(big[0] * big[1]).zip(out.chunks_exact_mut(small[0] * small[1])) {
-        for (r, row) in dst.chunks_exact_mut(small[1]).enumerate() {
-            row.copy_from_slice(&plane[(at[0] + r) * big[1] + at[1]..][..small[1]]);
+/// `f` on the filter `w` (of `big`'s kernel) cropped to the taps `at..at + small.kernel` of
+/// every `[kh, kw]` plane, held in the calling thread's partials buffer.
+fn with_cropped_filter<F: HostFloat, R>(w: &[F], big: &Geometry, small: &Geometry, at: [usize; 2], f: impl FnOnce(&[F]) -> R) -> R {
+    let ([bh, bw], [sh, sw]) = (big.kernel, small.kernel);
+    F::partials(w.len() / (bh * bw) * sh * sw, |out| {
+        for (plane, dst) in w.chunks_exact(bh * bw).zip(out.chunks_exact_mut(sh * sw)) {
+            for (r, row) in dst.chunks_exact_mut(sw).enumerate() {
+                row.copy_from_slice(&plane[(at[0] + r) * bw + at[1]..][..sw]);
+            }
         }
-    }
+        f(out)
+    })
 }
 
 /// Images per chunk of a convolution: the batch is cut into chunks whose column matrices
@@ -515,10 +520,7 @@ fn scatter_rows<F: HostFloat>(d: &ConvDims, o: usize, gi: usize, rows: &[F], nch
 /// chunk's output.
 pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>) {
     if let Some((small, at)) = cropped(g) {
-        return F::partials(w.len() / (g.kernel[0] * g.kernel[1]) * small.kernel[0] * small.kernel[1], |wc| {
-            crop_filter(w, g.kernel, small.kernel, at, wc);
-            conv2d(&small, groups, x, wc, o, y, post)
-        });
+        return with_cropped_filter(w, g, &small, at, |wc| conv2d(&small, groups, x, wc, o, y, post));
     }
     let d = conv_dims(g, groups, o);
     let [n, c, h, wd] = g.x;
@@ -553,10 +555,7 @@ pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: us
 /// and group, `w_g^T [kk, og] @ dy_g [og, m*oh*ow]`, then col2im image by image.
 pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w: &[F], o: usize, dx: &mut [F]) {
     if let Some((small, at)) = cropped(g) {
-        return F::partials(w.len() / (g.kernel[0] * g.kernel[1]) * small.kernel[0] * small.kernel[1], |wc| {
-            crop_filter(w, g.kernel, small.kernel, at, wc);
-            conv2d_input_grad(&small, groups, dy, wc, o, dx)
-        });
+        return with_cropped_filter(w, g, &small, at, |wc| conv2d_input_grad(&small, groups, dy, wc, o, dx));
     }
     let d = conv_dims(g, groups, o);
     let [n, c, h, wi] = g.x;
@@ -918,13 +917,15 @@ pub fn sum_rows<F: HostFloat>(x: &[F], out: &mut [F]) {
 /// the runs added into `out` in order of the first axis.
 pub fn sum_planes<F: HostFloat>(x: &[F], outer: usize, inner: usize, scale: Option<F>, out: &mut [F]) {
     let kept = out.len();
-    out.fill(F::ZERO);
+    let x = &x[..outer * kept * inner];
     if inner == 1 {
-        x.chunks_exact(kept).take(outer).for_each(|row| add_assign(out, row));
-    }
-    for plane in x.chunks_exact(kept * inner).take(outer).filter(|_| inner > 1) {
-        for (o, run) in out.iter_mut().zip(plane.chunks_exact(inner)) {
-            *o = *o + if inner >= 16 { F::ndarray_sum(run) } else { run.iter().fold(F::ZERO, |s, &v| s + v) };
+        sum_rows(x, out);
+    } else {
+        out.fill(F::ZERO);
+        for plane in x.chunks_exact(kept * inner) {
+            for (o, run) in out.iter_mut().zip(plane.chunks_exact(inner)) {
+                *o = *o + if inner >= 16 { F::ndarray_sum(run) } else { run.iter().fold(F::ZERO, |s, &v| s + v) };
+            }
         }
     }
     if let Some(s) = scale {
@@ -1061,18 +1062,40 @@ pub fn epilogue<F: HostFloat>(e: &Elementwise, extras: &[&[F]], first: usize, pa
     program(e, Operands::Head(extras), first, part)
 }
 
+/// `$body` with `$f` bound to binary op `$op`'s element function `(a, b) -> a op b` (for
+/// `relu_grad`, as the host kernel: `dy` where `y > 0`): one closure per op, so each loop in
+/// `$body` is compiled (and vectorised) for its op alone.
+macro_rules! with_binary {
+    ($op:expr, |$f:ident| $body:expr) => {
+        match $op {
+            Binary::Add => {
+                let $f = |x: F, y: F| x + y;
+                $body
+            }
+            Binary::Sub => {
+                let $f = |x: F, y: F| x - y;
+                $body
+            }
+            Binary::Mul => {
+                let $f = |x: F, y: F| x * y;
+                $body
+            }
+            Binary::Div => {
+                let $f = |x: F, y: F| x / y;
+                $body
+            }
+            Binary::ReluGrad => {
+                let $f = |x: F, y: F| if y > F::ZERO { x } else { F::ZERO };
+                $body
+            }
+        }
+    };
+}
+
 /// `a = a op b`, element by element.
 #[inline(always)]
 fn binary<F: HostFloat>(op: Binary, a: &mut [F], b: &[F]) {
-    let z = a.iter_mut().zip(b);
-    match op {
-        Binary::Add => z.for_each(|(a, &b)| *a = *a + b),
-        Binary::Sub => z.for_each(|(a, &b)| *a = *a - b),
-        Binary::Mul => z.for_each(|(a, &b)| *a = *a * b),
-        Binary::Div => z.for_each(|(a, &b)| *a = *a / b),
-        // As the host kernel `relu_grad`: `dy` where `y > 0`.
-        Binary::ReluGrad => z.for_each(|(a, &b)| *a = if b > F::ZERO { *a } else { F::ZERO }),
-    }
+    with_binary!(op, |f| a.iter_mut().zip(b).for_each(|(a, &b)| *a = f(*a, b)))
 }
 
 /// `x = op(x)`, element by element.
@@ -1129,7 +1152,7 @@ pub fn update_clear<F: HostFloat>(prog: &UpdateKernel, p: &mut [F], acc: &mut [F
     let mut parts: Vec<Vec<&mut [F]>> = states.iter_mut().map(|s| s.chunks_mut(per).collect()).collect();
     let shares: Vec<_> = p.chunks_mut(per).zip(acc.chunks_mut(per)).map(|(p, a)| (p, a, parts.iter_mut().map(|v| v.remove(0)).collect::<Vec<_>>())).collect();
     each(shares, |(p, acc, mut st)| {
-        // Scratch: the parameter, the gradient, the states (as they were), a constant, the lets.
+        // Scratch: the gradient, the parameter and the states as they were, the steps' values.
         F::scratch((2 + st.len() + lets) * BLOCK, |scratch| {
             vectorized(
                 #[inline(always)]
@@ -1149,45 +1172,37 @@ pub fn update_clear<F: HostFloat>(prog: &UpdateKernel, p: &mut [F], acc: &mut [F
 fn binary_assign<F: HostFloat>(op: Binary, a: &mut [F], b: Src<F>) {
     match b {
         Src::Block(b) => binary(op, a, b),
-        Src::Splat(y) => match op {
-            Binary::Add => a.iter_mut().for_each(|x| *x = *x + y),
-            Binary::Sub => a.iter_mut().for_each(|x| *x = *x - y),
-            Binary::Mul => a.iter_mut().for_each(|x| *x = *x * y),
-            Binary::Div => a.iter_mut().for_each(|x| *x = *x / y),
-            // As `binary`: `a` where `y > 0`.
-            Binary::ReluGrad if y > F::ZERO => {}
-            Binary::ReluGrad => a.fill(F::ZERO),
-        },
+        Src::Splat(y) => with_binary!(op, |f| a.iter_mut().for_each(|x| *x = f(*x, y))),
     }
 }
 
-/// An operand of an update step: a block's values, or one value for every element.
+/// An operand: a block's values, or one value for every element.
 #[derive(Clone, Copy)]
 enum Src<'a, F> {
     Block(&'a [F]),
     Splat(F),
 }
 
+impl<F: Copy> Src<'_, F> {
+    /// Writes the values into `dst`.
+    #[inline(always)]
+    fn copy_to(self, dst: &mut [F]) {
+        match self {
+            Src::Block(x) => dst.copy_from_slice(x),
+            Src::Splat(x) => dst.fill(x),
+        }
+    }
+}
+
 /// `dst = a op b`, element by element, in one pass.
 #[inline(always)]
 fn binary_into<F: HostFloat>(op: Binary, dst: &mut [F], a: Src<F>, b: Src<F>) {
-    macro_rules! each {
-        ($f:expr) => {
-            match (a, b) {
-                (Src::Block(a), Src::Block(b)) => dst.iter_mut().zip(a).zip(b).for_each(|((d, &x), &y)| *d = $f(x, y)),
-                (Src::Block(a), Src::Splat(y)) => dst.iter_mut().zip(a).for_each(|(d, &x)| *d = $f(x, y)),
-                (Src::Splat(x), Src::Block(b)) => dst.iter_mut().zip(b).for_each(|(d, &y)| *d = $f(x, y)),
-                (Src::Splat(x), Src::Splat(y)) => dst.fill($f(x, y)),
-            }
-        };
-    }
-    match op {
-        Binary::Add => each!(|x: F, y: F| x + y),
-        Binary::Sub => each!(|x: F, y: F| x - y),
-        Binary::Mul => each!(|x: F, y: F| x * y),
-        Binary::Div => each!(|x: F, y: F| x / y),
-        Binary::ReluGrad => each!(|x: F, y: F| if y > F::ZERO { x } else { F::ZERO }),
-    }
+    with_binary!(op, |f| match (a, b) {
+        (Src::Block(a), Src::Block(b)) => dst.iter_mut().zip(a).zip(b).for_each(|((d, &x), &y)| *d = f(x, y)),
+        (Src::Block(a), Src::Splat(y)) => dst.iter_mut().zip(a).for_each(|(d, &x)| *d = f(x, y)),
+        (Src::Splat(x), Src::Block(b)) => dst.iter_mut().zip(b).for_each(|(d, &y)| *d = f(x, y)),
+        (Src::Splat(x), Src::Splat(y)) => dst.fill(f(x, y)),
+    })
 }
 
 /// One block of [`update_clear`]: `p` and `acc` the block's elements, `states` the share's
@@ -1212,16 +1227,18 @@ fn update_block<F: HostFloat>(prog: &UpdateKernel, kept: &[bool], consts: &[F], 
     for (next, step) in prog.steps.iter().enumerate() {
         let (done, rest) = lets.split_at_mut(next * BLOCK);
         let dst = &mut rest[..m];
-        if let KStep::Write(t, x @ (KVal::Let(_) | KVal::Const(_))) = *step {
+        // A write of a step's value or a constant lands straight in its target.
+        let direct = match *step {
+            KStep::Write(t, KVal::Let(i)) => Some((t, Src::Block(&done[i as usize * BLOCK..][..m]))),
+            KStep::Write(t, KVal::Const(i)) => Some((t, Src::Splat(consts[i as usize]))),
+            _ => None,
+        };
+        if let Some((t, x)) = direct {
             let to: &mut [F] = match t {
                 Target::Param => &mut *p,
                 Target::State(j) => &mut states[j][start..start + m],
             };
-            match x {
-                KVal::Let(i) => to.copy_from_slice(&done[i as usize * BLOCK..][..m]),
-                KVal::Const(i) => to.fill(consts[i as usize]),
-                _ => unreachable!("matched"),
-            }
+            x.copy_to(to);
             continue;
         }
         let val = |v: KVal| match v {
@@ -1235,10 +1252,7 @@ fn update_block<F: HostFloat>(prog: &UpdateKernel, kept: &[bool], consts: &[F], 
         };
         let write = match *step {
             KStep::Unary(op, x) => {
-                match val(x) {
-                    Src::Block(x) => dst.copy_from_slice(x),
-                    Src::Splat(x) => dst.fill(x),
-                }
+                val(x).copy_to(dst);
                 unary(op, dst);
                 None
             }
@@ -1248,10 +1262,7 @@ fn update_block<F: HostFloat>(prog: &UpdateKernel, kept: &[bool], consts: &[F], 
             }
             // The parameter or a state written as it is: through this step's slot.
             KStep::Write(t, x) => {
-                match val(x) {
-                    Src::Block(x) => dst.copy_from_slice(x),
-                    Src::Splat(x) => dst.fill(x),
-                }
+                val(x).copy_to(dst);
                 Some(t)
             }
         };

@@ -217,14 +217,19 @@ pub fn assign_add<B: Backend>(acc: FloatTensor<B>, g: &FloatTensor<B>, ty: &Tens
     Err(B::from_host_vec(data, ty.dims(), device))
 }
 
+/// True when `t` is an f32 value of `len` elements in host memory ([`update_clear`] takes
+/// only those).
+pub fn is_host_f32<B: Backend>(t: &FloatTensor<B>, len: usize) -> bool {
+    matches!(B::host_slice(t), Some(HostSlice::F32(v)) if v.len() == len)
+}
+
 /// A window's boundary for one parameter on a host backend, in one pass (see
 /// [`kernels::update_clear`]): `bufs` are the parameter, its accumulator and its optimizer
 /// states, in place where nothing else holds them (else copied), returned updated (the
 /// accumulator zeroed). `Err(bufs)` when they are not all f32 host values of one length.
 pub fn update_clear<B: Backend>(prog: &UpdateKernel, bufs: Vec<FloatTensor<B>>, dims: &[usize], consts: &[f32], scale: f32, device: &Device<B>) -> Result<Vec<FloatTensor<B>>, Vec<FloatTensor<B>>> {
     let n: usize = dims.iter().product();
-    let fits = |t: &FloatTensor<B>| matches!(B::host_slice(t), Some(HostSlice::F32(v)) if v.len() == n);
-    if bufs.len() < 2 || !bufs.iter().all(fits) {
+    if bufs.len() < 2 || !bufs.iter().all(|t| is_host_f32::<B>(t, n)) {
         return Err(bufs);
     }
     let mut vecs: Vec<Vec<f32>> = bufs
