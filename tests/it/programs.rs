@@ -82,6 +82,7 @@ fn the_seed_002_program_refuses_bad_settings_before_training_and_logs_why() {
         (&["--batch-size", "30"], "multiple of 4 (such as 28 or 32)"),
         (&["--ckpt", dir.to_str().unwrap()], "is a directory"),
         (&["--epochs", "0"], "--epochs must be at least 1"),
+        (&["--sync-bn"], "--sync-bn synchronises batch norms: it needs --net resnet18 (`mlp` has none)"),
     ] {
         // Started without mpirun: a world of one.
         let out = Command::new(BIN).args(args).arg("--log-dir").arg(&dir).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap();
