@@ -24,6 +24,7 @@ pub mod prelude {
         SoftmaxCrossEntropyWithLogits, Tracer, WithLossCell, SGD,
     };
     pub use cellgraph_cells::{AdaptiveAvgPool2d, AutoParallel, BatchNorm2d, Conv2d, Optimizer, ResNet18};
+    pub use cellgraph_cells::{Embedding, GptConfig, LayerNorm, Softmax, GELU, GPT};
     pub use cellgraph_compiler::autodiff::Sens;
     pub use cellgraph_compiler::{
         parse, print, verify, DType, Graph, HostData, HostTensor, NodeId, Op, PadMode, Reduction, Shape, TensorType,

@@ -9,8 +9,9 @@
 //! - [`GradAccumulation::boost`] (`mindspore.boost.GradientAccumulation`): like
 //!   `across_steps`, with the MEAN of the gradients.
 //!
-//! [`Normalization`] picks sum, mean over micro-batches, or mean over items (correct when
-//! micro-batches differ in size). Parameter names are the wrapped network's, unchanged.
+//! [`Normalization`] picks sum, mean over micro-batches, mean over items (correct when
+//! micro-batches differ in size), or mean over tokens (a summing loss that counts its
+//! non-ignored tokens: the window's count over micro-batches and ranks divides once). Parameter names are the wrapped network's, unchanged.
 
 use cellgraph_compiler::passes::grad_accumulation::{
     clear_graph, micro_graph, optimizer_graph, AccumulationOptions,
@@ -165,7 +166,9 @@ impl GradAccumulation {
         for p in self.network.trainable_params() {
             t.param(&p)?;
         }
-        Ok((t.finish(vec![loss]), loss))
+        // A loss that counts its tokens leaves the count as a second output.
+        let outputs = std::iter::once(loss).chain(t.count()).collect();
+        Ok((t.finish(outputs), loss))
     }
 }
 

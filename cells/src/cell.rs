@@ -56,6 +56,9 @@ pub struct Tracer {
     scopes: Vec<String>,
     params: HashMap<String, NodeId>,
     phase: Phase,
+    /// The number of items (tokens) the loss sums over, when a loss reports it
+    /// ([`Tracer::set_count`]).
+    count: Option<NodeId>,
 }
 
 /// What a trace records.
@@ -79,7 +82,7 @@ impl Tracer {
     /// built from: `BatchNorm2d` normalises with the batch's statistics and updates its moving
     /// ones).
     pub fn new(name: &str) -> Self {
-        Tracer { graph: Graph::new(name), scopes: vec![ROOT_SCOPE.to_string()], params: HashMap::new(), phase: Phase::Training }
+        Tracer { graph: Graph::new(name), scopes: vec![ROOT_SCOPE.to_string()], params: HashMap::new(), phase: Phase::Training, count: None }
     }
 
     /// An empty inference trace (MindSpore's `set_train(False)`: `BatchNorm2d` normalises with
@@ -164,6 +167,18 @@ impl Tracer {
         let r = cell.construct(self, xs);
         self.scopes.pop();
         r
+    }
+
+    /// Reports the scalar count of items a summing loss covers (its non-ignored tokens), for
+    /// token-weighted normalisation (`Normalization::Tokens`): the window's gradient is
+    /// divided once by the counts of all its micro-batches and ranks.
+    pub fn set_count(&mut self, count: NodeId) {
+        self.count = Some(count);
+    }
+
+    /// The count a loss reported, if any.
+    pub fn count(&self) -> Option<NodeId> {
+        self.count
     }
 
     /// The type of a traced node.

@@ -9,6 +9,7 @@ use crate::param::{Parameter, Scope};
 
 /// `y = x @ weight^T + bias`, weight `[out, in]` (MindSpore's `nn.Dense`).
 /// Defaults: weight HeUniform(sqrt 5), bias Uniform(1/sqrt(in)), `has_bias = true`.
+/// Input `[..., in]` of any rank from 2 gives `[..., out]`.
 #[derive(Clone, Debug)]
 pub struct Dense {
     path: String,
@@ -53,6 +54,17 @@ impl Cell for Dense {
     fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
         expect_inputs(self, xs, 1)?;
         let w = t.param(&self.weight)?;
+        let xt = t.ty(xs[0]).clone();
+        if xt.rank() > 2 {
+            // [..., in] -> [rows, in] -> [rows, out] -> [..., out]
+            let (k, out) = (xt.dims()[xt.rank() - 1], self.weight.ty.dims()[0]);
+            let x = t.op(Op::Reshape { shape: vec![xt.numel() / k.max(1), k].into() }, &[xs[0]])?;
+            let y = t.op(Op::MatMul { transpose_a: false, transpose_b: true }, &[x, w])?;
+            let y = add_bias(t, y, self.bias.as_ref(), 0)?;
+            let mut dims = xt.dims().to_vec();
+            *dims.last_mut().expect("rank > 2") = out;
+            return t.op(Op::Reshape { shape: dims.into() }, &[y]);
+        }
         let y = t.op(Op::MatMul { transpose_a: false, transpose_b: true }, &[xs[0], w])?;
         add_bias(t, y, self.bias.as_ref(), 0)
     }

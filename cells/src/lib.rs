@@ -2,7 +2,8 @@
 //!
 //! - [`cell`]: the `Cell` trait and the tracer.
 //! - [`param`] and [`init`]: parameters, naming scopes, initializers.
-//! - [`layers`], [`loss`], [`zoo`]: building blocks and reference networks.
+//! - [`layers`], [`norm`], [`transformer`], [`loss`], [`zoo`]: building blocks and reference
+//!   networks.
 //! - [`optim`] and [`train`]: optimizers and training-graph builders.
 
 pub mod accumulate;
@@ -16,6 +17,7 @@ pub mod optim;
 pub mod param;
 pub mod schedule;
 pub mod train;
+pub mod transformer;
 pub mod zoo;
 
 pub use accumulate::{AutoParallel, GradAccumulation, Normalization, Slicing};
@@ -29,4 +31,5 @@ pub use optim::{Adam, Momentum, Optimizer, SGD};
 pub use schedule::LearningRate;
 pub use param::{materialize, Parameter, Scope};
 pub use train::{grad_graph, train_one_step, GradGraph, TrainStep};
-pub use zoo::{BasicBlock, LeNet5, Network, ResNet18};
+pub use transformer::{Block, CausalSelfAttention, Embedding, LayerNorm, Mlp, Softmax, GELU};
+pub use zoo::{BasicBlock, GptConfig, LeNet5, Network, ResNet18, GPT};

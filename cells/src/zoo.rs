@@ -1,13 +1,15 @@
-//! Reference networks: MindSpore's LeNet5, the seed-002 MLP, and torchvision's ResNet-18.
+//! Reference networks: MindSpore's LeNet5, the seed-002 MLP, torchvision's ResNet-18, and a
+//! character-level GPT (nanoGPT's).
 
 use cellgraph_compiler::{NodeId, Op, PadMode};
 
 use crate::cell::{expect_inputs, Cell, Tracer};
-use crate::error::Result;
+use crate::error::{CellError, Result};
 use crate::init::Initializer;
 use crate::layers::{AdaptiveAvgPool2d, Conv2d, Dense, Flatten, MaxPool2d, Pool2d, ReLU, SequentialCell};
 use crate::norm::BatchNorm2d;
 use crate::param::{Parameter, Scope};
+use crate::transformer::{Block, Embedding, LayerNorm};
 
 /// LeNet5 exactly as MindSpore's model zoo: input `[N, 1, 32, 32]`, 61,684 parameters.
 pub struct LeNet5 {
@@ -251,5 +253,88 @@ impl Cell for ResNet18 {
     }
     fn kind(&self) -> &'static str {
         "ResNet18"
+    }
+}
+
+/// The shape of a [`GPT`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GptConfig {
+    pub vocab_size: usize,
+    /// The longest sequence (the position table's rows).
+    pub context: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub width: usize,
+    /// LayerNorm's epsilon (1e-5, PyTorch's and GPT-2's).
+    pub layer_norm_eps: f64,
+}
+
+impl GptConfig {
+    /// The small character model: 4 layers, 4 heads, width 128, context 128.
+    pub fn small(vocab_size: usize) -> Self {
+        GptConfig { vocab_size, context: 128, layers: 4, heads: 4, width: 128, layer_norm_eps: 1e-5 }
+    }
+}
+
+/// A GPT (nanoGPT's, without dropout): token and position embeddings (`wte`, `wpe`), `layers`
+/// pre-LayerNorm [`Block`]s (`h.0`, `h.1`, ...), a final LayerNorm (`ln_f`) and an output head
+/// tied to the token embedding (logits = `x @ wte^T`). Input: token ids `[B, T]` with
+/// `T <= context`; output: logits `[B, T, vocab_size]`. Initialised as GPT-2: weights
+/// `N(0, 0.02)`, residual projections `N(0, 0.02 / sqrt(2 * layers))`, biases zero.
+pub struct GPT {
+    wte: Embedding,
+    wpe: Embedding,
+    h: Vec<Block>,
+    ln_f: LayerNorm,
+    pub config: GptConfig,
+}
+
+impl GPT {
+    /// A GPT of the given shape.
+    pub fn new(s: &Scope, config: GptConfig) -> Result<Self> {
+        let c = config;
+        Ok(GPT {
+            wte: Embedding::new(&s.child("wte"), c.vocab_size, c.width).embedding_init(Initializer::normal(0.02)),
+            wpe: Embedding::new(&s.child("wpe"), c.context, c.width).embedding_init(Initializer::normal(0.02)),
+            h: (0..c.layers).map(|i| Block::new(&s.child("h").child(&i.to_string()), c.width, c.heads, c.layers, c.layer_norm_eps)).collect::<Result<_>>()?,
+            ln_f: LayerNorm::new(&s.child("ln_f"), c.width).epsilon(c.layer_norm_eps),
+            config,
+        })
+    }
+}
+
+impl Cell for GPT {
+    fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
+        expect_inputs(self, xs, 1)?;
+        let ids = t.ty(xs[0]).clone();
+        let (&[b, tt], true) = (ids.dims(), ids.dtype.is_int()) else {
+            return Err(CellError::Config { cell: "GPT".into(), detail: format!("input must be integer token ids [B, T], got {ids}") });
+        };
+        let (c, v) = (self.config.width, self.config.vocab_size);
+        if tt > self.config.context {
+            return Err(CellError::Config { cell: "GPT".into(), detail: format!("sequences of {tt} tokens exceed the context of {}; use windows of at most {0}", self.config.context) });
+        }
+        let tok = t.call(&self.wte, xs)?;
+        let wpe = t.param(self.wpe.table())?;
+        let pos = t.op(Op::Slice { begin: vec![0, 0], end: vec![tt, c] }, &[wpe])?;
+        let mut x = t.op(Op::Add, &[tok, pos])?;
+        for block in &self.h {
+            x = t.call(block, &[x])?;
+        }
+        let x = t.call(&self.ln_f, &[x])?;
+        let x = t.op(Op::Reshape { shape: vec![b * tt, c].into() }, &[x])?;
+        let wte = t.param(self.wte.table())?;
+        let logits = t.op(Op::MatMul { transpose_a: false, transpose_b: true }, &[x, wte])?;
+        t.op(Op::Reshape { shape: vec![b, tt, v].into() }, &[logits])
+    }
+    fn parameters(&self) -> Vec<Parameter> {
+        let mut v = self.wte.parameters();
+        v.extend(self.wpe.parameters());
+        v.extend(self.h.iter().flat_map(|b| b.parameters()));
+        v.extend(self.ln_f.parameters());
+        v
+    }
+    fn kind(&self) -> &'static str {
+        "GPT"
     }
 }

@@ -150,7 +150,27 @@ pub fn vjp(e: &mut Emit, op: &Op, xs: &[NodeId], y: NodeId, g: NodeId) -> Result
                 let two_y = e.scale(y, 2.0)?;
                 vec![Some(e.div(g, two_y)?)]
             }
-            Op::GreaterEqual => vec![None, None],
+            Op::GreaterEqual | Op::Equal => vec![None, None],
+            Op::Tanh => {
+                // 1 - y^2
+                let yy = e.mul(y, y)?;
+                let one = e.scalar_like(1.0, yy)?;
+                let d = e.sub(one, yy)?;
+                vec![Some(e.mul(g, d)?)]
+            }
+            Op::Erf => {
+                // 2/sqrt(pi) exp(-x^2)
+                let xx = e.mul(xs[0], xs[0])?;
+                let nxx = e.neg(xx)?;
+                let ex = e.op(Op::Exp, &[nxx])?;
+                let d = e.scale(ex, std::f64::consts::FRAC_2_SQRT_PI)?;
+                vec![Some(e.mul(g, d)?)]
+            }
+            Op::CausalMask { .. } => vec![Some(e.op(Op::CausalMask { fill: 0.0 }, &[g])?)],
+            Op::Gather => {
+                let rows = s(e, 0).0[0];
+                vec![Some(e.op(Op::ScatterAdd { rows }, &[xs[1], g])?), None]
+            }
             Op::Select => {
                 let z = e.op(Op::ZerosLike, &[g])?;
                 let (ga, gb) = (e.op(Op::Select, &[xs[0], g, z])?, e.op(Op::Select, &[xs[0], z, g])?);
@@ -228,6 +248,7 @@ pub fn vjp(e: &mut Emit, op: &Op, xs: &[NodeId], y: NodeId, g: NodeId) -> Result
             Op::MaxPool2d(p) => vec![Some(e.op(Op::MaxPool2dGrad(p.clone()), &[xs[0], g])?)],
             Op::AvgPool2d(p) => vec![Some(e.op(Op::AvgPool2dGrad(p.clone()), &[xs[0], g])?)],
             Op::ReduceMaxGrad(_)
+            | Op::ScatterAdd { .. }
             | Op::SoftmaxCrossEntropyGrad { .. }
             | Op::Conv2dBackpropInput { .. }
             | Op::Conv2dBackpropFilter { .. }

@@ -32,12 +32,16 @@ fn op_flops(op: &Op, out_ty: &TensorType, args: &[&TensorType]) -> u64 {
         Op::Concat { .. } | Op::Flatten | Op::Cast { .. } | Op::ZerosLike | Op::Assign => 0,
         Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Relu | Op::ReluGrad | Op::Sqrt => out,
         Op::GreaterEqual | Op::Select | Op::AssignAdd | Op::AllReduce => out,
+        Op::Equal | Op::CausalMask { .. } | Op::Gather => out,
+        Op::ScatterAdd { .. } => arg(1).numel() as u64,
+        Op::Tanh | Op::Erf => 8 * out,
         Op::Exp | Op::Log => 4 * out,
         Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_) => arg(0).numel() as u64,
         Op::ReduceMaxGrad(_) => 3 * out,
         Op::MatMul { transpose_a, .. } => {
             let a = arg(0);
-            let k = if *transpose_a { a.dims()[0] } else { a.dims()[1] };
+            let r = a.rank();
+            let k = if *transpose_a { a.dims()[r - 2] } else { a.dims()[r - 1] };
             2 * out * k as u64
         }
         Op::SoftmaxCrossEntropy { .. } | Op::SoftmaxCrossEntropyGrad { .. } => 6 * arg(0).numel() as u64,

@@ -100,9 +100,11 @@ fn pool2d(x: &TensorType, p: &Pool2dAttrs) -> Result<TensorType, String> {
 
 fn matmul(a: &TensorType, b: &TensorType, ta: bool, tb: bool) -> Result<TensorType, String> {
     let dtype = same_dtype(&[a, b])?;
-    let (&[ar, ac], &[br, bc]) = (a.dims(), b.dims()) else {
-        return Err(format!("operands must be rank 2, got {a} and {b}"));
-    };
+    let r = a.rank();
+    if r < 2 || b.rank() != r || a.dims()[..r - 2] != b.dims()[..r - 2] {
+        return Err(format!("operands must be rank 2, or of one rank with equal leading (batch) axes, got {a} and {b}"));
+    }
+    let (batch, [ar, ac], [br, bc]) = (&a.dims()[..r - 2], [a.dims()[r - 2], a.dims()[r - 1]], [b.dims()[r - 2], b.dims()[r - 1]]);
     let (m, ka) = if ta { (ac, ar) } else { (ar, ac) };
     let (kb, n) = if tb { (bc, br) } else { (br, bc) };
     if ka != kb {
@@ -112,7 +114,7 @@ fn matmul(a: &TensorType, b: &TensorType, ta: bool, tb: bool) -> Result<TensorTy
             if tb { "^T" } else { "" }
         ));
     }
-    Ok(TensorType::new(dtype, [m, n]))
+    Ok(TensorType::new(dtype, batch.iter().copied().chain([m, n]).collect::<Vec<_>>()))
 }
 
 fn softmax_ce(l: &TensorType, y: &TensorType, sparse: bool) -> Result<(usize, usize), String> {
@@ -147,7 +149,7 @@ pub fn infer(op: &Op, xs: &[&TensorType]) -> Result<TensorType, String> {
             Err("leaf ops carry their type; it is not inferred".into())
         }
         Op::Add | Op::Sub | Op::Mul | Op::Div => binary(xs[0], xs[1]),
-        Op::GreaterEqual => Ok(binary(xs[0], xs[1])?.with_dtype(DType::Bool)),
+        Op::GreaterEqual | Op::Equal => Ok(binary(xs[0], xs[1])?.with_dtype(DType::Bool)),
         Op::Select => {
             if xs[0].dtype != DType::Bool {
                 return Err(format!("condition must be bool, got {}", xs[0]));
@@ -157,9 +159,32 @@ pub fn infer(op: &Op, xs: &[&TensorType]) -> Result<TensorType, String> {
                 .ok_or_else(|| format!("condition {} does not broadcast with {ab}", xs[0]))?;
             Ok(ab.with_shape(shape))
         }
-        Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::Sqrt | Op::AllReduce => {
+        Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::Sqrt | Op::AllReduce | Op::Tanh | Op::Erf => {
             float_operand(xs[0])?;
             Ok(xs[0].clone())
+        }
+        Op::CausalMask { .. } => {
+            float_operand(xs[0])?;
+            if xs[0].rank() < 2 {
+                return Err(format!("causal masking needs scores [..., T, S], got {}", xs[0]));
+            }
+            Ok(xs[0].clone())
+        }
+        Op::Gather => {
+            let (table, ids) = (xs[0], xs[1]);
+            if table.rank() == 0 || !ids.dtype.is_int() {
+                return Err(format!("gather needs a table [V, ...] and integer ids, got {table} and {ids}"));
+            }
+            Ok(table.with_shape(ids.dims().iter().chain(&table.dims()[1..]).copied().collect::<Vec<_>>()))
+        }
+        Op::ScatterAdd { rows } => {
+            let (ids, upd) = (xs[0], xs[1]);
+            let k = ids.rank();
+            if !ids.dtype.is_int() || upd.rank() < k || upd.dims()[..k] != *ids.dims() {
+                return Err(format!("scatter_add needs integer ids and updates [...ids, ...], got {ids} and {upd}"));
+            }
+            float_operand(upd)?;
+            Ok(upd.with_shape(std::iter::once(*rows).chain(upd.dims()[k..].iter().copied()).collect::<Vec<_>>()))
         }
         Op::ReluGrad => {
             check_same(xs[0], xs[1], "dy and y")?;

@@ -84,6 +84,12 @@ pub enum Op {
     Sqrt,
     /// `a >= b` elementwise (bool result, no gradient).
     GreaterEqual,
+    /// `a == b` elementwise on operands of one dtype (bool result, no gradient).
+    Equal,
+    /// The hyperbolic tangent.
+    Tanh,
+    /// The error function (GELU's exact form).
+    Erf,
     /// `cond ? a : b` elementwise, operands `(cond, a, b)`, broadcasting.
     Select,
     Cast { dtype: DType },
@@ -106,8 +112,21 @@ pub enum Op {
     /// Gradient of `ReduceMax`, operands `(x, y, dy)`; ties share the gradient equally.
     ReduceMaxGrad(ReduceAttrs),
     // ---- linear algebra
-    /// `op(a) @ op(b)` on rank-2 operands, `op` transposing when the flag is set.
+    /// `op(a) @ op(b)`, `op` transposing the last two axes when the flag is set; operands of
+    /// rank 2, or of one rank above 2 with equal leading (batch) axes.
     MatMul { transpose_a: bool, transpose_b: bool },
+    // ---- indexing
+    /// Rows of a table by integer ids, operands `(table [V, ...], ids [...])`, giving
+    /// `[...ids, ...rows]` (MindSpore's `Gather` on axis 0, an embedding lookup). Ids outside
+    /// `0..V` are an error.
+    Gather,
+    /// The gradient of [`Op::Gather`]: `updates` added into a zero `[rows, ...]` table at their
+    /// ids (repeated ids add up), operands `(ids [...], updates [...ids, ...])`.
+    ScatterAdd { rows: usize },
+    /// Causal masking of attention scores `[..., T, S]`: element `(i, j)` becomes `fill` where
+    /// `j > i + S - T` (a query never sees a later key); the rest pass through. Its gradient is
+    /// the same mask with `fill` 0.
+    CausalMask { fill: f64 },
     // ---- neural network
     /// Softmax cross-entropy of `(logits [N,C], labels)`: labels are class ids `[N]` when
     /// `sparse`, else probabilities `[N,C]`.
@@ -253,6 +272,12 @@ impl Op {
             Op::ReluGrad => "relu_grad",
             Op::Sqrt => "sqrt",
             Op::GreaterEqual => "greater_equal",
+            Op::Equal => "equal",
+            Op::Tanh => "tanh",
+            Op::Erf => "erf",
+            Op::Gather => "gather",
+            Op::ScatterAdd { .. } => "scatter_add",
+            Op::CausalMask { .. } => "causal_mask",
             Op::Select => "select",
             Op::Cast { .. } => "cast",
             Op::ZerosLike => "zeros_like",
@@ -307,7 +332,8 @@ impl Op {
         match self {
             Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => Exactly(0),
             Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::Sqrt | Op::Cast { .. } | Op::ZerosLike => Exactly(1),
-            Op::AllReduce => Exactly(1),
+            Op::AllReduce | Op::Tanh | Op::Erf | Op::CausalMask { .. } => Exactly(1),
+            Op::Equal | Op::Gather | Op::ScatterAdd { .. } => Exactly(2),
             Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } => Exactly(1),
             Op::Slice { .. } | Op::Pad { .. } | Op::Flatten => Exactly(1),
             Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_) => Exactly(1),
@@ -358,6 +384,9 @@ impl Op {
             Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Exp | Op::Log => vec![],
             Op::Relu | Op::ReluGrad | Op::ZerosLike | Op::Flatten | Op::Assign | Op::AssignAdd => vec![],
             Op::Sqrt | Op::GreaterEqual | Op::Select | Op::AllReduce => vec![],
+            Op::Equal | Op::Tanh | Op::Erf | Op::Gather => vec![],
+            Op::ScatterAdd { rows } => vec![("rows", Attr::Int(*rows as i64))],
+            Op::CausalMask { fill } => vec![("fill", Attr::Float(*fill))],
             Op::Cast { dtype } => vec![("dtype", Attr::Sym(dtype.name().into()))],
             Op::Broadcast { shape } | Op::Reshape { shape } => vec![("shape", ints(&shape.0))],
             Op::Transpose { perm } => vec![("perm", ints(perm))],
@@ -424,6 +453,12 @@ impl Op {
             "relu_grad" => Op::ReluGrad,
             "sqrt" => Op::Sqrt,
             "greater_equal" => Op::GreaterEqual,
+            "equal" => Op::Equal,
+            "tanh" => Op::Tanh,
+            "erf" => Op::Erf,
+            "gather" => Op::Gather,
+            "scatter_add" => Op::ScatterAdd { rows: a.usize("rows")? },
+            "causal_mask" => Op::CausalMask { fill: a.float("fill")? },
             "select" => Op::Select,
             "cast" => {
                 let s = a.sym("dtype")?;
@@ -631,6 +666,12 @@ impl Op {
             Op::Fused { expr: "$0 $1 add relu".parse().expect("a well-formed program") },
             Op::Epilogue { head: Box::new(Op::MaxPool2dGrad(pool_e)), expr: "$0 $1 relu_grad".parse().expect("a well-formed program") },
             Op::AllReduce,
+            Op::Equal,
+            Op::Tanh,
+            Op::Erf,
+            Op::Gather,
+            Op::ScatterAdd { rows: 7 },
+            Op::CausalMask { fill: -1e9 },
         ]
     }
 
@@ -680,11 +721,17 @@ impl Op {
             Op::Fused { .. } => 40,
             Op::Epilogue { .. } => 41,
             Op::AllReduce => 42,
+            Op::Equal => 43,
+            Op::Tanh => 44,
+            Op::Erf => 45,
+            Op::Gather => 46,
+            Op::ScatterAdd { .. } => 47,
+            Op::CausalMask { .. } => 48,
         }
     }
 
     /// Number of op variants.
-    pub const COUNT: usize = 43;
+    pub const COUNT: usize = 49;
 }
 
 #[cfg(test)]

@@ -227,7 +227,8 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
         Some(geometry(x, p.kernel, p.stride, [1, 1], &win))
     };
     match op {
-        Op::MatMul { transpose_a, transpose_b } => {
+        // Batched products (rank > 2) run on burn's ops.
+        Op::MatMul { transpose_a, transpose_b } if tys[0].rank() == 2 => {
             let (a, b) = (d(0), d(1));
             let (m, k) = if *transpose_a { (a[1], a[0]) } else { (a[0], a[1]) };
             let n = if *transpose_b { b[0] } else { b[1] };

@@ -65,6 +65,46 @@ fn expand<B: Backend>(t: FloatTensor<B>, from: &[usize], to: &[usize]) -> FloatT
     B::float_expand(B::float_reshape(t, bshape(&padded)), bshape(to))
 }
 
+/// Broadcasts a value of any kind (IR extents `from`) to IR extents `to`.
+fn expand_value<B: Backend>(v: Value<B>, from: &[usize], to: &[usize]) -> Value<B> {
+    if from == to {
+        return v;
+    }
+    let mut padded = vec![1; to.len() - from.len()];
+    padded.extend_from_slice(from);
+    let (p, t) = (bshape(&padded), bshape(to));
+    match v {
+        Value::Float(x) => Value::Float(B::float_expand(B::float_reshape(x, p), t)),
+        Value::Int(x) => Value::Int(B::int_expand(B::int_reshape(x, p), t)),
+        Value::Bool(x) => Value::Bool(B::bool_expand(B::bool_reshape(x, p), t)),
+    }
+}
+
+/// Integer ids as host values, each checked to lie in `0..rows` (`what` names them).
+fn checked_ids<B: Backend>(cx: &Ctx<B>, ids: IntTensor<B>, rows: usize, what: &str) -> Result<()> {
+    let host = crate::value::block_on(B::int_into_data(ids)).expect("device read").convert::<i64>().to_vec::<i64>().expect("int data");
+    match host.iter().enumerate().find(|&(_, &i)| i < 0 || i >= rows as i64) {
+        Some((k, bad)) => cx.bad(format!("{what} {bad} at position {k} is out of range for a table of {rows} rows (valid: 0..{})", rows.saturating_sub(1))),
+        None => Ok(()),
+    }
+}
+
+/// The mask of causal attention over scores of extents `dims` (`[..., T, S]`): true where
+/// `j > i + S - T`. Built from index ranges on the device (burn-cubecl 0.21 cannot upload host
+/// bools).
+fn causal<B: Backend>(cx: &Ctx<B>, dims: &[usize]) -> burn_backend::tensor::BoolTensor<B> {
+    let r = dims.len();
+    let (t, s) = (dims[r - 2], dims[r - 1]);
+    let it = cx.settings.int_dtype;
+    let rows = B::int_add_scalar(B::int_arange(0..t as i64, cx.device, it), Scalar::Int(s as i64 - t as i64));
+    let rows = B::int_expand(B::int_reshape(rows, bshape(&[t, 1])), bshape(&[t, s]));
+    let cols = B::int_expand(B::int_reshape(B::int_arange(0..s as i64, cx.device, it), bshape(&[1, s])), bshape(&[t, s]));
+    let m = B::int_greater(cols, rows, cx.settings.bool_dtype);
+    let mut padded = vec![1; r - 2];
+    padded.extend([t, s]);
+    B::bool_expand(B::bool_reshape(m, bshape(&padded)), bshape(dims))
+}
+
 fn slices(begin: &[usize], end: &[usize]) -> Vec<Slice> {
     begin.iter().zip(end).map(|(&b, &e)| Slice::new(b as isize, Some(e as isize), 1)).collect()
 }
@@ -176,10 +216,39 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
         // A world of one: the sum over ranks is the operand (the executor runs it over a
         // communicator when it has one).
         Op::AllReduce => next(),
-        Op::GreaterEqual => {
-            let a = expand::<B>(cx.float(next())?, tys[0].dims(), od);
-            let b = expand::<B>(cx.float(next())?, tys[1].dims(), od);
-            Value::Bool(B::float_greater_equal(a, b, cx.settings.bool_dtype))
+        Op::GreaterEqual | Op::Equal => {
+            let a = expand_value::<B>(next(), tys[0].dims(), od);
+            let b = expand_value::<B>(next(), tys[1].dims(), od);
+            let bd = cx.settings.bool_dtype;
+            Value::Bool(match (a, b, op) {
+                (Value::Float(a), Value::Float(b), Op::GreaterEqual) => B::float_greater_equal(a, b, bd),
+                (Value::Float(a), Value::Float(b), _) => B::float_equal(a, b, bd),
+                (Value::Int(a), Value::Int(b), Op::GreaterEqual) => B::int_greater_equal(a, b, bd),
+                (Value::Int(a), Value::Int(b), _) => B::int_equal(a, b, bd),
+                (Value::Bool(a), Value::Bool(b), Op::Equal) => B::bool_equal(a, b),
+                _ => return cx.unsupported("comparison of these operand kinds"),
+            })
+        }
+        Op::Tanh => Value::Float(B::float_tanh(cx.float(next())?)),
+        Op::Erf => Value::Float(B::float_erf(cx.float(next())?)),
+        Op::CausalMask { fill } => Value::Float(B::float_mask_fill(cx.float(next())?, causal(cx, od), Scalar::Float(*fill))),
+        Op::Gather => {
+            let (table, ids) = (cx.float(next())?, cx.int(next())?);
+            let (rows, n) = (tys[0].dims()[0], tys[1].numel());
+            let width = tys[0].numel() / rows.max(1);
+            let ids = B::int_reshape(ids, bshape(&[n]));
+            checked_ids(cx, ids.clone(), rows, "id")?;
+            let picked = B::float_select(B::float_reshape(table, bshape(&[rows, width])), 0, ids);
+            Value::Float(B::float_reshape(picked, bshape(od)))
+        }
+        Op::ScatterAdd { rows } => {
+            let (ids, upd) = (cx.int(next())?, cx.float(next())?);
+            let n = tys[0].numel();
+            let width = out.numel() / (*rows).max(1);
+            let ids = B::int_reshape(ids, bshape(&[n]));
+            checked_ids(cx, ids.clone(), *rows, "id")?;
+            let upd = B::float_reshape(upd, bshape(&[n, width]));
+            Value::Float(B::float_reshape(B::float_select_add(cx.full(&[*rows, width], 0.0), 0, ids, upd), bshape(od)))
         }
         Op::Select => {
             let c = match next() {
@@ -193,9 +262,11 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
                 padded.extend_from_slice(tys[0].dims());
                 B::bool_expand(B::bool_reshape(c, bshape(&padded)), bshape(od))
             };
-            let a = expand::<B>(cx.float(next())?, tys[1].dims(), od);
-            let b = expand::<B>(cx.float(next())?, tys[2].dims(), od);
-            Value::Float(B::float_mask_where(b, c, a))
+            match (expand_value::<B>(next(), tys[1].dims(), od), expand_value::<B>(next(), tys[2].dims(), od)) {
+                (Value::Float(a), Value::Float(b)) => Value::Float(B::float_mask_where(b, c, a)),
+                (Value::Int(a), Value::Int(b)) => Value::Int(B::int_mask_where(b, c, a)),
+                _ => return cx.unsupported("select between these operand kinds"),
+            }
         }
         Op::ReluGrad => {
             let dy = cx.float(next())?;
@@ -241,11 +312,12 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
         }
         Op::MatMul { transpose_a, transpose_b } => {
             let (mut a, mut b) = (cx.float(next())?, cx.float(next())?);
+            let r = od.len();
             if *transpose_a {
-                a = B::float_swap_dims(a, 0, 1);
+                a = B::float_swap_dims(a, r - 2, r - 1);
             }
             if *transpose_b {
-                b = B::float_swap_dims(b, 0, 1);
+                b = B::float_swap_dims(b, r - 2, r - 1);
             }
             Value::Float(B::float_matmul(a, b))
         }

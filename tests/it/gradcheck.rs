@@ -205,6 +205,14 @@ fn cases() -> Vec<Case> {
         case!("matmul_tb", [[3, 4], [2, 4]], |e, p, x| e.matmul(p[0], p[1], false, true).unwrap()),
         case!("matmul_ta", [[4, 3], [4, 2]], |e, p, x| e.matmul(p[0], p[1], true, false).unwrap()),
         case!("matmul_ta_tb", [[4, 3], [2, 4]], |e, p, x| e.matmul(p[0], p[1], true, true).unwrap()),
+        // Batched products (attention's scores and mixing): equal leading axes.
+        case!("matmul_batched", [[2, 3, 4], [2, 4, 5]], |e, p, x| e.matmul(p[0], p[1], false, false).unwrap()),
+        case!("matmul_batched_tb", [[2, 2, 3, 4], [2, 2, 5, 4]], |e, p, x| e.matmul(p[0], p[1], false, true).unwrap()),
+        case!("matmul_batched_ta", [[3, 4, 3], [3, 4, 2]], |e, p, x| e.matmul(p[0], p[1], true, false).unwrap()),
+        case!("tanh", [[2, 3]], |e, p, x| e.op(Op::Tanh, &[p[0]]).unwrap()),
+        case!("erf", [[2, 3]], |e, p, x| e.op(Op::Erf, &[p[0]]).unwrap()),
+        // Scores [batch, T = 3, S = 4]: a query sees keys up to its own position + 1.
+        case!("causal_mask", [[2, 3, 4]], |e, p, x| e.op(Op::CausalMask { fill: -5.0 }, &[p[0]]).unwrap()),
         case!("conv2d_valid", [[2, 3, 6, 6], [4, 3, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
         case!("conv2d_same_stride2_asym", [[1, 2, 6, 6], [3, 2, 2, 2]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Same, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
         case!("conv2d_same_odd", [[1, 2, 5, 5], [2, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Same, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
@@ -236,6 +244,14 @@ fn cases() -> Vec<Case> {
         positive: false,
         inputs: vec![HostTensor::new(vec![2, 1], HostData::Bool(vec![true, false])).unwrap()],
         body: |e, p, x| e.op(Op::Select, &[x[0], p[0], p[1]]).unwrap(),
+    });
+    // Repeated ids: their gradients add up in the table.
+    v.push(Case {
+        name: "gather_repeated_ids",
+        params: vec![vec![5, 3]],
+        positive: false,
+        inputs: vec![HostTensor::i32(vec![2, 3], vec![4, 0, 4, 2, 2, 4]).unwrap()],
+        body: |e, p, x| e.op(Op::Gather, &[p[0], x[0]]).unwrap(),
     });
     let probs: Vec<f32> = (0..20).map(|i| ((i * 7) % 5) as f32 * 0.1 + 0.05).collect();
     v.push(Case {
@@ -270,7 +286,9 @@ fn must_be_checked(op: &Op) -> bool {
         Op::ReduceMaxGrad(_) | Op::SoftmaxCrossEntropyGrad { .. } | Op::Conv2dBackpropInput { .. } => false,
         Op::Conv2dBackpropFilter { .. } | Op::MaxPool2dGrad(_) | Op::AvgPool2dGrad(_) => false,
         Op::Assign | Op::AssignAdd => false,
-        Op::GreaterEqual => false, // a comparison: zero gradient almost everywhere
+        Op::GreaterEqual | Op::Equal => false, // comparisons: zero gradient almost everywhere
+        Op::ScatterAdd { .. } => false,
+        Op::Tanh | Op::Erf | Op::CausalMask { .. } | Op::Gather => true,
         Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::ReluGrad => true,
         Op::Sqrt | Op::Select | Op::AllReduce => true,
         Op::Cast { .. } | Op::ZerosLike | Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } => true,
@@ -320,8 +338,17 @@ fn lenet_or_mlp_check(net: &dyn Cell, x_shape: [usize; 4], seed: u64) {
 /// and ones so that an inference trace's normalisation is not the identity.
 fn network_check(net: &dyn Cell, x_shape: [usize; 4], seed: u64, t: Tracer) {
     let n = x_shape[0];
-    let inputs = [("data", TensorType::f32(x_shape)), ("label", TensorType::i32([n]))];
-    let gg = cellgraph::cells::train::grad_graph_in(t, net, &inputs, Sens::One).unwrap();
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+    let numel: usize = x_shape.iter().product();
+    let x = HostTensor::new(x_shape.to_vec(), HostData::F64(randn(&mut rng, numel, false))).unwrap();
+    let y = HostTensor::i32(vec![n], (0..n as i32).map(|i| i % 10).collect()).unwrap();
+    network_check_on(net, &[("data", x), ("label", y)], seed, t, true)
+}
+
+/// [`network_check`] on given inputs; `fuses`: the backward plan must fuse something.
+fn network_check_on(net: &dyn Cell, named: &[(&str, HostTensor)], seed: u64, t: Tracer, fuses: bool) {
+    let types: Vec<(&str, TensorType)> = named.iter().map(|(n, h)| (*n, h.ty())).collect();
+    let gg = cellgraph::cells::train::grad_graph_in(t, net, &types, Sens::One).unwrap();
     let mut fwd_g = gg.graph.clone();
     fwd_g.set_outputs(vec![gg.loss]);
     let fwd = compile(fwd_g).unwrap();
@@ -336,11 +363,9 @@ fn network_check(net: &dyn Cell, x_shape: [usize; 4], seed: u64, t: Tracer) {
             (n, t)
         })
         .collect();
-    let numel: usize = x_shape.iter().product();
-    let x = HostTensor::new(x_shape.to_vec(), HostData::F64(randn(&mut rng, numel, false))).unwrap();
-    let y = HostTensor::i32(vec![n], (0..n as i32).map(|i| i % 10).collect()).unwrap();
-    let inputs = [x, y];
-    assert!(fused_equals_unfused(&gg.graph, &params, &inputs) > 0, "bias-add and relu fuse");
+    let inputs: Vec<HostTensor> = named.iter().map(|(_, h)| h.clone()).collect();
+    let fused = fused_equals_unfused(&gg.graph, &params, &inputs);
+    assert!(!fuses || fused > 0, "bias-add and relu fuse");
     let out = run_loss(&bwd, &params, &inputs);
     for (k, (p, _, _)) in gg.grads.iter().enumerate() {
         let a = out[k + 1].to_f64();
@@ -352,6 +377,22 @@ fn network_check(net: &dyn Cell, x_shape: [usize; 4], seed: u64, t: Tracer) {
             assert!((numeric - a[j]).abs() <= tol, "{}[{j}]: analytic {} vs numeric {numeric}", p.name, a[j]);
         }
     }
+}
+
+/// A two-block GPT (embeddings, LayerNorm, causal attention over two heads with batched
+/// matmuls and softmax, the exact GELU, the tied head) under token-summed cross-entropy with
+/// ignored (padding) labels, and the tanh GELU alone.
+#[test]
+fn gpt_gradients_match_finite_differences() {
+    let cfg = GptConfig { vocab_size: 7, context: 5, layers: 2, heads: 2, width: 8, layer_norm_eps: 1e-5 };
+    let net = WithLossCell::new(GPT::new(&Scope::root(), cfg).unwrap(), CrossEntropyLoss::new().ignore_index(-100).tokens());
+    let ids = HostTensor::i32(vec![2, 4], vec![1, 5, 5, 0, 6, 2, 3, 3]).unwrap();
+    let labels = HostTensor::i32(vec![2, 4], vec![5, 5, 0, -100, 2, 3, 3, 4]).unwrap();
+    network_check_on(&net, &[("data", ids), ("label", labels)], 21, Tracer::new("net"), true);
+    let gelu = WithLossCell::new(SequentialCell::new(&Scope::root()).add(|s| Dense::new(&s.child("0"), 3, 4)).add(|_| GELU::new(true)), MSELoss::new());
+    let x = HostTensor::new(vec![3, 3], HostData::F64((0..9).map(|i| i as f64 * 0.3 - 1.2).collect())).unwrap();
+    let y = HostTensor::new(vec![3, 4], HostData::F64((0..12).map(|i| (i as f64).sin()).collect())).unwrap();
+    network_check_on(&gelu, &[("data", x), ("label", y)], 22, Tracer::new("net"), false);
 }
 
 #[test]

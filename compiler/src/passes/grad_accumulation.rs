@@ -2,7 +2,8 @@
 //!
 //! - `micro_step`: forward + backward of one micro-batch; each parameter's gradient is
 //!   `assign_add`-ed into `accu_grads.<param>` (times the micro-batch's item count under
-//!   item-weighted normalisation). Output: the micro-batch's loss.
+//!   item-weighted normalisation). Output: the micro-batch's loss (and, under token-weighted
+//!   normalisation, its token count).
 //! - `optimizer`: reads the accumulators, scales them by the `grad_scale` input (1 for sum,
 //!   1/k for the mean over k micro-batches, 1/N for N items), clips by global norm when asked,
 //!   and applies the update rule. Runs once per window.
@@ -30,6 +31,12 @@ pub enum Normalization {
     /// The mean over the window's items: each micro-batch's (mean-loss) gradient is weighted by
     /// its item count and the sum divided by the total count (correct with unequal sizes).
     ItemWeighted,
+    /// The mean over the window's tokens: the loss sums over a micro-batch's non-ignored tokens
+    /// and counts them (the forward graph's second output); the micro-steps accumulate the
+    /// summed gradients, and the boundary divides once by the count of the whole window, over
+    /// every micro-batch and rank (Hugging Face's `num_items_in_batch`). A window without a
+    /// token applies no update.
+    Tokens,
 }
 
 /// Options of the rewrite.
@@ -55,6 +62,15 @@ pub fn micro_graph(forward: &Graph, loss: NodeId, params: &[String], opts: &Accu
     if lt.rank() != 0 {
         return Err(IrError::Autodiff(format!("GradAccumulation needs a scalar loss, got {lt}; use a reducing loss")));
     }
+    let count = match (opts.normalization, forward.outputs().get(1)) {
+        (Normalization::Tokens, Some(&c)) if forward.try_node(c)?.ty.rank() == 0 => Some(c),
+        (Normalization::Tokens, _) => {
+            return Err(IrError::Autodiff(
+                "Normalization::Tokens needs a loss that sums over tokens and counts them (CrossEntropyLoss::new().ignore_index(-100).tokens())".into(),
+            ))
+        }
+        _ => None,
+    };
     let mut g = forward.clone();
     g.name = "micro_step".into();
     let nodes: Vec<NodeId> = params
@@ -67,13 +83,13 @@ pub fn micro_graph(forward: &Graph, loss: NodeId, params: &[String], opts: &Accu
         let mut e = Emit::new(&mut g, format!("accumulate.{p}"));
         let d = match opts.normalization {
             Normalization::ItemWeighted => e.scale(d, items as f64)?,
-            Normalization::Sum | Normalization::Mean => d,
+            Normalization::Sum | Normalization::Mean | Normalization::Tokens => d,
         };
         let t = e.ty(d);
         let acc = e.g.add_leaf(Op::Parameter { name: accumulator_name(p) }, t, &e.scope)?;
         e.op(Op::AssignAdd, &[acc, d])?;
     }
-    g.set_outputs(vec![loss]);
+    g.set_outputs(std::iter::once(loss).chain(count).collect());
     dce(&mut g);
     Ok(g)
 }

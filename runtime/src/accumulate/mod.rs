@@ -24,7 +24,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use burn_backend::tensor::Device;
-use cellgraph_cells::{Cell, GradAccumulation, Optimizer, Slicing};
+use cellgraph_cells::{Cell, GradAccumulation, Normalization, Optimizer, Slicing};
 use cellgraph_compiler::dump::DumpOptions;
 use cellgraph_compiler::passes::grad_accumulation::ACCUMULATOR_PREFIX;
 use cellgraph_compiler::{HostData, HostTensor, TensorType};
@@ -82,6 +82,9 @@ pub struct Accumulator<B: Backend> {
     /// and their sum once read.
     losses: Vec<Loss<B>>,
     loss: std::cell::Cell<Option<f64>>,
+    /// Under token-weighted normalisation, the last step's token count (its loss is the mean
+    /// over them).
+    tokens: f64,
 }
 
 /// A micro-batch's loss: read (host backends read it at once, at no cost), or on the device.
@@ -143,7 +146,7 @@ impl<B: Backend> Accumulator<B> {
         let trained: Vec<(String, TensorType)> = accumulators.iter().map(|(n, t)| (n[ACCUMULATOR_PREFIX.len() + 1..].to_string(), t.clone())).collect();
         let store = Store::new(&trained, accumulator_name, opt.as_ref());
         let plans = Plans { micro: HashMap::new(), optimizer: compile(optimizer)?, clear: compile(clear)?, window: None, names: Vec::new(), dump: None };
-        let mut acc = Accumulator { net, opt, plans, session, progress: Progress::default(), store, parallel: None, losses: Vec::new(), loss: std::cell::Cell::new(None) };
+        let mut acc = Accumulator { net, opt, plans, session, progress: Progress::default(), store, parallel: None, losses: Vec::new(), loss: std::cell::Cell::new(None), tokens: 0.0 };
         acc.store.enter_flat(&mut acc.session, acc.opt.as_ref())?;
         Ok(acc)
     }
@@ -252,7 +255,8 @@ impl<B: Backend> Accumulator<B> {
     }
 
     /// The last step's loss: the sum of its micro-batches' losses (each as the network computed
-    /// it, added in f64), NaN before the first step. On a device backend the first call after a
+    /// it, added in f64), NaN before the first step; under token-weighted normalisation, that
+    /// sum divided by the step's tokens (the mean loss per token; NaN without a token). On a device backend the first call after a
     /// step reads the losses back (one read: the device finishes the step's work first).
     pub fn step_loss(&self) -> f64 {
         if let Some(l) = self.loss.get() {
@@ -278,6 +282,7 @@ impl<B: Backend> Accumulator<B> {
                 })
                 .sum()
         };
+        let l = if self.net.normalization == Normalization::Tokens { l / self.tokens } else { l };
         self.loss.set(Some(l));
         l
     }
@@ -356,6 +361,7 @@ impl<B: Backend> Accumulator<B> {
             }
         }
         self.loss.set(None);
+        self.tokens = 0.0;
     }
 
     /// One micro-batch, its loss kept with the step's others.
@@ -383,12 +389,28 @@ impl<B: Backend> Accumulator<B> {
         let exe = &self.plans.micro[&key];
         // Collectives inside the step (SyncBatchNorm's statistics) sum over the ranks.
         let comm = self.parallel.as_ref().map(|p| p.comm.as_ref()).filter(|c| c.size() > 1);
-        let loss = if B::HOST { Loss::Read(self.session.run_over(exe, inputs, comm)?[0].scalar()) } else { Loss::Device(self.session.run_device_over(exe, inputs, comm)?.swap_remove(0)) };
+        // Under token-weighted normalisation the step's second output is its token count,
+        // read at once (the window's count must be known at its boundary).
+        let (loss, count) = if B::HOST {
+            let out = self.session.run_over(exe, inputs, comm)?;
+            (Loss::Read(out[0].scalar()), out.get(1).map(|c| c.scalar()))
+        } else {
+            let mut out = self.session.run_device_over(exe, inputs, comm)?;
+            let count = out.get(1).map(|c| c.to_host().scalar());
+            (Loss::Device(out.swap_remove(0)), count)
+        };
         if comm.is_some() {
             self.progress.counters.step_collectives += exe.collectives() as u64;
         }
         self.losses.push(loss);
-        self.progress.micro_step(inputs.first().and_then(|t| t.shape.first().copied()).unwrap_or(1));
+        let items = match count {
+            Some(c) => {
+                self.tokens += c;
+                c as usize
+            }
+            None => inputs.first().and_then(|t| t.shape.first().copied()).unwrap_or(1),
+        };
+        self.progress.micro_step(items);
         Ok(())
     }
 
@@ -399,20 +421,35 @@ impl<B: Backend> Accumulator<B> {
             return Ok(());
         }
         let scalars = self.opt.scalar_values(self.progress.updates);
+        // `None`: a window that applies no update (token-weighted, without a token).
         let cleared = match self.parallel.as_ref().map(|p| p.shard.is_some()) {
             None => {
-                let scale = scale(self.net.normalization, self.progress.micro, self.progress.items as f64, 1, false);
-                self.run_optimizer(scale, &scalars)?
+                let items = self.progress.items as f64;
+                match self.applies(items) {
+                    true => Some(self.run_optimizer(scale(self.net.normalization, self.progress.micro, items, 1, false), &scalars)?),
+                    false => None,
+                }
             }
             Some(false) => self.apply_replicated(&scalars)?,
-            Some(true) => {
-                self.apply_sharded(&scalars)?;
-                false
-            }
+            Some(true) => self.apply_sharded(&scalars)?.then_some(false),
         };
-        self.progress.counters.optimizer_runs += 1;
-        self.progress.updates += 1;
-        self.clear_window(cleared)
+        match cleared {
+            Some(cleared) => {
+                self.progress.counters.optimizer_runs += 1;
+                self.progress.updates += 1;
+                self.clear_window(cleared)
+            }
+            None => {
+                self.progress.counters.skipped_updates += 1;
+                self.clear_window(false)
+            }
+        }
+    }
+
+    /// Whether a window of `items` items (over every rank) applies an update: all do, but a
+    /// token-weighted window without a token, whose gradient is 0/0.
+    fn applies(&self, items: f64) -> bool {
+        self.net.normalization != Normalization::Tokens || items > 0.0
     }
 
     /// The optimizer over every parameter: one fused kernel on flat device buffers, one pass

@@ -98,8 +98,9 @@ impl<B: Backend> Accumulator<B> {
     }
 
     /// One all-reduce of the flat accumulators (with the window's item count appended), then
-    /// the optimizer on every rank. Returns whether the accumulators were zeroed with it.
-    pub(super) fn apply_replicated(&mut self, scalars: &[f64]) -> Result<bool> {
+    /// the optimizer on every rank. Returns whether the accumulators were zeroed with it, or
+    /// `None` when the window applies no update (no token on any rank).
+    pub(super) fn apply_replicated(&mut self, scalars: &[f64]) -> Result<Option<bool>> {
         let p = self.parallel.as_ref().expect("parallel");
         let (comm, mean) = (p.comm.clone(), p.gradients_mean);
         let mut flat = self.store.gather(&self.session, Kind::Accu)?;
@@ -107,15 +108,19 @@ impl<B: Backend> Accumulator<B> {
         comm.all_reduce_sum(&mut flat);
         self.progress.counters.grad_collectives += 1;
         let items = flat.pop().unwrap_or(0.0) as f64;
+        if !self.applies(items) {
+            return Ok(None);
+        }
         self.store.scatter(&mut self.session, Kind::Accu, &flat);
         let scale = scale(self.net.normalization, self.progress.micro, items, comm.size(), mean);
-        self.run_optimizer(scale, scalars)
+        self.run_optimizer(scale, scalars).map(Some)
     }
 
     /// ZeRO-1: one reduce-scatter gives this rank the summed gradients of its slice (and the
     /// global item count); it updates that slice of the parameters and of the optimizer
-    /// state; one all-gather brings every rank the whole updated parameters.
-    pub(super) fn apply_sharded(&mut self, scalars: &[f64]) -> Result<()> {
+    /// state; one all-gather brings every rank the whole updated parameters. Returns false
+    /// (and updates nothing) when the window applies no update (no token on any rank).
+    pub(super) fn apply_sharded(&mut self, scalars: &[f64]) -> Result<bool> {
         let p = self.parallel.as_ref().expect("parallel");
         let (comm, mean) = (p.comm.clone(), p.gradients_mean);
         let len = p.shard.as_ref().expect("sharded").len;
@@ -134,6 +139,9 @@ impl<B: Backend> Accumulator<B> {
         comm.reduce_scatter_sum(&send, &mut mine);
         self.progress.counters.grad_collectives += 1;
         let items = mine.pop().unwrap_or(0.0) as f64;
+        if !self.applies(items) {
+            return Ok(false);
+        }
         let mut scale = scale(self.net.normalization, self.progress.micro, items, size, mean);
         if self.net.clip_global_norm.is_some() {
             let mut sq = [mine.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>() as f32];
@@ -151,7 +159,7 @@ impl<B: Backend> Accumulator<B> {
         comm.all_gather(&updated, &mut all);
         all.truncate(total);
         self.store.scatter(&mut self.session, Kind::Param, &all);
-        Ok(())
+        Ok(true)
     }
 
     /// With hsdp, this rank's slice of each optimizer state gathered from every rank and

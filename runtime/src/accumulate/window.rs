@@ -16,6 +16,8 @@ pub struct Counters {
     /// Collectives inside micro-steps, across ranks (SyncBatchNorm: four per batch norm per
     /// micro-step); not counted in a world of one.
     pub step_collectives: u64,
+    /// Windows that ended without an update: token-weighted windows without a token.
+    pub skipped_updates: u64,
     /// Fused optimizer-and-clear kernel launches (device backends with flat buffers: one per
     /// update, whatever the number of parameters).
     pub fused_launches: u64,
@@ -26,7 +28,7 @@ pub struct Counters {
 pub(crate) struct Progress {
     /// Micro-batches accumulated in the open window.
     pub micro: u64,
-    /// Items in those micro-batches.
+    /// Items in those micro-batches (tokens, under token-weighted normalisation).
     pub items: u64,
     /// Optimizer updates applied (the learning-rate schedule's step).
     pub updates: u64,
@@ -89,7 +91,7 @@ pub(crate) fn scale(normalization: Normalization, micro: u64, items: f64, ranks:
     match normalization {
         Normalization::Sum => per_rank,
         Normalization::Mean => per_rank / micro as f64,
-        Normalization::ItemWeighted => 1.0 / items,
+        Normalization::ItemWeighted | Normalization::Tokens => 1.0 / items,
     }
 }
 
@@ -114,7 +116,7 @@ mod tests {
     /// Every checkpointed counter survives saving and restoring, by its own name.
     #[test]
     fn checkpointed_counters_round_trip() {
-        let mut p = Progress { micro: 3, items: 96, updates: 7, counters: Counters { micro_steps: 31, optimizer_runs: 7, clear_runs: 7, grad_collectives: 7, step_collectives: 0, fused_launches: 0 } };
+        let mut p = Progress { micro: 3, items: 96, updates: 7, counters: Counters { micro_steps: 31, optimizer_runs: 7, clear_runs: 7, grad_collectives: 7, step_collectives: 0, skipped_updates: 0, fused_launches: 0 } };
         let saved = p.saved();
         assert_eq!(saved.len(), 6);
         assert!(saved.contains(&("cellgraph.window_items".into(), 96)));
