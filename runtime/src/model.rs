@@ -104,10 +104,15 @@ impl Dataset for TensorDataset {
 const PREFETCH: usize = 4;
 
 /// Metrics `eval` can compute (MindSpore's `metrics={"Accuracy": Accuracy()}`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Metric {
-    /// Fraction of items whose largest logit is the label.
+    /// Fraction of items whose largest logit is the label (items labelled below 0, ignored
+    /// padding, do not count).
     Accuracy,
+    /// The network's loss in inference mode, averaged over the items: over the tokens it
+    /// counts, for a loss that counts them (`CrossEntropyLoss::tokens()`), else each batch's
+    /// (mean) loss weighted by its size.
+    Loss,
 }
 
 /// Where training stands: epochs completed and batches done in the current epoch.
@@ -130,7 +135,7 @@ pub fn snapshot_at<B: Backend>(acc: &Accumulator<B>, position: Position) -> chec
 pub struct Model<B: Backend> {
     acc: Accumulator<B>,
     metrics: Vec<Metric>,
-    eval_plans: HashMap<Vec<TensorType>, Executable>,
+    eval_plans: HashMap<(Metric, Vec<TensorType>), Executable>,
     position: Position,
 }
 
@@ -323,7 +328,8 @@ impl<B: Backend> Model<B> {
         crate::comm::agree(comm.as_ref(), "network (its micro-step graph)", cellgraph_compiler::print(&micro).as_bytes())
     }
 
-    /// Evaluates the backbone on every batch: `{"Accuracy": ...}`.
+    /// Evaluates on every batch: `{"Accuracy": ...}` from the backbone's logits, `{"Loss": ...}`
+    /// from the network with its loss (see [`Metric`]), in inference mode.
     pub fn eval(&mut self, dataset: &dyn Dataset) -> Result<BTreeMap<String, f64>> {
         if dataset.dataset_size() == 0 {
             return Err(RuntimeError::Invalid {
@@ -331,35 +337,71 @@ impl<B: Backend> Model<B> {
                 detail: "has no batch to evaluate (no items, or fewer than one batch with drop_remainder); an accuracy over nothing is not a number".into(),
             });
         }
+        let (accuracy, loss) = (self.metrics.contains(&Metric::Accuracy), self.metrics.contains(&Metric::Loss));
         let (mut correct, mut total) = (0usize, 0usize);
+        let (mut loss_sum, mut loss_items) = (0.0f64, 0.0f64);
         for batch in dataset.batches(0, 0) {
-            let key = vec![batch[0].ty()];
-            if !self.eval_plans.contains_key(&key) {
-                let backbone = self.acc.network().backbone().ok_or_else(|| RuntimeError::Mismatch {
-                    what: "Model::eval".into(),
-                    expected: "a network wrapped with its loss (WithLossCell), whose backbone gives logits".into(),
-                    got: format!("a {} without a backbone", self.acc.network().network.kind()),
-                })?;
-                let (g, _) = cellgraph_cells::cell::trace_inference(backbone, "eval", &[("data", key[0].clone())])?;
-                let dump = self.acc.dump_options().map(|opts| DumpAt { opts, first: 0, input: "trace" });
-                self.eval_plans.insert(key.clone(), compile_with(g, dump)?);
+            if accuracy {
+                let logits = self.run_eval(Metric::Accuracy, &batch)?.remove(0);
+                let labels = batch[1].to_f64();
+                let classes = *logits.shape.last().unwrap_or(&1);
+                let l = logits.to_f32();
+                for (i, &y) in labels.iter().enumerate().filter(|(_, &y)| y >= 0.0) {
+                    let row = &l[i * classes..(i + 1) * classes];
+                    let arg = row.iter().enumerate().fold(0, |best, (j, &v)| if v > row[best] { j } else { best });
+                    correct += (arg as f64 == y) as usize;
+                    total += 1;
+                }
             }
-            let logits = self.acc.session.run(&self.eval_plans[&key], &batch[..1])?.remove(0);
-            let labels = batch[1].to_f64();
-            let classes = *logits.shape.last().unwrap_or(&1);
-            let l = logits.to_f32();
-            for (i, &y) in labels.iter().enumerate() {
-                let row = &l[i * classes..(i + 1) * classes];
-                let arg = row.iter().enumerate().fold(0, |best, (j, &v)| if v > row[best] { j } else { best });
-                correct += (arg as f64 == y) as usize;
-                total += 1;
+            if loss {
+                let out = self.run_eval(Metric::Loss, &batch)?;
+                let items = match out.get(1) {
+                    Some(count) => count.scalar(),
+                    None => batch[0].shape.first().copied().unwrap_or(1) as f64,
+                };
+                loss_sum += if out.len() > 1 { out[0].scalar() } else { out[0].scalar() * items };
+                loss_items += items;
             }
         }
         let mut out = BTreeMap::new();
-        if self.metrics.contains(&Metric::Accuracy) {
+        if accuracy {
             out.insert("Accuracy".to_string(), correct as f64 / total.max(1) as f64);
         }
+        if loss {
+            out.insert("Loss".to_string(), loss_sum / loss_items);
+        }
         Ok(out)
+    }
+
+    /// Runs the inference plan of `metric` on a batch (traced and compiled on first use per
+    /// input shape): the backbone on the data (accuracy), or the network with its loss on the
+    /// whole batch, its outputs the loss and the count a counting loss reports (loss).
+    fn run_eval(&mut self, metric: Metric, batch: &[HostTensor]) -> Result<Vec<HostTensor>> {
+        let inputs = if metric == Metric::Loss { batch } else { &batch[..1] };
+        let key: (Metric, Vec<TensorType>) = (metric, inputs.iter().map(|t| t.ty()).collect());
+        if !self.eval_plans.contains_key(&key) {
+            let g = match metric {
+                Metric::Accuracy => {
+                    let backbone = self.acc.network().backbone().ok_or_else(|| RuntimeError::Mismatch {
+                        what: "Model::eval".into(),
+                        expected: "a network wrapped with its loss (WithLossCell), whose backbone gives logits".into(),
+                        got: format!("a {} without a backbone", self.acc.network().network.kind()),
+                    })?;
+                    cellgraph_cells::cell::trace_inference(backbone, "eval", &[("data", key.1[0].clone())])?.0
+                }
+                Metric::Loss => {
+                    let mut t = cellgraph_cells::Tracer::inference("eval_loss");
+                    let names = self.acc.named_inputs(&key.1);
+                    let xs = names.iter().map(|(n, ty)| t.input(n, ty.clone())).collect::<cellgraph_cells::Result<Vec<_>>>()?;
+                    let loss = t.call(self.acc.network().network.as_ref(), &xs)?;
+                    let outputs = std::iter::once(loss).chain(t.count()).collect();
+                    t.finish(outputs)
+                }
+            };
+            let dump = self.acc.dump_options().map(|opts| DumpAt { opts, first: 0, input: "trace" });
+            self.eval_plans.insert(key.clone(), compile_with(g, dump)?);
+        }
+        self.acc.session.run(&self.eval_plans[&key], inputs)
     }
 
     /// Everything needed to resume: the accumulator's snapshot and the position.
