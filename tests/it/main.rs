@@ -9,6 +9,7 @@ mod cifar;
 mod cli;
 mod device;
 mod dumps;
+mod gpt;
 mod gradcheck;
 mod ir;
 mod mnist;

@@ -35,7 +35,7 @@ struct Setup {
 }
 
 /// Trains on `w` threads, one rank each; returns every rank's result.
-fn run_ranks<T: Send + 'static>(w: usize, f: impl Fn(usize, Arc<dyn Communicator>) -> T + Send + Sync + 'static) -> Vec<T> {
+pub(crate) fn run_ranks<T: Send + 'static>(w: usize, f: impl Fn(usize, Arc<dyn Communicator>) -> T + Send + Sync + 'static) -> Vec<T> {
     let f = Arc::new(f);
     let handles: Vec<_> = LocalGroup::new(w)
         .into_iter()

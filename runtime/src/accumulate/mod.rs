@@ -256,7 +256,8 @@ impl<B: Backend> Accumulator<B> {
 
     /// The last step's loss: the sum of its micro-batches' losses (each as the network computed
     /// it, added in f64), NaN before the first step; under token-weighted normalisation, that
-    /// sum divided by the step's tokens (the mean loss per token; NaN without a token). On a device backend the first call after a
+    /// sum divided by the step's tokens (the mean loss per token; 0, the empty sum, without a
+    /// token). On a device backend the first call after a
     /// step reads the losses back (one read: the device finishes the step's work first).
     pub fn step_loss(&self) -> f64 {
         if let Some(l) = self.loss.get() {
@@ -282,7 +283,7 @@ impl<B: Backend> Accumulator<B> {
                 })
                 .sum()
         };
-        let l = if self.net.normalization == Normalization::Tokens { l / self.tokens } else { l };
+        let l = if self.net.normalization == Normalization::Tokens && self.tokens > 0.0 { l / self.tokens } else { l };
         self.loss.set(Some(l));
         l
     }
