@@ -8,13 +8,33 @@
 # Extra arguments pass through (`--net lenet`, `--net resnet18` (Colossal-AI's ResNet-18 example),
 # `--epochs 2`, `--no-hsdp`, `--gradients-mean`;
 # see `./target/release/distributed_gradient_accumulation --help`).
+# `--net gpt` runs the character-level GPT on Shakespeare instead (sample_code/gpt_accumulation:
+# token-weighted accumulation; its own options follow, see
+# `./target/release/examples/gpt_accumulation --help`).
 # Rank 0 prints its progress; every rank writes log_output/worker_<rank>.log.
 set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/install-deps.sh
-cargo build --release --locked ${FEATURES:+--features "$FEATURES"} --bin distributed_gradient_accumulation
-mkdir -p log_output
 # One compute thread per rank: the ranks share the machine's cores.
 export MATMUL_NUM_THREADS=1 RAYON_NUM_THREADS=1
-exec timeout "${TIMEOUT:-1800}" mpirun --allow-run-as-root --oversubscribe --mca btl self,vader \
-    -n "${RANKS:-8}" ./target/release/distributed_gradient_accumulation --log-dir log_output "$@"
+MPIRUN=(timeout "${TIMEOUT:-1800}" mpirun --allow-run-as-root --oversubscribe --mca btl self,vader -n "${RANKS:-8}")
+rest=()
+gpt=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --net=gpt) gpt=1 ;;
+        --net) if [ "${2:-}" = "gpt" ]; then gpt=1; shift; else rest+=("$1"); fi ;;
+        *) rest+=("$1") ;;
+    esac
+    shift
+done
+set -- ${rest[@]+"${rest[@]}"}
+if [ "$gpt" = 1 ]; then
+    cargo build --release --locked ${FEATURES:+--features "$FEATURES"} --example gpt_accumulation
+    # 4 sequences per rank per update (micro-batches of 1): the 8 ranks' window of 32
+    # sequences is the one-process default's. Later arguments override these.
+    exec "${MPIRUN[@]}" ./target/release/examples/gpt_accumulation --batch-size 4 --micro-size 4 "$@"
+fi
+cargo build --release --locked ${FEATURES:+--features "$FEATURES"} --bin distributed_gradient_accumulation
+mkdir -p log_output
+exec "${MPIRUN[@]}" ./target/release/distributed_gradient_accumulation --log-dir log_output "$@"

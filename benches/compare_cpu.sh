@@ -4,7 +4,7 @@
 # prints each pair's training-loop images/s and the ratio cellgraph / PyTorch, then per case
 # the median ratio and its min-max range.
 #
-#   bash benches/compare_cpu.sh [--pairs N] [--case lenet1|lenet2|lenet8|mlp8|resnet1|resnet2|all]
+#   bash benches/compare_cpu.sh [--pairs N] [--case lenet1|lenet2|lenet8|mlp8|resnet1|resnet2|gpt1|gpt2|all]
 #
 #   --pairs N   pairs per case (default 5)
 #   --case C    one case, or all (default):
@@ -19,6 +19,10 @@
 #             batch 32, 4 batches per update (Colossal-AI's loop: loss / 4, SGD(0.1, 0.9,
 #             weight decay 5e-4)), one epoch, 1 thread, CPU 0 (colossal_resnet18 --train)
 #     resnet2 the same with 2 threads on each side, CPUs 0,1
+#     gpt1    the character GPT on Shakespeare (4 layers, 4 heads, width 128, context 128),
+#             20 updates of 32 windows in 4 micro-batches, token-weighted, AdamW, clip 1.0,
+#             1 thread, CPU 0 (gpt_accumulation against benches/pytorch_gpt.py); tokens/s
+#     gpt2    the same with 2 threads on each side, CPUs 0,1
 #
 # Environment:
 #   PYTHON=/path/to/python  the Python with torch (default: python3). This script installs
@@ -31,6 +35,7 @@
 # Needs the release binaries (built elsewhere; this script builds nothing):
 #   cargo build --release --locked --bin cellgraph --bin distributed_gradient_accumulation
 #   cargo build --release --locked --example colossal_resnet18   (resnet1, resnet2)
+#   cargo build --release --locked --example gpt_accumulation    (gpt1, gpt2)
 # and bash, awk, taskset, mpirun (Open MPI) and torch's torchrun (`python -m torch.distributed.run`).
 #
 # What each side times (see the docstrings of benches/pytorch_lenet_cpu.py and pytorch_ddp.py):
@@ -56,7 +61,7 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --pairs) [[ $# -ge 2 ]] || die "--pairs needs a number"; PAIRS=$2; shift 2 ;;
         --pairs=*) PAIRS=${1#*=}; shift ;;
-        --case) [[ $# -ge 2 ]] || die "--case needs one of lenet1, lenet2, lenet8, mlp8, resnet1, resnet2, all"; CASE=$2; shift 2 ;;
+        --case) [[ $# -ge 2 ]] || die "--case needs one of lenet1, lenet2, lenet8, mlp8, resnet1, resnet2, gpt1, gpt2, all"; CASE=$2; shift 2 ;;
         --case=*) CASE=${1#*=}; shift ;;
         -h | --help) usage; exit 0 ;;
         *) usage >&2; die "unknown argument: $1" ;;
@@ -64,9 +69,9 @@ while [[ $# -gt 0 ]]; do
 done
 [[ "$PAIRS" =~ ^[1-9][0-9]*$ ]] || die "--pairs must be a positive integer, got '$PAIRS'"
 case "$CASE" in
-    lenet1 | lenet2 | lenet8 | mlp8 | resnet1 | resnet2) CASES=("$CASE") ;;
-    all) CASES=(lenet1 lenet2 lenet8 mlp8 resnet1 resnet2) ;;
-    *) die "--case must be lenet1, lenet2, lenet8, mlp8, resnet1, resnet2 or all, got '$CASE'" ;;
+    lenet1 | lenet2 | lenet8 | mlp8 | resnet1 | resnet2 | gpt1 | gpt2) CASES=("$CASE") ;;
+    all) CASES=(lenet1 lenet2 lenet8 mlp8 resnet1 resnet2 gpt1 gpt2) ;;
+    *) die "--case must be lenet1, lenet2, lenet8, mlp8, resnet1, resnet2, gpt1, gpt2 or all, got '$CASE'" ;;
 esac
 RUN_TIMEOUT=${RUN_TIMEOUT:-600}
 PYTHON=${PYTHON:-python3}
@@ -96,6 +101,11 @@ need_bin() {
 for c in "${CASES[@]}"; do
     case "$c" in
         lenet1 | lenet2) need_bin target/release/cellgraph ;;
+        gpt1 | gpt2)
+            [[ -x target/release/examples/gpt_accumulation ]] || die "target/release/examples/gpt_accumulation is missing: build it first with
+    cargo build --release --locked --example gpt_accumulation"
+            [[ -f data/shakespeare/shakespeare.txt.gz ]] || die "data/shakespeare/shakespeare.txt.gz (the vendored corpus) not found under $(pwd)"
+            ;;
         resnet1 | resnet2)
             [[ -x target/release/examples/colossal_resnet18 ]] || die "target/release/examples/colossal_resnet18 is missing: build it first with
     cargo build --release --locked --example colossal_resnet18"
@@ -162,6 +172,15 @@ set_commands() {
             PT_ENV=(OMP_NUM_THREADS=$n)
             PT=(taskset -c $cpus "$PYTHON" benches/pytorch_resnet18_cpu.py --threads "$n" --batch-size 32 --micro-size 4 --epochs 1)
             ;;
+        gpt1 | gpt2)
+            local n=${c#gpt} cpus=0
+            [[ $n == 2 ]] && cpus=0,1
+            CG_ENV=(MATMUL_NUM_THREADS=$n RAYON_NUM_THREADS=$n)
+            CG=(taskset -c $cpus target/release/examples/gpt_accumulation --epochs 1 --steps 20 --eval-items 64 --sample 0
+                --print-every 0 --ckpt LOGDIR)
+            PT_ENV=(OMP_NUM_THREADS=$n)
+            PT=(taskset -c $cpus "$PYTHON" benches/pytorch_gpt.py --threads "$n" --epochs 1 --steps 20 --eval-items 64)
+            ;;
         lenet8 | mlp8)
             local net=()
             [[ $c == lenet8 ]] && net=(--net lenet --batch-size 128)
@@ -189,11 +208,12 @@ run_cellgraph() {
             IPS=$(grab "$log" '/^trained [0-9]+ steps, [0-9]+ optimizer updates in .* images\/s\)/ { x = $(NF-1); sub(/^\(/, "", x); print x }' "cellgraph's images/s")
             WORK=$(grab "$log" '/^trained [0-9]+ steps, [0-9]+ optimizer updates in/ { print $2, $4 }' "cellgraph's steps and updates")
             ;;
-        lenet8 | mlp8 | resnet1 | resnet2)
+        lenet8 | mlp8 | resnet1 | resnet2 | gpt1 | gpt2)
             # "ranks: 8, updates: 7, gradient collectives: 7, ..." and "training: 2.06 s, 3891 images/s across ranks"
+            # (the GPT: "training: 5.9 s, 13867.2 tokens/s across ranks")
             local ru tp ranks updates secs printed
             ru=$(grab "$log" '/^ranks: [0-9]+, updates: [0-9]+/ { r = $2; u = $4; sub(/,/, "", r); sub(/,/, "", u); print r, u }' "cellgraph's ranks and updates")
-            tp=$(grab "$log" '/^training: .* s, .* images\/s across ranks/ { print $2, $4 }' "cellgraph's training time and images/s")
+            tp=$(grab "$log" '/^training: .* s, .* (images|tokens)\/s across ranks/ { print $2, $4 }' "cellgraph's training time and images/s")
             read -r ranks updates <<<"$ru"
             read -r secs printed <<<"$tp"
             number_is_positive "$secs" || die "cellgraph's training time is $secs s (too short to measure): see $log"
@@ -211,7 +231,7 @@ run_pytorch() {
             IPS=$(grab "$log" '/^pytorch: trained [0-9]+ steps/ { x = $(NF-1); sub(/^\(/, "", x); print x }' "PyTorch's images/s")
             WORK=$(grab "$log" '/^pytorch: trained [0-9]+ steps/ { print $3, $5 }' "PyTorch's steps and updates")
             ;;
-        resnet1 | resnet2)
+        resnet1 | resnet2 | gpt1 | gpt2)
             IPS=$(grab "$log" '/^pytorch: trained [0-9]+ steps/ { x = $(NF-1); sub(/^\(/, "", x); print x }' "PyTorch's images/s")
             WORK=$(grab "$log" '/^pytorch: trained [0-9]+ steps/ { print $5 }' "PyTorch's updates")
             ;;
@@ -243,6 +263,8 @@ for c in "${CASES[@]}"; do
     echo "cellgraph: ${CG_ENV[*]} ${CG[*]/LOGDIR/<tmpdir>}"
     echo "pytorch:   ${PT_ENV[*]} ${PT[*]}"
     ratios=() cgs=() pts=()
+    UNIT=images/s
+    [[ $c == gpt* ]] && UNIT=tokens/s
     for ((i = 1; i <= PAIRS; i++)); do
         run_cellgraph "$c" "$i"
         cg=$IPS cg_work=$WORK cg_note=$NOTE
@@ -252,15 +274,15 @@ for c in "${CASES[@]}"; do
         number_is_positive "$pt" || die "$c: PyTorch's images/s is $pt"
         r=$(awk -v a="$cg" -v b="$pt" 'BEGIN { printf "%.3f", a / b }')
         ratios+=("$r") cgs+=("$cg") pts+=("$pt")
-        printf '%s pair %d/%d: cellgraph %8.1f images/s%s, PyTorch %8.1f images/s, ratio %s\n' "$c" "$i" "$PAIRS" "$cg" "$cg_note" "$pt" "$r"
+        printf '%s pair %d/%d: cellgraph %8.1f %s%s, PyTorch %8.1f %s, ratio %s\n' "$c" "$i" "$PAIRS" "$cg" "$UNIT" "$cg_note" "$pt" "$UNIT" "$r"
     done
     med=$(printf '%s\n' "${ratios[@]}" | median)
     lo=$(printf '%s\n' "${ratios[@]}" | sort -g | head -n 1)
     hi=$(printf '%s\n' "${ratios[@]}" | sort -g | tail -n 1)
     mcg=$(printf '%s\n' "${cgs[@]}" | median)
     mpt=$(printf '%s\n' "${pts[@]}" | median)
-    line=$(printf '%-7s median ratio cellgraph/PyTorch %.3f (min %.3f, max %.3f, %d pairs); median images/s: cellgraph %.1f, PyTorch %.1f' \
-        "$c" "$med" "$lo" "$hi" "$PAIRS" "$mcg" "$mpt")
+    line=$(printf '%-7s median ratio cellgraph/PyTorch %.3f (min %.3f, max %.3f, %d pairs); median %s: cellgraph %.1f, PyTorch %.1f' \
+        "$c" "$med" "$lo" "$hi" "$PAIRS" "$UNIT" "$mcg" "$mpt")
     echo "$line"
     SUMMARY+=("$line")
 done

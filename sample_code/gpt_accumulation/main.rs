@@ -166,24 +166,27 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
         println!("{}; unigram baseline {baseline:.3} nats/char", val.describe());
     }
     let t0 = std::time::Instant::now();
-    let mut tokens = 0usize;
+    let mut secs = 0.0;
     for epoch in 0..args.epochs {
+        let t = std::time::Instant::now();
         model.train(epoch + 1, &train, &mut [&mut loss_cb])?;
-        tokens += train.dataset_size() * args.batch_size * args.context * size;
+        secs += t.elapsed().as_secs_f64();
         let v = model.eval(&val)?["Loss"];
         if rank == 0 {
             println!("epoch {}: validation loss {v:.4} nats/char (unigram {baseline:.3}), {:.0} s", epoch + 1, t0.elapsed().as_secs_f64());
         }
     }
-    let secs = t0.elapsed().as_secs_f64();
+    let tokens = args.epochs * train.dataset_size() * args.batch_size * args.context * size;
     let snapshot = model.snapshot();
     if rank == 0 {
         let c = model.accumulator().counters();
         println!("ranks: {size}, updates: {}, gradient collectives: {}, skipped: {}", model.accumulator().updates(), c.grad_collectives, c.skipped_updates);
         if matches!(args.items, ItemKind::Windows) {
-            println!("training: {secs:.1} s, {:.0} tokens/s across ranks (validation included)", tokens as f64 / secs);
+            println!("training: {secs:.2} s, {:.1} tokens/s across ranks", tokens as f64 / secs);
         }
-        println!("sample:\n{}", sample(&mut model, &corpus, args.context, args.sample, args.seed)?);
+        if args.sample > 0 {
+            println!("sample:\n{}", sample(&mut model, &corpus, args.context, args.sample, args.seed)?);
+        }
         cellgraph::runtime::checkpoint::save(&args.ckpt, &snapshot, &Default::default())?;
         println!("checkpoint: {}", args.ckpt.display());
     }
