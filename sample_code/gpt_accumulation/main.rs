@@ -84,6 +84,9 @@ struct Args {
     ckpt: PathBuf,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Time every op and print the slowest (rank 0).
+    #[arg(long)]
+    profile: bool,
 }
 
 fn main() -> std::process::ExitCode {
@@ -152,6 +155,7 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
     let optimizer = Adam { beta2: 0.99, ..Adam::adamw(schedule, args.weight_decay) };
     let mut model = if size > 1 { Model::<Cpu>::parallel(AutoParallel::new(net), optimizer, cpu(), args.seed, comm.clone())? } else { Model::<Cpu>::new(net, optimizer, cpu(), args.seed)? };
     model = model.with_metrics(&[Metric::Loss]);
+    model.accumulator_mut().session.set_profiling(args.profile);
 
     let out: Box<dyn std::io::Write> = if rank == 0 { Box::new(std::io::stdout()) } else { Box::new(std::io::sink()) };
     let mut loss_cb = LossMonitor::to_writer(args.print_every, out);
@@ -183,6 +187,9 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
         println!("ranks: {size}, updates: {}, gradient collectives: {}, skipped: {}", model.accumulator().updates(), c.grad_collectives, c.skipped_updates);
         if matches!(args.items, ItemKind::Windows) {
             println!("training: {secs:.2} s, {:.1} tokens/s across ranks", tokens as f64 / secs);
+        }
+        for (op, calls, t) in model.accumulator().session.profile().into_iter().take(20) {
+            println!("{op:>28} {calls:>8} calls {:>10.1} ms", t * 1e3);
         }
         if args.sample > 0 {
             println!("sample:\n{}", sample(&mut model, &corpus, args.context, args.sample, args.seed)?);
