@@ -166,7 +166,8 @@ impl Cell for GELU {
 }
 
 /// Softmax over `axis` (MindSpore's `nn.Softmax(axis=-1)`), numerically stable: the axis's
-/// maximum is subtracted before `exp`.
+/// maximum is subtracted before `exp`, behind `stop_gradient` (softmax does not depend on it,
+/// so its exact gradient is zero and the backward pass skips it).
 #[derive(Clone, Debug)]
 pub struct Softmax {
     /// The axis; `None` is the last.
@@ -197,6 +198,7 @@ impl Cell for Softmax {
         }
         let at = ReduceAttrs { axes: vec![axis], keep_dims: true };
         let m = t.op(Op::ReduceMax(at.clone()), &[x])?;
+        let m = t.op(Op::StopGradient, &[m])?;
         let z = t.op(Op::Sub, &[x, m])?;
         let e = t.op(Op::Exp, &[z])?;
         let s = t.op(Op::ReduceSum(at), &[e])?;

@@ -181,7 +181,7 @@ pub fn vjp(e: &mut Emit, op: &Op, xs: &[NodeId], y: NodeId, g: NodeId) -> Result
                 let dtype = e.g.ty(xs[0]).dtype;
                 vec![Some(e.op(Op::Cast { dtype }, &[g])?)]
             }
-            Op::ZerosLike => vec![None],
+            Op::ZerosLike | Op::StopGradient => vec![None],
             Op::Broadcast { .. } => vec![Some(e.unbroadcast(g, &s(e, 0))?)],
             Op::Reshape { .. } | Op::Flatten => vec![Some(e.reshape(g, s(e, 0))?)],
             Op::Transpose { perm } => {

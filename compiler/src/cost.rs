@@ -29,7 +29,7 @@ fn op_flops(op: &Op, out_ty: &TensorType, args: &[&TensorType]) -> u64 {
     match op {
         Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => 0,
         Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } | Op::Pad { .. } => 0,
-        Op::Concat { .. } | Op::Flatten | Op::Cast { .. } | Op::ZerosLike | Op::Assign => 0,
+        Op::Concat { .. } | Op::Flatten | Op::Cast { .. } | Op::ZerosLike | Op::Assign | Op::StopGradient => 0,
         Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Relu | Op::ReluGrad | Op::Sqrt => out,
         Op::GreaterEqual | Op::Select | Op::AssignAdd | Op::AllReduce => out,
         Op::Equal | Op::CausalMask { .. } | Op::Gather => out,

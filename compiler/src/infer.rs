@@ -191,7 +191,7 @@ pub fn infer(op: &Op, xs: &[&TensorType]) -> Result<TensorType, String> {
             Ok(xs[0].clone())
         }
         Op::Cast { dtype } => Ok(TensorType::new(*dtype, xs[0].shape.clone())),
-        Op::ZerosLike => Ok(xs[0].clone()),
+        Op::ZerosLike | Op::StopGradient => Ok(xs[0].clone()),
         Op::Broadcast { shape } => match broadcast_shapes(xs[0].dims(), &shape.0) {
             Some(s) if s == shape.0 => Ok(xs[0].with_shape(s)),
             _ => Err(format!("{} does not broadcast to {shape}", xs[0])),

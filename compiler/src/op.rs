@@ -90,6 +90,9 @@ pub enum Op {
     Tanh,
     /// The error function (GELU's exact form).
     Erf,
+    /// The identity, through which no gradient flows (JAX's and MindSpore's `stop_gradient`):
+    /// softmax's subtracted maximum, whose exact gradient is zero.
+    StopGradient,
     /// `cond ? a : b` elementwise, operands `(cond, a, b)`, broadcasting.
     Select,
     Cast { dtype: DType },
@@ -278,6 +281,7 @@ impl Op {
             Op::Gather => "gather",
             Op::ScatterAdd { .. } => "scatter_add",
             Op::CausalMask { .. } => "causal_mask",
+            Op::StopGradient => "stop_gradient",
             Op::Select => "select",
             Op::Cast { .. } => "cast",
             Op::ZerosLike => "zeros_like",
@@ -332,7 +336,7 @@ impl Op {
         match self {
             Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => Exactly(0),
             Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::Sqrt | Op::Cast { .. } | Op::ZerosLike => Exactly(1),
-            Op::AllReduce | Op::Tanh | Op::Erf | Op::CausalMask { .. } => Exactly(1),
+            Op::AllReduce | Op::Tanh | Op::Erf | Op::CausalMask { .. } | Op::StopGradient => Exactly(1),
             Op::Equal | Op::Gather | Op::ScatterAdd { .. } => Exactly(2),
             Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } => Exactly(1),
             Op::Slice { .. } | Op::Pad { .. } | Op::Flatten => Exactly(1),
@@ -384,7 +388,7 @@ impl Op {
             Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Exp | Op::Log => vec![],
             Op::Relu | Op::ReluGrad | Op::ZerosLike | Op::Flatten | Op::Assign | Op::AssignAdd => vec![],
             Op::Sqrt | Op::GreaterEqual | Op::Select | Op::AllReduce => vec![],
-            Op::Equal | Op::Tanh | Op::Erf | Op::Gather => vec![],
+            Op::Equal | Op::Tanh | Op::Erf | Op::Gather | Op::StopGradient => vec![],
             Op::ScatterAdd { rows } => vec![("rows", Attr::Int(*rows as i64))],
             Op::CausalMask { fill } => vec![("fill", Attr::Float(*fill))],
             Op::Cast { dtype } => vec![("dtype", Attr::Sym(dtype.name().into()))],
@@ -459,6 +463,7 @@ impl Op {
             "gather" => Op::Gather,
             "scatter_add" => Op::ScatterAdd { rows: a.usize("rows")? },
             "causal_mask" => Op::CausalMask { fill: a.float("fill")? },
+            "stop_gradient" => Op::StopGradient,
             "select" => Op::Select,
             "cast" => {
                 let s = a.sym("dtype")?;
@@ -672,6 +677,7 @@ impl Op {
             Op::Gather,
             Op::ScatterAdd { rows: 7 },
             Op::CausalMask { fill: -1e9 },
+            Op::StopGradient,
         ]
     }
 
@@ -727,11 +733,12 @@ impl Op {
             Op::Gather => 46,
             Op::ScatterAdd { .. } => 47,
             Op::CausalMask { .. } => 48,
+            Op::StopGradient => 49,
         }
     }
 
     /// Number of op variants.
-    pub const COUNT: usize = 49;
+    pub const COUNT: usize = 50;
 }
 
 #[cfg(test)]

@@ -103,6 +103,24 @@ pub enum Native {
     /// constant; a device then computes the gradient with the loss, in the same launch, and
     /// keeps it in the slot for the gradient step.
     SoftmaxCrossEntropy { c: usize, reduction: Reduction, grad: bool, kept: Option<usize>, seed: Option<f64> },
+    /// Batched `op(a) @ op(b)`: `batch` products of `m x k` by `k x n`, each operand's
+    /// matrices consecutive (rank > 2, equal leading axes). Host backends only.
+    BatchMatMul { batch: usize, m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool },
+    /// A transpose written out row-major: input extents `dims`, output axis `i` is input axis
+    /// `perm[i]`. Host backends only (on burn's ops a transpose is a view, which the next op
+    /// that needs row-major data copies element by element).
+    Permute { dims: Vec<usize>, perm: Vec<usize> },
+    /// A slice written out row-major: input extents `dims`, `begin..end` on every axis. Host
+    /// backends only.
+    Slice { dims: Vec<usize>, begin: Vec<usize>, end: Vec<usize> },
+    /// Zero padding written out row-major: input extents `dims`, `lo`/`hi` elements around each
+    /// axis. Host backends only.
+    Pad { dims: Vec<usize>, lo: Vec<usize>, hi: Vec<usize> },
+    /// Causal masking of `[..., t, s]` scores (see `Op::CausalMask`). Host backends only.
+    CausalMask { t: usize, s: usize, fill: f64 },
+    /// The maximum of each row of `[rows, cols]` (a `reduce_max` over the last axis). Host
+    /// backends only.
+    MaxRows { cols: usize },
     /// A float `constant`: every element `value` (on host backends in the plan's arena, so a
     /// clear of the accumulators allocates nothing).
     Fill(f64),
@@ -227,8 +245,21 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
         Some(geometry(x, p.kernel, p.stride, [1, 1], &win))
     };
     match op {
-        // Batched products (rank > 2) run on burn's ops.
-        Op::MatMul { transpose_a, transpose_b } if tys[0].rank() == 2 => {
+        Op::MatMul { transpose_a, transpose_b } if tys[0].rank() > 2 => {
+            let (a, b, r) = (d(0), d(1), tys[0].rank());
+            let (m, k) = if *transpose_a { (a[r - 1], a[r - 2]) } else { (a[r - 2], a[r - 1]) };
+            let n = if *transpose_b { b[r - 2] } else { b[r - 1] };
+            Some(Native::BatchMatMul { batch: a[..r - 2].iter().product(), m, k, n, transpose_a: *transpose_a, transpose_b: *transpose_b })
+        }
+        Op::Transpose { perm } if tys[0].dtype.is_float() => Some(Native::Permute { dims: d(0).to_vec(), perm: perm.clone() }),
+        Op::Pad { lo, hi } if tys[0].dtype.is_float() => Some(Native::Pad { dims: d(0).to_vec(), lo: lo.clone(), hi: hi.clone() }),
+        Op::CausalMask { fill } => {
+            let r = tys[0].rank();
+            Some(Native::CausalMask { t: d(0)[r - 2], s: d(0)[r - 1], fill: *fill })
+        }
+        Op::ReduceMax(r) if r.axes == [tys[0].rank() - 1] && d(0)[tys[0].rank() - 1] > 0 => Some(Native::MaxRows { cols: d(0)[tys[0].rank() - 1] }),
+        Op::Slice { begin, end } if tys[0].dtype.is_float() => Some(Native::Slice { dims: d(0).to_vec(), begin: begin.clone(), end: end.clone() }),
+        Op::MatMul { transpose_a, transpose_b } => {
             let (a, b) = (d(0), d(1));
             let (m, k) = if *transpose_a { (a[1], a[0]) } else { (a[0], a[1]) };
             let n = if *transpose_b { b[0] } else { b[1] };

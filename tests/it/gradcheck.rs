@@ -288,6 +288,7 @@ fn must_be_checked(op: &Op) -> bool {
         Op::Assign | Op::AssignAdd => false,
         Op::GreaterEqual | Op::Equal => false, // comparisons: zero gradient almost everywhere
         Op::ScatterAdd { .. } => false,
+        Op::StopGradient => false, // no gradient by definition (checked in `stop_gradient_blocks`)
         Op::Tanh | Op::Erf | Op::CausalMask { .. } | Op::Gather => true,
         Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::ReluGrad => true,
         Op::Sqrt | Op::Select | Op::AllReduce => true,
@@ -298,6 +299,20 @@ fn must_be_checked(op: &Op) -> bool {
         // Formed after differentiation; their plans are checked against unfused ones.
         Op::Fused { .. } | Op::Epilogue { .. } => false,
     }
+}
+
+#[test]
+fn stop_gradient_blocks_the_gradient_and_is_the_identity() {
+    let mut g = Graph::new("g");
+    let x = g.add_leaf(Op::Parameter { name: "x".into() }, TensorType::f32([3]), "t").unwrap();
+    let s = g.add(Op::StopGradient, &[x], "t").unwrap();
+    let y = g.add(Op::Mul, &[s, x], "t").unwrap();
+    let l = g.add(Op::ReduceSum(r(&[0], false)), &[y], "t").unwrap();
+    let gr = grad(&mut g, l, &[x], Sens::One).unwrap();
+    g.set_outputs(vec![l, gr.grads[0]]);
+    let out = run_loss(&compile(g).unwrap(), &[("x".into(), HostTensor::new(vec![3], HostData::F64(vec![1.0, -2.0, 3.0])).unwrap())], &[]);
+    assert_eq!(out[0].scalar(), 14.0, "sum(x * x)");
+    assert_eq!(out[1].to_f64(), vec![1.0, -2.0, 3.0], "d/dx sum(sg(x) * x) = sg(x), not 2x");
 }
 
 #[test]

@@ -682,6 +682,8 @@ where
             }
             // burn's `full`: one launch either way.
             Native::Fill(_) | Native::MaxPool { .. } | Native::SumPlanes { .. } => return None,
+            Native::BatchMatMul { .. } | Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } => return None,
+            Native::CausalMask { .. } | Native::MaxRows { .. } => return None,
         };
         Some(y)
     }

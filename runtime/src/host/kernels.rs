@@ -1587,3 +1587,120 @@ pub(crate) mod tests {
         }
     }
 }
+
+/// `y` = the row-major `x` of extents `dims` with its axes permuted (`y`'s axis `i` is `x`'s
+/// axis `perm[i]`), written row-major; runs along a kept last axis are copied whole.
+pub fn permute<F: HostFloat>(x: &[F], dims: &[usize], perm: &[usize], y: &mut [F]) {
+    let r = dims.len();
+    if r == 0 || y.is_empty() {
+        return y.copy_from_slice(&x[..y.len()]);
+    }
+    let mut strides = vec![1; r];
+    for i in (0..r - 1).rev() {
+        strides[i] = strides[i + 1] * dims[i + 1];
+    }
+    let out: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
+    let st: Vec<usize> = perm.iter().map(|&p| strides[p]).collect();
+    let (inner, inner_stride) = (out[r - 1], st[r - 1]);
+    let mut idx = vec![0usize; r - 1];
+    let mut base = 0usize;
+    for row in y.chunks_exact_mut(inner) {
+        if inner_stride == 1 {
+            row.copy_from_slice(&x[base..base + inner]);
+        } else {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = x[base + j * inner_stride];
+            }
+        }
+        // The odometer over the output's leading axes, carrying the input offset along.
+        for a in (0..r - 1).rev() {
+            idx[a] += 1;
+            base += st[a];
+            if idx[a] < out[a] {
+                break;
+            }
+            base -= st[a] * out[a];
+            idx[a] = 0;
+        }
+    }
+}
+
+/// `y` = `x[begin..end]` on every axis of the row-major `x` of extents `dims`, row-major.
+pub fn slice<F: HostFloat>(x: &[F], dims: &[usize], begin: &[usize], end: &[usize], y: &mut [F]) {
+    let r = dims.len();
+    if r == 0 || y.is_empty() {
+        return y.copy_from_slice(&x[..y.len()]);
+    }
+    let mut strides = vec![1; r];
+    for i in (0..r - 1).rev() {
+        strides[i] = strides[i + 1] * dims[i + 1];
+    }
+    let out: Vec<usize> = (0..r).map(|i| end[i] - begin[i]).collect();
+    let inner = out[r - 1];
+    let mut idx = vec![0usize; r - 1];
+    let mut base: usize = (0..r).map(|i| begin[i] * strides[i]).sum();
+    for row in y.chunks_exact_mut(inner) {
+        row.copy_from_slice(&x[base..base + inner]);
+        for a in (0..r - 1).rev() {
+            idx[a] += 1;
+            base += strides[a];
+            if idx[a] < out[a] {
+                break;
+            }
+            base -= strides[a] * out[a];
+            idx[a] = 0;
+        }
+    }
+}
+
+/// `y` = the row-major `x` of extents `dims` padded with zeros, `lo[i]` before and `hi[i]`
+/// after axis `i`, row-major.
+pub fn pad<F: HostFloat>(x: &[F], dims: &[usize], lo: &[usize], hi: &[usize], y: &mut [F]) {
+    let r = dims.len();
+    y.fill(F::ZERO);
+    if r == 0 || x.is_empty() {
+        return y[..x.len()].copy_from_slice(x);
+    }
+    let out: Vec<usize> = (0..r).map(|i| lo[i] + dims[i] + hi[i]).collect();
+    let mut ostride = vec![1; r];
+    for i in (0..r - 1).rev() {
+        ostride[i] = ostride[i + 1] * out[i + 1];
+    }
+    let inner = dims[r - 1];
+    let mut idx = vec![0usize; r - 1];
+    let mut base: usize = (0..r).map(|i| lo[i] * ostride[i]).sum();
+    for row in x.chunks_exact(inner) {
+        y[base..base + inner].copy_from_slice(row);
+        for a in (0..r - 1).rev() {
+            idx[a] += 1;
+            base += ostride[a];
+            if idx[a] < dims[a] {
+                break;
+            }
+            base -= ostride[a] * dims[a];
+            idx[a] = 0;
+        }
+    }
+}
+
+/// Causal masking of `[..., t, s]` scores: element `(i, j)` of each `t x s` matrix is `fill`
+/// where `j > i + s - t`, else `x`'s.
+pub fn causal_mask<F: HostFloat>(x: &[F], t: usize, s: usize, fill: F, y: &mut [F]) {
+    for (xm, ym) in x.chunks_exact(t * s).zip(y.chunks_exact_mut(t * s)) {
+        for i in 0..t {
+            // Keys 0..=i + s - t are visible.
+            let seen = (i + s).saturating_sub(t).saturating_add(1).min(s);
+            let (xr, yr) = (&xm[i * s..(i + 1) * s], &mut ym[i * s..(i + 1) * s]);
+            yr[..seen].copy_from_slice(&xr[..seen]);
+            yr[seen..].fill(fill);
+        }
+    }
+}
+
+/// The maximum of each row of the row-major `[rows, cols]` `x`, as burn's `max_dim` (NaN
+/// propagates).
+pub fn max_rows<F: HostFloat>(x: &[F], cols: usize, y: &mut [F]) {
+    for (row, m) in x.chunks_exact(cols).zip(y.iter_mut()) {
+        *m = row[1..].iter().fold(row[0], |a, &b| if b > a || b != b { b } else { a });
+    }
+}

@@ -348,6 +348,10 @@ fn run<F: Elem>(k: &Native, args: &[HostSlice], ints: &[&[i64]], tys: &[&TensorT
         Native::Fused(e) | Native::Epilogue { post: e, .. } => e.len == len,
         Native::SumRows { cols } => *cols == len && a[0].len() % cols == 0,
         Native::SumPlanes { outer, inner, .. } => a[0].len() == outer * len * inner,
+        Native::BatchMatMul { batch, m, k, n, .. } => len == batch * m * n && a[0].len() == batch * m * k && a[1].len() == batch * k * n,
+        Native::Permute { dims, .. } | Native::Slice { dims, .. } | Native::Pad { dims, .. } => a[0].len() == dims.iter().product::<usize>(),
+        Native::CausalMask { .. } => a[0].len() == len,
+        Native::MaxRows { cols } => a[0].len() == len * cols,
         _ => true,
     };
     if len == 0 || !fits {
@@ -403,6 +407,21 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         Native::Fused(e) => kernels::fused(e, a, y),
         Native::SumRows { .. } => kernels::sum_rows(a[0], y),
         Native::SumPlanes { outer, inner, scale } => kernels::sum_planes(a[0], *outer, *inner, scale.map(F::from_f64), y),
+        Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b } => {
+            let (sa, sb) = (m * k, k * n);
+            let (ra, ca) = if *transpose_a { (*k, *m) } else { (*m, *k) };
+            let (rb, cb) = if *transpose_b { (*n, *k) } else { (*k, *n) };
+            for (i, c) in y.chunks_exact_mut(m * n).take(*batch).enumerate() {
+                let lhs = Mat { data: &a[0][i * sa..(i + 1) * sa], rows: ra, cols: ca, transposed: *transpose_a };
+                let rhs = Mat { data: &a[1][i * sb..(i + 1) * sb], rows: rb, cols: cb, transposed: *transpose_b };
+                kernels::matmul(lhs, rhs, c);
+            }
+        }
+        Native::Permute { dims, perm } => kernels::permute(a[0], dims, perm, y),
+        Native::Slice { dims, begin, end } => kernels::slice(a[0], dims, begin, end, y),
+        Native::Pad { dims, lo, hi } => kernels::pad(a[0], dims, lo, hi, y),
+        Native::CausalMask { t, s, fill } => kernels::causal_mask(a[0], *t, *s, F::from_f64(*fill), y),
+        Native::MaxRows { cols } => kernels::max_rows(a[0], *cols, y),
         Native::Epilogue { .. } | Native::SoftmaxCrossEntropy { .. } => unreachable!("an epilogue's head is neither an epilogue nor a loss"),
     }
     kernels::post_all(post, y)
