@@ -59,6 +59,8 @@ pub struct Tracer {
     /// The number of items (tokens) the loss sums over, when a loss reports it
     /// ([`Tracer::set_count`]).
     count: Option<NodeId>,
+    /// Dropout's keys: the implicit inputs [`ITEM_INDEX`] and [`UPDATE`], once asked for.
+    keys: Option<(NodeId, NodeId)>,
 }
 
 /// What a trace records.
@@ -74,6 +76,12 @@ pub enum Phase {
     Boundary,
 }
 
+/// The name of the implicit graph input holding each row's global item index (dropout's key),
+/// and of the dataset column that provides it.
+pub const ITEM_INDEX: &str = "item_index";
+/// The name of the implicit graph input holding the number of updates applied (dropout's key).
+pub const UPDATE: &str = "update";
+
 /// The scope of the top-level network in traces.
 pub const ROOT_SCOPE: &str = "net";
 
@@ -82,7 +90,7 @@ impl Tracer {
     /// built from: `BatchNorm2d` normalises with the batch's statistics and updates its moving
     /// ones).
     pub fn new(name: &str) -> Self {
-        Tracer { graph: Graph::new(name), scopes: vec![ROOT_SCOPE.to_string()], params: HashMap::new(), phase: Phase::Training, count: None }
+        Tracer { graph: Graph::new(name), scopes: vec![ROOT_SCOPE.to_string()], params: HashMap::new(), phase: Phase::Training, count: None, keys: None }
     }
 
     /// An empty inference trace (MindSpore's `set_train(False)`: `BatchNorm2d` normalises with
@@ -174,6 +182,19 @@ impl Tracer {
     /// divided once by the counts of all its micro-batches and ranks.
     pub fn set_count(&mut self, count: NodeId) {
         self.count = Some(count);
+    }
+
+    /// Dropout's keys for activations of `rows` rows: the implicit graph inputs [`ITEM_INDEX`]
+    /// (`i64 [rows]`, each row's global item index) and [`UPDATE`] (`i64 []`), added after the
+    /// traced inputs the first time they are asked for; the runtime fills them.
+    pub fn dropout_keys(&mut self, rows: usize) -> Result<(NodeId, NodeId)> {
+        if let Some(k) = self.keys {
+            return Ok(k);
+        }
+        let items = self.input(ITEM_INDEX, TensorType::new(cellgraph_compiler::DType::I64, [rows]))?;
+        let update = self.input(UPDATE, TensorType::new(cellgraph_compiler::DType::I64, cellgraph_compiler::Shape::scalar()))?;
+        self.keys = Some((items, update));
+        Ok((items, update))
     }
 
     /// The count a loss reported, if any.

@@ -362,3 +362,52 @@ impl Cell for SequentialCell {
         "SequentialCell"
     }
 }
+
+/// Inverted dropout (MindSpore's `nn.Dropout(p=0.5)`): in training, each element is zeroed
+/// with probability `p` and the rest scaled by `1 / (1 - p)`; in inference, the identity. The
+/// mask is keyed by `(seed, update, global item index, position in the item)` (`Op::Dropout`),
+/// never by where an item lands: slicing a batch into micro-batches, sharding it over ranks or
+/// resuming from a checkpoint gives every item the same mask. The seed defaults to a hash of
+/// the cell's path, so two dropouts never share masks. Activations must be `[N, ...]` with one
+/// row per item.
+#[derive(Clone, Debug)]
+pub struct Dropout {
+    path: String,
+    pub p: f64,
+    pub seed: u64,
+}
+
+impl Dropout {
+    /// Dropout with probability `p`, seeded by its path.
+    pub fn new(s: &Scope, p: f64) -> Self {
+        // FNV-1a of the path.
+        let seed = s.path().bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+        Dropout { path: s.path().into(), p, seed }
+    }
+    /// Sets the seed.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+}
+
+impl Cell for Dropout {
+    fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
+        expect_inputs(self, xs, 1)?;
+        if !(0.0..1.0).contains(&self.p) {
+            return Err(CellError::Config { cell: self.path.clone(), detail: format!("dropout probability must be in [0, 1), got {}", self.p) });
+        }
+        if !t.training() || self.p == 0.0 {
+            return Ok(xs[0]);
+        }
+        let rows = t.ty(xs[0]).dims().first().copied().unwrap_or(1);
+        let (items, update) = t.dropout_keys(rows)?;
+        t.op(Op::Dropout { p: self.p, seed: self.seed }, &[xs[0], items, update])
+    }
+    fn path(&self) -> Option<&str> {
+        Some(&self.path)
+    }
+    fn kind(&self) -> &'static str {
+        "Dropout"
+    }
+}

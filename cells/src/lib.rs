@@ -24,7 +24,7 @@ pub use accumulate::{AutoParallel, GradAccumulation, Normalization, Slicing};
 pub use cell::{trace, Cell, Tracer};
 pub use error::{CellError, Result};
 pub use init::Initializer;
-pub use layers::{AdaptiveAvgPool2d, AvgPool2d, Conv2d, Dense, Flatten, MaxPool2d, Pool2d, ReLU, SequentialCell};
+pub use layers::{AdaptiveAvgPool2d, AvgPool2d, Conv2d, Dense, Dropout, Flatten, MaxPool2d, Pool2d, ReLU, SequentialCell};
 pub use norm::BatchNorm2d;
 pub use loss::{CrossEntropyLoss, MSELoss, SoftmaxCrossEntropyWithLogits, WithLossCell};
 pub use optim::{Adam, Momentum, Optimizer, SGD};

@@ -1,5 +1,5 @@
 //! The building blocks of Transformers, with MindSpore's names: [`Embedding`], [`LayerNorm`],
-//! [`GELU`], [`Softmax`], and GPT's [`CausalSelfAttention`], [`Mlp`] and [`Block`]. Each is
+//! [`GELU`], [`Softmax`] (and `layers::Dropout`), and GPT's [`CausalSelfAttention`], [`Mlp`] and [`Block`]. Each is
 //! written in the graph's own ops (gather, reductions, batched matmuls, elementwise
 //! arithmetic), so its gradient is the autodiff of what runs.
 
@@ -8,7 +8,7 @@ use cellgraph_compiler::{NodeId, Op, ReduceAttrs, Shape, TensorType};
 use crate::cell::{expect_inputs, Cell, Tracer};
 use crate::error::{CellError, Result};
 use crate::init::Initializer;
-use crate::layers::Dense;
+use crate::layers::{Dense, Dropout};
 use crate::param::{Parameter, Scope};
 
 /// A lookup table of `vocab_size` rows of `embedding_size` (MindSpore's `nn.Embedding`,
@@ -217,6 +217,8 @@ pub struct CausalSelfAttention {
     c_attn: Dense,
     c_proj: Dense,
     heads: usize,
+    attn_dropout: Dropout,
+    resid_dropout: Dropout,
 }
 
 /// nanoGPT's initializer for a linear layer: weight `N(0, sigma^2)`, bias zeros.
@@ -225,12 +227,20 @@ fn gpt_dense(s: &Scope, i: usize, o: usize, sigma: f64) -> Dense {
 }
 
 impl CausalSelfAttention {
-    /// Attention of `width` features in `heads` heads; `proj_sigma` initialises `c_proj`.
-    pub fn new(s: &Scope, width: usize, heads: usize, proj_sigma: f64) -> Result<Self> {
+    /// Attention of `width` features in `heads` heads; `proj_sigma` initialises `c_proj`;
+    /// `dropout` on the attention probabilities and the output.
+    pub fn new(s: &Scope, width: usize, heads: usize, proj_sigma: f64, dropout: f64) -> Result<Self> {
         if heads == 0 || width % heads != 0 {
             return Err(CellError::Config { cell: s.path().into(), detail: format!("width {width} must be a multiple of the number of heads {heads}") });
         }
-        Ok(CausalSelfAttention { path: s.path().into(), c_attn: gpt_dense(&s.child("c_attn"), width, 3 * width, 0.02), c_proj: gpt_dense(&s.child("c_proj"), width, width, proj_sigma), heads })
+        Ok(CausalSelfAttention {
+            path: s.path().into(),
+            c_attn: gpt_dense(&s.child("c_attn"), width, 3 * width, 0.02),
+            c_proj: gpt_dense(&s.child("c_proj"), width, width, proj_sigma),
+            heads,
+            attn_dropout: Dropout::new(&s.child("attn_dropout"), dropout),
+            resid_dropout: Dropout::new(&s.child("resid_dropout"), dropout),
+        })
     }
 }
 
@@ -254,10 +264,12 @@ impl Cell for CausalSelfAttention {
         let att = t.op(Op::Mul, &[att, scale])?;
         let att = t.op(Op::CausalMask { fill: -1e9 }, &[att])?;
         let att = t.call(&Softmax::new(), &[att])?;
+        let att = t.call(&self.attn_dropout, &[att])?;
         let y = t.op(Op::MatMul { transpose_a: false, transpose_b: false }, &[att, heads[2]])?;
         let y = t.op(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[y])?;
         let y = t.op(Op::Reshape { shape: vec![b, tt, c].into() }, &[y])?;
-        t.call(&self.c_proj, &[y])
+        let y = t.call(&self.c_proj, &[y])?;
+        t.call(&self.resid_dropout, &[y])
     }
     fn parameters(&self) -> Vec<Parameter> {
         [self.c_attn.parameters(), self.c_proj.parameters()].concat()
@@ -277,12 +289,19 @@ pub struct Mlp {
     c_fc: Dense,
     c_proj: Dense,
     gelu: GELU,
+    dropout: Dropout,
 }
 
 impl Mlp {
-    /// The MLP of `width` features; `proj_sigma` initialises `c_proj`.
-    pub fn new(s: &Scope, width: usize, proj_sigma: f64) -> Self {
-        Mlp { path: s.path().into(), c_fc: gpt_dense(&s.child("c_fc"), width, 4 * width, 0.02), c_proj: gpt_dense(&s.child("c_proj"), 4 * width, width, proj_sigma), gelu: GELU::new(false) }
+    /// The MLP of `width` features; `proj_sigma` initialises `c_proj`; `dropout` on its output.
+    pub fn new(s: &Scope, width: usize, proj_sigma: f64, dropout: f64) -> Self {
+        Mlp {
+            path: s.path().into(),
+            c_fc: gpt_dense(&s.child("c_fc"), width, 4 * width, 0.02),
+            c_proj: gpt_dense(&s.child("c_proj"), 4 * width, width, proj_sigma),
+            gelu: GELU::new(false),
+            dropout: Dropout::new(&s.child("dropout"), dropout),
+        }
     }
 }
 
@@ -290,7 +309,8 @@ impl Cell for Mlp {
     fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
         let y = t.call(&self.c_fc, xs)?;
         let y = t.call(&self.gelu, &[y])?;
-        t.call(&self.c_proj, &[y])
+        let y = t.call(&self.c_proj, &[y])?;
+        t.call(&self.dropout, &[y])
     }
     fn parameters(&self) -> Vec<Parameter> {
         [self.c_fc.parameters(), self.c_proj.parameters()].concat()
@@ -314,15 +334,16 @@ pub struct Block {
 
 impl Block {
     /// A block of `width` features and `heads` heads in a GPT of `layers` blocks (GPT-2's
-    /// residual projections start at `0.02 / sqrt(2 * layers)`); LayerNorm epsilon `eps`.
-    pub fn new(s: &Scope, width: usize, heads: usize, layers: usize, eps: f64) -> Result<Self> {
+    /// residual projections start at `0.02 / sqrt(2 * layers)`); LayerNorm epsilon `eps`;
+    /// `dropout` in the attention and the MLP.
+    pub fn new(s: &Scope, width: usize, heads: usize, layers: usize, eps: f64, dropout: f64) -> Result<Self> {
         let proj = 0.02 / ((2 * layers.max(1)) as f64).sqrt();
         Ok(Block {
             path: s.path().into(),
             ln_1: LayerNorm::new(&s.child("ln_1"), width).epsilon(eps),
-            attn: CausalSelfAttention::new(&s.child("attn"), width, heads, proj)?,
+            attn: CausalSelfAttention::new(&s.child("attn"), width, heads, proj, dropout)?,
             ln_2: LayerNorm::new(&s.child("ln_2"), width).epsilon(eps),
-            mlp: Mlp::new(&s.child("mlp"), width, proj),
+            mlp: Mlp::new(&s.child("mlp"), width, proj, dropout),
         })
     }
 }

@@ -6,7 +6,7 @@ use cellgraph_compiler::{NodeId, Op, PadMode};
 use crate::cell::{expect_inputs, Cell, Tracer};
 use crate::error::{CellError, Result};
 use crate::init::Initializer;
-use crate::layers::{AdaptiveAvgPool2d, Conv2d, Dense, Flatten, MaxPool2d, Pool2d, ReLU, SequentialCell};
+use crate::layers::{AdaptiveAvgPool2d, Conv2d, Dense, Dropout, Flatten, MaxPool2d, Pool2d, ReLU, SequentialCell};
 use crate::norm::BatchNorm2d;
 use crate::param::{Parameter, Scope};
 use crate::transformer::{Block, Embedding, LayerNorm};
@@ -267,16 +267,19 @@ pub struct GptConfig {
     pub width: usize,
     /// LayerNorm's epsilon (1e-5, PyTorch's and GPT-2's).
     pub layer_norm_eps: f64,
+    /// Dropout after the embeddings, on the attention probabilities and after each residual
+    /// branch (nanoGPT's places); 0 for none.
+    pub dropout: f64,
 }
 
 impl GptConfig {
     /// The small character model: 4 layers, 4 heads, width 128, context 128.
     pub fn small(vocab_size: usize) -> Self {
-        GptConfig { vocab_size, context: 128, layers: 4, heads: 4, width: 128, layer_norm_eps: 1e-5 }
+        GptConfig { vocab_size, context: 128, layers: 4, heads: 4, width: 128, layer_norm_eps: 1e-5, dropout: 0.0 }
     }
 }
 
-/// A GPT (nanoGPT's, without dropout): token and position embeddings (`wte`, `wpe`), `layers`
+/// A GPT (nanoGPT's): token and position embeddings (`wte`, `wpe`), `layers`
 /// pre-LayerNorm [`Block`]s (`h.0`, `h.1`, ...), a final LayerNorm (`ln_f`) and an output head
 /// tied to the token embedding (logits = `x @ wte^T`). Input: token ids `[B, T]` with
 /// `T <= context`; output: logits `[B, T, vocab_size]`. Initialised as GPT-2: weights
@@ -284,6 +287,7 @@ impl GptConfig {
 pub struct GPT {
     wte: Embedding,
     wpe: Embedding,
+    drop: Dropout,
     h: Vec<Block>,
     ln_f: LayerNorm,
     pub config: GptConfig,
@@ -296,7 +300,8 @@ impl GPT {
         Ok(GPT {
             wte: Embedding::new(&s.child("wte"), c.vocab_size, c.width).embedding_init(Initializer::normal(0.02)),
             wpe: Embedding::new(&s.child("wpe"), c.context, c.width).embedding_init(Initializer::normal(0.02)),
-            h: (0..c.layers).map(|i| Block::new(&s.child("h").child(&i.to_string()), c.width, c.heads, c.layers, c.layer_norm_eps)).collect::<Result<_>>()?,
+            drop: Dropout::new(&s.child("drop"), c.dropout),
+            h: (0..c.layers).map(|i| Block::new(&s.child("h").child(&i.to_string()), c.width, c.heads, c.layers, c.layer_norm_eps, c.dropout)).collect::<Result<_>>()?,
             ln_f: LayerNorm::new(&s.child("ln_f"), c.width).epsilon(c.layer_norm_eps),
             config,
         })
@@ -317,7 +322,8 @@ impl Cell for GPT {
         let tok = t.call(&self.wte, xs)?;
         let wpe = t.param(self.wpe.table())?;
         let pos = t.op(Op::Slice { begin: vec![0, 0], end: vec![tt, c] }, &[wpe])?;
-        let mut x = t.op(Op::Add, &[tok, pos])?;
+        let x = t.op(Op::Add, &[tok, pos])?;
+        let mut x = t.call(&self.drop, &[x])?;
         for block in &self.h {
             x = t.call(block, &[x])?;
         }

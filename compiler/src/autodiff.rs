@@ -167,6 +167,8 @@ pub fn vjp(e: &mut Emit, op: &Op, xs: &[NodeId], y: NodeId, g: NodeId) -> Result
                 vec![Some(e.mul(g, d)?)]
             }
             Op::CausalMask { .. } => vec![Some(e.op(Op::CausalMask { fill: 0.0 }, &[g])?)],
+            // y = x * m: the same mask on the cotangent.
+            Op::Dropout { .. } => vec![Some(e.op(op.clone(), &[g, xs[1], xs[2]])?), None, None],
             Op::Gather => {
                 let rows = s(e, 0).0[0];
                 vec![Some(e.op(Op::ScatterAdd { rows }, &[xs[1], g])?), None]

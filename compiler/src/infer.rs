@@ -170,6 +170,17 @@ pub fn infer(op: &Op, xs: &[&TensorType]) -> Result<TensorType, String> {
             }
             Ok(xs[0].clone())
         }
+        Op::Dropout { p, .. } => {
+            let (x, items, update) = (xs[0], xs[1], xs[2]);
+            float_operand(x)?;
+            if !(0.0..1.0).contains(p) {
+                return Err(format!("dropout probability must be in [0, 1), got {p}"));
+            }
+            if x.rank() == 0 || !items.dtype.is_int() || items.dims() != [x.dims()[0]] || !update.dtype.is_int() || update.rank() != 0 {
+                return Err(format!("dropout needs x [N, ...], integer item indices [N] and an integer update number [], got {x}, {items} and {update}"));
+            }
+            Ok(x.clone())
+        }
         Op::Gather => {
             let (table, ids) = (xs[0], xs[1]);
             if table.rank() == 0 || !ids.dtype.is_int() {

@@ -90,6 +90,12 @@ pub enum Op {
     Tanh,
     /// The error function (GELU's exact form).
     Erf,
+    /// Inverted dropout, operands `(x [N, ...], items [N] int, update [] int)`: element `j` of
+    /// row `n` is kept (times `1 / (1 - p)`) unless a hash of `(seed, update, items[n], j)`
+    /// falls below `p`, else 0. The mask depends on the item's global index and the update
+    /// number only, so slicing into micro-batches, sharding over ranks or resuming never
+    /// changes it. Its gradient is the same op on the cotangent.
+    Dropout { p: f64, seed: u64 },
     /// The identity, through which no gradient flows (JAX's and MindSpore's `stop_gradient`):
     /// softmax's subtracted maximum, whose exact gradient is zero.
     StopGradient,
@@ -282,6 +288,7 @@ impl Op {
             Op::ScatterAdd { .. } => "scatter_add",
             Op::CausalMask { .. } => "causal_mask",
             Op::StopGradient => "stop_gradient",
+            Op::Dropout { .. } => "dropout",
             Op::Select => "select",
             Op::Cast { .. } => "cast",
             Op::ZerosLike => "zeros_like",
@@ -344,7 +351,7 @@ impl Op {
             Op::MaxPool2d(_) | Op::AvgPool2d(_) => Exactly(1),
             Op::Add | Op::Sub | Op::Mul | Op::Div | Op::ReluGrad | Op::MatMul { .. } => Exactly(2),
             Op::GreaterEqual => Exactly(2),
-            Op::Select => Exactly(3),
+            Op::Select | Op::Dropout { .. } => Exactly(3),
             Op::SoftmaxCrossEntropy { .. } | Op::Conv2d(_) => Exactly(2),
             Op::Conv2dBackpropInput { .. } | Op::Conv2dBackpropFilter { .. } => Exactly(2),
             Op::MaxPool2dGrad(_) | Op::AvgPool2dGrad(_) | Op::Assign | Op::AssignAdd => Exactly(2),
@@ -391,6 +398,7 @@ impl Op {
             Op::Equal | Op::Tanh | Op::Erf | Op::Gather | Op::StopGradient => vec![],
             Op::ScatterAdd { rows } => vec![("rows", Attr::Int(*rows as i64))],
             Op::CausalMask { fill } => vec![("fill", Attr::Float(*fill))],
+            Op::Dropout { p, seed } => vec![("p", Attr::Float(*p)), ("seed", Attr::Int(*seed as i64))],
             Op::Cast { dtype } => vec![("dtype", Attr::Sym(dtype.name().into()))],
             Op::Broadcast { shape } | Op::Reshape { shape } => vec![("shape", ints(&shape.0))],
             Op::Transpose { perm } => vec![("perm", ints(perm))],
@@ -464,6 +472,7 @@ impl Op {
             "scatter_add" => Op::ScatterAdd { rows: a.usize("rows")? },
             "causal_mask" => Op::CausalMask { fill: a.float("fill")? },
             "stop_gradient" => Op::StopGradient,
+            "dropout" => Op::Dropout { p: a.float("p")?, seed: a.usize("seed")? as u64 },
             "select" => Op::Select,
             "cast" => {
                 let s = a.sym("dtype")?;
@@ -678,6 +687,7 @@ impl Op {
             Op::ScatterAdd { rows: 7 },
             Op::CausalMask { fill: -1e9 },
             Op::StopGradient,
+            Op::Dropout { p: 0.25, seed: 7 },
         ]
     }
 
@@ -734,11 +744,12 @@ impl Op {
             Op::ScatterAdd { .. } => 47,
             Op::CausalMask { .. } => 48,
             Op::StopGradient => 49,
+            Op::Dropout { .. } => 50,
         }
     }
 
     /// Number of op variants.
-    pub const COUNT: usize = 50;
+    pub const COUNT: usize = 51;
 }
 
 #[cfg(test)]

@@ -105,6 +105,29 @@ fn causal<B: Backend>(cx: &Ctx<B>, dims: &[usize]) -> burn_backend::tensor::Bool
     B::bool_expand(B::bool_reshape(m, bshape(&padded)), bshape(dims))
 }
 
+/// SplitMix64's finaliser.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Dropout's factor for element `j` of the row of global item `item` at update `update`: 0
+/// when a uniform draw keyed by `(seed, update, item, j)` falls below `p`, else `1 / (1 - p)`.
+pub fn dropout_factor(seed: u64, update: i64, item: i64, p: f64) -> impl Fn(usize) -> f64 {
+    let row = mix(mix(mix(seed) ^ update as u64) ^ item as u64);
+    let scale = 1.0 / (1.0 - p);
+    move |j| {
+        let u = (mix(row.wrapping_add(j as u64)) >> 11) as f64 / (1u64 << 53) as f64;
+        if u < p {
+            0.0
+        } else {
+            scale
+        }
+    }
+}
+
 fn slices(begin: &[usize], end: &[usize]) -> Vec<Slice> {
     begin.iter().zip(end).map(|(&b, &e)| Slice::new(b as isize, Some(e as isize), 1)).collect()
 }
@@ -232,6 +255,15 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
         Op::Tanh => Value::Float(B::float_tanh(cx.float(next())?)),
         Op::Erf => Value::Float(B::float_erf(cx.float(next())?)),
         Op::CausalMask { fill } => Value::Float(B::float_mask_fill(cx.float(next())?, causal(cx, od), Scalar::Float(*fill))),
+        Op::Dropout { p, seed } => {
+            let x = cx.float(next())?;
+            let read = |t: IntTensor<B>| crate::value::block_on(B::int_into_data(t)).expect("device read").convert::<i64>().to_vec::<i64>().expect("int data");
+            let (items, update) = (read(cx.int(next())?), read(cx.int(next())?));
+            let row = out.numel() / od[0].max(1);
+            let mask: Vec<f64> = items.iter().flat_map(|&item| (0..row).map(dropout_factor(*seed, update[0], item, *p))).collect();
+            let mask = B::float_from_data(TensorData::new(mask, bshape(od)).convert::<B::FloatElem>(), cx.device);
+            Value::Float(B::float_mul(x, mask))
+        }
         Op::Gather => {
             let (table, ids) = (cx.float(next())?, cx.int(next())?);
             let (rows, n) = (tys[0].dims()[0], tys[1].numel());

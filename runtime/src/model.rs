@@ -323,7 +323,7 @@ impl<B: Backend> Model<B> {
                 TensorType::new(t.ty().dtype, cellgraph_compiler::Shape(dims))
             })
             .collect();
-        let inputs = self.acc.named_inputs(&traced);
+        let inputs = self.acc.named_inputs(&self.acc.network_inputs(&traced));
         let (_, micro) = self.acc.network().traced_micro_step(&inputs)?;
         crate::comm::agree(comm.as_ref(), "network (its micro-step graph)", cellgraph_compiler::print(&micro).as_bytes())
     }
@@ -338,6 +338,7 @@ impl<B: Backend> Model<B> {
             });
         }
         let (accuracy, loss) = (self.metrics.contains(&Metric::Accuracy), self.metrics.contains(&Metric::Loss));
+        self.acc.set_input_names(&dataset.column_names());
         let (mut correct, mut total) = (0usize, 0usize);
         let (mut loss_sum, mut loss_items) = (0.0f64, 0.0f64);
         for batch in dataset.batches(0, 0) {
@@ -377,7 +378,8 @@ impl<B: Backend> Model<B> {
     /// input shape): the backbone on the data (accuracy), or the network with its loss on the
     /// whole batch, its outputs the loss and the count a counting loss reports (loss).
     fn run_eval(&mut self, metric: Metric, batch: &[HostTensor]) -> Result<Vec<HostTensor>> {
-        let inputs = if metric == Metric::Loss { batch } else { &batch[..1] };
+        let batch = self.acc.network_inputs(batch);
+        let inputs = if metric == Metric::Loss { &batch[..] } else { &batch[..1] };
         let key: (Metric, Vec<TensorType>) = (metric, inputs.iter().map(|t| t.ty()).collect());
         if !self.eval_plans.contains_key(&key) {
             let g = match metric {

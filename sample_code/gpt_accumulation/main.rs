@@ -71,6 +71,10 @@ struct Args {
     warmup: u64,
     #[arg(long, default_value_t = 0.1)]
     weight_decay: f64,
+    /// Dropout probability (nanoGPT's places; masks keyed by item and update, so the same on
+    /// any number of ranks and micro-batches).
+    #[arg(long, default_value_t = 0.0)]
+    dropout: f64,
     /// Held-out sequences the validation loss reads.
     #[arg(long, default_value_t = 128)]
     eval_items: usize,
@@ -146,7 +150,7 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
     let val = CharDataset::new(corpus.clone(), val_part.clone(), kind, args.context, "Shakespeare held-out")?.batch(args.eval_items.min(64).max(1), false)?.take_batches(args.eval_items.div_ceil(64));
     val.check_batches()?;
 
-    let config = GptConfig { vocab_size: corpus.vocab_size(), context: args.context, layers: args.layers, heads: args.heads, width: args.width, layer_norm_eps: 1e-5 };
+    let config = GptConfig { vocab_size: corpus.vocab_size(), context: args.context, layers: args.layers, heads: args.heads, width: args.width, layer_norm_eps: 1e-5, dropout: args.dropout };
     let gpt = GPT::new(&Scope::root(), config)?;
     let loss = CrossEntropyLoss::new().ignore_index(IGNORE_INDEX as i64).tokens();
     let net = GradAccumulation::new(WithLossCell::new(gpt, loss), args.micro_size).normalization(Normalization::Tokens).clip_global_norm(1.0);

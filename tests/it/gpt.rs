@@ -10,6 +10,7 @@ use cellgraph::cells::accumulate::{AutoParallel, GradAccumulation, Normalization
 use cellgraph::prelude::*;
 use cellgraph::runtime::data::{CharDataset, Corpus, Items, IGNORE_INDEX};
 use cellgraph::runtime::{Dataset, Metric};
+use cellgraph::prelude::Optimizer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -20,7 +21,7 @@ const VOCAB: usize = 11;
 const T: usize = 6;
 
 fn gpt() -> GPT {
-    GPT::new(&Scope::root(), GptConfig { vocab_size: VOCAB, context: T, layers: 1, heads: 2, width: 8, layer_norm_eps: 1e-5 }).unwrap()
+    GPT::new(&Scope::root(), GptConfig { vocab_size: VOCAB, context: T, layers: 1, heads: 2, width: 8, layer_norm_eps: 1e-5, dropout: 0.0 }).unwrap()
 }
 
 /// The GPT under token-summed cross-entropy.
@@ -216,14 +217,15 @@ fn windows_and_lines() {
     let w = CharDataset::new(c.clone(), 0..11, Items::Windows, 4, "w").unwrap().batch(2, false).unwrap();
     // 11 characters, windows of 5 every 4: starts 0 and 4 (8 would need 13).
     assert_eq!(w.len(), 2);
-    let [ids, labels] = w.batch_of(&[0, 1]);
+    let [ids, labels, items] = w.batch_of(&[0, 1]);
+    assert_eq!(items.to_f64(), vec![0.0, 1.0]);
     assert_eq!(ids.shape, vec![2, 4]);
     assert_eq!(c.decode(&ids.to_f64().iter().map(|&v| v as i32).collect::<Vec<_>>()), "abcdefgh");
     assert_eq!(c.decode(&labels.to_f64().iter().map(|&v| v as i32).collect::<Vec<_>>()), "bcdefghi");
     // Lines of >= 3 characters with their newline, cut to context + 1, padded per batch.
     let l = CharDataset::new(c.clone(), 0..c.text.len(), Items::Lines, 8, "l").unwrap().batch(3, false).unwrap();
     assert_eq!(l.len(), 3, "`z\\n` is too short to predict anything but its newline... and is dropped");
-    let [ids, labels] = l.batch_of(&[1, 2]);
+    let [ids, labels, _] = l.batch_of(&[1, 2]);
     assert_eq!(ids.shape, vec![2, 8], "the longest item: 9 characters cut from `longer line here\\n`");
     let labels: Vec<i32> = labels.to_f64().iter().map(|&v| v as i32).collect();
     assert_eq!(&labels[..8], &[c.encode(b"y\n").unwrap(), vec![IGNORE_INDEX; 6]].concat()[..]);
@@ -242,4 +244,108 @@ fn corrupt_text_is_an_error_at_its_offset() {
     let c = corpus_of("abc\n");
     let err = c.encode(b"abz").unwrap_err().to_string();
     assert!(err.contains("'z'") && err.contains("position 2") && err.contains("vocabulary"), "{err}");
+}
+
+/// A GPT with dropout 0.3 everywhere nanoGPT puts it.
+fn dropped() -> WithLossCell {
+    let cfg = GptConfig { vocab_size: VOCAB, context: T, layers: 1, heads: 2, width: 8, layer_norm_eps: 1e-5, dropout: 0.3 };
+    WithLossCell::new(GPT::new(&Scope::root(), cfg).unwrap(), CrossEntropyLoss::new().ignore_index(IGNORE_INDEX as i64).tokens())
+}
+
+/// `batch` with each row's global item index as a third column.
+fn with_items(batch: &[HostTensor], first: i64) -> Vec<HostTensor> {
+    let n = batch[0].shape[0];
+    let mut b = batch.to_vec();
+    b.push(HostTensor::new(vec![n], HostData::I64((first..first + n as i64).collect())).unwrap());
+    b
+}
+
+fn accumulator<B: cellgraph::runtime::Backend>(net: WithLossCell, k: usize, opt: impl Optimizer + 'static) -> cellgraph::runtime::Accumulator<B> {
+    let net = GradAccumulation::new(net, k).normalization(Normalization::Tokens);
+    let mut a = cellgraph::runtime::Accumulator::<B>::new(std::rc::Rc::new(net), std::rc::Rc::new(opt), Default::default(), 3).unwrap();
+    a.set_input_names(&["ids", "labels", "item_index"]);
+    a
+}
+
+fn params_in<B: cellgraph::runtime::Backend>(a: &cellgraph::runtime::Accumulator<B>) -> BTreeMap<String, Vec<f32>> {
+    gpt().parameters().iter().map(|p| (p.name.clone(), a.session.param(&p.name).unwrap().to_f32())).collect()
+}
+
+/// Dropout's masks follow the items, not where they land: 4 micro-batches equal one large
+/// batch (10 AdamW updates, f64, within 1e-6) with dropout on, and the dropout does drop (the
+/// same run without it ends elsewhere); 2 ranks, each with its half of every batch and the
+/// items' global indices, equal one process (f32, momentum, 1e-6), while keying by each rank's
+/// own count of items (no item column) does not.
+#[test]
+fn dropout_masks_follow_items_across_micro_batches_and_ranks() {
+    let mut rng = StdRng::seed_from_u64(12);
+    let batches: Vec<Vec<HostTensor>> = (0..10).map(|u| with_items(&sequences(&mut rng, 8), 8 * u)).collect();
+    let run = |net: WithLossCell, k: usize| {
+        let mut a = accumulator::<F64>(net, k, adamw());
+        for b in &batches {
+            a.step(b).unwrap();
+        }
+        params_in(&a)
+    };
+    let (micro, large) = (run(dropped(), 4), run(dropped(), 1));
+    let d = rel_diff(&micro, &large);
+    assert!(d < 1e-6, "dropout under 4 micro-batches vs one batch: {d}");
+    let plain = run(counted(), 1);
+    assert!(rel_diff(&plain, &large) > 1e-3, "dropout 0.3 changed nothing");
+
+    // Two ranks: rank r takes rows 4r..4r+4 of every 8-row batch (with their item indices).
+    let halves: Vec<Vec<Vec<HostTensor>>> = (0..2).map(|r| batches.iter().map(|b| b.iter().map(|t| cellgraph::runtime::accumulate::slice_rows(t, 4 * r, 4 * r + 4)).collect()).collect()).collect();
+    for keyed in [true, false] {
+        let halves = halves.clone();
+        let ranks = run_ranks(2, move |r, comm| {
+            let mut a = accumulator::<Cpu>(dropped(), 2, Momentum::new(0.1, 0.9));
+            if !keyed {
+                a.set_input_names(&["ids", "labels"]);
+            }
+            a.set_parallel(comm, false, false).unwrap();
+            for b in &halves[r] {
+                let b = if keyed { b.clone() } else { b[..2].to_vec() };
+                a.step(&b).unwrap();
+            }
+            params_in(&a)
+        });
+        let mut one = accumulator::<Cpu>(dropped(), 1, Momentum::new(0.1, 0.9));
+        for b in &batches {
+            one.step(b).unwrap();
+        }
+        let d = rel_diff(&ranks[0], &params_in(&one));
+        if keyed {
+            assert!(d < 1e-6, "2 ranks with item keys vs one process: {d}");
+        } else {
+            assert!(d > 1e-4, "per-rank item counts should give other masks, got {d}");
+        }
+    }
+}
+
+/// About `p` of the elements are dropped, the rest scaled by `1 / (1 - p)`; an inference trace
+/// has no dropout at all.
+#[test]
+fn dropout_drops_p_and_is_the_identity_in_inference() {
+    let mut g = Graph::new("d");
+    let x = g.add_leaf(Op::Parameter { name: "x".into() }, TensorType::f32([100, 1000]), "t").unwrap();
+    let items = g.add_leaf(Op::Input { index: 0, name: "item_index".into() }, TensorType::new(DType::I64, [100]), "t").unwrap();
+    let upd = g.add_leaf(Op::Input { index: 1, name: "update".into() }, TensorType::new(DType::I64, Shape::scalar()), "t").unwrap();
+    let y = g.add(Op::Dropout { p: 0.2, seed: 4 }, &[x, items, upd], "t").unwrap();
+    g.set_outputs(vec![y]);
+    let mut s = Session::<Cpu>::new(cpu());
+    s.set_param("x", &HostTensor::f32(vec![100, 1000], vec![1.0; 100_000]).unwrap());
+    let exe = compile(g).unwrap();
+    let run = |s: &mut Session<Cpu>, first: i64, update: i64| {
+        let items = HostTensor::new(vec![100], HostData::I64((first..first + 100).collect())).unwrap();
+        s.run(&exe, &[items, HostTensor::new(vec![], HostData::I64(vec![update])).unwrap()]).unwrap().remove(0).to_f32()
+    };
+    let y = run(&mut s, 0, 0);
+    let rate = y.iter().filter(|&&v| v == 0.0).count() as f64 / y.len() as f64;
+    assert!((rate - 0.2).abs() < 0.01, "dropped {rate}");
+    assert!(y.iter().all(|&v| v == 0.0 || v == 1.25));
+    assert_ne!(y, run(&mut s, 0, 1), "another update, another mask");
+    assert_ne!(y, run(&mut s, 100, 0), "other items, other masks");
+    assert_eq!(y, run(&mut s, 0, 0), "the same keys, the same mask");
+    let (g, _) = cellgraph::cells::cell::trace_inference(&dropped(), "eval", &[("ids", TensorType::i32([2, T])), ("labels", TensorType::i32([2, T]))]).unwrap();
+    assert!(!print(&g).contains("dropout") && !print(&g).contains("item_index"));
 }

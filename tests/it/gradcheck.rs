@@ -245,6 +245,14 @@ fn cases() -> Vec<Case> {
         inputs: vec![HostTensor::new(vec![2, 1], HostData::Bool(vec![true, false])).unwrap()],
         body: |e, p, x| e.op(Op::Select, &[x[0], p[0], p[1]]).unwrap(),
     });
+    // Dropout's mask is fixed by its keys (items 5 and 9, update 3): y = x * mask.
+    v.push(Case {
+        name: "dropout",
+        params: vec![vec![2, 3, 4]],
+        positive: false,
+        inputs: vec![HostTensor::new(vec![2], HostData::I64(vec![5, 9])).unwrap(), HostTensor::new(vec![], HostData::I64(vec![3])).unwrap()],
+        body: |e, p, x| e.op(Op::Dropout { p: 0.4, seed: 1 }, &[p[0], x[0], x[1]]).unwrap(),
+    });
     // Repeated ids: their gradients add up in the table.
     v.push(Case {
         name: "gather_repeated_ids",
@@ -289,7 +297,7 @@ fn must_be_checked(op: &Op) -> bool {
         Op::GreaterEqual | Op::Equal => false, // comparisons: zero gradient almost everywhere
         Op::ScatterAdd { .. } => false,
         Op::StopGradient => false, // no gradient by definition (checked in `stop_gradient_blocks`)
-        Op::Tanh | Op::Erf | Op::CausalMask { .. } | Op::Gather => true,
+        Op::Tanh | Op::Erf | Op::CausalMask { .. } | Op::Gather | Op::Dropout { .. } => true,
         Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::ReluGrad => true,
         Op::Sqrt | Op::Select | Op::AllReduce => true,
         Op::Cast { .. } | Op::ZerosLike | Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } => true,
@@ -399,7 +407,7 @@ fn network_check_on(net: &dyn Cell, named: &[(&str, HostTensor)], seed: u64, t: 
 /// ignored (padding) labels, and the tanh GELU alone.
 #[test]
 fn gpt_gradients_match_finite_differences() {
-    let cfg = GptConfig { vocab_size: 7, context: 5, layers: 2, heads: 2, width: 8, layer_norm_eps: 1e-5 };
+    let cfg = GptConfig { vocab_size: 7, context: 5, layers: 2, heads: 2, width: 8, layer_norm_eps: 1e-5, dropout: 0.0 };
     let net = WithLossCell::new(GPT::new(&Scope::root(), cfg).unwrap(), CrossEntropyLoss::new().ignore_index(-100).tokens());
     let ids = HostTensor::i32(vec![2, 4], vec![1, 5, 5, 0, 6, 2, 3, 3]).unwrap();
     let labels = HostTensor::i32(vec![2, 4], vec![5, 5, 0, -100, 2, 3, 3, 4]).unwrap();

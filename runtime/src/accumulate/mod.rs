@@ -24,6 +24,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use burn_backend::tensor::Device;
+use cellgraph_cells::cell::{ITEM_INDEX, UPDATE};
 use cellgraph_cells::{Cell, GradAccumulation, Normalization, Optimizer, Slicing};
 use cellgraph_compiler::dump::DumpOptions;
 use cellgraph_compiler::passes::grad_accumulation::ACCUMULATOR_PREFIX;
@@ -85,6 +86,8 @@ pub struct Accumulator<B: Backend> {
     /// Under token-weighted normalisation, the last step's token count (its loss is the mean
     /// over them).
     tokens: f64,
+    /// Items this process has trained on: dropout's item keys when the data gives none.
+    items_seen: u64,
 }
 
 /// A micro-batch's loss: read (host backends read it at once, at no cost), or on the device.
@@ -146,7 +149,7 @@ impl<B: Backend> Accumulator<B> {
         let trained: Vec<(String, TensorType)> = accumulators.iter().map(|(n, t)| (n[ACCUMULATOR_PREFIX.len() + 1..].to_string(), t.clone())).collect();
         let store = Store::new(&trained, accumulator_name, opt.as_ref());
         let plans = Plans { micro: HashMap::new(), optimizer: compile(optimizer)?, clear: compile(clear)?, window: None, names: Vec::new(), dump: None };
-        let mut acc = Accumulator { net, opt, plans, session, progress: Progress::default(), store, parallel: None, losses: Vec::new(), loss: std::cell::Cell::new(None), tokens: 0.0 };
+        let mut acc = Accumulator { net, opt, plans, session, progress: Progress::default(), store, parallel: None, losses: Vec::new(), loss: std::cell::Cell::new(None), tokens: 0.0, items_seen: 0 };
         acc.store.enter_flat(&mut acc.session, acc.opt.as_ref())?;
         Ok(acc)
     }
@@ -365,8 +368,40 @@ impl<B: Backend> Accumulator<B> {
         self.tokens = 0.0;
     }
 
+    /// The position of the data's [`ITEM_INDEX`] column among the inputs (named by
+    /// [`Self::set_input_names`]), if it has one.
+    pub fn item_column(&self) -> Option<usize> {
+        self.plans.names.iter().position(|n| n == ITEM_INDEX)
+    }
+
+    /// A batch without its [`ITEM_INDEX`] column: what the network reads.
+    pub fn network_inputs<T: Clone>(&self, batch: &[T]) -> Vec<T> {
+        batch.iter().enumerate().filter(|&(i, _)| Some(i) != self.item_column()).map(|(_, t)| t.clone()).collect()
+    }
+
+    /// Dropout's keys for a micro-batch of `rows` rows, for a plan whose inputs after the
+    /// network's are [`ITEM_INDEX`] and [`UPDATE`]: the rows' global item indices (the data's
+    /// column, else this process's running count of items) and the update number.
+    fn keys(&self, exe: &Executable, given: usize, items: Option<&HostTensor>, rows: usize) -> Result<Vec<HostTensor>> {
+        exe.graph()
+            .inputs()
+            .into_iter()
+            .skip(given)
+            .map(|(_, _, name)| match name {
+                ITEM_INDEX => Ok(match items {
+                    Some(t) => HostTensor::new(vec![rows], HostData::I64(t.to_f64().iter().map(|&v| v as i64).collect())).expect("rows"),
+                    None => HostTensor::new(vec![rows], HostData::I64((0..rows as i64).map(|i| self.items_seen as i64 + i).collect())).expect("rows"),
+                }),
+                UPDATE => Ok(HostTensor::new(vec![], HostData::I64(vec![self.progress.updates as i64])).expect("scalar")),
+                other => Err(RuntimeError::Mismatch { what: "micro-step inputs".into(), expected: format!("{given} inputs from the data"), got: format!("an input `{other}` the runtime does not fill") }),
+            })
+            .collect()
+    }
+
     /// One micro-batch, its loss kept with the step's others.
-    fn run_micro(&mut self, inputs: &[HostTensor]) -> Result<()> {
+    fn run_micro(&mut self, batch: &[HostTensor]) -> Result<()> {
+        let items = self.item_column().and_then(|k| batch.get(k)).cloned();
+        let inputs = &self.network_inputs(batch)[..];
         let key: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
         if !self.plans.micro.contains_key(&key) {
             let named = self.named_inputs(&key);
@@ -388,6 +423,10 @@ impl<B: Backend> Accumulator<B> {
             }
         }
         let exe = &self.plans.micro[&key];
+        let rows = inputs.first().and_then(|t| t.shape.first().copied()).unwrap_or(1);
+        let mut inputs = inputs.to_vec();
+        inputs.extend(self.keys(exe, inputs.len(), items.as_ref(), rows)?);
+        let inputs = &inputs[..];
         // Collectives inside the step (SyncBatchNorm's statistics) sum over the ranks.
         let comm = self.parallel.as_ref().map(|p| p.comm.as_ref()).filter(|c| c.size() > 1);
         // Under token-weighted normalisation the step's second output is its token count,
@@ -409,8 +448,9 @@ impl<B: Backend> Accumulator<B> {
                 self.tokens += c;
                 c as usize
             }
-            None => inputs.first().and_then(|t| t.shape.first().copied()).unwrap_or(1),
+            None => rows,
         };
+        self.items_seen += rows as u64;
         self.progress.micro_step(items);
         Ok(())
     }

@@ -196,8 +196,9 @@ impl CharDataset {
         format!("{} ({kind})", self.part)
     }
     /// The batch of items `idx`: ids and labels `[n, T]`, `T` the context (windows) or the
-    /// longest item's length minus one (lines, padding labelled [`IGNORE_INDEX`]).
-    pub fn batch_of(&self, idx: &[usize]) -> [HostTensor; 2] {
+    /// longest item's length minus one (lines, padding labelled [`IGNORE_INDEX`]), and the
+    /// items' indices (`i64 [n]`: dropout's keys, the same on every rank and micro-batch).
+    pub fn batch_of(&self, idx: &[usize]) -> [HostTensor; 3] {
         let t = match self.kind {
             Items::Windows => self.context,
             Items::Lines => idx.iter().map(|&i| self.items[i].1 - 1).max().unwrap_or(1),
@@ -213,7 +214,11 @@ impl CharDataset {
             }
         }
         let n = idx.len();
-        [HostTensor::i32(vec![n, t], ids).expect("consistent sizes"), HostTensor::i32(vec![n, t], labels).expect("consistent sizes")]
+        [
+            HostTensor::i32(vec![n, t], ids).expect("consistent sizes"),
+            HostTensor::i32(vec![n, t], labels).expect("consistent sizes"),
+            HostTensor::new(vec![n], cellgraph_compiler::HostData::I64(idx.iter().map(|&i| i as i64).collect())).expect("consistent sizes"),
+        ]
     }
 }
 
@@ -228,7 +233,7 @@ impl crate::model::Dataset for CharDataset {
         Box::new((skip..self.dataset_size()).map(move |k| self.batch_of(&order[k * b..((k + 1) * b).min(order.len())]).to_vec()))
     }
     fn column_names(&self) -> Vec<&'static str> {
-        vec!["ids", "labels"]
+        vec!["ids", "labels", cellgraph_cells::cell::ITEM_INDEX]
     }
     fn batch_sizes(&self) -> Vec<usize> {
         let mut v = self.sampling.batch_lengths(self.items.len());
