@@ -49,3 +49,26 @@ pub fn exit_with(result: Result<(), Box<dyn std::error::Error>>) -> std::process
         }
     }
 }
+
+/// The `main` of a program that may run under `mpirun`: joins the compute thread pool, starts
+/// the communicator (a world of one without mpirun; exit status 2 if it cannot start), runs
+/// `run`, and ends as [`exit_with`]; under several ranks a failing rank prints its error with
+/// its rank and takes the whole job down (the others may be waiting in a collective).
+pub fn main_on_ranks(run: impl FnOnce(std::sync::Arc<dyn runtime::comm::Communicator>) -> Result<(), Box<dyn std::error::Error>>) -> std::process::ExitCode {
+    runtime::join_thread_pool();
+    let comm = match runtime::comm::init() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let result = run(comm.clone());
+    if comm.size() > 1 {
+        if let Err(e) = &result {
+            eprintln!("rank {}: error: {e}", comm.rank());
+            comm.abort(1);
+        }
+    }
+    exit_with(result)
+}

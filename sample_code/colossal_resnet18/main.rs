@@ -28,7 +28,7 @@ use std::sync::Arc;
 use clap::Parser;
 
 use cellgraph::prelude::*;
-use cellgraph::runtime::comm::{self, Communicator};
+use cellgraph::runtime::comm::Communicator;
 use cellgraph::runtime::data::{Cifar10, Cifar10Dataset};
 use cellgraph::runtime::{Accumulator, Dataset};
 
@@ -76,22 +76,7 @@ struct Args {
 }
 
 fn main() -> std::process::ExitCode {
-    cellgraph::runtime::join_thread_pool();
-    let comm = match comm::init() {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return std::process::ExitCode::from(2);
-        }
-    };
-    let result = run(Args::parse(), comm.clone());
-    if comm.size() > 1 {
-        if let Err(e) = &result {
-            eprintln!("rank {}: error: {e}", comm.rank());
-            comm.abort(1);
-        }
-    }
-    cellgraph::exit_with(result)
+    cellgraph::main_on_ranks(|comm| run(Args::parse(), comm))
 }
 
 fn data(args: &Args, split: &str, rank: usize) -> Result<Cifar10, Box<dyn std::error::Error>> {

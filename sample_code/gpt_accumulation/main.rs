@@ -22,7 +22,7 @@ use clap::{Parser, ValueEnum};
 use rand::{Rng, SeedableRng};
 
 use cellgraph::prelude::*;
-use cellgraph::runtime::comm::{self, Communicator};
+use cellgraph::runtime::comm::Communicator;
 use cellgraph::runtime::data::{CharDataset, Corpus, Items, IGNORE_INDEX};
 use cellgraph::runtime::Metric;
 
@@ -94,22 +94,7 @@ struct Args {
 }
 
 fn main() -> std::process::ExitCode {
-    cellgraph::runtime::join_thread_pool();
-    let comm = match comm::init() {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return std::process::ExitCode::from(2);
-        }
-    };
-    let result = run(Args::parse(), comm.clone());
-    if comm.size() > 1 {
-        if let Err(e) = &result {
-            eprintln!("rank {}: error: {e}", comm.rank());
-            comm.abort(1);
-        }
-    }
-    cellgraph::exit_with(result)
+    cellgraph::main_on_ranks(|comm| run(Args::parse(), comm))
 }
 
 /// The entropy (nats per character) of the training text's character frequencies: the loss

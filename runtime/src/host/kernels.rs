@@ -1588,6 +1588,35 @@ pub(crate) mod tests {
     }
 }
 
+/// Row-major strides of extents `dims`.
+fn strides_of(dims: &[usize]) -> Vec<usize> {
+    let mut st = vec![1; dims.len()];
+    for i in (0..dims.len().saturating_sub(1)).rev() {
+        st[i] = st[i + 1] * dims[i + 1];
+    }
+    st
+}
+
+/// The offsets of the rows of a walk over extents `ext` in row-major order (an odometer), in
+/// an array whose axes step by `st`, starting at `base`.
+fn row_offsets<'a>(ext: &'a [usize], st: &'a [usize], base: usize) -> impl Iterator<Item = usize> + 'a {
+    let mut idx = vec![0usize; ext.len()];
+    let mut at = base;
+    (0..ext.iter().product::<usize>()).map(move |_| {
+        let here = at;
+        for a in (0..ext.len()).rev() {
+            idx[a] += 1;
+            at += st[a];
+            if idx[a] < ext[a] {
+                break;
+            }
+            at -= st[a] * ext[a];
+            idx[a] = 0;
+        }
+        here
+    })
+}
+
 /// `y` = the row-major `x` of extents `dims` with its axes permuted (`y`'s axis `i` is `x`'s
 /// axis `perm[i]`), written row-major; runs along a kept last axis are copied whole.
 pub fn permute<F: HostFloat>(x: &[F], dims: &[usize], perm: &[usize], y: &mut [F]) {
@@ -1595,32 +1624,17 @@ pub fn permute<F: HostFloat>(x: &[F], dims: &[usize], perm: &[usize], y: &mut [F
     if r == 0 || y.is_empty() {
         return y.copy_from_slice(&x[..y.len()]);
     }
-    let mut strides = vec![1; r];
-    for i in (0..r - 1).rev() {
-        strides[i] = strides[i + 1] * dims[i + 1];
-    }
+    let strides = strides_of(dims);
     let out: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
     let st: Vec<usize> = perm.iter().map(|&p| strides[p]).collect();
-    let (inner, inner_stride) = (out[r - 1], st[r - 1]);
-    let mut idx = vec![0usize; r - 1];
-    let mut base = 0usize;
-    for row in y.chunks_exact_mut(inner) {
-        if inner_stride == 1 {
+    let (inner, step) = (out[r - 1], st[r - 1]);
+    for (row, base) in y.chunks_exact_mut(inner).zip(row_offsets(&out[..r - 1], &st[..r - 1], 0)) {
+        if step == 1 {
             row.copy_from_slice(&x[base..base + inner]);
         } else {
             for (j, v) in row.iter_mut().enumerate() {
-                *v = x[base + j * inner_stride];
+                *v = x[base + j * step];
             }
-        }
-        // The odometer over the output's leading axes, carrying the input offset along.
-        for a in (0..r - 1).rev() {
-            idx[a] += 1;
-            base += st[a];
-            if idx[a] < out[a] {
-                break;
-            }
-            base -= st[a] * out[a];
-            idx[a] = 0;
         }
     }
 }
@@ -1631,25 +1645,11 @@ pub fn slice<F: HostFloat>(x: &[F], dims: &[usize], begin: &[usize], end: &[usiz
     if r == 0 || y.is_empty() {
         return y.copy_from_slice(&x[..y.len()]);
     }
-    let mut strides = vec![1; r];
-    for i in (0..r - 1).rev() {
-        strides[i] = strides[i + 1] * dims[i + 1];
-    }
+    let st = strides_of(dims);
     let out: Vec<usize> = (0..r).map(|i| end[i] - begin[i]).collect();
-    let inner = out[r - 1];
-    let mut idx = vec![0usize; r - 1];
-    let mut base: usize = (0..r).map(|i| begin[i] * strides[i]).sum();
-    for row in y.chunks_exact_mut(inner) {
-        row.copy_from_slice(&x[base..base + inner]);
-        for a in (0..r - 1).rev() {
-            idx[a] += 1;
-            base += strides[a];
-            if idx[a] < out[a] {
-                break;
-            }
-            base -= strides[a] * out[a];
-            idx[a] = 0;
-        }
+    let base = (0..r).map(|i| begin[i] * st[i]).sum();
+    for (row, at) in y.chunks_exact_mut(out[r - 1]).zip(row_offsets(&out[..r - 1], &st[..r - 1], base)) {
+        row.copy_from_slice(&x[at..at + row.len()]);
     }
 }
 
@@ -1662,27 +1662,12 @@ pub fn pad<F: HostFloat>(x: &[F], dims: &[usize], lo: &[usize], hi: &[usize], y:
         return y[..x.len()].copy_from_slice(x);
     }
     let out: Vec<usize> = (0..r).map(|i| lo[i] + dims[i] + hi[i]).collect();
-    let mut ostride = vec![1; r];
-    for i in (0..r - 1).rev() {
-        ostride[i] = ostride[i + 1] * out[i + 1];
-    }
-    let inner = dims[r - 1];
-    let mut idx = vec![0usize; r - 1];
-    let mut base: usize = (0..r).map(|i| lo[i] * ostride[i]).sum();
-    for row in x.chunks_exact(inner) {
-        y[base..base + inner].copy_from_slice(row);
-        for a in (0..r - 1).rev() {
-            idx[a] += 1;
-            base += ostride[a];
-            if idx[a] < dims[a] {
-                break;
-            }
-            base -= ostride[a] * dims[a];
-            idx[a] = 0;
-        }
+    let st = strides_of(&out);
+    let base = (0..r).map(|i| lo[i] * st[i]).sum();
+    for (row, at) in x.chunks_exact(dims[r - 1]).zip(row_offsets(&dims[..r - 1], &st[..r - 1], base)) {
+        y[at..at + row.len()].copy_from_slice(row);
     }
 }
-
 /// Causal masking of `[..., t, s]` scores: element `(i, j)` of each `t x s` matrix is `fill`
 /// where `j > i + s - t`, else `x`'s.
 pub fn causal_mask<F: HostFloat>(x: &[F], t: usize, s: usize, fill: F, y: &mut [F]) {
