@@ -409,6 +409,24 @@ mod wgpu {
         assert!(d < 1e-5, "window statistics on wgpu differ from the CPU by {d:e} relative");
     }
 
+    /// A GPT with dropout 0.3 under token-weighted accumulation on wgpu equals the CPU over 3
+    /// windows of 2 padded micro-batches: embeddings and their scatter-add gradient, LayerNorm,
+    /// batched attention products, causal masking, softmax, the erf GELU, the tied head, the
+    /// token loss with ignored labels, the token count read back per micro-step, and dropout's
+    /// keyed masks (made on the host, uploaded).
+    #[test]
+    fn gpt_windows_on_wgpu_match_cpu() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        let batches: Vec<_> = (0..6).map(|_| crate::gpt::sequences(&mut rng, 3)).collect();
+        let mk = || GradAccumulation::across_steps(crate::gpt::dropped(), 2).normalization(Normalization::Tokens);
+        let opt: Rc<dyn Optimizer> = Rc::new(Momentum::new(0.1, 0.9));
+        let (cpu_p, _, _) = train::<Cpu>(mk(), opt.clone(), cpu(), &batches);
+        let (dev_p, _, updates) = train::<Wgpu>(mk(), opt, dev(), &batches);
+        assert_eq!(updates, 3);
+        let d = rel_diff(&dev_p, &cpu_p);
+        assert!(d < 1e-5, "the GPT on wgpu differs from the CPU by {d:e} relative");
+    }
+
     /// SyncBatchNorm on 2 ranks on wgpu (each collective reads its operand back to the host
     /// and uploads the sum) equals the same 2 ranks on the CPU, moving statistics included.
     #[test]

@@ -31,7 +31,7 @@ fn counted() -> WithLossCell {
 
 /// `n` sequences of `T` tokens whose labels are padded after a random length in 1..=T (some
 /// rows all padding when `empty_rows`): micro-batches carry different numbers of tokens.
-fn sequences(rng: &mut StdRng, n: usize) -> Vec<HostTensor> {
+pub(crate) fn sequences(rng: &mut StdRng, n: usize) -> Vec<HostTensor> {
     let mut ids = Vec::new();
     let mut labels = Vec::new();
     for _ in 0..n {
@@ -247,7 +247,7 @@ fn corrupt_text_is_an_error_at_its_offset() {
 }
 
 /// A GPT with dropout 0.3 everywhere nanoGPT puts it.
-fn dropped() -> WithLossCell {
+pub(crate) fn dropped() -> WithLossCell {
     let cfg = GptConfig { vocab_size: VOCAB, context: T, layers: 1, heads: 2, width: 8, layer_norm_eps: 1e-5, dropout: 0.3 };
     WithLossCell::new(GPT::new(&Scope::root(), cfg).unwrap(), CrossEntropyLoss::new().ignore_index(IGNORE_INDEX as i64).tokens())
 }
