@@ -298,7 +298,9 @@ impl<B: Backend> Model<B> {
     /// Data parallel: every rank must take the same number of steps and run the same network.
     /// The micro-step graph is compared as traced on micro-batches of the smallest first
     /// micro-batch of any rank, so ranks may bring batches of different sizes (one item would
-    /// not do: batch norm refuses a micro-batch with one value per channel).
+    /// not do: batch norm refuses a micro-batch with one value per channel), and on the
+    /// smallest extents of any rank along the other axes (padded sequences of different
+    /// lengths).
     fn check_ranks_agree(&self, dataset: &dyn Dataset, steps_per_epoch: usize) -> Result<()> {
         let Some(comm) = self.acc.communicator() else { return Ok(()) };
         let what = format!("number of batches per epoch (this rank has {steps_per_epoch}; shard the dataset with shard(size, rank))");
@@ -306,23 +308,23 @@ impl<B: Backend> Model<B> {
         let Some(first) = dataset.batches(0, 0).next() else { return Ok(()) };
         let net = self.acc.network();
         let b = first.first().and_then(|t| t.shape.first().copied()).unwrap_or(1);
-        let mine = match net.slicing {
+        let rows = match net.slicing {
             cellgraph_cells::Slicing::InStep => (b / net.micro_size).max(1),
             cellgraph_cells::Slicing::AcrossSteps => b,
-        } as u64;
-        let mut all = vec![0u8; 8 * comm.size()];
-        comm.all_gather_bytes(&mine.to_le_bytes(), &mut all);
-        let items = all.chunks(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).min().unwrap_or(1) as usize;
-        let traced: Vec<TensorType> = first
-            .iter()
-            .map(|t| {
-                let mut dims = t.shape.clone();
-                if let Some(d) = dims.first_mut() {
-                    *d = items;
-                }
-                TensorType::new(t.ty().dtype, cellgraph_compiler::Shape(dims))
-            })
+        };
+        // Every extent of every column, the first of each replaced by the micro-batch's rows;
+        // the ranks' layouts (columns and ranks) must agree before their extents are compared.
+        let layout: Vec<u8> = first.iter().flat_map(|t| [t.shape.len() as u8, t.ty().dtype as u8]).collect();
+        crate::comm::agree(comm.as_ref(), "data layout (columns, their ranks and dtypes)", &layout)?;
+        let mine: Vec<u64> = first.iter().flat_map(|t| t.shape.iter().enumerate().map(|(i, &d)| if i == 0 { rows } else { d } as u64).collect::<Vec<_>>()).collect();
+        let bytes: Vec<u8> = mine.iter().flat_map(|d| d.to_le_bytes()).collect();
+        let mut all = vec![0u8; bytes.len() * comm.size()];
+        comm.all_gather_bytes(&bytes, &mut all);
+        let least: Vec<usize> = (0..mine.len())
+            .map(|k| all.chunks(bytes.len()).map(|r| u64::from_le_bytes(r[8 * k..8 * k + 8].try_into().expect("8 bytes"))).min().unwrap_or(1) as usize)
             .collect();
+        let mut at = least.into_iter();
+        let traced: Vec<TensorType> = first.iter().map(|t| TensorType::new(t.ty().dtype, cellgraph_compiler::Shape(t.shape.iter().map(|_| at.next().unwrap_or(1)).collect()))).collect();
         let inputs = self.acc.named_inputs(&self.acc.network_inputs(&traced));
         let (_, micro) = self.acc.network().traced_micro_step(&inputs)?;
         crate::comm::agree(comm.as_ref(), "network (its micro-step graph)", cellgraph_compiler::print(&micro).as_bytes())

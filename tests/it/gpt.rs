@@ -349,3 +349,25 @@ fn dropout_drops_p_and_is_the_identity_in_inference() {
     let (g, _) = cellgraph::cells::cell::trace_inference(&dropped(), "eval", &[("ids", TensorType::i32([2, T])), ("labels", TensorType::i32([2, T]))]).unwrap();
     assert!(!print(&g).contains("dropout") && !print(&g).contains("item_index"));
 }
+
+/// Ranks whose padded sequences have different lengths (variable-length items: each batch is
+/// padded to its own longest) train together: the start-up check compares the network traced
+/// on the smallest extents of any rank, and every rank ends with the same parameters.
+#[test]
+fn ranks_with_different_sequence_lengths_train_together() {
+    let mut rng = StdRng::seed_from_u64(21);
+    let data: Vec<Vec<HostTensor>> = [T, T - 2]
+        .iter()
+        .map(|&t| {
+            let full = sequences(&mut rng, 8);
+            full.iter().map(|c| HostTensor::i32(vec![8, t], c.to_f64().chunks(T).flat_map(|r| r[..t].to_vec()).map(|v| v as i32).collect()).unwrap()).collect()
+        })
+        .collect();
+    let ranks = run_ranks(2, move |r, comm| {
+        let net = GradAccumulation::new(counted(), 2).normalization(Normalization::Tokens);
+        let mut m = Model::<Cpu>::parallel(AutoParallel::new(net), adamw(), cpu(), 3, comm).unwrap();
+        m.train(1, &TensorDataset { columns: data[r].clone(), batch_size: 4 }, &mut []).map(|_| params(&m)).map_err(|e| e.to_string())
+    });
+    let (a, b) = (ranks[0].as_ref().unwrap(), ranks[1].as_ref().unwrap());
+    assert_eq!(a, b, "every rank holds the same parameters");
+}
