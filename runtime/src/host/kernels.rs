@@ -202,8 +202,31 @@ pub fn matmul<F: HostFloat>(a: Mat<F>, b: Mat<F>, c: &mut [F]) {
         return c.fill(F::ZERO);
     }
     let ((rsa, csa), (rsb, csb)) = (a.strides(), b.strides());
+    // Products of 4 M multiply-adds or more use every thread of the pool (the GEMM splits
+    // rows and columns, never the contraction: the same bits on any number of threads).
+    let threads = if m * k * n >= 1 << 22 { rayon::current_num_threads() } else { 1 };
     // SAFETY: both views were checked to lie inside their slices; `c` is m x n.
-    unsafe { gemm_oriented::<F>(m, k, n, a.data.as_ptr(), rsa, csa, b.data.as_ptr(), rsb, csb, F::ZERO, c.as_mut_ptr(), n as isize, 1, 1) };
+    unsafe { gemm_oriented::<F>(m, k, n, a.data.as_ptr(), rsa, csa, b.data.as_ptr(), rsb, csb, F::ZERO, c.as_mut_ptr(), n as isize, 1, threads) };
+}
+
+/// `batch` products `op(a_i) @ op(b_i)` of `m x k` by `k x n`, each operand's matrices
+/// consecutive, into the row-major `c`; the products are shared among the pool's threads.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_matmul<F: HostFloat>(a: &[F], b: &[F], batch: usize, m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool, c: &mut [F]) {
+    let (sa, sb) = (m * k, k * n);
+    let (ra, ca) = if transpose_a { (k, m) } else { (m, k) };
+    let (rb, cb) = if transpose_b { (n, k) } else { (k, n) };
+    let one = |(i, c): (usize, &mut [F])| {
+        let lhs = Mat { data: &a[i * sa..(i + 1) * sa], rows: ra, cols: ca, transposed: transpose_a };
+        let rhs = Mat { data: &b[i * sb..(i + 1) * sb], rows: rb, cols: cb, transposed: transpose_b };
+        matmul(lhs, rhs, c);
+    };
+    if rayon::current_num_threads() > 1 && batch > 1 {
+        use rayon::prelude::*;
+        c.par_chunks_exact_mut(m * n).take(batch).enumerate().for_each(one);
+    } else {
+        c.chunks_exact_mut(m * n).take(batch).enumerate().for_each(one);
+    }
 }
 
 /// Unfolds `channels` input planes (`x`, each `h*w`) into rows of `col`: row

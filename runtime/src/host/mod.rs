@@ -407,16 +407,7 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         Native::Fused(e) => kernels::fused(e, a, y),
         Native::SumRows { .. } => kernels::sum_rows(a[0], y),
         Native::SumPlanes { outer, inner, scale } => kernels::sum_planes(a[0], *outer, *inner, scale.map(F::from_f64), y),
-        Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b } => {
-            let (sa, sb) = (m * k, k * n);
-            let (ra, ca) = if *transpose_a { (*k, *m) } else { (*m, *k) };
-            let (rb, cb) = if *transpose_b { (*n, *k) } else { (*k, *n) };
-            for (i, c) in y.chunks_exact_mut(m * n).take(*batch).enumerate() {
-                let lhs = Mat { data: &a[0][i * sa..(i + 1) * sa], rows: ra, cols: ca, transposed: *transpose_a };
-                let rhs = Mat { data: &a[1][i * sb..(i + 1) * sb], rows: rb, cols: cb, transposed: *transpose_b };
-                kernels::matmul(lhs, rhs, c);
-            }
-        }
+        Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b } => kernels::batch_matmul(a[0], a[1], *batch, *m, *k, *n, *transpose_a, *transpose_b, y),
         Native::Permute { dims, perm } => kernels::permute(a[0], dims, perm, y),
         Native::Slice { dims, begin, end } => kernels::slice(a[0], dims, begin, end, y),
         Native::Pad { dims, lo, hi } => kernels::pad(a[0], dims, lo, hi, y),
