@@ -130,8 +130,9 @@ fn std_normal(rng: &mut StdRng) -> f64 {
     (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
 }
 
-/// FNV-1a of the name, mixed with the seed: one independent stream per parameter.
-fn stream_seed(seed: u64, name: &str) -> u64 {
+/// FNV-1a of the name, mixed with the seed: one independent stream per parameter (with seed
+/// 0, plain FNV-1a: dropout's default seed from its path).
+pub(crate) fn stream_seed(seed: u64, name: &str) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     for b in name.bytes() {
         h ^= b as u64;

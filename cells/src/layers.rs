@@ -380,9 +380,7 @@ pub struct Dropout {
 impl Dropout {
     /// Dropout with probability `p`, seeded by its path.
     pub fn new(s: &Scope, p: f64) -> Self {
-        // FNV-1a of the path.
-        let seed = s.path().bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
-        Dropout { path: s.path().into(), p, seed }
+        Dropout { path: s.path().into(), p, seed: crate::init::stream_seed(0, s.path()) }
     }
     /// Sets the seed.
     pub fn seed(mut self, seed: u64) -> Self {

@@ -257,7 +257,8 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
             let r = tys[0].rank();
             Some(Native::CausalMask { t: d(0)[r - 2], s: d(0)[r - 1], fill: *fill })
         }
-        Op::ReduceMax(r) if r.axes == [tys[0].rank() - 1] && d(0)[tys[0].rank() - 1] > 0 => Some(Native::MaxRows { cols: d(0)[tys[0].rank() - 1] }),
+        // Over the last axis (a scalar has none: `rank - 1` must not be formed for it).
+        Op::ReduceMax(r) if r.axes.len() == 1 && r.axes[0] + 1 == tys[0].rank() && d(0)[r.axes[0]] > 0 => Some(Native::MaxRows { cols: d(0)[r.axes[0]] }),
         Op::Slice { begin, end } if tys[0].dtype.is_float() => Some(Native::Slice { dims: d(0).to_vec(), begin: begin.clone(), end: end.clone() }),
         Op::MatMul { transpose_a, transpose_b } => {
             let (a, b) = (d(0), d(1));

@@ -74,16 +74,20 @@ fn expand_value<B: Backend>(v: Value<B>, from: &[usize], to: &[usize]) -> Value<
     padded.extend_from_slice(from);
     let (p, t) = (bshape(&padded), bshape(to));
     match v {
-        Value::Float(x) => Value::Float(B::float_expand(B::float_reshape(x, p), t)),
+        Value::Float(x) => Value::Float(expand::<B>(x, from, to)),
         Value::Int(x) => Value::Int(B::int_expand(B::int_reshape(x, p), t)),
         Value::Bool(x) => Value::Bool(B::bool_expand(B::bool_reshape(x, p), t)),
     }
 }
 
-/// Integer ids as host values, each checked to lie in `0..rows` (`what` names them).
+/// An integer tensor's values on the host (read back from a device).
+fn host_ints<B: Backend>(t: IntTensor<B>) -> Vec<i64> {
+    crate::value::block_on(B::int_into_data(t)).expect("device read").convert::<i64>().to_vec::<i64>().expect("int data")
+}
+
+/// Checks that integer ids (`what` names them) lie in `0..rows`.
 fn checked_ids<B: Backend>(cx: &Ctx<B>, ids: IntTensor<B>, rows: usize, what: &str) -> Result<()> {
-    let host = crate::value::block_on(B::int_into_data(ids)).expect("device read").convert::<i64>().to_vec::<i64>().expect("int data");
-    match host.iter().enumerate().find(|&(_, &i)| i < 0 || i >= rows as i64) {
+    match host_ints::<B>(ids).iter().enumerate().find(|&(_, &i)| i < 0 || i >= rows as i64) {
         Some((k, bad)) => cx.bad(format!("{what} {bad} at position {k} is out of range for a table of {rows} rows (valid: 0..{})", rows.saturating_sub(1))),
         None => Ok(()),
     }
@@ -183,8 +187,7 @@ pub fn label_error(labels: impl IntoIterator<Item = i64>, c: usize) -> Option<St
 /// returns them as `[N, 1]`.
 fn checked_labels<B: Backend>(cx: &Ctx<B>, y: IntTensor<B>, n: usize, c: usize) -> Result<IntTensor<B>> {
     if !cx.labels_checked {
-        let host = crate::value::block_on(B::int_into_data(y.clone())).expect("device read");
-        if let Some(e) = label_error(host.convert::<i64>().to_vec::<i64>().expect("int data"), c) {
+        if let Some(e) = label_error(host_ints::<B>(y.clone()), c) {
             return cx.bad(e);
         }
     }
@@ -257,8 +260,7 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
         Op::CausalMask { fill } => Value::Float(B::float_mask_fill(cx.float(next())?, causal(cx, od), Scalar::Float(*fill))),
         Op::Dropout { p, seed } => {
             let x = cx.float(next())?;
-            let read = |t: IntTensor<B>| crate::value::block_on(B::int_into_data(t)).expect("device read").convert::<i64>().to_vec::<i64>().expect("int data");
-            let (items, update) = (read(cx.int(next())?), read(cx.int(next())?));
+            let (items, update) = (host_ints::<B>(cx.int(next())?), host_ints::<B>(cx.int(next())?));
             let row = out.numel() / od[0].max(1);
             let mask: Vec<f64> = items.iter().flat_map(|&item| (0..row).map(dropout_factor(*seed, update[0], item, *p))).collect();
             let mask = B::float_from_data(TensorData::new(mask, bshape(od)).convert::<B::FloatElem>(), cx.device);
@@ -283,16 +285,9 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
             Value::Float(B::float_reshape(B::float_select_add(cx.full(&[*rows, width], 0.0), 0, ids, upd), bshape(od)))
         }
         Op::Select => {
-            let c = match next() {
+            let c = match expand_value::<B>(next(), tys[0].dims(), od) {
                 Value::Bool(c) => c,
                 _ => return cx.unsupported("select needs a bool condition"),
-            };
-            let c = if tys[0].dims() == od {
-                c
-            } else {
-                let mut padded = vec![1; od.len() - tys[0].rank()];
-                padded.extend_from_slice(tys[0].dims());
-                B::bool_expand(B::bool_reshape(c, bshape(&padded)), bshape(od))
             };
             match (expand_value::<B>(next(), tys[1].dims(), od), expand_value::<B>(next(), tys[2].dims(), od)) {
                 (Value::Float(a), Value::Float(b)) => Value::Float(B::float_mask_where(b, c, a)),

@@ -316,7 +316,7 @@ impl<B: Backend> Model<B> {
         // the ranks' layouts (columns and ranks) must agree before their extents are compared.
         let layout: Vec<u8> = first.iter().flat_map(|t| [t.shape.len() as u8, t.ty().dtype as u8]).collect();
         crate::comm::agree(comm.as_ref(), "data layout (columns, their ranks and dtypes)", &layout)?;
-        let mine: Vec<u64> = first.iter().flat_map(|t| t.shape.iter().enumerate().map(|(i, &d)| if i == 0 { rows } else { d } as u64).collect::<Vec<_>>()).collect();
+        let mine: Vec<u64> = first.iter().flat_map(|t| t.shape.iter().enumerate().map(move |(i, &d)| if i == 0 { rows } else { d } as u64)).collect();
         let bytes: Vec<u8> = mine.iter().flat_map(|d| d.to_le_bytes()).collect();
         let mut all = vec![0u8; bytes.len() * comm.size()];
         comm.all_gather_bytes(&bytes, &mut all);
@@ -340,10 +340,11 @@ impl<B: Backend> Model<B> {
             });
         }
         let (accuracy, loss) = (self.metrics.contains(&Metric::Accuracy), self.metrics.contains(&Metric::Loss));
-        self.acc.set_input_names(&dataset.column_names());
+        let items = crate::accumulate::item_column(&dataset.column_names());
         let (mut correct, mut total) = (0usize, 0usize);
         let (mut loss_sum, mut loss_items) = (0.0f64, 0.0f64);
         for batch in dataset.batches(0, 0) {
+            let batch = crate::accumulate::without_column(&batch, items);
             if accuracy {
                 let logits = self.run_eval(Metric::Accuracy, &batch)?.remove(0);
                 let labels = batch[1].to_f64();
@@ -376,12 +377,12 @@ impl<B: Backend> Model<B> {
         Ok(out)
     }
 
-    /// Runs the inference plan of `metric` on a batch (traced and compiled on first use per
-    /// input shape): the backbone on the data (accuracy), or the network with its loss on the
-    /// whole batch, its outputs the loss and the count a counting loss reports (loss).
+    /// Runs the inference plan of `metric` on a batch without its item column (traced and
+    /// compiled on first use per input shape): the backbone on the data (accuracy), or the
+    /// network with its loss on the whole batch, its outputs the loss and the count a counting
+    /// loss reports (loss).
     fn run_eval(&mut self, metric: Metric, batch: &[HostTensor]) -> Result<Vec<HostTensor>> {
-        let batch = self.acc.network_inputs(batch);
-        let inputs = if metric == Metric::Loss { &batch[..] } else { &batch[..1] };
+        let inputs = if metric == Metric::Loss { batch } else { &batch[..1] };
         let key: (Metric, Vec<TensorType>) = (metric, inputs.iter().map(|t| t.ty()).collect());
         if !self.eval_plans.contains_key(&key) {
             let g = match metric {

@@ -19,6 +19,7 @@ mod store;
 mod sync;
 mod window;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -99,6 +100,16 @@ enum Loss<B: Backend> {
 /// The optimizer graph's inputs: the gradient scale, then the rule's host scalars.
 fn optimizer_inputs(scale: f64, scalars: &[f64]) -> Vec<HostTensor> {
     std::iter::once(scale).chain(scalars.iter().copied()).map(HostTensor::scalar_f32).collect()
+}
+
+/// The position of the [`ITEM_INDEX`] column among a dataset's column `names`, if any.
+pub fn item_column<S: AsRef<str>>(names: &[S]) -> Option<usize> {
+    names.iter().position(|n| n.as_ref() == ITEM_INDEX)
+}
+
+/// `batch` without column `k` (all of it when `k` is `None`).
+pub fn without_column<T: Clone>(batch: &[T], k: Option<usize>) -> Vec<T> {
+    batch.iter().enumerate().filter(|&(i, _)| Some(i) != k).map(|(_, t)| t.clone()).collect()
 }
 
 /// `items` rows split into `min(k, items)` contiguous ranges whose sizes differ by at most one,
@@ -371,12 +382,12 @@ impl<B: Backend> Accumulator<B> {
     /// The position of the data's [`ITEM_INDEX`] column among the inputs (named by
     /// [`Self::set_input_names`]), if it has one.
     pub fn item_column(&self) -> Option<usize> {
-        self.plans.names.iter().position(|n| n == ITEM_INDEX)
+        item_column(&self.plans.names)
     }
 
     /// A batch without its [`ITEM_INDEX`] column: what the network reads.
     pub fn network_inputs<T: Clone>(&self, batch: &[T]) -> Vec<T> {
-        batch.iter().enumerate().filter(|&(i, _)| Some(i) != self.item_column()).map(|(_, t)| t.clone()).collect()
+        without_column(batch, self.item_column())
     }
 
     /// Dropout's keys for a micro-batch of `rows` rows, for a plan whose inputs after the
@@ -400,8 +411,13 @@ impl<B: Backend> Accumulator<B> {
 
     /// One micro-batch, its loss kept with the step's others.
     fn run_micro(&mut self, batch: &[HostTensor]) -> Result<()> {
-        let items = self.item_column().and_then(|k| batch.get(k)).cloned();
-        let inputs = &self.network_inputs(batch)[..];
+        // The network reads the batch as it is, unless it carries its items' indices.
+        let column = self.item_column();
+        let items = column.and_then(|k| batch.get(k));
+        let inputs: Cow<[HostTensor]> = match column {
+            Some(k) => Cow::Owned(without_column(batch, Some(k))),
+            None => Cow::Borrowed(batch),
+        };
         let key: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
         if !self.plans.micro.contains_key(&key) {
             let named = self.named_inputs(&key);
@@ -424,8 +440,9 @@ impl<B: Backend> Accumulator<B> {
         }
         let exe = &self.plans.micro[&key];
         let rows = inputs.first().and_then(|t| t.shape.first().copied()).unwrap_or(1);
-        let mut inputs = inputs.to_vec();
-        inputs.extend(self.keys(exe, inputs.len(), items.as_ref(), rows)?);
+        // Dropout's keys, when the plan reads them.
+        let keys = self.keys(exe, inputs.len(), items, rows)?;
+        let inputs: Cow<[HostTensor]> = if keys.is_empty() { inputs } else { Cow::Owned(inputs.iter().cloned().chain(keys).collect()) };
         let inputs = &inputs[..];
         // Collectives inside the step (SyncBatchNorm's statistics) sum over the ranks.
         let comm = self.parallel.as_ref().map(|p| p.comm.as_ref()).filter(|c| c.size() > 1);
@@ -466,9 +483,10 @@ impl<B: Backend> Accumulator<B> {
         let cleared = match self.parallel.as_ref().map(|p| p.shard.is_some()) {
             None => {
                 let items = self.progress.items as f64;
-                match self.applies(items) {
-                    true => Some(self.run_optimizer(scale(self.net.normalization, self.progress.micro, items, 1, false), &scalars)?),
-                    false => None,
+                if self.applies(items) {
+                    Some(self.run_optimizer(scale(self.net.normalization, self.progress.micro, items, 1, false), &scalars)?)
+                } else {
+                    None
                 }
             }
             Some(false) => self.apply_replicated(&scalars)?,

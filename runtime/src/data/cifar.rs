@@ -194,21 +194,7 @@ impl Cifar10Dataset {
         self.augment = Some(seed);
         self
     }
-    /// Shuffles each epoch with a seeded permutation (the same on every rank).
-    pub fn shuffle(mut self, seed: u64) -> Self {
-        self.sampling.shuffle(seed);
-        self
-    }
-    /// Groups items into batches of `n`; the last short batch is dropped when asked.
-    pub fn batch(mut self, n: usize, drop_remainder: bool) -> Result<Self> {
-        self.sampling.batch(n, drop_remainder)?;
-        Ok(self)
-    }
-    /// Keeps shard `shard_id` of `num_shards`.
-    pub fn shard(mut self, num_shards: usize, shard_id: usize) -> Result<Self> {
-        self.sampling.shard(num_shards, shard_id)?;
-        Ok(self)
-    }
+    crate::data::dataset::sampling_builders!();
     /// Items one shard sees per epoch.
     pub fn items_per_pass(&self) -> usize {
         self.sampling.items_per_pass(self.source.len())

@@ -19,6 +19,29 @@ use cellgraph_compiler::HostTensor;
 use crate::data::mnist::{resize_linear_u8, Mnist, Resize};
 use crate::error::{Result, RuntimeError};
 
+/// The builder methods of a dataset whose field `sampling` is a [`Sampling`]: `shuffle`,
+/// `batch` and `shard`, written once for every dataset.
+macro_rules! sampling_builders {
+    () => {
+        /// Shuffles each epoch with a seeded permutation (the same on every rank).
+        pub fn shuffle(mut self, seed: u64) -> Self {
+            self.sampling.shuffle(seed);
+            self
+        }
+        /// Groups items into batches of `n`; the last short batch is dropped when asked.
+        pub fn batch(mut self, n: usize, drop_remainder: bool) -> crate::error::Result<Self> {
+            self.sampling.batch(n, drop_remainder)?;
+            Ok(self)
+        }
+        /// Keeps shard `shard_id` of `num_shards` (for data-parallel ranks).
+        pub fn shard(mut self, num_shards: usize, shard_id: usize) -> crate::error::Result<Self> {
+            self.sampling.shard(num_shards, shard_id)?;
+            Ok(self)
+        }
+    };
+}
+pub(crate) use sampling_builders;
+
 /// One image operation (MindSpore `dataset.vision` names).
 #[derive(Clone, Debug, PartialEq)]
 pub enum ImageOp {
@@ -182,25 +205,11 @@ impl MnistDataset {
         self.ops.extend(ops);
         self
     }
-    /// Shuffles each epoch with a seeded permutation.
-    pub fn shuffle(mut self, seed: u64) -> Self {
-        self.sampling.shuffle(seed);
-        self
-    }
-    /// Groups items into batches of `n`; the last short batch is dropped when asked.
-    pub fn batch(mut self, n: usize, drop_remainder: bool) -> Result<Self> {
-        self.sampling.batch(n, drop_remainder)?;
-        Ok(self)
-    }
+    sampling_builders!();
     /// Repeats the data `n` times per epoch.
     pub fn repeat(mut self, n: usize) -> Self {
         self.sampling.repeat(n);
         self
-    }
-    /// Keeps shard `shard_id` of `num_shards` (for data-parallel ranks).
-    pub fn shard(mut self, num_shards: usize, shard_id: usize) -> Result<Self> {
-        self.sampling.shard(num_shards, shard_id)?;
-        Ok(self)
     }
 
     /// Items one shard sees per pass over the data.

@@ -151,21 +151,7 @@ impl CharDataset {
         };
         Ok(CharDataset { corpus, items, kind, context, part: part.into(), sampling: Sampling::default(), limit: None })
     }
-    /// Shuffles each epoch with a seeded permutation (the same on every rank).
-    pub fn shuffle(mut self, seed: u64) -> Self {
-        self.sampling.shuffle(seed);
-        self
-    }
-    /// Batches of `n`.
-    pub fn batch(mut self, n: usize, drop_remainder: bool) -> Result<Self> {
-        self.sampling.batch(n, drop_remainder)?;
-        Ok(self)
-    }
-    /// Shard `shard_id` of `num_shards`.
-    pub fn shard(mut self, num_shards: usize, shard_id: usize) -> Result<Self> {
-        self.sampling.shard(num_shards, shard_id)?;
-        Ok(self)
-    }
+    super::dataset::sampling_builders!();
     /// Ends each epoch after `n` batches (the first of its shuffled order): a corpus too long
     /// to read whole between two validations.
     pub fn take_batches(mut self, n: usize) -> Self {

@@ -1705,8 +1705,7 @@ pub fn causal_mask<F: HostFloat>(x: &[F], t: usize, s: usize, fill: F, y: &mut [
     }
 }
 
-/// The maximum of each row of the row-major `[rows, cols]` `x`, as burn's `max_dim` (NaN
-/// propagates).
+/// The maximum of each row of the row-major `[rows, cols]` `x` (a NaN in a row makes it NaN).
 pub fn max_rows<F: HostFloat>(x: &[F], cols: usize, y: &mut [F]) {
     for (row, m) in x.chunks_exact(cols).zip(y.iter_mut()) {
         *m = row[1..].iter().fold(row[0], |a, &b| if b > a || b != b { b } else { a });
