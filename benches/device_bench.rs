@@ -1,6 +1,8 @@
-//! Accumulation throughput on a device: LeNet5 or the seed-002 MLP, `K` micro-batches of `b`
-//! per update, on `--device` (cpu, cuda:N, wgpu). Prints one markdown table row: images/s,
-//! ms per update, fused optimizer launches per update, FLOPs per image and achieved TFLOP/s.
+//! Accumulation throughput on a device: LeNet5, the seed-002 MLP, ResNet-18 on 3x32x32 images
+//! or the small GPT (sequences of 128 characters, token-weighted), `K` micro-batches of `b` per
+//! update, on `--device` (cpu, cuda:N, wgpu). Prints one markdown table row: items (images or
+//! sequences) per second, ms per update, fused optimizer launches per update, FLOPs per item
+//! and achieved TFLOP/s (and tokens/s for the GPT).
 //! `scripts/gpu_check.sh` runs it beside PyTorch on the same GPU.
 //!
 //! `cargo build --release --features cuda --example device_bench`, then
@@ -22,7 +24,8 @@ use rand::{Rng, SeedableRng};
 struct Args {
     #[arg(long, default_value = "auto")]
     device: String,
-    /// `lenet` (Momentum 0.01/0.9) or `mlp` (SGD 0.01).
+    /// `lenet` (Momentum 0.01/0.9), `mlp` (SGD 0.01), `resnet18` (SGD 0.1, momentum 0.9,
+    /// weight decay 5e-4) or `gpt` (AdamW 3e-3, clip 1.0, token-weighted).
     #[arg(long, default_value = "lenet")]
     net: String,
     #[arg(long, default_value_t = 32)]
@@ -46,6 +49,10 @@ struct Args {
     launches: bool,
 }
 
+/// The GPT's characters (the Shakespeare corpus has 65) and context.
+const GPT_VOCAB: usize = 65;
+const GPT_CONTEXT: usize = 128;
+
 struct Bench(Args, String);
 
 impl OnDevice for Bench {
@@ -57,25 +64,52 @@ impl OnDevice for Bench {
 
 fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), Box<dyn std::error::Error>> {
     let (b, k) = (args.micro_batch, args.micro_size);
-    let (net, opt, hw): (GradAccumulation, Rc<dyn Optimizer>, usize) = match args.net.as_str() {
-        "lenet" => {
-            let loss = SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean);
-            (GradAccumulation::across_steps(WithLossCell::new(LeNet5::new(&Scope::root(), 10, 1), loss), k), Rc::new(Momentum::new(0.01, 0.9)), 32)
-        }
-        "mlp" => (GradAccumulation::across_steps(WithLossCell::new(Network::new(&Scope::root()), CrossEntropyLoss::new()), k), Rc::new(SGD::new(0.01)), 28),
-        other => return Err(format!("--net must be lenet or mlp, got `{other}`").into()),
-    };
-    let micro_graph = net.micro_step_graph(&[("data".into(), TensorType::f32([b, 1, hw, hw])), ("label".into(), TensorType::i32([b]))])?;
-    let flops_per_image = cellgraph::compiler::cost::flops(&micro_graph) as f64 / b as f64;
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     // Host batches, as a data loader hands them over (each micro-step uploads its batch).
-    let batches: Vec<Vec<HostTensor>> = (0..8)
-        .map(|_| {
-            let x: Vec<f32> = (0..b * hw * hw).map(|_| rng.random_range(-1.0..1.0)).collect();
-            let y: Vec<i32> = (0..b).map(|_| rng.random_range(0..10)).collect();
-            vec![HostTensor::f32(vec![b, 1, hw, hw], x).unwrap(), HostTensor::i32(vec![b], y).unwrap()]
-        })
-        .collect();
+    let images = |rng: &mut rand::rngs::StdRng, c: usize, hw: usize| {
+        let x: Vec<f32> = (0..b * c * hw * hw).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let y: Vec<i32> = (0..b).map(|_| rng.random_range(0..10)).collect();
+        vec![HostTensor::f32(vec![b, c, hw, hw], x).unwrap(), HostTensor::i32(vec![b], y).unwrap()]
+    };
+    // Items per micro-batch row: an image, or a sequence of GPT_CONTEXT tokens.
+    let mut tokens_per_item = 1;
+    let (net, opt, batches): (GradAccumulation, Rc<dyn Optimizer>, Vec<Vec<HostTensor>>) = match args.net.as_str() {
+        "lenet" => {
+            let loss = SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean);
+            let net = GradAccumulation::across_steps(WithLossCell::new(LeNet5::new(&Scope::root(), 10, 1), loss), k);
+            (net, Rc::new(Momentum::new(0.01, 0.9)), (0..8).map(|_| images(&mut rng, 1, 32)).collect())
+        }
+        "mlp" => {
+            let net = GradAccumulation::across_steps(WithLossCell::new(Network::new(&Scope::root()), CrossEntropyLoss::new()), k);
+            (net, Rc::new(SGD::new(0.01)), (0..8).map(|_| images(&mut rng, 1, 28)).collect())
+        }
+        // Colossal-AI's seed: SGD(0.1, momentum 0.9, weight decay 5e-4), loss divided by K.
+        "resnet18" => {
+            let net = GradAccumulation::across_steps(WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()), k).normalization(Normalization::Mean);
+            (net, Rc::new(SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(0.1) }), (0..8).map(|_| images(&mut rng, 3, 32)).collect())
+        }
+        // sample_code/gpt_accumulation's model and recipe at a constant learning rate: the
+        // small GPT on 65 characters, token-weighted, AdamW (b2 0.99, wd 0.1), clip at 1.0.
+        "gpt" => {
+            let t = GPT_CONTEXT;
+            tokens_per_item = t;
+            let gpt = GPT::new(&Scope::root(), GptConfig::small(GPT_VOCAB))?;
+            let loss = CrossEntropyLoss::new().ignore_index(-100).tokens();
+            let net = GradAccumulation::across_steps(WithLossCell::new(gpt, loss), k).normalization(Normalization::Tokens).clip_global_norm(1.0);
+            let batches = (0..8)
+                .map(|_| {
+                    let ids: Vec<i32> = (0..b * (t + 1)).map(|_| rng.random_range(0..GPT_VOCAB as i32)).collect();
+                    let (x, y): (Vec<i32>, Vec<i32>) = (0..b * t).map(|i| (ids[i / t * (t + 1) + i % t], ids[i / t * (t + 1) + i % t + 1])).unzip();
+                    vec![HostTensor::i32(vec![b, t], x).unwrap(), HostTensor::i32(vec![b, t], y).unwrap()]
+                })
+                .collect();
+            (net, Rc::new(Adam { beta2: 0.99, ..Adam::adamw(3e-3, 0.1) }), batches)
+        }
+        other => return Err(format!("--net must be lenet, mlp, resnet18 or gpt, got `{other}`").into()),
+    };
+    let types: Vec<(String, TensorType)> = batches[0].iter().enumerate().map(|(i, t)| (format!("input{i}"), t.ty())).collect();
+    let micro_graph = net.micro_step_graph(&types)?;
+    let flops_per_item = cellgraph::compiler::cost::flops(&micro_graph) as f64 / b as f64;
     let mut acc = Accumulator::<B>::new(Rc::new(net), opt, device, 1)?;
     acc.session.set_tf32(args.tf32);
     let mut i = 0;
@@ -100,20 +134,21 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     let secs = t.elapsed().as_secs_f64();
     let updates = (acc.updates() - updates0) as f64;
     let images = updates * (b * k) as f64;
+    let tokens = if tokens_per_item > 1 { format!(" <!-- {:.0} tokens/s -->", images * tokens_per_item as f64 / secs) } else { String::new() };
     let fused = (acc.counters().fused_launches - fused0) as f64 / updates;
     if args.header {
-        println!("| framework | device | net | micro-batch x K | images/s | ms/update | optimizer launches/update | GFLOP/image | TFLOP/s |");
+        println!("| framework | device | net | micro-batch x K | items/s | ms/update | optimizer launches/update | GFLOP/item | TFLOP/s |");
         println!("|---|---|---|---|---|---|---|---|---|");
     }
     let launches = if fused > 0.0 { format!("{fused:.0} (fused)") } else { "graph (per parameter)".into() };
     let label = if args.tf32 { format!("{label} tf32") } else { label.to_string() };
     println!(
-        "| cellgraph | {label} | {} | {b} x {k} | {:.0} | {:.3} | {launches} | {:.5} | {:.3} |",
+        "| cellgraph | {label} | {} | {b} x {k} | {:.0} | {:.3} | {launches} | {:.5} | {:.3} |{tokens}",
         args.net,
         images / secs,
         secs * 1e3 / updates,
-        flops_per_image / 1e9,
-        flops_per_image * images / secs / 1e12
+        flops_per_item / 1e9,
+        flops_per_item * images / secs / 1e12
     );
     eprintln!("last loss {loss:.4}");
     #[cfg(any(feature = "cuda", feature = "wgpu"))]

@@ -1,5 +1,6 @@
-"""PyTorch reference for `device_bench`: the same networks, accumulation and optimizers on the
-same GPU, eager and with CUDA graphs (one captured graph per accumulation window).
+"""PyTorch reference for `device_bench`: the same networks (LeNet5, the seed-002 MLP,
+ResNet-18, the small GPT), accumulation and optimizers on the same GPU, eager and with CUDA
+graphs (one captured graph per accumulation window).
 
 Prints markdown table rows in device_bench's columns, plus the GPU's measured matmul peak.
 Both read the loss back once per update (the last micro-batch's), no more.
@@ -9,10 +10,20 @@ Run by scripts/gpu_check.sh; needs torch with CUDA.
 """
 
 import argparse
+import os
+import sys
 import time
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pytorch_gpt import GPT  # noqa: E402  (the twin of sample_code/gpt_accumulation)
+from pytorch_resnet18_cpu import ResNet18  # noqa: E402  (torchvision's resnet18, written out)
+
+# device_bench's GPT: 65 characters, context 128 (GptConfig::small).
+GPT_VOCAB, GPT_CONTEXT = 65, 128
 
 
 class LeNet5(nn.Module):
@@ -42,49 +53,78 @@ def mlp():
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
 
 
-def setup(args):
-    torch.manual_seed(1)
-    if args.net == "lenet":
-        model, hw = LeNet5().cuda(), 32
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    else:
-        model, hw = mlp().cuda(), 28
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    b = args.micro_batch
-    # Host batches, uploaded per micro-step as a data loader's would be.
-    batches = [(torch.rand(b, 1, hw, hw) * 2 - 1, torch.randint(0, 10, (b,))) for _ in range(8)]
-    return model, opt, batches
+class Net:
+    """A network with its optimizer, host batches and per-micro-batch loss (already divided as
+    the window needs: by K for the mean, by the window's tokens for the GPT)."""
+
+    def __init__(self, args, graphs):
+        torch.manual_seed(1)
+        b, k = args.micro_batch, args.micro_size
+        # Under CUDA graphs the optimizer keeps its step count on the GPU.
+        cap = {"capturable": True} if graphs else {}
+        images = lambda c, hw: [(torch.rand(b, c, hw, hw) * 2 - 1, torch.randint(0, 10, (b,))) for _ in range(8)]
+        self.clip = False
+        self.loss = lambda out, y: F.cross_entropy(out, y) / k
+        if args.net == "lenet":
+            self.model, self.batches = LeNet5().cuda(), images(1, 32)
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        elif args.net == "mlp":
+            self.model, self.batches = mlp().cuda(), images(1, 28)
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        elif args.net == "resnet18":
+            self.model, self.batches = ResNet18(10).cuda(), images(3, 32)
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+        elif args.net == "gpt":
+            t = GPT_CONTEXT
+            self.model = GPT(GPT_VOCAB, 128, 4, 4, t).cuda()
+            ids = [torch.randint(0, GPT_VOCAB, (b, t + 1)) for _ in range(8)]
+            self.batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in ids]
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, **cap)
+            self.loss = lambda out, y: F.cross_entropy(out.reshape(-1, GPT_VOCAB), y.reshape(-1), reduction="sum") / (k * b * t)
+            self.clip = True
+        else:
+            raise SystemExit(f"--net must be lenet, mlp, resnet18 or gpt, got {args.net}")
+
+    def micro(self, x, y):
+        loss = self.loss(self.model(x), y)
+        loss.backward()
+        return loss
+
+    def update(self):
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
 
 
-def flops_per_image(args):
-    """Forward + backward FLOPs (2 per multiply-add; backward = 2x forward for weights)."""
-    if args.net == "lenet":
-        fwd = 2 * (6 * 28 * 28 * 25 + 16 * 10 * 10 * 150 + 400 * 120 + 120 * 84 + 84 * 10)
-    else:
-        fwd = 2 * (784 * 512 + 512 * 512 + 512 * 10)
-    return 3 * fwd
+def flops_per_item(args, net):
+    """Forward + backward FLOPs of the matrix products and convolutions of one micro-step
+    (torch's FlopCounterMode: 2 per multiply-add), per item."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, y = net.batches[0]
+    with FlopCounterMode(display=False) as fc:
+        net.micro(x.cuda(), y.cuda())
+    net.model.zero_grad(set_to_none=True)
+    return fc.get_total_flops() / args.micro_batch
 
 
-def eager(args, model, opt, batches, updates):
-    loss_fn = nn.CrossEntropyLoss()
+def eager(args, net, updates):
     k = args.micro_size
     i = 0
     for _ in range(updates):
         for _ in range(k):
-            x, y = batches[i % len(batches)]
+            x, y = net.batches[i % len(net.batches)]
             i += 1
-            loss = loss_fn(model(x.cuda()), y.cuda()) / k
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            loss = net.micro(x.cuda(), y.cuda())
+        net.update()
+        net.opt.zero_grad(set_to_none=True)
         # The loss read back once per update, as cellgraph's device_bench does.
         loss.item()
 
 
-def make_graphed(args, model, opt, batches):
+def make_graphed(args, net):
     """Captures one whole window (K forward/backward + step + zero_grad) in a CUDA graph."""
-    loss_fn = nn.CrossEntropyLoss()
-    k = args.micro_size
+    k, batches, opt = args.micro_size, net.batches, net.opt
     xs = torch.stack([batches[j][0] for j in range(k)]).cuda()
     ys = torch.stack([batches[j][1] for j in range(k)]).cuda()
     s = torch.cuda.Stream()
@@ -92,17 +132,16 @@ def make_graphed(args, model, opt, batches):
     with torch.cuda.stream(s):
         for _ in range(3):  # warm up on a side stream, as the CUDA graphs docs ask
             for j in range(k):
-                (loss_fn(model(xs[j]), ys[j]) / k).backward()
-            opt.step()
+                net.micro(xs[j], ys[j])
+            net.update()
             opt.zero_grad(set_to_none=False)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     opt.zero_grad(set_to_none=False)
     with torch.cuda.graph(g):
         for j in range(k):
-            last = loss_fn(model(xs[j]), ys[j]) / k
-            last.backward()
-        opt.step()
+            last = net.micro(xs[j], ys[j])
+        net.update()
         opt.zero_grad(set_to_none=False)
     i = [0]
 
@@ -119,18 +158,18 @@ def make_graphed(args, model, opt, batches):
     return window
 
 
-def optimizer_launches(model, opt, batches, k):
-    """CUDA kernels launched by one optimizer step + zero_grad (eager)."""
+def optimizer_launches(net, k):
+    """CUDA kernels launched by one optimizer step (with clipping where the recipe clips) +
+    zero_grad (eager)."""
     from torch.profiler import ProfilerActivity, profile
 
-    loss_fn = nn.CrossEntropyLoss()
     for j in range(k):
-        x, y = batches[j]
-        (loss_fn(model(x.cuda()), y.cuda()) / k).backward()
+        x, y = net.batches[j]
+        net.micro(x.cuda(), y.cuda())
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        net.update()
+        net.opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
@@ -172,23 +211,25 @@ def main():
     b, k = args.micro_batch, args.micro_size
     name = torch.cuda.get_device_name(0)
     for mode in ["eager", "CUDA graphs"]:
-        model, opt, batches = setup(args)
+        net = Net(args, mode != "eager")
+        fpi = flops_per_item(args, net)
         torch.cuda.reset_peak_memory_stats()
         if mode == "eager":
-            launches = optimizer_launches(model, opt, batches, k)
-            fn = lambda n: eager(args, model, opt, batches, n)
+            launches = optimizer_launches(net, k)
+            fn = lambda n: eager(args, net, n)
         else:
             launches = "1 graph replay / window"
-            fn = make_graphed(args, model, opt, batches)
+            fn = make_graphed(args, net)
         fn(args.warmup)
         secs = timed(fn, args.updates)
-        images = args.updates * b * k
-        fpi = flops_per_image(args)
+        items = args.updates * b * k
         mem = torch.cuda.max_memory_allocated() / 2**20
+        tokens = f" <!-- {items * GPT_CONTEXT / secs:.0f} tokens/s -->" if args.net == "gpt" else ""
         print(
-            f"| PyTorch {torch.__version__} {mode} | {name} | {args.net} | {b} x {k} | {images / secs:.0f} | "
-            f"{secs * 1e3 / args.updates:.3f} | {launches} | {fpi / 1e9:.5f} | {fpi * images / secs / 1e12:.3f} |"
-            f" <!-- peak allocated {mem:.1f} MiB -->"
+            f"| PyTorch {torch.__version__} {mode} | {name} | {args.net} | {b} x {k} | {items / secs:.0f} | "
+            f"{secs * 1e3 / args.updates:.3f} | {launches} | {fpi / 1e9:.5f} | {fpi * items / secs / 1e12:.3f} |"
+            f" <!-- peak allocated {mem:.1f} MiB -->{tokens}",
+            flush=True,
         )
     if args.peak:
         print(f"measured matmul peak on {name}: fp32 {peak(torch.float32, False):.1f} TFLOP/s, tf32 {peak(torch.float32, True):.1f} TFLOP/s")

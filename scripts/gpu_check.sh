@@ -10,11 +10,20 @@
 # target/release/examples/device_bench and the `it` test binary (the path `--no-run` printed)
 # into one folder and run:
 #   bash scripts/gpu_check.sh FOLDER
+# PARTS (default "tests train mpi bench") picks the parts; CASES (";"-separated "net b K")
+# the benchmark's configurations; UPDATES/WARMUP its timed and warm-up updates, CASE_TIMEOUT
+# the seconds each benchmark command may run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-target/release}
 OUT=${OUT:-/tmp}
+PARTS=${PARTS:-tests train mpi bench}
+CASES=${CASES:-lenet 32 4;mlp 256 4;mlp 1024 4;resnet18 32 4;gpt 8 4}
+UPDATES=${UPDATES:-100}
+WARMUP=${WARMUP:-10}
+CASE_TIMEOUT=${CASE_TIMEOUT:-600}
 status=0
+part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || { echo "no NVIDIA GPU here"; exit 1; }
 
@@ -34,18 +43,24 @@ measure() {
     return $rc
 }
 
+if part tests; then
 echo "## CUDA tests"
 "$BIN/it" --test-threads 1 device:: 2>&1 | tee "$OUT/cuda_tests.log" || status=1
+fi
 
+if part train; then
 echo "## Trainings on cuda:0 (one epoch each; replicated optimizer, so the fused kernels run)"
 for net in lenet mlp; do
     "$BIN/distributed_gradient_accumulation" --device cuda:0 --net "$net" --epochs 1 --batch-size 128 --no-hsdp \
         --log-dir "$OUT/log_$net" --print-every 1000 || status=1
 done
+fi
 
 MPI_BIN="$BIN/distributed_gradient_accumulation_mpi"
 [ -x "$MPI_BIN" ] || MPI_BIN="$BIN/distributed_gradient_accumulation"
-if command -v mpirun >/dev/null; then
+if ! part mpi; then
+    :
+elif command -v mpirun >/dev/null; then
     echo "## 8 ranks sharing cuda:0 (rank r takes GPU r % count)"
     for net in lenet mlp; do
         measure mpirun --allow-run-as-root --oversubscribe --mca btl self,vader -n 8 \
@@ -57,13 +72,17 @@ else
     echo "## 8 ranks: skipped, no mpirun on this machine"
 fi
 
+if part bench; then
 echo "## Benchmark"
 first=--header
-for cfg in "lenet 32 4" "mlp 256 4" "mlp 1024 4"; do
+IFS=';' read -ra cases <<<"$CASES"
+for cfg in "${cases[@]}"; do
     set -- $cfg
-    measure "$BIN/device_bench" --device cuda:0 --net "$1" --micro-batch "$2" --micro-size "$3" $first || status=1
+    measure timeout "$CASE_TIMEOUT" "$BIN/device_bench" --device cuda:0 --net "$1" --micro-batch "$2" --micro-size "$3" \
+        --updates "$UPDATES" --warmup "$WARMUP" $first || status=1
     first=
-    measure python3 benches/pytorch_accumulation.py --net "$1" --micro-batch "$2" --micro-size "$3" \
-        $([ "$2" = 1024 ] && echo --peak) || status=1
+    measure timeout "$CASE_TIMEOUT" python3 benches/pytorch_accumulation.py --net "$1" --micro-batch "$2" --micro-size "$3" \
+        --updates "$UPDATES" --warmup "$WARMUP" || status=1
 done
+fi
 exit $status

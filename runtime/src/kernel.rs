@@ -104,7 +104,8 @@ pub enum Native {
     /// keeps it in the slot for the gradient step.
     SoftmaxCrossEntropy { c: usize, reduction: Reduction, grad: bool, kept: Option<usize>, seed: Option<f64> },
     /// Batched `op(a) @ op(b)`: `batch` products of `m x k` by `k x n`, each operand's
-    /// matrices consecutive (rank > 2, equal leading axes). Host backends only.
+    /// matrices consecutive (rank > 2, equal leading axes). The host GEMM, or cubek's exact
+    /// kernels over the batch on a device.
     BatchMatMul { batch: usize, m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool },
     /// A transpose written out row-major: input extents `dims`, output axis `i` is input axis
     /// `perm[i]`. Host backends only (on burn's ops a transpose is a view, which the next op
@@ -277,7 +278,7 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
         Op::Fused { expr } => elementwise(expr, tys).map(Native::Fused),
         // One op as a one-term program: on host backends its output then comes from the
         // plan's arena (exp, log and sqrt alone stay on burn's ops).
-        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg => {
+        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::RoundTo { .. } => {
             let mut terms: Vec<Term> = (0..tys.len()).map(Term::Arg).collect();
             terms.push(Term::of(op)?);
             elementwise(&Expr::new(terms).ok()?, tys).map(Native::Fused)

@@ -349,22 +349,25 @@ fn exact_strategy(tiling: Tiling) -> cubek::matmul::launch::Strategy {
 
 /// `y = op(a) @ op(b)` on cubek's kernel for `tiling` (with `tf32`, first its tensor-core
 /// kernel, which rounds f32 operands to TF32, where the device has one); `a` and `b`
-/// contiguous, row-major as stored (`k x m` when `ta`), `y` `m x n`. False when cubek cannot
-/// set a kernel up on this device.
+/// contiguous, row-major as stored (`k x m` when `ta`), `y` `m x n`; `batch` such products
+/// one after another in each buffer (attention's). False when cubek cannot set a kernel up
+/// on this device.
 #[allow(clippy::too_many_arguments)]
-fn cubek_matmul<R: CubeRuntime>(a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, [m, k, n]: [usize; 3], ta: bool, tb: bool, tiling: Tiling, tf32: bool) -> bool {
+fn cubek_matmul<R: CubeRuntime>(a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, batch: usize, [m, k, n]: [usize; 3], ta: bool, tb: bool, tiling: Tiling, tf32: bool) -> bool {
     use burn_backend::DType;
     use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
-    // A transposed operand is its stored matrix with its strides swapped (no copy).
+    let dims = |rows: usize, cols: usize| if batch > 1 { vec![batch, rows, cols] } else { vec![rows, cols] };
+    // A transposed operand is its stored matrices with their strides swapped (no copy).
     let operand = |t: &CubeTensor<R>, rows: usize, cols: usize, transposed: bool| {
-        let stored = if transposed { [cols, rows] } else { [rows, cols] };
-        let mut v = CubeTensor::new_contiguous(t.client.clone(), t.device.clone(), Shape::from(stored.to_vec()), t.handle.clone(), DType::F32);
+        let stored = if transposed { dims(cols, rows) } else { dims(rows, cols) };
+        let r = stored.len();
+        let mut v = CubeTensor::new_contiguous(t.client.clone(), t.device.clone(), Shape::from(stored), t.handle.clone(), DType::F32);
         if transposed {
-            v.meta.swap(0, 1);
+            v.meta.swap(r - 2, r - 1);
         }
         cubek::std::InputBinding::new(v.binding(), DType::F32.into())
     };
-    let out = CubeTensor::new_contiguous(y.client.clone(), y.device.clone(), Shape::from(vec![m, n]), y.handle.clone(), DType::F32);
+    let out = CubeTensor::new_contiguous(y.client.clone(), y.device.clone(), Shape::from(dims(m, n)), y.handle.clone(), DType::F32);
     let f32s = DType::F32.into();
     let mut dtypes = MatmulElems::from_globals(&MatmulGlobalElems { lhs: f32s, rhs: f32s, out: f32s });
     let launch = |strategy: &cubek::matmul::launch::Strategy, dtypes: &mut MatmulElems| {
@@ -513,7 +516,7 @@ fn head_kernel<R: CubeRuntime, F: FloatElement + Float>(op: &Native, a: &CubeTen
     // bound op's, which the plan's types fix).
     match *op {
         Native::MatMul { m, k, n, transpose_a, transpose_b, tiling } => {
-            if !cubek_matmul(a, b, y, [m, k, n], transpose_a, transpose_b, tiling, tf32) {
+            if !cubek_matmul(a, b, y, 1, [m, k, n], transpose_a, transpose_b, tiling, tf32) {
                 NAIVE_MATMULS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let mkn = [m as u32, k as u32, n as u32];
                 unsafe { matmul::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(b), arr(y), mkn, transpose_a, transpose_b) }
@@ -682,7 +685,16 @@ where
             }
             // burn's `full`: one launch either way.
             Native::Fill(_) | Native::MaxPool { .. } | Native::SumPlanes { .. } => return None,
-            Native::BatchMatMul { .. } | Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } => return None,
+            // cubek's exact kernels over the batch (burn's matmul would take TF32 tensor cores).
+            Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b } => {
+                let (a, b) = (contiguous(args[0]), contiguous(args[1]));
+                let y = output::<R>(arena, &client, &device, out.dims());
+                if !cubek_matmul(&a, &b, &y, *batch, [*m, *k, *n], *transpose_a, *transpose_b, Tiling::for_extents(*m, *k, *n), tf32) {
+                    return None;
+                }
+                y
+            }
+            Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } => return None,
             Native::CausalMask { .. } | Native::MaxRows { .. } => return None,
         };
         Some(y)
