@@ -30,7 +30,7 @@ pub mod prelude {
         parse, print, verify, DType, Graph, HostData, HostTensor, NodeId, Op, PadMode, Reduction, Shape, TensorType,
     };
     pub use cellgraph_runtime::data::{lenet_transform, Mnist};
-    pub use cellgraph_cells::{GradAccumulation, Normalization};
+    pub use cellgraph_cells::{GradAccumulation, LossScale, Normalization, Precision};
     pub use cellgraph_runtime::{
         compile, cpu, Callback, CheckpointConfig, Cpu, CpuF64, Dataset, Executable, LossMonitor, Model, ModelCheckpoint,
         Session, TensorDataset, TimeMonitor,

@@ -18,7 +18,7 @@ use cellgraph_compiler::passes::grad_accumulation::{
 };
 use cellgraph_compiler::update::StateSpec;
 use cellgraph_compiler::Graph;
-pub use cellgraph_compiler::passes::grad_accumulation::{accumulator_name, Normalization};
+pub use cellgraph_compiler::passes::grad_accumulation::{accumulator_name, LossScale, Normalization, Precision};
 use cellgraph_compiler::{NodeId, TensorType};
 
 use crate::cell::{Cell, Tracer};
@@ -45,6 +45,9 @@ pub struct GradAccumulation {
     pub clip_global_norm: Option<f64>,
     /// At the end of the data, drop an incomplete window instead of applying it.
     pub drop_incomplete_window: bool,
+    /// Mixed precision (emulated low-precision compute, f32 accumulators and optimizer state,
+    /// optional dynamic loss scaling); `None`: f32 throughout.
+    pub precision: Option<Precision>,
 }
 
 impl GradAccumulation {
@@ -57,6 +60,7 @@ impl GradAccumulation {
             normalization: Normalization::Sum,
             clip_global_norm: None,
             drop_incomplete_window: false,
+            precision: None,
         }
     }
     /// The r1.6 tutorial's accumulation over `mini_steps` successive steps (summed).
@@ -77,6 +81,12 @@ impl GradAccumulation {
         self.clip_global_norm = Some(max_norm);
         self
     }
+    /// Computes in low precision: [`Precision::bf16`] or [`Precision::f16`] (with dynamic loss
+    /// scaling), emulated (f32 arithmetic, values rounded where they are stored).
+    pub fn precision(mut self, p: Precision) -> Self {
+        self.precision = Some(p);
+        self
+    }
     /// Drops an incomplete last window instead of stepping with the true count.
     pub fn drop_incomplete_window(mut self) -> Self {
         self.drop_incomplete_window = true;
@@ -94,6 +104,21 @@ impl GradAccumulation {
         }
         if let Some(c) = self.clip_global_norm.filter(|c| !(c.is_finite() && *c > 0.0)) {
             return Err(CellError::Config { cell: "GradAccumulation".into(), detail: format!("clip_global_norm must be a finite number > 0, got {c}") });
+        }
+        if let Some(p) = &self.precision {
+            use cellgraph_compiler::DType;
+            let config = |detail: String| Err(CellError::Config { cell: "GradAccumulation".into(), detail });
+            if !matches!(p.compute, DType::F16 | DType::BF16 | DType::F32) {
+                return config(format!("precision: compute must be f16, bf16 or f32, got {}", p.compute.name()));
+            }
+            if p.accumulators != DType::F32 && p.accumulators != p.compute {
+                return config(format!("precision: accumulators must be f32 or the compute format ({}), got {}", p.compute.name(), p.accumulators.name()));
+            }
+            if let Some(s) = p.loss_scale {
+                if !(s.init.is_finite() && s.init > 0.0) || s.growth_interval == 0 {
+                    return config(format!("loss scale: init must be a finite number > 0 and growth_interval at least 1, got {} and {}", s.init, s.growth_interval));
+                }
+            }
         }
         Ok(())
     }
@@ -114,7 +139,7 @@ impl GradAccumulation {
     }
 
     fn options(&self) -> AccumulationOptions {
-        AccumulationOptions { normalization: self.normalization, clip_global_norm: self.clip_global_norm }
+        AccumulationOptions { normalization: self.normalization, clip_global_norm: self.clip_global_norm, precision: self.precision }
     }
 
     fn trained(&self) -> Vec<(String, TensorType)> {

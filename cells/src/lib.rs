@@ -20,7 +20,7 @@ pub mod train;
 pub mod transformer;
 pub mod zoo;
 
-pub use accumulate::{AutoParallel, GradAccumulation, Normalization, Slicing};
+pub use accumulate::{AutoParallel, GradAccumulation, LossScale, Normalization, Precision, Slicing};
 pub use cell::{trace, Cell, Tracer};
 pub use error::{CellError, Result};
 pub use init::Initializer;

@@ -14,6 +14,9 @@ use crate::graph::{Graph, NodeId};
 use crate::op::{Op, ReduceAttrs};
 use crate::types::Shape;
 
+/// The name of the seed's graph input under [`Sens::Input`].
+pub const SENS: &str = "sens";
+
 /// Where the initial cotangent of the loss comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Sens {
@@ -56,7 +59,7 @@ pub fn grad(g: &mut Graph, loss: NodeId, wrt: &[NodeId], sens: Sens) -> Result<G
         Sens::One => Emit::new(g, scope).constant(1.0, lt)?,
         Sens::Input => {
             let index = g.inputs().len();
-            g.add_leaf(Op::Input { index, name: "sens".into() }, lt, &scope)?
+            g.add_leaf(Op::Input { index, name: SENS.into() }, lt, &scope)?
         }
     };
     let mut ct: HashMap<NodeId, NodeId> = HashMap::from([(loss, sens)]);
@@ -184,6 +187,8 @@ pub fn vjp(e: &mut Emit, op: &Op, xs: &[NodeId], y: NodeId, g: NodeId) -> Result
                 vec![Some(e.op(Op::Cast { dtype }, &[g])?)]
             }
             Op::ZerosLike | Op::StopGradient => vec![None],
+            // Straight through: the rounding error is not differentiated.
+            Op::RoundTo { .. } => vec![Some(g)],
             Op::Broadcast { .. } => vec![Some(e.unbroadcast(g, &s(e, 0))?)],
             Op::Reshape { .. } | Op::Flatten => vec![Some(e.reshape(g, s(e, 0))?)],
             Op::Transpose { perm } => {

@@ -32,7 +32,7 @@ fn op_flops(op: &Op, out_ty: &TensorType, args: &[&TensorType]) -> u64 {
         Op::Concat { .. } | Op::Flatten | Op::Cast { .. } | Op::ZerosLike | Op::Assign | Op::StopGradient => 0,
         Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Relu | Op::ReluGrad | Op::Sqrt => out,
         Op::GreaterEqual | Op::Select | Op::AssignAdd | Op::AllReduce => out,
-        Op::Equal | Op::CausalMask { .. } | Op::Gather => out,
+        Op::Equal | Op::CausalMask { .. } | Op::Gather | Op::RoundTo { .. } => out,
         Op::Dropout { .. } => 4 * out,
         Op::ScatterAdd { .. } => arg(1).numel() as u64,
         Op::Tanh | Op::Erf => 8 * out,

@@ -12,7 +12,7 @@ use std::str::FromStr;
 
 use crate::infer::broadcast_shapes;
 use crate::op::Op;
-use crate::types::TensorType;
+use crate::types::{DType, TensorType};
 
 /// A one-operand elementwise op.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -22,6 +22,10 @@ pub enum Unary {
     Log,
     Relu,
     Sqrt,
+    /// `round_to` bf16 (printed `round_bf16`).
+    RoundBf16,
+    /// `round_to` f16 (printed `round_f16`).
+    RoundF16,
 }
 
 /// A two-operand elementwise op.
@@ -44,6 +48,17 @@ impl Unary {
             Unary::Log => Op::Log,
             Unary::Relu => Op::Relu,
             Unary::Sqrt => Op::Sqrt,
+            Unary::RoundBf16 => Op::RoundTo { dtype: DType::BF16 },
+            Unary::RoundF16 => Op::RoundTo { dtype: DType::F16 },
+        }
+    }
+
+    /// The word a program prints for it: the op's name, the rounding's with its format.
+    pub fn word(self) -> &'static str {
+        match self {
+            Unary::RoundBf16 => "round_bf16",
+            Unary::RoundF16 => "round_f16",
+            u => u.op().name(),
         }
     }
 }
@@ -81,6 +96,8 @@ impl Term {
             Op::Log => Term::Unary(Unary::Log),
             Op::Relu => Term::Unary(Unary::Relu),
             Op::Sqrt => Term::Unary(Unary::Sqrt),
+            Op::RoundTo { dtype: DType::BF16 } => Term::Unary(Unary::RoundBf16),
+            Op::RoundTo { dtype: DType::F16 } => Term::Unary(Unary::RoundF16),
             Op::Add => Term::Binary(Binary::Add),
             Op::Sub => Term::Binary(Binary::Sub),
             Op::Mul => Term::Binary(Binary::Mul),
@@ -188,6 +205,7 @@ impl fmt::Display for Term {
         match self {
             Term::Arg(i) => write!(f, "${i}"),
             Term::Lit(v) => write!(f, "{v:?}"),
+            Term::Unary(u) => f.write_str(u.word()),
             op => f.write_str(op.op().expect("an op term").name()),
         }
     }
@@ -216,6 +234,11 @@ impl FromStr for Expr {
             if let Ok(v) = w.parse::<f64>() {
                 return Ok(Term::Lit(v));
             }
+            match w {
+                "round_bf16" => return Ok(Term::Unary(Unary::RoundBf16)),
+                "round_f16" => return Ok(Term::Unary(Unary::RoundF16)),
+                _ => {}
+            }
             let op = Op::from_parts(w, Default::default()).ok();
             op.as_ref().and_then(Term::of).ok_or_else(|| format!("`{w}` is not an operand, a number or an elementwise op"))
         };
@@ -229,7 +252,7 @@ mod tests {
 
     #[test]
     fn programs_print_and_parse_back() {
-        for s in ["$0 $1 add relu", "$0 0.9 mul $1 $2 mul add", "$0 $1 $2 mul sub", "$0 -0.125 div neg exp log sqrt $0 relu_grad"] {
+        for s in ["$0 $1 add relu", "$0 0.9 mul $1 $2 mul add", "$0 $1 $2 mul sub", "$0 -0.125 div neg exp log sqrt $0 relu_grad", "$0 round_bf16 $1 round_f16 mul"] {
             let e: Expr = s.parse().unwrap();
             assert_eq!(e.to_string(), s);
         }

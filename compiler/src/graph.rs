@@ -204,11 +204,18 @@ impl Graph {
         self.outputs.retain(|&o| o != id);
     }
 
-    /// Points every use of `old` (operands and outputs) at `new`.
-    pub fn replace_uses(&mut self, old: NodeId, new: NodeId) {
+    /// The node `id`, to change its op in place (the caller keeps its type valid).
+    pub fn node_mut(&mut self, id: NodeId) -> &mut Node {
+        &mut self.inner[id.ix()]
+    }
+
+    /// Points every use of `old` (operands and outputs) at `new`, except `keep`'s operand
+    /// (the node that reads `old` to make `new`).
+    pub fn replace_uses_except(&mut self, old: NodeId, new: NodeId, keep: NodeId) {
         let uses: Vec<_> = self
             .inner
             .edges_directed(old.ix(), Direction::Outgoing)
+            .filter(|e| e.target() != keep.ix())
             .map(|e| (e.id(), e.target(), *e.weight()))
             .collect();
         for (e, target, pos) in uses {
@@ -220,6 +227,11 @@ impl Graph {
                 *o = new;
             }
         }
+    }
+
+    /// Points every use of `old` (operands and outputs) at `new`.
+    pub fn replace_uses(&mut self, old: NodeId, new: NodeId) {
+        self.replace_uses_except(old, new, new);
     }
 
     /// A topological order, smallest id first among ready nodes; `Err(node)` names a node on a cycle.

@@ -163,6 +163,12 @@ pub fn infer(op: &Op, xs: &[&TensorType]) -> Result<TensorType, String> {
             float_operand(xs[0])?;
             Ok(xs[0].clone())
         }
+        Op::RoundTo { dtype } => {
+            if xs[0].dtype != DType::F32 || !matches!(dtype, DType::F16 | DType::BF16) {
+                return Err(format!("round_to rounds f32 values to f16 or bf16, got {} to {}", xs[0], dtype.name()));
+            }
+            Ok(xs[0].clone())
+        }
         Op::CausalMask { .. } => {
             float_operand(xs[0])?;
             if xs[0].rank() < 2 {

@@ -96,6 +96,11 @@ pub enum Op {
     /// number only, so slicing into micro-batches, sharding over ranks or resuming never
     /// changes it. Its gradient is the same op on the cotangent.
     Dropout { p: f64, seed: u64 },
+    /// Rounds f32 values to the nearest value of `dtype` (F16 or BF16: ties to even, past the
+    /// largest finite value to infinity, f16's subnormals kept), storing them as f32: emulated
+    /// low precision ([`crate::passes::precision`]). Its gradient passes the cotangent through
+    /// unchanged (the rounding error is not differentiated, as a cast's is not).
+    RoundTo { dtype: DType },
     /// The identity, through which no gradient flows (JAX's and MindSpore's `stop_gradient`):
     /// softmax's subtracted maximum, whose exact gradient is zero.
     StopGradient,
@@ -289,6 +294,7 @@ impl Op {
             Op::CausalMask { .. } => "causal_mask",
             Op::StopGradient => "stop_gradient",
             Op::Dropout { .. } => "dropout",
+            Op::RoundTo { .. } => "round_to",
             Op::Select => "select",
             Op::Cast { .. } => "cast",
             Op::ZerosLike => "zeros_like",
@@ -343,7 +349,7 @@ impl Op {
         match self {
             Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => Exactly(0),
             Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::Sqrt | Op::Cast { .. } | Op::ZerosLike => Exactly(1),
-            Op::AllReduce | Op::Tanh | Op::Erf | Op::CausalMask { .. } | Op::StopGradient => Exactly(1),
+            Op::AllReduce | Op::Tanh | Op::Erf | Op::CausalMask { .. } | Op::StopGradient | Op::RoundTo { .. } => Exactly(1),
             Op::Equal | Op::Gather | Op::ScatterAdd { .. } => Exactly(2),
             Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } => Exactly(1),
             Op::Slice { .. } | Op::Pad { .. } | Op::Flatten => Exactly(1),
@@ -399,7 +405,7 @@ impl Op {
             Op::ScatterAdd { rows } => vec![("rows", Attr::Int(*rows as i64))],
             Op::CausalMask { fill } => vec![("fill", Attr::Float(*fill))],
             Op::Dropout { p, seed } => vec![("p", Attr::Float(*p)), ("seed", Attr::Int(*seed as i64))],
-            Op::Cast { dtype } => vec![("dtype", Attr::Sym(dtype.name().into()))],
+            Op::Cast { dtype } | Op::RoundTo { dtype } => vec![("dtype", Attr::Sym(dtype.name().into()))],
             Op::Broadcast { shape } | Op::Reshape { shape } => vec![("shape", ints(&shape.0))],
             Op::Transpose { perm } => vec![("perm", ints(perm))],
             Op::Slice { begin, end } => vec![("begin", ints(begin)), ("end", ints(end))],
@@ -477,6 +483,10 @@ impl Op {
             "cast" => {
                 let s = a.sym("dtype")?;
                 Op::Cast { dtype: DType::from_name(&s).ok_or(format!("unknown dtype `{s}`"))? }
+            }
+            "round_to" => {
+                let s = a.sym("dtype")?;
+                Op::RoundTo { dtype: DType::from_name(&s).ok_or(format!("unknown dtype `{s}`"))? }
             }
             "zeros_like" => Op::ZerosLike,
             "broadcast" => Op::Broadcast { shape: Shape(a.usizes("shape")?) },
@@ -688,6 +698,7 @@ impl Op {
             Op::CausalMask { fill: -1e9 },
             Op::StopGradient,
             Op::Dropout { p: 0.25, seed: 7 },
+            Op::RoundTo { dtype: DType::BF16 },
         ]
     }
 
@@ -745,11 +756,12 @@ impl Op {
             Op::CausalMask { .. } => 48,
             Op::StopGradient => 49,
             Op::Dropout { .. } => 50,
+            Op::RoundTo { .. } => 51,
         }
     }
 
     /// Number of op variants.
-    pub const COUNT: usize = 51;
+    pub const COUNT: usize = 52;
 }
 
 #[cfg(test)]

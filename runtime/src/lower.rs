@@ -10,10 +10,10 @@ use burn_backend::{DeviceSettings, FloatDType, Scalar, Slice, TensorData};
 use cellgraph_compiler::expr::Term;
 use cellgraph_compiler::infer::infer;
 use cellgraph_compiler::window::{self, Window};
-use cellgraph_compiler::{DType, Op, PadMode, Pool2dAttrs, ReduceAttrs, Reduction, TensorType};
+use cellgraph_compiler::{DType, HostData, Op, PadMode, Pool2dAttrs, ReduceAttrs, Reduction, TensorType};
 
 use crate::error::{Result, RuntimeError};
-use crate::backend::{bshape, Backend};
+use crate::backend::{bshape, Backend, HostVec};
 use crate::value::Value;
 
 /// What one evaluation needs besides its operands.
@@ -257,6 +257,24 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
         }
         Op::Tanh => Value::Float(B::float_tanh(cx.float(next())?)),
         Op::Erf => Value::Float(B::float_erf(cx.float(next())?)),
+        // Off the host and cube kernels (an epilogue whose head runs on burn's ops, a program
+        // the cube kernels do not take): on the host, the host's rounding on the values
+        // (burn-ndarray has no f16 or bf16); on a device, through the format and back.
+        Op::RoundTo { dtype } => {
+            let x = cx.float(next())?;
+            if B::HOST {
+                let t = Value::<B>::Float(x).to_host();
+                let round = |v: f64| cellgraph_compiler::passes::precision::round_f64(v, *dtype);
+                let data = match &t.data {
+                    HostData::F64(v) => HostVec::F64(v.iter().map(|&v| round(v)).collect()),
+                    _ => HostVec::F32(t.to_f64().into_iter().map(|v| round(v) as f32).collect()),
+                };
+                Value::Float(B::from_host_vec(data, &t.shape, cx.device))
+            } else {
+                let low = B::float_cast(x, float_dtype(*dtype, cx.settings.float_dtype));
+                Value::Float(B::float_cast(low, cx.settings.float_dtype))
+            }
+        }
         Op::CausalMask { fill } => Value::Float(B::float_mask_fill(cx.float(next())?, causal(cx, od), Scalar::Float(*fill))),
         Op::Dropout { p, seed } => {
             let x = cx.float(next())?;

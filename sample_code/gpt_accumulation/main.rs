@@ -34,6 +34,16 @@ enum ItemKind {
     Lines,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum Compute {
+    /// f32 throughout.
+    F32,
+    /// bf16 compute (emulated), f32 accumulators and optimizer state.
+    Bf16,
+    /// f16 compute (emulated), f32 accumulators, dynamic loss scaling once per window.
+    F16,
+}
+
 #[derive(Parser)]
 #[command(about = "A character-level GPT on Shakespeare with gradient accumulation and token-weighted normalisation")]
 struct Args {
@@ -75,6 +85,10 @@ struct Args {
     /// any number of ranks and micro-batches).
     #[arg(long, default_value_t = 0.0)]
     dropout: f64,
+    /// Compute precision of the micro-steps (low precision is emulated: f32 arithmetic,
+    /// values rounded where they are stored).
+    #[arg(long, value_enum, default_value = "f32")]
+    precision: Compute,
     /// Held-out sequences the validation loss reads.
     #[arg(long, default_value_t = 128)]
     eval_items: usize,
@@ -138,7 +152,19 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
     let config = GptConfig { vocab_size: corpus.vocab_size(), context: args.context, layers: args.layers, heads: args.heads, width: args.width, layer_norm_eps: 1e-5, dropout: args.dropout };
     let gpt = GPT::new(&Scope::root(), config)?;
     let loss = CrossEntropyLoss::new().ignore_index(IGNORE_INDEX as i64).tokens();
-    let net = GradAccumulation::new(WithLossCell::new(gpt, loss), args.micro_size).normalization(Normalization::Tokens).clip_global_norm(1.0);
+    let mut net = GradAccumulation::new(WithLossCell::new(gpt, loss), args.micro_size).normalization(Normalization::Tokens).clip_global_norm(1.0);
+    net.precision = match args.precision {
+        Compute::F32 => None,
+        Compute::Bf16 => Some(Precision::bf16()),
+        Compute::F16 => {
+            // The micro-steps' losses are sums over their tokens, so their gradients are the
+            // token count times a mean loss's: the scale starts that much below PyTorch's 2^16
+            // (at a power of two), sparing the first windows' overflows.
+            let tokens = (args.batch_size / args.micro_size * args.context).max(1) as f64;
+            let init = (65536.0 / tokens).max(1.0).log2().floor().exp2();
+            Some(Precision::f16().loss_scale(Some(LossScale { init, ..LossScale::default() })))
+        }
+    };
     let total = (args.epochs * args.steps) as u64;
     let schedule = LearningRate::Warmup { warmup: args.warmup, then: Box::new(LearningRate::Cosine { base: args.lr, min: args.lr / 10.0, total: total.saturating_sub(args.warmup).max(1) }) };
     let optimizer = Adam { beta2: 0.99, ..Adam::adamw(schedule, args.weight_decay) };
@@ -174,6 +200,9 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
     if rank == 0 {
         let c = model.accumulator().counters();
         println!("ranks: {size}, updates: {}, gradient collectives: {}, skipped: {}", model.accumulator().updates(), c.grad_collectives, c.skipped_updates);
+        if let Some(s) = model.accumulator().loss_scale() {
+            println!("loss scale: {s}");
+        }
         if matches!(args.items, ItemKind::Windows) {
             println!("training: {secs:.2} s, {:.1} tokens/s across ranks", tokens as f64 / secs);
         }

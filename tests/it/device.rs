@@ -5,7 +5,8 @@
 //!   optimizer) against the optimizer graphs run on burn-ndarray, and whole accumulation
 //!   windows of LeNet5 and the small MLP against the CPU.
 //! - CUDA (feature `cuda`): 20 LeNet5 updates with accumulation on the GPU against the CPU,
-//!   within 1e-5 relative; skipped, saying so, on a machine without a CUDA GPU.
+//!   within 1e-5 relative, the MLP, a ResNet-18 window and GPT windows (the checks the wgpu
+//!   tests run); skipped, saying so, on a machine without a CUDA GPU.
 
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -43,6 +44,123 @@ fn lenet_batches(n: usize, b: usize, seed: u64) -> Vec<Vec<HostTensor>> {
             vec![HostTensor::f32(vec![b, 1, 32, 32], x).unwrap(), HostTensor::i32(vec![b], y).unwrap()]
         })
         .collect()
+}
+
+/// ResNet-18 for one window of two micro-batches of eight 32x32 images on the device equals the
+/// CPU, moving statistics included: batch norm in training mode (on 1x1 maps in layer4;
+/// with two images there it normalises two values per channel, which amplifies the last
+/// bit's differences to 10% by the loss: eight keep them near f32's rounding),
+/// residual adds, strided and padded convolutions, padded max pooling, global average
+/// pooling, SGD with momentum and weight decay. Then a batch-norm network with
+/// once-per-window statistics over two windows.
+#[allow(dead_code)]
+fn resnet18_window_matches_cpu<B: Backend>(device: Device<B>) {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+    let images = |rng: &mut rand::rngs::StdRng, n: usize| {
+        let x: Vec<f32> = (0..n * 3 * 32 * 32).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let y: Vec<i32> = (0..n).map(|_| rng.random_range(0..10)).collect();
+        vec![HostTensor::f32(vec![n, 3, 32, 32], x).unwrap(), HostTensor::i32(vec![n], y).unwrap()]
+    };
+    let batches: Vec<_> = (0..2).map(|_| images(&mut rng, 8)).collect();
+    let mk = || GradAccumulation::across_steps(WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()), 2).normalization(Normalization::Mean);
+    let opt: Rc<dyn Optimizer> = Rc::new(SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(0.1) });
+    let (cpu_p, _, _) = train::<Cpu>(mk(), opt.clone(), cpu(), &batches);
+    let (dev_p, _, updates) = train::<B>(mk(), opt, device.clone(), &batches);
+    assert_eq!(updates, 1);
+    // The update as a whole (the trained parameters' change, L2): a pre-activation within
+    // rounding of ReLU's kink may fall on either side on either backend (one of the 4,096
+    // in layer4.1 does here: 1.0e-5 on the CPU, 0 on the device), which moves single gradients by
+    // percents and the update by 1.5e-3; a wrong kernel moves it by its whole size.
+    let init: BTreeMap<String, Vec<f32>> = cellgraph::cells::materialize(&mk().parameters(), 1).into_iter().map(|(n, t)| (n, t.to_f32())).collect();
+    let trainable: Vec<String> = mk().trainable_params().iter().map(|p| p.name.clone()).collect();
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for n in &trainable {
+        for ((c, d), i) in cpu_p[n].iter().zip(&dev_p[n]).zip(&init[n]) {
+            diff += (*c as f64 - *d as f64).powi(2);
+            norm += (*c as f64 - *i as f64).powi(2);
+        }
+    }
+    let d = (diff / norm).sqrt();
+    assert!(d < 2e-2, "ResNet-18's update on the device differs from the CPU's by {d:e} (L2, relative)");
+    let moving: BTreeMap<String, Vec<f32>> = cpu_p.iter().filter(|(n, _)| n.contains(".moving_")).map(|(n, v)| (n.clone(), v.clone())).collect();
+    let d = rel_diff(&dev_p.iter().filter(|(n, _)| moving.contains_key(*n)).map(|(n, v)| (n.clone(), v.clone())).collect(), &moving);
+    assert!(d < 1e-5, "ResNet-18's moving statistics on the device differ from the CPU's by {d:e}");
+    assert_ne!(dev_p["bn1.moving_mean"], vec![0.0; 64], "the moving statistics moved");
+
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let batches: Vec<_> = (0..4).map(|_| crate::batchnorm::images(&mut rng, 4)).collect();
+    let mk = || GradAccumulation::across_steps(WithLossCell::new(crate::batchnorm::BnNet::windowed(), CrossEntropyLoss::new()), 2);
+    let opt: Rc<dyn Optimizer> = Rc::new(Momentum::new(0.1, 0.9));
+    let (cpu_p, _, _) = train::<Cpu>(mk(), opt.clone(), cpu(), &batches);
+    let (dev_p, _, _) = train::<B>(mk(), opt, device.clone(), &batches);
+    let d = rel_diff(&dev_p, &cpu_p);
+    assert!(d < 1e-5, "window statistics on the device differ from the CPU by {d:e} relative");
+}
+
+/// A GPT with dropout 0.3 under token-weighted accumulation on the device equals the CPU over 3
+/// windows of 2 padded micro-batches: embeddings and their scatter-add gradient, LayerNorm,
+/// batched attention products, causal masking, softmax, the erf GELU, the tied head, the
+/// token loss with ignored labels, the token count read back per micro-step, and dropout's
+/// keyed masks (made on the host, uploaded).
+#[allow(dead_code)]
+fn gpt_windows_match_cpu<B: Backend>(device: Device<B>) {
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+    let batches: Vec<_> = (0..6).map(|_| crate::gpt::sequences(&mut rng, 3)).collect();
+    let mk = || GradAccumulation::across_steps(crate::gpt::dropped(), 2).normalization(Normalization::Tokens);
+    let opt: Rc<dyn Optimizer> = Rc::new(Momentum::new(0.1, 0.9));
+    let (cpu_p, _, _) = train::<Cpu>(mk(), opt.clone(), cpu(), &batches);
+    let (dev_p, _, updates) = train::<B>(mk(), opt, device.clone(), &batches);
+    assert_eq!(updates, 3);
+    let d = rel_diff(&dev_p, &cpu_p);
+    assert!(d < 1e-5, "the GPT on the device differs from the CPU by {d:e} relative");
+}
+
+/// `round_to` on the device (the cube kernel's bit arithmetic, alone and inside a fused
+/// program) gives the host's bits, which are `half`'s.
+#[allow(dead_code)]
+fn round_to_matches_the_host<B: Backend>(device: Device<B>) {
+    use cellgraph::compiler::DType;
+    let xs = crate::precision::awkward_values();
+    for dtype in [DType::BF16, DType::F16] {
+        for fused in [false, true] {
+            let host = crate::precision::round_on::<Cpu>(&xs, dtype, fused, cpu());
+            let dev = crate::precision::round_on::<B>(&xs, dtype, fused, device.clone());
+            let bad: Vec<_> = xs.iter().zip(&dev).zip(&host).filter(|((_, d), h)| d.to_bits() != h.to_bits() && !(d.is_nan() && h.is_nan())).take(3).collect();
+            assert!(bad.is_empty(), "{dtype:?} (fused: {fused}): x, device, host: {bad:?}");
+        }
+    }
+}
+
+/// f16 with loss scaling on the device: an inf in the second window's first micro-step
+/// skips that window (the overflow read from the device's accumulators), halves the scale,
+/// and the run stays within f16's rounding of the CPU's.
+#[allow(dead_code)]
+fn f16_overflow_skips_the_window_on_the_device<B: Backend>(device: Device<B>) {
+    use cellgraph::cells::accumulate::{LossScale, Precision};
+    use cellgraph::compiler::HostData;
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let mut batches: Vec<_> = (0..6).map(|_| crate::accumulation::data(&mut rng, 8)).collect();
+    let HostData::F32(x) = &mut batches[2][0].data else { unreachable!() };
+    x[3] = f32::INFINITY;
+    fn run<B2: Backend>(device: Device<B2>, batches: &[Vec<HostTensor>]) -> (BTreeMap<String, Vec<f32>>, u64, f64) {
+        let mk = || GradAccumulation::across_steps(crate::accumulation::net(), 2).precision(Precision::f16().loss_scale(Some(LossScale { init: 512.0, growth_interval: 100 })));
+        let names: Vec<String> = mk().trainable_params().iter().map(|p| p.name.clone()).collect();
+        let mut a = Accumulator::<B2>::new(Rc::new(mk()), Rc::new(Momentum::new(0.1, 0.9)), device, 1).unwrap();
+        batches.iter().for_each(|b| {
+            a.step(b).unwrap();
+        });
+        (names.iter().map(|n| (n.clone(), a.session.param(n).unwrap().to_f32())).collect(), a.counters().skipped_updates, a.loss_scale().unwrap())
+    }
+    let (cpu_p, cpu_skipped, cpu_scale) = run::<Cpu>(cpu(), &batches);
+    let (dev_p, dev_skipped, dev_scale) = run::<B>(device, &batches);
+    assert_eq!((dev_skipped, dev_scale), (1, 256.0));
+    assert_eq!((cpu_skipped, cpu_scale), (1, 256.0));
+    let d = rel_diff(&dev_p, &cpu_p);
+    eprintln!("f16 with an overflowing window: device vs CPU {d:e} relative");
+    assert!(d < 1e-2, "f16 training on the device differs from the CPU by {d:e} relative");
 }
 
 #[cfg(feature = "wgpu")]
@@ -89,7 +207,7 @@ mod wgpu {
         let n = 1000;
         for (what, opt) in rules {
             let (prog, literals) = UpdateKernel::new(&opt.update(), opt.scalar_inputs().len()).expect("every built-in optimizer fits the boundary kernel");
-            let opts = AccumulationOptions { normalization: Normalization::Sum, clip_global_norm: None };
+            let opts = AccumulationOptions { normalization: Normalization::Sum, clip_global_norm: None, precision: None };
             let (g, state) = optimizer_graph(&[("w".into(), TensorType::f32([n]))], opt.as_ref(), &opts).unwrap();
             let exe = compile(g).unwrap();
             let mut rng = rand::rngs::StdRng::seed_from_u64(7);
@@ -358,73 +476,24 @@ mod wgpu {
         assert_eq!(boundary, 1, "the boundary is one fused update-and-clear kernel");
     }
 
-    /// ResNet-18 for one window of two micro-batches of eight 32x32 images on wgpu equals the
-    /// CPU, moving statistics included: batch norm in training mode (on 1x1 maps in layer4;
-    /// with two images there it normalises two values per channel, which amplifies the last
-    /// bit's differences to 10% by the loss: eight keep them near f32's rounding),
-    /// residual adds, strided and padded convolutions, padded max pooling, global average
-    /// pooling, SGD with momentum and weight decay. Then a batch-norm network with
-    /// once-per-window statistics over two windows.
     #[test]
     fn resnet18_window_on_wgpu_matches_cpu() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
-        let images = |rng: &mut rand::rngs::StdRng, n: usize| {
-            let x: Vec<f32> = (0..n * 3 * 32 * 32).map(|_| rng.random_range(-1.0..1.0)).collect();
-            let y: Vec<i32> = (0..n).map(|_| rng.random_range(0..10)).collect();
-            vec![HostTensor::f32(vec![n, 3, 32, 32], x).unwrap(), HostTensor::i32(vec![n], y).unwrap()]
-        };
-        let batches: Vec<_> = (0..2).map(|_| images(&mut rng, 8)).collect();
-        let mk = || GradAccumulation::across_steps(WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()), 2).normalization(Normalization::Mean);
-        let opt: Rc<dyn Optimizer> = Rc::new(SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(0.1) });
-        let (cpu_p, _, _) = train::<Cpu>(mk(), opt.clone(), cpu(), &batches);
-        let (dev_p, _, updates) = train::<Wgpu>(mk(), opt, dev(), &batches);
-        assert_eq!(updates, 1);
-        // The update as a whole (the trained parameters' change, L2): a pre-activation within
-        // rounding of ReLU's kink may fall on either side on either backend (one of the 4,096
-        // in layer4.1 does here: 1.0e-5 on the CPU, 0 on wgpu), which moves single gradients by
-        // percents and the update by 1.5e-3; a wrong kernel moves it by its whole size.
-        let init: BTreeMap<String, Vec<f32>> = cellgraph::cells::materialize(&mk().parameters(), 1).into_iter().map(|(n, t)| (n, t.to_f32())).collect();
-        let trainable: Vec<String> = mk().trainable_params().iter().map(|p| p.name.clone()).collect();
-        let (mut diff, mut norm) = (0.0f64, 0.0f64);
-        for n in &trainable {
-            for ((c, d), i) in cpu_p[n].iter().zip(&dev_p[n]).zip(&init[n]) {
-                diff += (*c as f64 - *d as f64).powi(2);
-                norm += (*c as f64 - *i as f64).powi(2);
-            }
-        }
-        let d = (diff / norm).sqrt();
-        assert!(d < 2e-2, "ResNet-18's update on wgpu differs from the CPU's by {d:e} (L2, relative)");
-        let moving: BTreeMap<String, Vec<f32>> = cpu_p.iter().filter(|(n, _)| n.contains(".moving_")).map(|(n, v)| (n.clone(), v.clone())).collect();
-        let d = rel_diff(&dev_p.iter().filter(|(n, _)| moving.contains_key(*n)).map(|(n, v)| (n.clone(), v.clone())).collect(), &moving);
-        assert!(d < 1e-5, "ResNet-18's moving statistics on wgpu differ from the CPU's by {d:e}");
-        assert_ne!(dev_p["bn1.moving_mean"], vec![0.0; 64], "the moving statistics moved");
-
-        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-        let batches: Vec<_> = (0..4).map(|_| crate::batchnorm::images(&mut rng, 4)).collect();
-        let mk = || GradAccumulation::across_steps(WithLossCell::new(crate::batchnorm::BnNet::windowed(), CrossEntropyLoss::new()), 2);
-        let opt: Rc<dyn Optimizer> = Rc::new(Momentum::new(0.1, 0.9));
-        let (cpu_p, _, _) = train::<Cpu>(mk(), opt.clone(), cpu(), &batches);
-        let (dev_p, _, _) = train::<Wgpu>(mk(), opt, dev(), &batches);
-        let d = rel_diff(&dev_p, &cpu_p);
-        assert!(d < 1e-5, "window statistics on wgpu differ from the CPU by {d:e} relative");
+        super::resnet18_window_matches_cpu::<Wgpu>(dev());
     }
 
-    /// A GPT with dropout 0.3 under token-weighted accumulation on wgpu equals the CPU over 3
-    /// windows of 2 padded micro-batches: embeddings and their scatter-add gradient, LayerNorm,
-    /// batched attention products, causal masking, softmax, the erf GELU, the tied head, the
-    /// token loss with ignored labels, the token count read back per micro-step, and dropout's
-    /// keyed masks (made on the host, uploaded).
     #[test]
     fn gpt_windows_on_wgpu_match_cpu() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
-        let batches: Vec<_> = (0..6).map(|_| crate::gpt::sequences(&mut rng, 3)).collect();
-        let mk = || GradAccumulation::across_steps(crate::gpt::dropped(), 2).normalization(Normalization::Tokens);
-        let opt: Rc<dyn Optimizer> = Rc::new(Momentum::new(0.1, 0.9));
-        let (cpu_p, _, _) = train::<Cpu>(mk(), opt.clone(), cpu(), &batches);
-        let (dev_p, _, updates) = train::<Wgpu>(mk(), opt, dev(), &batches);
-        assert_eq!(updates, 3);
-        let d = rel_diff(&dev_p, &cpu_p);
-        assert!(d < 1e-5, "the GPT on wgpu differs from the CPU by {d:e} relative");
+        super::gpt_windows_match_cpu::<Wgpu>(dev());
+    }
+
+    #[test]
+    fn round_to_on_wgpu_matches_the_host() {
+        super::round_to_matches_the_host::<Wgpu>(dev());
+    }
+
+    #[test]
+    fn f16_overflow_skips_the_window_on_wgpu() {
+        super::f16_overflow_skips_the_window_on_the_device::<Wgpu>(dev());
     }
 
     /// SyncBatchNorm on 2 ranks on wgpu (each collective reads its operand back to the host
@@ -544,6 +613,34 @@ mod cuda {
         let d = rel_diff(&gpu_p, &cpu_p);
         eprintln!("LeNet5, 20 updates: CUDA vs CPU max relative difference {d:e}");
         assert!(d < 1e-5, "LeNet5 on CUDA differs from the CPU by {d:e} relative");
+    }
+
+    /// ResNet-18 (batch norm, residual adds, strided and padded convolutions) for one window
+    /// on the GPU against the CPU, as on wgpu.
+    #[test]
+    fn resnet18_window_on_cuda_matches_cpu() {
+        let Some(device) = gpu() else { return };
+        super::resnet18_window_matches_cpu::<Cuda>(device);
+    }
+
+    /// A GPT with dropout under token-weighted accumulation, 3 windows on the GPU against the
+    /// CPU, as on wgpu.
+    #[test]
+    fn gpt_windows_on_cuda_match_cpu() {
+        let Some(device) = gpu() else { return };
+        super::gpt_windows_match_cpu::<Cuda>(device);
+    }
+
+    #[test]
+    fn round_to_on_cuda_matches_the_host() {
+        let Some(device) = gpu() else { return };
+        super::round_to_matches_the_host::<Cuda>(device);
+    }
+
+    #[test]
+    fn f16_overflow_skips_the_window_on_cuda() {
+        let Some(device) = gpu() else { return };
+        super::f16_overflow_skips_the_window_on_the_device::<Cuda>(device);
     }
 
     /// The seed-002 MLP, 10 updates of 4 x 64 with SGD (within 1e-5) and with Adam (1e-4).

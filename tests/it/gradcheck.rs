@@ -297,6 +297,8 @@ fn must_be_checked(op: &Op) -> bool {
         Op::GreaterEqual | Op::Equal => false, // comparisons: zero gradient almost everywhere
         Op::ScatterAdd { .. } => false,
         Op::StopGradient => false, // no gradient by definition (checked in `stop_gradient_blocks`)
+        // Straight through by definition (checked in `round_to_passes_the_gradient_through`).
+        Op::RoundTo { .. } => false,
         Op::Tanh | Op::Erf | Op::CausalMask { .. } | Op::Gather | Op::Dropout { .. } => true,
         Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::ReluGrad => true,
         Op::Sqrt | Op::Select | Op::AllReduce => true,
@@ -321,6 +323,22 @@ fn stop_gradient_blocks_the_gradient_and_is_the_identity() {
     let out = run_loss(&compile(g).unwrap(), &[("x".into(), HostTensor::new(vec![3], HostData::F64(vec![1.0, -2.0, 3.0])).unwrap())], &[]);
     assert_eq!(out[0].scalar(), 14.0, "sum(x * x)");
     assert_eq!(out[1].to_f64(), vec![1.0, -2.0, 3.0], "d/dx sum(sg(x) * x) = sg(x), not 2x");
+}
+
+#[test]
+fn round_to_passes_the_gradient_through() {
+    let mut g = Graph::new("g");
+    let x = g.add_leaf(Op::Parameter { name: "x".into() }, TensorType::f32([3]), "t").unwrap();
+    let q = g.add(Op::RoundTo { dtype: DType::BF16 }, &[x], "t").unwrap();
+    let y = g.add(Op::Mul, &[q, q], "t").unwrap();
+    let l = g.add(Op::ReduceSum(r(&[0], false)), &[y], "t").unwrap();
+    let gr = grad(&mut g, l, &[x], Sens::One).unwrap();
+    g.set_outputs(vec![l, gr.grads[0]]);
+    let xs = vec![1.0 + 1.0 / 1024.0, -3.0, 0.1];
+    let out = run_loss(&compile(g).unwrap(), &[("x".into(), HostTensor::new(vec![3], HostData::F64(xs)).unwrap())], &[]);
+    let rounded = [1.0, -3.0, 0.10009765625];
+    assert_eq!(out[0].scalar(), rounded.iter().map(|v| v * v).sum::<f64>(), "sum(bf16(x)^2)");
+    assert_eq!(out[1].to_f64(), rounded.iter().map(|v| 2.0 * v).collect::<Vec<_>>(), "d/dx sum(r(x)^2) = 2 r(x): the rounding passes the cotangent through");
 }
 
 #[test]

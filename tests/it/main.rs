@@ -16,5 +16,6 @@ mod mnist;
 mod model;
 mod mpi;
 mod parallel;
+mod precision;
 mod programs;
 mod runtime;

@@ -136,6 +136,12 @@ fn the_gpt_program_learns_and_refuses_bad_settings() {
     assert!(std::fs::metadata(ckpt).unwrap().len() > 100_000);
     let (out, s) = run("gpt_accumulation", &[&small[..], &["--items", "lines", "--batch-size", "8", "--steps", "3", "--epochs", "1", "--sample", "0"]].concat());
     assert!(out.status.success() && s.contains("lines of up to 33 characters") && s.contains("updates: 3"), "{s}");
+    // f16 with loss scaling: windows whose gradients overflow are skipped, the rest applied.
+    let (out, s) = run("gpt_accumulation", &[&small[..], &["--precision", "f16", "--batch-size", "8", "--steps", "24", "--epochs", "1", "--sample", "0"]].concat());
+    assert!(out.status.success(), "{s}");
+    let count = |key: &str| -> u64 { s.split(key).nth(1).and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next()).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no `{key}`: {s}")) };
+    assert_eq!(count("updates: ") + count("skipped: "), 24, "{s}");
+    assert!(count("updates: ") > 12 && s.contains("loss scale: "), "{s}");
     refused("gpt_accumulation", &["--batch-size", "6", "--micro-size", "4", "--ckpt", ckpt], "must be a multiple of --micro-size 4");
     refused("gpt_accumulation", &["--data-path", "no/such.txt.gz", "--ckpt", ckpt], "no/such.txt.gz");
     refused("gpt_accumulation", &["--context", "0", "--ckpt", ckpt], "context");

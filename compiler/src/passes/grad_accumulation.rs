@@ -18,7 +18,8 @@ use crate::error::{IrError, Result};
 use crate::graph::{Graph, NodeId};
 use crate::op::Op;
 use crate::passes::dce::dce;
-use crate::types::{Shape, TensorType};
+use crate::passes::precision::round_values;
+use crate::types::{DType, Shape, TensorType};
 use crate::update::{emit_updates, StateSpec, UpdateRule};
 
 /// How accumulated gradients are normalised at the window boundary.
@@ -39,12 +40,73 @@ pub enum Normalization {
     Tokens,
 }
 
+/// Dynamic loss scaling, decided once per window: the micro-steps seed the backward pass with
+/// the scale `S` (the gradients come out `S` times larger, clear of f16's underflow); at the
+/// boundary a non-finite accumulator on any rank skips the update on every rank and halves
+/// `S`, and `growth_interval` clean windows in a row double it (PyTorch's `GradScaler`,
+/// MindSpore's `DynamicLossScaleManager` with `scale_factor` 2). The optimizer sees the
+/// gradients divided by `S` again, clipping included.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossScale {
+    /// The first scale (PyTorch's `init_scale`, 2^16).
+    pub init: f64,
+    /// Clean windows in a row after which the scale doubles (PyTorch's 2000).
+    pub growth_interval: u64,
+}
+
+impl Default for LossScale {
+    fn default() -> Self {
+        LossScale { init: 65536.0, growth_interval: 2000 }
+    }
+}
+
+/// A precision policy for the micro-steps (emulated, see [`crate::passes::precision`]): every
+/// value they compute is rounded to `compute` (F16 or BF16) while each op's arithmetic stays
+/// f32; master weights, accumulators (unless `accumulators` says otherwise), optimizer state,
+/// the loss and the token count stay f32.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Precision {
+    /// F16 or BF16.
+    pub compute: crate::types::DType,
+    /// F32 (the default: each micro-step's low-precision gradient is added into an f32
+    /// accumulator), or the compute format (the accumulator rounded after every add, as
+    /// DeepSpeed and FSDP do unless told otherwise: for comparison).
+    pub accumulators: crate::types::DType,
+    /// Dynamic loss scaling (f16's default), or none.
+    pub loss_scale: Option<LossScale>,
+}
+
+impl Precision {
+    /// bf16 compute, f32 accumulators, no loss scaling (bf16 has f32's range).
+    pub fn bf16() -> Self {
+        Precision { compute: crate::types::DType::BF16, accumulators: crate::types::DType::F32, loss_scale: None }
+    }
+    /// f16 compute, f32 accumulators, dynamic loss scaling with PyTorch's defaults.
+    pub fn f16() -> Self {
+        Precision { compute: crate::types::DType::F16, accumulators: crate::types::DType::F32, loss_scale: Some(LossScale::default()) }
+    }
+    /// The accumulators in `dtype` (F32, or the compute format).
+    pub fn accumulate_in(self, dtype: crate::types::DType) -> Self {
+        Precision { accumulators: dtype, ..self }
+    }
+    /// The loss scaling in effect (none when computing in f32).
+    pub fn scaling(&self) -> Option<LossScale> {
+        self.loss_scale.filter(|_| self.compute != DType::F32)
+    }
+    /// Loss scaling as given (`None`: off).
+    pub fn loss_scale(self, loss_scale: Option<LossScale>) -> Self {
+        Precision { loss_scale, ..self }
+    }
+}
+
 /// Options of the rewrite.
 #[derive(Clone, Debug)]
 pub struct AccumulationOptions {
     pub normalization: Normalization,
     /// Clip the normalised accumulated gradient to this global L2 norm, once per window.
     pub clip_global_norm: Option<f64>,
+    /// Mixed precision (emulated); `None`: f32 throughout.
+    pub precision: Option<Precision>,
 }
 
 /// The prefix of accumulator parameters (MindSpore's `accu_grads`).
@@ -56,7 +118,9 @@ pub fn accumulator_name(param: &str) -> String {
 }
 
 /// The `micro_step` graph: `forward` differentiated w.r.t. `params`, each gradient
-/// `assign_add`-ed into its accumulator. The loss must be a scalar.
+/// `assign_add`-ed into its accumulator. The loss must be a scalar. Under a precision policy
+/// the values are rounded to the compute format (the loss and count excepted) and, with loss
+/// scaling, the backward pass is seeded by the graph input `sens` (the scale).
 pub fn micro_graph(forward: &Graph, loss: NodeId, params: &[String], opts: &AccumulationOptions) -> Result<Graph> {
     let lt = forward.try_node(loss)?.ty.clone();
     if lt.rank() != 0 {
@@ -77,9 +141,16 @@ pub fn micro_graph(forward: &Graph, loss: NodeId, params: &[String], opts: &Accu
         .iter()
         .map(|p| g.find_parameter(p).ok_or_else(|| IrError::Autodiff(format!("the network has no parameter `{p}`"))))
         .collect::<Result<_>>()?;
-    let grads = grad(&mut g, loss, &nodes, Sens::One)?;
+    let precision = opts.precision.filter(|p| p.compute != DType::F32);
+    let sens = if precision.and_then(|p| p.scaling()).is_some() { Sens::Input } else { Sens::One };
+    let grads = grad(&mut g, loss, &nodes, sens)?;
+    let rounded = match precision {
+        Some(p) => round_values(&mut g, p.compute, &[loss]),
+        None => Default::default(),
+    };
     let items = g.inputs().first().map(|&(id, _, _)| g.ty(id).dims().first().copied().unwrap_or(1)).unwrap_or(1);
     for (p, d) in params.iter().zip(grads.grads) {
+        let d = rounded.get(&d).copied().unwrap_or(d);
         let mut e = Emit::new(&mut g, format!("accumulate.{p}"));
         let d = match opts.normalization {
             Normalization::ItemWeighted => e.scale(d, items as f64)?,
@@ -87,7 +158,15 @@ pub fn micro_graph(forward: &Graph, loss: NodeId, params: &[String], opts: &Accu
         };
         let t = e.ty(d);
         let acc = e.g.add_leaf(Op::Parameter { name: accumulator_name(p) }, t, &e.scope)?;
-        e.op(Op::AssignAdd, &[acc, d])?;
+        match precision.map(|p| p.accumulators).filter(|&a| a != DType::F32) {
+            // A low-precision accumulator: the sum rounded after every add.
+            Some(dtype) => {
+                let sum = e.add(acc, d)?;
+                let r = e.op(Op::RoundTo { dtype }, &[sum])?;
+                e.op(Op::Assign, &[acc, r])?
+            }
+            None => e.op(Op::AssignAdd, &[acc, d])?,
+        };
     }
     g.set_outputs(std::iter::once(loss).chain(count).collect());
     dce(&mut g);

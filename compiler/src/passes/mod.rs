@@ -5,6 +5,7 @@ pub mod dce;
 pub mod epilogue;
 pub mod fuse;
 pub mod grad_accumulation;
+pub mod precision;
 pub mod pipeline;
 
 /// What the passes' tests build graphs from.

@@ -28,6 +28,7 @@ use burn_backend::tensor::Device;
 use cellgraph_cells::cell::{ITEM_INDEX, UPDATE};
 use cellgraph_cells::{Cell, GradAccumulation, Normalization, Optimizer, Slicing};
 use cellgraph_compiler::dump::DumpOptions;
+use cellgraph_compiler::autodiff::SENS;
 use cellgraph_compiler::passes::grad_accumulation::ACCUMULATOR_PREFIX;
 use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
@@ -41,8 +42,9 @@ use cellgraph_compiler::passes::grad_accumulation::accumulator_name;
 pub use snapshot::LoadReport;
 pub use sync::SHARD;
 pub use window::Counters;
+use window::{finite, Ended, Scaler};
 
-use store::Store;
+use store::{Kind, Store};
 use sync::Parallel;
 use window::{scale, Progress};
 
@@ -89,6 +91,8 @@ pub struct Accumulator<B: Backend> {
     tokens: f64,
     /// Items this process has trained on: dropout's item keys when the data gives none.
     items_seen: u64,
+    /// Dynamic loss scaling, when the precision policy asks for it.
+    scaler: Option<Scaler>,
 }
 
 /// A micro-batch's loss: read (host backends read it at once, at no cost), or on the device.
@@ -160,7 +164,8 @@ impl<B: Backend> Accumulator<B> {
         let trained: Vec<(String, TensorType)> = accumulators.iter().map(|(n, t)| (n[ACCUMULATOR_PREFIX.len() + 1..].to_string(), t.clone())).collect();
         let store = Store::new(&trained, accumulator_name, opt.as_ref());
         let plans = Plans { micro: HashMap::new(), optimizer: compile(optimizer)?, clear: compile(clear)?, window: None, names: Vec::new(), dump: None };
-        let mut acc = Accumulator { net, opt, plans, session, progress: Progress::default(), store, parallel: None, losses: Vec::new(), loss: std::cell::Cell::new(None), tokens: 0.0, items_seen: 0 };
+        let mut acc = Accumulator { net, opt, plans, session, progress: Progress::default(), store, parallel: None, losses: Vec::new(), loss: std::cell::Cell::new(None), tokens: 0.0, items_seen: 0, scaler: None };
+        acc.scaler = acc.net.precision.and_then(|p| p.scaling()).map(Scaler::new);
         acc.store.enter_flat(&mut acc.session, acc.opt.as_ref())?;
         Ok(acc)
     }
@@ -404,6 +409,7 @@ impl<B: Backend> Accumulator<B> {
                     None => HostTensor::new(vec![rows], HostData::I64((0..rows as i64).map(|i| self.items_seen as i64 + i).collect())).expect("rows"),
                 }),
                 UPDATE => Ok(HostTensor::new(vec![], HostData::I64(vec![self.progress.updates as i64])).expect("scalar")),
+                SENS => Ok(HostTensor::f32(vec![], vec![self.loss_scale().unwrap_or(1.0) as f32]).expect("scalar")),
                 other => Err(RuntimeError::Mismatch { what: "micro-step inputs".into(), expected: format!("{given} inputs from the data"), got: format!("an input `{other}` the runtime does not fill") }),
             })
             .collect()
@@ -479,36 +485,59 @@ impl<B: Backend> Accumulator<B> {
             return Ok(());
         }
         let scalars = self.opt.scalar_values(self.progress.updates);
-        // `None`: a window that applies no update (token-weighted, without a token).
-        let cleared = match self.parallel.as_ref().map(|p| p.shard.is_some()) {
+        let ended = match self.parallel.as_ref().map(|p| p.shard.is_some()) {
             None => {
                 let items = self.progress.items as f64;
-                if self.applies(items) {
-                    Some(self.run_optimizer(scale(self.net.normalization, self.progress.micro, items, 1, false), &scalars)?)
-                } else {
-                    None
+                let overflow = if self.scaler.is_some() { !finite(&self.store.gather(&self.session, Kind::Accu)?) } else { false };
+                match self.ends(items, overflow) {
+                    Ended::Applied(_) => Ended::Applied(self.run_optimizer(self.unscaled(scale(self.net.normalization, self.progress.micro, items, 1, false)), &scalars)?),
+                    e => e,
                 }
             }
             Some(false) => self.apply_replicated(&scalars)?,
-            Some(true) => self.apply_sharded(&scalars)?.then_some(false),
+            Some(true) => self.apply_sharded(&scalars)?,
         };
-        match cleared {
-            Some(cleared) => {
+        if let Some(s) = &mut self.scaler {
+            match ended {
+                Ended::Applied(_) => s.window(false),
+                Ended::Overflow => s.window(true),
+                Ended::Empty => {}
+            }
+        }
+        match ended {
+            Ended::Applied(cleared) => {
                 self.progress.counters.optimizer_runs += 1;
                 self.progress.updates += 1;
                 self.clear_window(cleared)
             }
-            None => {
+            Ended::Empty | Ended::Overflow => {
                 self.progress.counters.skipped_updates += 1;
                 self.clear_window(false)
             }
         }
     }
 
-    /// Whether a window of `items` items (over every rank) applies an update: all do, but a
-    /// token-weighted window without a token, whose gradient is 0/0.
-    fn applies(&self, items: f64) -> bool {
-        self.net.normalization != Normalization::Tokens || items > 0.0
+    /// How a window of `items` items (over every rank) ends, with or without a non-finite
+    /// gradient on some rank: applied, but a token-weighted window without a token (whose
+    /// gradient is 0/0) and, under loss scaling, an overflow.
+    fn ends(&self, items: f64, overflow: bool) -> Ended {
+        if self.net.normalization == Normalization::Tokens && items <= 0.0 {
+            Ended::Empty
+        } else if overflow && self.scaler.is_some() {
+            Ended::Overflow
+        } else {
+            Ended::Applied(false)
+        }
+    }
+
+    /// The optimizer's gradient factor with the loss scale divided out.
+    fn unscaled(&self, scale: f64) -> f64 {
+        scale / self.loss_scale().unwrap_or(1.0)
+    }
+
+    /// The scale the micro-steps seed the backward pass with, under dynamic loss scaling.
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.scaler.map(|s| s.scale)
     }
 
     /// The optimizer over every parameter: one fused kernel on flat device buffers, one pass

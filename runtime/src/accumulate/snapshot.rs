@@ -33,6 +33,10 @@ fn listed(v: &[String]) -> String {
     format!("{}{more}", shown.join(", "))
 }
 
+/// The loss scale and its clean-window count, as `cellgraph.<name>` scalars.
+const LOSS_SCALE: &str = "loss_scale";
+const LOSS_SCALE_CLEAN: &str = "loss_scale_clean_windows";
+
 impl<B: Backend> Accumulator<B> {
     /// Everything needed to resume bit-identically: parameters, accumulators, optimizer
     /// state, and the counters as `cellgraph.*` int64 scalars.
@@ -53,6 +57,10 @@ impl<B: Backend> Accumulator<B> {
         t.extend(gathered);
         for (name, v) in self.progress.saved() {
             t.insert(name, HostTensor { shape: vec![], data: HostData::I64(vec![v]) });
+        }
+        if let Some(s) = &self.scaler {
+            t.insert(format!("cellgraph.{LOSS_SCALE}"), HostTensor { shape: vec![], data: HostData::F32(vec![s.scale as f32]) });
+            t.insert(format!("cellgraph.{LOSS_SCALE_CLEAN}"), HostTensor { shape: vec![], data: HostData::I64(vec![s.clean as i64]) });
         }
         t
     }
@@ -77,7 +85,7 @@ impl<B: Backend> Accumulator<B> {
         let mut values = Vec::new();
         for (name, t) in tensors {
             if let Some(counter) = name.strip_prefix("cellgraph.") {
-                counters.push((counter, t.scalar() as u64));
+                counters.push((counter, t.scalar()));
             } else if known.contains(name) {
                 let have = self.session.param_shape(name).expect("known");
                 if have != t.shape {
@@ -123,8 +131,15 @@ impl<B: Backend> Accumulator<B> {
         }
         report.missing.extend(partial);
         for (counter, v) in counters {
-            // Counters this version does not keep (a newer writer's) are skipped.
-            self.progress.restore(counter, v);
+            // Counters this version does not keep (a newer writer's) are skipped, and so is
+            // the loss scale of a run that scaled into one that does not.
+            match (counter, &mut self.scaler) {
+                (LOSS_SCALE, Some(s)) => s.scale = v,
+                (LOSS_SCALE_CLEAN, Some(s)) => s.clean = v as u64,
+                _ => {
+                    self.progress.restore(counter, v as u64);
+                }
+            }
         }
         for (name, t) in values {
             self.session.set_param(name, t);

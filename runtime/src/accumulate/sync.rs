@@ -11,7 +11,7 @@ use cellgraph_compiler::update::StateSpec;
 use cellgraph_compiler::{HostTensor, TensorType};
 
 use super::store::{Kind, Slot};
-use super::window::{clipped, scale};
+use super::window::{clipped, finite, scale, Ended};
 use super::{optimizer_inputs, Accumulator};
 use crate::comm::Communicator;
 use crate::error::Result;
@@ -91,58 +91,75 @@ impl<B: Backend> Accumulator<B> {
     /// global norm, is folded into the scale on the host).
     fn shard(&self, ranks: usize) -> Result<Shard> {
         let len = self.store.total().div_ceil(ranks);
-        let opts = AccumulationOptions { normalization: self.net.normalization, clip_global_norm: None };
+        let opts = AccumulationOptions { normalization: self.net.normalization, clip_global_norm: None, precision: None };
         let (mut g, state) = optimizer_graph(&[(SHARD.to_string(), TensorType::f32(vec![len]))], self.opt.as_ref(), &opts)?;
         g.name = "optimizer_shard".into();
         Ok(Shard { len, optimizer: compile(g)?, state })
     }
 
-    /// One all-reduce of the flat accumulators (with the window's item count appended), then
-    /// the optimizer on every rank. Returns whether the accumulators were zeroed with it, or
-    /// `None` when the window applies no update (no token on any rank).
-    pub(super) fn apply_replicated(&mut self, scalars: &[f64]) -> Result<Option<bool>> {
+    /// This rank's overflow flag for the boundary buffer: 1 when loss scaling is on and one of
+    /// `grads` is not finite.
+    fn overflow_flag(&self, grads: &[f32]) -> f32 {
+        if self.scaler.is_some() && !finite(grads) {
+            1.0
+        } else {
+            0.0
+        }
+    }
+
+    /// One all-reduce of the flat accumulators (with the window's item count and the ranks'
+    /// overflow flags appended), then the optimizer on every rank. Returns how the window
+    /// ended (with whether the accumulators were zeroed with the update).
+    pub(super) fn apply_replicated(&mut self, scalars: &[f64]) -> Result<Ended> {
         let p = self.parallel.as_ref().expect("parallel");
         let (comm, mean) = (p.comm.clone(), p.gradients_mean);
         let mut flat = self.store.gather(&self.session, Kind::Accu)?;
-        flat.push(self.progress.items as f32);
+        let flag = self.overflow_flag(&flat);
+        flat.extend([self.progress.items as f32, flag]);
         comm.all_reduce_sum(&mut flat);
         self.progress.counters.grad_collectives += 1;
+        let overflow = flat.pop().unwrap_or(0.0) > 0.0;
         let items = flat.pop().unwrap_or(0.0) as f64;
-        if !self.applies(items) {
-            return Ok(None);
+        let ended = self.ends(items, overflow);
+        if ended != Ended::Applied(false) {
+            return Ok(ended);
         }
         self.store.scatter(&mut self.session, Kind::Accu, &flat);
-        let scale = scale(self.net.normalization, self.progress.micro, items, comm.size(), mean);
-        self.run_optimizer(scale, scalars).map(Some)
+        let scale = self.unscaled(scale(self.net.normalization, self.progress.micro, items, comm.size(), mean));
+        self.run_optimizer(scale, scalars).map(Ended::Applied)
     }
 
     /// ZeRO-1: one reduce-scatter gives this rank the summed gradients of its slice (and the
-    /// global item count); it updates that slice of the parameters and of the optimizer
-    /// state; one all-gather brings every rank the whole updated parameters. Returns false
-    /// (and updates nothing) when the window applies no update (no token on any rank).
-    pub(super) fn apply_sharded(&mut self, scalars: &[f64]) -> Result<bool> {
+    /// global item count and overflow flags); it updates that slice of the parameters and of
+    /// the optimizer state; one all-gather brings every rank the whole updated parameters.
+    /// Updates nothing when the window applies no update (no token on any rank, or an
+    /// overflow under loss scaling).
+    pub(super) fn apply_sharded(&mut self, scalars: &[f64]) -> Result<Ended> {
         let p = self.parallel.as_ref().expect("parallel");
         let (comm, mean) = (p.comm.clone(), p.gradients_mean);
         let len = p.shard.as_ref().expect("sharded").len;
         let (size, rank, total) = (comm.size(), comm.rank(), self.store.total());
-        // Each rank's slice of the gradients, then the window's item count.
+        // Each rank's slice of the gradients, then the window's item count and overflow flag.
         let grads = self.store.gather(&self.session, Kind::Accu)?;
-        let mut send = Vec::with_capacity(size * (len + 1));
+        let flag = self.overflow_flag(&grads);
+        let mut send = Vec::with_capacity(size * (len + 2));
         for r in 0..size {
             let part = &grads[(r * len).min(total)..((r + 1) * len).min(total)];
             send.extend_from_slice(part);
             send.resize(send.len() + len - part.len(), 0.0);
-            send.push(self.progress.items as f32);
+            send.extend([self.progress.items as f32, flag]);
         }
         drop(grads);
-        let mut mine = vec![0.0f32; len + 1];
+        let mut mine = vec![0.0f32; len + 2];
         comm.reduce_scatter_sum(&send, &mut mine);
         self.progress.counters.grad_collectives += 1;
+        let overflow = mine.pop().unwrap_or(0.0) > 0.0;
         let items = mine.pop().unwrap_or(0.0) as f64;
-        if !self.applies(items) {
-            return Ok(false);
+        let ended = self.ends(items, overflow);
+        if ended != Ended::Applied(false) {
+            return Ok(ended);
         }
-        let mut scale = scale(self.net.normalization, self.progress.micro, items, size, mean);
+        let mut scale = self.unscaled(scale(self.net.normalization, self.progress.micro, items, size, mean));
         if self.net.clip_global_norm.is_some() {
             let mut sq = [mine.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>() as f32];
             comm.all_reduce_sum(&mut sq);
@@ -159,7 +176,7 @@ impl<B: Backend> Accumulator<B> {
         comm.all_gather(&updated, &mut all);
         all.truncate(total);
         self.store.scatter(&mut self.session, Kind::Param, &all);
-        Ok(true)
+        Ok(Ended::Applied(false))
     }
 
     /// With hsdp, this rank's slice of each optimizer state gathered from every rank and

@@ -3,7 +3,7 @@
 //! the counters a checkpoint stores), the window's normalisation scale, and clipping by
 //! global norm where the host computes the norm.
 
-use cellgraph_cells::Normalization;
+use cellgraph_cells::{LossScale, Normalization};
 
 /// How many times each graph ran.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -16,7 +16,8 @@ pub struct Counters {
     /// Collectives inside micro-steps, across ranks (SyncBatchNorm: four per batch norm per
     /// micro-step); not counted in a world of one.
     pub step_collectives: u64,
-    /// Windows that ended without an update: token-weighted windows without a token.
+    /// Windows that ended without an update: token-weighted windows without a token, and
+    /// loss-scaled windows whose gradients overflowed on some rank.
     pub skipped_updates: u64,
     /// Fused optimizer-and-clear kernel launches (device backends with flat buffers: one per
     /// update, whatever the number of parameters).
@@ -83,6 +84,53 @@ impl Progress {
     }
 }
 
+/// How a window ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// The update was applied; `true` when the accumulators were zeroed with it.
+    Applied(bool),
+    /// No token on any rank: nothing to apply.
+    Empty,
+    /// A gradient was not finite on some rank (under loss scaling): skipped.
+    Overflow,
+}
+
+/// Dynamic loss scaling's state: the scale the micro-steps seed the backward pass with, and
+/// the clean windows since it last changed (both in checkpoints).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Scaler {
+    pub scale: f64,
+    pub clean: u64,
+    pub config: LossScale,
+}
+
+impl Scaler {
+    pub fn new(config: LossScale) -> Self {
+        Scaler { scale: config.init, clean: 0, config }
+    }
+
+    /// A window ended with (`overflow`) or without a non-finite gradient: halve the scale (not
+    /// below 1, as MindSpore's manager), or count a clean window and double the scale after
+    /// `growth_interval` of them in a row.
+    pub fn window(&mut self, overflow: bool) {
+        if overflow {
+            self.scale = (self.scale / 2.0).max(1.0);
+            self.clean = 0;
+        } else {
+            self.clean += 1;
+            if self.clean >= self.config.growth_interval {
+                self.scale *= 2.0;
+                self.clean = 0;
+            }
+        }
+    }
+}
+
+/// Whether every value is finite (the loss scaler's overflow check).
+pub(crate) fn finite(v: &[f32]) -> bool {
+    v.iter().all(|x| x.is_finite())
+}
+
 /// The factor a window's summed gradients are multiplied by: `micro` micro-batches and
 /// `items` items counted over every rank, the gradients summed over `ranks` (averaged when
 /// `mean_over_ranks`).
@@ -127,6 +175,25 @@ mod tests {
         p.counters.grad_collectives = 0; // not checkpointed: a resumed run counts its own
         assert_eq!(q, p);
         assert!(!q.restore("epoch", 1), "the position is the model's");
+    }
+
+    /// Halved once per overflowing window (not below 1), doubled after `growth_interval` clean
+    /// windows in a row, the count restarting at every change.
+    #[test]
+    fn the_loss_scale_halves_on_overflow_and_grows_after_clean_windows() {
+        let mut s = Scaler::new(LossScale { init: 8.0, growth_interval: 3 });
+        s.window(false);
+        s.window(false);
+        s.window(true);
+        assert_eq!((s.scale, s.clean), (4.0, 0));
+        for _ in 0..3 {
+            s.window(false);
+        }
+        assert_eq!((s.scale, s.clean), (8.0, 0));
+        for _ in 0..5 {
+            s.window(true);
+        }
+        assert_eq!(s.scale, 1.0);
     }
 
     #[test]

@@ -125,7 +125,48 @@ pub fn unary<F: Float>(x: F, #[comptime] op: Unary) -> F {
         Unary::Log => F::ln(x),
         Unary::Relu => select(x > F::new(0.0), x, F::new(0.0)),
         Unary::Sqrt => F::sqrt(x),
+        Unary::RoundBf16 => round_bf16::<F>(x),
+        Unary::RoundF16 => round_f16::<F>(x),
     }
+}
+
+/// `x` (an f32) rounded to the nearest bf16 value, ties to even, on its bits: as the host's
+/// conversion (`half`), NaN aside (kept as it is).
+#[cube]
+pub fn round_bf16<F: Float>(x: F) -> F {
+    let b = u32::reinterpret(x);
+    let r = (b + 0x7FFFu32 + ((b >> 16u32) & 1u32)) & 0xFFFF0000u32;
+    select(x != x, x, F::reinterpret(r))
+}
+
+/// `x` (an f32) rounded to the nearest f16 value on its bits, as the host's conversion: ties
+/// to even; from 65520 on, infinity; below 2^-14, f16's subnormals (multiples of 2^-24).
+#[cube]
+pub fn round_f16<F: Float>(x: F) -> F {
+    let b = u32::reinterpret(x);
+    let sign = b & 0x80000000u32;
+    let a = b & 0x7FFFFFFFu32;
+    // Infinity and NaN are kept.
+    let mut r = a;
+    if a < 0x7F800000u32 {
+        if a >= 0x477FF000u32 {
+            r = 0x7F800000u32;
+        } else if a >= 0x38800000u32 {
+            // A normal f16: 10 of the 23 fraction bits kept.
+            r = (a + 0xFFFu32 + ((a >> 13u32) & 1u32)) & 0xFFFFE000u32;
+        } else {
+            let e = a >> 23u32;
+            r = 0u32;
+            if e >= 102u32 {
+                // |x| = m 2^(e - 150): in units of 2^-24, m >> (126 - e), rounded to even.
+                let m = (a & 0x7FFFFFu32) | 0x800000u32;
+                let d = 126u32 - e;
+                let q = (m + (1u32 << (d - 1u32)) - 1u32 + ((m >> d) & 1u32)) >> d;
+                r = u32::reinterpret(F::cast_from(q) * F::new(5.9604645e-8));
+            }
+        }
+    }
+    F::reinterpret(r | sign)
 }
 
 /// A two-operand op, as the host kernels compute it (ReLU's gradient: `a` where `b > 0`).

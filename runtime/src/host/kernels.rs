@@ -51,6 +51,10 @@ pub trait HostFloat:
     fn exp(self) -> Self;
     fn ln(self) -> Self;
     fn sqrt(self) -> Self;
+    /// The nearest bf16 value (ties to even; half's conversion, as `round_to` everywhere).
+    fn round_bf16(self) -> Self;
+    /// The nearest f16 value (ties to even, subnormals kept, past 65504 to infinity).
+    fn round_f16(self) -> Self;
     /// `self * a + b` with one rounding (an FMA instruction where the CPU has one).
     fn mul_add(self, a: Self, b: Self) -> Self;
     /// The sum of `xs` by ndarray's own `sum` (eight running sums, paired): the order, and so
@@ -92,6 +96,14 @@ macro_rules! host_float {
             }
             fn sqrt(self) -> $t {
                 $t::sqrt(self)
+            }
+            // From f32 (f64 values, on the f64 reference backend, are rounded to f32 first:
+            // the op rounds f32 values).
+            fn round_bf16(self) -> $t {
+                half::bf16::from_f32(self as f32).to_f32() as $t
+            }
+            fn round_f16(self) -> $t {
+                half::f16::from_f32(self as f32).to_f32() as $t
             }
             #[inline(always)]
             fn mul_add(self, a: $t, b: $t) -> $t {
@@ -1132,6 +1144,8 @@ fn unary<F: HostFloat>(op: Unary, x: &mut [F]) {
         Unary::Sqrt => x.iter_mut().for_each(|v| *v = v.sqrt()),
         // As the host kernel `relu`.
         Unary::Relu => x.iter_mut().for_each(|v| *v = relu1(*v)),
+        Unary::RoundBf16 => x.iter_mut().for_each(|v| *v = v.round_bf16()),
+        Unary::RoundF16 => x.iter_mut().for_each(|v| *v = v.round_f16()),
     }
 }
 

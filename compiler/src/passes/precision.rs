@@ -1,0 +1,122 @@
+//! Mixed precision by emulation: every value a micro-step computes is rounded to the compute
+//! format (bf16 or f16) where it is stored, while the arithmetic inside each op stays f32, as
+//! tensor cores and autocast do (products and sums accumulate in f32, results are stored in
+//! low precision). The graph keeps its f32 types; `round_to` nodes mark the stores.
+//!
+//! What is rounded: the parameters as the network reads them (the low-precision copy of each
+//! f32 master weight), the float inputs, and the result of every op that makes new values.
+//! What is not: the graph's outputs (the loss and the token count stay f32, as autocast keeps
+//! losses), the loss-scale seed (`sens`), values written only to state (BatchNorm's moving
+//! statistics stay f32, as master weights do), and results of ops that only move, select or
+//! mask values already rounded (reshapes, transposes, slices, max pooling, ReLU...), which
+//! rounding would leave unchanged. Constants are rounded in place.
+
+use std::collections::HashMap;
+
+use crate::autodiff::SENS;
+use crate::graph::{Graph, NodeId};
+use crate::op::Op;
+use crate::types::DType;
+
+/// Whether `op`'s result is made of its operands' values (or zeros, or a fill), so that it
+/// holds only low-precision values when its float operands do.
+fn moves_values(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Reshape { .. }
+            | Op::Flatten
+            | Op::Transpose { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Pad { .. }
+            | Op::Concat { .. }
+            | Op::Select
+            | Op::StopGradient
+            | Op::ZerosLike
+            | Op::Relu
+            | Op::ReluGrad
+            | Op::Neg
+            | Op::MaxPool2d(_)
+            | Op::ReduceMax(_)
+            | Op::Gather
+            | Op::CausalMask { .. }
+            | Op::RoundTo { .. }
+    )
+}
+
+/// Rounds the values `g` computes to `dtype` (F16 or BF16), leaving `keep` (and the graph's
+/// outputs) in f32. Returns each rounded node's `round_to` node.
+pub fn round_values(g: &mut Graph, dtype: DType, keep: &[NodeId]) -> HashMap<NodeId, NodeId> {
+    debug_assert!(matches!(dtype, DType::F16 | DType::BF16));
+    let outputs: Vec<NodeId> = g.outputs().to_vec();
+    let mut rounded = HashMap::new();
+    for id in g.ids() {
+        let node = g.node(id);
+        if node.ty.dtype != DType::F32 || keep.contains(&id) || outputs.contains(&id) || node.op.is_effect() || moves_values(&node.op) {
+            continue;
+        }
+        match &node.op {
+            Op::Constant { value } => {
+                let value = round_f64(*value, dtype);
+                g.node_mut(id).op = Op::Constant { value };
+                continue;
+            }
+            Op::Input { name, .. } if name == SENS => continue,
+            _ => {}
+        }
+        let users = g.users(id);
+        // Values only written to state (moving statistics) stay f32.
+        if users.is_empty() || users.iter().all(|&u| g.node(u).op.is_effect() && g.operands(u).first() != Some(&id)) {
+            continue;
+        }
+        let scope = g.node(id).scope.clone();
+        let ty = g.node(id).ty.clone();
+        let r = g.add_unchecked(Op::RoundTo { dtype }, &[id], ty, &scope);
+        g.replace_uses_except(id, r, r);
+        rounded.insert(id, r);
+    }
+    rounded
+}
+
+/// `x` as f32, rounded to the nearest value of `dtype` (F16 or BF16; ties to even; past the
+/// largest finite value, infinity), as the runtime rounds.
+pub fn round_f64(x: f64, dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => half::f16::from_f32(x as f32).to_f64(),
+        DType::BF16 => half::bf16::from_f32(x as f32).to_f64(),
+        _ => x,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op::ReduceAttrs;
+    use crate::passes::testing::leaf;
+    use crate::types::TensorType;
+
+    /// A parameter read, an exp and a product are rounded; a reshape of a rounded value and the
+    /// output are not; a constant is rounded in place.
+    #[test]
+    fn stores_are_rounded_and_moves_are_not() {
+        let mut g = Graph::new("g");
+        let x = leaf(&mut g, "x", vec![2, 3]);
+        let c = g.add_leaf(Op::Constant { value: 0.1 }, TensorType::f32(vec![2, 3]), "t").unwrap();
+        let e = g.add(Op::Exp, &[x], "t").unwrap();
+        let m = g.add(Op::Mul, &[e, c], "t").unwrap();
+        let r = g.add(Op::Reshape { shape: vec![6].into() }, &[m], "t").unwrap();
+        let s = g.add(Op::ReduceSum(ReduceAttrs { axes: vec![0], keep_dims: false }), &[r], "t").unwrap();
+        g.set_outputs(vec![s]);
+        let rounded = round_values(&mut g, DType::BF16, &[]);
+        let mut keys: Vec<NodeId> = rounded.keys().copied().collect();
+        keys.sort();
+        assert_eq!(keys, vec![x, e, m]);
+        assert_eq!(g.node(c).op, Op::Constant { value: 0.10009765625 });
+        // Each user reads the rounded node.
+        assert_eq!(g.operands(e), vec![rounded[&x]]);
+        assert_eq!(g.operands(r), vec![rounded[&m]]);
+        assert_eq!(g.outputs(), &[s]);
+        assert_eq!(round_f64(65520.0, DType::F16), f64::INFINITY);
+        assert_eq!(round_f64(65519.0, DType::F16), 65504.0);
+    }
+}
