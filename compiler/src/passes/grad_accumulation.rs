@@ -145,7 +145,7 @@ pub fn micro_graph(forward: &Graph, loss: NodeId, params: &[String], opts: &Accu
     let sens = if precision.and_then(|p| p.scaling()).is_some() { Sens::Input } else { Sens::One };
     let grads = grad(&mut g, loss, &nodes, sens)?;
     let rounded = match precision {
-        Some(p) => round_values(&mut g, p.compute, &[loss]),
+        Some(p) => round_values(&mut g, p.compute),
         None => Default::default(),
     };
     let items = g.inputs().first().map(|&(id, _, _)| g.ty(id).dims().first().copied().unwrap_or(1)).unwrap_or(1);

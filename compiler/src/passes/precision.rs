@@ -44,15 +44,15 @@ fn moves_values(op: &Op) -> bool {
     )
 }
 
-/// Rounds the values `g` computes to `dtype` (F16 or BF16), leaving `keep` (and the graph's
-/// outputs) in f32. Returns each rounded node's `round_to` node.
-pub fn round_values(g: &mut Graph, dtype: DType, keep: &[NodeId]) -> HashMap<NodeId, NodeId> {
+/// Rounds the values `g` computes to `dtype` (F16 or BF16), leaving the graph's outputs in
+/// f32. Returns each rounded node's `round_to` node.
+pub fn round_values(g: &mut Graph, dtype: DType) -> HashMap<NodeId, NodeId> {
     debug_assert!(matches!(dtype, DType::F16 | DType::BF16));
     let outputs: Vec<NodeId> = g.outputs().to_vec();
     let mut rounded = HashMap::new();
     for id in g.ids() {
         let node = g.node(id);
-        if node.ty.dtype != DType::F32 || keep.contains(&id) || outputs.contains(&id) || node.op.is_effect() || moves_values(&node.op) {
+        if node.ty.dtype != DType::F32 || outputs.contains(&id) || node.op.is_effect() || moves_values(&node.op) {
             continue;
         }
         match &node.op {
@@ -107,7 +107,7 @@ mod tests {
         let r = g.add(Op::Reshape { shape: vec![6].into() }, &[m], "t").unwrap();
         let s = g.add(Op::ReduceSum(ReduceAttrs { axes: vec![0], keep_dims: false }), &[r], "t").unwrap();
         g.set_outputs(vec![s]);
-        let rounded = round_values(&mut g, DType::BF16, &[]);
+        let rounded = round_values(&mut g, DType::BF16);
         let mut keys: Vec<NodeId> = rounded.keys().copied().collect();
         keys.sort();
         assert_eq!(keys, vec![x, e, m]);

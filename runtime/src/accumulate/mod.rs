@@ -489,9 +489,9 @@ impl<B: Backend> Accumulator<B> {
             None => {
                 let items = self.progress.items as f64;
                 let overflow = if self.scaler.is_some() { !finite(&self.store.gather(&self.session, Kind::Accu)?) } else { false };
-                match self.ends(items, overflow) {
-                    Ended::Applied(_) => Ended::Applied(self.run_optimizer(self.unscaled(scale(self.net.normalization, self.progress.micro, items, 1, false)), &scalars)?),
-                    e => e,
+                match self.skipped(items, overflow) {
+                    Some(e) => e,
+                    None => Ended::Applied(self.run_optimizer(self.unscaled(scale(self.net.normalization, self.progress.micro, items, 1, false)), &scalars)?),
                 }
             }
             Some(false) => self.apply_replicated(&scalars)?,
@@ -517,16 +517,16 @@ impl<B: Backend> Accumulator<B> {
         }
     }
 
-    /// How a window of `items` items (over every rank) ends, with or without a non-finite
-    /// gradient on some rank: applied, but a token-weighted window without a token (whose
-    /// gradient is 0/0) and, under loss scaling, an overflow.
-    fn ends(&self, items: f64, overflow: bool) -> Ended {
+    /// Whether a window of `items` items (over every rank), with or without a non-finite
+    /// gradient on some rank, skips its update, and why: a token-weighted window without a
+    /// token (whose gradient is 0/0) and, under loss scaling, an overflow. `None`: it applies.
+    fn skipped(&self, items: f64, overflow: bool) -> Option<Ended> {
         if self.net.normalization == Normalization::Tokens && items <= 0.0 {
-            Ended::Empty
+            Some(Ended::Empty)
         } else if overflow && self.scaler.is_some() {
-            Ended::Overflow
+            Some(Ended::Overflow)
         } else {
-            Ended::Applied(false)
+            None
         }
     }
 

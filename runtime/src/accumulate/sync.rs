@@ -97,14 +97,22 @@ impl<B: Backend> Accumulator<B> {
         Ok(Shard { len, optimizer: compile(g)?, state })
     }
 
-    /// This rank's overflow flag for the boundary buffer: 1 when loss scaling is on and one of
-    /// `grads` is not finite.
-    fn overflow_flag(&self, grads: &[f32]) -> f32 {
-        if self.scaler.is_some() && !finite(grads) {
-            1.0
-        } else {
-            0.0
+    /// What this rank appends to its gradients in the boundary collective: the window's item
+    /// count and, under loss scaling only, its overflow flag (1 when one of `grads` is not
+    /// finite). Summed over ranks, [`Self::read_tail`] takes them back off.
+    fn tail(&self, grads: &[f32]) -> Vec<f32> {
+        let mut tail = vec![self.progress.items as f32];
+        if self.scaler.is_some() {
+            tail.push(if finite(grads) { 0.0 } else { 1.0 });
         }
+        tail
+    }
+
+    /// Pops the summed [`Self::tail`] off `buf`: the window's item count over every rank and
+    /// whether any rank overflowed.
+    fn read_tail(&self, buf: &mut Vec<f32>) -> (f64, bool) {
+        let overflow = self.scaler.is_some() && buf.pop().unwrap_or(0.0) > 0.0;
+        (buf.pop().unwrap_or(0.0) as f64, overflow)
     }
 
     /// One all-reduce of the flat accumulators (with the window's item count and the ranks'
@@ -114,14 +122,12 @@ impl<B: Backend> Accumulator<B> {
         let p = self.parallel.as_ref().expect("parallel");
         let (comm, mean) = (p.comm.clone(), p.gradients_mean);
         let mut flat = self.store.gather(&self.session, Kind::Accu)?;
-        let flag = self.overflow_flag(&flat);
-        flat.extend([self.progress.items as f32, flag]);
+        let tail = self.tail(&flat);
+        flat.extend(tail);
         comm.all_reduce_sum(&mut flat);
         self.progress.counters.grad_collectives += 1;
-        let overflow = flat.pop().unwrap_or(0.0) > 0.0;
-        let items = flat.pop().unwrap_or(0.0) as f64;
-        let ended = self.ends(items, overflow);
-        if ended != Ended::Applied(false) {
+        let (items, overflow) = self.read_tail(&mut flat);
+        if let Some(ended) = self.skipped(items, overflow) {
             return Ok(ended);
         }
         self.store.scatter(&mut self.session, Kind::Accu, &flat);
@@ -139,24 +145,22 @@ impl<B: Backend> Accumulator<B> {
         let (comm, mean) = (p.comm.clone(), p.gradients_mean);
         let len = p.shard.as_ref().expect("sharded").len;
         let (size, rank, total) = (comm.size(), comm.rank(), self.store.total());
-        // Each rank's slice of the gradients, then the window's item count and overflow flag.
+        // Each rank's slice of the gradients, then the window's item count (and overflow flag).
         let grads = self.store.gather(&self.session, Kind::Accu)?;
-        let flag = self.overflow_flag(&grads);
-        let mut send = Vec::with_capacity(size * (len + 2));
+        let tail = self.tail(&grads);
+        let mut send = Vec::with_capacity(size * (len + tail.len()));
         for r in 0..size {
             let part = &grads[(r * len).min(total)..((r + 1) * len).min(total)];
             send.extend_from_slice(part);
             send.resize(send.len() + len - part.len(), 0.0);
-            send.extend([self.progress.items as f32, flag]);
+            send.extend_from_slice(&tail);
         }
         drop(grads);
-        let mut mine = vec![0.0f32; len + 2];
+        let mut mine = vec![0.0f32; len + tail.len()];
         comm.reduce_scatter_sum(&send, &mut mine);
         self.progress.counters.grad_collectives += 1;
-        let overflow = mine.pop().unwrap_or(0.0) > 0.0;
-        let items = mine.pop().unwrap_or(0.0) as f64;
-        let ended = self.ends(items, overflow);
-        if ended != Ended::Applied(false) {
+        let (items, overflow) = self.read_tail(&mut mine);
+        if let Some(ended) = self.skipped(items, overflow) {
             return Ok(ended);
         }
         let mut scale = self.unscaled(scale(self.net.normalization, self.progress.micro, items, size, mean));
