@@ -1,5 +1,5 @@
-//! The host kernels on LeNet5's shapes at batch 32, one call at a time: median microseconds
-//! per call and GFLOP/s. Run: `cargo bench --bench kernels` (one thread:
+//! The host kernels on LeNet5's shapes, and ResNet-18's convolutions, at batch 32, one call at
+//! a time: median microseconds per call and GFLOP/s. Run: `cargo bench --bench kernels` (one thread:
 //! `MATMUL_NUM_THREADS=1 RAYON_NUM_THREADS=1 taskset -c 0 cargo bench --bench kernels`).
 
 use std::hint::black_box;
@@ -68,4 +68,36 @@ fn main() {
     }
     let (dy, x) = (data(n * 6 * 28 * 28), data(n * 6 * 28 * 28));
     row("relu grad 32x6x28x28", timed(x.len(), |dx| kernels::relu_grad(&dy, &x, dx)), 0.0);
+    resnet18(n);
+}
+
+/// ResNet-18's convolutions on 3 x 32 x 32 images (torchvision's layout: the 7x7/2 stem, then
+/// 8x8, 4x4, 2x2 and 1x1 maps). GFLOP/s counts the multiply-adds that read an image pixel,
+/// not padding: the work a kernel that skipped padding would do.
+fn resnet18(n: usize) {
+    println!("\nResNet-18 convolutions (batch {n})");
+    // (name, in channels, in size, out channels, kernel, stride, padding)
+    let convs = [
+        ("stem 3->64 7x7/2 on 32x32", 3usize, 32usize, 64usize, 7usize, 2usize, 3usize),
+        ("layer1 64->64 3x3 on 8x8", 64, 8, 64, 3, 1, 1),
+        ("layer2.0 64->128 3x3/2 on 8x8", 64, 8, 128, 3, 2, 1),
+        ("layer2 128->128 3x3 on 4x4", 128, 4, 128, 3, 1, 1),
+        ("layer2 down 64->128 1x1/2 on 8x8", 64, 8, 128, 1, 2, 0),
+        ("layer3.0 128->256 3x3/2 on 4x4", 128, 4, 256, 3, 2, 1),
+        ("layer3 256->256 3x3 on 2x2", 256, 2, 256, 3, 1, 1),
+        ("layer4.0 256->512 3x3/2 on 2x2", 256, 2, 512, 3, 2, 1),
+        ("layer4 512->512 3x3 on 1x1", 512, 1, 512, 3, 1, 1),
+        ("layer4 down 256->512 1x1/2 on 2x2", 256, 2, 512, 1, 2, 0),
+    ];
+    for (name, c, hw, o, k, s, p) in convs {
+        let oh = (hw + 2 * p - k) / s + 1;
+        let g = Geometry { x: [n, c, hw, hw], kernel: [k, k], stride: [s, s], dilation: [1, 1], pad: [p, p], out: [oh, oh] };
+        // Taps that land on the image, per output position along one axis, squared.
+        let along: usize = (0..oh).map(|o| (0..k).filter(|&t| (o * s + t).checked_sub(p).is_some_and(|i| i < hw)).count()).sum();
+        let flops = 2.0 * (n * o * c * along * along) as f64;
+        let (x, w, dy) = (data(n * c * hw * hw), data(o * c * k * k), data(n * o * oh * oh));
+        row(&format!("{name} forward"), timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y, None)), flops);
+        row(&format!("{name} filter grad"), timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw)), flops);
+        row(&format!("{name} input grad"), timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx)), flops);
+    }
 }

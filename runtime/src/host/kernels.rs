@@ -24,6 +24,7 @@ thread_local! {
 }
 
 pub use crate::kernel::Geometry;
+use super::toeplitz;
 use crate::kernel::{Elementwise, KStep, KVal, Read, UpdateKernel};
 use cellgraph_compiler::update::Target;
 use cellgraph_compiler::expr::{Binary, Term, Unary};
@@ -167,7 +168,7 @@ pub(crate) fn vectorized<Op: pulp::WithSimd>(op: Op) -> Op::Output {
 /// # Safety
 /// As [`HostFloat::gemm`].
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_oriented<F: HostFloat>(m: usize, k: usize, n: usize, a: *const F, rsa: isize, csa: isize, b: *const F, rsb: isize, csb: isize, beta: F, c: *mut F, rsc: isize, csc: isize, threads: usize) {
+pub(super) unsafe fn gemm_oriented<F: HostFloat>(m: usize, k: usize, n: usize, a: *const F, rsa: isize, csa: isize, b: *const F, rsb: isize, csb: isize, beta: F, c: *mut F, rsc: isize, csc: isize, threads: usize) {
     let mr = 64 / std::mem::size_of::<F>();
     let padded = |m: usize, n: usize| m.div_ceil(mr) * mr * n.div_ceil(6) * 6;
     if 4 * padded(n, m) < 3 * padded(m, n) {
@@ -554,6 +555,9 @@ fn scatter_rows<F: HostFloat>(d: &ConvDims, o: usize, gi: usize, rows: &[F], nch
 /// of images and group, one GEMM: `w_g [og, kk] @ col [kk, m*oh*ow]`; `post` runs on each
 /// chunk's output.
 pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>) {
+    if let Some(taps) = toeplitz::taps(g, groups, o) {
+        return toeplitz::forward(g, &taps, x, w, o, y, post);
+    }
     if let Some((small, at)) = cropped(g) {
         return with_cropped_filter(w, g, &small, at, |wc| conv2d(&small, groups, x, wc, o, y, post));
     }
@@ -589,6 +593,9 @@ pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: us
 /// Gradient of [`conv2d`] w.r.t. its input: `dy` `[n, o, oh, ow]` -> `[n, c, h, w]`. Per chunk
 /// and group, `w_g^T [kk, og] @ dy_g [og, m*oh*ow]`, then col2im image by image.
 pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w: &[F], o: usize, dx: &mut [F]) {
+    if let Some(taps) = toeplitz::taps(g, groups, o) {
+        return toeplitz::input_grad(g, &taps, dy, w, o, dx);
+    }
     if let Some((small, at)) = cropped(g) {
         return with_cropped_filter(w, g, &small, at, |wc| conv2d_input_grad(&small, groups, dy, wc, o, dx));
     }
@@ -626,6 +633,9 @@ pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w:
 /// chunks' partial sums are then added in chunk order (so the thread count changes nothing).
 /// The first chunk's sum is made in `dw` itself, the others in thread-local memory.
 pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize, dw: &mut [F]) {
+    if let Some(taps) = toeplitz::taps(g, groups, o) {
+        return toeplitz::filter_grad(g, &taps, dy, x, o, dw);
+    }
     if let Some((small, at)) = cropped(g) {
         // The cropped gradient, then written into its taps' places; the others are zero.
         let (big, little) = (g.kernel[0] * g.kernel[1], small.kernel[0] * small.kernel[1]);
@@ -1474,7 +1484,7 @@ pub(crate) mod tests {
     }
 
     /// Direct-loop convolution in f64: the reference for the chunked GEMM kernels.
-    fn conv_reference(g: &Geometry, groups: usize, x: &[f32], w: &[f32], o: usize) -> Vec<f64> {
+    pub(crate) fn conv_reference(g: &Geometry, groups: usize, x: &[f32], w: &[f32], o: usize) -> Vec<f64> {
         let [n, c, h, wd] = g.x;
         let (cg, og) = (c / groups, o / groups);
         let mut y = vec![0.0; n * o * g.spatial()];

@@ -5,6 +5,7 @@
 
 pub mod direct;
 pub mod kernels;
+mod toeplitz;
 
 use std::collections::BTreeMap;
 

@@ -1,0 +1,258 @@
+//! Convolutions on maps so small that the kernel reaches (nearly) every input pixel from every
+//! output position (ResNet-18's 2 x 2 and 1 x 1 maps on 32 x 32 images) are dense layers:
+//! with `p` an output position and `q` an input pixel,
+//!
+//! `y[n, (o, p)] = sum over (c, q) of x[n, (c, q)] * t[(o, p), (c, q)]`,
+//!
+//! where `t[(o, p), (c, q)]` is `w[o, c, tap]` for the tap through which position `p` reads
+//! pixel `q` (zero where none does). Each direction is then one GEMM over the NCHW tensors as
+//! they lie: no column matrix, and none of im2col's products with padding (a 3 x 3 kernel
+//! padded by 1 on a 2 x 2 map reads padding in 20 of its 36 taps). `t` is built from the
+//! filter per call, in the thread's partials buffer; the filter gradient folds `dt` back
+//! into the taps.
+
+use super::kernels::{each, gemm_oriented, post_all, HostFloat, Post};
+use crate::kernel::Geometry;
+
+/// The dense filter's largest size in elements (16 MiB of f32).
+const MAX_DENSE: usize = 1 << 22;
+
+/// One nonzero of the dense filter: output position `p` reads input pixel `q` through kernel
+/// tap `t` (flat indices).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Tap {
+    p: u32,
+    q: u32,
+    t: u32,
+}
+
+/// `g`'s taps when the convolution (one group, `o` output channels) is better done dense: the
+/// taps fill at least 9 in 10 of the (position, pixel) pairs, and the dense filter stays
+/// within [`MAX_DENSE`] elements. `None` otherwise (im2col then wastes less).
+pub(super) fn taps(g: &Geometry, groups: usize, o: usize) -> Option<Vec<Tap>> {
+    let [_, c, h, w] = g.x;
+    let (sp, hw) = (g.spatial(), h * w);
+    if groups != 1 || sp == 0 || sp * hw > 64 || o * sp * c * hw > MAX_DENSE {
+        return None;
+    }
+    let live = |a: usize| -> usize { (0..g.out[a]).map(|o| (0..g.kernel[a]).filter(|&k| g.at(a, o, k).is_some()).count()).sum() };
+    if 10 * live(0) * live(1) < 9 * sp * hw {
+        return None;
+    }
+    let mut taps = Vec::with_capacity(sp * hw);
+    for oy in 0..g.out[0] {
+        for ox in 0..g.out[1] {
+            for ky in 0..g.kernel[0] {
+                for kx in 0..g.kernel[1] {
+                    let (Some(iy), Some(ix)) = (g.at(0, oy, ky), g.at(1, ox, kx)) else { continue };
+                    let (p, q, t) = (oy * g.out[1] + ox, iy * w + ix, ky * g.kernel[1] + kx);
+                    taps.push(Tap { p: p as u32, q: q as u32, t: t as u32 });
+                }
+            }
+        }
+    }
+    Some(taps)
+}
+
+/// Threads for a GEMM of `m * k * n` multiply-adds (as [`super::kernels::matmul`] chooses).
+fn threads(work: usize) -> usize {
+    if work >= 1 << 22 {
+        rayon::current_num_threads()
+    } else {
+        1
+    }
+}
+
+/// Writes the dense filter `t` (`[o * sp, c * hw]`, row-major) of filter `w` (`[o, c, kh, kw]`).
+fn dense_filter<F: HostFloat>(g: &Geometry, taps: &[Tap], w: &[F], o: usize, t: &mut [F]) {
+    let [_, c, h, wd] = g.x;
+    let (sp, hw, kk) = (g.spatial(), h * wd, g.kernel[0] * g.kernel[1]);
+    let row = c * hw;
+    let full = taps.len() == sp * hw;
+    let per = o.div_ceil(rayon::current_num_threads()).max(1);
+    let shares: Vec<(usize, &mut [F])> = t.chunks_mut(per * sp * row).enumerate().collect();
+    each(shares, |(s, share)| {
+        if !full {
+            share.fill(F::ZERO);
+        }
+        for (i, rows) in share.chunks_exact_mut(sp * row).enumerate() {
+            let oc = s * per + i;
+            for ci in 0..c {
+                let taps_w = &w[(oc * c + ci) * kk..][..kk];
+                for tap in taps {
+                    rows[tap.p as usize * row + ci * hw + tap.q as usize] = taps_w[tap.t as usize];
+                }
+            }
+        }
+    });
+}
+
+/// `out [cols, rows]` = the transpose of `a [rows, cols]` (both row-major).
+fn transpose<F: Copy>(a: &[F], rows: usize, cols: usize, out: &mut [F]) {
+    for (r, row) in a.chunks_exact(cols).take(rows).enumerate() {
+        for (c, &v) in row.iter().enumerate() {
+            out[c * rows + r] = v;
+        }
+    }
+}
+
+/// [`super::kernels::conv2d`] on a small map: `y [n, o * sp] = x [n, c * hw] @ t^T`; `post` runs
+/// over the whole output after.
+pub(super) fn forward<F: HostFloat>(g: &Geometry, taps: &[Tap], x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>) {
+    let [n, c, h, wd] = g.x;
+    let (k, m) = (c * h * wd, o * g.spatial());
+    assert_eq!(y.len(), n * m, "output extents");
+    F::partials(m * k, |t| {
+        dense_filter(g, taps, w, o, t);
+        // y^T [m, n] = t [m, k] @ x^T [k, n], with x^T and y^T laid out row-major (the GEMM
+        // reading both operands along their contraction took twice as long).
+        F::scratch(k * n + m * n, |s| {
+            let (xt, yt) = s.split_at_mut(k * n);
+            transpose(x, n, k, xt);
+            // SAFETY: t is m x k, xt is k x n, yt is m x n, all row-major.
+            unsafe { gemm_oriented::<F>(m, k, n, t.as_ptr(), k as isize, 1, xt.as_ptr(), n as isize, 1, F::ZERO, yt.as_mut_ptr(), n as isize, 1, threads(n * k * m)) };
+            transpose(yt, m, n, y);
+        });
+    });
+    post_all(post, y);
+}
+
+/// [`super::kernels::conv2d_input_grad`] on a small map: `dx [n, c * hw] = dy [n, o * sp] @ t`.
+pub(super) fn input_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], w: &[F], o: usize, dx: &mut [F]) {
+    let [n, c, h, wd] = g.x;
+    let (k, m) = (c * h * wd, o * g.spatial());
+    assert_eq!(dx.len(), n * k, "output extents");
+    F::partials(m * k, |t| {
+        dense_filter(g, taps, w, o, t);
+        // SAFETY: dy is n x m, t is m x k, dx is n x k, all row-major.
+        unsafe { gemm_oriented::<F>(n, m, k, dy.as_ptr(), m as isize, 1, t.as_ptr(), k as isize, 1, F::ZERO, dx.as_mut_ptr(), k as isize, 1, threads(n * k * m)) };
+    });
+}
+
+/// [`super::kernels::conv2d_filter_grad`] on a small map: `dt [o * sp, c * hw] = dy^T @ x`,
+/// then each tap of `dw` is the sum of its entries of `dt`, in (position, pixel) order.
+pub(super) fn filter_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], x: &[F], o: usize, dw: &mut [F]) {
+    let [n, c, h, wd] = g.x;
+    let (sp, hw, kk) = (g.spatial(), h * wd, g.kernel[0] * g.kernel[1]);
+    let (k, m) = (c * hw, o * sp);
+    assert_eq!(dw.len(), o * c * kk, "output extents");
+    F::partials(m * k, |dt| {
+        // SAFETY: dy^T is m x n (dy read with swapped strides), x is n x k, dt is m x k.
+        unsafe { gemm_oriented::<F>(m, n, k, dy.as_ptr(), 1, m as isize, x.as_ptr(), k as isize, 1, F::ZERO, dt.as_mut_ptr(), k as isize, 1, threads(n * k * m)) };
+        let per = o.div_ceil(rayon::current_num_threads()).max(1);
+        let shares: Vec<(usize, &mut [F])> = dw.chunks_mut(per * c * kk).enumerate().collect();
+        let dt = &*dt;
+        each(shares, |(s, share)| {
+            share.fill(F::ZERO);
+            for (i, planes) in share.chunks_exact_mut(c * kk).enumerate() {
+                let rows = &dt[(s * per + i) * sp * k..][..sp * k];
+                for (ci, taps_w) in planes.chunks_exact_mut(kk).enumerate() {
+                    for tap in taps {
+                        taps_w[tap.t as usize] += rows[tap.p as usize * k + ci * hw + tap.q as usize];
+                    }
+                }
+            }
+        });
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::kernels::tests::conv_reference;
+    use crate::host::kernels::{conv2d, conv2d_filter_grad, conv2d_input_grad};
+
+    fn data(n: usize, salt: usize) -> Vec<f32> {
+        (0..n).map(|i| (((i * 7919 + salt * 104729) % 2003) as f32 - 1001.0) / 1001.0).collect()
+    }
+
+    fn geometry(n: usize, c: usize, hw: [usize; 2], k: usize, s: usize, p: usize) -> Geometry {
+        let out = hw.map(|d| (d + 2 * p - k) / s + 1);
+        Geometry { x: [n, c, hw[0], hw[1]], kernel: [k, k], stride: [s, s], dilation: [1, 1], pad: [p, p], out }
+    }
+
+    /// ResNet-18's small maps (3x3 padded by 1 on 2x2 and 1x1, stride 2 from 2x2 to 1x1), a
+    /// 1x2 map, and a 1x10 kernel padded by 1 on a 1x10 map (28 of its 30 pairs are taps: the
+    /// dense filter has zeros), with output channels that split unevenly over threads.
+    fn cases() -> Vec<(Geometry, usize)> {
+        let wide = Geometry { x: [2, 3, 1, 10], kernel: [1, 10], stride: [1, 1], dilation: [1, 1], pad: [0, 1], out: [1, 3] };
+        vec![(geometry(5, 7, [2, 2], 3, 1, 1), 9), (geometry(4, 6, [2, 2], 3, 2, 1), 11), (geometry(3, 8, [1, 1], 3, 1, 1), 5), (geometry(2, 3, [1, 2], 3, 1, 1), 4), (wide, 6)]
+    }
+
+    /// Which convolutions go dense: the small maps above; not a 4x4 map (a 3x3 kernel padded by
+    /// 1 reads 100 of its 256 pairs), nor LeNet's, nor a 1x1 stride-2 kernel on 2x2, nor groups.
+    #[test]
+    fn small_maps_go_dense_and_others_do_not() {
+        for (g, o) in cases() {
+            assert!(taps(&g, 1, o).is_some(), "{g:?}");
+        }
+        assert!(taps(&geometry(2, 4, [4, 4], 3, 1, 1), 1, 4).is_none());
+        assert!(taps(&geometry(2, 1, [32, 32], 5, 1, 0), 1, 6).is_none());
+        assert!(taps(&geometry(2, 4, [2, 2], 1, 2, 0), 1, 4).is_none());
+        assert!(taps(&geometry(2, 4, [2, 2], 3, 1, 1), 2, 4).is_none());
+    }
+
+    /// The forward matches direct loops in f64, and both gradients match theirs (every tap
+    /// summed over the batch, the positions and the channels), through the public kernels.
+    #[test]
+    fn dense_convolutions_match_direct_loops() {
+        for (g, o) in cases() {
+            let [n, c, h, wd] = g.x;
+            let kk = g.kernel[0] * g.kernel[1];
+            let (x, w, dy) = (data(n * c * h * wd, 1), data(o * c * kk, 2), data(n * o * g.spatial(), 3));
+            let mut y = vec![f32::NAN; dy.len()];
+            conv2d(&g, 1, &x, &w, o, &mut y, None);
+            for (a, b) in y.iter().zip(conv_reference(&g, 1, &x, &w, o)) {
+                assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "{g:?}: {a} vs {b}");
+            }
+            let (mut dx_ref, mut dw_ref) = (vec![0.0f64; x.len()], vec![0.0f64; w.len()]);
+            for i in 0..n {
+                for oc in 0..o {
+                    for oy in 0..g.out[0] {
+                        for ox in 0..g.out[1] {
+                            let d = dy[((i * o + oc) * g.out[0] + oy) * g.out[1] + ox] as f64;
+                            for ci in 0..c {
+                                for ky in 0..g.kernel[0] {
+                                    for kx in 0..g.kernel[1] {
+                                        let (Some(iy), Some(ix)) = (g.at(0, oy, ky), g.at(1, ox, kx)) else { continue };
+                                        let (xi, wi) = (((i * c + ci) * h + iy) * wd + ix, (oc * c + ci) * kk + ky * g.kernel[1] + kx);
+                                        dx_ref[xi] += d * w[wi] as f64;
+                                        dw_ref[wi] += d * x[xi] as f64;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            let (mut dx, mut dw) = (vec![f32::NAN; x.len()], vec![f32::NAN; w.len()]);
+            conv2d_input_grad(&g, 1, &dy, &w, o, &mut dx);
+            conv2d_filter_grad(&g, 1, &dy, &x, o, &mut dw);
+            for (a, b) in dx.iter().zip(&dx_ref).chain(dw.iter().zip(&dw_ref)) {
+                assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "{g:?}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// One thread and three give the same bits (the GEMM splits outputs, never sums; the
+    /// dense filter and the tap sums are split by output channel).
+    #[test]
+    fn dense_bits_do_not_depend_on_threads() {
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        for (g, o) in [(geometry(32, 64, [2, 2], 3, 1, 1), 64), (geometry(3, 8, [2, 2], 3, 2, 1), 13)] {
+            let [n, c, h, wd] = g.x;
+            let kk = g.kernel[0] * g.kernel[1];
+            let (x, w, dy) = (data(n * c * h * wd, 4), data(o * c * kk, 5), data(n * o * g.spatial(), 6));
+            let run = |threads: usize| {
+                rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool").install(|| {
+                    let (mut y, mut dx, mut dw) = (vec![0.0; dy.len()], vec![0.0; x.len()], vec![0.0; w.len()]);
+                    conv2d(&g, 1, &x, &w, o, &mut y, None);
+                    conv2d_input_grad(&g, 1, &dy, &w, o, &mut dx);
+                    conv2d_filter_grad(&g, 1, &dy, &x, o, &mut dw);
+                    [bits(y), bits(dx), bits(dw)]
+                })
+            };
+            assert_eq!(run(1), run(3), "{g:?}");
+        }
+    }
+}
