@@ -28,11 +28,12 @@ pub(super) struct Tap {
 
 /// `g`'s taps when the convolution (one group, `o` output channels) is better done dense: the
 /// taps fill at least 9 in 10 of the (position, pixel) pairs, and the dense filter stays
-/// within [`MAX_DENSE`] elements. `None` otherwise (im2col then wastes less).
+/// within [`MAX_DENSE`] elements. `None` otherwise (im2col then wastes less), and for empty
+/// tensors (which the im2col path handles).
 pub(super) fn taps(g: &Geometry, groups: usize, o: usize) -> Option<Vec<Tap>> {
-    let [_, c, h, w] = g.x;
+    let [n, c, h, w] = g.x;
     let (sp, hw) = (g.spatial(), h * w);
-    if groups != 1 || sp == 0 || sp * hw > 64 || o * sp * c * hw > MAX_DENSE {
+    if groups != 1 || n * c * o * sp * hw == 0 || sp * hw > 64 || o * sp * c * hw > MAX_DENSE {
         return None;
     }
     let live = |a: usize| -> usize { (0..g.out[a]).map(|o| (0..g.kernel[a]).filter(|&k| g.at(a, o, k).is_some()).count()).sum() };
@@ -180,7 +181,8 @@ mod tests {
     }
 
     /// Which convolutions go dense: the small maps above; not a 4x4 map (a 3x3 kernel padded by
-    /// 1 reads 100 of its 256 pairs), nor LeNet's, nor a 1x1 stride-2 kernel on 2x2, nor groups.
+    /// 1 reads 100 of its 256 pairs), nor LeNet's, nor a 1x1 stride-2 kernel on 2x2, nor groups,
+    /// nor empty tensors.
     #[test]
     fn small_maps_go_dense_and_others_do_not() {
         for (g, o) in cases() {
@@ -190,6 +192,8 @@ mod tests {
         assert!(taps(&geometry(2, 1, [32, 32], 5, 1, 0), 1, 6).is_none());
         assert!(taps(&geometry(2, 4, [2, 2], 1, 2, 0), 1, 4).is_none());
         assert!(taps(&geometry(2, 4, [2, 2], 3, 1, 1), 2, 4).is_none());
+        assert!(taps(&geometry(0, 4, [2, 2], 3, 1, 1), 1, 4).is_none() && taps(&geometry(2, 0, [2, 2], 3, 1, 1), 1, 4).is_none());
+        assert!(taps(&geometry(2, 4, [2, 2], 3, 1, 1), 1, 0).is_none());
     }
 
     /// The forward matches direct loops in f64, and both gradients match theirs (every tap
