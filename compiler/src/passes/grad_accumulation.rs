@@ -67,11 +67,11 @@ impl Default for LossScale {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Precision {
     /// F16 or BF16.
-    pub compute: crate::types::DType,
+    pub compute: DType,
     /// F32 (the default: each micro-step's low-precision gradient is added into an f32
     /// accumulator), or the compute format (the accumulator rounded after every add, as
     /// DeepSpeed and FSDP do unless told otherwise: for comparison).
-    pub accumulators: crate::types::DType,
+    pub accumulators: DType,
     /// Dynamic loss scaling (f16's default), or none.
     pub loss_scale: Option<LossScale>,
 }
@@ -79,14 +79,14 @@ pub struct Precision {
 impl Precision {
     /// bf16 compute, f32 accumulators, no loss scaling (bf16 has f32's range).
     pub fn bf16() -> Self {
-        Precision { compute: crate::types::DType::BF16, accumulators: crate::types::DType::F32, loss_scale: None }
+        Precision { compute: DType::BF16, accumulators: DType::F32, loss_scale: None }
     }
     /// f16 compute, f32 accumulators, dynamic loss scaling with PyTorch's defaults.
     pub fn f16() -> Self {
-        Precision { compute: crate::types::DType::F16, accumulators: crate::types::DType::F32, loss_scale: Some(LossScale::default()) }
+        Precision { compute: DType::F16, accumulators: DType::F32, loss_scale: Some(LossScale::default()) }
     }
     /// The accumulators in `dtype` (F32, or the compute format).
-    pub fn accumulate_in(self, dtype: crate::types::DType) -> Self {
+    pub fn accumulate_in(self, dtype: DType) -> Self {
         Precision { accumulators: dtype, ..self }
     }
     /// The loss scaling in effect (none when computing in f32).

@@ -64,25 +64,33 @@ fn threads(work: usize) -> usize {
     }
 }
 
+/// `f(oc, part)` for each output channel's part of `buf` (`o` equal parts), the channels
+/// cut into one contiguous share per thread.
+fn per_channel<F: HostFloat>(buf: &mut [F], o: usize, f: impl Fn(usize, &mut [F]) + Send + Sync) {
+    let len = buf.len() / o;
+    let per = o.div_ceil(rayon::current_num_threads()).max(1);
+    let shares: Vec<(usize, &mut [F])> = buf.chunks_mut(per * len).enumerate().collect();
+    each(shares, |(s, share)| {
+        for (i, part) in share.chunks_exact_mut(len).enumerate() {
+            f(s * per + i, part);
+        }
+    });
+}
+
 /// Writes the dense filter `t` (`[o * sp, c * hw]`, row-major) of filter `w` (`[o, c, kh, kw]`).
 fn dense_filter<F: HostFloat>(g: &Geometry, taps: &[Tap], w: &[F], o: usize, t: &mut [F]) {
     let [_, c, h, wd] = g.x;
     let (sp, hw, kk) = (g.spatial(), h * wd, g.kernel[0] * g.kernel[1]);
     let row = c * hw;
     let full = taps.len() == sp * hw;
-    let per = o.div_ceil(rayon::current_num_threads()).max(1);
-    let shares: Vec<(usize, &mut [F])> = t.chunks_mut(per * sp * row).enumerate().collect();
-    each(shares, |(s, share)| {
+    per_channel(t, o, |oc, rows| {
         if !full {
-            share.fill(F::ZERO);
+            rows.fill(F::ZERO);
         }
-        for (i, rows) in share.chunks_exact_mut(sp * row).enumerate() {
-            let oc = s * per + i;
-            for ci in 0..c {
-                let taps_w = &w[(oc * c + ci) * kk..][..kk];
-                for tap in taps {
-                    rows[tap.p as usize * row + ci * hw + tap.q as usize] = taps_w[tap.t as usize];
-                }
+        for ci in 0..c {
+            let taps_w = &w[(oc * c + ci) * kk..][..kk];
+            for tap in taps {
+                rows[tap.p as usize * row + ci * hw + tap.q as usize] = taps_w[tap.t as usize];
             }
         }
     });
@@ -140,17 +148,13 @@ pub(super) fn filter_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], x:
     F::partials(m * k, |dt| {
         // SAFETY: dy^T is m x n (dy read with swapped strides), x is n x k, dt is m x k.
         unsafe { gemm_oriented::<F>(m, n, k, dy.as_ptr(), 1, m as isize, x.as_ptr(), k as isize, 1, F::ZERO, dt.as_mut_ptr(), k as isize, 1, threads(n * k * m)) };
-        let per = o.div_ceil(rayon::current_num_threads()).max(1);
-        let shares: Vec<(usize, &mut [F])> = dw.chunks_mut(per * c * kk).enumerate().collect();
         let dt = &*dt;
-        each(shares, |(s, share)| {
-            share.fill(F::ZERO);
-            for (i, planes) in share.chunks_exact_mut(c * kk).enumerate() {
-                let rows = &dt[(s * per + i) * sp * k..][..sp * k];
-                for (ci, taps_w) in planes.chunks_exact_mut(kk).enumerate() {
-                    for tap in taps {
-                        taps_w[tap.t as usize] += rows[tap.p as usize * k + ci * hw + tap.q as usize];
-                    }
+        per_channel(dw, o, |oc, planes| {
+            planes.fill(F::ZERO);
+            let rows = &dt[oc * sp * k..][..sp * k];
+            for (ci, taps_w) in planes.chunks_exact_mut(kk).enumerate() {
+                for tap in taps {
+                    taps_w[tap.t as usize] += rows[tap.p as usize * k + ci * hw + tap.q as usize];
                 }
             }
         });
