@@ -13,6 +13,7 @@
 //! accumulator read only by its `assign_add` is added into in place).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use burn_backend::tensor::Device;
 use crate::Backend;
@@ -23,7 +24,7 @@ use cellgraph_compiler::{Graph, HostData, HostTensor, Op, TensorType};
 use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
 use crate::host::{Arena, Kept};
-use crate::kernel::Native;
+use crate::kernel::{ConvKind, Native};
 use crate::lower::{eval, Ctx};
 use crate::value::{settings, Value};
 
@@ -245,6 +246,34 @@ fn keep_for_gradients(steps: &mut [Step]) {
     }
 }
 
+/// Names the parameter each dense small-map convolution (forward or input gradient, alone or
+/// heading an epilogue) reads as its filter (operand 1), so that host backends build its dense
+/// filter once per value of the parameter (see [`Native::Conv`]'s `filter`).
+fn name_dense_filters(steps: &mut [Step]) {
+    fn conv(k: &mut Native) -> Option<&mut Native> {
+        match k {
+            Native::Epilogue { head, .. } => conv(head),
+            k @ Native::Conv { kind: ConvKind::Forward | ConvKind::InputGrad, direct: false, .. } => Some(k),
+            _ => None,
+        }
+    }
+    let params: BTreeMap<usize, Arc<str>> = steps
+        .iter()
+        .filter_map(|st| match &st.op {
+            Op::Parameter { name } if !st.deferred => Some((st.slot, Arc::from(name.as_str()))),
+            _ => None,
+        })
+        .collect();
+    for st in steps.iter_mut() {
+        let name = st.args.get(1).and_then(|(slot, _)| params.get(slot));
+        if let (Some(name), Some(Native::Conv { g, groups, out_channels, filter, .. })) = (name, st.kernel.as_mut().and_then(conv)) {
+            if crate::host::dense_conv(g, *groups, *out_channels) {
+                *filter = Some(name.clone());
+            }
+        }
+    }
+}
+
 /// Optimises, verifies and schedules a graph.
 pub fn compile(graph: Graph) -> Result<Executable> {
     compile_with(graph, None)
@@ -336,6 +365,7 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
         })
         .collect();
     keep_for_gradients(&mut steps);
+    name_dense_filters(&mut steps);
     let outputs = graph.outputs().iter().map(|o| o.index()).collect();
     let slots = graph.id_bound();
     let peak_bytes = simulate_peak(&graph, &steps);
@@ -492,11 +522,24 @@ impl<B: Backend> Session<B> {
 
     /// Sets a parameter to a device value (a view of a flat buffer, say).
     pub fn set_value(&mut self, name: &str, value: Value<B>) {
-        self.params.insert(name.to_string(), value);
+        self.put(name, value);
     }
 
     /// Takes a parameter's value out of the session (put it back with [`Self::set_value`]).
     pub fn take_value(&mut self, name: &str) -> Option<Value<B>> {
+        self.pull(name)
+    }
+
+    /// Every write of a parameter goes through here or [`Self::pull`]: what the host kernels
+    /// derived from its old value ([`Kept::forget`]) is dropped with it.
+    fn put(&mut self, name: &str, value: Value<B>) -> Option<Value<B>> {
+        self.kept.forget(name);
+        self.params.insert(name.to_string(), value)
+    }
+
+    /// Takes a parameter out of the session (see [`Self::put`]).
+    fn pull(&mut self, name: &str) -> Option<Value<B>> {
+        self.kept.forget(name);
         self.params.remove(name)
     }
 
@@ -519,7 +562,8 @@ impl<B: Backend> Session<B> {
 
     /// Sets (or replaces) a parameter's value.
     pub fn set_param(&mut self, name: &str, value: &HostTensor) {
-        self.params.insert(name.to_string(), Value::from_host(value, &self.device));
+        let v = Value::from_host(value, &self.device);
+        self.put(name, v);
     }
 
     /// Draws every parameter's first value from `seed` (see `cellgraph_cells::materialize`).
@@ -538,7 +582,7 @@ impl<B: Backend> Session<B> {
 
     /// Drops a parameter's value.
     pub fn remove_param(&mut self, name: &str) {
-        self.params.remove(name);
+        self.pull(name);
     }
 
     /// A parameter's extents (without copying it).
@@ -692,7 +736,7 @@ impl<B: Backend> Session<B> {
                         if slots[target].is_none() {
                             // A deferred read: check it, then take it out of the session.
                             self.bind_param(name, &step.arg_types[0])?;
-                            slots[target] = self.params.remove(name);
+                            slots[target] = self.pull(name);
                         }
                     }
                     // On host backends an accumulator read only here is added into in place, and
@@ -798,7 +842,7 @@ impl<B: Backend> Session<B> {
         }
         for (name, slot) in &exe.writes {
             let v = slots[*slot].clone().expect("writes are pinned");
-            if let Some(old) = self.params.insert(name.clone(), v) {
+            if let Some(old) = self.put(name, v) {
                 self.arena.reclaim(old);
             }
         }

@@ -14,7 +14,7 @@ use cellgraph_compiler::infer::{broadcast_shapes, infer};
 use cellgraph_compiler::{window, Op, Reduction, TensorType};
 
 /// The geometry of one 2-D convolution (or pooling window) over NCHW input.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Geometry {
     /// `[n, c, h, w]` of the input.
     pub x: [usize; 4],
@@ -72,8 +72,12 @@ pub enum Native {
     MatMul { m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool, tiling: Tiling },
     /// Forward, input gradient, filter gradient; `out_channels` is the filter's first extent.
     /// `direct`: on host backends, the direct kernels ([`crate::host::direct`]) rather than
-    /// im2col + GEMM (see [`direct_conv`]).
-    Conv { kind: ConvKind, g: Geometry, groups: usize, out_channels: usize, direct: bool },
+    /// im2col + GEMM (see [`direct_conv`]). `filter`: on host backends, for a forward or input
+    /// gradient on a map small enough to run as a dense layer (see [`crate::host::dense_conv`])
+    /// whose filter is a parameter read as it is, that parameter's name: its dense filter is
+    /// then built once per value of the parameter and kept between runs
+    /// ([`crate::host::Kept`]), rather than on every call.
+    Conv { kind: ConvKind, g: Geometry, groups: usize, out_channels: usize, direct: bool, filter: Option<Arc<str>> },
     /// Max pooling; `keep`: the [`crate::host::Kept`] slot its argmax goes to, when its gradient is later in
     /// the same plan.
     MaxPool { g: Geometry, keep: Option<usize> },
@@ -238,7 +242,7 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
     let conv = |kind, c: &cellgraph_compiler::op::Conv2dAttrs, x: &[usize], w: &[usize]| {
         let win = resolve(x, [w[2], w[3]], c.stride, c.dilation, c.pad_mode, c.pad)?;
         let g = geometry(x, [w[2], w[3]], c.stride, c.dilation, &win);
-        Some(Native::Conv { kind, g, groups: c.groups, out_channels: w[0], direct: direct_conv(&g, c.groups) })
+        Some(Native::Conv { kind, g, groups: c.groups, out_channels: w[0], direct: direct_conv(&g, c.groups), filter: None })
     };
     let pool = |p: &cellgraph_compiler::Pool2dAttrs| {
         let x = d(0);

@@ -434,3 +434,42 @@ fn one_chunk_convolutions_give_the_same_bits_on_any_number_of_threads() {
         }
     }
 }
+
+/// Convolutions on maps small enough to run as dense layers (3x3 padded by 1 on 2x2 maps) keep
+/// their dense filter between runs while the parameter keeps its value; every write of the
+/// parameter drops it: an optimizer step's write, and `set_param`. After each write, the
+/// forward and a training step (whose second convolution's input gradient reads the same
+/// dense filter as its forward) give what a fresh session with the same parameters gives.
+#[test]
+fn dense_filters_follow_their_parameters_writes() {
+    let net = || SequentialCell::new(&Scope::root().child("net")).add(|s| Conv2d::new(s, 3, 4, 3)).add(|s| Conv2d::new(s, 4, 5, 3));
+    let (g, _) = trace(&net(), "forward", &[("x", TensorType::f32([2, 3, 2, 2]))]).unwrap();
+    let fwd = compile(g).unwrap();
+    let with_loss = WithLossCell::new(net(), MSELoss::new());
+    let inputs = [("x", TensorType::f32([2, 3, 2, 2])), ("y", TensorType::f32([2, 5, 2, 2]))];
+    let step = compile(train_one_step(&with_loss, &inputs, &SGD::new(0.5)).unwrap().graph).unwrap();
+    let x = HostTensor::f32(vec![2, 3, 2, 2], (0..24).map(|i| ((i * 7) % 11) as f32 / 11.0 - 0.5).collect()).unwrap();
+    let y = HostTensor::f32(vec![2, 5, 2, 2], (0..40).map(|i| ((i * 5) % 13) as f32 / 13.0).collect()).unwrap();
+    let fresh = |s: &Session<Cpu>, exe: &Executable, args: &[HostTensor]| {
+        let mut f = Session::<Cpu>::new(cpu());
+        for (name, v) in s.params_host() {
+            f.set_param(&name, &v);
+        }
+        f.run(exe, args).unwrap()
+    };
+    let mut s = session_for(&with_loss, 3);
+    let y0 = s.run(&fwd, &[x.clone()]).unwrap();
+    assert_eq!(y0, fresh(&s, &fwd, &[x.clone()]));
+    for _ in 0..2 {
+        let expected = fresh(&s, &step, &[x.clone(), y.clone(), lr(0.5)]);
+        assert_eq!(s.run(&step, &[x.clone(), y.clone(), lr(0.5)]).unwrap(), expected, "a step after a write");
+    }
+    let y1 = s.run(&fwd, &[x.clone()]).unwrap();
+    assert_ne!(y1, y0, "the steps changed the filters");
+    assert_eq!(y1, fresh(&s, &fwd, &[x.clone()]), "the forward after the optimizer's writes");
+    let w = s.param("net.1.weight").unwrap();
+    s.set_param("net.1.weight", &HostTensor::f32(w.shape.clone(), w.to_f32().iter().map(|v| -v).collect()).unwrap());
+    let y2 = s.run(&fwd, &[x.clone()]).unwrap();
+    assert_ne!(y2, y1);
+    assert_eq!(y2, fresh(&s, &fwd, &[x.clone()]), "the forward after set_param");
+}

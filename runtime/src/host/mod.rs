@@ -7,6 +7,8 @@ pub mod direct;
 pub mod kernels;
 mod toeplitz;
 
+pub use toeplitz::dense_conv;
+
 use std::collections::BTreeMap;
 
 use burn_backend::tensor::{Device, FloatTensor, IntTensor};
@@ -14,7 +16,7 @@ use burn_backend::FloatDType;
 use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
 use crate::backend::{Backend, HostSlice, HostVec};
-use crate::kernel::{ConvKind, Native, UpdateKernel};
+use crate::kernel::{ConvKind, Geometry, Native, UpdateKernel};
 use crate::value::Value;
 use kernels::{HostFloat, Mat};
 
@@ -36,7 +38,7 @@ trait Elem: HostFloat + direct::Lanes + Default {
     fn slice<'a>(s: &'a HostSlice<'_>) -> Option<&'a [Self]>;
     fn wrap(v: Vec<Self>) -> HostVec;
     fn shelf(a: &mut Arena) -> &mut Shelf<Self>;
-    fn kept(k: &mut Kept) -> &mut Stamped<Self>;
+    fn kept(k: &mut Kept) -> &mut Typed<Self>;
 }
 
 macro_rules! elem {
@@ -54,7 +56,7 @@ macro_rules! elem {
             fn shelf(a: &mut Arena) -> &mut Shelf<$t> {
                 &mut a.$shelf
             }
-            fn kept(k: &mut Kept) -> &mut Stamped<$t> {
+            fn kept(k: &mut Kept) -> &mut Typed<$t> {
                 &mut k.$shelf
             }
         }
@@ -269,21 +271,55 @@ impl<T: Copy + Default> Stamped<T> {
     }
 }
 
-/// Per-session state the kernels keep between steps of a run for a gradient later in the
-/// same plan: the argmax of a max pool ([`Native::MaxPool`]'s `keep`) and the log-softmax of
-/// a loss ([`Native::SoftmaxCrossEntropy`]'s `kept`), stamped with the run that wrote them (a
-/// gradient only trusts its own run's); on device backends, a loss's gradient computed with
-/// the loss (its `seed`), until its gradient step takes it.
+/// What the host kernels keep of one float type: rows for a gradient later in the run, and the
+/// dense filters of parameters, by parameter name (see [`Kept`]).
+#[derive(Default)]
+pub(crate) struct Typed<T> {
+    rows: Stamped<T>,
+    /// Per parameter: `(geometry with batch 0, output channels, dense filter)`.
+    dense: BTreeMap<String, Vec<(Geometry, usize, Vec<T>)>>,
+}
+
+/// Per-session state the host kernels keep:
+/// - between the steps of a run, for a gradient later in the same plan: the argmax of a max
+///   pool ([`Native::MaxPool`]'s `keep`) and the log-softmax of a loss
+///   ([`Native::SoftmaxCrossEntropy`]'s `kept`), stamped with the run that wrote them (a
+///   gradient only trusts its own run's); on device backends, a loss's gradient computed with
+///   the loss (its `seed`), until its gradient step takes it;
+/// - between runs, for as long as a parameter keeps its value: the dense filters of the
+///   small-map convolutions that read it ([`Native::Conv`]'s `filter`). A window's micro-steps
+///   all read the same weights, so each is built once per window instead of twice per
+///   micro-step. The session drops them whenever it writes the parameter ([`Self::forget`]).
 #[derive(Default)]
 pub struct Kept {
     run: u64,
     argmax: Stamped<u32>,
-    f32: Stamped<f32>,
-    f64: Stamped<f64>,
+    f32: Typed<f32>,
+    f64: Typed<f64>,
     device: BTreeMap<usize, Box<dyn std::any::Any + Send>>,
 }
 
 impl Kept {
+    /// Drops what was derived from parameter `name`'s value: the session calls it on every
+    /// write of the parameter.
+    pub fn forget(&mut self, name: &str) {
+        self.f32.dense.remove(name);
+        self.f64.dense.remove(name);
+    }
+    /// The dense filter of parameter `name` (value `w`) for geometry `g` (any batch) and `o`
+    /// output channels: the one built since the parameter was last written, else built now.
+    fn dense_filter<F: Elem>(&mut self, name: &str, g: &Geometry, o: usize, w: &[F]) -> Option<&[F]> {
+        let key = Geometry { x: [0, g.x[1], g.x[2], g.x[3]], ..*g };
+        let entries = F::kept(self).dense.entry(name.to_string()).or_default();
+        let at = match entries.iter().position(|(k, oc, _)| *k == key && *oc == o) {
+            Some(at) => at,
+            None => {
+                entries.push((key, o, toeplitz::dense(g, 1, o, w)?));
+                entries.len() - 1
+            }
+        };
+        Some(&entries[at].2)
+    }
     /// Starts a run: what earlier runs kept is stale from now on.
     pub fn begin_run(&mut self) {
         self.run += 1;
@@ -306,11 +342,11 @@ impl Kept {
     }
     fn rows<F: Elem>(&mut self, k: usize, len: usize) -> &mut [F] {
         let run = self.run;
-        F::kept(self).slot(run, k, len)
+        F::kept(self).rows.slot(run, k, len)
     }
     fn rows_of<F: Elem>(&mut self, k: usize, len: usize) -> Option<&[F]> {
         let run = self.run;
-        F::kept(self).get(run, k, len)
+        F::kept(self).rows.get(run, k, len)
     }
 }
 
@@ -376,6 +412,16 @@ fn run<F: Elem>(k: &Native, args: &[HostSlice], ints: &[&[i64]], tys: &[&TensorT
 /// kernel finishes it (or over the whole of `y` after kernels that do not cut their output).
 fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kept, y: &mut [F], post: kernels::Post<F>) {
     let d = |i: usize| tys[i].dims();
+    if let Native::Conv { kind, g, out_channels: o, filter: Some(name), .. } = k {
+        if let Some(t) = kept.dense_filter(name, g, *o, a[1]) {
+            match kind {
+                ConvKind::Forward => return toeplitz::forward_dense(g, a[0], t, *o, y, post),
+                ConvKind::InputGrad => toeplitz::input_grad_dense(g, a[0], t, *o, y),
+                ConvKind::FilterGrad => unreachable!("only forwards and input gradients name their filter"),
+            }
+            return kernels::post_all(post, y);
+        }
+    }
     match k {
         Native::Conv { kind: ConvKind::Forward, g, out_channels, direct: true, .. } => return direct::forward(g, a[0], a[1], *out_channels, y, post),
         Native::Conv { kind: ConvKind::Forward, g, groups, out_channels, .. } => return kernels::conv2d(g, *groups, a[0], a[1], *out_channels, y, post),

@@ -55,6 +55,21 @@ pub(super) fn taps(g: &Geometry, groups: usize, o: usize) -> Option<Vec<Tap>> {
     Some(taps)
 }
 
+/// Whether the host kernels run a convolution of geometry `g` (one of `groups` groups, `o`
+/// output channels) as a dense layer.
+pub fn dense_conv(g: &Geometry, groups: usize, o: usize) -> bool {
+    taps(g, groups, o).is_some()
+}
+
+/// The dense filter of `w` for `g`, in new memory, when the convolution goes dense.
+pub(super) fn dense<F: HostFloat>(g: &Geometry, groups: usize, o: usize, w: &[F]) -> Option<Vec<F>> {
+    let taps = taps(g, groups, o)?;
+    let [_, c, h, wd] = g.x;
+    let mut t = vec![F::ZERO; o * g.spatial() * c * h * wd];
+    dense_filter(g, &taps, w, o, &mut t);
+    Some(t)
+}
+
 /// Threads for a GEMM of `m * k * n` multiply-adds (as [`super::kernels::matmul`] chooses).
 fn threads(work: usize) -> usize {
     if work >= 1 << 22 {
@@ -108,34 +123,46 @@ fn transpose<F: Copy>(a: &[F], rows: usize, cols: usize, out: &mut [F]) {
 /// [`super::kernels::conv2d`] on a small map: `y [n, o * sp] = x [n, c * hw] @ t^T`; `post` runs
 /// over the whole output after.
 pub(super) fn forward<F: HostFloat>(g: &Geometry, taps: &[Tap], x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>) {
+    let [_, c, h, wd] = g.x;
+    F::partials(o * g.spatial() * c * h * wd, |t| {
+        dense_filter(g, taps, w, o, t);
+        forward_dense(g, x, t, o, y, post)
+    });
+}
+
+/// [`forward`] with the dense filter `t` already built.
+pub(super) fn forward_dense<F: HostFloat>(g: &Geometry, x: &[F], t: &[F], o: usize, y: &mut [F], post: Post<F>) {
     let [n, c, h, wd] = g.x;
     let (k, m) = (c * h * wd, o * g.spatial());
-    assert_eq!(y.len(), n * m, "output extents");
-    F::partials(m * k, |t| {
-        dense_filter(g, taps, w, o, t);
-        // y^T [m, n] = t [m, k] @ x^T [k, n], with x^T and y^T laid out row-major (the GEMM
-        // reading both operands along their contraction took twice as long).
-        F::scratch(k * n + m * n, |s| {
-            let (xt, yt) = s.split_at_mut(k * n);
-            transpose(x, n, k, xt);
-            // SAFETY: t is m x k, xt is k x n, yt is m x n, all row-major.
-            unsafe { gemm_oriented::<F>(m, k, n, t.as_ptr(), k as isize, 1, xt.as_ptr(), n as isize, 1, F::ZERO, yt.as_mut_ptr(), n as isize, 1, threads(n * k * m)) };
-            transpose(yt, m, n, y);
-        });
+    assert!(y.len() == n * m && t.len() == m * k, "output and dense filter extents");
+    // y^T [m, n] = t [m, k] @ x^T [k, n], with x^T and y^T laid out row-major (the GEMM
+    // reading both operands along their contraction took twice as long).
+    F::scratch(k * n + m * n, |s| {
+        let (xt, yt) = s.split_at_mut(k * n);
+        transpose(x, n, k, xt);
+        // SAFETY: t is m x k, xt is k x n, yt is m x n, all row-major.
+        unsafe { gemm_oriented::<F>(m, k, n, t.as_ptr(), k as isize, 1, xt.as_ptr(), n as isize, 1, F::ZERO, yt.as_mut_ptr(), n as isize, 1, threads(n * k * m)) };
+        transpose(yt, m, n, y);
     });
     post_all(post, y);
 }
 
 /// [`super::kernels::conv2d_input_grad`] on a small map: `dx [n, c * hw] = dy [n, o * sp] @ t`.
 pub(super) fn input_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], w: &[F], o: usize, dx: &mut [F]) {
+    let [_, c, h, wd] = g.x;
+    F::partials(o * g.spatial() * c * h * wd, |t| {
+        dense_filter(g, taps, w, o, t);
+        input_grad_dense(g, dy, t, o, dx)
+    });
+}
+
+/// [`input_grad`] with the dense filter `t` already built.
+pub(super) fn input_grad_dense<F: HostFloat>(g: &Geometry, dy: &[F], t: &[F], o: usize, dx: &mut [F]) {
     let [n, c, h, wd] = g.x;
     let (k, m) = (c * h * wd, o * g.spatial());
-    assert_eq!(dx.len(), n * k, "output extents");
-    F::partials(m * k, |t| {
-        dense_filter(g, taps, w, o, t);
-        // SAFETY: dy is n x m, t is m x k, dx is n x k, all row-major.
-        unsafe { gemm_oriented::<F>(n, m, k, dy.as_ptr(), m as isize, 1, t.as_ptr(), k as isize, 1, F::ZERO, dx.as_mut_ptr(), k as isize, 1, threads(n * k * m)) };
-    });
+    assert!(dx.len() == n * k && t.len() == m * k, "output and dense filter extents");
+    // SAFETY: dy is n x m, t is m x k, dx is n x k, all row-major.
+    unsafe { gemm_oriented::<F>(n, m, k, dy.as_ptr(), m as isize, 1, t.as_ptr(), k as isize, 1, F::ZERO, dx.as_mut_ptr(), k as isize, 1, threads(n * k * m)) };
 }
 
 /// [`super::kernels::conv2d_filter_grad`] on a small map: `dt [o * sp, c * hw] = dy^T @ x`,
