@@ -149,8 +149,12 @@ fn grown<T: Copy + Default + 'static, R>(key: &'static std::thread::LocalKey<Cel
 
 /// Runs `op` compiled for the widest vector instructions this CPU has (pulp: AVX-512, else
 /// AVX2 with FMA, else none), chosen per call. Only code inlined into it is compiled so: the
-/// kernels' loops are `#[inline(always)]`. A plain closure is an op (the compiler vectorises
-/// its loops); [`crate::host::direct`]'s kernels take the instruction set as a type.
+/// kernels' loops are `#[inline(always)]`. A small closure is an op (the compiler vectorises
+/// its loops), but a large one is called, not inlined, whatever its attributes, and runs on
+/// the baseline instruction set (SSE2): the fused elementwise programs ran so, at 4 lanes,
+/// until they became a struct whose `with_simd` holds the loop ([`Program`]). Check the
+/// disassembly of `pulp::x86::v4::V4::vectorize::imp*` for calls when adding one.
+/// [`crate::host::direct`]'s kernels take the instruction set as a type.
 #[inline(always)]
 pub(crate) fn vectorized<Op: pulp::WithSimd>(op: Op) -> Op::Output {
     #[cfg(test)]
@@ -791,10 +795,23 @@ fn argmax_inside<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32], best:
 /// to `best`, scratch of at least the plane's outputs).
 fn argmax_2x2<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32], best: &mut [F]) {
     let y = &mut best[..out.len()];
-    vectorized(
-        #[inline(always)]
-        || pool_2x2(g, plane, out, y),
-    )
+    vectorized(Pool2x2 { g, plane, at: out, y })
+}
+
+/// [`pool_2x2`] as a [`vectorized`] op (too large for a closure: see there).
+struct Pool2x2<'a, F> {
+    g: &'a Geometry,
+    plane: &'a [F],
+    at: &'a mut [u32],
+    y: &'a mut [F],
+}
+
+impl<F: HostFloat> pulp::WithSimd for Pool2x2<'_, F> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        pool_2x2(self.g, self.plane, self.at, self.y)
+    }
 }
 
 /// 2x2 max pooling at stride 2 over one plane: each window's maximum into `y` and its index
@@ -1325,16 +1342,26 @@ fn update_block<F: HostFloat>(prog: &UpdateKernel, kept: &[bool], consts: &[F], 
 }
 
 fn program<F: HostFloat>(e: &Elementwise, args: Operands<F>, first: usize, part: &mut [F]) {
-    F::scratch(e.depth * BLOCK, |stack| {
-        vectorized(
-            #[inline(always)]
-            || {
-                for (b, dst) in part.chunks_mut(BLOCK).enumerate() {
-                    fused_block(e, args, first + b * BLOCK, stack, dst);
-                }
-            },
-        )
-    })
+    F::scratch(e.depth * BLOCK, |stack| vectorized(Program { e, args, first, stack, part }))
+}
+
+/// [`program`]'s loop over blocks, as a [`vectorized`] op (too large for a closure: see there).
+struct Program<'a, F> {
+    e: &'a Elementwise,
+    args: Operands<'a, F>,
+    first: usize,
+    stack: &'a mut [F],
+    part: &'a mut [F],
+}
+
+impl<F: HostFloat> pulp::WithSimd for Program<'_, F> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        for (b, dst) in self.part.chunks_mut(BLOCK).enumerate() {
+            fused_block(self.e, self.args, self.first + b * BLOCK, self.stack, dst);
+        }
+    }
 }
 
 #[inline(always)]
