@@ -354,7 +354,14 @@ fn col2im<F: HostFloat>(g: &Geometry, col: &[F], ld: usize, channels: usize, x: 
 pub(super) fn copy_row<F: Copy>(d: &mut [F], s: &[F]) {
     let n = d.len();
     if n < 8 {
-        return d.copy_from_slice(s);
+        if n < 4 {
+            return d.copy_from_slice(s);
+        }
+        // Four at a time, the tail as an overlapping last four (ResNet's 4x4 maps).
+        let (a, b): ([F; 4], [F; 4]) = (s[..4].try_into().expect("four"), s[n - 4..n].try_into().expect("four"));
+        d[..4].copy_from_slice(&a);
+        d[n - 4..].copy_from_slice(&b);
+        return;
     }
     let s = &s[..n];
     let mut i = 0;
@@ -529,11 +536,65 @@ pub(super) fn each<T: Send>(items: Vec<T>, f: impl Fn(T) + Send + Sync) {
 }
 
 /// Unfolds group `gi` of every image into the batch-wide column matrix `col`
-/// (`[kk, n * oh * ow]`, image `i` in columns `i*sp..(i+1)*sp`).
+/// (`[kk, n * oh * ow]`, image `i` in columns `i*sp..(i+1)*sp`). Padded convolutions go
+/// through a zero-padded copy of each plane ([`im2col_padded`]).
 fn im2col_batch<F: HostFloat>(g: &Geometry, d: &ConvDims, gi: usize, x: &[F], col: &mut [F]) {
     let [n, c, h, w] = g.x;
-    for i in 0..n {
-        im2col(g, &x[(i * c + gi * d.cg) * h * w..], d.cg, &mut col[i * d.sp..], d.cols);
+    if g.pad == [0, 0] || d.sp == 0 {
+        for i in 0..n {
+            im2col(g, &x[(i * c + gi * d.cg) * h * w..], d.cg, &mut col[i * d.sp..], d.cols);
+        }
+        return;
+    }
+    let [ph, pw] = padded_extents(g);
+    F::scratch(ph * pw, |plane| {
+        // Only the interior is ever written: the border stays zero for every plane.
+        plane.fill(F::ZERO);
+        for i in 0..n {
+            im2col_padded(g, &x[(i * c + gi * d.cg) * h * w..], d.cg, &mut col[i * d.sp..], d.cols, plane, pw);
+        }
+    })
+}
+
+/// The extents of the padded plane every output's window lies in: `(out - 1) * stride +
+/// (kernel - 1) * dilation + 1` per axis (input beyond it is never read).
+fn padded_extents(g: &Geometry) -> [usize; 2] {
+    [0, 1].map(|a| (g.out[a] - 1) * g.stride[a] + (g.kernel[a] - 1) * g.dilation[a] + 1)
+}
+
+/// The input planes a padded plane (`pw` wide, zero outside the interior) holds: rows and
+/// columns of each plane that land inside it, at offset `pad`.
+fn interior(g: &Geometry, ph: usize, pw: usize) -> [usize; 2] {
+    [g.x[2].min(ph.saturating_sub(g.pad[0])), g.x[3].min(pw.saturating_sub(g.pad[1]))]
+}
+
+/// [`im2col`] through `padded`, a plane of [`padded_extents`] whose border is zero: each
+/// channel's plane is copied into its interior, then every row of `col` is `oh` reads of it
+/// without bounds (on ResNet's 8x8 and 4x4 maps, the per-row `memset`s and `memcpy`s of the
+/// clipped rows cost more than the copying).
+fn im2col_padded<F: HostFloat>(g: &Geometry, x: &[F], channels: usize, col: &mut [F], ld: usize, padded: &mut [F], pw: usize) {
+    let [_, _, h, w] = g.x;
+    let ([oh, ow], [kh, kw]) = (g.out, g.kernel);
+    let ([sy, sx], [dy, dx]) = (g.stride, g.dilation);
+    let [rows, cols] = interior(g, padded.len() / pw, pw);
+    for ci in 0..channels {
+        let plane = &x[ci * h * w..][..h * w];
+        for iy in 0..rows {
+            copy_row(&mut padded[(iy + g.pad[0]) * pw + g.pad[1]..][..cols], &plane[iy * w..][..cols]);
+        }
+        for ky in 0..kh {
+            for kx in 0..kw {
+                let dst = &mut col[((ci * kh + ky) * kw + kx) * ld..][..oh * ow];
+                for (oy, d) in dst.chunks_exact_mut(ow).enumerate() {
+                    let s = &padded[(oy * sy + ky * dy) * pw + kx * dx..];
+                    if sx == 1 {
+                        copy_row(d, &s[..ow]);
+                    } else {
+                        d.iter_mut().enumerate().for_each(|(ox, v)| *v = s[ox * sx]);
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -1548,6 +1609,14 @@ pub(crate) mod tests {
             (Geometry { x: [9, 6, 14, 14], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [10, 10] }, 1, 16),
             // Stride 2, padding 1, dilation 2, two groups.
             (Geometry { x: [5, 4, 11, 9], kernel: [3, 2], stride: [2, 2], dilation: [2, 1], pad: [1, 1], out: [5, 5] }, 2, 6),
+            // 3x3 padded by 1 at stride 1 (through a padded plane): ResNet's 8x8 and 4x4 maps,
+            // and rows of 6 (copied as two overlapping fours).
+            (Geometry { x: [3, 5, 8, 8], kernel: [3, 3], stride: [1, 1], dilation: [1, 1], pad: [1, 1], out: [8, 8] }, 1, 7),
+            (Geometry { x: [3, 5, 4, 4], kernel: [3, 3], stride: [1, 1], dilation: [1, 1], pad: [1, 1], out: [4, 4] }, 1, 7),
+            (Geometry { x: [2, 3, 6, 6], kernel: [3, 3], stride: [1, 1], dilation: [1, 1], pad: [1, 1], out: [6, 6] }, 1, 4),
+            // Stride 2 padded by 1 whose last input column no window reads (the padded plane
+            // holds only the part that is read).
+            (Geometry { x: [2, 3, 8, 7], kernel: [3, 3], stride: [2, 2], dilation: [1, 1], pad: [1, 1], out: [4, 3] }, 1, 5),
         ];
         for (g, groups, o) in cases {
             let [n, c, h, wd] = g.x;
