@@ -203,7 +203,24 @@ impl Read {
                 strides[pad + a] = if x[a] == 1 { 0 } else { s };
                 s *= x[a];
             }
-            Read::Strided { out: out.to_vec(), strides }
+            // Axes of one element dropped, and neighbours read as one axis merged (both
+            // broadcast, or the outer's stride spanning the inner): the same addresses, in
+            // runs as long as they can be (batch norm's per-channel operand of an NCHW
+            // output reads `[n, c, h * w]` with strides `[0, 1, 0]`: one value per plane).
+            let (mut merged, mut by): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
+            for (&e, &st) in out.iter().zip(&strides).filter(|(&e, _)| e != 1) {
+                match (merged.last_mut(), by.last_mut()) {
+                    (Some(pe), Some(ps)) if *ps == st * e => {
+                        *pe *= e;
+                        *ps = st;
+                    }
+                    _ => {
+                        merged.push(e);
+                        by.push(st);
+                    }
+                }
+            }
+            Read::Strided { out: merged, strides: by }
         }
     }
 }
@@ -385,6 +402,19 @@ impl UpdateKernel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Broadcast reads merge the axes they read as one: a per-channel operand of NCHW reads
+    /// one value per plane, a row broadcast over a middle axis keeps its three axes, and a
+    /// read whose merged form is one contiguous axis addresses the output's elements.
+    #[test]
+    fn strided_reads_merge_axes_read_as_one() {
+        let read = |x: &[usize], out: &[usize]| Read::of(x, out);
+        assert_eq!(read(&[1, 3, 1, 1], &[2, 3, 4, 5]), Read::Strided { out: vec![2, 3, 20], strides: vec![0, 1, 0] });
+        assert_eq!(read(&[3, 1, 1], &[2, 3, 4, 5]), Read::Strided { out: vec![2, 3, 20], strides: vec![0, 1, 0] });
+        assert_eq!(read(&[2, 1, 4], &[2, 3, 4]), Read::Strided { out: vec![2, 3, 4], strides: vec![4, 0, 1] });
+        assert_eq!(read(&[2, 1, 1, 5], &[2, 3, 4, 5]), Read::Strided { out: vec![2, 12, 5], strides: vec![5, 0, 1] });
+        assert_eq!(read(&[1, 3, 4], &[2, 3, 4]), Read::Cycle(12));
+    }
 
     #[test]
     fn update_kernels_read_literals_after_the_scalars_in_reading_order() {
