@@ -404,8 +404,9 @@ mod tests {
     use super::*;
 
     /// Broadcast reads merge the axes they read as one: a per-channel operand of NCHW reads
-    /// one value per plane, a row broadcast over a middle axis keeps its three axes, and a
-    /// read whose merged form is one contiguous axis addresses the output's elements.
+    /// one value per plane (with or without its leading axis of one), a row broadcast over a
+    /// middle axis keeps its three axes, broadcast axes next to each other become one, and an
+    /// operand matching the output's last axes is still a cycle.
     #[test]
     fn strided_reads_merge_axes_read_as_one() {
         let read = |x: &[usize], out: &[usize]| Read::of(x, out);

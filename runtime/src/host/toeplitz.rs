@@ -8,8 +8,9 @@
 //! pixel `q` (zero where none does). Each direction is then one GEMM over the NCHW tensors as
 //! they lie: no column matrix, and none of im2col's products with padding (a 3 x 3 kernel
 //! padded by 1 on a 2 x 2 map reads padding in 20 of its 36 taps). `t` is built from the
-//! filter per call, in the thread's partials buffer; the filter gradient folds `dt` back
-//! into the taps.
+//! filter in the thread's partials buffer on each call, except where the filter is a
+//! parameter read as it is: then it is built once per value of the parameter and kept in the
+//! session ([`super::Kept`]); the filter gradient folds `dt` back into the taps.
 
 use super::kernels::{each, gemm_oriented, post_all, HostFloat, Post};
 use crate::kernel::Geometry;
