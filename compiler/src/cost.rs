@@ -21,6 +21,7 @@ fn op_flops(op: &Op, out_ty: &TensorType, args: &[&TensorType]) -> u64 {
     let program = |expr: &Expr| {
         let weight = |t: &Term| match t {
             Term::Unary(Unary::Exp | Unary::Log) => 4,
+            Term::Unary(Unary::Tanh | Unary::Erf) => 8,
             Term::Unary(_) | Term::Binary(_) => 1,
             Term::Arg(_) | Term::Lit(_) => 0,
         };

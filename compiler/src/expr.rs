@@ -22,6 +22,8 @@ pub enum Unary {
     Log,
     Relu,
     Sqrt,
+    Tanh,
+    Erf,
     /// `round_to` bf16 (printed `round_bf16`).
     RoundBf16,
     /// `round_to` f16 (printed `round_f16`).
@@ -48,6 +50,8 @@ impl Unary {
             Unary::Log => Op::Log,
             Unary::Relu => Op::Relu,
             Unary::Sqrt => Op::Sqrt,
+            Unary::Tanh => Op::Tanh,
+            Unary::Erf => Op::Erf,
             Unary::RoundBf16 => Op::RoundTo { dtype: DType::BF16 },
             Unary::RoundF16 => Op::RoundTo { dtype: DType::F16 },
         }
@@ -96,6 +100,8 @@ impl Term {
             Op::Log => Term::Unary(Unary::Log),
             Op::Relu => Term::Unary(Unary::Relu),
             Op::Sqrt => Term::Unary(Unary::Sqrt),
+            Op::Tanh => Term::Unary(Unary::Tanh),
+            Op::Erf => Term::Unary(Unary::Erf),
             Op::RoundTo { dtype: DType::BF16 } => Term::Unary(Unary::RoundBf16),
             Op::RoundTo { dtype: DType::F16 } => Term::Unary(Unary::RoundF16),
             Op::Add => Term::Binary(Binary::Add),

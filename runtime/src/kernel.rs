@@ -298,8 +298,9 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
         Op::ReluGrad if d(0) == d(1) => Some(Native::ReluGrad),
         Op::Fused { expr } => elementwise(expr, tys).map(Native::Fused),
         // One op as a one-term program: on host backends its output then comes from the
-        // plan's arena (exp, log and sqrt alone stay on burn's ops).
-        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::RoundTo { .. } => {
+        // plan's arena, and exp, erf and tanh alone compute what they compute in a program
+        // (log and sqrt alone stay on burn's ops, whose bits a program's are).
+        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::RoundTo { .. } | Op::Exp | Op::Erf | Op::Tanh => {
             let mut terms: Vec<Term> = (0..tys.len()).map(Term::Arg).collect();
             terms.push(Term::of(op)?);
             elementwise(&Expr::new(terms).ok()?, tys).map(Native::Fused)

@@ -155,6 +155,10 @@ fn train(args: &Args, net: GradAccumulation, optimizer: SGD, ds: &Cifar10Dataset
     let (rank, size) = (comm.rank(), comm.size());
     let mut model = if size > 1 { Model::<Cpu>::parallel(AutoParallel::new(net), optimizer, cpu(), args.seed, comm.clone())? } else { Model::<Cpu>::new(net, optimizer, cpu(), args.seed)? };
     model.accumulator_mut().session.set_profiling(args.profile);
+    // MindSpore's save_graphs: CELLGRAPH_SAVE_GRAPHS=1..3, CELLGRAPH_SAVE_GRAPHS_PATH=dir.
+    if let Some(opts) = cellgraph::compiler::dump::DumpOptions::from_env()? {
+        model.save_graphs(opts)?;
+    }
     let out: Box<dyn std::io::Write> = if rank == 0 { Box::new(std::io::stdout()) } else { Box::new(std::io::sink()) };
     let mut loss_cb = LossMonitor::to_writer(args.print_every, out);
     let mut time_cb = TimeMonitor::new();

@@ -171,6 +171,10 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
     let mut model = if size > 1 { Model::<Cpu>::parallel(AutoParallel::new(net), optimizer, cpu(), args.seed, comm.clone())? } else { Model::<Cpu>::new(net, optimizer, cpu(), args.seed)? };
     model = model.with_metrics(&[Metric::Loss]);
     model.accumulator_mut().session.set_profiling(args.profile);
+    // MindSpore's save_graphs: CELLGRAPH_SAVE_GRAPHS=1..3, CELLGRAPH_SAVE_GRAPHS_PATH=dir.
+    if let Some(opts) = cellgraph::compiler::dump::DumpOptions::from_env()? {
+        model.save_graphs(opts)?;
+    }
 
     let out: Box<dyn std::io::Write> = if rank == 0 { Box::new(std::io::stdout()) } else { Box::new(std::io::sink()) };
     let mut loss_cb = LossMonitor::to_writer(args.print_every, out);

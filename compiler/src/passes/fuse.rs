@@ -1,9 +1,12 @@
 //! Elementwise fusion: chains of elementwise ops become one `fused` node.
 //!
 //! Producer into consumer, in topological order. An elementwise node (add, sub, mul, div,
-//! neg, exp, log, relu, relu_grad, sqrt, or a node already fused) takes in:
+//! neg, exp, log, tanh, erf, relu, relu_grad, sqrt, or a node already fused) takes in:
 //! - an elementwise operand that nothing else reads, that is not an output, and that has the
 //!   consumer's extents (so no element is computed twice);
+//! - a cheap one (one add, sub, mul, neg, relu or relu_grad over at most one operand of its
+//!   extents) that other elementwise nodes of its type read, each of which then computes it
+//!   again (see `duplicable`): the tensor is never written out;
 //! - a float `constant` of one element, as a literal;
 //! - the operand of a `broadcast` it reads, in the broadcast's place, when the program's
 //!   implicit (right-aligned) broadcasting gives the same type: the program reads the small
@@ -14,7 +17,7 @@
 //! scope, and the producers it took in are removed. The ops and their order are unchanged, so
 //! the fused plan computes the same bits as the unfused one (`compile` can run either).
 
-use crate::expr::{Expr, Term};
+use crate::expr::{Binary, Expr, Term, Unary};
 use crate::graph::{Graph, NodeId};
 use crate::op::Op;
 
@@ -49,6 +52,29 @@ pub(super) fn absorbable(g: &Graph, x: NodeId, consumer: NodeId, xs: &[NodeId]) 
         && !g.outputs().contains(&x)
         && g.users(x).iter().all(|&u| u == consumer)
         && xs.iter().filter(|&&o| o == x).count() == 1
+}
+
+/// True when `consumer` may compute its operand `x`, a cheap elementwise node others read
+/// too, in its own program: `x` is one add, sub, mul, neg, relu or relu_grad whose operands
+/// other than literals include at most one of its own extents, it is not an output, and
+/// every node reading it is elementwise of its type and reads it once, so each takes it in
+/// and `x` is never written out. Each reader then reads `x`'s one large operand instead of
+/// `x`, and the pass over memory that wrote `x` is gone (GELU's `x * 0.7071` and `x * 0.5`,
+/// which its gradient reads too). The readers compute the same op on the same values: the
+/// bits do not change.
+fn duplicable(g: &Graph, x: NodeId, consumer: NodeId) -> bool {
+    let Some((terms, ys)) = body(g, x) else { return false };
+    let cheap = |t: &Term| matches!(t, Term::Arg(_) | Term::Lit(_) | Term::Unary(Unary::Neg | Unary::Relu) | Term::Binary(Binary::Add | Binary::Sub | Binary::Mul | Binary::ReluGrad));
+    let ty = g.ty(x);
+    let large = ys.iter().filter(|&&y| literal(g, y).is_none() && g.ty(y).numel() >= ty.numel()).count();
+    let once = |u: NodeId| g.operands(u).iter().filter(|&&o| o == x).count() == 1;
+    ty == g.ty(consumer)
+        && !matches!(g.node(x).op, Op::Fused { .. })
+        && terms.iter().all(cheap)
+        && large <= 1
+        && !g.outputs().contains(&x)
+        && once(consumer)
+        && g.users(x).iter().all(|&u| g.ty(u) == ty && body(g, u).is_some() && once(u))
 }
 
 /// Builds programs as terms over a growing operand list, one slot per distinct operand.
@@ -115,10 +141,10 @@ fn fuse_round(g: &mut Graph) -> usize {
             let fits = expr.infer(&b.operands.iter().map(|&o| g.ty(o)).collect::<Vec<_>>()).is_ok_and(|t| t == ty);
             fits.then_some((b, taken, expr))
         });
-        let Some((b, taken, expr)) = built else { continue };
+        let Some((b, (taken, copied), expr)) = built else { continue };
         let fused = g.add_unchecked(Op::Fused { expr }, &b.operands, ty, &scope);
         let mut constants = xs.clone();
-        for &x in &taken {
+        for &x in taken.iter().chain(&copied) {
             constants.extend(g.operands(x));
         }
         constants.retain(|&c| literal(g, c).is_some());
@@ -126,6 +152,12 @@ fn fuse_round(g: &mut Graph) -> usize {
         g.remove(id);
         for x in taken {
             g.remove(x);
+        }
+        // A copied node goes when its last reader has taken it in.
+        for x in copied {
+            if g.users(x).is_empty() {
+                g.remove(x);
+            }
         }
         for c in constants.into_iter().chain(b.broadcasts) {
             if g.contains(c) && g.users(c).is_empty() && !g.outputs().contains(&c) {
@@ -137,17 +169,19 @@ fn fuse_round(g: &mut Graph) -> usize {
     made
 }
 
-/// `id`'s program with its absorbable elementwise operands spliced in, and those operands.
-fn splice(g: &Graph, id: NodeId, terms: &[Term], xs: &[NodeId], through: bool) -> (Builder, Vec<NodeId>) {
+/// `id`'s program with its absorbable elementwise operands spliced in, and those operands:
+/// the ones it alone reads, and the cheap ones it computes again ([`duplicable`]).
+fn splice(g: &Graph, id: NodeId, terms: &[Term], xs: &[NodeId], through: bool) -> (Builder, (Vec<NodeId>, Vec<NodeId>)) {
     let mut b = Builder { terms: Vec::with_capacity(terms.len()), operands: Vec::new(), through, broadcasts: Vec::new() };
-    let mut taken = Vec::new();
+    let (mut taken, mut copied) = (Vec::new(), Vec::new());
     for &t in terms {
         let Term::Arg(i) = t else {
             b.terms.push(t);
             continue;
         };
         let x = xs[i];
-        match body(g, x).filter(|_| absorbable(g, x, id, xs)) {
+        let alone = absorbable(g, x, id, xs);
+        match body(g, x).filter(|_| alone || duplicable(g, x, id)) {
             Some((inner, ys)) => {
                 for u in inner {
                     match u {
@@ -155,12 +189,12 @@ fn splice(g: &Graph, id: NodeId, terms: &[Term], xs: &[NodeId], through: bool) -
                         other => b.terms.push(other),
                     }
                 }
-                taken.push(x);
+                if alone { &mut taken } else { &mut copied }.push(x);
             }
             None => b.read(g, x),
         }
     }
-    (b, taken)
+    (b, (taken, copied))
 }
 
 #[cfg(test)]
@@ -186,6 +220,40 @@ mod tests {
         assert_eq!(g.operands(out), vec![a, x]);
         assert!(!g.contains(wide), "the unused broadcast is removed");
         assert_eq!((g.outputs()[1], g.operands(z)), (z, vec![cw, d]));
+    }
+
+    /// GELU's `x * 0.5`, read by the forward's product and by the gradient: each computes it
+    /// again and it is never written out. A node a reduction also reads, or one with two
+    /// operands of its extents, stays.
+    #[test]
+    fn a_cheap_shared_operand_is_computed_again_by_each_reader() {
+        let mut g = Graph::new("g");
+        let (x, y) = (leaf(&mut g, "x", vec![2, 3]), leaf(&mut g, "y", vec![2, 3]));
+        let half = g.add_leaf(Op::Constant { value: 0.5 }, TensorType::f32(Shape::scalar()), "t").unwrap();
+        let h = g.add(Op::Mul, &[x, half], "t").unwrap();
+        let e = g.add(Op::Exp, &[h], "t").unwrap();
+        let f = g.add(Op::Add, &[h, y], "t").unwrap();
+        // Stays: a reduction reads it.
+        let k = g.add(Op::Neg, &[y], "t").unwrap();
+        let ke = g.add(Op::Exp, &[k], "t").unwrap();
+        let ks = g.add(Op::ReduceSum(crate::op::ReduceAttrs { axes: vec![1], keep_dims: false }), &[k], "t").unwrap();
+        // Stays: two operands of its extents.
+        let xy = g.add(Op::Mul, &[x, y], "t").unwrap();
+        let xy1 = g.add(Op::Exp, &[xy], "t").unwrap();
+        let xy2 = g.add(Op::Sqrt, &[xy], "t").unwrap();
+        g.set_outputs(vec![e, f, ke, ks, xy1, xy2]);
+        fuse_elementwise(&mut g);
+        crate::verify::verify(&g).unwrap();
+        let outs = g.outputs();
+        let program = |id: NodeId| match &g.node(id).op {
+            Op::Fused { expr } => (expr.to_string(), g.operands(id)),
+            op => (op.name().to_string(), g.operands(id)),
+        };
+        assert_eq!(program(outs[0]), ("$0 0.5 mul exp".to_string(), vec![x]));
+        assert_eq!(program(outs[1]), ("$0 0.5 mul $1 add".to_string(), vec![x, y]));
+        assert!(!g.contains(h) && !g.contains(half), "the shared product and its constant are gone");
+        assert!(g.contains(k) && program(outs[2]) == ("exp".to_string(), vec![k]), "{:?}", program(outs[2]));
+        assert!(g.contains(xy) && program(outs[4]).1 == vec![xy] && program(outs[5]).1 == vec![xy]);
     }
 
     #[test]

@@ -125,6 +125,8 @@ pub fn unary<F: Float>(x: F, #[comptime] op: Unary) -> F {
         Unary::Log => F::ln(x),
         Unary::Relu => select(x > F::new(0.0), x, F::new(0.0)),
         Unary::Sqrt => F::sqrt(x),
+        Unary::Tanh => F::tanh(x),
+        Unary::Erf => F::erf(x),
         Unary::RoundBf16 => round_bf16::<F>(x),
         Unary::RoundF16 => round_f16::<F>(x),
     }

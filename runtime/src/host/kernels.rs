@@ -50,6 +50,12 @@ pub trait HostFloat:
     /// `v` rounded to this type (as a `constant` node is).
     fn from_f64(v: f64) -> Self;
     fn exp(self) -> Self;
+    /// `exp`, `erf` and `tanh` as elementwise programs (and those ops alone) compute them: on
+    /// f32 [`super::math`]'s, which vectorise (within 1, 2 and 1.5 ulp); on f64, the
+    /// reference backend, std's and libm's, as burn's ops.
+    fn program_exp(self) -> Self;
+    fn erf(self) -> Self;
+    fn tanh(self) -> Self;
     fn ln(self) -> Self;
     fn sqrt(self) -> Self;
     /// The nearest bf16 value (ties to even; half's conversion, as `round_to` everywhere).
@@ -79,7 +85,7 @@ pub trait HostFloat:
 
 /// One implementation for both element types (`$scratch`: the type's thread-local scratch).
 macro_rules! host_float {
-    ($t:ident, $scratch:ident, $partials:ident) => {
+    ($t:ident, $scratch:ident, $partials:ident, $exp:path, $erf:path, $tanh:path) => {
         impl HostFloat for $t {
             const ZERO: $t = 0.0;
             const NEG_INF: $t = $t::NEG_INFINITY;
@@ -91,6 +97,18 @@ macro_rules! host_float {
             }
             fn exp(self) -> $t {
                 $t::exp(self)
+            }
+            #[inline(always)]
+            fn program_exp(self) -> $t {
+                $exp(self)
+            }
+            #[inline(always)]
+            fn erf(self) -> $t {
+                $erf(self)
+            }
+            #[inline(always)]
+            fn tanh(self) -> $t {
+                $tanh(self)
             }
             fn ln(self) -> $t {
                 $t::ln(self)
@@ -127,8 +145,8 @@ macro_rules! host_float {
     };
 }
 
-host_float!(f32, SCRATCH_F32, PARTIALS_F32);
-host_float!(f64, SCRATCH_F64, PARTIALS_F64);
+host_float!(f32, SCRATCH_F32, PARTIALS_F32, super::math::exp, super::math::erf, super::math::tanh);
+host_float!(f64, SCRATCH_F64, PARTIALS_F64, f64::exp, libm::erf, f64::tanh);
 
 /// Runs `f` on the first `len` elements of a thread-local buffer, grown (never shrunk) to fit.
 /// The buffer is taken out of the thread-local for the call: a thread waiting inside a kernel
@@ -1224,16 +1242,27 @@ fn binary<F: HostFloat>(op: Binary, a: &mut [F], b: &[F]) {
 /// `x = op(x)`, element by element.
 #[inline(always)]
 fn unary<F: HostFloat>(op: Unary, x: &mut [F]) {
+    // `for` loops, not `for_each`: a closure as large as erf's makes `for_each` a call that
+    // is not inlined, and so compiled for the baseline instruction set, not the caller's.
+    macro_rules! each {
+        (|$v:ident| $e:expr) => {
+            for $v in x.iter_mut() {
+                *$v = $e;
+            }
+        };
+    }
     match op {
         // burn's neg is a multiplication by -1 (a NaN keeps its sign).
-        Unary::Neg => x.iter_mut().for_each(|v| *v = *v * F::from_f64(-1.0)),
-        Unary::Exp => x.iter_mut().for_each(|v| *v = v.exp()),
-        Unary::Log => x.iter_mut().for_each(|v| *v = v.ln()),
-        Unary::Sqrt => x.iter_mut().for_each(|v| *v = v.sqrt()),
+        Unary::Neg => each!(|v| *v * F::from_f64(-1.0)),
+        Unary::Exp => each!(|v| v.program_exp()),
+        Unary::Erf => each!(|v| v.erf()),
+        Unary::Tanh => each!(|v| v.tanh()),
+        Unary::Log => each!(|v| v.ln()),
+        Unary::Sqrt => each!(|v| v.sqrt()),
         // As the host kernel `relu`.
-        Unary::Relu => x.iter_mut().for_each(|v| *v = relu1(*v)),
-        Unary::RoundBf16 => x.iter_mut().for_each(|v| *v = v.round_bf16()),
-        Unary::RoundF16 => x.iter_mut().for_each(|v| *v = v.round_f16()),
+        Unary::Relu => each!(|v| relu1(*v)),
+        Unary::RoundBf16 => each!(|v| v.round_bf16()),
+        Unary::RoundF16 => each!(|v| v.round_f16()),
     }
 }
 
@@ -1708,7 +1737,7 @@ pub(crate) mod tests {
     #[test]
     fn fused_programs_read_every_broadcast_and_round_as_the_ops_do() {
         use cellgraph_compiler::{Op, TensorType};
-        let expr: cellgraph_compiler::expr::Expr = "$0 $1 mul $2 add $3 sub relu $4 div $0 relu_grad 0.5 add exp log sqrt neg".parse().unwrap();
+        let expr: cellgraph_compiler::expr::Expr = "$0 $1 mul $2 add $3 sub relu $4 div $0 relu_grad 0.5 add exp log sqrt neg tanh erf".parse().unwrap();
         let dims: [&[usize]; 5] = [&[4, 100, 100], &[], &[100], &[100, 1], &[4, 1, 100]];
         let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.to_vec())).collect();
         let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else { panic!("fused binds") };
@@ -1725,7 +1754,8 @@ pub(crate) mod tests {
             let v = x0 * xs[1][0] + xs[2][c] - xs[3][b];
             let v = if v > 0.0 { v } else { 0.0 } / xs[4][a * 100 + c];
             let v = if x0 > 0.0 { v } else { 0.0 };
-            let want = -((v + 0.5f32).exp().ln().sqrt());
+            use crate::host::math::{erf, exp, tanh};
+            let want = erf(tanh(-(exp(v + 0.5f32).ln().sqrt())));
             assert_eq!(g.to_bits(), want.to_bits(), "element {i}: {g} vs {want}");
         }
     }

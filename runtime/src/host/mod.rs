@@ -5,6 +5,7 @@
 
 pub mod direct;
 pub mod kernels;
+pub mod math;
 mod toeplitz;
 
 pub use toeplitz::dense_conv;
