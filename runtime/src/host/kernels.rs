@@ -1664,6 +1664,77 @@ pub(crate) mod tests {
         }
     }
 
+    /// The copies (permute, slice, pad, causal mask) and the row maxima, cut into shares of
+    /// rows on one, two and three threads, against the same results written out element by
+    /// element; the maxima keep the sequential fold's NaN and zero.
+    #[test]
+    fn row_kernels_on_several_threads_equal_the_elementwise_reference() {
+        let dims = [4, 64, 6, 32];
+        let n: usize = dims.iter().product();
+        let x = data(n, 9);
+        let at = |i: [usize; 4]| ((i[0] * dims[1] + i[1]) * dims[2] + i[2]) * dims[3] + i[3];
+        let mut want_perm = Vec::new();
+        for a in 0..4 {
+            for c in 0..6 {
+                for b in 0..64 {
+                    for d in 0..32 {
+                        want_perm.push(x[at([a, b, c, d])]);
+                    }
+                }
+            }
+        }
+        let (begin, end) = ([1, 3, 0, 5], [4, 60, 6, 29]);
+        let mut want_slice = Vec::new();
+        for a in begin[0]..end[0] {
+            for b in begin[1]..end[1] {
+                for c in begin[2]..end[2] {
+                    for d in begin[3]..end[3] {
+                        want_slice.push(x[at([a, b, c, d])]);
+                    }
+                }
+            }
+        }
+        let (lo, hi) = ([0, 2, 1, 3], [1, 0, 2, 4]);
+        let out: Vec<usize> = (0..4).map(|i| lo[i] + dims[i] + hi[i]).collect();
+        let mut want_pad = Vec::new();
+        for a in 0..out[0] {
+            for b in 0..out[1] {
+                for c in 0..out[2] {
+                    for d in 0..out[3] {
+                        let i = [a, b, c, d];
+                        let inside = (0..4).all(|k| i[k] >= lo[k] && i[k] < lo[k] + dims[k]);
+                        want_pad.push(if inside { x[at([a - lo[0], b - lo[1], c - lo[2], d - lo[3]])] } else { 0.0 });
+                    }
+                }
+            }
+        }
+        // Scores [4, 6, 64, 32]: 64 queries over 32 keys (the last 32 queries see all).
+        let (t, s) = (64, 32);
+        let want_mask: Vec<f32> = (0..n).map(|k| if k % s > (k / s % t + s).saturating_sub(t) { -7.0 } else { x[k] }).collect();
+        // Rows of 100 (a remainder past the lanes); one with a NaN, one with both zeros and
+        // negatives, one with a NaN then another NaN (the fold keeps the last).
+        let cols = 100;
+        let mut m = data(n / cols * cols, 3);
+        m[5 * cols + 77] = f32::NAN;
+        // The fold keeps the +0 it meets first; lane by lane, lane 1's -0 would come first.
+        m[9 * cols..10 * cols].iter_mut().enumerate().for_each(|(j, v)| *v = if j == 17 { -0.0 } else if j == 2 { 0.0 } else { -1.0 - j as f32 });
+        (m[11 * cols + 2], m[11 * cols + 90]) = (f32::NAN, f32::from_bits(0x7fc0_0001));
+        let fold = |row: &[f32]| row[1..].iter().fold(row[0], |a, &b| if b > a || b != b { b } else { a });
+        let want_max: Vec<u32> = m.chunks_exact(cols).map(|r| fold(r).to_bits()).collect();
+        assert!(f32::from_bits(want_max[5]).is_nan() && want_max[9] == 0 && want_max[11] == 0x7fc0_0001);
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
+            pool.install(|| {
+                assert_eq!(new(n, |y| permute(&x, &dims, &[0, 2, 1, 3], y)), want_perm, "permute on {threads}");
+                assert_eq!(new(want_slice.len(), |y| slice(&x, &dims, &begin, &end, y)), want_slice, "slice on {threads}");
+                assert_eq!(new(want_pad.len(), |y| pad(&x, &dims, &lo, &hi, y)), want_pad, "pad on {threads}");
+                assert_eq!(new(n, |y| causal_mask(&x, t, s, -7.0, y)), want_mask, "causal mask on {threads}");
+                let got: Vec<u32> = new(m.len() / cols, |y| max_rows(&m, cols, y)).into_iter().map(f32::to_bits).collect();
+                assert_eq!(got, want_max, "row maxima on {threads}");
+            });
+        }
+    }
+
     /// Chunks and pooling planes run on rayon's threads, but the cut depends on the shapes
     /// only: one thread and three give the same bits.
     #[test]
@@ -1790,6 +1861,20 @@ fn row_offsets<'a>(ext: &'a [usize], st: &'a [usize], base: usize) -> impl Itera
     })
 }
 
+/// Runs `f(first, part)` on `y` cut into shares of whole rows of `row` elements (`first`:
+/// the share's first row), one per thread when `y` is large enough to be worth it. Each
+/// element is computed the same way whatever the cut.
+fn row_shares<F: HostFloat>(y: &mut [F], row: usize, f: impl Fn(usize, &mut [F]) + Send + Sync) {
+    let rows = y.len().checked_div(row).unwrap_or(0);
+    let threads = rayon::current_num_threads().min(y.len() / (16 * BLOCK)).min(rows).max(1);
+    if threads == 1 {
+        return f(0, y);
+    }
+    let per = rows.div_ceil(threads);
+    let shares: Vec<(usize, &mut [F])> = y.chunks_mut(per * row).enumerate().map(|(i, c)| (i * per, c)).collect();
+    each(shares, |(first, part)| f(first, part));
+}
+
 /// `y` = the row-major `x` of extents `dims` with its axes permuted (`y`'s axis `i` is `x`'s
 /// axis `perm[i]`), written row-major; runs along a kept last axis are copied whole.
 pub fn permute<F: HostFloat>(x: &[F], dims: &[usize], perm: &[usize], y: &mut [F]) {
@@ -1801,15 +1886,17 @@ pub fn permute<F: HostFloat>(x: &[F], dims: &[usize], perm: &[usize], y: &mut [F
     let out: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
     let st: Vec<usize> = perm.iter().map(|&p| strides[p]).collect();
     let (inner, step) = (out[r - 1], st[r - 1]);
-    for (row, base) in y.chunks_exact_mut(inner).zip(row_offsets(&out[..r - 1], &st[..r - 1], 0)) {
-        if step == 1 {
-            row.copy_from_slice(&x[base..base + inner]);
-        } else {
-            for (j, v) in row.iter_mut().enumerate() {
-                *v = x[base + j * step];
+    row_shares(y, inner, |first, part| {
+        for (row, base) in part.chunks_exact_mut(inner).zip(row_offsets(&out[..r - 1], &st[..r - 1], 0).skip(first)) {
+            if step == 1 {
+                row.copy_from_slice(&x[base..base + inner]);
+            } else {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = x[base + j * step];
+                }
             }
         }
-    }
+    });
 }
 
 /// `y` = `x[begin..end]` on every axis of the row-major `x` of extents `dims`, row-major.
@@ -1821,43 +1908,115 @@ pub fn slice<F: HostFloat>(x: &[F], dims: &[usize], begin: &[usize], end: &[usiz
     let st = strides_of(dims);
     let out: Vec<usize> = (0..r).map(|i| end[i] - begin[i]).collect();
     let base = (0..r).map(|i| begin[i] * st[i]).sum();
-    for (row, at) in y.chunks_exact_mut(out[r - 1]).zip(row_offsets(&out[..r - 1], &st[..r - 1], base)) {
-        row.copy_from_slice(&x[at..at + row.len()]);
-    }
+    row_shares(y, out[r - 1], |first, part| {
+        for (row, at) in part.chunks_exact_mut(out[r - 1]).zip(row_offsets(&out[..r - 1], &st[..r - 1], base).skip(first)) {
+            row.copy_from_slice(&x[at..at + row.len()]);
+        }
+    });
 }
 
 /// `y` = the row-major `x` of extents `dims` padded with zeros, `lo[i]` before and `hi[i]`
-/// after axis `i`, row-major.
+/// after axis `i`, row-major: each output row is zeros, or zeros around a row of `x`.
 pub fn pad<F: HostFloat>(x: &[F], dims: &[usize], lo: &[usize], hi: &[usize], y: &mut [F]) {
     let r = dims.len();
-    y.fill(F::ZERO);
-    if r == 0 || x.is_empty() {
+    if r == 0 || x.is_empty() || y.is_empty() {
+        y.fill(F::ZERO);
         return y[..x.len()].copy_from_slice(x);
     }
     let out: Vec<usize> = (0..r).map(|i| lo[i] + dims[i] + hi[i]).collect();
-    let st = strides_of(&out);
-    let base = (0..r).map(|i| lo[i] * st[i]).sum();
-    for (row, at) in x.chunks_exact(dims[r - 1]).zip(row_offsets(&dims[..r - 1], &st[..r - 1], base)) {
-        y[at..at + row.len()].copy_from_slice(row);
-    }
+    let xst = strides_of(dims);
+    let (w, (l, xw)) = (out[r - 1], (lo[r - 1], dims[r - 1]));
+    row_shares(y, w, |first, part| {
+        // The multi-index of the share's first row over the outer axes.
+        let mut idx = vec![0; r - 1];
+        let mut rest = first;
+        for a in (0..r - 1).rev() {
+            (idx[a], rest) = (rest % out[a], rest / out[a]);
+        }
+        for row in part.chunks_exact_mut(w) {
+            if (0..r - 1).all(|a| idx[a] >= lo[a] && idx[a] < lo[a] + dims[a]) {
+                let at: usize = (0..r - 1).map(|a| (idx[a] - lo[a]) * xst[a]).sum();
+                row[..l].fill(F::ZERO);
+                row[l..l + xw].copy_from_slice(&x[at..at + xw]);
+                row[l + xw..].fill(F::ZERO);
+            } else {
+                row.fill(F::ZERO);
+            }
+            for a in (0..r - 1).rev() {
+                idx[a] += 1;
+                if idx[a] < out[a] {
+                    break;
+                }
+                idx[a] = 0;
+            }
+        }
+    });
 }
+
 /// Causal masking of `[..., t, s]` scores: element `(i, j)` of each `t x s` matrix is `fill`
 /// where `j > i + s - t`, else `x`'s.
 pub fn causal_mask<F: HostFloat>(x: &[F], t: usize, s: usize, fill: F, y: &mut [F]) {
-    for (xm, ym) in x.chunks_exact(t * s).zip(y.chunks_exact_mut(t * s)) {
-        for i in 0..t {
+    if s == 0 || t == 0 {
+        return;
+    }
+    row_shares(y, s, |first, part| {
+        for (k, yr) in part.chunks_exact_mut(s).enumerate() {
+            let (g, i) = (first + k, (first + k) % t);
             // Keys 0..=i + s - t are visible.
             let seen = (i + s).saturating_sub(t).saturating_add(1).min(s);
-            let (xr, yr) = (&xm[i * s..(i + 1) * s], &mut ym[i * s..(i + 1) * s]);
+            let xr = &x[g * s..(g + 1) * s];
             yr[..seen].copy_from_slice(&xr[..seen]);
             yr[seen..].fill(fill);
         }
-    }
+    });
 }
 
-/// The maximum of each row of the row-major `[rows, cols]` `x` (a NaN in a row makes it NaN).
+/// The maximum of each row of the row-major `[rows, cols]` `x` (a NaN in a row makes it NaN:
+/// the last one's bits, as the sequential fold `if b > a || b != b { b } else { a }`).
 pub fn max_rows<F: HostFloat>(x: &[F], cols: usize, y: &mut [F]) {
-    for (row, m) in x.chunks_exact(cols).zip(y.iter_mut()) {
-        *m = row[1..].iter().fold(row[0], |a, &b| if b > a || b != b { b } else { a });
+    if cols == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads().min(x.len() / (16 * BLOCK)).min(y.len()).max(1);
+    let per = y.len().div_ceil(threads);
+    let shares: Vec<(&[F], &mut [F])> = x.chunks(per * cols).zip(y.chunks_mut(per)).collect();
+    each(shares, |(x, y)| vectorized(MaxRows { x, cols, y }));
+}
+
+/// [`max_rows`] over one share, as a struct so that its loop is compiled for the dispatched
+/// instruction set ([`vectorized`]).
+struct MaxRows<'a, F> {
+    x: &'a [F],
+    cols: usize,
+    y: &'a mut [F],
+}
+
+impl<F: HostFloat> pulp::WithSimd for MaxRows<'_, F> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        const LANES: usize = 16;
+        let fold = |row: &[F]| row[1..].iter().fold(row[0], |a, &b| if b > a || b != b { b } else { a });
+        for (row, m) in self.x.chunks_exact(self.cols).zip(self.y.iter_mut()) {
+            // Lane by lane, then across the lanes: the same maximum as the fold unless the row
+            // holds a NaN (which one is kept) or the maximum is zero (which sign is kept),
+            // where the fold itself decides.
+            let mut acc = [row[0]; LANES];
+            let mut nan = [false; LANES];
+            let chunks = row.chunks_exact(LANES);
+            let rest = chunks.remainder();
+            for c in chunks {
+                for j in 0..LANES {
+                    acc[j] = if c[j] > acc[j] { c[j] } else { acc[j] };
+                    nan[j] |= c[j].is_nan();
+                }
+            }
+            let mut v = acc[0];
+            for &b in acc[1..].iter().chain(rest) {
+                v = if b > v { b } else { v };
+            }
+            let odd = nan.iter().any(|&n| n) || rest.iter().any(|b| b.is_nan()) || v == F::ZERO;
+            *m = if odd { fold(row) } else { v };
+        }
     }
 }
