@@ -1307,17 +1307,7 @@ pub fn update_clear<F: HostFloat>(prog: &UpdateKernel, p: &mut [F], acc: &mut [F
     let shares: Vec<_> = p.chunks_mut(per).zip(acc.chunks_mut(per)).map(|(p, a)| (p, a, parts.iter_mut().map(|v| v.remove(0)).collect::<Vec<_>>())).collect();
     each(shares, |(p, acc, mut st)| {
         // Scratch: the gradient, the parameter and the states as they were, the steps' values.
-        F::scratch((2 + st.len() + lets) * BLOCK, |scratch| {
-            vectorized(
-                #[inline(always)]
-                || {
-                    for start in (0..p.len()).step_by(BLOCK) {
-                        let m = BLOCK.min(p.len() - start);
-                        update_block(prog, &kept, consts, scale, &mut p[start..start + m], &mut acc[start..start + m], &mut st, start, scratch);
-                    }
-                },
-            )
-        })
+        F::scratch((2 + st.len() + lets) * BLOCK, |scratch| vectorized(Update { prog, kept: &kept, consts, scale, p, acc, states: &mut st, scratch }))
     });
 }
 
@@ -1357,6 +1347,31 @@ fn binary_into<F: HostFloat>(op: Binary, dst: &mut [F], a: Src<F>, b: Src<F>) {
         (Src::Splat(x), Src::Block(b)) => dst.iter_mut().zip(b).for_each(|(d, &y)| *d = f(x, y)),
         (Src::Splat(x), Src::Splat(y)) => dst.fill(f(x, y)),
     })
+}
+
+/// [`update_clear`]'s loop over one share's blocks, as a [`vectorized`] op (too large for a
+/// closure, which ran on SSE2: see there).
+struct Update<'a, 'b, F> {
+    prog: &'a UpdateKernel,
+    kept: &'a [bool],
+    consts: &'a [F],
+    scale: F,
+    p: &'a mut [F],
+    acc: &'a mut [F],
+    states: &'a mut [&'b mut [F]],
+    scratch: &'a mut [F],
+}
+
+impl<F: HostFloat> pulp::WithSimd for Update<'_, '_, F> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let Update { prog, kept, consts, scale, p, acc, states, scratch } = self;
+        for start in (0..p.len()).step_by(BLOCK) {
+            let m = BLOCK.min(p.len() - start);
+            update_block(prog, kept, consts, scale, &mut p[start..start + m], &mut acc[start..start + m], states, start, scratch);
+        }
+    }
 }
 
 /// One block of [`update_clear`]: `p` and `acc` the block's elements, `states` the share's
