@@ -54,11 +54,15 @@ pub(super) fn absorbable(g: &Graph, x: NodeId, consumer: NodeId, xs: &[NodeId]) 
         && xs.iter().filter(|&&o| o == x).count() == 1
 }
 
+/// The longest program that computing cheap operands again may make.
+const MAX_COPYING_TERMS: usize = 48;
+
 /// True when `consumer` may compute its operand `x`, a cheap elementwise node others read
-/// too, in its own program: `x` is one add, sub, mul, neg, relu or relu_grad whose operands
-/// other than literals include at most one of its own extents, it is not an output, and
-/// every node reading it is elementwise of its type and reads it once, so each takes it in
-/// and `x` is never written out. Each reader then reads `x`'s one large operand instead of
+/// too (or that it reads twice), in its own program: `x` is one add, sub, mul, neg, relu or
+/// relu_grad whose operands other than literals include at most one of its own extents, it
+/// is not an output, and every node reading it is elementwise of its type, so each takes it
+/// in and `x` is never written out (batch norm's `x - mean`, squared for the variance and
+/// divided by the deviation). Each reader then reads `x`'s one large operand instead of
 /// `x`, and the pass over memory that wrote `x` is gone (GELU's `x * 0.7071` and `x * 0.5`,
 /// which its gradient reads too). The readers compute the same op on the same values: the
 /// bits do not change.
@@ -67,14 +71,12 @@ fn duplicable(g: &Graph, x: NodeId, consumer: NodeId) -> bool {
     let cheap = |t: &Term| matches!(t, Term::Arg(_) | Term::Lit(_) | Term::Unary(Unary::Neg | Unary::Relu) | Term::Binary(Binary::Add | Binary::Sub | Binary::Mul | Binary::ReluGrad));
     let ty = g.ty(x);
     let large = ys.iter().filter(|&&y| literal(g, y).is_none() && g.ty(y).numel() >= ty.numel()).count();
-    let once = |u: NodeId| g.operands(u).iter().filter(|&&o| o == x).count() == 1;
     ty == g.ty(consumer)
         && !matches!(g.node(x).op, Op::Fused { .. })
         && terms.iter().all(cheap)
         && large <= 1
         && !g.outputs().contains(&x)
-        && once(consumer)
-        && g.users(x).iter().all(|&u| g.ty(u) == ty && body(g, u).is_some() && once(u))
+        && g.users(x).iter().all(|&u| g.ty(u) == ty && body(g, u).is_some())
 }
 
 /// Builds programs as terms over a growing operand list, one slot per distinct operand.
@@ -129,9 +131,15 @@ fn fuse_round(g: &mut Graph) -> usize {
         let Some((terms, xs)) = body(g, id) else { continue };
         let scope = g.node(id).scope.clone();
         let ty = g.ty(id).clone();
-        // With broadcasts read through first; without, when that changes the type.
-        let built = [true, false].into_iter().find_map(|through| {
-            let (b, taken) = splice(g, id, &terms, &xs, through);
+        // With broadcasts read through first; without, when that changes the type. Cheap
+        // operands computed again only while the program stays short (a chain of squares
+        // would double it at every link).
+        let attempts = [(true, true), (false, true), (true, false), (false, false)];
+        let built = attempts.into_iter().find_map(|(through, copy)| {
+            let (b, taken) = splice(g, id, &terms, &xs, through, copy);
+            if copy && !taken.1.is_empty() && b.terms.len() > MAX_COPYING_TERMS {
+                return None;
+            }
             let expr = Expr::new(b.terms.clone()).expect("splicing well-formed programs");
             let changed = expr.ops() >= 2 || !b.broadcasts.is_empty();
             if !changed || b.operands.is_empty() || matches!(&g.node(id).op, Op::Fused { expr: e } if *e == expr) {
@@ -171,7 +179,7 @@ fn fuse_round(g: &mut Graph) -> usize {
 
 /// `id`'s program with its absorbable elementwise operands spliced in, and those operands:
 /// the ones it alone reads, and the cheap ones it computes again ([`duplicable`]).
-fn splice(g: &Graph, id: NodeId, terms: &[Term], xs: &[NodeId], through: bool) -> (Builder, (Vec<NodeId>, Vec<NodeId>)) {
+fn splice(g: &Graph, id: NodeId, terms: &[Term], xs: &[NodeId], through: bool, copy: bool) -> (Builder, (Vec<NodeId>, Vec<NodeId>)) {
     let mut b = Builder { terms: Vec::with_capacity(terms.len()), operands: Vec::new(), through, broadcasts: Vec::new() };
     let (mut taken, mut copied) = (Vec::new(), Vec::new());
     for &t in terms {
@@ -181,7 +189,7 @@ fn splice(g: &Graph, id: NodeId, terms: &[Term], xs: &[NodeId], through: bool) -
         };
         let x = xs[i];
         let alone = absorbable(g, x, id, xs);
-        match body(g, x).filter(|_| alone || duplicable(g, x, id)) {
+        match body(g, x).filter(|_| alone || (copy && duplicable(g, x, id))) {
             Some((inner, ys)) => {
                 for u in inner {
                     match u {
@@ -189,7 +197,11 @@ fn splice(g: &Graph, id: NodeId, terms: &[Term], xs: &[NodeId], through: bool) -
                         other => b.terms.push(other),
                     }
                 }
-                if alone { &mut taken } else { &mut copied }.push(x);
+                if alone {
+                    taken.push(x);
+                } else if !copied.contains(&x) {
+                    copied.push(x);
+                }
             }
             None => b.read(g, x),
         }
@@ -222,9 +234,10 @@ mod tests {
         assert_eq!((g.outputs()[1], g.operands(z)), (z, vec![cw, d]));
     }
 
-    /// GELU's `x * 0.5`, read by the forward's product and by the gradient: each computes it
-    /// again and it is never written out. A node a reduction also reads, or one with two
-    /// operands of its extents, stays.
+    /// GELU's `x * 0.5`, read by the forward's product and by the gradient, and batch norm's
+    /// `x - mean`, squared and divided: each reader computes them again and they are never
+    /// written out. A node a reduction also reads, or one with two operands of its extents,
+    /// stays.
     #[test]
     fn a_cheap_shared_operand_is_computed_again_by_each_reader() {
         let mut g = Graph::new("g");
@@ -241,7 +254,13 @@ mod tests {
         let xy = g.add(Op::Mul, &[x, y], "t").unwrap();
         let xy1 = g.add(Op::Exp, &[xy], "t").unwrap();
         let xy2 = g.add(Op::Sqrt, &[xy], "t").unwrap();
-        g.set_outputs(vec![e, f, ke, ks, xy1, xy2]);
+        // Batch norm's `x - mean`, squared (read twice) for the variance, and divided.
+        let mean = leaf(&mut g, "mean", vec![3]);
+        let xc = g.add(Op::Sub, &[x, mean], "t").unwrap();
+        let sq = g.add(Op::Mul, &[xc, xc], "t").unwrap();
+        let var = g.add(Op::ReduceSum(crate::op::ReduceAttrs { axes: vec![0], keep_dims: false }), &[sq], "t").unwrap();
+        let xn = g.add(Op::Div, &[xc, y], "t").unwrap();
+        g.set_outputs(vec![e, f, ke, ks, xy1, xy2, var, xn]);
         fuse_elementwise(&mut g);
         crate::verify::verify(&g).unwrap();
         let outs = g.outputs();
@@ -251,9 +270,14 @@ mod tests {
         };
         assert_eq!(program(outs[0]), ("$0 0.5 mul exp".to_string(), vec![x]));
         assert_eq!(program(outs[1]), ("$0 0.5 mul $1 add".to_string(), vec![x, y]));
-        assert!(!g.contains(h) && !g.contains(half), "the shared product and its constant are gone");
+        // (Node ids are reused: look for the ops, not the ids.)
+        let ops = |f: fn(&Op) -> bool| g.ids().into_iter().filter(|&id| f(&g.node(id).op)).count();
+        assert_eq!(ops(|op| matches!(op, Op::Constant { .. } | Op::Sub)), 0, "the shared product's constant and `x - mean` are gone: {}", crate::print::print(&g));
+        assert_eq!(ops(|op| matches!(op, Op::Mul)), 1, "only x * y, with two operands of its extents, stays");
         assert!(g.contains(k) && program(outs[2]) == ("exp".to_string(), vec![k]), "{:?}", program(outs[2]));
         assert!(g.contains(xy) && program(outs[4]).1 == vec![xy] && program(outs[5]).1 == vec![xy]);
+        assert_eq!(program(g.operands(outs[6])[0]), ("$0 $1 sub $0 $1 sub mul".to_string(), vec![x, mean]));
+        assert_eq!(program(outs[7]), ("$0 $1 sub $2 div".to_string(), vec![x, mean, y]));
     }
 
     #[test]
