@@ -465,6 +465,7 @@ fn seed002_mlp_gradients_match_finite_differences() {
 /// gradients are the NT and TN products), convolutions whose filter gradient is split over the
 /// output positions (LeNet5's two layers, a strided padded one with a short last slice, a
 /// grouped one), epilogues, padded overlapping pooling, strided reads, a loss over many rows.
+#[cfg(feature = "wgpu")]
 fn device_cases() -> Vec<Case> {
     vec![
         case!("matmul_double", [[96, 200], [200, 80]], |e, p, x| e.matmul(p[0], p[1], false, false).unwrap()),
