@@ -57,8 +57,8 @@ pub(super) fn absorbable(g: &Graph, x: NodeId, consumer: NodeId, xs: &[NodeId]) 
 /// The longest program that computing cheap operands again may make.
 const MAX_COPYING_TERMS: usize = 48;
 
-/// True when `consumer` may compute its operand `x`, a cheap elementwise node others read
-/// too (or that it reads twice), in its own program: `x` is one add, sub, mul, neg, relu or
+/// True when each reader of `x`, a cheap elementwise node several read (or one reads twice),
+/// may compute it in its own program: `x` is one add, sub, mul, neg, relu or
 /// relu_grad whose operands other than literals include at most one of its own extents, it
 /// is not an output, and every node reading it is elementwise of its type, so each takes it
 /// in and `x` is never written out (batch norm's `x - mean`, squared for the variance and
@@ -66,13 +66,12 @@ const MAX_COPYING_TERMS: usize = 48;
 /// `x`, and the pass over memory that wrote `x` is gone (GELU's `x * 0.7071` and `x * 0.5`,
 /// which its gradient reads too). The readers compute the same op on the same values: the
 /// bits do not change.
-fn duplicable(g: &Graph, x: NodeId, consumer: NodeId) -> bool {
+fn duplicable(g: &Graph, x: NodeId) -> bool {
     let Some((terms, ys)) = body(g, x) else { return false };
     let cheap = |t: &Term| matches!(t, Term::Arg(_) | Term::Lit(_) | Term::Unary(Unary::Neg | Unary::Relu) | Term::Binary(Binary::Add | Binary::Sub | Binary::Mul | Binary::ReluGrad));
     let ty = g.ty(x);
     let large = ys.iter().filter(|&&y| literal(g, y).is_none() && g.ty(y).numel() >= ty.numel()).count();
-    ty == g.ty(consumer)
-        && !matches!(g.node(x).op, Op::Fused { .. })
+    !matches!(g.node(x).op, Op::Fused { .. })
         && terms.iter().all(cheap)
         && large <= 1
         && !g.outputs().contains(&x)
@@ -189,7 +188,7 @@ fn splice(g: &Graph, id: NodeId, terms: &[Term], xs: &[NodeId], through: bool, c
         };
         let x = xs[i];
         let alone = absorbable(g, x, id, xs);
-        match body(g, x).filter(|_| alone || (copy && duplicable(g, x, id))) {
+        match body(g, x).filter(|_| alone || (copy && duplicable(g, x))) {
             Some((inner, ys)) => {
                 for u in inner {
                     match u {

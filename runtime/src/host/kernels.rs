@@ -1169,10 +1169,7 @@ pub type Post<'a, F> = Option<&'a (dyn Fn(usize, &mut [F]) + Sync)>;
 /// parts), cut into per-thread shares of whole blocks.
 pub fn post_all<F: HostFloat>(post: Post<F>, y: &mut [F]) {
     let Some(post) = post else { return };
-    let threads = rayon::current_num_threads().min(y.len() / (16 * BLOCK)).max(1);
-    let per = y.len().div_ceil(threads).div_ceil(BLOCK) * BLOCK;
-    let shares: Vec<(usize, &mut [F])> = y.chunks_mut(per.max(1)).enumerate().map(|(i, c)| (i * per, c)).collect();
-    each(shares, |(first, part)| post(first, part));
+    row_shares(y, BLOCK, |first, part| post(first * BLOCK, part));
 }
 
 /// Where a program's operands are: all in slices, or (an epilogue) operand 0 in the output
@@ -1899,6 +1896,9 @@ fn row_offsets<'a>(ext: &'a [usize], st: &'a [usize], base: usize) -> impl Itera
 /// the share's first row), one per thread when `y` is large enough to be worth it. Each
 /// element is computed the same way whatever the cut.
 fn row_shares<F: HostFloat>(y: &mut [F], row: usize, f: impl Fn(usize, &mut [F]) + Send + Sync) {
+    if y.is_empty() {
+        return;
+    }
     let rows = y.len().checked_div(row).unwrap_or(0);
     let threads = rayon::current_num_threads().min(y.len() / (16 * BLOCK)).min(rows).max(1);
     if threads == 1 {
