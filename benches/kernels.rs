@@ -69,6 +69,30 @@ fn main() {
     let (dy, x) = (data(n * 6 * 28 * 28), data(n * 6 * 28 * 28));
     row("relu grad 32x6x28x28", timed(x.len(), |dx| kernels::relu_grad(&dy, &x, dx)), 0.0);
     resnet18(n);
+    gpt();
+}
+
+/// The character GPT's products (width 128, 4 heads, context 128, micro-batch of 8 sequences:
+/// 1,024 tokens): the linear layers forward and their two gradients, and one head's attention
+/// scores. Row-major operands, read transposed where the graph reads them so.
+fn gpt() {
+    println!("\nGPT products (1,024 tokens, width 128)");
+    let shapes = [
+        ("qkv 1024x128 @ 128x384", 1024usize, 128usize, 384usize, false, false),
+        ("fc1 1024x128 @ 128x512", 1024, 128, 512, false, false),
+        ("fc2 1024x512 @ 512x128", 1024, 512, 128, false, false),
+        ("fc1 input grad 1024x512 @ (128x512)^T", 1024, 512, 128, false, true),
+        ("fc1 weight grad (1024x128)^T @ 1024x512", 128, 1024, 512, true, false),
+        ("fc2 weight grad (1024x512)^T @ 1024x128", 512, 1024, 128, true, false),
+        ("scores 128x32 @ (128x32)^T", 128, 32, 128, false, true),
+        ("values 128x128 @ 128x32", 128, 128, 32, false, false),
+    ];
+    for (name, m, k, n, ta, tb) in shapes {
+        let (a, b) = (data(m * k), data(k * n));
+        let ma = if ta { Mat { data: &a, rows: k, cols: m, transposed: true } } else { Mat { data: &a, rows: m, cols: k, transposed: false } };
+        let mb = if tb { Mat { data: &b, rows: n, cols: k, transposed: true } } else { Mat { data: &b, rows: k, cols: n, transposed: false } };
+        row(name, timed(m * n, |c| kernels::matmul(ma, mb, c)), 2.0 * (m * k * n) as f64);
+    }
 }
 
 /// ResNet-18's convolutions on 3 x 32 x 32 images (torchvision's layout: the 7x7/2 stem, then

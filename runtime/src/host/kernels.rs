@@ -1447,7 +1447,7 @@ fn update_block<F: HostFloat>(prog: &UpdateKernel, kept: &[bool], consts: &[F], 
 }
 
 fn program<F: HostFloat>(e: &Elementwise, args: Operands<F>, first: usize, part: &mut [F]) {
-    F::scratch(e.depth * BLOCK, |stack| vectorized(Program { e, args, first, stack, part }))
+    F::scratch(e.depth.max(1) * BLOCK, |stack| vectorized(Program { e, args, first, stack, part }))
 }
 
 /// [`program`]'s loop over blocks, as a [`vectorized`] op (too large for a closure: see there).
@@ -1469,58 +1469,215 @@ impl<F: HostFloat> pulp::WithSimd for Program<'_, F> {
     }
 }
 
+/// One block of a program: output elements `[start, start + dst.len())`. The stack's bottom
+/// slot is `dst` itself (the program's value ends there), the others are `stack`'s. An
+/// operand followed by a binary op is applied to the top of the stack straight from its
+/// memory, piece by piece ([`Runs`]), and the first operand with the op after it is computed
+/// into `dst` in one pass; only operands read in short pieces are gathered into a slot first.
+/// Every op is the same op on the same values as in the unfused plan, in the same order.
 #[inline(always)]
 fn fused_block<F: HostFloat>(e: &Elementwise, args: Operands<F>, start: usize, stack: &mut [F], dst: &mut [F]) {
+    static SAME: Read = Read::Same;
     let n = dst.len();
-    let mut sp = 0;
-    let mut skip = false;
-    for (k, t) in e.terms.iter().enumerate() {
-        if std::mem::take(&mut skip) {
-            continue;
+    // An epilogue's operand 0 is `dst` as the head left it, overwritten by the program from
+    // its first op on: any read of it after the first term is of a copy, taken now.
+    let (saved, stack) = stack.split_at_mut(BLOCK);
+    let head = matches!(args, Operands::Head(_));
+    if head && e.terms.iter().enumerate().any(|(k, t)| k > 0 && *t == Term::Arg(0)) {
+        saved[..n].copy_from_slice(dst);
+    }
+    let saved = &saved[..n];
+    // Operand `i`: how the block reads it, its memory, and the index of the block's first
+    // element in that memory's frame.
+    let operand = |i: usize| -> (&Read, &[F], usize) {
+        match args {
+            Operands::All(a) => (&e.reads[i], a[i], start),
+            Operands::Head(_) if i == 0 => (&SAME, saved, 0),
+            Operands::Head(a) => (&e.reads[i], a[i - 1], start),
         }
-        // A literal, an operand read in place or a splat, then a binary op: applied to the
-        // top of the stack in one pass (the same op on the same values).
-        if let (Some(&Term::Binary(op)), true) = (e.terms.get(k + 1), sp >= 1) {
-            let b = match *t {
-                Term::Lit(v) => Some(Src::Splat(F::from_f64(v))),
-                Term::Arg(i) => match (args, &e.reads[i]) {
-                    (Operands::All(a), Read::Same) => Some(Src::Block(&a[i][start..start + n])),
-                    (Operands::All(a), Read::Splat) => Some(Src::Splat(a[i][0])),
-                    (Operands::Head(a), Read::Same) if i > 0 => Some(Src::Block(&a[i - 1][start..start + n])),
-                    (Operands::Head(a), Read::Splat) if i > 0 => Some(Src::Splat(a[i - 1][0])),
-                    _ => None,
-                },
-                _ => None,
+    };
+    let terms = &e.terms[..];
+    let mut sp = 0;
+    let mut k = 0;
+    while k < terms.len() {
+        let next = match terms.get(k + 1) {
+            Some(&Term::Binary(op)) => Some(op),
+            _ => None,
+        };
+        // An operand or a literal, then a binary op: applied to the top of the stack.
+        if let (Some(op), true) = (next, sp >= 1) {
+            let top = if sp == 1 { &mut *dst } else { &mut stack[(sp - 2) * BLOCK..][..n] };
+            let done = match terms[k] {
+                Term::Lit(v) => {
+                    binary_assign(op, top, Src::Splat(F::from_f64(v)));
+                    true
+                }
+                Term::Arg(i) => {
+                    let (r, x, at) = operand(i);
+                    // A `for` loop: a closure this large would be called, not inlined (see
+                    // [`vectorized`]).
+                    let runs = Runs::new(r, x, at, n);
+                    let done = runs.is_some();
+                    for (o, len, b) in runs.into_iter().flatten() {
+                        binary_assign(op, &mut top[o..o + len], b);
+                    }
+                    done
+                }
+                _ => false,
             };
-            if let Some(b) = b {
-                binary_assign(op, &mut stack[(sp - 1) * BLOCK..][..n], b);
-                skip = true;
+            if done {
+                k += 2;
                 continue;
             }
         }
-        match *t {
+        // The first operand, an operand or a literal, and a binary op: into `dst` in one pass.
+        if let (0, Term::Arg(i), Some(&Term::Binary(op))) = (sp, terms[k], terms.get(k + 2)) {
+            let (r, x, at) = operand(i);
+            let first = if head && i == 0 && k == 0 { None } else { Runs::new(r, x, at, n).and_then(Runs::whole) };
+            let second = match terms[k + 1] {
+                Term::Lit(v) => Some(Src::Splat(F::from_f64(v))),
+                Term::Arg(j) => {
+                    let (r, x, at) = operand(j);
+                    Runs::new(r, x, at, n).and_then(Runs::whole)
+                }
+                _ => None,
+            };
+            if let (Some(a), Some(b)) = (first, second) {
+                binary_into(op, dst, a, b);
+                sp = 1;
+                k += 3;
+                continue;
+            }
+        }
+        match terms[k] {
             Term::Arg(i) => {
-                let slot = &mut stack[sp * BLOCK..][..n];
-                match args {
-                    Operands::All(a) => gather(&e.reads[i], a[i], start, slot),
-                    Operands::Head(_) if i == 0 => slot.copy_from_slice(dst),
-                    Operands::Head(a) => gather(&e.reads[i], a[i - 1], start, slot),
+                let slot = if sp == 0 { &mut *dst } else { &mut stack[(sp - 1) * BLOCK..][..n] };
+                // An epilogue's output read first is already where it belongs.
+                if !(head && i == 0 && k == 0) {
+                    let (r, x, at) = operand(i);
+                    gather(r, x, at, slot);
                 }
                 sp += 1;
             }
             Term::Lit(v) => {
-                stack[sp * BLOCK..][..n].fill(F::from_f64(v));
+                let slot = if sp == 0 { &mut *dst } else { &mut stack[(sp - 1) * BLOCK..][..n] };
+                slot.fill(F::from_f64(v));
                 sp += 1;
             }
-            Term::Unary(u) => unary(u, &mut stack[(sp - 1) * BLOCK..][..n]),
+            Term::Unary(u) => unary(u, if sp == 1 { &mut *dst } else { &mut stack[(sp - 2) * BLOCK..][..n] }),
             Term::Binary(op) => {
-                let (lo, hi) = stack.split_at_mut((sp - 1) * BLOCK);
-                binary(op, &mut lo[(sp - 2) * BLOCK..][..n], &hi[..n]);
+                if sp == 2 {
+                    binary(op, dst, &stack[..n]);
+                } else {
+                    let (lo, hi) = stack.split_at_mut((sp - 2) * BLOCK);
+                    binary(op, &mut lo[(sp - 3) * BLOCK..][..n], &hi[..n]);
+                }
                 sp -= 1;
             }
         }
+        k += 1;
     }
-    dst.copy_from_slice(&stack[..n]);
+    debug_assert_eq!(sp, 1, "a program leaves one value");
+}
+
+/// An operand's values for a block of output elements, piece by piece: `(offset in the
+/// block, length, values)`, the values a slice of the operand's memory or one value for the
+/// piece. Only reads whose pieces are long (a bias's rows, a per-row statistic broadcast
+/// along rows of 16 or more) are read so; the others are gathered ([`gather`]).
+struct Runs<'a, F> {
+    x: &'a [F],
+    kind: RunKind<'a>,
+    /// The block's elements done, and its length.
+    k: usize,
+    n: usize,
+    /// Where the next piece starts in `x`, and (strided reads) the multi-index of its element.
+    at: usize,
+    idx: [usize; MAX_RANK],
+}
+
+enum RunKind<'a> {
+    Same,
+    Splat,
+    Cycle(usize),
+    Strided { out: &'a [usize], strides: &'a [usize] },
+}
+
+/// Pieces shorter than this are not worth a loop of their own.
+const MIN_RUN: usize = 16;
+
+impl<'a, F: Copy> Runs<'a, F> {
+    /// The pieces of output elements `[start, start + n)` of operand `x` read as `r`, or `None`
+    /// if they would be short.
+    #[inline(always)]
+    fn new(r: &'a Read, x: &'a [F], start: usize, n: usize) -> Option<Self> {
+        let mut idx = [0; MAX_RANK];
+        let (kind, at) = match r {
+            Read::Same => (RunKind::Same, start),
+            Read::Splat => (RunKind::Splat, 0),
+            Read::Cycle(m) if *m >= MIN_RUN => (RunKind::Cycle(*m), start % m),
+            Read::Strided { out, strides } if out.len() <= MAX_RANK && *out.last()? >= MIN_RUN && *strides.last()? <= 1 => {
+                let (mut i, mut at) = (start, 0);
+                for a in (0..out.len()).rev() {
+                    idx[a] = i % out[a];
+                    at += idx[a] * strides[a];
+                    i /= out[a];
+                }
+                (RunKind::Strided { out, strides }, at)
+            }
+            _ => return None,
+        };
+        Some(Runs { x, kind, k: 0, n, at, idx })
+    }
+
+    /// The block's values as one piece, when they are.
+    #[inline(always)]
+    fn whole(self) -> Option<Src<'a, F>> {
+        match self.kind {
+            RunKind::Same => Some(Src::Block(&self.x[self.at..self.at + self.n])),
+            RunKind::Splat => Some(Src::Splat(self.x[0])),
+            _ => None,
+        }
+    }
+}
+
+impl<'a, F: Copy> Iterator for Runs<'a, F> {
+    type Item = (usize, usize, Src<'a, F>);
+    #[inline(always)]
+    fn next(&mut self) -> Option<Self::Item> {
+        let (k, left) = (self.k, self.n - self.k);
+        if left == 0 {
+            return None;
+        }
+        let (len, src) = match self.kind {
+            RunKind::Same => (left, Src::Block(&self.x[self.at..self.at + left])),
+            RunKind::Splat => (left, Src::Splat(self.x[0])),
+            RunKind::Cycle(m) => {
+                let len = (m - self.at).min(left);
+                let src = Src::Block(&self.x[self.at..self.at + len]);
+                self.at = if self.at + len == m { 0 } else { self.at + len };
+                (len, src)
+            }
+            RunKind::Strided { out, strides } => {
+                let last = out.len() - 1;
+                let len = (out[last] - self.idx[last]).min(left);
+                let src = if strides[last] == 0 { Src::Splat(self.x[self.at]) } else { Src::Block(&self.x[self.at..self.at + len]) };
+                // Advance the multi-index like an odometer.
+                self.at += len * strides[last];
+                self.idx[last] += len;
+                let mut a = last;
+                while a > 0 && self.idx[a] == out[a] {
+                    self.at -= out[a] * strides[a];
+                    self.idx[a] = 0;
+                    a -= 1;
+                    self.idx[a] += 1;
+                    self.at += strides[a];
+                }
+                (len, src)
+            }
+        };
+        self.k += len;
+        Some((k, len, src))
+    }
 }
 
 /// Reads output elements `[start, start + dst.len())`'s values of one operand.
@@ -1858,6 +2015,33 @@ pub(crate) mod tests {
             let v = if x0 > 0.0 { v } else { 0.0 };
             use crate::host::math::{erf, exp, tanh};
             let want = erf(tanh(-(exp(v + 0.5f32).ln().sqrt())));
+            assert_eq!(g.to_bits(), want.to_bits(), "element {i}: {g} vs {want}");
+        }
+    }
+
+    /// An epilogue's program runs in the output's own memory: its operand 0 (the head's
+    /// output) read again after the program has started overwriting it, broadcasts read piece
+    /// by piece across rows and blocks, and parts starting anywhere, against the ops written
+    /// out per element.
+    #[test]
+    fn epilogue_programs_read_the_heads_output_as_it_was() {
+        use cellgraph_compiler::{Op, TensorType};
+        let expr: cellgraph_compiler::expr::Expr = "$0 $1 add $0 mul $2 sub 2.0 $0 mul $3 mul add".parse().unwrap();
+        let dims: [&[usize]; 4] = [&[4, 100, 100], &[100], &[4, 100, 1], &[4, 1, 100]];
+        let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.to_vec())).collect();
+        let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else { panic!("fused binds") };
+        let xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i)).collect();
+        let extras: Vec<&[f32]> = xs[1..].iter().map(|v| &v[..]).collect();
+        let mut got = xs[0].clone();
+        let (a, rest) = got.split_at_mut(5_003);
+        let (b, c) = rest.split_at_mut(17_120);
+        for (first, part) in [(0, a), (5_003, b), (22_123, c)] {
+            epilogue(&e, &extras, first, part);
+        }
+        for (i, &g) in got.iter().enumerate() {
+            let (n, r, col) = (i / 10_000, i / 100 % 100, i % 100);
+            let x0 = xs[0][i];
+            let want = (x0 + xs[1][col]) * x0 - xs[2][n * 100 + r] + 2.0 * x0 * xs[3][n * 100 + col];
             assert_eq!(g.to_bits(), want.to_bits(), "element {i}: {g} vs {want}");
         }
     }
