@@ -182,15 +182,62 @@ pub(crate) fn vectorized<Op: pulp::WithSimd>(op: Op) -> Op::Output {
     pulp::Arch::new().dispatch(op)
 }
 
-/// `C = A B` (`beta` as in [`HostFloat::gemm`]), computed as `C^T = B^T A^T` when that
-/// wastes less of the micro-kernel's tiles: its register tile is 64 bytes of rows (16 f32)
-/// by 6 columns, so a product with few rows (a convolution's 6 output channels) runs faster
-/// turned around. The arithmetic per element of `C` is the same dot product either way.
+/// `C = A B` (`beta` as in [`HostFloat::gemm`]) on `threads` threads: cut into as many
+/// bands of rows of `C` (or of columns, when it has more columns than rows) as there are
+/// threads, each band a product of its own on one thread. Each band still has more than 64
+/// rows (columns), so the GEMM blocks its contraction as it does the whole product's, and every
+/// element of `C` is the same dot product, summed in the same order, on any number of threads.
+/// (The GEMM's own threading ran these products at 1.4x on two threads: its threads share
+/// the packing of each block and meet between blocks.)
 ///
 /// # Safety
 /// As [`HostFloat::gemm`].
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn gemm_oriented<F: HostFloat>(m: usize, k: usize, n: usize, a: *const F, rsa: isize, csa: isize, b: *const F, rsb: isize, csb: isize, beta: F, c: *mut F, rsc: isize, csc: isize, threads: usize) {
+    let along = m.max(n);
+    let mut bands = threads.min(along / MIN_BAND);
+    // The last band is the shortest.
+    while bands >= 2 && along - along.div_ceil(bands) * (bands - 1) < MIN_BAND {
+        bands -= 1;
+    }
+    if bands < 2 {
+        return gemm_turned(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc, threads);
+    }
+    /// The operands' addresses, shared by the bands (each writes its own part of `C`).
+    struct Ptrs<F>(*const F, *const F, *mut F);
+    // SAFETY: the bands read `A` and `B` and write disjoint parts of `C`.
+    unsafe impl<F> Sync for Ptrs<F> {}
+    let p = Ptrs(a, b, c);
+    let p = &p;
+    let per = along.div_ceil(bands);
+    each((0..along).step_by(per).collect(), |lo| {
+        let len = per.min(along - lo);
+        // SAFETY: band `lo..lo + len` of `C`'s rows (columns) and of `A`'s rows (`B`'s
+        // columns) lie inside the caller's views.
+        unsafe {
+            if m >= n {
+                gemm_turned(len, k, n, p.0.offset(lo as isize * rsa), rsa, csa, p.1, rsb, csb, beta, p.2.offset(lo as isize * rsc), rsc, csc, 1)
+            } else {
+                gemm_turned(m, k, len, p.0, rsa, csa, p.1.offset(lo as isize * csb), rsb, csb, beta, p.2.offset(lo as isize * csc), rsc, csc, 1)
+            }
+        }
+    });
+}
+
+/// The fewest rows (columns) in a band of [`gemm_oriented`]: the GEMM takes products with at
+/// most 64 rows and 64 columns down another path, which blocks a contraction over more than
+/// 512 differently; bands of 80 or more are cut finely enough.
+const MIN_BAND: usize = 80;
+
+/// `C = A B` as [`gemm_oriented`], computed as `C^T = B^T A^T` when that wastes less of the
+/// micro-kernel's tiles: its register tile is 64 bytes of rows (16 f32) by 6 columns, so a
+/// product with few rows (a convolution's 6 output channels) runs faster turned around. The
+/// arithmetic per element of `C` is the same dot product either way.
+///
+/// # Safety
+/// As [`HostFloat::gemm`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_turned<F: HostFloat>(m: usize, k: usize, n: usize, a: *const F, rsa: isize, csa: isize, b: *const F, rsb: isize, csb: isize, beta: F, c: *mut F, rsc: isize, csc: isize, threads: usize) {
     let mr = 64 / std::mem::size_of::<F>();
     let padded = |m: usize, n: usize| m.div_ceil(mr) * mr * n.div_ceil(6) * 6;
     if 4 * padded(n, m) < 3 * padded(m, n) {
@@ -1516,12 +1563,15 @@ fn fused_block<F: HostFloat>(e: &Elementwise, args: Operands<F>, start: usize, s
                     let (r, x, at) = operand(i);
                     // A `for` loop: a closure this large would be called, not inlined (see
                     // [`vectorized`]).
-                    let runs = Runs::new(r, x, at, n);
-                    let done = runs.is_some();
-                    for (o, len, b) in runs.into_iter().flatten() {
-                        binary_assign(op, &mut top[o..o + len], b);
+                    match Runs::new(r, x, at, n) {
+                        Some(runs) => {
+                            for (o, len, b) in runs {
+                                binary_assign(op, &mut top[o..o + len], b);
+                            }
+                            true
+                        }
+                        None => false,
                     }
-                    done
                 }
                 _ => false,
             };
@@ -1904,6 +1954,30 @@ pub(crate) mod tests {
                 let got: Vec<u32> = new(m.len() / cols, |y| max_rows(&m, cols, y)).into_iter().map(f32::to_bits).collect();
                 assert_eq!(got, want_max, "row maxima on {threads}");
             });
+        }
+    }
+
+    /// Products cut into bands of rows or of columns, one per thread, have the bits of the
+    /// whole product on one thread: tall and wide ones, contractions over more than 512 (which
+    /// the GEMM blocks differently in products of at most 64 x 64), operands read transposed,
+    /// on one to four threads.
+    #[test]
+    fn banded_products_have_the_bits_of_the_whole_product() {
+        // (m, k, n): bands of rows; of columns; 160 rows over 40 columns in two bands of 80;
+        // 150 and 170 not cut into bands of 64 or fewer (by 40, they would block their
+        // contraction of 700 in pieces of 512).
+        for (m, k, n) in [(1024, 128, 512), (128, 1024, 512), (160, 700, 40), (150, 700, 40), (40, 700, 170)] {
+            for (ta, tb) in [(false, false), (true, false), (false, true)] {
+                let (a, b) = (data(m * k, m), data(k * n, n));
+                let ma = if ta { Mat { data: &a, rows: k, cols: m, transposed: true } } else { Mat { data: &a, rows: m, cols: k, transposed: false } };
+                let mb = if tb { Mat { data: &b, rows: n, cols: k, transposed: true } } else { Mat { data: &b, rows: k, cols: n, transposed: false } };
+                let one: Vec<u32> = new(m * n, |c| matmul(ma, mb, c)).into_iter().map(f32::to_bits).collect();
+                for threads in [2, 3, 4] {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
+                    let got: Vec<u32> = pool.install(|| new(m * n, |c| matmul(ma, mb, c))).into_iter().map(f32::to_bits).collect();
+                    assert!(got == one, "{m}x{k}x{n} (transposed {ta}, {tb}) on {threads} threads");
+                }
+            }
         }
     }
 
