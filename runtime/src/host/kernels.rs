@@ -1230,9 +1230,43 @@ enum Operands<'a, F> {
 /// A fused elementwise program ([`Elementwise`]) over its operands, block by block. Each op
 /// rounds to `F` exactly as the unfused op does, in the same order, so the bits are the
 /// unfused plan's. Large outputs are cut into per-thread shares of whole blocks.
+///
+/// An operand read in runs too short to read in place, repeating along a broadcast leading
+/// axis (a per-channel statistic over 2 x 2 and 4 x 4 maps), is first written out for one
+/// period of the output, then read as a cycle over that: the same values.
 pub fn fused<F: HostFloat>(e: &Elementwise, args: &[&[F]], out: &mut [F]) {
     assert_eq!(out.len(), e.len, "output extents");
-    post_all(Some(&|first, part: &mut [F]| program(e, Operands::All(args), first, part)), out);
+    let periods: Vec<Option<usize>> = e.reads.iter().map(|r| period(r, e.len)).collect();
+    if periods.iter().all(Option::is_none) {
+        return post_all(Some(&|first, part: &mut [F]| program(e, &e.reads, Operands::All(args), first, part)), out);
+    }
+    let expanded: Vec<Option<Vec<F>>> = periods
+        .iter()
+        .zip(&e.reads)
+        .zip(args)
+        .map(|((p, r), x)| {
+            p.map(|p| {
+                let mut v = vec![F::ZERO; p];
+                gather(r, x, 0, &mut v);
+                v
+            })
+        })
+        .collect();
+    let reads: Vec<Read> = periods.iter().zip(&e.reads).map(|(p, r)| p.map_or_else(|| r.clone(), Read::Cycle)).collect();
+    let args: Vec<&[F]> = expanded.iter().zip(args).map(|(v, x)| v.as_deref().unwrap_or(x)).collect();
+    post_all(Some(&|first, part: &mut [F]| program(e, &reads, Operands::All(&args), first, part)), out);
+}
+
+/// The most elements [`fused`] writes out for one period of an operand (64 KiB of f32).
+const MAX_PERIOD: usize = 1 << 14;
+
+/// The period of a strided read worth writing out ([`fused`]): it repeats along the output's
+/// broadcast leading axis, every period of at most [`MAX_PERIOD`] elements (repeated at least
+/// twice), and runs along its last axis are shorter than [`MIN_RUN`].
+fn period(r: &Read, len: usize) -> Option<usize> {
+    let Read::Strided { out, strides } = r else { return None };
+    let p: usize = out[1..].iter().product();
+    (strides[0] == 0 && *out.last()? < MIN_RUN && (MIN_RUN..=MAX_PERIOD).contains(&p) && 2 * p <= len).then_some(p)
 }
 
 /// An epilogue's program ([`crate::kernel::Native::Epilogue`]) over `part` of the output, in
@@ -1247,7 +1281,7 @@ pub fn epilogue<F: HostFloat>(e: &Elementwise, extras: &[&[F]], first: usize, pa
             || binary(*op, part, x),
         );
     }
-    program(e, Operands::Head(extras), first, part)
+    program(e, &e.reads, Operands::Head(extras), first, part)
 }
 
 /// `$body` with `$f` bound to binary op `$op`'s element function `(a, b) -> a op b` (for
@@ -1493,13 +1527,16 @@ fn update_block<F: HostFloat>(prog: &UpdateKernel, kept: &[bool], consts: &[F], 
     acc.fill(F::ZERO);
 }
 
-fn program<F: HostFloat>(e: &Elementwise, args: Operands<F>, first: usize, part: &mut [F]) {
-    F::scratch(e.depth.max(1) * BLOCK, |stack| vectorized(Program { e, args, first, stack, part }))
+/// `e` over `part` (output elements from `first` on), its operands read as `reads` say
+/// (`e.reads`, or [`fused`]'s with written-out periods).
+fn program<F: HostFloat>(e: &Elementwise, reads: &[Read], args: Operands<F>, first: usize, part: &mut [F]) {
+    F::scratch(e.depth.max(1) * BLOCK, |stack| vectorized(Program { e, reads, args, first, stack, part }))
 }
 
 /// [`program`]'s loop over blocks, as a [`vectorized`] op (too large for a closure: see there).
 struct Program<'a, F> {
     e: &'a Elementwise,
+    reads: &'a [Read],
     args: Operands<'a, F>,
     first: usize,
     stack: &'a mut [F],
@@ -1511,7 +1548,7 @@ impl<F: HostFloat> pulp::WithSimd for Program<'_, F> {
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, _: S) {
         for (b, dst) in self.part.chunks_mut(BLOCK).enumerate() {
-            fused_block(self.e, self.args, self.first + b * BLOCK, self.stack, dst);
+            fused_block(self.e, self.reads, self.args, self.first + b * BLOCK, self.stack, dst);
         }
     }
 }
@@ -1523,7 +1560,7 @@ impl<F: HostFloat> pulp::WithSimd for Program<'_, F> {
 /// into `dst` in one pass; only operands read in short pieces are gathered into a slot first.
 /// Every op is the same op on the same values as in the unfused plan, in the same order.
 #[inline(always)]
-fn fused_block<F: HostFloat>(e: &Elementwise, args: Operands<F>, start: usize, stack: &mut [F], dst: &mut [F]) {
+fn fused_block<F: HostFloat>(e: &Elementwise, reads: &[Read], args: Operands<F>, start: usize, stack: &mut [F], dst: &mut [F]) {
     static SAME: Read = Read::Same;
     let n = dst.len();
     // An epilogue's operand 0 is `dst` as the head left it, overwritten by the program from
@@ -1538,9 +1575,9 @@ fn fused_block<F: HostFloat>(e: &Elementwise, args: Operands<F>, start: usize, s
     // element in that memory's frame.
     let operand = |i: usize| -> (&Read, &[F], usize) {
         match args {
-            Operands::All(a) => (&e.reads[i], a[i], start),
+            Operands::All(a) => (&reads[i], a[i], start),
             Operands::Head(_) if i == 0 => (&SAME, saved, 0),
-            Operands::Head(a) => (&e.reads[i], a[i - 1], start),
+            Operands::Head(a) => (&reads[i], a[i - 1], start),
         }
     };
     let terms = &e.terms[..];
@@ -2090,6 +2127,30 @@ pub(crate) mod tests {
             use crate::host::math::{erf, exp, tanh};
             let want = erf(tanh(-(exp(v + 0.5f32).ln().sqrt())));
             assert_eq!(g.to_bits(), want.to_bits(), "element {i}: {g} vs {want}");
+        }
+    }
+
+    /// Per-channel operands over 2 x 2 maps (runs of 4, repeating every image) are written
+    /// out for one image and read as a cycle, with the values of the strided reads.
+    #[test]
+    fn short_periodic_reads_are_written_out_once_with_the_same_values() {
+        use cellgraph_compiler::{Op, TensorType};
+        let expr: cellgraph_compiler::expr::Expr = "$0 $1 sub $2 div $0 mul".parse().unwrap();
+        let dims: [&[usize]; 3] = [&[40, 64, 2, 2], &[1, 64, 1, 1], &[64, 1, 1]];
+        let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.to_vec())).collect();
+        let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else { panic!("fused binds") };
+        assert_eq!(e.reads[1..].iter().map(|r| period(r, e.len)).collect::<Vec<_>>(), [Some(256), Some(256)]);
+        let xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i)).collect();
+        let args: Vec<&[f32]> = xs.iter().map(|v| &v[..]).collect();
+        for threads in [1, 2] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
+            let got = pool.install(|| new(e.len, |out| fused(&e, &args, out)));
+            for (i, &g) in got.iter().enumerate() {
+                let ch = i / 4 % 64;
+                let x0 = xs[0][i];
+                let want = (x0 - xs[1][ch]) / xs[2][ch] * x0;
+                assert_eq!(g.to_bits(), want.to_bits(), "element {i} on {threads}: {g} vs {want}");
+            }
         }
     }
 
