@@ -975,7 +975,9 @@ fn pool_2x2<F: HostFloat>(g: &Geometry, plane: &[F], at: &mut [u32], y: &mut [F]
 fn planes_per_task(g: &Geometry) -> usize {
     let plane = (g.x[2] * g.x[3]).max(1);
     let planes = g.x[0] * g.x[1];
-    let tasks = (planes * plane / (32 << 10)).clamp(1, rayon::current_num_threads());
+    // Up to four tasks per thread, taken as the threads come (see [`row_shares`]).
+    let threads = rayon::current_num_threads();
+    let tasks = (planes * plane / (32 << 10)).clamp(1, if threads > 1 { 4 * threads } else { 1 });
     planes.div_ceil(tasks).max(1)
 }
 
@@ -1097,31 +1099,34 @@ pub fn add_assign<F: HostFloat>(acc: &mut [F], g: &[F]) {
 /// row after row onto zeros: the order (and so the bits) of ndarray's `sum_axis(Axis(0))`,
 /// which burn-ndarray's `sum_dim` runs, for a matrix with more than one column.
 pub fn sum_rows<F: HostFloat>(x: &[F], out: &mut [F]) {
-    out.fill(F::ZERO);
-    for row in x.chunks_exact(out.len().max(1)) {
-        add_assign(out, row);
-    }
+    let rows = x.len().checked_div(out.len()).unwrap_or(0);
+    sum_planes(x, rows, 1, None, out)
 }
 
 /// The sum of `x` (`[outer, out.len(), inner]`) over its first and last axes, times `scale`:
 /// each run of `inner` summed on its own (ndarray's unrolled sum; in order when short), then
-/// the runs added into `out` in order of the first axis.
+/// the runs added into `out` in order of the first axis. Threads take shares of `out`, each
+/// element summed in that order whatever the cut.
 pub fn sum_planes<F: HostFloat>(x: &[F], outer: usize, inner: usize, scale: Option<F>, out: &mut [F]) {
     let kept = out.len();
     let x = &x[..outer * kept * inner];
-    if inner == 1 {
-        sum_rows(x, out);
-    } else {
-        out.fill(F::ZERO);
+    shares_of(out, 1, x.len(), |first, part| {
+        let n = part.len();
+        part.fill(F::ZERO);
         for plane in x.chunks_exact(kept * inner) {
-            for (o, run) in out.iter_mut().zip(plane.chunks_exact(inner)) {
-                *o = *o + if inner >= 16 { F::ndarray_sum(run) } else { run.iter().fold(F::ZERO, |s, &v| s + v) };
+            let runs = &plane[first * inner..(first + n) * inner];
+            if inner == 1 {
+                add_assign(part, runs);
+            } else {
+                for (o, run) in part.iter_mut().zip(runs.chunks_exact(inner)) {
+                    *o = *o + if inner >= 16 { F::ndarray_sum(run) } else { run.iter().fold(F::ZERO, |s, &v| s + v) };
+                }
             }
         }
-    }
-    if let Some(s) = scale {
-        out.iter_mut().for_each(|v| *v = *v * s);
-    }
+        if let Some(s) = scale {
+            part.iter_mut().for_each(|v| *v = *v * s);
+        }
+    });
 }
 
 /// One row's log-softmax in `z` (`[c]` logits in, `logit - max - ln(sum(exp(logit - max)))`
@@ -1981,6 +1986,19 @@ pub(crate) mod tests {
         let fold = |row: &[f32]| row[1..].iter().fold(row[0], |a, &b| if b > a || b != b { b } else { a });
         let want_max: Vec<u32> = m.chunks_exact(cols).map(|r| fold(r).to_bits()).collect();
         assert!(f32::from_bits(want_max[5]).is_nan() && want_max[9] == 0 && want_max[11] == 0x7fc0_0001);
+        // Sums over the first and last axes, written out: each run of `inner` on its own
+        // (ndarray's unrolled sum from 16 on), then the runs in order.
+        let mut want_sums = std::collections::BTreeMap::new();
+        for (outer, kept, inner) in [(4usize, 64usize, 192usize), (4 * 64, 192, 1), (1, 4 * 64, 192), (48, 32, 6)] {
+            let sums: Vec<u32> = (0..kept)
+                .map(|o| {
+                    let run = |p: usize| &x[(p * kept + o) * inner..][..inner];
+                    let total = (0..outer).fold(0.0f32, |s, p| s + if inner >= 16 { f32::ndarray_sum(run(p)) } else { run(p).iter().fold(0.0, |a, &v| a + v) });
+                    (total * 0.5).to_bits()
+                })
+                .collect();
+            want_sums.insert((outer, inner), sums);
+        }
         for threads in [1, 2, 3] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
             pool.install(|| {
@@ -1990,6 +2008,10 @@ pub(crate) mod tests {
                 assert_eq!(new(n, |y| causal_mask(&x, t, s, -7.0, y)), want_mask, "causal mask on {threads}");
                 let got: Vec<u32> = new(m.len() / cols, |y| max_rows(&m, cols, y)).into_iter().map(f32::to_bits).collect();
                 assert_eq!(got, want_max, "row maxima on {threads}");
+                for (outer, kept, inner) in [(4, 64, 192), (4 * 64, 192, 1), (1, 4 * 64, 192), (48, 32, 6)] {
+                    let got: Vec<u32> = new(kept, |y| sum_planes(&x, outer, inner, Some(0.5), y)).into_iter().map(f32::to_bits).collect();
+                    assert_eq!(got, want_sums[&(outer, inner)], "sums over [{outer}, {kept}, {inner}] on {threads}");
+                }
             });
         }
     }
@@ -2212,18 +2234,29 @@ fn row_offsets<'a>(ext: &'a [usize], st: &'a [usize], base: usize) -> impl Itera
 }
 
 /// Runs `f(first, part)` on `y` cut into shares of whole rows of `row` elements (`first`:
-/// the share's first row), one per thread when `y` is large enough to be worth it. Each
-/// element is computed the same way whatever the cut.
+/// the share's first row) when there is more than one thread and `y` is large enough to be
+/// worth it: up to four shares per thread, of 8 blocks or more, taken by the threads as they
+/// come (a thread woken for the call starts tens of microseconds late; with one share each, the
+/// caller finished its own and waited for the other's, and outputs of 128 Ki elements ran at
+/// half the speed of one thread). Each element is computed the same way whatever the cut.
 fn row_shares<F: HostFloat>(y: &mut [F], row: usize, f: impl Fn(usize, &mut [F]) + Send + Sync) {
+    let work = y.len();
+    shares_of(y, row, work, f)
+}
+
+/// [`row_shares`] for a kernel whose work is `work` elements rather than its output's (a
+/// reduction reads more than it writes).
+fn shares_of<F: HostFloat>(y: &mut [F], row: usize, work: usize, f: impl Fn(usize, &mut [F]) + Send + Sync) {
     if y.is_empty() {
         return;
     }
     let rows = y.len().checked_div(row).unwrap_or(0);
-    let threads = rayon::current_num_threads().min(y.len() / (16 * BLOCK)).min(rows).max(1);
-    if threads == 1 {
+    let threads = rayon::current_num_threads();
+    let shares = if threads > 1 { (4 * threads).min(work / (8 * BLOCK)).min(rows) } else { 1 };
+    if shares <= 1 {
         return f(0, y);
     }
-    let per = rows.div_ceil(threads);
+    let per = rows.div_ceil(shares);
     let shares: Vec<(usize, &mut [F])> = y.chunks_mut(per * row).enumerate().map(|(i, c)| (i * per, c)).collect();
     each(shares, |(first, part)| f(first, part));
 }
