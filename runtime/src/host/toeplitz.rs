@@ -12,7 +12,7 @@
 //! parameter read as it is: then it is built once per value of the parameter and kept in the
 //! session ([`super::Kept`]); the filter gradient folds `dt` back into the taps.
 
-use super::kernels::{each, gemm_oriented, post_all, HostFloat, Post};
+use super::kernels::{add_assign, each, gemm_oriented, post_all, HostFloat, Post};
 use crate::kernel::Geometry;
 
 /// The dense filter's largest size in elements (16 MiB of f32).
@@ -81,10 +81,12 @@ fn threads(work: usize) -> usize {
 }
 
 /// `f(oc, part)` for each output channel's part of `buf` (`o` equal parts), the channels
-/// cut into one contiguous share per thread.
+/// cut into contiguous shares.
 fn per_channel<F: HostFloat>(buf: &mut [F], o: usize, f: impl Fn(usize, &mut [F]) + Send + Sync) {
     let len = buf.len() / o;
-    let per = o.div_ceil(rayon::current_num_threads()).max(1);
+    // Up to four shares per thread, taken as the threads come (as `kernels::row_shares`).
+    let threads = rayon::current_num_threads();
+    let per = o.div_ceil(if threads > 1 { 4 * threads } else { 1 }).max(1);
     let shares: Vec<(usize, &mut [F])> = buf.chunks_mut(per * len).enumerate().collect();
     each(shares, |(s, share)| {
         for (i, part) in share.chunks_exact_mut(len).enumerate() {
@@ -166,25 +168,47 @@ pub(super) fn input_grad_dense<F: HostFloat>(g: &Geometry, dy: &[F], t: &[F], o:
     unsafe { gemm_oriented::<F>(n, m, k, dy.as_ptr(), m as isize, 1, t.as_ptr(), k as isize, 1, F::ZERO, dx.as_mut_ptr(), k as isize, 1, threads(n * k * m)) };
 }
 
-/// [`super::kernels::conv2d_filter_grad`] on a small map: `dt [o * sp, c * hw] = dy^T @ x`,
-/// then each tap of `dw` is the sum of its entries of `dt`, in (position, pixel) order.
+/// [`super::kernels::conv2d_filter_grad`] on a small map: `dt = dy^T @ x`, laid out
+/// `[o * sp, hw, c]` (one GEMM per input pixel `q`, each writing its `c` columns: the same dot
+/// products), then each tap of `dw` is the sum of its entries of `dt`, in (position, pixel)
+/// order: for each output channel, the entries' rows of `c` added into the tap's row of a
+/// `[kk, c]` buffer (whole rows at a time, where adding entry by entry into `dw`'s `[c, kk]`
+/// strode through memory), which is then written out transposed.
 pub(super) fn filter_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], x: &[F], o: usize, dw: &mut [F]) {
     let [n, c, h, wd] = g.x;
     let (sp, hw, kk) = (g.spatial(), h * wd, g.kernel[0] * g.kernel[1]);
     let (k, m) = (c * hw, o * sp);
     assert_eq!(dw.len(), o * c * kk, "output extents");
     F::partials(m * k, |dt| {
-        // SAFETY: dy^T is m x n (dy read with swapped strides), x is n x k, dt is m x k.
-        unsafe { gemm_oriented::<F>(m, n, k, dy.as_ptr(), 1, m as isize, x.as_ptr(), k as isize, 1, F::ZERO, dt.as_mut_ptr(), k as isize, 1, threads(n * k * m)) };
+        for q in 0..hw {
+            // SAFETY: dy^T is m x n (dy read with swapped strides); pixel q of every channel
+            // of x is n x c (rows k apart, channels hw apart); its block of dt is m x c (rows k
+            // apart), all inside their slices.
+            unsafe { gemm_oriented::<F>(m, n, c, dy.as_ptr(), 1, m as isize, x.as_ptr().add(q), k as isize, hw as isize, F::ZERO, dt.as_mut_ptr().add(q * c), k as isize, 1, threads(n * c * m)) };
+        }
         let dt = &*dt;
+        // The kernel taps some entry goes through (on a 1 x 1 map, only the centre's).
+        let mut used: Vec<usize> = taps.iter().map(|tap| tap.t as usize).collect();
+        used.sort_unstable();
+        used.dedup();
         per_channel(dw, o, |oc, planes| {
-            planes.fill(F::ZERO);
             let rows = &dt[oc * sp * k..][..sp * k];
-            for (ci, taps_w) in planes.chunks_exact_mut(kk).enumerate() {
-                for tap in taps {
-                    taps_w[tap.t as usize] += rows[tap.p as usize * k + ci * hw + tap.q as usize];
+            F::scratch(kk * c, |acc| {
+                for &t in &used {
+                    acc[t * c..][..c].fill(F::ZERO);
                 }
-            }
+                for tap in taps {
+                    add_assign(&mut acc[tap.t as usize * c..][..c], &rows[tap.p as usize * k + tap.q as usize * c..][..c]);
+                }
+                if used.len() < kk {
+                    planes.fill(F::ZERO);
+                }
+                for &t in &used {
+                    for (ci, taps_w) in planes.chunks_exact_mut(kk).enumerate() {
+                        taps_w[t] = acc[t * c + ci];
+                    }
+                }
+            });
         });
     });
 }
