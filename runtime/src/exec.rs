@@ -458,6 +458,8 @@ pub struct Session<B: Backend> {
     params: BTreeMap<String, Value<B>>,
     /// Per-op `(calls, seconds)` when profiling is on.
     profile: Option<BTreeMap<&'static str, (u64, f64)>>,
+    /// The same per kind of step (op, output type and program): see [`Self::profile_steps`].
+    step_profile: Option<BTreeMap<String, (u64, f64)>>,
     /// Run hot ops on the host kernels where the backend allows (see [`crate::host`]).
     native: bool,
     /// `assign_add` writes into the accumulator's memory (see [`Self::set_in_place_accumulation`]).
@@ -479,7 +481,7 @@ pub struct Session<B: Backend> {
 impl<B: Backend> Session<B> {
     /// An empty session on `device`.
     pub fn new(device: Device<B>) -> Self {
-        Session { device, params: BTreeMap::new(), profile: None, native: true, in_place: false, tf32: false, kept: Kept::default(), arena: Arena::default(), slots: Vec::new(), constants: Vec::new() }
+        Session { device, params: BTreeMap::new(), profile: None, step_profile: None, native: true, in_place: false, tf32: false, kept: Kept::default(), arena: Arena::default(), slots: Vec::new(), constants: Vec::new() }
     }
 
     /// Buffers the session's arena has allocated because none of their length was free: after
@@ -492,6 +494,7 @@ impl<B: Backend> Session<B> {
     /// are exact, on asynchronous backends they measure launch cost).
     pub fn set_profiling(&mut self, on: bool) {
         self.profile = on.then(BTreeMap::new);
+        self.step_profile = on.then(BTreeMap::new);
     }
 
     /// Chooses between the host kernels (the default, where the backend keeps tensors in host
@@ -551,6 +554,15 @@ impl<B: Backend> Session<B> {
     /// `(op, calls, seconds)` collected since profiling was switched on, slowest first.
     pub fn profile(&self) -> Vec<(&'static str, u64, f64)> {
         let mut v: Vec<_> = self.profile.iter().flatten().map(|(k, &(n, t))| (*k, n, t)).collect();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        v
+    }
+
+    /// [`Self::profile`] per kind of step: `("op type program", calls, seconds)`, slowest
+    /// first, e.g. `fused f32[8,128,512] $0 0.5 mul $1 mul` (the program for fused ops and
+    /// epilogues): which of the plan's steps the time goes to.
+    pub fn profile_steps(&self) -> Vec<(String, u64, f64)> {
+        let mut v: Vec<_> = self.step_profile.iter().flatten().map(|(k, &(n, t))| (k.clone(), n, t)).collect();
         v.sort_by(|a, b| b.2.total_cmp(&a.2));
         v
     }
@@ -829,6 +841,15 @@ impl<B: Backend> Session<B> {
                             },
                         }
                     };
+                    if let (Some(p), Some(t0)) = (self.step_profile.as_mut(), t0) {
+                        let program = match op {
+                            Op::Fused { expr } | Op::Epilogue { expr, .. } => format!(" {expr}"),
+                            _ => String::new(),
+                        };
+                        let e = p.entry(format!("{} {}{program}", op.label(), step.ty)).or_insert((0, 0.0));
+                        e.0 += 1;
+                        e.1 += t0.elapsed().as_secs_f64();
+                    }
                     record(&mut self.profile, op.label(), t0);
                     v
                 }

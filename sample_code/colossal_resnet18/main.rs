@@ -61,7 +61,8 @@ struct Args {
     ckpt: PathBuf,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// With `--train`: time every op and print the slowest (rank 0).
+    /// With `--train`: time every op and print the slowest ops, and the slowest kinds of step
+    /// (op, output type, fused program), rank 0
     #[arg(long)]
     profile: bool,
     /// SyncBatchNorm (PyTorch's `convert_sync_batchnorm`): under mpirun each micro-step
@@ -180,6 +181,12 @@ fn train(args: &Args, net: GradAccumulation, optimizer: SGD, ds: &Cifar10Dataset
         println!("training: {secs:.1} s, {:.1} images/s across ranks", images as f64 / secs);
         for (op, calls, t) in acc.session.profile().into_iter().take(20) {
             println!("{op:>28} {calls:>8} calls {:>10.1} ms", t * 1e3);
+        }
+        for (i, (step, calls, t)) in acc.session.profile_steps().into_iter().take(20).enumerate() {
+            if i == 0 {
+                println!("slowest kinds of step (op, output, program):");
+            }
+            println!("{:>10.1} ms {calls:>8} calls  {step}", t * 1e3);
         }
         let test = Cifar10Dataset::new(data(args, "test", rank)?).batch(args.batch_size, false)?;
         println!("test accuracy: {:.4}", model.eval(&test)?["Accuracy"]);

@@ -102,7 +102,8 @@ struct Args {
     ckpt: PathBuf,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Time every op and print the slowest (rank 0).
+    /// Time every op and print the slowest ops, and the slowest kinds of step (op, output type,
+    /// fused program), rank 0
     #[arg(long)]
     profile: bool,
 }
@@ -210,8 +211,15 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
         if matches!(args.items, ItemKind::Windows) {
             println!("training: {secs:.2} s, {:.1} tokens/s across ranks", tokens as f64 / secs);
         }
-        for (op, calls, t) in model.accumulator().session.profile().into_iter().take(20) {
+        let session = &model.accumulator().session;
+        for (op, calls, t) in session.profile().into_iter().take(20) {
             println!("{op:>28} {calls:>8} calls {:>10.1} ms", t * 1e3);
+        }
+        for (i, (step, calls, t)) in session.profile_steps().into_iter().take(20).enumerate() {
+            if i == 0 {
+                println!("slowest kinds of step (op, output, program):");
+            }
+            println!("{:>10.1} ms {calls:>8} calls  {step}", t * 1e3);
         }
         if args.sample > 0 {
             println!("sample:\n{}", sample(&mut model, &corpus, args.context, args.sample, args.seed)?);

@@ -134,8 +134,11 @@ fn the_gpt_program_learns_and_refuses_bad_settings() {
     assert!(val < 3.0, "validation loss {val} should be well under the unigram baseline 3.33: {s}");
     assert!(s.contains("unigram baseline 3.330") && s.contains("updates: 120") && s.contains("sample:\n") && s.contains("checkpoint: "), "{s}");
     assert!(std::fs::metadata(ckpt).unwrap().len() > 100_000);
-    let (out, s) = run("gpt_accumulation", &[&small[..], &["--items", "lines", "--batch-size", "8", "--steps", "3", "--epochs", "1", "--sample", "0"]].concat());
+    let (out, s) = run("gpt_accumulation", &[&small[..], &["--items", "lines", "--batch-size", "8", "--steps", "3", "--epochs", "1", "--sample", "0", "--profile"]].concat());
     assert!(out.status.success() && s.contains("lines of up to 33 characters") && s.contains("updates: 3"), "{s}");
+    // --profile: the ops, then the kinds of step with their programs.
+    let steps = s.split("slowest kinds of step (op, output, program):\n").nth(1).unwrap_or_else(|| panic!("no kinds of step: {s}"));
+    assert!(s.contains(" calls ") && steps.lines().any(|l| l.contains(" calls  fused f32[") && l.contains("$0")), "{s}");
     // f16 with loss scaling: windows whose gradients overflow are skipped, the rest applied.
     let (out, s) = run("gpt_accumulation", &[&small[..], &["--precision", "f16", "--batch-size", "8", "--steps", "24", "--epochs", "1", "--sample", "0"]].concat());
     assert!(out.status.success(), "{s}");
