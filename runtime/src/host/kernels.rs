@@ -975,9 +975,7 @@ fn pool_2x2<F: HostFloat>(g: &Geometry, plane: &[F], at: &mut [u32], y: &mut [F]
 fn planes_per_task(g: &Geometry) -> usize {
     let plane = (g.x[2] * g.x[3]).max(1);
     let planes = g.x[0] * g.x[1];
-    // Up to four tasks per thread, taken as the threads come (see [`row_shares`]).
-    let threads = rayon::current_num_threads();
-    let tasks = (planes * plane / (32 << 10)).clamp(1, if threads > 1 { 4 * threads } else { 1 });
+    let tasks = (planes * plane / (32 << 10)).clamp(1, most_shares());
     planes.div_ceil(tasks).max(1)
 }
 
@@ -1682,9 +1680,9 @@ struct Runs<'a, F> {
     /// The block's elements done, and its length.
     k: usize,
     n: usize,
-    /// Where the next piece starts in `x`, and (strided reads) the multi-index of its element.
-    at: usize,
-    idx: [usize; MAX_RANK],
+    /// Where the next piece starts in `x` (`at`), and (strided reads) the multi-index of its
+    /// element.
+    od: Odometer,
 }
 
 enum RunKind<'a> {
@@ -1702,30 +1700,22 @@ impl<'a, F: Copy> Runs<'a, F> {
     /// if they would be short.
     #[inline(always)]
     fn new(r: &'a Read, x: &'a [F], start: usize, n: usize) -> Option<Self> {
-        let mut idx = [0; MAX_RANK];
-        let (kind, at) = match r {
-            Read::Same => (RunKind::Same, start),
-            Read::Splat => (RunKind::Splat, 0),
-            Read::Cycle(m) if *m >= MIN_RUN => (RunKind::Cycle(*m), start % m),
-            Read::Strided { out, strides } if out.len() <= MAX_RANK && *out.last()? >= MIN_RUN && *strides.last()? <= 1 => {
-                let (mut i, mut at) = (start, 0);
-                for a in (0..out.len()).rev() {
-                    idx[a] = i % out[a];
-                    at += idx[a] * strides[a];
-                    i /= out[a];
-                }
-                (RunKind::Strided { out, strides }, at)
-            }
+        let at = |at| Odometer { idx: [0; MAX_RANK], at };
+        let (kind, od) = match r {
+            Read::Same => (RunKind::Same, at(start)),
+            Read::Splat => (RunKind::Splat, at(0)),
+            Read::Cycle(m) if *m >= MIN_RUN => (RunKind::Cycle(*m), at(start % m)),
+            Read::Strided { out, strides } if out.len() <= MAX_RANK && *out.last()? >= MIN_RUN && *strides.last()? <= 1 => (RunKind::Strided { out, strides }, Odometer::new(out, strides, start)),
             _ => return None,
         };
-        Some(Runs { x, kind, k: 0, n, at, idx })
+        Some(Runs { x, kind, k: 0, n, od })
     }
 
     /// The block's values as one piece, when they are.
     #[inline(always)]
     fn whole(self) -> Option<Src<'a, F>> {
         match self.kind {
-            RunKind::Same => Some(Src::Block(&self.x[self.at..self.at + self.n])),
+            RunKind::Same => Some(Src::Block(&self.x[self.od.at..self.od.at + self.n])),
             RunKind::Splat => Some(Src::Splat(self.x[0])),
             _ => None,
         }
@@ -1740,30 +1730,19 @@ impl<'a, F: Copy> Iterator for Runs<'a, F> {
         if left == 0 {
             return None;
         }
+        let at = self.od.at;
         let (len, src) = match self.kind {
-            RunKind::Same => (left, Src::Block(&self.x[self.at..self.at + left])),
+            RunKind::Same => (left, Src::Block(&self.x[at..at + left])),
             RunKind::Splat => (left, Src::Splat(self.x[0])),
             RunKind::Cycle(m) => {
-                let len = (m - self.at).min(left);
-                let src = Src::Block(&self.x[self.at..self.at + len]);
-                self.at = if self.at + len == m { 0 } else { self.at + len };
-                (len, src)
+                let len = (m - at).min(left);
+                self.od.at = if at + len == m { 0 } else { at + len };
+                (len, Src::Block(&self.x[at..at + len]))
             }
             RunKind::Strided { out, strides } => {
-                let last = out.len() - 1;
-                let len = (out[last] - self.idx[last]).min(left);
-                let src = if strides[last] == 0 { Src::Splat(self.x[self.at]) } else { Src::Block(&self.x[self.at..self.at + len]) };
-                // Advance the multi-index like an odometer.
-                self.at += len * strides[last];
-                self.idx[last] += len;
-                let mut a = last;
-                while a > 0 && self.idx[a] == out[a] {
-                    self.at -= out[a] * strides[a];
-                    self.idx[a] = 0;
-                    a -= 1;
-                    self.idx[a] += 1;
-                    self.at += strides[a];
-                }
+                let len = self.od.left(out).min(left);
+                let src = if strides[out.len() - 1] == 0 { Src::Splat(self.x[at]) } else { Src::Block(&self.x[at..at + len]) };
+                self.od.advance(out, strides, len);
                 (len, src)
             }
         };
@@ -1810,35 +1789,61 @@ const MAX_RANK: usize = 8;
 /// per row instead of a division per axis per element).
 #[inline(always)]
 fn strided_runs<F: HostFloat>(out: &[usize], strides: &[usize], x: &[F], start: usize, dst: &mut [F]) {
-    let rank = out.len();
-    let mut idx = [0usize; MAX_RANK];
-    let (mut i, mut at) = (start, 0);
-    for a in (0..rank).rev() {
-        idx[a] = i % out[a];
-        at += idx[a] * strides[a];
-        i /= out[a];
-    }
-    let last = rank - 1;
-    let (extent, step) = (out[last], strides[last]);
+    let mut od = Odometer::new(out, strides, start);
+    let step = strides[out.len() - 1];
     let mut k = 0;
     while k < dst.len() {
-        let run = (extent - idx[last]).min(dst.len() - k);
+        let run = od.left(out).min(dst.len() - k);
         let d = &mut dst[k..k + run];
         if step == 0 {
-            d.fill(x[at]);
+            d.fill(x[od.at]);
         } else {
-            d.iter_mut().enumerate().for_each(|(j, v)| *v = x[at + j * step]);
+            d.iter_mut().enumerate().for_each(|(j, v)| *v = x[od.at + j * step]);
         }
         k += run;
-        at += run * step;
-        idx[last] += run;
+        od.advance(out, strides, run);
+    }
+}
+
+/// A multi-index over output extents `out` and the element it reaches through `strides`
+/// (`at`), moved along the last axis and carried into the axes before like an odometer.
+#[derive(Clone, Copy)]
+struct Odometer {
+    idx: [usize; MAX_RANK],
+    at: usize,
+}
+
+impl Odometer {
+    /// At output element `start` (`out` has at most [`MAX_RANK`] axes).
+    #[inline(always)]
+    fn new(out: &[usize], strides: &[usize], start: usize) -> Self {
+        let (mut idx, mut i, mut at) = ([0; MAX_RANK], start, 0);
+        for a in (0..out.len()).rev() {
+            idx[a] = i % out[a];
+            at += idx[a] * strides[a];
+            i /= out[a];
+        }
+        Odometer { idx, at }
+    }
+    /// Elements left along the last axis.
+    #[inline(always)]
+    fn left(&self, out: &[usize]) -> usize {
+        let last = out.len() - 1;
+        out[last] - self.idx[last]
+    }
+    /// `len` elements on along the last axis (at most [`Self::left`]).
+    #[inline(always)]
+    fn advance(&mut self, out: &[usize], strides: &[usize], len: usize) {
+        let last = out.len() - 1;
+        self.at += len * strides[last];
+        self.idx[last] += len;
         let mut a = last;
-        while a > 0 && idx[a] == out[a] {
-            at -= out[a] * strides[a];
-            idx[a] = 0;
+        while a > 0 && self.idx[a] == out[a] {
+            self.at -= out[a] * strides[a];
+            self.idx[a] = 0;
             a -= 1;
-            idx[a] += 1;
-            at += strides[a];
+            self.idx[a] += 1;
+            self.at += strides[a];
         }
     }
 }
@@ -2244,6 +2249,15 @@ fn row_shares<F: HostFloat>(y: &mut [F], row: usize, f: impl Fn(usize, &mut [F])
     shares_of(y, row, work, f)
 }
 
+/// The most shares a kernel's work is cut into: up to four per thread, taken by the threads as
+/// they come (see [`row_shares`]); one on one thread.
+pub(super) fn most_shares() -> usize {
+    match rayon::current_num_threads() {
+        1 => 1,
+        t => 4 * t,
+    }
+}
+
 /// [`row_shares`] for a kernel whose work is `work` elements rather than its output's (a
 /// reduction reads more than it writes).
 fn shares_of<F: HostFloat>(y: &mut [F], row: usize, work: usize, f: impl Fn(usize, &mut [F]) + Send + Sync) {
@@ -2251,8 +2265,7 @@ fn shares_of<F: HostFloat>(y: &mut [F], row: usize, work: usize, f: impl Fn(usiz
         return;
     }
     let rows = y.len().checked_div(row).unwrap_or(0);
-    let threads = rayon::current_num_threads();
-    let shares = if threads > 1 { (4 * threads).min(work / (8 * BLOCK)).min(rows) } else { 1 };
+    let shares = most_shares().min(work / (8 * BLOCK)).min(rows);
     if shares <= 1 {
         return f(0, y);
     }

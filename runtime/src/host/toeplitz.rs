@@ -12,7 +12,7 @@
 //! parameter read as it is: then it is built once per value of the parameter and kept in the
 //! session ([`super::Kept`]); the filter gradient folds `dt` back into the taps.
 
-use super::kernels::{add_assign, each, gemm_oriented, post_all, HostFloat, Post};
+use super::kernels::{add_assign, each, gemm_oriented, most_shares, post_all, HostFloat, Post};
 use crate::kernel::Geometry;
 
 /// The dense filter's largest size in elements (16 MiB of f32).
@@ -84,9 +84,7 @@ fn threads(work: usize) -> usize {
 /// cut into contiguous shares.
 fn per_channel<F: HostFloat>(buf: &mut [F], o: usize, f: impl Fn(usize, &mut [F]) + Send + Sync) {
     let len = buf.len() / o;
-    // Up to four shares per thread, taken as the threads come (as `kernels::row_shares`).
-    let threads = rayon::current_num_threads();
-    let per = o.div_ceil(if threads > 1 { 4 * threads } else { 1 }).max(1);
+    let per = o.div_ceil(most_shares()).max(1);
     let shares: Vec<(usize, &mut [F])> = buf.chunks_mut(per * len).enumerate().collect();
     each(shares, |(s, share)| {
         for (i, part) in share.chunks_exact_mut(len).enumerate() {
