@@ -464,7 +464,7 @@ fn seed002_mlp_gradients_match_finite_differences() {
 /// Cases for the device's own kernels: big enough for cubek's double-buffered matmul (its
 /// gradients are the NT and TN products), convolutions whose filter gradient is split over the
 /// output positions (LeNet5's two layers, a strided padded one with a short last slice, a
-/// grouped one), convolutions as products over their column matrix, epilogues, padded overlapping pooling, strided reads, a loss over many rows.
+/// grouped one), ResNet's stem, dilated and strided 1 x 1 ones, epilogues, padded overlapping pooling, strided reads, a loss over many rows.
 #[cfg(feature = "wgpu")]
 fn device_cases() -> Vec<Case> {
     vec![
@@ -475,17 +475,16 @@ fn device_cases() -> Vec<Case> {
         case!("conv2d_lenet_c2", [[8, 6, 14, 14], [16, 6, 5, 5]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
         case!("conv2d_split_stride2_same", [[4, 3, 17, 17], [8, 3, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Same, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
         case!("conv2d_split_groups", [[4, 4, 12, 12], [6, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 2)), &[p[0], p[1]]).unwrap()),
-        // Convolutions as products over their column matrix (at least 8,192 products per
-        // output): ResNet-18's stem (7 x 7, stride 2, padding 3) on an odd map, a dilated
-        // padded 3 x 3 with a bias and ReLU after it (its epilogue in the kernel that lays the
-        // product out), a strided 1 x 1 downsample.
-        case!("conv2d_product_stem", [[2, 3, 13, 13], [64, 3, 7, 7]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Pad, [3; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
-        case!("conv2d_product_dilated_bias_relu", [[2, 16, 9, 9], [64, 16, 3, 3], [1, 64, 1, 1]], |e, p, x| {
+        // ResNet-18's stem (7 x 7, stride 2, padding 3) on an odd map, a dilated padded 3 x 3
+        // with a bias and ReLU after it (an epilogue inside the convolution's kernel), a
+        // strided 1 x 1 downsample.
+        case!("conv2d_stem", [[2, 3, 13, 13], [64, 3, 7, 7]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Pad, [3; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_dilated_bias_relu", [[2, 16, 9, 9], [64, 16, 3, 3], [1, 64, 1, 1]], |e, p, x| {
             let y = e.op(Op::Conv2d(conv(1, PadMode::Pad, [1, 1, 2, 2], 2, 1)), &[p[0], p[1]]).unwrap();
             let y = e.add(y, p[2]).unwrap();
             e.op(Op::Relu, &[y]).unwrap()
         }),
-        case!("conv2d_product_1x1_stride2", [[2, 64, 7, 7], [128, 64, 1, 1]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_1x1_stride2", [[2, 64, 7, 7], [128, 64, 1, 1]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
         // Epilogues: bias + ReLU after a matmul (its gradients: ReLU's gradient after the
         // input-gradient matmul, the bias gradient a sum over rows), ReLU after a convolution
         // and its gradient after pooling's.
@@ -577,6 +576,4 @@ fn device_kernels_match_the_host_kernels() {
     }
     assert!(checked >= 50, "only {checked} cases");
     assert_eq!(cellgraph::runtime::cube::naive_matmuls(), 0, "a matmul fell back from cubek's kernels");
-    // The three product cases' forwards, input and filter gradients (the stem's input gradient too).
-    assert!(cellgraph::runtime::cube::product_convolutions() >= 9, "convolutions ran as products: {}", cellgraph::runtime::cube::product_convolutions());
 }

@@ -8,10 +8,8 @@
 //!   state buffers; the optimizer's `Update` program (the one its graph comes from) is
 //!   unrolled into the kernel when it is compiled.
 //! - matmuls on cubek's exact-f32 tiled kernels (the strategy bound per shape, TF32 only when
-//!   the session allows it); convolutions with enough work per output as exact products on
-//!   the same kernels over their column matrix ([`im2col`], [`col2im`]), small ones on the
-//!   direct [`conv2d_forward`], [`conv2d_input_grad`] and the split [`conv2d_filter_grad`] +
-//!   [`sum_rows`]; their geometry compile-time constants.
+//!   the session allows it), and convolutions on [`conv2d_forward`], [`conv2d_input_grad`] and
+//!   the split [`conv2d_filter_grad`] + [`sum_rows`], their geometry compile-time constants.
 //! - [`ew`]: elementwise programs (fused nodes, epilogues over a head's output in place, ReLU
 //!   and its gradient) unrolled into one kernel each.
 //! - [`loss`]: softmax cross-entropy and its gradient, one launch each.
@@ -198,17 +196,6 @@ impl ConvDims {
     fn positions(&self) -> usize {
         (self.n * self.oh * self.ow) as usize
     }
-    /// The filter's inner extent `c * kh * kw` (one group).
-    fn taps(&self) -> usize {
-        ((self.c / self.groups) * self.kh * self.kw) as usize
-    }
-    /// Whether the convolution runs as matrix products over its column matrix
-    /// ([`im2col`], cubek's tiled kernels): one group, at least 8,192 products per output
-    /// (ResNet-18's every convolution; LeNet5's run direct, where launches cost more than the
-    /// arithmetic), and a column matrix under 64 Mi elements.
-    fn by_product(&self) -> bool {
-        self.groups == 1 && self.taps() * self.o as usize >= 8192 && self.taps() * self.positions() <= 1 << 26
-    }
 }
 
 /// Direct convolution: one unit per output element `y[n, o, oh, ow]`, stored through the
@@ -318,95 +305,6 @@ pub fn conv2d_filter_grad<F: Float>(x: &Array<F>, dy: &Array<F>, part: &mut Arra
             }
         }
         part[idx] = acc;
-    }
-}
-
-/// The column matrix `col[k, q]` of a one-group convolution: `k` the filter tap `(ci, ky, kx)`
-/// over `c * kh * kw`, `q` the output position `(b, oy, ox)` over `n * oh * ow`, the input under
-/// that tap at that position (0 in the padding). The convolution is then `W[o, K] @ col`.
-#[cube(launch_unchecked)]
-pub fn im2col<F: Float>(x: &Array<F>, col: &mut Array<F>, #[comptime] g: ConvDims) {
-    let idx = ABSOLUTE_POS;
-    if idx < col.len() {
-        let (c, h, wi, oh, ow, np) = comptime!((g.c as usize, g.h as i32, g.w as i32, g.oh as usize, g.ow as usize, g.positions()));
-        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
-        let q = idx % np;
-        let k = idx / np;
-        let ox = q % ow;
-        let oy = (q / ow) % oh;
-        let b = q / (ow * oh);
-        let kx = k % kw;
-        let ky = (k / kw) % kh;
-        let ci = k / (kw * kh);
-        let iy = oy as i32 * sh + ky as i32 * dh - pt;
-        let ix = ox as i32 * sw + kx as i32 * dw - pl;
-        let mut v = F::new(0.0);
-        if iy >= 0 && iy < h && ix >= 0 && ix < wi {
-            v = x[((b * c + ci) * (h as usize) + iy as usize) * (wi as usize) + ix as usize];
-        }
-        col[idx] = v;
-    }
-}
-
-/// `y[b, o, p]` (NCHW) from the product `z[o, b * P + p]` (`P = oh * ow`), stored through the
-/// epilogue `post` (its operands after the first in `x1`..).
-#[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments)]
-pub fn conv_product_out<F: Float>(z: &Array<F>, y: &mut Array<F>, x1: &Array<F>, x2: &Array<F>, x3: &Array<F>, #[comptime] g: ConvDims, #[comptime] post: EwKernel) {
-    let idx = ABSOLUTE_POS;
-    if idx < y.len() {
-        let (o, sp, np) = comptime!((g.o as usize, (g.oh * g.ow) as usize, g.positions()));
-        let p = idx % sp;
-        let co = (idx / sp) % o;
-        let b = idx / (sp * o);
-        y[idx] = ew::apply::<F>(z[co * np + b * sp + p], x1, x2, x3, idx, post);
-    }
-}
-
-/// `t[o, b * P + p] = dy[b, o, p]`: the output gradient with its channels first, a product's
-/// operand.
-#[cube(launch_unchecked)]
-pub fn channels_first<F: Float>(dy: &Array<F>, t: &mut Array<F>, #[comptime] g: ConvDims) {
-    let idx = ABSOLUTE_POS;
-    if idx < t.len() {
-        let (o, sp, np) = comptime!((g.o as usize, (g.oh * g.ow) as usize, g.positions()));
-        let q = idx % np;
-        let co = idx / np;
-        let p = q % sp;
-        let b = q / sp;
-        t[idx] = dy[(b * o + co) * sp + p];
-    }
-}
-
-/// The input gradient `dx[b, ci, iy, ix]` from the column matrix's gradient `dcol[k, q]`
-/// ([`im2col`]'s layout): the sum over the taps that read the element, in the order
-/// [`conv2d_input_grad`] visits them.
-#[cube(launch_unchecked)]
-pub fn col2im<F: Float>(dcol: &Array<F>, dx: &mut Array<F>, #[comptime] g: ConvDims) {
-    let idx = ABSOLUTE_POS;
-    if idx < dx.len() {
-        let (c, h, wi, oh, ow, np) = comptime!((g.c as usize, g.h as usize, g.w as usize, g.oh as i32, g.ow as i32, g.positions()));
-        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
-        let ix = idx % wi;
-        let iy = (idx / wi) % h;
-        let ci = (idx / (wi * h)) % c;
-        let b = idx / (wi * h * c);
-        let base = b * (oh * ow) as usize;
-        let mut acc = F::new(0.0);
-        for ky in 0..kh {
-            let ty = iy as i32 + pt - ky as i32 * dh;
-            if ty >= 0 && ty % sh == 0 && ty / sh < oh {
-                let oy = (ty / sh) as usize;
-                for kx in 0..kw {
-                    let tx = ix as i32 + pl - kx as i32 * dw;
-                    if tx >= 0 && tx % sw == 0 && tx / sw < ow {
-                        let ox = (tx / sw) as usize;
-                        acc += dcol[((ci * kh + ky) * kw + kx) * np + base + oy * (ow as usize) + ox];
-                    }
-                }
-            }
-        }
-        dx[idx] = acc;
     }
 }
 
@@ -583,9 +481,6 @@ pub fn launch_update<R: CubeRuntime, F: FloatElement + Float>(
 /// `assign_add`'s order): split over its output positions ([`filter_grad_split`]), the slices
 /// summed in order by [`sum_rows`]; one slice without accumulation is written straight to `y`.
 fn filter_grad<R: CubeRuntime, F: FloatElement + Float>(dims: &ConvDims, dy: &CubeTensor<R>, x: &CubeTensor<R>, y: &CubeTensor<R>, accumulate: bool, arena: &mut Arena) {
-    if dims.by_product() {
-        return conv_by_product::<R, F>(ConvKind::FilterGrad, dims, dy, x, y, &EwKernel::identity(), &[], accumulate, arena);
-    }
     let client = &y.client;
     let numel = dims.filter_len();
     let (slices, per) = filter_grad_split(dims);
@@ -606,93 +501,6 @@ fn filter_grad<R: CubeRuntime, F: FloatElement + Float>(dims: &ConvDims, dy: &Cu
     }
 }
 
-/// Convolution kernels (forward, input or filter gradient) that ran as products over their
-/// column matrix ([`conv_by_product`]) in this process.
-static PRODUCT_CONVS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// How many convolution kernels ran as matrix products over their column matrix in this
-/// process (the others run on the direct kernels).
-pub fn product_convolutions() -> u64 {
-    PRODUCT_CONVS.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// `y = op(a) @ op(b)` (`m x n`) on cubek's exact tiled kernels, or on [`matmul`] (counted in
-/// [`naive_matmuls`]) where they do not set up on this device.
-#[allow(clippy::too_many_arguments)]
-fn product<R: CubeRuntime, F: FloatElement + Float>(a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, [m, k, n]: [usize; 3], ta: bool, tb: bool, tiling: Tiling, tf32: bool) {
-    if !cubek_matmul(a, b, y, 1, [m, k, n], ta, tb, tiling, tf32) {
-        NAIVE_MATMULS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let (count, dim) = grid(&y.client, m * n);
-        // SAFETY: one unit per element of `y` (`m * n`), reading `m * k` of `a` and `k * n` of `b`.
-        unsafe { matmul::launch_unchecked::<F, R>(&y.client, count, dim, arr(a), arr(b), arr(y), [m as u32, k as u32, n as u32], ta, tb) }
-    }
-}
-
-/// A one-group convolution as matrix products over its column matrix `col[K, n P]` ([`im2col`];
-/// `K = c kh kw`, `P = oh ow`; where [`ConvDims::by_product`]), in exact f32 on cubek's tiled
-/// kernels:
-/// - forward `(x, w)`: `z = W[o, K] @ col`, stored as NCHW through `post` ([`conv_product_out`]);
-/// - input gradient `(dy, w)`: `dcol = W^T @ dy[o, n P]` (channels first), folded back into the
-///   input's layout by [`col2im`];
-/// - filter gradient `(dy, x)`: `dW = dy[o, n P] @ col^T`, added into `y` with `accumulate`.
-///
-/// Its column matrices are the arena's scratch buffers (launches run in order: the next user of
-/// a buffer writes it after these kernels have read it).
-#[allow(clippy::too_many_arguments)]
-fn conv_by_product<R: CubeRuntime, F: FloatElement + Float>(kind: ConvKind, g: &ConvDims, a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, post: &EwKernel, rest: &[CubeTensor<R>], accumulate: bool, arena: &mut Arena) {
-    PRODUCT_CONVS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let client = &y.client;
-    let (o, kk, np) = (g.o as usize, g.taps(), g.positions());
-    let mut scratch = |len: usize| arena.take_scratch::<CubeTensor<R>>(len).unwrap_or_else(|| empty::<R>(client, &y.device, &[len]));
-    let mut used = Vec::new();
-    // SAFETY (every launch): one unit per element of the kernel's output, whose length is the
-    // geometry's; the reads stay inside operands of the bound op's extents.
-    unsafe {
-        match kind {
-            ConvKind::Forward => {
-                let (col, z) = (scratch(kk * np), scratch(o * np));
-                let (count, dim) = grid(client, kk * np);
-                im2col::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(&col), *g);
-                product::<R, F>(b, &col, &z, [o, kk, np], false, false, Tiling::for_extents(o, kk, np), false);
-                let (count, dim) = grid(client, y.meta.num_elements());
-                let x = |k: usize| arr(rest.get(k).unwrap_or(a));
-                conv_product_out::launch_unchecked::<F, R>(client, count, dim, arr(&z), arr(y), x(0), x(1), x(2), *g, post.clone());
-                used.extend([(kk * np, col), (o * np, z)]);
-            }
-            ConvKind::InputGrad => {
-                let (dyt, dcol) = (scratch(o * np), scratch(kk * np));
-                let (count, dim) = grid(client, o * np);
-                channels_first::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(&dyt), *g);
-                product::<R, F>(b, &dyt, &dcol, [kk, o, np], true, false, Tiling::for_extents(kk, o, np), false);
-                let (count, dim) = grid(client, y.meta.num_elements());
-                col2im::launch_unchecked::<F, R>(client, count, dim, arr(&dcol), arr(y), *g);
-                used.extend([(o * np, dyt), (kk * np, dcol)]);
-            }
-            ConvKind::FilterGrad => {
-                let (dyt, col) = (scratch(o * np), scratch(kk * np));
-                let (count, dim) = grid(client, o * np);
-                channels_first::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(&dyt), *g);
-                let (count, dim) = grid(client, kk * np);
-                im2col::launch_unchecked::<F, R>(client, count, dim, arr(b), arr(&col), *g);
-                let tiling = Tiling::for_extents(o, np, kk);
-                if accumulate {
-                    let dw = scratch(o * kk);
-                    product::<R, F>(&dyt, &col, &dw, [o, np, kk], false, true, tiling, false);
-                    let (count, dim) = grid(client, o * kk);
-                    assign_add::launch::<F, R>(client, count, dim, arr(y), arr(&dw));
-                    used.push((o * kk, dw));
-                } else {
-                    product::<R, F>(&dyt, &col, y, [o, np, kk], false, true, tiling, false);
-                }
-                used.extend([(o * np, dyt), (kk * np, col)]);
-            }
-        }
-    }
-    for (len, t) in used {
-        arena.give_scratch(len, t);
-    }
-}
-
 /// A two-operand head `(a, b)` (matmul, convolution, max pooling's gradient) into `y`
 /// (`numel` elements) on the kernel bound for it. A convolution forward or a pooling gradient
 /// stores its result through the in-place epilogue `post` (operands after the first in
@@ -707,12 +515,15 @@ fn head_kernel<R: CubeRuntime, F: FloatElement + Float>(op: &Native, a: &CubeTen
     // unit checks its position against its output's length; the operands' extents are the
     // bound op's, which the plan's types fix).
     match *op {
-        Native::MatMul { m, k, n, transpose_a, transpose_b, tiling } => product::<R, F>(a, b, y, [m, k, n], transpose_a, transpose_b, tiling, tf32),
+        Native::MatMul { m, k, n, transpose_a, transpose_b, tiling } => {
+            if !cubek_matmul(a, b, y, 1, [m, k, n], transpose_a, transpose_b, tiling, tf32) {
+                NAIVE_MATMULS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let mkn = [m as u32, k as u32, n as u32];
+                unsafe { matmul::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(b), arr(y), mkn, transpose_a, transpose_b) }
+            }
+        }
         Native::Conv { kind, g, groups, out_channels, .. } => {
             let dims = ConvDims::of(&g, groups, out_channels);
-            if dims.by_product() {
-                return conv_by_product::<R, F>(kind, &dims, a, b, y, post, rest, false, arena);
-            }
             match kind {
                 ConvKind::Forward => unsafe { conv2d_forward::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(b), arr(y), x(0), x(1), x(2), dims, post.clone()) },
                 ConvKind::InputGrad => unsafe { conv2d_input_grad::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(b), arr(y), dims) },
