@@ -443,13 +443,19 @@ fn run_head<B: Backend>(cx: &Ctx<B>, head: &Op, step: &Step, args: Vec<(Value<B>
     }
 }
 
-/// Counts one call of `op` since `t0` in a profile, when profiling is on.
-fn record(profile: &mut Option<BTreeMap<&'static str, (u64, f64)>>, op: &'static str, t0: Option<std::time::Instant>) {
-    if let (Some(p), Some(t0)) = (profile.as_mut(), t0) {
-        let e = p.entry(op).or_insert((0, 0.0));
+/// Counts one call of `secs` under `key()` in a profile, when profiling is on (`key` is only
+/// made then).
+fn record<K: Ord>(profile: &mut Option<BTreeMap<K, (u64, f64)>>, key: impl FnOnce() -> K, secs: Option<f64>) {
+    if let (Some(p), Some(secs)) = (profile.as_mut(), secs) {
+        let e = p.entry(key()).or_insert((0, 0.0));
         e.0 += 1;
-        e.1 += t0.elapsed().as_secs_f64();
+        e.1 += secs;
     }
+}
+
+/// Seconds since `t0` (profiling on).
+fn since(t0: Option<std::time::Instant>) -> Option<f64> {
+    t0.map(|t| t.elapsed().as_secs_f64())
 }
 
 /// Parameter values on one device, and the plans that read and write them.
@@ -565,6 +571,23 @@ impl<B: Backend> Session<B> {
         let mut v: Vec<_> = self.step_profile.iter().flatten().map(|(k, &(n, t))| (k.clone(), n, t)).collect();
         v.sort_by(|a, b| b.2.total_cmp(&a.2));
         v
+    }
+
+    /// The `top` slowest ops ([`Self::profile`]), then under "slowest kinds of step (op, output,
+    /// program):" the `top` slowest kinds of step ([`Self::profile_steps`]), one per line, as
+    /// the programs print them; empty when profiling is off.
+    pub fn profile_table(&self, top: usize) -> String {
+        let mut s = String::new();
+        for (op, calls, t) in self.profile().into_iter().take(top) {
+            s += &format!("{op:>28} {calls:>8} calls {:>10.1} ms\n", t * 1e3);
+        }
+        for (i, (step, calls, t)) in self.profile_steps().into_iter().take(top).enumerate() {
+            if i == 0 {
+                s += "slowest kinds of step (op, output, program):\n";
+            }
+            s += &format!("{:>10.1} ms {calls:>8} calls  {step}\n", t * 1e3);
+        }
+        s
     }
 
     /// The device.
@@ -739,7 +762,7 @@ impl<B: Backend> Session<B> {
                     let mut sum = x.to_host().to_f32();
                     c.all_reduce_sum(&mut sum);
                     let sum = HostTensor::f32(step.ty.dims().to_vec(), sum).expect("the operand's extents");
-                    record(&mut self.profile, step.op.label(), t0);
+                    record(&mut self.profile, || step.op.label(), since(t0));
                     Value::from_host_owned(sum, &self.device)
                 }
                 op => {
@@ -841,16 +864,17 @@ impl<B: Backend> Session<B> {
                             },
                         }
                     };
-                    if let (Some(p), Some(t0)) = (self.step_profile.as_mut(), t0) {
+                    // The step's time, taken before its kind's name is formatted.
+                    let secs = since(t0);
+                    let kind = || {
                         let program = match op {
                             Op::Fused { expr } | Op::Epilogue { expr, .. } => format!(" {expr}"),
                             _ => String::new(),
                         };
-                        let e = p.entry(format!("{} {}{program}", op.label(), step.ty)).or_insert((0, 0.0));
-                        e.0 += 1;
-                        e.1 += t0.elapsed().as_secs_f64();
-                    }
-                    record(&mut self.profile, op.label(), t0);
+                        format!("{} {}{program}", op.label(), step.ty)
+                    };
+                    record(&mut self.step_profile, kind, secs);
+                    record(&mut self.profile, || op.label(), secs);
                     v
                 }
             };

@@ -179,15 +179,7 @@ fn train(args: &Args, net: GradAccumulation, optimizer: SGD, ds: &Cifar10Dataset
         let images = ds.dataset_size() * args.batch_size * args.epochs * size;
         println!("ranks: {size}, updates: {}, {}", acc.updates(), collectives(acc.counters()));
         println!("training: {secs:.1} s, {:.1} images/s across ranks", images as f64 / secs);
-        for (op, calls, t) in acc.session.profile().into_iter().take(20) {
-            println!("{op:>28} {calls:>8} calls {:>10.1} ms", t * 1e3);
-        }
-        for (i, (step, calls, t)) in acc.session.profile_steps().into_iter().take(20).enumerate() {
-            if i == 0 {
-                println!("slowest kinds of step (op, output, program):");
-            }
-            println!("{:>10.1} ms {calls:>8} calls  {step}", t * 1e3);
-        }
+        print!("{}", acc.session.profile_table(20));
         let test = Cifar10Dataset::new(data(args, "test", rank)?).batch(args.batch_size, false)?;
         println!("test accuracy: {:.4}", model.eval(&test)?["Accuracy"]);
         cellgraph::runtime::checkpoint::save(&args.ckpt, &snapshot, &Default::default())?;

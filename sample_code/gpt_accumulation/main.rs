@@ -211,16 +211,7 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
         if matches!(args.items, ItemKind::Windows) {
             println!("training: {secs:.2} s, {:.1} tokens/s across ranks", tokens as f64 / secs);
         }
-        let session = &model.accumulator().session;
-        for (op, calls, t) in session.profile().into_iter().take(20) {
-            println!("{op:>28} {calls:>8} calls {:>10.1} ms", t * 1e3);
-        }
-        for (i, (step, calls, t)) in session.profile_steps().into_iter().take(20).enumerate() {
-            if i == 0 {
-                println!("slowest kinds of step (op, output, program):");
-            }
-            println!("{:>10.1} ms {calls:>8} calls  {step}", t * 1e3);
-        }
+        print!("{}", model.accumulator().session.profile_table(20));
         if args.sample > 0 {
             println!("sample:\n{}", sample(&mut model, &corpus, args.context, args.sample, args.seed)?);
         }

@@ -464,7 +464,8 @@ fn seed002_mlp_gradients_match_finite_differences() {
 /// Cases for the device's own kernels: big enough for cubek's double-buffered matmul (its
 /// gradients are the NT and TN products), convolutions whose filter gradient is split over the
 /// output positions (LeNet5's two layers, a strided padded one with a short last slice, a
-/// grouped one), ResNet's stem, dilated and strided 1 x 1 ones, epilogues, padded overlapping pooling, strided reads, a loss over many rows.
+/// grouped one), ResNet's stem, a dilated one and a strided 1 x 1, epilogues, padded
+/// overlapping pooling, strided reads, a loss over many rows.
 #[cfg(feature = "wgpu")]
 fn device_cases() -> Vec<Case> {
     vec![
