@@ -1,6 +1,7 @@
 //! The host kernels on LeNet5's shapes, and ResNet-18's convolutions, at batch 32, one call at
 //! a time: median microseconds per call and GFLOP/s. Run: `cargo bench --bench kernels` (one thread:
-//! `MATMUL_NUM_THREADS=1 RAYON_NUM_THREADS=1 taskset -c 0 cargo bench --bench kernels`).
+//! `MATMUL_NUM_THREADS=1 RAYON_NUM_THREADS=1 taskset -c 0 cargo bench --bench kernels`; only the
+//! kernels whose name contains S: `KERNELS_ONLY=S`).
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -33,7 +34,12 @@ fn timed(len: usize, mut kernel: impl FnMut(&mut [f32])) -> f64 {
     median_us(|| kernel(black_box(&mut out)))
 }
 
-fn row(name: &str, us: f64, flops: f64) {
+/// Times and prints one kernel, unless `KERNELS_ONLY` is set and not part of its name.
+fn row(name: &str, us: impl FnOnce() -> f64, flops: f64) {
+    if std::env::var("KERNELS_ONLY").is_ok_and(|only| !name.contains(&only)) {
+        return;
+    }
+    let us = us();
     let gf = if flops > 0.0 { format!("{:8.1}", flops / us / 1e3) } else { "       -".into() };
     println!("{name:<46} {us:10.1} {gf}");
 }
@@ -46,28 +52,28 @@ fn main() {
         let g = Geometry { x: [n, c, hw, hw], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [oh, oh] };
         let (x, w, dy) = (data(n * c * hw * hw), data(o * c * 25), data(n * o * oh * oh));
         let flops = 2.0 * (n * o * oh * oh * c * 25) as f64;
-        row(&format!("{name} forward, im2col+GEMM"), timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y, None)), flops);
-        row(&format!("{name} forward, direct"), timed(dy.len(), |y| direct::forward(&g, &x, &w, o, y, None)), flops);
-        row(&format!("{name} filter grad, im2col+GEMM"), timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw)), flops);
-        row(&format!("{name} filter grad, direct"), timed(w.len(), |dw| direct::filter_grad(&g, &dy, &x, o, dw)), flops);
-        row(&format!("{name} input grad, im2col+GEMM"), timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx)), flops);
-        row(&format!("{name} input grad, direct"), timed(x.len(), |dx| direct::input_grad(&g, &dy, &w, o, dx)), flops);
+        row(&format!("{name} forward, im2col+GEMM"), || timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y, None)), flops);
+        row(&format!("{name} forward, direct"), || timed(dy.len(), |y| direct::forward(&g, &x, &w, o, y, None)), flops);
+        row(&format!("{name} filter grad, im2col+GEMM"), || timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw)), flops);
+        row(&format!("{name} filter grad, direct"), || timed(w.len(), |dw| direct::filter_grad(&g, &dy, &x, o, dw)), flops);
+        row(&format!("{name} input grad, im2col+GEMM"), || timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx)), flops);
+        row(&format!("{name} input grad, direct"), || timed(x.len(), |dx| direct::input_grad(&g, &dy, &w, o, dx)), flops);
     }
     for (name, c, hw) in [("pool1 6x28x28", 6usize, 28usize), ("pool2 16x10x10", 16, 10)] {
         let g = Geometry { x: [n, c, hw, hw], kernel: [2, 2], stride: [2, 2], dilation: [1, 1], pad: [0, 0], out: [hw / 2, hw / 2] };
         let (x, dy) = (data(n * c * hw * hw), data(n * c * hw * hw / 4));
         let mut at = vec![0u32; dy.len()];
-        row(&format!("{name} max pool"), timed(dy.len(), |y| kernels::max_pool2d(&g, &x, &mut at, y)), 0.0);
-        row(&format!("{name} max pool grad (kept argmax)"), timed(x.len(), |dx| kernels::max_pool2d_grad(&g, &at, &dy, dx, None)), 0.0);
+        row(&format!("{name} max pool"), || timed(dy.len(), |y| kernels::max_pool2d(&g, &x, &mut at, y)), 0.0);
+        row(&format!("{name} max pool grad (kept argmax)"), || timed(x.len(), |dx| kernels::max_pool2d_grad(&g, &at, &dy, dx, None)), 0.0);
     }
     for (name, m, k, nn) in [("fc1 32x400 @ 400x120^T", 32usize, 400usize, 120usize), ("fc1 grad 120x32^T @ 32x400", 120, 32, 400)] {
         let (a, b) = (data(m * k), data(k * nn));
         let ma = Mat { data: &a, rows: m, cols: k, transposed: false };
         let mb = Mat { data: &b, rows: k, cols: nn, transposed: false };
-        row(name, timed(m * nn, |c| kernels::matmul(ma, mb, c)), 2.0 * (m * k * nn) as f64);
+        row(name, || timed(m * nn, |c| kernels::matmul(ma, mb, c)), 2.0 * (m * k * nn) as f64);
     }
     let (dy, x) = (data(n * 6 * 28 * 28), data(n * 6 * 28 * 28));
-    row("relu grad 32x6x28x28", timed(x.len(), |dx| kernels::relu_grad(&dy, &x, dx)), 0.0);
+    row("relu grad 32x6x28x28", || timed(x.len(), |dx| kernels::relu_grad(&dy, &x, dx)), 0.0);
     resnet18(n);
     gpt();
 }
@@ -91,7 +97,7 @@ fn gpt() {
         let (a, b) = (data(m * k), data(k * n));
         let ma = if ta { Mat { data: &a, rows: k, cols: m, transposed: true } } else { Mat { data: &a, rows: m, cols: k, transposed: false } };
         let mb = if tb { Mat { data: &b, rows: n, cols: k, transposed: true } } else { Mat { data: &b, rows: k, cols: n, transposed: false } };
-        row(name, timed(m * n, |c| kernels::matmul(ma, mb, c)), 2.0 * (m * k * n) as f64);
+        row(name, || timed(m * n, |c| kernels::matmul(ma, mb, c)), 2.0 * (m * k * n) as f64);
     }
 }
 
@@ -120,8 +126,8 @@ fn resnet18(n: usize) {
         let along: usize = (0..oh).map(|o| (0..k).filter(|&t| (o * s + t).checked_sub(p).is_some_and(|i| i < hw)).count()).sum();
         let flops = 2.0 * (n * o * c * along * along) as f64;
         let (x, w, dy) = (data(n * c * hw * hw), data(o * c * k * k), data(n * o * oh * oh));
-        row(&format!("{name} forward"), timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y, None)), flops);
-        row(&format!("{name} filter grad"), timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw)), flops);
-        row(&format!("{name} input grad"), timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx)), flops);
+        row(&format!("{name} forward"), || timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y, None)), flops);
+        row(&format!("{name} filter grad"), || timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw)), flops);
+        row(&format!("{name} input grad"), || timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx)), flops);
     }
 }
