@@ -105,7 +105,13 @@ fn gpt() {
 /// 8x8, 4x4, 2x2 and 1x1 maps). GFLOP/s counts the multiply-adds that read an image pixel,
 /// not padding: the work a kernel that skipped padding would do.
 fn resnet18(n: usize) {
-    println!("\nResNet-18 convolutions (batch {n})");
+    println!("\nResNet-18 (batch {n})");
+    // The stem's max pooling: 3x3 at stride 2 padded by 1, 64 x 16 x 16 -> 64 x 8 x 8.
+    let g = Geometry { x: [n, 64, 16, 16], kernel: [3, 3], stride: [2, 2], dilation: [1, 1], pad: [1, 1], out: [8, 8] };
+    let (x, dy) = (data(n * 64 * 16 * 16), data(n * 64 * 8 * 8));
+    let mut at = vec![0u32; dy.len()];
+    row("max pool 3x3/2 padded by 1, 64x16x16", || timed(dy.len(), |y| kernels::max_pool2d(&g, &x, &mut at, y)), 0.0);
+    row("max pool 3x3/2 grad (kept argmax)", || timed(x.len(), |dx| kernels::max_pool2d_grad(&g, &at, &dy, dx, None)), 0.0);
     // (name, in channels, in size, out channels, kernel, stride, padding)
     let convs = [
         ("stem 3->64 7x7/2 on 32x32", 3usize, 32usize, 64usize, 7usize, 2usize, 3usize),

@@ -878,10 +878,25 @@ fn argmax_windows<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32], best
     if is_2x2(g) {
         return argmax_2x2(g, plane, out, best);
     }
-    if windows_inside(g) {
-        return argmax_inside(g, plane, out, best);
+    let (rows, cols) = (inside_outputs(g, 0), inside_outputs(g, 1));
+    // The outputs whose windows reach into padding or past the plane: one at a time.
+    for oy in 0..g.out[0] {
+        for ox in 0..g.out[1] {
+            if !(rows.contains(&oy) && cols.contains(&ox)) {
+                out[oy * g.out[1] + ox] = argmax_one(g, plane, oy, ox);
+            }
+        }
     }
-    argmax_general(g, plane, out)
+    argmax_inside(g, plane, out, best, rows, cols)
+}
+
+/// The outputs along axis `a` whose windows lie entirely inside the input.
+fn inside_outputs(g: &Geometry, a: usize) -> std::ops::Range<usize> {
+    let (s, p, reach) = (g.stride[a], g.pad[a], (g.kernel[a] - 1) * g.dilation[a]);
+    let lo = p.div_ceil(s);
+    // The last output's window ends at `o * s - p + reach <= x - 1`.
+    let hi = (g.x[2 + a] + p).checked_sub(reach + 1).map_or(0, |last| last / s + 1).min(g.out[a]);
+    lo.min(hi)..hi
 }
 
 /// No padding, and every window inside the plane.
@@ -895,8 +910,9 @@ fn is_2x2(g: &Geometry) -> bool {
     g.kernel == [2, 2] && g.stride == [2, 2] && g.dilation == [1, 1] && windows_inside(g)
 }
 
-/// [`argmax_windows`] for any window, padded or not.
-fn argmax_general<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32]) {
+/// The argmax of output `(oy, ox)`'s window, padded or not: its inputs in window order, the
+/// first largest kept (a NaN wins), padding skipped; [`NO_ARGMAX`] if it reads none.
+fn argmax_one<F: HostFloat>(g: &Geometry, plane: &[F], oy: usize, ox: usize) -> u32 {
     // The first input row (or column) of output `o`'s window along axis `a`, the step, and
     // the kernel offsets `[lo, hi)` that land inside the input (`lo == hi`: none).
     let span = |a: usize, o: usize| {
@@ -907,46 +923,44 @@ fn argmax_general<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32]) {
         (start, d, lo, hi.max(lo))
     };
     let w = g.x[3];
-    for oy in 0..g.out[0] {
-        let (ys, ysd, ky0, ky1) = span(0, oy);
-        for ox in 0..g.out[1] {
-            let (xs, xsd, kx0, kx1) = span(1, ox);
-            let (mut best, mut at) = (F::NEG_INF, NO_ARGMAX);
-            for ky in ky0..ky1 {
-                let row = (ys + ky * ysd) as usize * w;
-                for kx in kx0..kx1 {
-                    let i = row + (xs + kx * xsd) as usize;
-                    let v = plane[i];
-                    if at == NO_ARGMAX || v > best || v.is_nan() {
-                        (best, at) = (v, i as u32);
-                    }
-                }
+    let (ys, ysd, ky0, ky1) = span(0, oy);
+    let (xs, xsd, kx0, kx1) = span(1, ox);
+    let (mut best, mut at) = (F::NEG_INF, NO_ARGMAX);
+    for ky in ky0..ky1 {
+        let row = (ys + ky * ysd) as usize * w;
+        for kx in kx0..kx1 {
+            let i = row + (xs + kx * xsd) as usize;
+            let v = plane[i];
+            if at == NO_ARGMAX || v > best || v.is_nan() {
+                (best, at) = (v, i as u32);
             }
-            out[oy * g.out[1] + ox] = at;
         }
     }
+    at
 }
 
-/// [`argmax_windows`] where every window lies inside the plane (no padding): the same
+/// [`argmax_one`] for the outputs `rows x cols`, whose windows lie inside the plane: the same
 /// comparisons in the same order, a row of outputs at a time (one kernel offset across the
-/// row), without branches on the data.
-fn argmax_inside<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32], best: &mut [F]) {
+/// row), without branches on the data. `best` is scratch of at least a row of outputs.
+fn argmax_inside<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32], best: &mut [F], rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) {
     let w = g.x[3];
     let [sy, sx] = g.stride;
     let [dy, dx] = g.dilation;
     let ow = g.out[1];
-    let best = &mut best[..ow];
-    for (oy, at) in out.chunks_exact_mut(ow).enumerate() {
-        let top = oy * sy * w;
-        for (ox, (b, a)) in best.iter_mut().zip(at.iter_mut()).enumerate() {
-            *a = (top + ox * sx) as u32;
+    let best = &mut best[..cols.len()];
+    for oy in rows {
+        // The window's first input: row `oy * sy - pad`, column `ox * sx - pad`.
+        let top = (oy * sy - g.pad[0]) * w + cols.start * sx - g.pad[1];
+        let at = &mut out[oy * ow..][cols.clone()];
+        for (j, (b, a)) in best.iter_mut().zip(at.iter_mut()).enumerate() {
+            *a = (top + j * sx) as u32;
             *b = plane[*a as usize];
         }
         for ky in 0..g.kernel[0] {
             for kx in 0..g.kernel[1] {
                 let first = top + ky * dy * w + kx * dx;
-                for (ox, (b, a)) in best.iter_mut().zip(at.iter_mut()).enumerate() {
-                    let i = first + ox * sx;
+                for (j, (b, a)) in best.iter_mut().zip(at.iter_mut()).enumerate() {
+                    let i = first + j * sx;
                     let v = plane[i];
                     let take = v > *b || v.is_nan();
                     *b = if take { v } else { *b };
@@ -1029,10 +1043,15 @@ pub fn max_pool2d_argmax<F: HostFloat>(g: &Geometry, x: &[F], at: &mut [u32]) {
     let tasks: Vec<_> = at.chunks_mut(per * sp).enumerate().collect();
     each(tasks, |(k, at)| {
         let mut best = vec![F::ZERO; sp];
-        for (p, at) in at.chunks_exact_mut(sp).enumerate() {
-            let p = k * per + p;
-            argmax_windows(g, &x[p * h * w..(p + 1) * h * w], at, &mut best);
-        }
+        vectorized(
+            #[inline(always)]
+            || {
+                for (p, at) in at.chunks_exact_mut(sp).enumerate() {
+                    let p = k * per + p;
+                    argmax_windows(g, &x[p * h * w..(p + 1) * h * w], at, &mut best);
+                }
+            },
+        )
     });
 }
 
@@ -2128,10 +2147,11 @@ pub(crate) mod tests {
         assert_eq!(run(1), run(3));
     }
 
-    /// The branch-free pooling paths (any unpadded window, and 2x2 at stride 2) pick the same
-    /// input as the general one, ties (the first maximum wins) and NaNs (a NaN wins) included.
+    /// The branch-free pooling paths (the windows inside the plane, padded or not, and 2x2 at
+    /// stride 2) pick the same input as the general one, output by output, ties (the first
+    /// maximum wins) and NaNs (a NaN wins) included.
     #[test]
-    fn unpadded_pooling_picks_what_the_general_path_picks() {
+    fn pooling_picks_what_the_general_path_picks() {
         let mut seed = 12345u64;
         let mut next = || {
             seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -2145,13 +2165,28 @@ pub(crate) mod tests {
                 r => r as f32 - 7.0,
             })
             .collect();
-        for (kernel, stride, dilation) in [([2, 2], [2, 2], [1, 1]), ([3, 3], [1, 1], [1, 1]), ([2, 3], [3, 2], [1, 1]), ([2, 2], [1, 2], [2, 3])] {
-            let out = [0, 1].map(|a| ([h, w][a] - dilation[a] * (kernel[a] - 1) - 1) / stride[a] + 1);
-            let g = Geometry { x: [1, 1, h, w], kernel, stride, dilation, pad: [0, 0], out };
-            let (mut fast, mut general) = (vec![0; out[0] * out[1]], vec![0; out[0] * out[1]]);
-            argmax_inside(&g, &plane, &mut fast, &mut vec![0.0; out[1]]);
-            argmax_general(&g, &plane, &mut general);
-            assert_eq!(fast, general, "kernel {kernel:?} stride {stride:?} dilation {dilation:?}");
+        let cases = [
+            ([2, 2], [2, 2], [1, 1], [0, 0]),
+            ([3, 3], [1, 1], [1, 1], [0, 0]),
+            ([2, 3], [3, 2], [1, 1], [0, 0]),
+            ([2, 2], [1, 2], [2, 3], [0, 0]),
+            // ResNet's 3x3 at stride 2 padded by 1, one-sided and dilated padding, and windows
+            // entirely in padding (no input: NO_ARGMAX).
+            ([3, 3], [2, 2], [1, 1], [1, 1]),
+            ([3, 2], [1, 2], [1, 1], [1, 0]),
+            ([2, 2], [1, 1], [2, 1], [2, 1]),
+            ([3, 3], [2, 3], [1, 1], [4, 4]),
+        ];
+        for (kernel, stride, dilation, pad) in cases {
+            let out = [0, 1].map(|a| ([h, w][a] + 2 * pad[a] - dilation[a] * (kernel[a] - 1) - 1) / stride[a] + 1);
+            let g = Geometry { x: [1, 1, h, w], kernel, stride, dilation, pad, out };
+            let mut fast = vec![0; out[0] * out[1]];
+            argmax_windows(&g, &plane, &mut fast, &mut vec![0.0; out[0] * out[1]]);
+            let general: Vec<u32> = (0..out[0] * out[1]).map(|i| argmax_one(&g, &plane, i / out[1], i % out[1])).collect();
+            assert_eq!(fast, general, "kernel {kernel:?} stride {stride:?} dilation {dilation:?} pad {pad:?}");
+            if pad == [4, 4] {
+                assert!(general.contains(&NO_ARGMAX) && general.iter().any(|&i| i != NO_ARGMAX), "some windows read no input, some do");
+            }
             if kernel == [2, 2] && stride == [2, 2] && dilation == [1, 1] {
                 let mut two = vec![0; out[0] * out[1]];
                 argmax_2x2(&g, &plane, &mut two, &mut vec![0.0; out[0] * out[1]]);
