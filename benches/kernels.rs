@@ -54,7 +54,7 @@ fn main() {
         let flops = 2.0 * (n * o * oh * oh * c * 25) as f64;
         row(&format!("{name} forward, im2col+GEMM"), || timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y, None)), flops);
         row(&format!("{name} forward, direct"), || timed(dy.len(), |y| direct::forward(&g, &x, &w, o, y, None)), flops);
-        row(&format!("{name} filter grad, im2col+GEMM"), || timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw)), flops);
+        row(&format!("{name} filter grad, im2col+GEMM"), || timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None)), flops);
         row(&format!("{name} filter grad, direct"), || timed(w.len(), |dw| direct::filter_grad(&g, &dy, &x, o, dw)), flops);
         row(&format!("{name} input grad, im2col+GEMM"), || timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx)), flops);
         row(&format!("{name} input grad, direct"), || timed(x.len(), |dx| direct::input_grad(&g, &dy, &w, o, dx)), flops);
@@ -133,7 +133,7 @@ fn resnet18(n: usize) {
         let flops = 2.0 * (n * o * c * along * along) as f64;
         let (x, w, dy) = (data(n * c * hw * hw), data(o * c * k * k), data(n * o * oh * oh));
         row(&format!("{name} forward"), || timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y, None)), flops);
-        row(&format!("{name} filter grad"), || timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw)), flops);
+        row(&format!("{name} filter grad"), || timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None)), flops);
         row(&format!("{name} input grad"), || timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx)), flops);
     }
 }

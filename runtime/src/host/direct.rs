@@ -631,7 +631,7 @@ mod tests {
                 assert!((lhs - rhs).abs() <= 1e-4 * (1.0 + lhs.abs()), "{g:?}: {lhs} vs {rhs}");
             }
             let gemm_dx = new(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx));
-            let gemm_dw = new(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw));
+            let gemm_dw = new(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None));
             for (a, b) in r.dx.iter().zip(&gemm_dx).chain(r.dw.iter().zip(&gemm_dw)) {
                 assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{g:?}: {a} vs {b}");
             }

@@ -772,17 +772,17 @@ pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w:
 /// arithmetic when `og` is 64 (ResNet-18's stem and layer1: 0.67x and 0.77x the time, by
 /// `cargo bench --bench kernels`); `[kk, og]` packs the chunk's `dy` instead. With 128 output
 /// channels the arithmetic hides the packing and `dw`'s layout is faster (layer2: 1.19x the
-/// time transposed).
-pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize, dw: &mut [F]) {
+/// time transposed). `post` runs on the output in parts, as each is finished.
+pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize, dw: &mut [F], post: Post<F>) {
     if let Some(taps) = toeplitz::taps(g, groups, o) {
-        return toeplitz::filter_grad(g, &taps, dy, x, o, dw);
+        return toeplitz::filter_grad(g, &taps, dy, x, o, dw, post);
     }
     if let Some((small, at)) = cropped(g) {
         // The cropped gradient, then written into its taps' places; the others are zero.
         let (big, little) = (g.kernel[0] * g.kernel[1], small.kernel[0] * small.kernel[1]);
         let planes = dw.len() / big;
         return F::partials(planes * little, |part| {
-            conv2d_filter_grad(&small, groups, dy, x, o, part);
+            conv2d_filter_grad(&small, groups, dy, x, o, part, None);
             dw.fill(F::ZERO);
             for r in 0..small.kernel[0] {
                 for c in 0..small.kernel[1] {
@@ -792,6 +792,7 @@ pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x
                     }
                 }
             }
+            post_all(post, dw);
         });
     }
     let d = conv_dims(g, groups, o);
@@ -812,6 +813,7 @@ pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x
             for part in rest.chunks_exact(size) {
                 add_assign(dw, part);
             }
+            post_all(post, dw);
         });
     }
     F::partials(chunks * size, |parts| {
@@ -834,6 +836,11 @@ pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x
                             dw[at + oc * d.kk + t] = sum;
                         }
                     }
+                }
+                // These output channels' rows are done: `post` while they are in cache.
+                if let Some(post) = post {
+                    let rows = at + o0 * d.kk..at + (o0 + TILE).min(d.og) * d.kk;
+                    post(rows.start, &mut dw[rows]);
                 }
             }
         }
@@ -1986,7 +1993,11 @@ pub(crate) mod tests {
             }
             let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>();
             let dx = new(x.len(), |dx| conv2d_input_grad(&g, groups, &dy, &w, o, dx));
-            let dw = new(w.len(), |dw| conv2d_filter_grad(&g, groups, &dy, &x, o, dw));
+            let dw = new(w.len(), |dw| conv2d_filter_grad(&g, groups, &dy, &x, o, dw, None));
+            // An epilogue sees every element once, at its own offset.
+            let post = |first: usize, part: &mut [f32]| part.iter_mut().enumerate().for_each(|(i, v)| *v = *v * 2.0 + (first + i) as f32);
+            let twice = new(w.len(), |dw| conv2d_filter_grad(&g, groups, &dy, &x, o, dw, Some(&post)));
+            assert!(twice.iter().zip(&dw).enumerate().all(|(i, (t, d))| t.to_bits() == (d * 2.0 + i as f32).to_bits()), "{g:?}: the epilogue");
             let lhs = dot(&y, &dy);
             for rhs in [dot(&x, &dx), dot(&w, &dw)] {
                 assert!((lhs - rhs).abs() <= 1e-4 * (1.0 + lhs.abs()), "{g:?}: {lhs} vs {rhs}");
@@ -2138,7 +2149,7 @@ pub(crate) mod tests {
                 [
                     bits(new(dy.len(), |y| conv2d(&g, 1, &x, &w, 16, y, None))),
                     bits(new(x.len(), |dx| conv2d_input_grad(&g, 1, &dy, &w, 16, dx))),
-                    bits(new(w.len(), |dw| conv2d_filter_grad(&g, 1, &dy, &x, 16, dw))),
+                    bits(new(w.len(), |dw| conv2d_filter_grad(&g, 1, &dy, &x, 16, dw, None))),
                     bits(y),
                     bits(new(x.len(), |dx| max_pool2d_grad(&p, &at, &x[..at.len()], dx, None))),
                 ]

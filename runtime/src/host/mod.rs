@@ -444,7 +444,7 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         Native::Conv { kind: ConvKind::InputGrad, g, out_channels, direct: true, .. } => direct::input_grad(g, a[0], a[1], *out_channels, y),
         Native::Conv { kind: ConvKind::FilterGrad, g, out_channels, direct: true, .. } => direct::filter_grad(g, a[0], a[1], *out_channels, y),
         Native::Conv { kind: ConvKind::InputGrad, g, groups, out_channels, .. } => kernels::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels, y),
-        Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } => kernels::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels, y),
+        Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } => return kernels::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels, y, post),
         Native::MaxPool { g, keep } => match keep {
             Some(s) => kernels::max_pool2d(g, a[0], kept.argmax(*s, y.len()), y),
             None => kernels::max_pool2d(g, a[0], &mut vec![0; y.len()], y),
