@@ -769,7 +769,7 @@ pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w:
 /// while the chunks are added. The GEMM computes a row-major product as its transpose, packing
 /// its left operand and streaming its right one: `dw`'s own layout makes the column matrix the
 /// packed one, a strided gather of `kk * m*oh*ow` elements per chunk, as costly as the
-/// arithmetic when `og` is 64 (ResNet-18's stem and layer1: 0.67x and 0.77x the time, by
+/// arithmetic when `og` is 64 (ResNet-18's stem and layer1: 0.71x and 0.78x the time, by
 /// `cargo bench --bench kernels`); `[kk, og]` packs the chunk's `dy` instead. With 128 output
 /// channels the arithmetic hides the packing and `dw`'s layout is faster (layer2: 1.19x the
 /// time transposed). `post` runs on the output in parts, as each is finished.
