@@ -1934,6 +1934,14 @@ pub(crate) mod tests {
     }
 
     /// Direct-loop convolution in f64: the reference for the chunked GEMM kernels.
+    /// [`conv2d_filter_grad`] with an epilogue gives `dw` (its result without one) with the
+    /// epilogue applied to every element once, at its own offset.
+    pub(crate) fn assert_filter_grad_epilogue(g: &Geometry, groups: usize, dy: &[f32], x: &[f32], o: usize, dw: &[f32]) {
+        let post = |first: usize, part: &mut [f32]| part.iter_mut().enumerate().for_each(|(i, v)| *v = *v * 2.0 + (first + i) as f32);
+        let twice = new(dw.len(), |out| conv2d_filter_grad(g, groups, dy, x, o, out, Some(&post)));
+        assert!(twice.iter().zip(dw).enumerate().all(|(i, (t, d))| t.to_bits() == (d * 2.0 + i as f32).to_bits()), "{g:?}: the epilogue");
+    }
+
     pub(crate) fn conv_reference(g: &Geometry, groups: usize, x: &[f32], w: &[f32], o: usize) -> Vec<f64> {
         let [n, c, h, wd] = g.x;
         let (cg, og) = (c / groups, o / groups);
@@ -1994,10 +2002,7 @@ pub(crate) mod tests {
             let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>();
             let dx = new(x.len(), |dx| conv2d_input_grad(&g, groups, &dy, &w, o, dx));
             let dw = new(w.len(), |dw| conv2d_filter_grad(&g, groups, &dy, &x, o, dw, None));
-            // An epilogue sees every element once, at its own offset.
-            let post = |first: usize, part: &mut [f32]| part.iter_mut().enumerate().for_each(|(i, v)| *v = *v * 2.0 + (first + i) as f32);
-            let twice = new(w.len(), |dw| conv2d_filter_grad(&g, groups, &dy, &x, o, dw, Some(&post)));
-            assert!(twice.iter().zip(&dw).enumerate().all(|(i, (t, d))| t.to_bits() == (d * 2.0 + i as f32).to_bits()), "{g:?}: the epilogue");
+            assert_filter_grad_epilogue(&g, groups, &dy, &x, o, &dw);
             let lhs = dot(&y, &dy);
             for rhs in [dot(&x, &dx), dot(&w, &dw)] {
                 assert!((lhs - rhs).abs() <= 1e-4 * (1.0 + lhs.abs()), "{g:?}: {lhs} vs {rhs}");
