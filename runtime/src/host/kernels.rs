@@ -879,31 +879,94 @@ fn filter_grad_chunks<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[
 pub const NO_ARGMAX: u32 = u32::MAX;
 
 /// For each output of a max pool over one plane, the flat index (within the plane) of the
-/// window's first largest input (a NaN wins), or [`NO_ARGMAX`]. `best` is
-/// scratch of the plane's outputs (`oh * ow`).
-fn argmax_windows<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32], best: &mut [F]) {
+/// window's first largest input (its last NaN, if it has one), or [`NO_ARGMAX`], into `at`,
+/// and its value into `y` (-inf where none): [`argmax_one`]'s winner, always.
+#[inline(always)]
+fn argmax_windows<F: HostFloat>(g: &Geometry, plane: &[F], at: &mut [u32], y: &mut [F], s: &mut PoolScratch<F>) {
     if is_2x2(g) {
-        return argmax_2x2(g, plane, out, best);
+        pool_2x2(g, plane, at, y)
+    } else {
+        pool_separable(g, plane, at, y, s)
     }
-    let (rows, cols) = (inside_outputs(g, 0), inside_outputs(g, 1));
-    // The outputs whose windows reach into padding or past the plane: one at a time.
-    for oy in 0..g.out[0] {
-        for ox in 0..g.out[1] {
-            if !(rows.contains(&oy) && cols.contains(&ox)) {
-                out[oy * g.out[1] + ox] = argmax_one(g, plane, oy, ox);
+}
+
+/// Scratch of [`pool_separable`]: a padded input row, and each input row's pooled values and
+/// their indices.
+struct PoolScratch<F> {
+    row: Vec<F>,
+    hv: Vec<F>,
+    hi: Vec<u32>,
+}
+
+impl<F: HostFloat> PoolScratch<F> {
+    fn new(g: &Geometry) -> Self {
+        // The padded row reaches the last window's last column; each phase as long as the
+        // longest.
+        let len = (g.out[1].max(1) - 1) * g.stride[1] + (g.kernel[1].max(1) - 1) * g.dilation[1] + 1;
+        let rows = g.x[2] * g.out[1];
+        PoolScratch { row: vec![F::NEG_INF; len.div_ceil(g.stride[1]) * g.stride[1]], hv: vec![F::ZERO; rows], hi: vec![0; rows] }
+    }
+}
+
+/// Any max pool over one plane, in two passes: along each input row, the best of each
+/// output column's window taps (padding is -inf and never taken); then down the window's
+/// rows, the best of those. Taking `v` over the best so far `b` when `v > b` or `v` is NaN,
+/// in window order, the row pass keeps a row's last NaN, else its first largest; the column
+/// pass then keeps the last row's with a NaN, else the first row's with the largest: the
+/// window's last NaN, else its first largest, which is what [`argmax_one`] keeps. Both passes
+/// run along a row of outputs without branches on the data. An output still at -inf (every
+/// input it reads is -inf, or it reads none) goes through [`argmax_one`], which picks the
+/// first input, or none.
+#[inline(always)]
+fn pool_separable<F: HostFloat>(g: &Geometry, plane: &[F], at: &mut [u32], y: &mut [F], s: &mut PoolScratch<F>) {
+    let [_, _, h, w] = g.x;
+    let ([kh, kw], [sy, sx], [dy, dx], [py, px]) = (g.kernel, g.stride, g.dilation, g.pad);
+    let ow = g.out[1];
+    let take = |v: F, b: F| v > b || v.is_nan();
+    // The padded row, dealt into `sx` phases (phase `j % sx` holds padded column `j` at
+    // `j / sx`), so that each tap reads its outputs' inputs contiguously.
+    let plen = s.row.len() / sx;
+    for r in 0..h {
+        let src = &plane[r * w..][..w];
+        for (ph, dst) in s.row.chunks_exact_mut(plen).enumerate() {
+            for (i, d) in dst.iter_mut().enumerate() {
+                if let Some(&v) = (i * sx + ph).checked_sub(px).and_then(|c| src.get(c)) {
+                    *d = v;
+                }
+            }
+        }
+        let (hv, hi) = (&mut s.hv[r * ow..][..ow], &mut s.hi[r * ow..][..ow]);
+        hv.fill(F::NEG_INF);
+        for kx in 0..kw {
+            let j = kx * dx;
+            let taps = &s.row[(j % sx) * plen + j / sx..][..ow];
+            // The index of padded column `j` is `r * w + j - px` (wrapping: padding is
+            // never taken).
+            let first = ((r * w + j) as u32).wrapping_sub(px as u32);
+            for (ox, ((b, a), &v)) in hv.iter_mut().zip(hi.iter_mut()).zip(taps).enumerate() {
+                let t = take(v, *b);
+                *b = if t { v } else { *b };
+                *a = if t { first.wrapping_add((ox * sx) as u32) } else { *a };
             }
         }
     }
-    argmax_inside(g, plane, out, best, rows, cols)
-}
-
-/// The outputs along axis `a` whose windows lie entirely inside the input.
-fn inside_outputs(g: &Geometry, a: usize) -> std::ops::Range<usize> {
-    let (s, p, reach) = (g.stride[a], g.pad[a], (g.kernel[a] - 1) * g.dilation[a]);
-    let lo = p.div_ceil(s);
-    // The last output's window ends at `o * s - p + reach <= x - 1`.
-    let hi = (g.x[2 + a] + p).checked_sub(reach + 1).map_or(0, |last| last / s + 1).min(g.out[a]);
-    lo.min(hi)..hi
+    for (oy, (at, y)) in at.chunks_exact_mut(ow).zip(y.chunks_exact_mut(ow)).enumerate() {
+        y.fill(F::NEG_INF);
+        at.fill(NO_ARGMAX);
+        for ky in 0..kh {
+            let Some(r) = (oy * sy + ky * dy).checked_sub(py).filter(|&r| r < h) else { continue };
+            for ((b, a), (&v, &i)) in y.iter_mut().zip(at.iter_mut()).zip(s.hv[r * ow..][..ow].iter().zip(&s.hi[r * ow..][..ow])) {
+                let t = take(v, *b);
+                *b = if t { v } else { *b };
+                *a = if t { i } else { *a };
+            }
+        }
+        for (ox, (b, a)) in y.iter().zip(at.iter_mut()).enumerate() {
+            if *b == F::NEG_INF {
+                *a = argmax_one(g, plane, oy, ox);
+            }
+        }
+    }
 }
 
 /// No padding, and every window inside the plane.
@@ -946,64 +1009,8 @@ fn argmax_one<F: HostFloat>(g: &Geometry, plane: &[F], oy: usize, ox: usize) -> 
     at
 }
 
-/// [`argmax_one`] for the outputs `rows x cols`, whose windows lie inside the plane: the same
-/// comparisons in the same order, a row of outputs at a time (one kernel offset across the
-/// row), without branches on the data. `best` is scratch of at least a row of outputs.
-fn argmax_inside<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32], best: &mut [F], rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) {
-    let w = g.x[3];
-    let [sy, sx] = g.stride;
-    let [dy, dx] = g.dilation;
-    let ow = g.out[1];
-    let best = &mut best[..cols.len()];
-    for oy in rows {
-        // The window's first input: row `oy * sy - pad`, column `ox * sx - pad`.
-        let top = (oy * sy - g.pad[0]) * w + cols.start * sx - g.pad[1];
-        let at = &mut out[oy * ow..][cols.clone()];
-        for (j, (b, a)) in best.iter_mut().zip(at.iter_mut()).enumerate() {
-            *a = (top + j * sx) as u32;
-            *b = plane[*a as usize];
-        }
-        for ky in 0..g.kernel[0] {
-            for kx in 0..g.kernel[1] {
-                let first = top + ky * dy * w + kx * dx;
-                for (j, (b, a)) in best.iter_mut().zip(at.iter_mut()).enumerate() {
-                    let i = first + j * sx;
-                    let v = plane[i];
-                    let take = v > *b || v.is_nan();
-                    *b = if take { v } else { *b };
-                    *a = if take { i as u32 } else { *a };
-                }
-            }
-        }
-    }
-}
-
-/// [`argmax_inside`] for 2x2 windows at stride 2 (LeNet's and most CNNs' pooling): the same
-/// four comparisons per output, in the same order, on two input rows at a time (the values go
-/// to `best`, scratch of at least the plane's outputs).
-fn argmax_2x2<F: HostFloat>(g: &Geometry, plane: &[F], out: &mut [u32], best: &mut [F]) {
-    let y = &mut best[..out.len()];
-    vectorized(Pool2x2 { g, plane, at: out, y })
-}
-
-/// [`pool_2x2`] as a [`vectorized`] op (too large for a closure: see there).
-struct Pool2x2<'a, F> {
-    g: &'a Geometry,
-    plane: &'a [F],
-    at: &'a mut [u32],
-    y: &'a mut [F],
-}
-
-impl<F: HostFloat> pulp::WithSimd for Pool2x2<'_, F> {
-    type Output = ();
-    #[inline(always)]
-    fn with_simd<S: pulp::Simd>(self, _: S) {
-        pool_2x2(self.g, self.plane, self.at, self.y)
-    }
-}
-
 /// 2x2 max pooling at stride 2 over one plane: each window's maximum into `y` and its index
-/// into `at`, the comparisons of [`argmax_2x2`] in one pass the compiler vectorises.
+/// into `at`, the comparisons of [`argmax_one`] in one pass the compiler vectorises.
 #[inline(always)]
 fn pool_2x2<F: HostFloat>(g: &Geometry, plane: &[F], at: &mut [u32], y: &mut [F]) {
     let (w, ow) = (g.x[3], g.out[1]);
@@ -1038,10 +1045,33 @@ fn planes_per_task(g: &Geometry) -> usize {
     planes.div_ceil(tasks).max(1)
 }
 
+/// [`argmax_windows`] over planes as a [`vectorized`] op (too large for a closure: see there):
+/// `planes` consecutive planes of `x` from plane `first`.
+struct PoolPlanes<'a, F> {
+    g: &'a Geometry,
+    x: &'a [F],
+    first: usize,
+    at: &'a mut [u32],
+    y: &'a mut [F],
+}
+
+impl<F: HostFloat> pulp::WithSimd for PoolPlanes<'_, F> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let [_, _, h, w] = self.g.x;
+        let sp = self.g.spatial();
+        let mut s = PoolScratch::new(self.g);
+        for (p, (at, y)) in self.at.chunks_exact_mut(sp).zip(self.y.chunks_exact_mut(sp)).enumerate() {
+            let p = self.first + p;
+            argmax_windows(self.g, &self.x[p * h * w..(p + 1) * h * w], at, y, &mut s);
+        }
+    }
+}
+
 /// The argmax of every max-pooling window over NCHW `x` into `at` (`[n, c, oh, ow]`; see
 /// [`argmax_windows`]): what the forward returns and its gradient routes by.
 pub fn max_pool2d_argmax<F: HostFloat>(g: &Geometry, x: &[F], at: &mut [u32]) {
-    let [_, _, h, w] = g.x;
     let sp = g.spatial();
     if sp == 0 || at.is_empty() {
         return;
@@ -1049,51 +1079,24 @@ pub fn max_pool2d_argmax<F: HostFloat>(g: &Geometry, x: &[F], at: &mut [u32]) {
     let per = planes_per_task(g);
     let tasks: Vec<_> = at.chunks_mut(per * sp).enumerate().collect();
     each(tasks, |(k, at)| {
-        let mut best = vec![F::ZERO; sp];
-        vectorized(
-            #[inline(always)]
-            || {
-                for (p, at) in at.chunks_exact_mut(sp).enumerate() {
-                    let p = k * per + p;
-                    argmax_windows(g, &x[p * h * w..(p + 1) * h * w], at, &mut best);
-                }
-            },
-        )
+        let mut y = vec![F::ZERO; at.len()];
+        vectorized(PoolPlanes { g, x, first: k * per, at, y: &mut y })
     });
 }
 
 /// Max pooling over NCHW `x`; padding never wins. Writes each window's argmax into `at`
 /// (`[n, c, oh, ow]`), which [`max_pool2d_grad`] takes, so the gradient needs no second pass.
 pub fn max_pool2d<F: HostFloat>(g: &Geometry, x: &[F], at: &mut [u32], y: &mut [F]) {
-    let [_, _, h, w] = g.x;
     let sp = g.spatial();
     assert_eq!(y.len(), at.len(), "output extents");
-    if is_2x2(g) {
-        let per = planes_per_task(g);
-        let tasks: Vec<_> = at.chunks_mut(per * sp).zip(y.chunks_mut(per * sp)).enumerate().collect();
-        return each(tasks, |(k, (at, y))| {
-            vectorized(
-                #[inline(always)]
-                || {
-                    for (p, (at, y)) in at.chunks_exact_mut(sp).zip(y.chunks_exact_mut(sp)).enumerate() {
-                        let p = k * per + p;
-                        pool_2x2(g, &x[p * h * w..(p + 1) * h * w], at, y);
-                    }
-                },
-            )
-        });
+    if sp == 0 || y.is_empty() {
+        return;
     }
-    max_pool2d_argmax(g, x, at);
-    y.fill(F::NEG_INF);
-    for (p, (y, at)) in y.chunks_exact_mut(sp.max(1)).zip(at.chunks_exact(sp.max(1))).enumerate() {
-        let plane = &x[p * h * w..(p + 1) * h * w];
-        for (y, &i) in y.iter_mut().zip(at) {
-            if i != NO_ARGMAX {
-                *y = plane[i as usize];
-            }
-        }
-    }
+    let per = planes_per_task(g);
+    let tasks: Vec<_> = at.chunks_mut(per * sp).zip(y.chunks_mut(per * sp)).enumerate().collect();
+    each(tasks, |(k, (at, y))| vectorized(PoolPlanes { g, x, first: k * per, at, y }));
 }
+
 
 /// Gradient of [`max_pool2d`] from its argmax `at`: each output's gradient goes to its
 /// window's first maximum. `post` runs on each task's planes.
@@ -2163,9 +2166,10 @@ pub(crate) mod tests {
         assert_eq!(run(1), run(3));
     }
 
-    /// The branch-free pooling paths (the windows inside the plane, padded or not, and 2x2 at
-    /// stride 2) pick the same input as the general one, output by output, ties (the first
-    /// maximum wins) and NaNs (a NaN wins) included.
+    /// The pooling paths (2x2 at stride 2, and the two-pass one for any window) pick the same
+    /// input as the general one, output by output, ties (the first maximum wins), NaNs (the
+    /// last NaN wins) and -inf (the first input wins) included, and write its value, with
+    /// vector instructions and without.
     #[test]
     fn pooling_picks_what_the_general_path_picks() {
         let mut seed = 12345u64;
@@ -2175,48 +2179,47 @@ pub(crate) mod tests {
         };
         let (h, w) = (9, 11);
         let plane: Vec<f32> = (0..h * w)
-            .map(|_| match next() % 10 {
+            .map(|i| match next() % 10 {
+                // A corner of -inf: some windows read nothing else.
+                _ if i % w < 3 && i / w < 3 => f32::NEG_INFINITY,
                 0 => f32::NAN,
                 1..=4 => 1.0, // ties
+                5 => f32::NEG_INFINITY,
                 r => r as f32 - 7.0,
             })
             .collect();
         let cases = [
-            ([2, 2], [2, 2], [1, 1], [0, 0]),
-            ([3, 3], [1, 1], [1, 1], [0, 0]),
-            ([2, 3], [3, 2], [1, 1], [0, 0]),
-            ([2, 2], [1, 2], [2, 3], [0, 0]),
-            // ResNet's 3x3 at stride 2 padded by 1, one-sided and dilated padding, and windows
-            // entirely in padding (no input: NO_ARGMAX).
-            ([3, 3], [2, 2], [1, 1], [1, 1]),
-            ([3, 2], [1, 2], [1, 1], [1, 0]),
-            ([2, 2], [1, 1], [2, 1], [2, 1]),
-            ([3, 3], [2, 3], [1, 1], [4, 4]),
+            ([2, 2], [2, 2], [1, 1], [0, 0], 0),
+            ([3, 3], [1, 1], [1, 1], [0, 0], 0),
+            ([2, 3], [3, 2], [1, 1], [0, 0], 0),
+            ([2, 2], [1, 2], [2, 3], [0, 0], 0),
+            // ResNet's 3x3 at stride 2 padded by 1, one-sided and dilated padding, windows
+            // entirely in padding (no input: NO_ARGMAX), and a last window past the padding
+            // (as ceil mode makes).
+            ([3, 3], [2, 2], [1, 1], [1, 1], 0),
+            ([3, 2], [1, 2], [1, 1], [1, 0], 0),
+            ([2, 2], [1, 1], [2, 1], [2, 1], 0),
+            ([3, 3], [2, 3], [1, 1], [4, 4], 0),
+            ([3, 3], [2, 2], [1, 1], [1, 1], 1),
         ];
-        for (kernel, stride, dilation, pad) in cases {
-            let out = [0, 1].map(|a| ([h, w][a] + 2 * pad[a] - dilation[a] * (kernel[a] - 1) - 1) / stride[a] + 1);
+        for (kernel, stride, dilation, pad, extra) in cases {
+            let out = [0, 1].map(|a| ([h, w][a] + 2 * pad[a] - dilation[a] * (kernel[a] - 1) - 1) / stride[a] + 1 + extra);
             let g = Geometry { x: [1, 1, h, w], kernel, stride, dilation, pad, out };
-            let mut fast = vec![0; out[0] * out[1]];
-            argmax_windows(&g, &plane, &mut fast, &mut vec![0.0; out[0] * out[1]]);
             let general: Vec<u32> = (0..out[0] * out[1]).map(|i| argmax_one(&g, &plane, i / out[1], i % out[1])).collect();
-            assert_eq!(fast, general, "kernel {kernel:?} stride {stride:?} dilation {dilation:?} pad {pad:?}");
-            if pad == [4, 4] {
+            if pad == [4, 4] || extra > 0 {
                 assert!(general.contains(&NO_ARGMAX) && general.iter().any(|&i| i != NO_ARGMAX), "some windows read no input, some do");
             }
-            if kernel == [2, 2] && stride == [2, 2] && dilation == [1, 1] {
-                let mut two = vec![0; out[0] * out[1]];
-                argmax_2x2(&g, &plane, &mut two, &mut vec![0.0; out[0] * out[1]]);
-                assert_eq!(two, general, "the 2x2 path");
-                // The one-pass pooling writes the same indices and each window's value, with
-                // vector instructions and without.
-                let want: Vec<u32> = general.iter().map(|&i| plane[i as usize].to_bits()).collect();
-                for scalar in [false, true] {
-                    SCALAR.with(|s| s.set(scalar));
-                    let mut at = vec![0; two.len()];
-                    let y = new(two.len(), |y| max_pool2d(&g, &plane, &mut at, y));
-                    SCALAR.with(|s| s.set(false));
-                    assert_eq!((at, y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()), (general.clone(), want.clone()), "scalar: {scalar}");
-                }
+            let want: Vec<u32> = general.iter().map(|&i| if i == NO_ARGMAX { f32::NEG_INFINITY } else { plane[i as usize] }.to_bits()).collect();
+            for scalar in [false, true] {
+                SCALAR.with(|s| s.set(scalar));
+                let mut at = vec![0; general.len()];
+                let y = new(general.len(), |y| max_pool2d(&g, &plane, &mut at, y));
+                let mut only = vec![0; general.len()];
+                max_pool2d_argmax(&g, &plane, &mut only);
+                SCALAR.with(|s| s.set(false));
+                let case = format!("kernel {kernel:?} stride {stride:?} dilation {dilation:?} pad {pad:?} extra {extra} scalar {scalar}");
+                assert_eq!((&at, y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()), (&general, want.clone()), "{case}");
+                assert_eq!(only, general, "{case}");
             }
         }
     }
