@@ -9,8 +9,8 @@
 //! the chunk (chunk sums added in order), the input gradient `w^T @ dy` then col2im. Chunks
 //! (and pooling planes) run on the rayon pool's threads; the cut never depends on the thread
 //! count, so results are the same on any number of threads. `benches/kernels.rs` times them
-//! on LeNet5's shapes (see BENCHMARKS.md). Max pooling is direct, branch-free where every
-//! window lies inside the input, and returns its argmax for the gradient. Every kernel handles
+//! on LeNet5's shapes (see BENCHMARKS.md). Max pooling is direct and branch-free on the data
+//! (windows of -inf aside), and returns its argmax for the gradient. Every kernel handles
 //! stride, dilation, asymmetric padding and groups, so the lowering needs no fallbacks on host
 //! backends.
 
