@@ -991,6 +991,10 @@ struct PoolScratch<F> {
 
 impl<F: HostFloat> PoolScratch<F> {
     fn new(g: &Geometry) -> Self {
+        if is_2x2(g) {
+            // [`pool_2x2`] needs none.
+            return PoolScratch { row: Vec::new(), hv: Vec::new(), hi: Vec::new() };
+        }
         // The padded row reaches the last window's last column; each phase as long as the
         // longest.
         let len = (g.out[1].max(1) - 1) * g.stride[1] + (g.kernel[1].max(1) - 1) * g.dilation[1] + 1;
@@ -1013,7 +1017,6 @@ fn pool_separable<F: HostFloat>(g: &Geometry, plane: &[F], at: &mut [u32], y: &m
     let [_, _, h, w] = g.x;
     let ([kh, kw], [sy, sx], [dy, dx], [py, px]) = (g.kernel, g.stride, g.dilation, g.pad);
     let ow = g.out[1];
-    let take = |v: F, b: F| v > b || v.is_nan();
     // The padded row, dealt into `sx` phases (phase `j % sx` holds padded column `j` at
     // `j / sx`), so that each tap reads its outputs' inputs contiguously.
     let plen = s.row.len() / sx;
@@ -1035,7 +1038,7 @@ fn pool_separable<F: HostFloat>(g: &Geometry, plane: &[F], at: &mut [u32], y: &m
             // never taken).
             let first = ((r * w + j) as u32).wrapping_sub(px as u32);
             for (ox, ((b, a), &v)) in hv.iter_mut().zip(hi.iter_mut()).zip(taps).enumerate() {
-                let t = take(v, *b);
+                let t = takes(v, *b);
                 *b = if t { v } else { *b };
                 *a = if t { first.wrapping_add((ox * sx) as u32) } else { *a };
             }
@@ -1047,7 +1050,7 @@ fn pool_separable<F: HostFloat>(g: &Geometry, plane: &[F], at: &mut [u32], y: &m
         for ky in 0..kh {
             let Some(r) = (oy * sy + ky * dy).checked_sub(py).filter(|&r| r < h) else { continue };
             for ((b, a), (&v, &i)) in y.iter_mut().zip(at.iter_mut()).zip(s.hv[r * ow..][..ow].iter().zip(&s.hi[r * ow..][..ow])) {
-                let t = take(v, *b);
+                let t = takes(v, *b);
                 *b = if t { v } else { *b };
                 *a = if t { i } else { *a };
             }
@@ -1071,8 +1074,16 @@ fn is_2x2(g: &Geometry) -> bool {
     g.kernel == [2, 2] && g.stride == [2, 2] && g.dilation == [1, 1] && windows_inside(g)
 }
 
+/// Whether a fast pooling path takes `v` over the best so far `b`: when greater, or NaN (so a
+/// window's last NaN wins, else its first largest input), as [`argmax_one`] does. That one
+/// keeps its own comparison: it is the reference the paths are tested against.
+#[inline(always)]
+fn takes<F: HostFloat>(v: F, b: F) -> bool {
+    v > b || v.is_nan()
+}
+
 /// The argmax of output `(oy, ox)`'s window, padded or not: its inputs in window order, the
-/// first largest kept (a NaN wins), padding skipped; [`NO_ARGMAX`] if it reads none.
+/// first largest kept (the last NaN, if any), padding skipped; [`NO_ARGMAX`] if it reads none.
 fn argmax_one<F: HostFloat>(g: &Geometry, plane: &[F], oy: usize, ox: usize) -> u32 {
     // The first input row (or column) of output `o`'s window along axis `a`, the step, and
     // the kernel offsets `[lo, hi)` that land inside the input (`lo == hi`: none).
@@ -1105,8 +1116,6 @@ fn argmax_one<F: HostFloat>(g: &Geometry, plane: &[F], oy: usize, ox: usize) -> 
 #[inline(always)]
 fn pool_2x2<F: HostFloat>(g: &Geometry, plane: &[F], at: &mut [u32], y: &mut [F]) {
     let (w, ow) = (g.x[3], g.out[1]);
-    // Takes `v` over the best so far `b` as the general path does: when greater, or NaN.
-    let take = |v: F, b: F| v > b || v.is_nan();
     for (oy, (at, y)) in at.chunks_exact_mut(ow).zip(y.chunks_exact_mut(ow)).enumerate() {
         let top = 2 * oy * w;
         let (r0, r1) = (&plane[top..top + 2 * ow], &plane[top + w..top + w + 2 * ow]);
@@ -1114,13 +1123,13 @@ fn pool_2x2<F: HostFloat>(g: &Geometry, plane: &[F], at: &mut [u32], y: &mut [F]
         for ox in 0..ow {
             let (a, b, c, d) = (r0[2 * ox], r0[2 * ox + 1], r1[2 * ox], r1[2 * ox + 1]);
             // Left to right along the top row, then the bottom row; `k` the winner's place.
-            let t1 = take(b, a);
+            let t1 = takes(b, a);
             let m1 = if t1 { b } else { a };
             let k1 = t1 as u32;
-            let t2 = take(c, m1);
+            let t2 = takes(c, m1);
             let m2 = if t2 { c } else { m1 };
             let k2 = if t2 { w as u32 } else { k1 };
-            let t3 = take(d, m2);
+            let t3 = takes(d, m2);
             y[ox] = if t3 { d } else { m2 };
             at[ox] = (top + 2 * ox) as u32 + if t3 { w as u32 + 1 } else { k2 };
         }
@@ -1187,7 +1196,6 @@ pub fn max_pool2d<F: HostFloat>(g: &Geometry, x: &[F], at: &mut [u32], y: &mut [
     let tasks: Vec<_> = at.chunks_mut(per * sp).zip(y.chunks_mut(per * sp)).enumerate().collect();
     each(tasks, |(k, (at, y))| vectorized(PoolPlanes { g, x, first: k * per, at, y }));
 }
-
 
 /// Gradient of [`max_pool2d`] from its argmax `at`: each output's gradient goes to its
 /// window's first maximum. `post` runs on each task's planes.
@@ -2027,7 +2035,6 @@ pub(crate) mod tests {
         (0..n).map(|i| (((i * 7919 + salt * 104729) % 2003) as f32 - 1001.0) / 1001.0).collect()
     }
 
-    /// Direct-loop convolution in f64: the reference for the chunked GEMM kernels.
     /// [`conv2d_filter_grad`] with an epilogue gives `dw` (its result without one) with the
     /// epilogue applied to every element once, at its own offset.
     pub(crate) fn assert_filter_grad_epilogue(g: &Geometry, groups: usize, dy: &[f32], x: &[f32], o: usize, dw: &[f32]) {
@@ -2036,6 +2043,7 @@ pub(crate) mod tests {
         assert!(twice.iter().zip(dw).enumerate().all(|(i, (t, d))| t.to_bits() == (d * 2.0 + i as f32).to_bits()), "{g:?}: the epilogue");
     }
 
+    /// Direct-loop convolution in f64: the reference for the chunked GEMM kernels.
     pub(crate) fn conv_reference(g: &Geometry, groups: usize, x: &[f32], w: &[f32], o: usize) -> Vec<f64> {
         let [n, c, h, wd] = g.x;
         let (cg, og) = (c / groups, o / groups);
