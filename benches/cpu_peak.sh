@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # What one core of this machine can do at most, to read the side-by-side ratios against:
-# f32 fused multiply-adds per second from registers (12 independent AVX-512 chains, and 12
-# AVX2 chains), and, when PYTHON has torch, `torch.mm` on square f32 matrices on one thread
+# f32 fused multiply-adds per second from registers (12 independent AVX-512 chains where the
+# CPU has AVX-512, and 12 AVX2 chains), and, when PYTHON has torch, `torch.mm` on square f32 matrices on one thread
 # (MKL's SGEMM). A training step cannot sustain more than the first; PyTorch's GEMMs reach
 # the second.
 #
 #   bash benches/cpu_peak.sh [CPU]       (CPU to pin to, default 0)
 #   PYTHON=/tmp/torchvenv/bin/python bash benches/cpu_peak.sh
 #
-# Needs gcc (with AVX-512 intrinsics) and taskset. Builds into a temporary directory.
+# Needs gcc and taskset. Builds into a temporary directory.
 set -euo pipefail
 cpu="${1:-0}"
 dir="$(mktemp -d)"
@@ -23,24 +23,27 @@ static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
 #define STEP(f) a0 = f(a0, b, c); a1 = f(a1, b, c); a2 = f(a2, b, c); a3 = f(a3, b, c); a4 = f(a4, b, c); \
   a5 = f(a5, b, c); a6 = f(a6, b, c); a7 = f(a7, b, c); a8 = f(a8, b, c); a9 = f(a9, b, c); a10 = f(a10, b, c); a11 = f(a11, b, c); \
   __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11))
+__attribute__((target("avx512f"))) static void avx512(long n) {
+  CHAINS(__m512, _mm512_set1_ps); __m512 b = _mm512_set1_ps(1.0000001f), c = _mm512_set1_ps(1e-8f);
+  double t = now(); for (long k = 0; k < n; k++) { STEP(_mm512_fmadd_ps); } double dt = now() - t;
+  a0 = _mm512_add_ps(_mm512_add_ps(a0, a5), a11);
+  printf("AVX-512 FMA peak: %.1f GFLOP/s (%g)\n", n * 12.0 * 16 * 2 / dt / 1e9, _mm512_reduce_add_ps(a0));
+}
+__attribute__((target("avx2,fma"))) static void avx2(long n) {
+  CHAINS(__m256, _mm256_set1_ps); __m256 b = _mm256_set1_ps(1.0000001f), c = _mm256_set1_ps(1e-8f);
+  double t = now(); for (long k = 0; k < n; k++) { STEP(_mm256_fmadd_ps); } double dt = now() - t;
+  float out[8]; _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(a0, a5), a11));
+  printf("AVX2 FMA peak:    %.1f GFLOP/s (%g)\n", n * 12.0 * 8 * 2 / dt / 1e9, out[0]);
+}
 int main(void) {
   const long n = 200000000;
-  {
-    CHAINS(__m512, _mm512_set1_ps); __m512 b = _mm512_set1_ps(1.0000001f), c = _mm512_set1_ps(1e-8f);
-    double t = now(); for (long k = 0; k < n; k++) { STEP(_mm512_fmadd_ps); } double dt = now() - t;
-    a0 = _mm512_add_ps(_mm512_add_ps(a0, a5), a11);
-    printf("AVX-512 FMA peak: %.1f GFLOP/s (%g)\n", n * 12.0 * 16 * 2 / dt / 1e9, _mm512_reduce_add_ps(a0));
-  }
-  {
-    CHAINS(__m256, _mm256_set1_ps); __m256 b = _mm256_set1_ps(1.0000001f), c = _mm256_set1_ps(1e-8f);
-    double t = now(); for (long k = 0; k < n; k++) { STEP(_mm256_fmadd_ps); } double dt = now() - t;
-    float out[8]; _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(a0, a5), a11));
-    printf("AVX2 FMA peak:    %.1f GFLOP/s (%g)\n", n * 12.0 * 8 * 2 / dt / 1e9, out[0]);
-  }
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) avx512(n); else printf("AVX-512 FMA peak: this CPU has no AVX-512\n");
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) avx2(n); else printf("AVX2 FMA peak:    this CPU has no AVX2 with FMA\n");
   return 0;
 }
 C
-gcc -O3 -mavx512f -mfma "$dir/peak.c" -o "$dir/peak"
+gcc -O3 "$dir/peak.c" -o "$dir/peak"
 taskset -c "$cpu" "$dir/peak"
 if [ -n "${PYTHON:-}" ]; then
   taskset -c "$cpu" "$PYTHON" - <<'PY'
