@@ -2592,6 +2592,8 @@ impl<F: HostFloat> pulp::WithSimd for MaxRows<'_, F> {
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, _: S) {
         const LANES: usize = 16;
+        // `b != b`: `b` is NaN (`HostFloat` has no `is_nan`).
+        #[allow(clippy::eq_op)]
         let fold = |row: &[F]| row[1..].iter().fold(row[0], |a, &b| if b > a || b != b { b } else { a });
         for (row, m) in self.x.chunks_exact(self.cols).zip(self.y.iter_mut()) {
             // Lane by lane, then across the lanes: the same maximum as the fold unless the row
