@@ -1274,8 +1274,14 @@ pub fn sum_rows<F: HostFloat>(x: &[F], out: &mut [F]) {
 pub fn sum_planes<F: HostFloat>(x: &[F], outer: usize, inner: usize, scale: Option<F>, out: &mut [F]) {
     let kept = out.len();
     let x = &x[..outer * kept * inner];
-    shares_of(out, 1, x.len(), |first, part| {
-        let n = part.len();
+    // Sums over rows (`inner == 1`, a bias's gradient) share out `out` by 4 KiB: a thread
+    // adds every row into its part, and parts of 16 elements (8 shares of 128) made the
+    // threads take cache lines from each other once per row (`[1024, 128] -> [128]` took
+    // 3.3x as long on two threads as on one); shares of 256 still lost to one thread on the
+    // GPT's `[1024, 512] -> [512]`.
+    let unit = if inner == 1 { 4096 / std::mem::size_of::<F>() } else { 1 };
+    shares_of(out, unit, x.len(), |first, part| {
+        let (first, n) = (first * unit, part.len());
         part.fill(F::ZERO);
         for plane in x.chunks_exact(kept * inner) {
             let runs = &plane[first * inner..(first + n) * inner];
@@ -2242,13 +2248,14 @@ pub(crate) mod tests {
         assert_eq!(chunk_images::<f32>(&conv_dims(&Geometry { x: [3, 512, 16, 16], ..g(512, 16, 3, 16) }, 1, 512), 3), 1);
     }
 
-    /// Chunks and pooling planes run on rayon's threads, but the cut depends on the shapes
-    /// only: one thread and three give the same bits.
+    /// Chunks, pooling planes and sums run on rayon's threads, but the cut depends on the
+    /// shapes only: one thread and three give the same bits.
     #[test]
     fn results_do_not_depend_on_the_thread_count() {
         let g = Geometry { x: [32, 6, 14, 14], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [10, 10] };
         let (x, w, dy) = (data(32 * 6 * 196, 4), data(16 * 6 * 25, 5), data(32 * 16 * 100, 6));
         let p = Geometry { x: [32, 6, 14, 14], kernel: [2, 2], stride: [2, 2], dilation: [1, 1], pad: [0, 0], out: [7, 7] };
+        let sums = data(300 * 1000, 7);
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
             pool.install(|| {
@@ -2261,10 +2268,17 @@ pub(crate) mod tests {
                     bits(new(w.len(), |dw| conv2d_filter_grad(&g, 1, &dy, &x, 16, dw, None))),
                     bits(y),
                     bits(new(x.len(), |dx| max_pool2d_grad(&p, &at, &x[..at.len()], dx, None))),
+                    // Sums over rows (shared out by 4 KiB of the output) and over planes.
+                    bits(new(3000, |out| sum_planes(&sums, 100, 1, None, out))),
+                    bits(new(128, |out| sum_planes(&sums[..64 * 128 * 20], 64, 20, Some(0.5), out))),
                 ]
             })
         };
-        assert_eq!(run(1), run(3));
+        let (one, three) = (run(1), run(3));
+        assert_eq!(one, three);
+        // Row by row onto zeros, column by column.
+        let want: Vec<u32> = (0..3000).map(|j| (0..100).fold(0.0f32, |s, i| s + sums[i * 3000 + j]).to_bits()).collect();
+        assert_eq!(one[5], want);
     }
 
     /// The pooling paths (2x2 at stride 2, and the two-pass one for any window) pick the same
