@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # What one core of this machine can do at most, to read the side-by-side ratios against:
 # f32 fused multiply-adds per second from registers (12 independent AVX-512 chains where the
-# CPU has AVX-512, and 12 AVX2 chains), and, when PYTHON has torch, `torch.mm` on square f32 matrices on one thread
-# (MKL's SGEMM). A training step cannot sustain more than the first; PyTorch's GEMMs reach
-# the second.
+# CPU has AVX-512, and 12 AVX2 chains), and, when PYTHON has torch, `torch.mm` on square f32
+# matrices on one thread (MKL's SGEMM). A training step cannot sustain more than the first;
+# PyTorch's GEMMs reach the second.
 #
 #   bash benches/cpu_peak.sh [CPU]       (CPU to pin to, default 0)
 #   PYTHON=/tmp/torchvenv/bin/python bash benches/cpu_peak.sh
