@@ -21,7 +21,8 @@
 #     resnet2 the same with 2 threads on each side, CPUs 0,1
 #     gpt1    the character GPT on Shakespeare (4 layers, 4 heads, width 128, context 128),
 #             20 updates of 32 windows in 4 micro-batches, token-weighted, AdamW, clip 1.0,
-#             1 thread, CPU 0 (gpt_accumulation against benches/pytorch_gpt.py); tokens/s
+#             1 thread, CPU 0 (gpt_accumulation against benches/pytorch_gpt.py, whose
+#             attention is scaled_dot_product_attention(is_causal=True) as nanoGPT's); tokens/s
 #     gpt2    the same with 2 threads on each side, CPUs 0,1
 #
 # Environment:
@@ -31,6 +32,8 @@
 #                             /tmp/torchvenv/bin/pip install torch==2.15.0 numpy
 #                             PYTHON=/tmp/torchvenv/bin/python bash benches/compare_cpu.sh
 #   RUN_TIMEOUT=S           kill a single run after S seconds (default 600); that fails the script
+#   GPT_ATTENTION=manual    the GPT twin's attention as nanoGPT's slow path (scores, masked_fill,
+#                           softmax; what gpt1/gpt2 compared against before 2026-11-27); default sdpa
 #
 # Needs the release binaries (built elsewhere; this script builds nothing):
 #   cargo build --release --locked --bin cellgraph --bin distributed_gradient_accumulation
@@ -179,7 +182,8 @@ set_commands() {
             CG=(taskset -c $cpus target/release/examples/gpt_accumulation --epochs 1 --steps 20 --eval-items 64 --sample 0
                 --print-every 0 --ckpt LOGDIR)
             PT_ENV=(OMP_NUM_THREADS=$n)
-            PT=(taskset -c $cpus "$PYTHON" benches/pytorch_gpt.py --threads "$n" --epochs 1 --steps 20 --eval-items 64)
+            PT=(taskset -c $cpus "$PYTHON" benches/pytorch_gpt.py --threads "$n" --epochs 1 --steps 20 --eval-items 64
+                --attention "${GPT_ATTENTION:-sdpa}")
             ;;
         lenet8 | mlp8)
             local net=()

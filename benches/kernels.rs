@@ -6,7 +6,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use cellgraph_runtime::host::direct;
+use cellgraph_runtime::host::{attention, direct};
 use cellgraph_runtime::host::kernels::{self, Geometry, Mat};
 
 fn median_us(mut f: impl FnMut()) -> f64 {
@@ -99,6 +99,15 @@ fn gpt() {
         let mb = if tb { Mat { data: &b, rows: n, cols: k, transposed: true } } else { Mat { data: &b, rows: k, cols: n, transposed: false } };
         row(name, || timed(m * n, |c| kernels::matmul(ma, mb, c)), 2.0 * (m * k * n) as f64);
     }
+    // The `attention` op on a micro-batch of the GPT (8 sequences of 128, 4 heads of 32),
+    // causal; GFLOP/s counts the products' multiply-adds over the (query, key) pairs the
+    // mask keeps (2 products forward, 5 backward: the scores again, dP, dV, dQ, dK).
+    let e = [8usize, 128usize, 4usize, 32usize];
+    let [b, t, h, d] = e;
+    let (qkv, dy) = (data(b * t * 3 * h * d), data(b * t * h * d));
+    let pairs = (b * h * t * (t + 1) / 2) as f64;
+    row("attention 8 x 4 heads of 128 x 32, causal", || timed(dy.len(), |y| attention::forward(&qkv, e, true, y)), 2.0 * 2.0 * pairs * d as f64);
+    row("attention grad, causal", || timed(qkv.len(), |dx| attention::backward(&qkv, &dy, e, true, dx)), 5.0 * 2.0 * pairs * d as f64);
 }
 
 /// ResNet-18's convolutions on 3 x 32 x 32 images (torchvision's layout: the 7x7/2 stem, then

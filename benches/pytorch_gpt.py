@@ -7,9 +7,14 @@ whose summed token losses are divided by the window's token count (token-weighte
 AdamW(betas 0.9/0.99, eps 1e-8, weight decay on every parameter, as cellgraph's), linear warmup
 then cosine decay to lr/10 counted in updates, gradients clipped to global norm 1.0.
 
+Attention is nanoGPT's fast path, `F.scaled_dot_product_attention(q, k, v, is_causal=True)`
+(fused, skipping the masked half), as cellgraph's `attention` op is; `--attention manual` runs
+nanoGPT's slow path instead (scores, `masked_fill`, softmax, mixing: about 0.9x the tokens/s on
+one CPU thread), which is what this script ran before 2026-11-27.
+
 The shuffled order differs from cellgraph's (another RNG); compare validation losses over seeds.
 
-    python benches/pytorch_gpt.py [--threads 1] [--epochs 2 --steps 60] [--seed 0]
+    python benches/pytorch_gpt.py [--threads 1] [--epochs 2 --steps 60] [--seed 0] [--attention sdpa|manual]
 
 Prints "epoch k: validation loss X" per epoch and
 "pytorch: trained S steps, U optimizer updates, N tokens in T s (X tokens/s)" (the training
@@ -25,8 +30,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 class Block(nn.Module):
-    def __init__(self, c, h):
+    def __init__(self, c, h, fused):
         super().__init__()
+        self.fused = fused
         self.ln_1, self.ln_2 = nn.LayerNorm(c), nn.LayerNorm(c)
         self.c_attn, self.attn_proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
         self.c_fc, self.mlp_proj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
@@ -36,18 +42,22 @@ class Block(nn.Module):
         b, t, c = x.shape
         q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.h, c // self.h).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // self.h))
-        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf")).softmax(-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, c)
+        if self.fused:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // self.h))
+            att = att.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf")).softmax(-1)
+            y = att @ v
+        y = y.transpose(1, 2).reshape(b, t, c)
         x = x + self.attn_proj(y)
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
 
 
 class GPT(nn.Module):
-    def __init__(self, v, c, layers, heads, ctx):
+    def __init__(self, v, c, layers, heads, ctx, fused=True):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(v, c), nn.Embedding(ctx, c)
-        self.h = nn.ModuleList(Block(c, heads) for _ in range(layers))
+        self.h = nn.ModuleList(Block(c, heads, fused) for _ in range(layers))
         self.ln_f = nn.LayerNorm(c)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -82,6 +92,7 @@ def main():
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--eval-items", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention", choices=["sdpa", "manual"], default="sdpa")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
@@ -109,7 +120,7 @@ def main():
     baseline = float(-(unigram[unigram > 0] * unigram[unigram > 0].log()).sum())
 
 
-    model = GPT(len(vocab), a.width, a.layers, a.heads, T)
+    model = GPT(len(vocab), a.width, a.layers, a.heads, T, fused=a.attention == "sdpa")
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=a.weight_decay)
     total = a.epochs * a.steps
 

@@ -212,6 +212,9 @@ impl Cell for Softmax {
 /// GPT's causal multi-head self-attention over `[B, T, C]`: one projection to queries, keys
 /// and values (`c_attn`, `C -> 3C`), `heads` heads of `C / heads`, scores scaled by
 /// `1/sqrt(C / heads)`, causally masked, softmaxed, mixed, and projected back (`c_proj`).
+/// Without dropout on the probabilities (`dropout` 0, or in evaluation) the middle is one
+/// `attention` op on the projection's `[B, T, 3C]`; with it, the ops above one by one (a
+/// `causal_mask` with fill -1e9, a softmax, the dropout), as nanoGPT's slow path.
 pub struct CausalSelfAttention {
     path: String,
     c_attn: Dense,
@@ -252,6 +255,14 @@ impl Cell for CausalSelfAttention {
         };
         let (h, d) = (self.heads, c / self.heads);
         let qkv = t.call(&self.c_attn, xs)?;
+        if self.attn_dropout.p == 0.0 || !t.training() {
+            // Without dropout on the probabilities: one op, whose kernels skip the masked
+            // half of the scores and keep them out of memory (PyTorch's
+            // `scaled_dot_product_attention(..., is_causal=True)`).
+            let y = t.op(Op::Attention { heads: h, causal: true }, &[qkv])?;
+            let y = t.call(&self.c_proj, &[y])?;
+            return t.call(&self.resid_dropout, &[y]);
+        }
         // Queries, keys and values: [B, T, C] -> [B, H, T, D].
         let mut heads = Vec::new();
         for i in 0..3 {

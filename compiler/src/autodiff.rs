@@ -170,6 +170,7 @@ pub fn vjp(e: &mut Emit, op: &Op, xs: &[NodeId], y: NodeId, g: NodeId) -> Result
                 vec![Some(e.mul(g, d)?)]
             }
             Op::CausalMask { .. } => vec![Some(e.op(Op::CausalMask { fill: 0.0 }, &[g])?)],
+            Op::Attention { heads, causal } => vec![Some(e.op(Op::AttentionGrad { heads: *heads, causal: *causal }, &[xs[0], g])?)],
             // y = x * m: the same mask on the cotangent.
             Op::Dropout { .. } => vec![Some(e.op(op.clone(), &[g, xs[1], xs[2]])?), None, None],
             Op::Gather => {
@@ -256,6 +257,7 @@ pub fn vjp(e: &mut Emit, op: &Op, xs: &[NodeId], y: NodeId, g: NodeId) -> Result
             Op::AvgPool2d(p) => vec![Some(e.op(Op::AvgPool2dGrad(p.clone()), &[xs[0], g])?)],
             Op::ReduceMaxGrad(_)
             | Op::ScatterAdd { .. }
+            | Op::AttentionGrad { .. }
             | Op::SoftmaxCrossEntropyGrad { .. }
             | Op::Conv2dBackpropInput { .. }
             | Op::Conv2dBackpropFilter { .. }

@@ -176,6 +176,22 @@ pub fn infer(op: &Op, xs: &[&TensorType]) -> Result<TensorType, String> {
             }
             Ok(xs[0].clone())
         }
+        Op::Attention { heads, .. } | Op::AttentionGrad { heads, .. } => {
+            let qkv = xs[0];
+            float_operand(qkv)?;
+            let &[b, t, c3] = qkv.dims() else {
+                return Err(format!("attention needs qkv [B, T, 3C], got {qkv}"));
+            };
+            if *heads == 0 || c3 % (3 * heads) != 0 {
+                return Err(format!("attention needs qkv [B, T, 3C] with C a multiple of the {heads} heads, got {qkv}"));
+            }
+            if matches!(op, Op::AttentionGrad { .. }) {
+                let want = qkv.with_shape(vec![b, t, c3 / 3]);
+                check_same(xs[1], &want, "dy and the attention's output")?;
+                return Ok(qkv.clone());
+            }
+            Ok(qkv.with_shape(vec![b, t, c3 / 3]))
+        }
         Op::Dropout { p, .. } => {
             let (x, items, update) = (xs[0], xs[1], xs[2]);
             float_operand(x)?;

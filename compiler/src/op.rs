@@ -142,6 +142,16 @@ pub enum Op {
     /// the same mask with `fill` 0.
     CausalMask { fill: f64 },
     // ---- neural network
+    /// Multi-head scaled dot-product self-attention (PyTorch's `scaled_dot_product_attention`
+    /// on `heads` heads, scale `1/sqrt(D)`), operand `qkv [B, T, 3C]`: queries, keys and values
+    /// side by side on the last axis (as one projection to `3C` makes them), head `h` in
+    /// features `h*D..(h+1)*D` of each (`D = C / heads`). Gives `[B, T, C]`, the heads side by
+    /// side. `causal`: position `i` attends to positions `0..=i` only, the others taking no
+    /// part in its softmax (a fill of minus infinity). One op, so kernels skip what the mask
+    /// removes and never write the scores out.
+    Attention { heads: usize, causal: bool },
+    /// Gradient of [`Op::Attention`] w.r.t. `qkv`, operands `(qkv, dy)`, laid out as `qkv`.
+    AttentionGrad { heads: usize, causal: bool },
     /// Softmax cross-entropy of `(logits [N,C], labels)`: labels are class ids `[N]` when
     /// `sparse`, else probabilities `[N,C]`.
     SoftmaxCrossEntropy { sparse: bool, reduction: Reduction },
@@ -292,6 +302,8 @@ impl Op {
             Op::Gather => "gather",
             Op::ScatterAdd { .. } => "scatter_add",
             Op::CausalMask { .. } => "causal_mask",
+            Op::Attention { .. } => "attention",
+            Op::AttentionGrad { .. } => "attention_grad",
             Op::StopGradient => "stop_gradient",
             Op::Dropout { .. } => "dropout",
             Op::RoundTo { .. } => "round_to",
@@ -351,6 +363,8 @@ impl Op {
             Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::Sqrt | Op::Cast { .. } | Op::ZerosLike => Exactly(1),
             Op::AllReduce | Op::Tanh | Op::Erf | Op::CausalMask { .. } | Op::StopGradient | Op::RoundTo { .. } => Exactly(1),
             Op::Equal | Op::Gather | Op::ScatterAdd { .. } => Exactly(2),
+            Op::Attention { .. } => Exactly(1),
+            Op::AttentionGrad { .. } => Exactly(2),
             Op::Broadcast { .. } | Op::Reshape { .. } | Op::Transpose { .. } => Exactly(1),
             Op::Slice { .. } | Op::Pad { .. } | Op::Flatten => Exactly(1),
             Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_) => Exactly(1),
@@ -404,6 +418,7 @@ impl Op {
             Op::Equal | Op::Tanh | Op::Erf | Op::Gather | Op::StopGradient => vec![],
             Op::ScatterAdd { rows } => vec![("rows", Attr::Int(*rows as i64))],
             Op::CausalMask { fill } => vec![("fill", Attr::Float(*fill))],
+            Op::Attention { heads, causal } | Op::AttentionGrad { heads, causal } => vec![("causal", Attr::Bool(*causal)), ("heads", Attr::Int(*heads as i64))],
             Op::Dropout { p, seed } => vec![("p", Attr::Float(*p)), ("seed", Attr::Int(*seed as i64))],
             Op::Cast { dtype } | Op::RoundTo { dtype } => vec![("dtype", Attr::Sym(dtype.name().into()))],
             Op::Broadcast { shape } | Op::Reshape { shape } => vec![("shape", ints(&shape.0))],
@@ -477,6 +492,8 @@ impl Op {
             "gather" => Op::Gather,
             "scatter_add" => Op::ScatterAdd { rows: a.usize("rows")? },
             "causal_mask" => Op::CausalMask { fill: a.float("fill")? },
+            "attention" => Op::Attention { heads: a.usize("heads")?, causal: a.bool("causal")? },
+            "attention_grad" => Op::AttentionGrad { heads: a.usize("heads")?, causal: a.bool("causal")? },
             "stop_gradient" => Op::StopGradient,
             "dropout" => Op::Dropout { p: a.float("p")?, seed: a.usize("seed")? as u64 },
             "select" => Op::Select,
@@ -699,6 +716,8 @@ impl Op {
             Op::StopGradient,
             Op::Dropout { p: 0.25, seed: 7 },
             Op::RoundTo { dtype: DType::BF16 },
+            Op::Attention { heads: 4, causal: true },
+            Op::AttentionGrad { heads: 2, causal: false },
         ]
     }
 
@@ -757,11 +776,13 @@ impl Op {
             Op::StopGradient => 49,
             Op::Dropout { .. } => 50,
             Op::RoundTo { .. } => 51,
+            Op::Attention { .. } => 52,
+            Op::AttentionGrad { .. } => 53,
         }
     }
 
     /// Number of op variants.
-    pub const COUNT: usize = 52;
+    pub const COUNT: usize = 54;
 }
 
 #[cfg(test)]

@@ -123,6 +123,9 @@ pub enum Native {
     Pad { dims: Vec<usize>, lo: Vec<usize>, hi: Vec<usize> },
     /// Causal masking of `[..., t, s]` scores (see `Op::CausalMask`). Host backends only.
     CausalMask { t: usize, s: usize, fill: f64 },
+    /// Multi-head self-attention over `qkv [b, t, 3 * heads * d]` (see `Op::Attention`), or
+    /// (`grad`) its gradient w.r.t. `qkv` from `(qkv, dy)`. Host backends only.
+    Attention { b: usize, t: usize, heads: usize, d: usize, causal: bool, grad: bool },
     /// The maximum of each row of `[rows, cols]` (a `reduce_max` over the last axis). Host
     /// backends only.
     MaxRows { cols: usize },
@@ -275,6 +278,11 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
         }
         Op::Transpose { perm } if tys[0].dtype.is_float() => Some(Native::Permute { dims: d(0).to_vec(), perm: perm.clone() }),
         Op::Pad { lo, hi } if tys[0].dtype.is_float() => Some(Native::Pad { dims: d(0).to_vec(), lo: lo.clone(), hi: hi.clone() }),
+        Op::Attention { heads, causal } | Op::AttentionGrad { heads, causal } => {
+            let &[b, t, c3] = d(0) else { return None };
+            let grad = matches!(op, Op::AttentionGrad { .. });
+            Some(Native::Attention { b, t, heads: *heads, d: c3 / (3 * heads), causal: *causal, grad })
+        }
         Op::CausalMask { fill } => {
             let r = tys[0].rank();
             Some(Native::CausalMask { t: d(0)[r - 2], s: d(0)[r - 1], fill: *fill })

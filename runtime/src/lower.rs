@@ -109,6 +109,33 @@ fn causal<B: Backend>(cx: &Ctx<B>, dims: &[usize]) -> burn_backend::tensor::Bool
     B::bool_expand(B::bool_reshape(m, bshape(&padded)), bshape(dims))
 }
 
+/// Queries, keys and values `[b, heads, t, d]` of `qkv` (IR extents `dims = [b, t, 3c]`).
+fn split_heads<B: Backend>(qkv: FloatTensor<B>, dims: &[usize], heads: usize) -> [FloatTensor<B>; 3] {
+    let (b, t, c) = (dims[0], dims[1], dims[2] / 3);
+    [0, 1, 2].map(|i| {
+        let part = B::float_slice(qkv.clone(), &slices(&[0, 0, i * c], &[b, t, (i + 1) * c]));
+        B::float_swap_dims(B::float_reshape(part, bshape(&[b, t, heads, c / heads])), 1, 2)
+    })
+}
+
+/// `[b, heads, t, d]` back to `[b, t, heads * d]` (`out`).
+fn merge_heads<B: Backend>(x: FloatTensor<B>, out: &[usize]) -> FloatTensor<B> {
+    B::float_reshape(B::float_swap_dims(x, 1, 2), bshape(out))
+}
+
+/// The attention probabilities `[b, heads, t, t]`: `softmax(q k^T / sqrt(d))` over each row's
+/// keys (under `causal`, the later keys filled with minus infinity first).
+fn attention_probs<B: Backend>(cx: &Ctx<B>, q: FloatTensor<B>, k: FloatTensor<B>, dims: &[usize], heads: usize, causal: bool) -> FloatTensor<B> {
+    let (b, t, d) = (dims[0], dims[1], dims[2] / 3 / heads);
+    let shape = [b, heads, t, t];
+    let s = B::float_mul_scalar(B::float_matmul(q, B::float_swap_dims(k, 2, 3)), Scalar::Float(1.0 / (d as f64).sqrt()));
+    let s = if causal { B::float_mask_fill(s, self::causal(cx, &shape), Scalar::Float(f64::NEG_INFINITY)) } else { s };
+    let m = B::float_expand(B::float_max_dim(s.clone(), 3), bshape(&shape));
+    let e = B::float_exp(B::float_sub(s, m));
+    let sum = B::float_expand(B::float_sum_dim(e.clone(), 3), bshape(&shape));
+    B::float_div(e, sum)
+}
+
 /// SplitMix64's finaliser.
 fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -276,6 +303,30 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
             }
         }
         Op::CausalMask { fill } => Value::Float(B::float_mask_fill(cx.float(next())?, causal(cx, od), Scalar::Float(*fill))),
+        Op::Attention { heads, causal } => {
+            let dims = tys[0].dims();
+            let [q, k, v] = split_heads::<B>(cx.float(next())?, dims, *heads);
+            let p = attention_probs(cx, q, k, dims, *heads, *causal);
+            Value::Float(merge_heads::<B>(B::float_matmul(p, v), od))
+        }
+        Op::AttentionGrad { heads, causal } => {
+            let dims = tys[0].dims();
+            let (qkv, dy) = (cx.float(next())?, cx.float(next())?);
+            let [b, t, c] = [dims[0], dims[1], dims[2] / 3];
+            let d = c / heads;
+            let [q, k, v] = split_heads::<B>(qkv, dims, *heads);
+            let p = attention_probs(cx, q.clone(), k.clone(), dims, *heads, *causal);
+            let g = B::float_swap_dims(B::float_reshape(dy, bshape(&[b, t, *heads, d])), 1, 2);
+            let scores = bshape(&[b, *heads, t, t]);
+            let dv = B::float_matmul(B::float_swap_dims(p.clone(), 2, 3), g.clone());
+            let dp = B::float_matmul(g, B::float_swap_dims(v, 2, 3));
+            let dot = B::float_expand(B::float_sum_dim(B::float_mul(dp.clone(), p.clone()), 3), scores);
+            let ds = B::float_mul_scalar(B::float_mul(p, B::float_sub(dp, dot)), Scalar::Float(1.0 / (d as f64).sqrt()));
+            let dq = B::float_matmul(ds.clone(), k);
+            let dk = B::float_matmul(B::float_swap_dims(ds, 2, 3), q);
+            let part = [b, t, c];
+            Value::Float(B::float_cat(vec![merge_heads::<B>(dq, &part), merge_heads::<B>(dk, &part), merge_heads::<B>(dv, &part)], 2))
+        }
         Op::Dropout { p, seed } => {
             let x = cx.float(next())?;
             let (items, update) = (host_ints::<B>(cx.int(next())?), host_ints::<B>(cx.int(next())?));

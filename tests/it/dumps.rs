@@ -198,7 +198,7 @@ fn inspect_lists_the_ranks_of_a_multi_rank_dump_and_names_the_known_ops() {
 
     let file = dir.join("rank_0/02_dce_micro_step.ir");
     let (ok, out) = inspect(&[file.to_str().unwrap(), "--op", "assign-add"]);
-    assert!(!ok && out.contains("--op assign-add: no such op") && out.contains("assign_add, avg_pool2d") && out.contains("conv2d_backprop_filter"), "{out}");
+    assert!(!ok && out.contains("--op assign-add: no such op") && out.contains("assign_add, attention, attention_grad, avg_pool2d") && out.contains("conv2d_backprop_filter"), "{out}");
     let (ok, out) = inspect(&[dir.to_str().unwrap(), "--op", "conv2d"]);
     assert!(!ok && out.contains("apply to one .ir dump"), "{out}");
     let empty = tmp("no-dumps");

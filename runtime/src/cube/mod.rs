@@ -695,7 +695,7 @@ where
                 y
             }
             Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } => return None,
-            Native::CausalMask { .. } | Native::MaxRows { .. } => return None,
+            Native::CausalMask { .. } | Native::MaxRows { .. } | Native::Attention { .. } => return None,
         };
         Some(y)
     }

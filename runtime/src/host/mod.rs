@@ -3,6 +3,7 @@
 //! run ([`Kept`]: a max pool's argmax for its gradient in the same plan), and the memory
 //! their outputs are written into ([`Arena`]).
 
+pub mod attention;
 pub mod direct;
 pub mod kernels;
 pub mod math;
@@ -389,6 +390,10 @@ fn run<F: Elem>(k: &Native, args: &[HostSlice], ints: &[&[i64]], tys: &[&TensorT
         Native::BatchMatMul { batch, m, k, n, .. } => len == batch * m * n && a[0].len() == batch * m * k && a[1].len() == batch * k * n,
         Native::Permute { dims, .. } | Native::Slice { dims, .. } | Native::Pad { dims, .. } => a[0].len() == dims.iter().product::<usize>(),
         Native::CausalMask { .. } => a[0].len() == len,
+        Native::Attention { b, t, heads, d, grad, .. } => {
+            let c = heads * d;
+            a[0].len() == b * t * 3 * c && len == b * t * if *grad { 3 * c } else { c } && (!grad || a[1].len() == b * t * c)
+        }
         Native::MaxRows { cols } => a[0].len() == len * cols,
         _ => true,
     };
@@ -461,6 +466,8 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         Native::Pad { dims, lo, hi } => kernels::pad(a[0], dims, lo, hi, y),
         Native::CausalMask { t, s, fill } => kernels::causal_mask(a[0], *t, *s, F::from_f64(*fill), y),
         Native::MaxRows { cols } => kernels::max_rows(a[0], *cols, y),
+        &Native::Attention { b, t, heads, d, causal, grad: false } => attention::forward(a[0], [b, t, heads, d], causal, y),
+        &Native::Attention { b, t, heads, d, causal, grad: true } => attention::backward(a[0], a[1], [b, t, heads, d], causal, y),
         Native::Epilogue { .. } | Native::SoftmaxCrossEntropy { .. } => unreachable!("an epilogue's head is neither an epilogue nor a loss"),
     }
     kernels::post_all(post, y)

@@ -1,0 +1,326 @@
+//! Multi-head self-attention (`Op::Attention`) on host slices, one (sequence, head) pair at a
+//! time, its `[T, T]` scores in the thread's scratch (64 KiB of f32 at T = 128, in L2), never
+//! written out. Queries, keys and values are read where they lie in `qkv [B, T, 3C]` (row
+//! stride `3C`), and the heads' outputs written into `[B, T, C]` (the gradient into
+//! `[B, T, 3C]`): no transposes, slices or pads around the op.
+//!
+//! The scores are made in bands of [`BAND`] query rows. Under a causal mask band `r0..r1`
+//! needs keys `0..r1` only, so every product (two forward, five backward: the scores again,
+//! then `dP = dY V^T`, `dV = P^T dY`, `dQ = dS K`, `dK = dS^T Q`) skips the bands of keys
+//! that no query of the band sees: 3/4 of the dense work at T = 128, where a causal
+//! `matmul`, `causal_mask` and softmax did all of it. (Bands of 32 would skip more, 5/8, but
+//! the GPT's step took longer: each band is a GEMM call of its own, and calls of 32 x 32 by
+//! 32 cost more than the work they skip; bands of 64 were 0.94x the attention time of 32,
+//! one band of 128 1.16x.) Within a band, the entries past a
+//! row's last key are zeros in `P` and `dS`, so the products over whole bands add nothing
+//! for them.
+//!
+//! Per row the softmax is `p = exp(s - max) / sum` over the keys the row sees (`s` the scaled
+//! score), as the unfused ops compute it with the masked entries taking no part; the backward
+//! recomputes `P` from `Q` and `K` (as flash attention does) rather than keeping `[B, H, T, T]`
+//! between the forward and the gradient.
+
+use super::kernels::{each, gemm_oriented, vectorized, HostFloat};
+
+/// Query rows per band of scores: the products' rows, and the causal mask's granularity
+/// (see the module's doc for why 64).
+const BAND: usize = 64;
+
+/// Extents `[b, t, heads, d]` of an attention over `qkv [b, t, 3 * heads * d]`.
+type Extents = [usize; 4];
+
+/// The output's address, shared by the (sequence, head) items: each writes its own columns.
+struct Out<F>(*mut F);
+// SAFETY: items write disjoint elements (their head's columns of their sequence's rows).
+unsafe impl<F> Sync for Out<F> {}
+unsafe impl<F> Send for Out<F> {}
+
+/// The keys row `i` sees: `0..i + 1` under a causal mask, else all `t`.
+#[inline(always)]
+fn seen(i: usize, t: usize, causal: bool) -> usize {
+    if causal {
+        i + 1
+    } else {
+        t
+    }
+}
+
+/// The keys a band of rows ending at `r1` reads (its products' extent).
+fn band_keys(r1: usize, t: usize, causal: bool) -> usize {
+    if causal {
+        r1
+    } else {
+        t
+    }
+}
+
+/// Lanes of [`lanes`]: the loops over a row keep this many independent running values.
+const LANES: usize = 8;
+
+/// Replaces each element of `xs` by `map` of it and folds the new values by `f` from `init`
+/// in [`LANES`] interleaved lanes (element `i` into lane `i % LANES`), then the lanes by
+/// `join` in order: one pass that vectorises, where one running value would wait on each
+/// step's latency. The order depends on the length only.
+#[inline(always)]
+fn map_fold<F: HostFloat>(xs: &mut [F], map: impl Fn(F) -> F, init: F, f: impl Fn(F, F) -> F, join: impl Fn(F, F) -> F) -> F {
+    let mut acc = [init; LANES];
+    let mut chunks = xs.chunks_exact_mut(LANES);
+    for ch in &mut chunks {
+        for (a, v) in acc.iter_mut().zip(ch) {
+            *v = map(*v);
+            *a = f(*a, *v);
+        }
+    }
+    for (a, v) in acc.iter_mut().zip(chunks.into_remainder()) {
+        *v = map(*v);
+        *a = f(*a, *v);
+    }
+    acc.into_iter().reduce(join).unwrap_or(init)
+}
+
+/// [`map_fold`]'s lanes over pairs of `xs` and `ys` (of equal length), summing the lanes.
+#[inline(always)]
+fn lanes_zip<F: HostFloat>(xs: &[F], ys: &[F], f: impl Fn(F, F, F) -> F) -> F {
+    let mut acc = [F::ZERO; LANES];
+    let (mut cx, mut cy) = (xs.chunks_exact(LANES), ys.chunks_exact(LANES));
+    for (a8, b8) in (&mut cx).zip(&mut cy) {
+        for ((acc, &a), &b) in acc.iter_mut().zip(a8).zip(b8) {
+            *acc = f(*acc, a, b);
+        }
+    }
+    for ((acc, &a), &b) in acc.iter_mut().zip(cx.remainder()).zip(cy.remainder()) {
+        *acc = f(*acc, a, b);
+    }
+    acc.into_iter().fold(F::ZERO, |a, b| a + b)
+}
+
+/// `P` of one (sequence, head) into `p` (`[t, t]`, row-major; entries a row does not see and
+/// its band reads are zeros, the rest of the row is not written): `q` and `k` at row stride
+/// `ld`.
+///
+/// # Safety
+/// `q` and `k` must address `t` rows of `d` elements at row stride `ld`.
+#[inline(always)]
+unsafe fn probs<F: HostFloat>(q: *const F, k: *const F, ld: usize, [_, t, _, d]: Extents, causal: bool, p: &mut [F]) {
+    let scale = F::from_f64(1.0 / (d as f64).sqrt());
+    for r0 in (0..t).step_by(BAND) {
+        let (r1, ldi) = ((r0 + BAND).min(t), ld as isize);
+        let keys = band_keys(r1, t, causal);
+        // S[r0..r1, ..keys] = Q[r0..r1] K[..keys]^T.
+        gemm_oriented::<F>(r1 - r0, d, keys, q.add(r0 * ld), ldi, 1, k, 1, ldi, F::ZERO, p.as_mut_ptr().add(r0 * t), t as isize, 1, 1);
+        for i in r0..r1 {
+            let row = &mut p[i * t..][..keys];
+            let (live, dead) = row.split_at_mut(seen(i, t, causal));
+            // A NaN score need not be the maximum: its exp, and so the sum, is NaN anyway.
+            let larger = |m: F, v: F| if v > m { v } else { m };
+            let max = map_fold(live, |v| v * scale, F::NEG_INF, larger, larger);
+            let sum = map_fold(live, |v| (v - max).program_exp(), F::ZERO, |a, v| a + v, |a, b| a + b);
+            for v in live.iter_mut() {
+                *v = *v / sum;
+            }
+            dead.fill(F::ZERO);
+        }
+    }
+}
+
+/// The forward of one (sequence, head) under pulp's dispatch (the row loops vectorise).
+struct Forward<'a, F> {
+    qkv: &'a [F],
+    y: &'a Out<F>,
+    e: Extents,
+    causal: bool,
+    item: usize,
+    /// `[t, t]` of scratch for `P`.
+    p: &'a mut [F],
+}
+
+impl<F: HostFloat> pulp::WithSimd for Forward<'_, F> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let Forward { qkv, y, e, causal, item, p } = self;
+        let [_, t, heads, d] = e;
+        let (c, (bi, h)) = (heads * d, (item / heads, item % heads));
+        let ld = 3 * c;
+        {
+            // SAFETY: the sequence's rows of `qkv` and `y` hold head `h`'s `d` columns at
+            // offsets `h*d` (queries), `c + h*d` (keys), `2c + h*d` (values) and `h*d`.
+            unsafe {
+                let x = qkv.as_ptr().add(bi * t * ld + h * d);
+                let (q, k, v) = (x, x.add(c), x.add(2 * c));
+                probs(q, k, ld, e, causal, p);
+                let y = y.0.add(bi * t * c + h * d);
+                for r0 in (0..t).step_by(BAND) {
+                    let r1 = (r0 + BAND).min(t);
+                    let keys = band_keys(r1, t, causal);
+                    // Y[r0..r1] = P[r0..r1, ..keys] V[..keys].
+                    gemm_oriented::<F>(r1 - r0, keys, d, p.as_ptr().add(r0 * t), t as isize, 1, v, ld as isize, 1, F::ZERO, y.add(r0 * c), c as isize, 1, 1);
+                }
+            }
+        }
+    }
+}
+
+/// The gradient of one (sequence, head) w.r.t. its queries, keys and values.
+struct Backward<'a, F> {
+    qkv: &'a [F],
+    dy: &'a [F],
+    dx: &'a Out<F>,
+    e: Extents,
+    causal: bool,
+    item: usize,
+    /// `[2, t, t]` of scratch for `P` and `dS`.
+    s: &'a mut [F],
+}
+
+impl<F: HostFloat> pulp::WithSimd for Backward<'_, F> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let Backward { qkv, dy, dx, e, causal, item, s } = self;
+        let [_, t, heads, d] = e;
+        let (c, (bi, h)) = (heads * d, (item / heads, item % heads));
+        let (ld, ldi, ti, ci) = (3 * c, 3 * c as isize, t as isize, c as isize);
+        let scale = F::from_f64(1.0 / (d as f64).sqrt());
+        {
+            let (p, ds) = s.split_at_mut(t * t);
+            // SAFETY: as the forward's; `dy` holds the sequence's `t` rows of `c` and `dx`
+            // is laid out as `qkv`.
+            unsafe {
+                let x = qkv.as_ptr().add(bi * t * ld + h * d);
+                let (q, k, v) = (x, x.add(c), x.add(2 * c));
+                let g = dy.as_ptr().add(bi * t * c + h * d);
+                let dx = dx.0.add(bi * t * ld + h * d);
+                let (dq, dk, dv) = (dx, dx.add(c), dx.add(2 * c));
+                probs(q, k, ld, e, causal, p);
+                for r0 in (0..t).step_by(BAND) {
+                    let r1 = (r0 + BAND).min(t);
+                    let keys = band_keys(r1, t, causal);
+                    // dP[r0..r1, ..keys] = dY[r0..r1] V[..keys]^T, then dS in its place.
+                    gemm_oriented::<F>(r1 - r0, d, keys, g.add(r0 * c), ci, 1, v, 1, ldi, F::ZERO, ds.as_mut_ptr().add(r0 * t), ti, 1, 1);
+                    for i in r0..r1 {
+                        let n = seen(i, t, causal);
+                        let (pr, dr) = (&p[i * t..][..n], &mut ds[i * t..][..keys]);
+                        let dot = lanes_zip(pr, &dr[..n], |acc, a, b| a.mul_add(b, acc));
+                        let (live, dead) = dr.split_at_mut(n);
+                        for (v, &a) in live.iter_mut().zip(pr) {
+                            *v = a * (*v - dot) * scale;
+                        }
+                        dead.fill(F::ZERO);
+                    }
+                    // dQ[r0..r1] = dS[r0..r1, ..keys] K[..keys].
+                    gemm_oriented::<F>(r1 - r0, keys, d, ds.as_ptr().add(r0 * t), ti, 1, k, ldi, 1, F::ZERO, dq.add(r0 * ld), ldi, 1, 1);
+                }
+                for c0 in (0..t).step_by(BAND) {
+                    let c1 = (c0 + BAND).min(t);
+                    // The queries that see keys c0..c1: from c0 on under the mask.
+                    let lo = if causal { c0 } else { 0 };
+                    let rows = t - lo;
+                    // dK[c0..c1] = dS[lo.., c0..c1]^T Q[lo..]; dV[c0..c1] = P[lo.., c0..c1]^T dY[lo..].
+                    gemm_oriented::<F>(c1 - c0, rows, d, ds.as_ptr().add(lo * t + c0), 1, ti, q.add(lo * ld), ldi, 1, F::ZERO, dk.add(c0 * ld), ldi, 1, 1);
+                    gemm_oriented::<F>(c1 - c0, rows, d, p.as_ptr().add(lo * t + c0), 1, ti, g.add(lo * c), ci, 1, F::ZERO, dv.add(c0 * ld), ldi, 1, 1);
+                }
+            }
+        }
+    }
+}
+
+/// `Op::Attention` over `qkv [b, t, 3 * heads * d]` into `y [b, t, heads * d]`, the
+/// (sequence, head) pairs spread over the threads.
+pub fn forward<F: HostFloat>(qkv: &[F], e: Extents, causal: bool, y: &mut [F]) {
+    let [b, t, heads, d] = e;
+    assert!(qkv.len() == b * t * 3 * heads * d && y.len() == b * t * heads * d, "attention extents");
+    let out = Out(y.as_mut_ptr());
+    let out = &out;
+    // The scratch is taken here, outside pulp's dispatch: a closure handed to `scratch` from
+    // inside it would be compiled without the dispatch's target features (its row loops then
+    // called `fmaf` per element and did not vectorise).
+    each((0..b * heads).collect(), |item| F::scratch(t * t, |p| vectorized(Forward { qkv, y: out, e, causal, item, p })));
+}
+
+/// `Op::AttentionGrad`: the gradient w.r.t. `qkv` of [`forward`] given `dy [b, t, heads * d]`,
+/// into `dx` (laid out as `qkv`).
+pub fn backward<F: HostFloat>(qkv: &[F], dy: &[F], e: Extents, causal: bool, dx: &mut [F]) {
+    let [b, t, heads, d] = e;
+    assert!(qkv.len() == b * t * 3 * heads * d && dx.len() == qkv.len() && dy.len() == b * t * heads * d, "attention gradient extents");
+    if t == 0 {
+        return;
+    }
+    let out = Out(dx.as_mut_ptr());
+    let out = &out;
+    each((0..b * heads).collect(), |item| F::scratch(2 * t * t, |s| vectorized(Backward { qkv, dy, dx: out, e, causal, item, s })));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize, salt: usize) -> Vec<f32> {
+        (0..n).map(|i| (((i * 7919 + salt * 104729) % 2003) as f32 - 1001.0) / 500.0).collect()
+    }
+
+    /// The attention in f64 by its definition: scores, softmax over the keys each query sees,
+    /// mixing; and its gradient w.r.t. `qkv` by the chain rule, element by element.
+    fn reference(qkv: &[f32], dy: &[f32], [b, t, heads, d]: Extents, causal: bool) -> (Vec<f64>, Vec<f64>) {
+        let c = heads * d;
+        let at = |bi: usize, i: usize, part: usize, h: usize, j: usize| ((bi * t + i) * 3 + part) * c + h * d + j;
+        let (mut y, mut dx) = (vec![0.0; b * t * c], vec![0.0; qkv.len()]);
+        let scale = 1.0 / (d as f64).sqrt();
+        for bi in 0..b {
+            for h in 0..heads {
+                for i in 0..t {
+                    let n = seen(i, t, causal);
+                    let s: Vec<f64> = (0..n).map(|j| (0..d).map(|x| qkv[at(bi, i, 0, h, x)] as f64 * qkv[at(bi, j, 1, h, x)] as f64).sum::<f64>() * scale).collect();
+                    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+                    let sum: f64 = e.iter().sum();
+                    let p: Vec<f64> = e.iter().map(|v| v / sum).collect();
+                    let g = |x: usize| dy[(bi * t + i) * c + h * d + x] as f64;
+                    for x in 0..d {
+                        y[(bi * t + i) * c + h * d + x] = (0..n).map(|j| p[j] * qkv[at(bi, j, 2, h, x)] as f64).sum();
+                    }
+                    let dp: Vec<f64> = (0..n).map(|j| (0..d).map(|x| g(x) * qkv[at(bi, j, 2, h, x)] as f64).sum()).collect();
+                    let dot: f64 = (0..n).map(|j| dp[j] * p[j]).sum();
+                    for j in 0..n {
+                        let ds = p[j] * (dp[j] - dot) * scale;
+                        for x in 0..d {
+                            dx[at(bi, i, 0, h, x)] += ds * qkv[at(bi, j, 1, h, x)] as f64;
+                            dx[at(bi, j, 1, h, x)] += ds * qkv[at(bi, i, 0, h, x)] as f64;
+                            dx[at(bi, j, 2, h, x)] += p[j] * g(x);
+                        }
+                    }
+                }
+            }
+        }
+        (y, dx)
+    }
+
+    /// Forward and gradient match the definition, causal or not, on sequences shorter than a
+    /// band, of several bands and of a band and a part (the mask's edges inside and between
+    /// bands), and give the same bits on one thread and on three.
+    #[test]
+    fn attention_matches_its_definition_on_any_number_of_threads() {
+        for (e, causal) in [([2, 5, 2, 3], true), ([2, 5, 2, 3], false), ([1, 70, 3, 4], true), ([3, 64, 2, 8], true), ([1, 70, 1, 5], false)] {
+            let [b, t, heads, d] = e;
+            let (qkv, dy) = (data(b * t * 3 * heads * d, 1), data(b * t * heads * d, 2));
+            let run = |threads: usize| {
+                rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool").install(|| {
+                    let (mut y, mut dx) = (vec![f32::NAN; dy.len()], vec![f32::NAN; qkv.len()]);
+                    forward(&qkv, e, causal, &mut y);
+                    backward(&qkv, &dy, e, causal, &mut dx);
+                    (y, dx)
+                })
+            };
+            let (y, dx) = run(1);
+            let (y_ref, dx_ref) = reference(&qkv, &dy, e, causal);
+            for (what, got, want) in [("y", &y, &y_ref), ("dqkv", &dx, &dx_ref)] {
+                for (i, (a, b)) in got.iter().zip(want.iter()).enumerate() {
+                    assert!((*a as f64 - b).abs() <= 2e-5 * (1.0 + b.abs()), "{e:?} causal {causal}: {what}[{i}] {a} vs {b}");
+                }
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let (y3, dx3) = run(3);
+            assert_eq!((bits(&y), bits(&dx)), (bits(&y3), bits(&dx3)), "{e:?} causal {causal}: threads");
+        }
+    }
+}
