@@ -4,16 +4,15 @@
 //! stride `3C`), and the heads' outputs written into `[B, T, C]` (the gradient into
 //! `[B, T, 3C]`): no transposes, slices or pads around the op.
 //!
-//! The scores are made in bands of [`BAND`] query rows. Under a causal mask band `r0..r1`
+//! The scores are made in bands of `BAND` (64) query rows. Under a causal mask band `r0..r1`
 //! needs keys `0..r1` only, so every product (two forward, five backward: the scores again,
 //! then `dP = dY V^T`, `dV = P^T dY`, `dQ = dS K`, `dK = dS^T Q`) skips the bands of keys
 //! that no query of the band sees: 3/4 of the dense work at T = 128, where a causal
-//! `matmul`, `causal_mask` and softmax did all of it. (Bands of 32 would skip more, 5/8, but
-//! the GPT's step took longer: each band is a GEMM call of its own, and calls of 32 x 32 by
-//! 32 cost more than the work they skip; bands of 64 were 0.94x the attention time of 32,
-//! one band of 128 1.16x.) Within a band, the entries past a
-//! row's last key are zeros in `P` and `dS`, so the products over whole bands add nothing
-//! for them.
+//! `matmul`, `causal_mask` and softmax did all of it. Within a band, the entries past a row's
+//! last key are zeros in `P` and `dS`, so the products over whole bands add nothing for them.
+//! (Bands of 32 skip more, 5/8, but each band is a GEMM call of its own, and calls of 32 rows
+//! by 32 cost more than the work they skip: `attention` and `attention_grad` took 1,365 ms
+//! over the GPT's 20 updates with bands of 32, 1,289 with 64, 1,487 with one band of 128.)
 //!
 //! Per row the softmax is `p = exp(s - max) / sum` over the keys the row sees (`s` the scaled
 //! score), as the unfused ops compute it with the masked entries taking no part; the backward
@@ -54,7 +53,8 @@ fn band_keys(r1: usize, t: usize, causal: bool) -> usize {
     }
 }
 
-/// Lanes of [`lanes`]: the loops over a row keep this many independent running values.
+/// Lanes of [`map_fold`] and [`lanes_zip`]: the loops over a row keep this many independent
+/// running values.
 const LANES: usize = 8;
 
 /// Replaces each element of `xs` by `map` of it and folds the new values by `f` from `init`
@@ -142,20 +142,18 @@ impl<F: HostFloat> pulp::WithSimd for Forward<'_, F> {
         let [_, t, heads, d] = e;
         let (c, (bi, h)) = (heads * d, (item / heads, item % heads));
         let ld = 3 * c;
-        {
-            // SAFETY: the sequence's rows of `qkv` and `y` hold head `h`'s `d` columns at
-            // offsets `h*d` (queries), `c + h*d` (keys), `2c + h*d` (values) and `h*d`.
-            unsafe {
-                let x = qkv.as_ptr().add(bi * t * ld + h * d);
-                let (q, k, v) = (x, x.add(c), x.add(2 * c));
-                probs(q, k, ld, e, causal, p);
-                let y = y.0.add(bi * t * c + h * d);
-                for r0 in (0..t).step_by(BAND) {
-                    let r1 = (r0 + BAND).min(t);
-                    let keys = band_keys(r1, t, causal);
-                    // Y[r0..r1] = P[r0..r1, ..keys] V[..keys].
-                    gemm_oriented::<F>(r1 - r0, keys, d, p.as_ptr().add(r0 * t), t as isize, 1, v, ld as isize, 1, F::ZERO, y.add(r0 * c), c as isize, 1, 1);
-                }
+        // SAFETY: the sequence's rows of `qkv` and `y` hold head `h`'s `d` columns at offsets
+        // `h*d` (queries), `c + h*d` (keys), `2c + h*d` (values) and `h*d`.
+        unsafe {
+            let x = qkv.as_ptr().add(bi * t * ld + h * d);
+            let (q, k, v) = (x, x.add(c), x.add(2 * c));
+            probs(q, k, ld, e, causal, p);
+            let y = y.0.add(bi * t * c + h * d);
+            for r0 in (0..t).step_by(BAND) {
+                let r1 = (r0 + BAND).min(t);
+                let keys = band_keys(r1, t, causal);
+                // Y[r0..r1] = P[r0..r1, ..keys] V[..keys].
+                gemm_oriented::<F>(r1 - r0, keys, d, p.as_ptr().add(r0 * t), t as isize, 1, v, ld as isize, 1, F::ZERO, y.add(r0 * c), c as isize, 1, 1);
             }
         }
     }
@@ -182,44 +180,42 @@ impl<F: HostFloat> pulp::WithSimd for Backward<'_, F> {
         let (c, (bi, h)) = (heads * d, (item / heads, item % heads));
         let (ld, ldi, ti, ci) = (3 * c, 3 * c as isize, t as isize, c as isize);
         let scale = F::from_f64(1.0 / (d as f64).sqrt());
-        {
-            let (p, ds) = s.split_at_mut(t * t);
-            // SAFETY: as the forward's; `dy` holds the sequence's `t` rows of `c` and `dx`
-            // is laid out as `qkv`.
-            unsafe {
-                let x = qkv.as_ptr().add(bi * t * ld + h * d);
-                let (q, k, v) = (x, x.add(c), x.add(2 * c));
-                let g = dy.as_ptr().add(bi * t * c + h * d);
-                let dx = dx.0.add(bi * t * ld + h * d);
-                let (dq, dk, dv) = (dx, dx.add(c), dx.add(2 * c));
-                probs(q, k, ld, e, causal, p);
-                for r0 in (0..t).step_by(BAND) {
-                    let r1 = (r0 + BAND).min(t);
-                    let keys = band_keys(r1, t, causal);
-                    // dP[r0..r1, ..keys] = dY[r0..r1] V[..keys]^T, then dS in its place.
-                    gemm_oriented::<F>(r1 - r0, d, keys, g.add(r0 * c), ci, 1, v, 1, ldi, F::ZERO, ds.as_mut_ptr().add(r0 * t), ti, 1, 1);
-                    for i in r0..r1 {
-                        let n = seen(i, t, causal);
-                        let (pr, dr) = (&p[i * t..][..n], &mut ds[i * t..][..keys]);
-                        let dot = lanes_zip(pr, &dr[..n], |acc, a, b| a.mul_add(b, acc));
-                        let (live, dead) = dr.split_at_mut(n);
-                        for (v, &a) in live.iter_mut().zip(pr) {
-                            *v = a * (*v - dot) * scale;
-                        }
-                        dead.fill(F::ZERO);
+        let (p, ds) = s.split_at_mut(t * t);
+        // SAFETY: as the forward's; `dy` holds the sequence's `t` rows of `c` and `dx` is laid
+        // out as `qkv`.
+        unsafe {
+            let x = qkv.as_ptr().add(bi * t * ld + h * d);
+            let (q, k, v) = (x, x.add(c), x.add(2 * c));
+            let g = dy.as_ptr().add(bi * t * c + h * d);
+            let dx = dx.0.add(bi * t * ld + h * d);
+            let (dq, dk, dv) = (dx, dx.add(c), dx.add(2 * c));
+            probs(q, k, ld, e, causal, p);
+            for r0 in (0..t).step_by(BAND) {
+                let r1 = (r0 + BAND).min(t);
+                let keys = band_keys(r1, t, causal);
+                // dP[r0..r1, ..keys] = dY[r0..r1] V[..keys]^T, then dS in its place.
+                gemm_oriented::<F>(r1 - r0, d, keys, g.add(r0 * c), ci, 1, v, 1, ldi, F::ZERO, ds.as_mut_ptr().add(r0 * t), ti, 1, 1);
+                for i in r0..r1 {
+                    let n = seen(i, t, causal);
+                    let (pr, dr) = (&p[i * t..][..n], &mut ds[i * t..][..keys]);
+                    let dot = lanes_zip(pr, &dr[..n], |acc, a, b| a.mul_add(b, acc));
+                    let (live, dead) = dr.split_at_mut(n);
+                    for (v, &a) in live.iter_mut().zip(pr) {
+                        *v = a * (*v - dot) * scale;
                     }
-                    // dQ[r0..r1] = dS[r0..r1, ..keys] K[..keys].
-                    gemm_oriented::<F>(r1 - r0, keys, d, ds.as_ptr().add(r0 * t), ti, 1, k, ldi, 1, F::ZERO, dq.add(r0 * ld), ldi, 1, 1);
+                    dead.fill(F::ZERO);
                 }
-                for c0 in (0..t).step_by(BAND) {
-                    let c1 = (c0 + BAND).min(t);
-                    // The queries that see keys c0..c1: from c0 on under the mask.
-                    let lo = if causal { c0 } else { 0 };
-                    let rows = t - lo;
-                    // dK[c0..c1] = dS[lo.., c0..c1]^T Q[lo..]; dV[c0..c1] = P[lo.., c0..c1]^T dY[lo..].
-                    gemm_oriented::<F>(c1 - c0, rows, d, ds.as_ptr().add(lo * t + c0), 1, ti, q.add(lo * ld), ldi, 1, F::ZERO, dk.add(c0 * ld), ldi, 1, 1);
-                    gemm_oriented::<F>(c1 - c0, rows, d, p.as_ptr().add(lo * t + c0), 1, ti, g.add(lo * c), ci, 1, F::ZERO, dv.add(c0 * ld), ldi, 1, 1);
-                }
+                // dQ[r0..r1] = dS[r0..r1, ..keys] K[..keys].
+                gemm_oriented::<F>(r1 - r0, keys, d, ds.as_ptr().add(r0 * t), ti, 1, k, ldi, 1, F::ZERO, dq.add(r0 * ld), ldi, 1, 1);
+            }
+            for c0 in (0..t).step_by(BAND) {
+                let c1 = (c0 + BAND).min(t);
+                // The queries that see keys c0..c1: from c0 on under the mask.
+                let lo = if causal { c0 } else { 0 };
+                let rows = t - lo;
+                // dK[c0..c1] = dS[lo.., c0..c1]^T Q[lo..]; dV[c0..c1] = P[lo.., c0..c1]^T dY[lo..].
+                gemm_oriented::<F>(c1 - c0, rows, d, ds.as_ptr().add(lo * t + c0), 1, ti, q.add(lo * ld), ldi, 1, F::ZERO, dk.add(c0 * ld), ldi, 1, 1);
+                gemm_oriented::<F>(c1 - c0, rows, d, p.as_ptr().add(lo * t + c0), 1, ti, g.add(lo * c), ci, 1, F::ZERO, dv.add(c0 * ld), ldi, 1, 1);
             }
         }
     }
