@@ -14,6 +14,8 @@ use cellgraph_compiler::{DType, HostData, Op, PadMode, Pool2dAttrs, ReduceAttrs,
 
 use crate::error::{Result, RuntimeError};
 use crate::backend::{bshape, Backend, HostVec};
+use crate::host::Arena;
+use crate::kernel::Native;
 use crate::value::Value;
 
 /// What one evaluation needs besides its operands.
@@ -118,17 +120,37 @@ fn split_heads<B: Backend>(qkv: FloatTensor<B>, dims: &[usize], heads: usize) ->
     })
 }
 
+/// `op(a) @ op(b)` over `[b, heads, .., ..]` operands of an attention over `qkv`, `m x k` by
+/// `k x n` (each `op` transposing its last two axes or not): on the backend's own batched
+/// matmul where it has one (a device's cubek exact-f32 kernels, TF32 only under the session's
+/// opt-in: burn's matmul would take TF32 tensor cores), else burn's.
+#[allow(clippy::too_many_arguments)]
+fn heads_matmul<B: Backend>(cx: &Ctx<B>, qkv: &TensorType, heads: usize, a: FloatTensor<B>, b: FloatTensor<B>, [ta, tb]: [bool; 2], [m, k, n]: [usize; 3]) -> FloatTensor<B> {
+    let native = Native::BatchMatMul { batch: qkv.dims()[0] * heads, m, k, n, transpose_a: ta, transpose_b: tb };
+    let out = qkv.with_shape(vec![qkv.dims()[0], heads, m, n]);
+    if !B::HOST {
+        if let Some(y) = B::device_kernel(&native, &[&a, &b], &[], &out, cx.tf32, &mut Arena::default()) {
+            return y;
+        }
+    }
+    let a = if ta { B::float_swap_dims(a, 2, 3) } else { a };
+    let b = if tb { B::float_swap_dims(b, 2, 3) } else { b };
+    B::float_matmul(a, b)
+}
+
 /// `[b, heads, t, d]` back to `[b, t, heads * d]` (`out`).
 fn merge_heads<B: Backend>(x: FloatTensor<B>, out: &[usize]) -> FloatTensor<B> {
     B::float_reshape(B::float_swap_dims(x, 1, 2), bshape(out))
 }
 
-/// The attention probabilities `[b, heads, t, t]`: `softmax(q k^T / sqrt(d))` over each row's
-/// keys (under `causal`, the later keys filled with minus infinity first).
-fn attention_probs<B: Backend>(cx: &Ctx<B>, q: FloatTensor<B>, k: FloatTensor<B>, dims: &[usize], heads: usize, causal: bool) -> FloatTensor<B> {
+/// The attention probabilities `[b, heads, t, t]` of an attention over `qkv`:
+/// `softmax(q k^T / sqrt(d))` over each row's keys (under `causal`, the later keys filled with
+/// minus infinity first).
+fn attention_probs<B: Backend>(cx: &Ctx<B>, q: FloatTensor<B>, k: FloatTensor<B>, qkv: &TensorType, heads: usize, causal: bool) -> FloatTensor<B> {
+    let dims = qkv.dims();
     let (b, t, d) = (dims[0], dims[1], dims[2] / 3 / heads);
     let shape = [b, heads, t, t];
-    let s = B::float_mul_scalar(B::float_matmul(q, B::float_swap_dims(k, 2, 3)), Scalar::Float(1.0 / (d as f64).sqrt()));
+    let s = B::float_mul_scalar(heads_matmul(cx, qkv, heads, q, k, [false, true], [t, d, t]), Scalar::Float(1.0 / (d as f64).sqrt()));
     let s = if causal { B::float_mask_fill(s, self::causal(cx, &shape), Scalar::Float(f64::NEG_INFINITY)) } else { s };
     let m = B::float_expand(B::float_max_dim(s.clone(), 3), bshape(&shape));
     let e = B::float_exp(B::float_sub(s, m));
@@ -306,8 +328,10 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
         Op::Attention { heads, causal } => {
             let dims = tys[0].dims();
             let [q, k, v] = split_heads::<B>(cx.float(next())?, dims, *heads);
-            let p = attention_probs(cx, q, k, dims, *heads, *causal);
-            Value::Float(merge_heads::<B>(B::float_matmul(p, v), od))
+            let p = attention_probs(cx, q, k, tys[0], *heads, *causal);
+            let t = dims[1];
+            let d = dims[2] / 3 / heads;
+            Value::Float(merge_heads::<B>(heads_matmul(cx, tys[0], *heads, p, v, [false, false], [t, t, d]), od))
         }
         Op::AttentionGrad { heads, causal } => {
             let dims = tys[0].dims();
@@ -315,15 +339,16 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
             let [b, t, c] = [dims[0], dims[1], dims[2] / 3];
             let d = c / heads;
             let [q, k, v] = split_heads::<B>(qkv, dims, *heads);
-            let p = attention_probs(cx, q.clone(), k.clone(), dims, *heads, *causal);
+            let p = attention_probs(cx, q.clone(), k.clone(), tys[0], *heads, *causal);
             let g = B::float_swap_dims(B::float_reshape(dy, bshape(&[b, t, *heads, d])), 1, 2);
             let scores = bshape(&[b, *heads, t, t]);
-            let dv = B::float_matmul(B::float_swap_dims(p.clone(), 2, 3), g.clone());
-            let dp = B::float_matmul(g, B::float_swap_dims(v, 2, 3));
+            let mm = |a, b, tr, mkn| heads_matmul(cx, tys[0], *heads, a, b, tr, mkn);
+            let dv = mm(p.clone(), g.clone(), [true, false], [t, t, d]);
+            let dp = mm(g, v, [false, true], [t, d, t]);
             let dot = B::float_expand(B::float_sum_dim(B::float_mul(dp.clone(), p.clone()), 3), scores);
             let ds = B::float_mul_scalar(B::float_mul(p, B::float_sub(dp, dot)), Scalar::Float(1.0 / (d as f64).sqrt()));
-            let dq = B::float_matmul(ds.clone(), k);
-            let dk = B::float_matmul(B::float_swap_dims(ds, 2, 3), q);
+            let dq = mm(ds.clone(), k, [false, false], [t, t, d]);
+            let dk = mm(ds, q, [true, false], [t, t, d]);
             let part = [b, t, c];
             Value::Float(B::float_cat(vec![merge_heads::<B>(dq, &part), merge_heads::<B>(dk, &part), merge_heads::<B>(dv, &part)], 2))
         }
