@@ -387,6 +387,10 @@ impl Dropout {
         self.seed = seed;
         self
     }
+    /// Whether tracing it now gives its input back unchanged: in inference, or with `p` 0.
+    pub fn is_identity(&self, t: &Tracer) -> bool {
+        !t.training() || self.p == 0.0
+    }
 }
 
 impl Cell for Dropout {
@@ -395,7 +399,7 @@ impl Cell for Dropout {
         if !(0.0..1.0).contains(&self.p) {
             return Err(CellError::Config { cell: self.path.clone(), detail: format!("dropout probability must be in [0, 1), got {}", self.p) });
         }
-        if !t.training() || self.p == 0.0 {
+        if self.is_identity(t) {
             return Ok(xs[0]);
         }
         let rows = t.ty(xs[0]).dims().first().copied().unwrap_or(1);

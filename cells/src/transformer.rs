@@ -245,24 +245,10 @@ impl CausalSelfAttention {
             resid_dropout: Dropout::new(&s.child("resid_dropout"), dropout),
         })
     }
-}
-
-impl Cell for CausalSelfAttention {
-    fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
-        expect_inputs(self, xs, 1)?;
-        let &[b, tt, c] = t.ty(xs[0]).dims() else {
-            return Err(CellError::Config { cell: self.path.clone(), detail: format!("attention needs [B, T, C], got {}", t.ty(xs[0])) });
-        };
+    /// The attention between the projections op by op, `qkv [B, T, 3C] -> [B, T, C]`:
+    /// scores, the causal mask, softmax, dropout on the probabilities, mixing.
+    fn attention_op_by_op(&self, t: &mut Tracer, qkv: NodeId, [b, tt, c]: [usize; 3]) -> Result<NodeId> {
         let (h, d) = (self.heads, c / self.heads);
-        let qkv = t.call(&self.c_attn, xs)?;
-        if self.attn_dropout.p == 0.0 || !t.training() {
-            // Without dropout on the probabilities: one op, whose kernels skip the masked
-            // half of the scores and keep them out of memory (PyTorch's
-            // `scaled_dot_product_attention(..., is_causal=True)`).
-            let y = t.op(Op::Attention { heads: h, causal: true }, &[qkv])?;
-            let y = t.call(&self.c_proj, &[y])?;
-            return t.call(&self.resid_dropout, &[y]);
-        }
         // Queries, keys and values: [B, T, C] -> [B, H, T, D].
         let mut heads = Vec::new();
         for i in 0..3 {
@@ -278,7 +264,25 @@ impl Cell for CausalSelfAttention {
         let att = t.call(&self.attn_dropout, &[att])?;
         let y = t.op(Op::MatMul { transpose_a: false, transpose_b: false }, &[att, heads[2]])?;
         let y = t.op(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[y])?;
-        let y = t.op(Op::Reshape { shape: vec![b, tt, c].into() }, &[y])?;
+        t.op(Op::Reshape { shape: vec![b, tt, c].into() }, &[y])
+    }
+}
+
+impl Cell for CausalSelfAttention {
+    fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> Result<NodeId> {
+        expect_inputs(self, xs, 1)?;
+        let &[b, tt, c] = t.ty(xs[0]).dims() else {
+            return Err(CellError::Config { cell: self.path.clone(), detail: format!("attention needs [B, T, C], got {}", t.ty(xs[0])) });
+        };
+        let qkv = t.call(&self.c_attn, xs)?;
+        let y = if self.attn_dropout.is_identity(t) {
+            // Without dropout on the probabilities: one op, whose kernels skip the masked
+            // half of the scores and keep them out of memory (PyTorch's
+            // `scaled_dot_product_attention(..., is_causal=True)`).
+            t.op(Op::Attention { heads: self.heads, causal: true }, &[qkv])?
+        } else {
+            self.attention_op_by_op(t, qkv, [b, tt, c])?
+        };
         let y = t.call(&self.c_proj, &[y])?;
         t.call(&self.resid_dropout, &[y])
     }
@@ -292,6 +296,7 @@ impl Cell for CausalSelfAttention {
         "CausalSelfAttention"
     }
 }
+
 
 /// GPT's feed-forward part: `c_fc` (`C -> 4C`), GELU (the exact form, as PyTorch's default),
 /// `c_proj` (`4C -> C`).

@@ -53,12 +53,13 @@ fn op_flops(op: &Op, out_ty: &TensorType, args: &[&TensorType]) -> u64 {
         Op::MaxPool2d(p) | Op::AvgPool2d(p) => out * (p.kernel[0] * p.kernel[1]) as u64,
         Op::MaxPool2dGrad(p) | Op::AvgPool2dGrad(p) => arg(1).numel() as u64 * (p.kernel[0] * p.kernel[1]) as u64,
         // Two products of T x T scores by D per head (the forward; four more and the scores
-        // again for the gradient), half of them under a causal mask, and the softmax.
-        Op::Attention { causal, .. } | Op::AttentionGrad { causal, .. } => {
+        // again for the gradient), half of them under a causal mask, and the softmax (8 per
+        // score of each head).
+        Op::Attention { heads, causal } | Op::AttentionGrad { heads, causal } => {
             let [b, t, c3] = [0, 1, 2].map(|i| arg(0).dims()[i] as u64);
             let pairs = if *causal { t * (t + 1) / 2 } else { t * t };
             let products = if matches!(op, Op::Attention { .. }) { 2 } else { 5 };
-            b * pairs * (products * 2 * c3 / 3 + 8)
+            b * pairs * (products * 2 * c3 / 3 + 8 * *heads as u64)
         }
         Op::Fused { expr } => program(expr),
         Op::Epilogue { head, expr } => op_flops(head, out_ty, &args[..head.arity().min()]) + program(expr),

@@ -111,12 +111,18 @@ fn causal<B: Backend>(cx: &Ctx<B>, dims: &[usize]) -> burn_backend::tensor::Bool
     B::bool_expand(B::bool_reshape(m, bshape(&padded)), bshape(dims))
 }
 
-/// Queries, keys and values `[b, heads, t, d]` of `qkv` (IR extents `dims = [b, t, 3c]`).
-fn split_heads<B: Backend>(qkv: FloatTensor<B>, dims: &[usize], heads: usize) -> [FloatTensor<B>; 3] {
-    let (b, t, c) = (dims[0], dims[1], dims[2] / 3);
+/// `[b, t, c, d]` of an attention of `heads` heads over `qkv [b, t, 3c]` (`d = c / heads`).
+fn attention_extents(qkv: &TensorType, heads: usize) -> [usize; 4] {
+    let dims = qkv.dims();
+    [dims[0], dims[1], dims[2] / 3, dims[2] / 3 / heads]
+}
+
+/// Queries, keys and values `[b, heads, t, d]` of `qkv` (IR type `ty`).
+fn split_heads<B: Backend>(qkv: FloatTensor<B>, ty: &TensorType, heads: usize) -> [FloatTensor<B>; 3] {
+    let [b, t, c, d] = attention_extents(ty, heads);
     [0, 1, 2].map(|i| {
         let part = B::float_slice(qkv.clone(), &slices(&[0, 0, i * c], &[b, t, (i + 1) * c]));
-        B::float_swap_dims(B::float_reshape(part, bshape(&[b, t, heads, c / heads])), 1, 2)
+        B::float_swap_dims(B::float_reshape(part, bshape(&[b, t, heads, d])), 1, 2)
     })
 }
 
@@ -128,10 +134,8 @@ fn split_heads<B: Backend>(qkv: FloatTensor<B>, dims: &[usize], heads: usize) ->
 fn heads_matmul<B: Backend>(cx: &Ctx<B>, qkv: &TensorType, heads: usize, a: FloatTensor<B>, b: FloatTensor<B>, [ta, tb]: [bool; 2], [m, k, n]: [usize; 3]) -> FloatTensor<B> {
     let native = Native::BatchMatMul { batch: qkv.dims()[0] * heads, m, k, n, transpose_a: ta, transpose_b: tb };
     let out = qkv.with_shape(vec![qkv.dims()[0], heads, m, n]);
-    if !B::HOST {
-        if let Some(y) = B::device_kernel(&native, &[&a, &b], &[], &out, cx.tf32, &mut Arena::default()) {
-            return y;
-        }
+    if let Some(y) = B::device_kernel(&native, &[&a, &b], &[], &out, cx.tf32, &mut Arena::default()) {
+        return y;
     }
     let a = if ta { B::float_swap_dims(a, 2, 3) } else { a };
     let b = if tb { B::float_swap_dims(b, 2, 3) } else { b };
@@ -147,8 +151,7 @@ fn merge_heads<B: Backend>(x: FloatTensor<B>, out: &[usize]) -> FloatTensor<B> {
 /// `softmax(q k^T / sqrt(d))` over each row's keys (under `causal`, the later keys filled with
 /// minus infinity first).
 fn attention_probs<B: Backend>(cx: &Ctx<B>, q: FloatTensor<B>, k: FloatTensor<B>, qkv: &TensorType, heads: usize, causal: bool) -> FloatTensor<B> {
-    let dims = qkv.dims();
-    let (b, t, d) = (dims[0], dims[1], dims[2] / 3 / heads);
+    let [b, t, _, d] = attention_extents(qkv, heads);
     let shape = [b, heads, t, t];
     let s = B::float_mul_scalar(heads_matmul(cx, qkv, heads, q, k, [false, true], [t, d, t]), Scalar::Float(1.0 / (d as f64).sqrt()));
     let s = if causal { B::float_mask_fill(s, self::causal(cx, &shape), Scalar::Float(f64::NEG_INFINITY)) } else { s };
@@ -326,19 +329,15 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
         }
         Op::CausalMask { fill } => Value::Float(B::float_mask_fill(cx.float(next())?, causal(cx, od), Scalar::Float(*fill))),
         Op::Attention { heads, causal } => {
-            let dims = tys[0].dims();
-            let [q, k, v] = split_heads::<B>(cx.float(next())?, dims, *heads);
+            let [_, t, _, d] = attention_extents(tys[0], *heads);
+            let [q, k, v] = split_heads::<B>(cx.float(next())?, tys[0], *heads);
             let p = attention_probs(cx, q, k, tys[0], *heads, *causal);
-            let t = dims[1];
-            let d = dims[2] / 3 / heads;
             Value::Float(merge_heads::<B>(heads_matmul(cx, tys[0], *heads, p, v, [false, false], [t, t, d]), od))
         }
         Op::AttentionGrad { heads, causal } => {
-            let dims = tys[0].dims();
             let (qkv, dy) = (cx.float(next())?, cx.float(next())?);
-            let [b, t, c] = [dims[0], dims[1], dims[2] / 3];
-            let d = c / heads;
-            let [q, k, v] = split_heads::<B>(qkv, dims, *heads);
+            let [b, t, c, d] = attention_extents(tys[0], *heads);
+            let [q, k, v] = split_heads::<B>(qkv, tys[0], *heads);
             let p = attention_probs(cx, q.clone(), k.clone(), tys[0], *heads, *causal);
             let g = B::float_swap_dims(B::float_reshape(dy, bshape(&[b, t, *heads, d])), 1, 2);
             let scores = bshape(&[b, *heads, t, t]);

@@ -239,9 +239,6 @@ pub fn forward<F: HostFloat>(qkv: &[F], e: Extents, causal: bool, y: &mut [F]) {
 pub fn backward<F: HostFloat>(qkv: &[F], dy: &[F], e: Extents, causal: bool, dx: &mut [F]) {
     let [b, t, heads, d] = e;
     assert!(qkv.len() == b * t * 3 * heads * d && dx.len() == qkv.len() && dy.len() == b * t * heads * d, "attention gradient extents");
-    if t == 0 {
-        return;
-    }
     let out = Out(dx.as_mut_ptr());
     let out = &out;
     each((0..b * heads).collect(), |item| F::scratch(2 * t * t, |s| vectorized(Backward { qkv, dy, dx: out, e, causal, item, s })));
