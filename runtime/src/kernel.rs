@@ -124,7 +124,7 @@ pub enum Native {
     /// Causal masking of `[..., t, s]` scores (see `Op::CausalMask`). Host backends only.
     CausalMask { t: usize, s: usize, fill: f64 },
     /// Multi-head self-attention over `qkv [b, t, 3 * heads * d]` (see `Op::Attention`), or
-    /// (`grad`) its gradient w.r.t. `qkv` from `(qkv, dy)`. Host backends only.
+    /// (`grad`) its gradient w.r.t. `qkv` from `(qkv, dy)`. Host kernels and `#[cube]` ones.
     Attention { b: usize, t: usize, heads: usize, d: usize, causal: bool, grad: bool },
     /// The maximum of each row of `[rows, cols]` (a `reduce_max` over the last axis). Host
     /// backends only.

@@ -13,6 +13,8 @@
 //! - [`ew`]: elementwise programs (fused nodes, epilogues over a head's output in place, ReLU
 //!   and its gradient) unrolled into one kernel each.
 //! - [`loss`]: softmax cross-entropy and its gradient, one launch each.
+//! - [`attention`]: multi-head self-attention over one projection's `qkv` and its gradient, a
+//!   unit per row and the scores never in memory (one launch forward, two backward).
 //! - [`pool`]: max pooling and its gradient on NCHW, without copies or a second forward.
 //! - [`sum_rows`]: a bias gradient (or a split filter gradient's slices), one unit per column.
 //!
@@ -20,6 +22,7 @@
 //! wgpu (feature `wgpu`), which runs on Mesa's lavapipe CPU Vulkan driver in CI, where the
 //! tests check them against the CPU reference (the optimizer graphs run on burn-ndarray).
 
+pub mod attention;
 pub mod ew;
 pub mod loss;
 pub mod pool;
@@ -695,7 +698,32 @@ where
                 y
             }
             Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } => return None,
-            Native::CausalMask { .. } | Native::MaxRows { .. } | Native::Attention { .. } => return None,
+            &Native::Attention { b, t, heads, d, causal, grad } => {
+                let g = attention::AttnDims::new(t, heads, d, causal)?;
+                let rows = b * heads * t;
+                if rows == 0 {
+                    return None;
+                }
+                let qkv = contiguous(args[0]);
+                let y = output::<R>(arena, &client, &device, out.dims());
+                let scale = 1.0 / (d as f32).sqrt();
+                let (count, dim) = grid(&client, rows);
+                // SAFETY: a unit per query (or key) row below `rows`, reading `qkv` (and `dy`)
+                // and writing `y` (and the statistics) within the extents `g` and `b` give them.
+                unsafe {
+                    if grad {
+                        let dy = contiguous(args.get(1)?);
+                        let stats = arena.take_scratch::<CubeTensor<R>>(3 * rows).unwrap_or_else(|| empty::<R>(&client, &device, &[3 * rows]));
+                        attention::attention_grad_rows::launch_unchecked::<F, R>(&client, count.clone(), dim, arr(&qkv), arr(&dy), arr(&y), arr(&stats), scale, g);
+                        attention::attention_grad_cols::launch_unchecked::<F, R>(&client, count, dim, arr(&qkv), arr(&dy), arr(&stats), arr(&y), scale, g);
+                        arena.give_scratch(3 * rows, stats);
+                    } else {
+                        attention::attention_forward::launch_unchecked::<F, R>(&client, count, dim, arr(&qkv), arr(&y), scale, g);
+                    }
+                }
+                y
+            }
+            Native::CausalMask { .. } | Native::MaxRows { .. } => return None,
         };
         Some(y)
     }
