@@ -12,7 +12,9 @@
 #   bash scripts/gpu_check.sh FOLDER
 # PARTS (default "tests train mpi bench") picks the parts; CASES (";"-separated "net b K")
 # the benchmark's configurations; UPDATES/WARMUP its timed and warm-up updates, CASE_TIMEOUT
-# the seconds each benchmark command may run.
+# the seconds each benchmark command may run. A `baseline_device_bench` in FOLDER (an earlier
+# build's) runs before and after the new one in each case, so a change is timed against its
+# baseline in the same call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-target/release}
@@ -75,12 +77,18 @@ fi
 if part bench; then
 echo "## Benchmark"
 first=--header
+# bench BINARY NET B K: one cellgraph row, labelled with the binary's name.
+bench() {
+    measure timeout "$CASE_TIMEOUT" "$BIN/$1" --device cuda:0 --net "$2" --micro-batch "$3" --micro-size "$4" \
+        --updates "$UPDATES" --warmup "$WARMUP" $first | sed "s/^| cellgraph /| cellgraph ($1) /" || status=1
+    first=
+}
 IFS=';' read -ra cases <<<"$CASES"
 for cfg in "${cases[@]}"; do
     set -- $cfg
-    measure timeout "$CASE_TIMEOUT" "$BIN/device_bench" --device cuda:0 --net "$1" --micro-batch "$2" --micro-size "$3" \
-        --updates "$UPDATES" --warmup "$WARMUP" $first || status=1
-    first=
+    if [ -x "$BIN/baseline_device_bench" ]; then bench baseline_device_bench "$@"; fi
+    bench device_bench "$@"
+    if [ -x "$BIN/baseline_device_bench" ]; then bench baseline_device_bench "$@"; bench device_bench "$@"; fi
     measure timeout "$CASE_TIMEOUT" python3 benches/pytorch_accumulation.py --net "$1" --micro-batch "$2" --micro-size "$3" \
         --updates "$UPDATES" --warmup "$WARMUP" || status=1
 done

@@ -53,21 +53,39 @@ struct Step {
     /// For an epilogue that adds its head's result to an accumulator only it and its write
     /// read ([`cellgraph_compiler::passes::epilogue::accumulator`]): the accumulator's operand.
     accumulator: Option<usize>,
-    /// A loss whose class-id labels are a plan input, checked on the host before the run.
-    labels_checked: bool,
+    /// A loss, gather or scatter-add whose integer ids are a plan input, checked on the host
+    /// before the run ([`IdCheck`]).
+    ids_checked: bool,
     /// A constant that no `assign`/`assign_add` writes and that is not an output: on device
     /// backends made once per session and shared (see [`Session::run`]).
     shared_constant: bool,
 }
 
-/// Class-id labels a plan takes as an input: checked on the host before they are uploaded, so
-/// no step reads them back from the device.
+/// Integer ids a plan takes as an input (directly or through reshapes): checked on the host
+/// before they are uploaded, so no step reads them back from the device. Class-id labels of a
+/// loss over `bound` classes (but `except`, a loss's ignored index, which the plan replaces
+/// with a valid id), or row ids of a gather or scatter-add over `bound` rows.
 #[derive(Clone, Debug)]
-struct LabelCheck {
+struct IdCheck {
     input: usize,
-    classes: usize,
+    bound: usize,
+    labels: bool,
+    except: Option<i64>,
     scope: String,
     op: &'static str,
+}
+
+impl IdCheck {
+    /// What is wrong with the input's values `ids`, if anything.
+    fn error(&self, ids: impl Iterator<Item = i64>) -> Option<String> {
+        // An ignored label reads as a valid one (the plan's replacement), keeping positions.
+        let ids = ids.map(|i| if Some(i) == self.except { 0 } else { i });
+        if self.labels {
+            crate::lower::label_error(ids, self.bound)
+        } else {
+            crate::lower::id_error(ids, self.bound)
+        }
+    }
 }
 
 /// A graph lowered to a schedule.
@@ -84,7 +102,7 @@ pub struct Executable {
     peak_bytes: usize,
     /// `(elements, buffers)`: the most float values of each length alive at once.
     arena: Vec<(usize, usize)>,
-    labels: Vec<LabelCheck>,
+    id_checks: Vec<IdCheck>,
     /// Steps that are collectives (`all_reduce`).
     collectives: usize,
 }
@@ -332,7 +350,7 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
             writes.push((name.clone(), e.index()));
         }
     }
-    let mut labels: Vec<LabelCheck> = Vec::new();
+    let mut id_checks: Vec<IdCheck> = Vec::new();
     let mut steps: Vec<Step> = order
         .iter()
         .map(|&id| {
@@ -355,13 +373,13 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
             };
             let kernel = crate::kernel::bind(&n.op, &arg_types.iter().collect::<Vec<_>>());
             let accumulator = cellgraph_compiler::passes::epilogue::accumulator(&graph, id);
-            let check = label_input(&graph, id);
-            let labels_checked = check.is_some();
-            if let Some(c) = check.filter(|c| !labels.iter().any(|l| l.input == c.input && l.classes == c.classes)) {
-                labels.push(c);
+            let check = id_input(&graph, id);
+            let ids_checked = check.is_some();
+            if let Some(c) = check.filter(|c| !id_checks.iter().any(|l| (l.input, l.bound, l.labels, l.except) == (c.input, c.bound, c.labels, c.except))) {
+                id_checks.push(c);
             }
             let shared_constant = matches!(n.op, Op::Constant { .. }) && !graph.outputs().contains(&id) && graph.users(id).iter().all(|&u| !graph.node(u).op.is_effect());
-            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred, kernel, accumulator, labels_checked, shared_constant }
+            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred, kernel, accumulator, ids_checked, shared_constant }
         })
         .collect();
     keep_for_gradients(&mut steps);
@@ -371,20 +389,44 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
     let peak_bytes = simulate_peak(&graph, &steps);
     let arena = arena_sizes(&graph, &steps);
     let collectives = steps.iter().filter(|st| matches!(st.op, Op::AllReduce)).count();
-    Ok(Executable { source, graph, steps, outputs, writes, slots, peak_bytes, arena, labels, collectives })
+    Ok(Executable { source, graph, steps, outputs, writes, slots, peak_bytes, arena, id_checks, collectives })
 }
 
-/// For a softmax cross-entropy (or its gradient) with class-id labels that are a plan input:
-/// the check they need.
-fn label_input(g: &Graph, id: cellgraph_compiler::NodeId) -> Option<LabelCheck> {
+/// For a softmax cross-entropy (or its gradient) with class-id labels, a gather or a
+/// scatter-add whose ids are a plan input: the check they need. The ids may come through
+/// reshapes, and a loss's labels through its ignored index's replacement
+/// (`select(equal(labels, ignored), id, labels)` with constant `ignored` and a valid `id`).
+fn id_input(g: &Graph, id: cellgraph_compiler::NodeId) -> Option<IdCheck> {
     let n = g.node(id);
-    if !matches!(n.op, Op::SoftmaxCrossEntropy { sparse: true, .. } | Op::SoftmaxCrossEntropyGrad { sparse: true, .. }) {
-        return None;
-    }
     let xs = g.operands(id);
-    let Op::Input { index, .. } = g.node(*xs.get(1)?).op else { return None };
-    let classes = *g.ty(xs[0]).dims().get(1)?;
-    Some(LabelCheck { input: index, classes, scope: n.scope.clone(), op: n.op.label() })
+    let (ids, bound, labels) = match n.op {
+        Op::SoftmaxCrossEntropy { sparse: true, .. } | Op::SoftmaxCrossEntropyGrad { sparse: true, .. } => (*xs.get(1)?, *g.ty(xs[0]).dims().get(1)?, true),
+        Op::Gather => (*xs.get(1)?, *g.ty(xs[0]).dims().first()?, false),
+        Op::ScatterAdd { rows } => (*xs.first()?, rows, false),
+        _ => return None,
+    };
+    let constant = |x: cellgraph_compiler::NodeId| match g.node(x).op {
+        Op::Constant { value } => Some(value),
+        _ => None,
+    };
+    let through_reshapes = |mut x: cellgraph_compiler::NodeId| {
+        while let Op::Reshape { .. } = g.node(x).op {
+            x = g.operands(x)[0];
+        }
+        x
+    };
+    let (mut ids, mut except) = (through_reshapes(ids), None);
+    if let (true, Op::Select) = (labels, &g.node(ids).op) {
+        let [cond, with, kept] = g.operands(ids)[..] else { return None };
+        let [x, ignored] = g.operands(cond)[..] else { return None };
+        let valid = constant(with).is_some_and(|v| v >= 0.0 && v < bound as f64);
+        if !(matches!(g.node(cond).op, Op::Equal) && x == kept && valid) {
+            return None;
+        }
+        (ids, except) = (through_reshapes(x), Some(constant(ignored)? as i64));
+    }
+    let Op::Input { index, .. } = g.node(ids).op else { return None };
+    Some(IdCheck { input: index, bound, labels, except, scope: n.scope.clone(), op: n.op.label() })
 }
 
 /// Runs a step's bound kernel: on the host kernels on a host backend, on the device's own
@@ -402,7 +444,7 @@ fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &Ten
     let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
     if B::HOST {
         crate::host::run_host::<B>(k, &floats, &ints, &tys, out, cx.device, kept, arena)
-    } else if matches!(k, Native::SoftmaxCrossEntropy { .. }) && !cx.labels_checked {
+    } else if matches!(k, Native::SoftmaxCrossEntropy { .. }) && !cx.ids_checked {
         // Class ids computed in the plan: the lowering reads and checks them.
         None
     } else {
@@ -707,10 +749,10 @@ impl<B: Backend> Session<B> {
                 got: format!("{}", inputs.len()),
             });
         }
-        for l in &exe.labels {
+        for l in &exe.id_checks {
             let wrong = match &inputs[l.input].data {
-                HostData::I32(v) => crate::lower::label_error(v.iter().map(|&x| i64::from(x)), l.classes),
-                HostData::I64(v) => crate::lower::label_error(v.iter().copied(), l.classes),
+                HostData::I32(v) => l.error(v.iter().map(|&x| i64::from(x))),
+                HostData::I64(v) => l.error(v.iter().copied()),
                 // Not class ids: the input's type check below reports it.
                 _ => None,
             };
@@ -748,7 +790,7 @@ impl<B: Backend> Session<B> {
                     match self.constants.iter().find(|(k, _)| *k == key) {
                         Some((_, v)) => v.clone(),
                         None => {
-                            let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: step.op.label(), in_place: self.in_place, labels_checked: false, tf32: self.tf32 };
+                            let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: step.op.label(), in_place: self.in_place, ids_checked: false, tf32: self.tf32 };
                             let v = eval(&cx, &step.op, Vec::new(), &step.ty)?;
                             self.constants.push((key, v.clone()));
                             v
@@ -792,7 +834,7 @@ impl<B: Backend> Session<B> {
                             (v.expect("operands are computed before use"), ty)
                         })
                         .collect();
-                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.label(), in_place: self.in_place, labels_checked: step.labels_checked, tf32: self.tf32 };
+                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.label(), in_place: self.in_place, ids_checked: step.ids_checked, tf32: self.tf32 };
                     let t0 = self.profile.is_some().then(std::time::Instant::now);
                     let v = if takes_first && reshape {
                         let Ok([(x, ty)]) = <[_; 1]>::try_from(args) else { unreachable!("a reshape's arity is checked by the verifier") };

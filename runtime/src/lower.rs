@@ -26,9 +26,10 @@ pub struct Ctx<'a, B: Backend> {
     pub op: &'static str,
     /// `assign_add` writes into its target's memory (flat device buffers).
     pub in_place: bool,
-    /// The step's class-id labels are a plan input the executor checked on the host before
-    /// uploading it ([`label_error`]), so the lowering does not read them back.
-    pub labels_checked: bool,
+    /// The step's class-id labels or row ids are a plan input the executor checked on the
+    /// host before uploading it ([`label_error`], [`id_error`]), so the lowering does not read
+    /// them back.
+    pub ids_checked: bool,
     /// Matmuls may round their operands to TF32 on tensor cores (the session's opt-in).
     pub tf32: bool,
 }
@@ -87,10 +88,19 @@ fn host_ints<B: Backend>(t: IntTensor<B>) -> Vec<i64> {
     crate::value::block_on(B::int_into_data(t)).expect("device read").convert::<i64>().to_vec::<i64>().expect("int data")
 }
 
-/// Checks that integer ids (`what` names them) lie in `0..rows`.
-fn checked_ids<B: Backend>(cx: &Ctx<B>, ids: IntTensor<B>, rows: usize, what: &str) -> Result<()> {
-    match host_ints::<B>(ids).iter().enumerate().find(|&(_, &i)| i < 0 || i >= rows as i64) {
-        Some((k, bad)) => cx.bad(format!("{what} {bad} at position {k} is out of range for a table of {rows} rows (valid: 0..{})", rows.saturating_sub(1))),
+/// What is wrong with row `ids` into a table of `rows` rows: the first one outside `0..rows`.
+pub fn id_error(ids: impl IntoIterator<Item = i64>, rows: usize) -> Option<String> {
+    let (k, bad) = ids.into_iter().enumerate().find(|&(_, i)| i < 0 || i >= rows as i64)?;
+    Some(format!("id {bad} at position {k} is out of range for a table of {rows} rows (valid: 0..{})", rows.saturating_sub(1)))
+}
+
+/// Checks that row `ids` lie in `0..rows` (unless the executor did, on the host).
+fn checked_ids<B: Backend>(cx: &Ctx<B>, ids: IntTensor<B>, rows: usize) -> Result<()> {
+    if cx.ids_checked {
+        return Ok(());
+    }
+    match id_error(host_ints::<B>(ids), rows) {
+        Some(e) => cx.bad(e),
         None => Ok(()),
     }
 }
@@ -238,7 +248,7 @@ pub fn label_error(labels: impl IntoIterator<Item = i64>, c: usize) -> Option<St
 /// Checks sparse labels are class ids in `0..c` (unless the executor did, on the host) and
 /// returns them as `[N, 1]`.
 fn checked_labels<B: Backend>(cx: &Ctx<B>, y: IntTensor<B>, n: usize, c: usize) -> Result<IntTensor<B>> {
-    if !cx.labels_checked {
+    if !cx.ids_checked {
         if let Some(e) = label_error(host_ints::<B>(y.clone()), c) {
             return cx.bad(e);
         }
@@ -364,7 +374,7 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
             let (rows, n) = (tys[0].dims()[0], tys[1].numel());
             let width = tys[0].numel() / rows.max(1);
             let ids = B::int_reshape(ids, bshape(&[n]));
-            checked_ids(cx, ids.clone(), rows, "id")?;
+            checked_ids(cx, ids.clone(), rows)?;
             let picked = B::float_select(B::float_reshape(table, bshape(&[rows, width])), 0, ids);
             Value::Float(B::float_reshape(picked, bshape(od)))
         }
@@ -373,7 +383,7 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
             let n = tys[0].numel();
             let width = out.numel() / (*rows).max(1);
             let ids = B::int_reshape(ids, bshape(&[n]));
-            checked_ids(cx, ids.clone(), *rows, "id")?;
+            checked_ids(cx, ids.clone(), *rows)?;
             let upd = B::float_reshape(upd, bshape(&[n, width]));
             Value::Float(B::float_reshape(B::float_select_add(cx.full(&[*rows, width], 0.0), 0, ids, upd), bshape(od)))
         }

@@ -25,7 +25,7 @@ fn gpt() -> GPT {
 }
 
 /// The GPT under token-summed cross-entropy.
-fn counted() -> WithLossCell {
+pub(crate) fn counted() -> WithLossCell {
     WithLossCell::new(gpt(), CrossEntropyLoss::new().ignore_index(IGNORE_INDEX as i64).tokens())
 }
 

@@ -87,8 +87,11 @@ pub struct Accumulator<B: Backend> {
     losses: Vec<Loss<B>>,
     loss: std::cell::Cell<Option<f64>>,
     /// Under token-weighted normalisation, the last step's token count (its loss is the mean
-    /// over them).
+    /// over them), as far as it has been read ([`Self::counts`] holds the rest).
     tokens: f64,
+    /// Token counts of micro-steps run on a device, not yet read back (each a sync): read
+    /// together at the window's boundary, or with the step's loss. `true`: of the last step.
+    counts: Vec<(Value<B>, bool)>,
     /// Items this process has trained on: dropout's item keys when the data gives none.
     items_seen: u64,
     /// Dynamic loss scaling, when the precision policy asks for it.
@@ -104,6 +107,21 @@ enum Loss<B: Backend> {
 /// The optimizer graph's inputs: the gradient scale, then the rule's host scalars.
 fn optimizer_inputs(scale: f64, scalars: &[f64]) -> Vec<HostTensor> {
     std::iter::once(scale).chain(scalars.iter().copied()).map(HostTensor::scalar_f32).collect()
+}
+
+/// Device scalars (losses, token counts) as f64, in one read: gathered on the device first.
+fn read_scalars<B: Backend>(vals: Vec<Value<B>>) -> Vec<f64> {
+    match vals.len() {
+        0 => Vec::new(),
+        1 => vals[0].to_host().to_f64(),
+        _ => {
+            let floats: Option<Vec<_>> = vals.iter().map(|v| if let Value::Float(t) = v { Some(t.clone()) } else { None }).collect();
+            match floats {
+                Some(ts) => Value::<B>::Float(B::float_cat(ts, 0)).to_host().to_f64(),
+                None => vals.iter().flat_map(|v| v.to_host().to_f64()).collect(),
+            }
+        }
+    }
 }
 
 /// The position of the [`ITEM_INDEX`] column among a dataset's column `names`, if any.
@@ -164,7 +182,7 @@ impl<B: Backend> Accumulator<B> {
         let trained: Vec<(String, TensorType)> = accumulators.iter().map(|(n, t)| (n[ACCUMULATOR_PREFIX.len() + 1..].to_string(), t.clone())).collect();
         let store = Store::new(&trained, accumulator_name, opt.as_ref());
         let plans = Plans { micro: HashMap::new(), optimizer: compile(optimizer)?, clear: compile(clear)?, window: None, names: Vec::new(), dump: None };
-        let mut acc = Accumulator { net, opt, plans, session, progress: Progress::default(), store, parallel: None, losses: Vec::new(), loss: std::cell::Cell::new(None), tokens: 0.0, items_seen: 0, scaler: None };
+        let mut acc = Accumulator { net, opt, plans, session, progress: Progress::default(), store, parallel: None, losses: Vec::new(), loss: std::cell::Cell::new(None), tokens: 0.0, counts: Vec::new(), items_seen: 0, scaler: None };
         acc.scaler = acc.net.precision.and_then(|p| p.scaling()).map(Scaler::new);
         acc.store.enter_flat(&mut acc.session, acc.opt.as_ref())?;
         Ok(acc)
@@ -283,13 +301,11 @@ impl<B: Backend> Accumulator<B> {
             return l;
         }
         let on_device: Vec<_> = self.losses.iter().filter_map(|l| if let Loss::Device(Value::Float(t)) = l { Some(t.clone()) } else { None }).collect();
-        // One read for all of the step's device losses, gathered on the device first.
-        let mut read = match on_device.len() {
-            0 => Vec::new(),
-            1 => Value::<B>::Float(on_device[0].clone()).to_host().to_f64(),
-            _ => Value::<B>::Float(B::float_cat(on_device, 0)).to_host().to_f64(),
-        }
-        .into_iter();
+        let losses = on_device.len();
+        // One read for all of the step's device losses and unread token counts.
+        let counts = self.counts.iter().filter(|c| c.1).map(|c| c.0.clone());
+        let mut read = read_scalars::<B>(on_device.into_iter().map(Value::Float).chain(counts).collect()).into_iter();
+        let tokens = self.tokens + read.clone().skip(losses).sum::<f64>();
         let l = if self.losses.is_empty() {
             f64::NAN
         } else {
@@ -302,7 +318,7 @@ impl<B: Backend> Accumulator<B> {
                 })
                 .sum()
         };
-        let l = if self.net.normalization == Normalization::Tokens && self.tokens > 0.0 { l / self.tokens } else { l };
+        let l = if self.net.normalization == Normalization::Tokens && tokens > 0.0 { l / tokens } else { l };
         self.loss.set(Some(l));
         l
     }
@@ -382,6 +398,29 @@ impl<B: Backend> Accumulator<B> {
         }
         self.loss.set(None);
         self.tokens = 0.0;
+        for c in &mut self.counts {
+            c.1 = false;
+        }
+    }
+
+    /// Reads the micro-steps' unread token counts ([`Self::counts`]) in one read, adding them to
+    /// the window's items (and the last step's tokens).
+    fn settle_counts(&mut self) {
+        let counts = std::mem::take(&mut self.counts);
+        let read = read_scalars::<B>(counts.iter().map(|c| c.0.clone()).collect());
+        for ((_, last), c) in counts.into_iter().zip(read) {
+            self.progress.items += c as u64;
+            if last {
+                self.tokens += c;
+            }
+        }
+    }
+
+    /// The window's progress with its unread token counts read (a snapshot's copy).
+    fn settled_progress(&self) -> window::Progress {
+        let mut p = self.progress;
+        p.items += read_scalars::<B>(self.counts.iter().map(|c| c.0.clone()).collect()).into_iter().map(|c| c as u64).sum::<u64>();
+        p
     }
 
     /// The position of the data's [`ITEM_INDEX`] column among the inputs (named by
@@ -452,15 +491,18 @@ impl<B: Backend> Accumulator<B> {
         let inputs = &inputs[..];
         // Collectives inside the step (SyncBatchNorm's statistics) sum over the ranks.
         let comm = self.parallel.as_ref().map(|p| p.comm.as_ref()).filter(|c| c.size() > 1);
-        // Under token-weighted normalisation the step's second output is its token count,
-        // read at once (the window's count must be known at its boundary).
+        // Under token-weighted normalisation the step's second output is its token count: on
+        // a device left there until the window's boundary (or the step's loss) needs it.
         let (loss, count) = if B::HOST {
             let out = self.session.run_over(exe, inputs, comm)?;
             (Loss::Read(out[0].scalar()), out.get(1).map(|c| c.scalar()))
         } else {
             let mut out = self.session.run_device_over(exe, inputs, comm)?;
-            let count = out.get(1).map(|c| c.to_host().scalar());
-            (Loss::Device(out.swap_remove(0)), count)
+            let count = out.get(1).cloned();
+            let loss = Loss::Device(out.swap_remove(0));
+            let counted = count.is_some();
+            self.counts.extend(count.map(|c| (c, true)));
+            (loss, counted.then_some(0.0))
         };
         if comm.is_some() {
             self.progress.counters.step_collectives += exe.collectives() as u64;
@@ -481,6 +523,7 @@ impl<B: Backend> Accumulator<B> {
     /// Ends the open window: the optimizer once (normalised by the window's true counts),
     /// then clear once. Does nothing on an empty window.
     pub fn apply(&mut self) -> Result<()> {
+        self.settle_counts();
         if self.progress.micro == 0 {
             return Ok(());
         }

@@ -55,7 +55,7 @@ impl<B: Backend> Accumulator<B> {
             }
         }
         t.extend(gathered);
-        for (name, v) in self.progress.saved() {
+        for (name, v) in self.settled_progress().saved() {
             t.insert(name, HostTensor { shape: vec![], data: HostData::I64(vec![v]) });
         }
         if let Some(s) = &self.scaler {
