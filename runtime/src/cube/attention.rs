@@ -68,6 +68,28 @@ fn load<F: Float>(qkv: &Array<F>, at: usize, #[comptime] d: u32) -> Array<F> {
     x
 }
 
+/// The keys row `i` sees: `i + 1` under the causal mask, else all `t`.
+#[cube]
+fn keys(i: usize, #[comptime] g: AttnDims) -> usize {
+    let t = comptime!(g.t as usize);
+    let mut n = i + 1;
+    if comptime!(!g.causal) {
+        n = t;
+    }
+    n
+}
+
+/// Row `q`'s maximum score over keys `0..n` of `(s, h)`.
+#[cube]
+fn row_max<F: Float>(q: &Array<F>, qkv: &Array<F>, s: usize, h: usize, n: usize, scale: F, #[comptime] g: AttnDims) -> F {
+    let c = comptime!((g.heads * g.d) as usize);
+    let mut m = dot(q, qkv, qkv_row(s, h, 0, g) + c, g.d) * scale;
+    for j in 1..n {
+        m = F::max(m, dot(q, qkv, qkv_row(s, h, j, g) + c, g.d) * scale);
+    }
+    m
+}
+
 /// `y[s, i, h * d..]` = `softmax(q_i K^T * scale) V` over the keys row `i` sees.
 #[cube(launch_unchecked)]
 pub fn attention_forward<F: Float>(qkv: &Array<F>, y: &mut Array<F>, scale: f32, #[comptime] g: AttnDims) {
@@ -77,15 +99,8 @@ pub fn attention_forward<F: Float>(qkv: &Array<F>, y: &mut Array<F>, scale: f32,
         let (s, h, i) = unit(idx, g);
         let scale = F::cast_from(scale);
         let q = load(qkv, qkv_row(s, h, i, g), g.d);
-        // The keys row `i` sees.
-        let mut n = i + 1;
-        if comptime!(!g.causal) {
-            n = t;
-        }
-        let mut m = dot(&q, qkv, qkv_row(s, h, 0, g) + c, g.d) * scale;
-        for j in 1..n {
-            m = F::max(m, dot(&q, qkv, qkv_row(s, h, j, g) + c, g.d) * scale);
-        }
+        let n = keys(i, g);
+        let m = row_max(&q, qkv, s, h, n, scale, g);
         let mut o = Array::<F>::new(d);
         #[unroll]
         for e in 0..d {
@@ -121,15 +136,8 @@ pub fn attention_grad_rows<F: Float>(qkv: &Array<F>, dy: &Array<F>, dx: &mut Arr
         let scale = F::cast_from(scale);
         let q = load(qkv, qkv_row(s, h, i, g), g.d);
         let gy = load(dy, (s * t + i) * c + h * d, g.d);
-        // The keys row `i` sees.
-        let mut n = i + 1;
-        if comptime!(!g.causal) {
-            n = t;
-        }
-        let mut m = dot(&q, qkv, qkv_row(s, h, 0, g) + c, g.d) * scale;
-        for j in 1..n {
-            m = F::max(m, dot(&q, qkv, qkv_row(s, h, j, g) + c, g.d) * scale);
-        }
+        let n = keys(i, g);
+        let m = row_max(&q, qkv, s, h, n, scale, g);
         let mut l = F::new(0.0);
         for j in 0..n {
             l += F::exp(dot(&q, qkv, qkv_row(s, h, j, g) + c, g.d) * scale - m);
