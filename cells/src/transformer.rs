@@ -297,7 +297,6 @@ impl Cell for CausalSelfAttention {
     }
 }
 
-
 /// GPT's feed-forward part: `c_fc` (`C -> 4C`), GELU (the exact form, as PyTorch's default),
 /// `c_proj` (`4C -> C`).
 pub struct Mlp {

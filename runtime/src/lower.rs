@@ -94,15 +94,18 @@ pub fn id_error(ids: impl IntoIterator<Item = i64>, rows: usize) -> Option<Strin
     Some(format!("id {bad} at position {k} is out of range for a table of {rows} rows (valid: 0..{})", rows.saturating_sub(1)))
 }
 
-/// Checks that row `ids` lie in `0..rows` (unless the executor did, on the host).
-fn checked_ids<B: Backend>(cx: &Ctx<B>, ids: IntTensor<B>, rows: usize) -> Result<()> {
-    if cx.ids_checked {
-        return Ok(());
-    }
-    match id_error(host_ints::<B>(ids), rows) {
+/// Reads integer `ids` back and reports what `error` finds in them, unless the executor
+/// checked them on the host before uploading them (then nothing is read).
+fn checked_on_device<B: Backend>(cx: &Ctx<B>, ids: &IntTensor<B>, error: impl FnOnce(Vec<i64>) -> Option<String>) -> Result<()> {
+    match (!cx.ids_checked).then(|| error(host_ints::<B>(ids.clone()))).flatten() {
         Some(e) => cx.bad(e),
         None => Ok(()),
     }
+}
+
+/// Checks that row `ids` lie in `0..rows`.
+fn checked_ids<B: Backend>(cx: &Ctx<B>, ids: &IntTensor<B>, rows: usize) -> Result<()> {
+    checked_on_device(cx, ids, |v| id_error(v, rows))
 }
 
 /// The mask of causal attention over scores of extents `dims` (`[..., T, S]`): true where
@@ -248,11 +251,7 @@ pub fn label_error(labels: impl IntoIterator<Item = i64>, c: usize) -> Option<St
 /// Checks sparse labels are class ids in `0..c` (unless the executor did, on the host) and
 /// returns them as `[N, 1]`.
 fn checked_labels<B: Backend>(cx: &Ctx<B>, y: IntTensor<B>, n: usize, c: usize) -> Result<IntTensor<B>> {
-    if !cx.ids_checked {
-        if let Some(e) = label_error(host_ints::<B>(y.clone()), c) {
-            return cx.bad(e);
-        }
-    }
+    checked_on_device(cx, &y, |v| label_error(v, c))?;
     Ok(B::int_reshape(y, bshape(&[n, 1])))
 }
 
@@ -374,7 +373,7 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
             let (rows, n) = (tys[0].dims()[0], tys[1].numel());
             let width = tys[0].numel() / rows.max(1);
             let ids = B::int_reshape(ids, bshape(&[n]));
-            checked_ids(cx, ids.clone(), rows)?;
+            checked_ids(cx, &ids, rows)?;
             let picked = B::float_select(B::float_reshape(table, bshape(&[rows, width])), 0, ids);
             Value::Float(B::float_reshape(picked, bshape(od)))
         }
@@ -383,7 +382,7 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
             let n = tys[0].numel();
             let width = out.numel() / (*rows).max(1);
             let ids = B::int_reshape(ids, bshape(&[n]));
-            checked_ids(cx, ids.clone(), *rows)?;
+            checked_ids(cx, &ids, *rows)?;
             let upd = B::float_reshape(upd, bshape(&[n, width]));
             Value::Float(B::float_reshape(B::float_select_add(cx.full(&[*rows, width], 0.0), 0, ids, upd), bshape(od)))
         }

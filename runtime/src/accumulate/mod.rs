@@ -502,6 +502,7 @@ impl<B: Backend> Accumulator<B> {
             let loss = Loss::Device(out.swap_remove(0));
             let counted = count.is_some();
             self.counts.extend(count.map(|c| (c, true)));
+            // Counted as 0 tokens until `settle_counts` reads them and adds them.
             (loss, counted.then_some(0.0))
         };
         if comm.is_some() {
