@@ -47,6 +47,10 @@ struct Args {
     /// micro-step, at the boundary, and by kernel name. Device backends only.
     #[arg(long)]
     launches: bool,
+    /// After timing, run one more window waiting for the device after each op, and print
+    /// where its time went: the slowest ops and kinds of step (launch and kernels together).
+    #[arg(long)]
+    profile: bool,
 }
 
 /// The GPT's characters (the Shakespeare corpus has 65) and context.
@@ -180,6 +184,22 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         }
         let (reads, uploads) = (device_reads() - r0, device_uploads() - u0);
         eprintln!("transfers per window of {k} micro-steps, loss not read: {reads} device-to-host reads, {uploads} host-to-device copies");
+    }
+    if args.profile {
+        acc.session.set_device_profiling(true);
+        let t = Instant::now();
+        for _ in 0..k {
+            acc.step(&batches[0])?;
+        }
+        let _ = acc.session.params_host();
+        let total: f64 = acc.session.profile().iter().map(|p| p.2).sum();
+        eprintln!(
+            "one window of {k} micro-steps, waiting for the device after each op: {:.1} ms, {:.1} ms of it in ops\n{}",
+            t.elapsed().as_secs_f64() * 1e3,
+            total * 1e3,
+            acc.session.profile_table(25)
+        );
+        acc.session.set_device_profiling(false);
     }
     Ok(())
 }

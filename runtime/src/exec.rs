@@ -508,6 +508,8 @@ pub struct Session<B: Backend> {
     profile: Option<BTreeMap<&'static str, (u64, f64)>>,
     /// The same per kind of step (op, output type and program): see [`Self::profile_steps`].
     step_profile: Option<BTreeMap<String, (u64, f64)>>,
+    /// Profiling waits for the device after each op (see [`Self::set_device_profiling`]).
+    profile_sync: bool,
     /// Run hot ops on the host kernels where the backend allows (see [`crate::host`]).
     native: bool,
     /// `assign_add` writes into the accumulator's memory (see [`Self::set_in_place_accumulation`]).
@@ -529,7 +531,7 @@ pub struct Session<B: Backend> {
 impl<B: Backend> Session<B> {
     /// An empty session on `device`.
     pub fn new(device: Device<B>) -> Self {
-        Session { device, params: BTreeMap::new(), profile: None, step_profile: None, native: true, in_place: false, tf32: false, kept: Kept::default(), arena: Arena::default(), slots: Vec::new(), constants: Vec::new() }
+        Session { device, params: BTreeMap::new(), profile: None, step_profile: None, profile_sync: false, native: true, in_place: false, tf32: false, kept: Kept::default(), arena: Arena::default(), slots: Vec::new(), constants: Vec::new() }
     }
 
     /// Buffers the session's arena has allocated because none of their length was free: after
@@ -543,6 +545,15 @@ impl<B: Backend> Session<B> {
     pub fn set_profiling(&mut self, on: bool) {
         self.profile = on.then(BTreeMap::new);
         self.step_profile = on.then(BTreeMap::new);
+        self.profile_sync = false;
+    }
+
+    /// Per-op profiling that waits for the device after each op, so that on asynchronous
+    /// backends an op's time is its launch and its kernels' run (plus one wait each): where a
+    /// device step goes, at the cost of the overlap between host and device.
+    pub fn set_device_profiling(&mut self, on: bool) {
+        self.set_profiling(on);
+        self.profile_sync = on;
     }
 
     /// Chooses between the host kernels (the default, where the backend keeps tensors in host
@@ -906,6 +917,9 @@ impl<B: Backend> Session<B> {
                             },
                         }
                     };
+                    if t0.is_some() && self.profile_sync {
+                        B::sync(&self.device).map_err(|e| RuntimeError::Device(format!("{}: {}: waiting for the device: {e:?}", step.scope, op.label())))?;
+                    }
                     // The step's time, taken before its kind's name is formatted.
                     let secs = since(t0);
                     let kind = || {

@@ -185,6 +185,23 @@ fn gpt_windows_match_cpu<B: Backend>(device: Device<B>) {
     }
 }
 
+/// Micro-batches of 2,048 rows on the device equal the CPU: each weight gradient (a product
+/// over the rows) runs as its parts' products summed into the accumulator, and each bias
+/// gradient as its row parts' sums then theirs (`split_matmul`, `column_sums`).
+#[allow(dead_code)]
+fn long_micro_batches_match_cpu<B: Backend>(device: Device<B>) {
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+    let batches: Vec<_> = (0..4).map(|_| crate::accumulation::data(&mut rng, 2048)).collect();
+    let mk = || GradAccumulation::across_steps(crate::accumulation::net(), 2).normalization(Normalization::Mean);
+    let opt: Rc<dyn Optimizer> = Rc::new(Momentum::new(0.1, 0.9));
+    let (cpu_p, _, _) = train::<Cpu>(mk(), opt.clone(), cpu(), &batches);
+    let (dev_p, _, updates) = train::<B>(mk(), opt, device, &batches);
+    assert_eq!(updates, 2);
+    let d = rel_diff(&dev_p, &cpu_p);
+    assert!(d < 1e-5, "micro-batches of 2,048 rows on the device differ from the CPU by {d:e} relative");
+}
+
 /// `round_to` on the device (the cube kernel's bit arithmetic, alone and inside a fused
 /// program) gives the host's bits, which are `half`'s.
 #[allow(dead_code)]
@@ -656,6 +673,11 @@ mod wgpu {
     }
 
     #[test]
+    fn long_micro_batches_on_wgpu_match_cpu() {
+        super::long_micro_batches_match_cpu::<Wgpu>(dev());
+    }
+
+    #[test]
     fn round_to_on_wgpu_matches_the_host() {
         super::round_to_matches_the_host::<Wgpu>(dev());
     }
@@ -806,6 +828,12 @@ mod cuda {
     fn gpt_windows_on_cuda_match_cpu() {
         let Some(device) = gpu() else { return };
         super::gpt_windows_match_cpu::<Cuda>(device);
+    }
+
+    #[test]
+    fn long_micro_batches_on_cuda_match_cpu() {
+        let Some(device) = gpu() else { return };
+        super::long_micro_batches_match_cpu::<Cuda>(device);
     }
 
     #[test]

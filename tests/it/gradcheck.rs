@@ -519,6 +519,22 @@ fn device_cases() -> Vec<Case> {
     ]
 }
 
+/// Device cases over many rows (run after the others, whose values they leave as they were).
+#[cfg(feature = "wgpu")]
+fn long_cases() -> Vec<Case> {
+    vec![
+        // A dense layer over 2,048 rows: its weight gradient cut into parts along the rows
+        // (a batched product, then the parts' sum), its bias gradient summed by row parts.
+        case!("dense_long_batch", [[2048, 24], [16, 24], [16]], |e, p, x| {
+            let y = e.matmul(p[0], p[1], false, true).unwrap();
+            e.add(y, p[2]).unwrap()
+        }),
+        // A mean over the two leading axes of 2,080 x 8 (a layer norm's parameter gradients):
+        // column sums by row parts, scaled.
+        case!("reduce_mean_leading_axes", [[16, 130, 8]], |e, p, x| e.op(Op::ReduceMean(ReduceAttrs { axes: vec![0, 1], keep_dims: false }), &[p[0]]).unwrap()),
+    ]
+}
+
 /// The device kernels (wgpu here; the same `#[cube]` and cubek code runs on CUDA) for every
 /// case, forward and gradients, compiled with the fusion passes, against the CPU's host
 /// kernels in f32: matmuls and convolutions, the elementwise programs and epilogues, pooling,
@@ -538,7 +554,7 @@ fn device_kernels_match_the_host_kernels() {
     // within a few 1e-5 of the tolerance on other values (conv2d_valid, conv2d_1x1_stride2):
     // cases added later (attention) run last, leaving the others' values as they were.
     let (late, early): (Vec<Case>, Vec<Case>) = cases().into_iter().partition(|c| c.name.starts_with("attention"));
-    for case in early.into_iter().chain(device_cases()).chain(late).filter(uploadable) {
+    for case in early.into_iter().chain(device_cases()).chain(late).chain(long_cases()).filter(uploadable) {
         let (mut g, ps, loss) = build(&case);
         let grads = grad(&mut g, loss, &ps, Sens::One).unwrap();
         let mut outs = vec![loss];

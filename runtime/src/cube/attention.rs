@@ -4,17 +4,27 @@
 //! forward and backward (copies splitting and merging the heads, the products, the mask, a
 //! softmax in five): the small GPT's micro-step went from 552 launches to 376 with these three.
 //!
-//! One unit per query row `(sequence, head, i)`, its `d` query values and accumulators in
-//! registers, the keys and values read from `qkv` in place (consecutive units are consecutive
-//! rows of one (sequence, head), so a plane's units read the same key at the same time). The
-//! forward takes each row's maximum score, then sums `exp(s - max) v` and divides by the sum
-//! of the exponentials. The gradient is two launches, as flash attention's: [`attention_grad_rows`] (a unit per query
-//! row: the row's maximum and sum, `rowdot = sum_j p_ij dp_ij` and `dq_i`, the three statistics
-//! kept for the second launch) then [`attention_grad_cols`] (a unit per key row: `dk_j` and
-//! `dv_j`, each probability recomputed from its row's statistics). Under the causal mask a row
-//! sees keys `0..=i`, and a key the queries `j..t`: masked pairs are never computed.
+//! One cube of [`LANES`] units per query row `(sequence, head, i)`: lane `l` takes keys `l, l +
+//! LANES, ...`, with the row's `d` query values and its own accumulators in registers, the keys
+//! and values read from `qkv` in place; the lanes' maxima, sums and vectors then meet in shared
+//! memory, summed in lane order (the same bits on every run). The first version ran a unit per
+//! row, each walking all its keys: a few thousand units on a device of a quarter million, each
+//! with a long chain of dependent loads (the gradient took 1.3 ms a layer on an H200 whatever
+//! the batch). The forward takes the row's maximum score, then sums `exp(s - max) v` and
+//! divides by the sum of the exponentials. The gradient is two launches, as flash attention's:
+//! [`attention_grad_rows`] (per query row: the row's maximum and sum, `rowdot = sum_j p_ij
+//! dp_ij` and `dq_i`, the three statistics kept for the second launch) then
+//! [`attention_grad_cols`] (per key row, lanes over the queries: `dk_j` and `dv_j`, each
+//! probability recomputed from its row's statistics). Under the causal mask a row sees keys
+//! `0..=i`, and a key the queries `j..t`: masked pairs are never computed.
 
 use cubecl::prelude::*;
+
+/// Units per row: a cube each.
+pub const LANES: usize = 32;
+/// The widest head the kernels take: each gradient row's cube keeps `2 * LANES * d` floats in
+/// shared memory (32 KiB at 128).
+pub const MAX_D: usize = 128;
 
 /// An attention kernel's compile-time extents: `t` positions, `heads` heads of width `d`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -26,7 +36,12 @@ pub struct AttnDims {
 }
 
 impl AttnDims {
+    /// `None` where the extents do not fit the kernels (`u32`, or heads wider than
+    /// [`MAX_D`]: the lanes' vectors must fit shared memory).
     pub fn new(t: usize, heads: usize, d: usize, causal: bool) -> Option<AttnDims> {
+        if d > MAX_D {
+            return None;
+        }
         Some(AttnDims { t: u32::try_from(t).ok()?, heads: u32::try_from(heads).ok()?, d: u32::try_from(d).ok()?, causal })
     }
 }
@@ -50,20 +65,34 @@ fn dot<F: Float>(x: &Array<F>, qkv: &Array<F>, at: usize, #[comptime] d: u32) ->
     acc
 }
 
-/// The unit's `(sequence, head, row)` from its position (rows fastest).
+/// The cube's `(sequence, head, row)`: row `min(CUBE_POS, rows - 1)` (rows fastest). A cube
+/// past the last row (the grid rounds up) computes the last row again and writes nothing, so
+/// every unit of a cube reaches the same barriers.
 #[cube]
-fn unit(idx: usize, #[comptime] g: AttnDims) -> (usize, usize, usize) {
+fn unit(rows: usize, #[comptime] g: AttnDims) -> (usize, usize, usize, usize) {
     let (t, heads) = comptime!((g.t as usize, g.heads as usize));
-    (idx / (t * heads), (idx / t) % heads, idx % t)
+    let idx = select(CUBE_POS < rows, CUBE_POS, rows - 1);
+    (idx, idx / (t * heads), (idx / t) % heads, idx % t)
 }
 
-/// Row `i`'s query (or any `d` values at `at`) into registers.
+/// `d` values at `at` into registers.
 #[cube]
 fn load<F: Float>(qkv: &Array<F>, at: usize, #[comptime] d: u32) -> Array<F> {
     let mut x = Array::<F>::new(d as usize);
     #[unroll]
     for e in 0..d as usize {
         x[e] = qkv[at + e];
+    }
+    x
+}
+
+/// `d` zeros in registers.
+#[cube]
+fn zeros<F: Float>(#[comptime] d: u32) -> Array<F> {
+    let mut x = Array::<F>::new(d as usize);
+    #[unroll]
+    for e in 0..d as usize {
+        x[e] = F::new(0.0);
     }
     x
 }
@@ -79,142 +108,204 @@ fn keys(i: usize, #[comptime] g: AttnDims) -> usize {
     n
 }
 
-/// Row `q`'s maximum score over keys `0..n` of `(s, h)`.
+/// The maximum over the cube's lanes of each lane's `x` (every lane gets it).
 #[cube]
-fn row_max<F: Float>(q: &Array<F>, qkv: &Array<F>, s: usize, h: usize, n: usize, scale: F, #[comptime] g: AttnDims) -> F {
-    let c = comptime!((g.heads * g.d) as usize);
-    let mut m = dot(q, qkv, qkv_row(s, h, 0, g) + c, g.d) * scale;
-    for j in 1..n {
-        m = F::max(m, dot(q, qkv, qkv_row(s, h, j, g) + c, g.d) * scale);
+fn lanes_max<F: Float>(x: F, sh: &mut SharedMemory<F>) -> F {
+    let lane = UNIT_POS as usize;
+    sh[lane] = x;
+    sync_cube();
+    let mut m = sh[0];
+    for l in 1..LANES {
+        m = F::max(m, sh[l]);
     }
+    sync_cube();
     m
+}
+
+/// The sum over the cube's lanes (in lane order) of each lane's `x` (every lane gets it).
+#[cube]
+fn lanes_sum<F: Float>(x: F, sh: &mut SharedMemory<F>) -> F {
+    let lane = UNIT_POS as usize;
+    sh[lane] = x;
+    sync_cube();
+    let mut sum = F::new(0.0);
+    for l in 0..LANES {
+        sum += sh[l];
+    }
+    sync_cube();
+    sum
+}
+
+/// Each lane's `d` values `x` into row `lane` of `sh` (`[LANES, d]` from `base`): after a
+/// barrier, `sum_vec` reads their sums.
+#[cube]
+fn put_vec<F: Float>(x: &Array<F>, sh: &mut SharedMemory<F>, base: usize, #[comptime] d: u32) {
+    let lane = UNIT_POS as usize;
+    #[unroll]
+    for e in 0..d as usize {
+        sh[base + lane * comptime!(d as usize) + e] = x[e];
+    }
+}
+
+/// Element `e` of the lanes' vectors summed in lane order.
+#[cube]
+fn sum_vec<F: Float>(sh: &SharedMemory<F>, base: usize, e: usize, #[comptime] d: u32) -> F {
+    let mut sum = F::new(0.0);
+    for l in 0..LANES {
+        sum += sh[base + l * comptime!(d as usize) + e];
+    }
+    sum
+}
+
+/// Row `q`'s maximum score over keys `0..n` of `(s, h)`: each lane's keys, then the lanes'.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn row_max<F: Float>(q: &Array<F>, qkv: &Array<F>, s: usize, h: usize, n: usize, scale: F, sh: &mut SharedMemory<F>, #[comptime] g: AttnDims) -> F {
+    let c = comptime!((g.heads * g.d) as usize);
+    let mut m = F::min_value();
+    let mut j = UNIT_POS as usize;
+    while j < n {
+        m = F::max(m, dot(q, qkv, qkv_row(s, h, j, g) + c, g.d) * scale);
+        j += LANES;
+    }
+    lanes_max(m, sh)
 }
 
 /// `y[s, i, h * d..]` = `softmax(q_i K^T * scale) V` over the keys row `i` sees.
 #[cube(launch_unchecked)]
 pub fn attention_forward<F: Float>(qkv: &Array<F>, y: &mut Array<F>, scale: f32, #[comptime] g: AttnDims) {
-    let idx = ABSOLUTE_POS;
     let (t, c, d) = comptime!((g.t as usize, (g.heads * g.d) as usize, g.d as usize));
-    if idx * d < y.len() {
-        let (s, h, i) = unit(idx, g);
-        let scale = F::cast_from(scale);
-        let q = load(qkv, qkv_row(s, h, i, g), g.d);
-        let n = keys(i, g);
-        let m = row_max(&q, qkv, s, h, n, scale, g);
-        let mut o = Array::<F>::new(d);
+    let mut stat = SharedMemory::<F>::new(LANES);
+    let mut vecs = SharedMemory::<F>::new(comptime!(LANES * d));
+    let (_, s, h, i) = unit(y.len() / d, g);
+    let scale = F::cast_from(scale);
+    let q = load(qkv, qkv_row(s, h, i, g), g.d);
+    let n = keys(i, g);
+    let m = row_max(&q, qkv, s, h, n, scale, &mut stat, g);
+    let mut o = zeros::<F>(g.d);
+    let mut l = F::new(0.0);
+    let mut j = UNIT_POS as usize;
+    while j < n {
+        let at = qkv_row(s, h, j, g);
+        let p = F::exp(dot(&q, qkv, at + c, g.d) * scale - m);
+        l += p;
         #[unroll]
         for e in 0..d {
-            o[e] = F::new(0.0);
+            o[e] += p * qkv[at + 2 * c + e];
         }
-        let mut l = F::new(0.0);
-        for j in 0..n {
-            let at = qkv_row(s, h, j, g);
-            let p = F::exp(dot(&q, qkv, at + c, g.d) * scale - m);
-            l += p;
-            #[unroll]
-            for e in 0..d {
-                o[e] += p * qkv[at + 2 * c + e];
-            }
-        }
+        j += LANES;
+    }
+    let l = lanes_sum(l, &mut stat);
+    put_vec(&o, &mut vecs, 0, g.d);
+    sync_cube();
+    if CUBE_POS * d < y.len() {
         let out = (s * t + i) * c + h * d;
-        #[unroll]
-        for e in 0..d {
-            y[out + e] = o[e] / l;
+        let mut e = UNIT_POS as usize;
+        while e < d {
+            y[out + e] = sum_vec(&vecs, 0, e, g.d) / l;
+            e += LANES;
         }
     }
 }
 
-/// The gradient's first launch, a unit per query row `i`: its maximum score `m`, the sum `l`
-/// of `exp(s - m)`, `rowdot = sum_j p_ij (dy_i · v_j)` into `stats[3 * unit..]`, and
+/// The gradient's first launch, a cube per query row `i`: its maximum score `m`, the sum `l`
+/// of `exp(s - m)`, `rowdot = sum_j p_ij (dy_i · v_j)` into `stats[3 * row..]`, and
 /// `dq_i = scale * sum_j p_ij (dy_i · v_j - rowdot) k_j` into `dx` (laid out as `qkv`).
 #[cube(launch_unchecked)]
 pub fn attention_grad_rows<F: Float>(qkv: &Array<F>, dy: &Array<F>, dx: &mut Array<F>, stats: &mut Array<F>, scale: f32, #[comptime] g: AttnDims) {
-    let idx = ABSOLUTE_POS;
     let (t, c, d) = comptime!((g.t as usize, (g.heads * g.d) as usize, g.d as usize));
-    if idx * 3 < stats.len() {
-        let (s, h, i) = unit(idx, g);
-        let scale = F::cast_from(scale);
-        let q = load(qkv, qkv_row(s, h, i, g), g.d);
-        let gy = load(dy, (s * t + i) * c + h * d, g.d);
-        let n = keys(i, g);
-        let m = row_max(&q, qkv, s, h, n, scale, g);
-        let mut l = F::new(0.0);
-        for j in 0..n {
-            l += F::exp(dot(&q, qkv, qkv_row(s, h, j, g) + c, g.d) * scale - m);
-        }
-        let mut rowdot = F::new(0.0);
-        for j in 0..n {
-            let at = qkv_row(s, h, j, g);
-            let p = F::exp(dot(&q, qkv, at + c, g.d) * scale - m) / l;
-            rowdot += p * dot(&gy, qkv, at + 2 * c, g.d);
-        }
-        let mut dq = Array::<F>::new(d);
+    let mut stat = SharedMemory::<F>::new(LANES);
+    let mut vecs = SharedMemory::<F>::new(comptime!(LANES * d));
+    let (idx, s, h, i) = unit(stats.len() / 3, g);
+    let scale = F::cast_from(scale);
+    let q = load(qkv, qkv_row(s, h, i, g), g.d);
+    let gy = load(dy, (s * t + i) * c + h * d, g.d);
+    let n = keys(i, g);
+    let m = row_max(&q, qkv, s, h, n, scale, &mut stat, g);
+    let mut l = F::new(0.0);
+    let mut r = F::new(0.0);
+    let mut j = UNIT_POS as usize;
+    while j < n {
+        let at = qkv_row(s, h, j, g);
+        let p = F::exp(dot(&q, qkv, at + c, g.d) * scale - m);
+        l += p;
+        r += p * dot(&gy, qkv, at + 2 * c, g.d);
+        j += LANES;
+    }
+    let l = lanes_sum(l, &mut stat);
+    let rowdot = lanes_sum(r, &mut stat) / l;
+    let mut dq = zeros::<F>(g.d);
+    let mut j = UNIT_POS as usize;
+    while j < n {
+        let at = qkv_row(s, h, j, g);
+        let p = F::exp(dot(&q, qkv, at + c, g.d) * scale - m) / l;
+        let ds = p * (dot(&gy, qkv, at + 2 * c, g.d) - rowdot) * scale;
         #[unroll]
         for e in 0..d {
-            dq[e] = F::new(0.0);
+            dq[e] += ds * qkv[at + c + e];
         }
-        for j in 0..n {
-            let at = qkv_row(s, h, j, g);
-            let p = F::exp(dot(&q, qkv, at + c, g.d) * scale - m) / l;
-            let ds = p * (dot(&gy, qkv, at + 2 * c, g.d) - rowdot) * scale;
-            #[unroll]
-            for e in 0..d {
-                dq[e] += ds * qkv[at + c + e];
-            }
-        }
+        j += LANES;
+    }
+    put_vec(&dq, &mut vecs, 0, g.d);
+    sync_cube();
+    if CUBE_POS * 3 < stats.len() {
         let out = qkv_row(s, h, i, g);
-        #[unroll]
-        for e in 0..d {
-            dx[out + e] = dq[e];
+        let mut e = UNIT_POS as usize;
+        while e < d {
+            dx[out + e] = sum_vec(&vecs, 0, e, g.d);
+            e += LANES;
         }
-        stats[3 * idx] = m;
-        stats[3 * idx + 1] = l;
-        stats[3 * idx + 2] = rowdot;
+        if UNIT_POS == 0 {
+            stats[3 * idx] = m;
+            stats[3 * idx + 1] = l;
+            stats[3 * idx + 2] = rowdot;
+        }
     }
 }
 
-/// The gradient's second launch, a unit per key row `j`: `dv_j = sum_i p_ij dy_i` and
-/// `dk_j = scale * sum_i p_ij (dy_i · v_j - rowdot_i) q_i` over the queries that see key `j`,
-/// into `dx` (laid out as `qkv`), each `p_ij` from row `i`'s statistics.
+/// The gradient's second launch, a cube per key row `j`, lanes over the queries that see it:
+/// `dv_j = sum_i p_ij dy_i` and `dk_j = scale * sum_i p_ij (dy_i · v_j - rowdot_i) q_i`, into
+/// `dx` (laid out as `qkv`), each `p_ij` from row `i`'s statistics.
 #[cube(launch_unchecked)]
 pub fn attention_grad_cols<F: Float>(qkv: &Array<F>, dy: &Array<F>, stats: &Array<F>, dx: &mut Array<F>, scale: f32, #[comptime] g: AttnDims) {
-    let idx = ABSOLUTE_POS;
     let (t, c, d) = comptime!((g.t as usize, (g.heads * g.d) as usize, g.d as usize));
-    if idx * 3 < stats.len() {
-        let (s, h, j) = unit(idx, g);
-        let scale = F::cast_from(scale);
-        let at = qkv_row(s, h, j, g);
-        let k = load(qkv, at + c, g.d);
-        let v = load(qkv, at + 2 * c, g.d);
-        let mut first = 0;
-        if comptime!(g.causal) {
-            first = j;
-        }
-        let mut dk = Array::<F>::new(d);
-        let mut dv = Array::<F>::new(d);
+    let mut vecs = SharedMemory::<F>::new(comptime!(2 * LANES * d));
+    let (idx, s, h, j) = unit(stats.len() / 3, g);
+    let scale = F::cast_from(scale);
+    let at = qkv_row(s, h, j, g);
+    let k = load(qkv, at + c, g.d);
+    let v = load(qkv, at + 2 * c, g.d);
+    let mut first = 0;
+    if comptime!(g.causal) {
+        first = j;
+    }
+    let mut dk = zeros::<F>(g.d);
+    let mut dv = zeros::<F>(g.d);
+    // The statistics of row `i` of this (sequence, head) sit at `3 * (row0 + i)`.
+    let row0 = idx - j;
+    let mut i = first + UNIT_POS as usize;
+    while i < t {
+        let qi = qkv_row(s, h, i, g);
+        let gi = (s * t + i) * c + h * d;
+        let st = 3 * (row0 + i);
+        let p = F::exp(dot(&k, qkv, qi, g.d) * scale - stats[st]) / stats[st + 1];
+        let ds = p * (dot(&v, dy, gi, g.d) - stats[st + 2]) * scale;
         #[unroll]
         for e in 0..d {
-            dk[e] = F::new(0.0);
-            dv[e] = F::new(0.0);
+            dv[e] += p * dy[gi + e];
+            dk[e] += ds * qkv[qi + e];
         }
-        // The statistics of row `i` of this (sequence, head) sit at `3 * (row0 + i)`.
-        let row0 = idx - j;
-        for i in first..t {
-            let qi = qkv_row(s, h, i, g);
-            let gi = (s * t + i) * c + h * d;
-            let st = 3 * (row0 + i);
-            let p = F::exp(dot(&k, qkv, qi, g.d) * scale - stats[st]) / stats[st + 1];
-            let ds = p * (dot(&v, dy, gi, g.d) - stats[st + 2]) * scale;
-            #[unroll]
-            for e in 0..d {
-                dv[e] += p * dy[gi + e];
-                dk[e] += ds * qkv[qi + e];
-            }
-        }
-        #[unroll]
-        for e in 0..d {
-            dx[at + c + e] = dk[e];
-            dx[at + 2 * c + e] = dv[e];
+        i += LANES;
+    }
+    put_vec(&dk, &mut vecs, 0, g.d);
+    put_vec(&dv, &mut vecs, comptime!(LANES * d), g.d);
+    sync_cube();
+    if CUBE_POS * 3 < stats.len() {
+        let mut e = UNIT_POS as usize;
+        while e < d {
+            dx[at + c + e] = sum_vec(&vecs, 0, e, g.d);
+            dx[at + 2 * c + e] = sum_vec(&vecs, comptime!(LANES * d), e, g.d);
+            e += LANES;
         }
     }
 }

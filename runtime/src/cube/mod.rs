@@ -314,9 +314,10 @@ pub fn conv2d_filter_grad<F: Float>(x: &Array<F>, dy: &Array<F>, part: &mut Arra
 /// `y[j]` = the sum over the rows of a row-major `[rows, cols]` matrix of column `j`, added row
 /// after row onto zero (the host kernel's order): a bias gradient, or the slices of a split
 /// filter gradient (in slice order: the same bits on every run). `accumulate`: `y[j] += sum`
-/// instead (an accumulator's view, in `assign_add`'s order).
+/// instead (an accumulator's view, in `assign_add`'s order). `scale` (f32 bits): the sum times
+/// it (a `reduce_mean`).
 #[cube(launch_unchecked)]
-pub fn sum_rows<F: Float>(x: &Array<F>, y: &mut Array<F>, #[comptime] rows: u32, #[comptime] accumulate: bool) {
+pub fn sum_rows<F: Float>(x: &Array<F>, y: &mut Array<F>, #[comptime] rows: u32, #[comptime] accumulate: bool, #[comptime] scale: Option<u32>) {
     let j = ABSOLUTE_POS;
     let cols = y.len();
     if j < cols {
@@ -324,11 +325,52 @@ pub fn sum_rows<F: Float>(x: &Array<F>, y: &mut Array<F>, #[comptime] rows: u32,
         for r in 0..comptime!(rows as usize) {
             acc += x[r * cols + j];
         }
+        if comptime!(scale.is_some()) {
+            acc *= F::new(comptime!(f32::from_bits(scale.unwrap_or(0))));
+        }
         if comptime!(accumulate) {
             y[j] = y[j] + acc;
         } else {
             y[j] = acc;
         }
+    }
+}
+
+/// Rows per part of [`sum_row_parts`], loaded [`PART_LANES`] at a time.
+const PART_ROWS: usize = 64;
+const PART_LANES: usize = 8;
+
+/// The column sums of consecutive parts of [`PART_ROWS`] rows of a row-major `[rows, cols]`
+/// matrix, part `s` into row `s` of `y` (`[parts, cols]`): a unit per `(part, column)`, its
+/// rows' loads issued [`PART_LANES`] at a time (a unit summing thousands of rows one load
+/// after another waits on each: a bias gradient over 8,192 rows took 230 us on an H200).
+#[cube(launch_unchecked)]
+pub fn sum_row_parts<F: Float>(x: &Array<F>, y: &mut Array<F>, #[comptime] rows: u32, #[comptime] cols: u32) {
+    let idx = ABSOLUTE_POS;
+    if idx < y.len() {
+        let (rows, cols) = comptime!((rows as usize, cols as usize));
+        let (s, j) = (idx / cols, idx % cols);
+        let mut lanes = Array::<F>::new(PART_LANES);
+        #[unroll]
+        for l in 0..PART_LANES {
+            lanes[l] = F::new(0.0);
+        }
+        let first = s * PART_ROWS;
+        for b in 0..comptime!(PART_ROWS / PART_LANES) {
+            #[unroll]
+            for l in 0..PART_LANES {
+                let r = first + b * PART_LANES + l;
+                if r < rows {
+                    lanes[l] += x[r * cols + j];
+                }
+            }
+        }
+        let mut acc = F::new(0.0);
+        #[unroll]
+        for l in 0..PART_LANES {
+            acc += lanes[l];
+        }
+        y[idx] = acc;
     }
 }
 
@@ -498,10 +540,73 @@ fn filter_grad<R: CubeRuntime, F: FloatElement + Float>(dims: &ConvDims, dy: &Cu
             let part = arena.take_scratch::<CubeTensor<R>>(slices * numel).unwrap_or_else(|| empty::<R>(client, &y.device, &[slices, numel]));
             let (pc, pd) = grid(client, slices * numel);
             conv2d_filter_grad::launch_unchecked::<F, R>(client, pc, pd, arr(x), arr(dy), arr(&part), *dims, per as u32);
-            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(&part), arr(y), slices as u32, accumulate);
+            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(&part), arr(y), slices as u32, accumulate, None);
             arena.give_scratch(slices * numel, part);
         }
     }
+}
+
+/// `y = scale * column sums of x [rows, cols]` (or `y +=` with `accumulate`): one launch of
+/// [`sum_rows`] over a few rows; over many, their parts' sums ([`sum_row_parts`]) then the
+/// parts' sum, so that no unit walks thousands of rows.
+#[allow(clippy::too_many_arguments)]
+fn column_sums<R: CubeRuntime, F: FloatElement + Float>(x: &CubeTensor<R>, y: &CubeTensor<R>, rows: usize, cols: usize, scale: Option<f32>, accumulate: bool, arena: &mut Arena) -> Option<()> {
+    let client = &y.client;
+    let (count, dim) = grid(client, cols);
+    let scale = scale.map(f32::to_bits);
+    // SAFETY: a unit per element of its output (`cols`, or `parts * cols` of `part`), reading
+    // rows below `rows` (or `parts`) of `cols` elements.
+    unsafe {
+        if rows <= 4 * PART_ROWS {
+            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(x), arr(y), u32::try_from(rows).ok()?, accumulate, scale);
+        } else {
+            let parts = rows.div_ceil(PART_ROWS);
+            let len = parts * cols;
+            let part = arena.take_scratch::<CubeTensor<R>>(len).unwrap_or_else(|| empty::<R>(client, &y.device, &[parts, cols]));
+            let (pc, pd) = grid(client, len);
+            sum_row_parts::launch_unchecked::<F, R>(client, pc, pd, arr(x), arr(&part), u32::try_from(rows).ok()?, u32::try_from(cols).ok()?);
+            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(&part), arr(y), parts as u32, accumulate, scale);
+            arena.give_scratch(len, part);
+        }
+    }
+    Some(())
+}
+
+/// The parts a product `a^T b` of a long inner extent `k` is cut into (a weight gradient:
+/// `k` the batch's rows), when cutting pays: cubek's kernels spread a product over its
+/// outputs only, so a `128 x 128` output over `k = 8192` ran on a few hundred units, each
+/// walking all of `k` (1.5 ms on an H200). Parts of `k / parts >= 256` rows, a power of two
+/// dividing `k`, at most 64, and none when the output alone fills the device.
+fn split_parts(m: usize, k: usize, n: usize, ta: bool, tb: bool) -> Option<usize> {
+    // Only `a` stored `[k, m]` and `b` stored `[k, n]` make each part's operands consecutive
+    // rows (a batch of `[k / parts, m]` and `[k / parts, n]` matrices, no copy).
+    if !ta || tb || m * n > 512 * 512 || k < 1024 {
+        return None;
+    }
+    let parts = (k / 256).min(64);
+    let parts = (0..=parts.ilog2()).rev().map(|e| 1usize << e).find(|p| k.is_multiple_of(*p))?;
+    (parts > 1).then_some(parts)
+}
+
+/// `y = a^T b` (or `y += a^T b` with `accumulate`) for a long inner extent (see
+/// [`split_parts`]): the parts' products as one batched product into scratch, then their sum
+/// (in part order: the same bits on every run). False, having launched nothing, when the
+/// product is not cut or cubek's batched kernel does not set up.
+#[allow(clippy::too_many_arguments)]
+fn split_matmul<R: CubeRuntime, F: FloatElement + Float>([m, k, n]: [usize; 3], ta: bool, tb: bool, a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, accumulate: bool, tf32: bool, arena: &mut Arena) -> bool {
+    let Some(parts) = split_parts(m, k, n, ta, tb) else { return false };
+    let client = &y.client;
+    let len = parts * m * n;
+    let part = arena.take_scratch::<CubeTensor<R>>(len).unwrap_or_else(|| empty::<R>(client, &y.device, &[parts, m, n]));
+    let kc = k / parts;
+    let done = cubek_matmul(a, b, &part, parts, [m, kc, n], ta, tb, Tiling::for_extents(m, kc, n), tf32);
+    if done {
+        let (count, dim) = grid(client, m * n);
+        // SAFETY: one unit per element of `y` (`m * n`), reading `parts * m * n` of `part`.
+        unsafe { sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(&part), arr(y), parts as u32, accumulate, None) };
+    }
+    arena.give_scratch(len, part);
+    done
 }
 
 /// A two-operand head `(a, b)` (matmul, convolution, max pooling's gradient) into `y`
@@ -519,6 +624,9 @@ fn head_kernel<R: CubeRuntime, F: FloatElement + Float>(op: &Native, a: &CubeTen
     // bound op's, which the plan's types fix).
     match *op {
         Native::MatMul { m, k, n, transpose_a, transpose_b, tiling } => {
+            if split_matmul::<R, F>([m, k, n], transpose_a, transpose_b, a, b, y, false, tf32, arena) {
+                return;
+            }
             if !cubek_matmul(a, b, y, 1, [m, k, n], transpose_a, transpose_b, tiling, tf32) {
                 NAIVE_MATMULS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let mkn = [m as u32, k as u32, n as u32];
@@ -651,10 +759,15 @@ where
             }
             Native::SumRows { cols } => {
                 let x = contiguous(args[0]);
-                let rows = u32::try_from(x.meta.num_elements() / cols).ok()?;
                 let y = output::<R>(arena, &client, &device, out.dims());
-                let (count, dim) = grid(&client, *cols);
-                unsafe { sum_rows::launch_unchecked::<F, R>(&client, count, dim, arr(&x), arr(&y), rows, false) };
+                column_sums::<R, F>(&x, &y, x.meta.num_elements() / cols, *cols, None, false, arena)?;
+                y
+            }
+            // Over the leading axes (a layer norm's parameter gradients): column sums.
+            &Native::SumPlanes { outer, inner: 1, scale } => {
+                let x = contiguous(args[0]);
+                let y = output::<R>(arena, &client, &device, out.dims());
+                column_sums::<R, F>(&x, &y, outer, out.numel(), scale.map(|s| s as f32), false, arena)?;
                 y
             }
             Native::MaxPool { g, .. } if !g.has_empty_window() => {
@@ -707,9 +820,12 @@ where
                 let qkv = contiguous(args[0]);
                 let y = output::<R>(arena, &client, &device, out.dims());
                 let scale = 1.0 / (d as f32).sqrt();
-                let (count, dim) = grid(&client, rows);
-                // SAFETY: a unit per query (or key) row below `rows`, reading `qkv` (and `dy`)
-                // and writing `y` (and the statistics) within the extents `g` and `b` give them.
+                // A cube of `LANES` units per query (or key) row.
+                let dim = CubeDim::new_1d(attention::LANES as u32);
+                let count = calculate_cube_count_elemwise(&client, rows * attention::LANES, dim);
+                // SAFETY: a cube per query (or key) row below `rows` (those past it write
+                // nothing), reading `qkv` (and `dy`) and writing `y` (and the statistics)
+                // within the extents `g` and `b` give them.
                 unsafe {
                     if grad {
                         let dy = contiguous(args.get(1)?);
@@ -769,19 +885,17 @@ where
                 filter_grad::<R, F>(&dims, &contiguous(args[0]), &contiguous(args[1]), acc, true, arena);
                 true
             }
+            // A weight gradient over many rows: its parts' products summed straight into
+            // the accumulator (see `split_matmul`).
+            Native::MatMul { m, k, n, transpose_a, transpose_b, .. } => {
+                let [a, b] = args else { return false };
+                acc.meta.num_elements() == m * n && split_matmul::<R, F>([m, k, n], transpose_a, transpose_b, &contiguous(a), &contiguous(b), acc, true, false, arena)
+            }
             // A bias gradient: the column sums added into the accumulator.
             Native::SumRows { cols } => {
                 let [x] = args else { return false };
                 let x = contiguous(x);
-                let Ok(rows) = u32::try_from(x.meta.num_elements() / cols) else { return false };
-                if acc.meta.num_elements() != cols {
-                    return false;
-                }
-                let (count, dim) = grid(&acc.client, cols);
-                // SAFETY: one unit per column of `acc` (checked above), reading `rows * cols`
-                // elements of `x`.
-                unsafe { sum_rows::launch_unchecked::<F, R>(&acc.client, count, dim, arr(&x), arr(acc), rows, true) };
-                true
+                acc.meta.num_elements() == cols && column_sums::<R, F>(&x, acc, x.meta.num_elements() / cols, cols, None, true, arena).is_some()
             }
             _ => false,
         }
