@@ -532,6 +532,10 @@ fn long_cases() -> Vec<Case> {
         // A mean over the two leading axes of 2,080 x 8 (a layer norm's parameter gradients):
         // column sums by row parts, scaled.
         case!("reduce_mean_leading_axes", [[16, 130, 8]], |e, p, x| e.op(Op::ReduceMean(ReduceAttrs { axes: vec![0, 1], keep_dims: false }), &[p[0]]).unwrap()),
+        // Attention over 70 positions (cubes of 32 rows spanning two heads; each of a row's
+        // parts taking several keys), with and without the mask.
+        case!("attention_causal_long", [[2, 70, 48]], |e, p, x| e.op(Op::Attention { heads: 2, causal: true }, &[p[0]]).unwrap()),
+        case!("attention_long", [[2, 70, 48]], |e, p, x| e.op(Op::Attention { heads: 2, causal: false }, &[p[0]]).unwrap()),
     ]
 }
 

@@ -4,26 +4,31 @@
 //! forward and backward (copies splitting and merging the heads, the products, the mask, a
 //! softmax in five): the small GPT's micro-step went from 552 launches to 376 with these three.
 //!
-//! One cube of [`LANES`] units per query row `(sequence, head, i)`: lane `l` takes keys `l, l +
-//! LANES, ...`, with the row's `d` query values and its own accumulators in registers, the keys
-//! and values read from `qkv` in place; the lanes' maxima, sums and vectors then meet in shared
-//! memory, summed in lane order (the same bits on every run). The first version ran a unit per
-//! row, each walking all its keys: a few thousand units on a device of a quarter million, each
-//! with a long chain of dependent loads (the gradient took 1.3 ms a layer on an H200 whatever
-//! the batch). The forward takes the row's maximum score, then sums `exp(s - max) v` and
-//! divides by the sum of the exponentials. The gradient is two launches, as flash attention's:
-//! [`attention_grad_rows`] (per query row: the row's maximum and sum, `rowdot = sum_j p_ij
-//! dp_ij` and `dq_i`, the three statistics kept for the second launch) then
-//! [`attention_grad_cols`] (per key row, lanes over the queries: `dk_j` and `dv_j`, each
-//! probability recomputed from its row's statistics). Under the causal mask a row sees keys
-//! `0..=i`, and a key the queries `j..t`: masked pairs are never computed.
+//! A cube holds [`ROWS`] consecutive rows (a warp's lanes) times [`PARTS`] parts: unit `(x, p)`
+//! takes row `x`'s keys `p, p + PARTS, ...`, with the row's `d` query values and its own
+//! accumulators in registers, the keys and values read from `qkv` in place. A warp's lanes are
+//! consecutive rows of one (sequence, head), so they read the same key at the same time (one
+//! cache line per load); the parts' maxima, sums and vectors then meet in shared memory, added
+//! in part order (the same bits on every run). Two layouts came first: a unit per row (a few
+//! thousand units each walking all its keys: the gradient took 1.3 ms a layer on an H200
+//! whatever the batch), then a cube of 32 lanes per row, lanes over the keys (fast on small
+//! batches, but each lane of a warp read a different key row, 32 cache lines per load, and
+//! on large batches it lost to the first). The forward takes the row's maximum score, then
+//! sums `exp(s - max) v` and divides by the sum of the exponentials. The gradient is two
+//! launches, as flash attention's: [`attention_grad_rows`] (per query row: the row's maximum
+//! and sum, `rowdot = sum_j p_ij dp_ij` and `dq_i`, the three statistics kept for the second
+//! launch) then [`attention_grad_cols`] (per key row, parts over the queries: `dk_j` and
+//! `dv_j`, each probability recomputed from its row's statistics). Under the causal mask a row
+//! sees keys `0..=i`, and a key the queries `j..t`: masked pairs are never computed.
 
 use cubecl::prelude::*;
 
-/// Units per row: a cube each.
-pub const LANES: usize = 32;
-/// The widest head the kernels take: each gradient row's cube keeps `2 * LANES * d` floats in
-/// shared memory (32 KiB at 128).
+/// Rows per cube: a warp's lanes.
+pub const ROWS: usize = 32;
+/// Units per row, each taking every `PARTS`-th key (or query): the cube's warps.
+pub const PARTS: usize = 8;
+/// The widest head the kernels take: a cube keeps `ROWS * (d + 1)` floats of vectors in shared
+/// memory (16.1 KiB at 128).
 pub const MAX_D: usize = 128;
 
 /// An attention kernel's compile-time extents: `t` positions, `heads` heads of width `d`.
@@ -37,7 +42,7 @@ pub struct AttnDims {
 
 impl AttnDims {
     /// `None` where the extents do not fit the kernels (`u32`, or heads wider than
-    /// [`MAX_D`]: the lanes' vectors must fit shared memory).
+    /// [`MAX_D`]: the rows' vectors must fit shared memory).
     pub fn new(t: usize, heads: usize, d: usize, causal: bool) -> Option<AttnDims> {
         if d > MAX_D {
             return None;
@@ -65,14 +70,16 @@ fn dot<F: Float>(x: &Array<F>, qkv: &Array<F>, at: usize, #[comptime] d: u32) ->
     acc
 }
 
-/// The cube's `(sequence, head, row)`: row `min(CUBE_POS, rows - 1)` (rows fastest). A cube
-/// past the last row (the grid rounds up) computes the last row again and writes nothing, so
-/// every unit of a cube reaches the same barriers.
+/// The unit's row: `(valid, row, sequence, head, i)` (rows fastest). A unit past the last row
+/// (the grid rounds up) computes the last row again and writes nothing, so every unit of a
+/// cube reaches the same barriers.
 #[cube]
-fn unit(rows: usize, #[comptime] g: AttnDims) -> (usize, usize, usize, usize) {
+fn unit(rows: usize, #[comptime] g: AttnDims) -> (bool, usize, usize, usize, usize) {
     let (t, heads) = comptime!((g.t as usize, g.heads as usize));
-    let idx = select(CUBE_POS < rows, CUBE_POS, rows - 1);
-    (idx, idx / (t * heads), (idx / t) % heads, idx % t)
+    let r = CUBE_POS * ROWS + UNIT_POS_X as usize;
+    let valid = r < rows;
+    let idx = select(valid, r, rows - 1);
+    (valid, idx, idx / (t * heads), (idx / t) % heads, idx % t)
 }
 
 /// `d` values at `at` into registers.
@@ -108,83 +115,87 @@ fn keys(i: usize, #[comptime] g: AttnDims) -> usize {
     n
 }
 
-/// The maximum over the cube's lanes of each lane's `x` (every lane gets it).
+/// The maximum of the row's parts' `x` (every part of the row gets it).
 #[cube]
-fn lanes_max<F: Float>(x: F, sh: &mut SharedMemory<F>) -> F {
-    let lane = UNIT_POS as usize;
-    sh[lane] = x;
+fn parts_max<F: Float>(x: F, sh: &mut SharedMemory<F>) -> F {
+    let (r, p) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
+    sh[p * ROWS + r] = x;
     sync_cube();
-    let mut m = sh[0];
-    for l in 1..LANES {
-        m = F::max(m, sh[l]);
+    let mut m = sh[r];
+    for q in 1..PARTS {
+        m = F::max(m, sh[q * ROWS + r]);
     }
     sync_cube();
     m
 }
 
-/// The sum over the cube's lanes (in lane order) of each lane's `x` (every lane gets it).
+/// The sum of the row's parts' `x` in part order (every part of the row gets it).
 #[cube]
-fn lanes_sum<F: Float>(x: F, sh: &mut SharedMemory<F>) -> F {
-    let lane = UNIT_POS as usize;
-    sh[lane] = x;
+fn parts_sum<F: Float>(x: F, sh: &mut SharedMemory<F>) -> F {
+    let (r, p) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
+    sh[p * ROWS + r] = x;
     sync_cube();
     let mut sum = F::new(0.0);
-    for l in 0..LANES {
-        sum += sh[l];
+    for q in 0..PARTS {
+        sum += sh[q * ROWS + r];
     }
     sync_cube();
     sum
 }
 
-/// Each lane's `d` values `x` into row `lane` of `sh` (`[LANES, d]` from `base`): after a
-/// barrier, `sum_vec` reads their sums.
+/// The sum of the row's parts' `d` values `x`, in part order, into row `x` of `sh` (`[ROWS, d
+/// + 1]`: a row's stride one more than `d`, so the rows' same element lies in distinct
+/// banks); readable after the call, until the next barrier's writers.
 #[cube]
-fn put_vec<F: Float>(x: &Array<F>, sh: &mut SharedMemory<F>, base: usize, #[comptime] d: u32) {
-    let lane = UNIT_POS as usize;
-    #[unroll]
-    for e in 0..d as usize {
-        sh[base + lane * comptime!(d as usize) + e] = x[e];
+fn parts_vec<F: Float>(x: &Array<F>, sh: &mut SharedMemory<F>, #[comptime] d: u32) {
+    let (r, p) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
+    let base = r * comptime!(d as usize + 1);
+    if p == 0 {
+        #[unroll]
+        for e in 0..d as usize {
+            sh[base + e] = x[e];
+        }
+    }
+    sync_cube();
+    for q in 1..PARTS {
+        if p == q {
+            #[unroll]
+            for e in 0..d as usize {
+                sh[base + e] = sh[base + e] + x[e];
+            }
+        }
+        sync_cube();
     }
 }
 
-/// Element `e` of the lanes' vectors summed in lane order.
-#[cube]
-fn sum_vec<F: Float>(sh: &SharedMemory<F>, base: usize, e: usize, #[comptime] d: u32) -> F {
-    let mut sum = F::new(0.0);
-    for l in 0..LANES {
-        sum += sh[base + l * comptime!(d as usize) + e];
-    }
-    sum
-}
-
-/// Row `q`'s maximum score over keys `0..n` of `(s, h)`: each lane's keys, then the lanes'.
+/// Row `q`'s maximum score over keys `0..n` of `(s, h)`: each part's keys, then the parts'.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn row_max<F: Float>(q: &Array<F>, qkv: &Array<F>, s: usize, h: usize, n: usize, scale: F, sh: &mut SharedMemory<F>, #[comptime] g: AttnDims) -> F {
     let c = comptime!((g.heads * g.d) as usize);
     let mut m = F::min_value();
-    let mut j = UNIT_POS as usize;
+    let mut j = UNIT_POS_Y as usize;
     while j < n {
         m = F::max(m, dot(q, qkv, qkv_row(s, h, j, g) + c, g.d) * scale);
-        j += LANES;
+        j += PARTS;
     }
-    lanes_max(m, sh)
+    parts_max(m, sh)
 }
 
 /// `y[s, i, h * d..]` = `softmax(q_i K^T * scale) V` over the keys row `i` sees.
 #[cube(launch_unchecked)]
 pub fn attention_forward<F: Float>(qkv: &Array<F>, y: &mut Array<F>, scale: f32, #[comptime] g: AttnDims) {
     let (t, c, d) = comptime!((g.t as usize, (g.heads * g.d) as usize, g.d as usize));
-    let mut stat = SharedMemory::<F>::new(LANES);
-    let mut vecs = SharedMemory::<F>::new(comptime!(LANES * d));
-    let (_, s, h, i) = unit(y.len() / d, g);
+    let mut stat = SharedMemory::<F>::new(comptime!(PARTS * ROWS));
+    let mut vecs = SharedMemory::<F>::new(comptime!(ROWS * (d + 1)));
+    let (valid, _, s, h, i) = unit(y.len() / d, g);
     let scale = F::cast_from(scale);
     let q = load(qkv, qkv_row(s, h, i, g), g.d);
     let n = keys(i, g);
     let m = row_max(&q, qkv, s, h, n, scale, &mut stat, g);
     let mut o = zeros::<F>(g.d);
     let mut l = F::new(0.0);
-    let mut j = UNIT_POS as usize;
+    let mut j = UNIT_POS_Y as usize;
     while j < n {
         let at = qkv_row(s, h, j, g);
         let p = F::exp(dot(&q, qkv, at + c, g.d) * scale - m);
@@ -193,30 +204,29 @@ pub fn attention_forward<F: Float>(qkv: &Array<F>, y: &mut Array<F>, scale: f32,
         for e in 0..d {
             o[e] += p * qkv[at + 2 * c + e];
         }
-        j += LANES;
+        j += PARTS;
     }
-    let l = lanes_sum(l, &mut stat);
-    put_vec(&o, &mut vecs, 0, g.d);
-    sync_cube();
-    if CUBE_POS * d < y.len() {
-        let out = (s * t + i) * c + h * d;
-        let mut e = UNIT_POS as usize;
+    let l = parts_sum(l, &mut stat);
+    parts_vec(&o, &mut vecs, g.d);
+    if valid {
+        let (out, base) = ((s * t + i) * c + h * d, UNIT_POS_X as usize * (d + 1));
+        let mut e = UNIT_POS_Y as usize;
         while e < d {
-            y[out + e] = sum_vec(&vecs, 0, e, g.d) / l;
-            e += LANES;
+            y[out + e] = vecs[base + e] / l;
+            e += PARTS;
         }
     }
 }
 
-/// The gradient's first launch, a cube per query row `i`: its maximum score `m`, the sum `l`
-/// of `exp(s - m)`, `rowdot = sum_j p_ij (dy_i · v_j)` into `stats[3 * row..]`, and
+/// The gradient's first launch, per query row `i`: its maximum score `m`, the sum `l` of
+/// `exp(s - m)`, `rowdot = sum_j p_ij (dy_i · v_j)` into `stats[3 * row..]`, and
 /// `dq_i = scale * sum_j p_ij (dy_i · v_j - rowdot) k_j` into `dx` (laid out as `qkv`).
 #[cube(launch_unchecked)]
 pub fn attention_grad_rows<F: Float>(qkv: &Array<F>, dy: &Array<F>, dx: &mut Array<F>, stats: &mut Array<F>, scale: f32, #[comptime] g: AttnDims) {
     let (t, c, d) = comptime!((g.t as usize, (g.heads * g.d) as usize, g.d as usize));
-    let mut stat = SharedMemory::<F>::new(LANES);
-    let mut vecs = SharedMemory::<F>::new(comptime!(LANES * d));
-    let (idx, s, h, i) = unit(stats.len() / 3, g);
+    let mut stat = SharedMemory::<F>::new(comptime!(PARTS * ROWS));
+    let mut vecs = SharedMemory::<F>::new(comptime!(ROWS * (d + 1)));
+    let (valid, idx, s, h, i) = unit(stats.len() / 3, g);
     let scale = F::cast_from(scale);
     let q = load(qkv, qkv_row(s, h, i, g), g.d);
     let gy = load(dy, (s * t + i) * c + h * d, g.d);
@@ -224,18 +234,18 @@ pub fn attention_grad_rows<F: Float>(qkv: &Array<F>, dy: &Array<F>, dx: &mut Arr
     let m = row_max(&q, qkv, s, h, n, scale, &mut stat, g);
     let mut l = F::new(0.0);
     let mut r = F::new(0.0);
-    let mut j = UNIT_POS as usize;
+    let mut j = UNIT_POS_Y as usize;
     while j < n {
         let at = qkv_row(s, h, j, g);
         let p = F::exp(dot(&q, qkv, at + c, g.d) * scale - m);
         l += p;
         r += p * dot(&gy, qkv, at + 2 * c, g.d);
-        j += LANES;
+        j += PARTS;
     }
-    let l = lanes_sum(l, &mut stat);
-    let rowdot = lanes_sum(r, &mut stat) / l;
+    let l = parts_sum(l, &mut stat);
+    let rowdot = parts_sum(r, &mut stat) / l;
     let mut dq = zeros::<F>(g.d);
-    let mut j = UNIT_POS as usize;
+    let mut j = UNIT_POS_Y as usize;
     while j < n {
         let at = qkv_row(s, h, j, g);
         let p = F::exp(dot(&q, qkv, at + c, g.d) * scale - m) / l;
@@ -244,18 +254,17 @@ pub fn attention_grad_rows<F: Float>(qkv: &Array<F>, dy: &Array<F>, dx: &mut Arr
         for e in 0..d {
             dq[e] += ds * qkv[at + c + e];
         }
-        j += LANES;
+        j += PARTS;
     }
-    put_vec(&dq, &mut vecs, 0, g.d);
-    sync_cube();
-    if CUBE_POS * 3 < stats.len() {
-        let out = qkv_row(s, h, i, g);
-        let mut e = UNIT_POS as usize;
+    parts_vec(&dq, &mut vecs, g.d);
+    if valid {
+        let (out, base) = (qkv_row(s, h, i, g), UNIT_POS_X as usize * (d + 1));
+        let mut e = UNIT_POS_Y as usize;
         while e < d {
-            dx[out + e] = sum_vec(&vecs, 0, e, g.d);
-            e += LANES;
+            dx[out + e] = vecs[base + e];
+            e += PARTS;
         }
-        if UNIT_POS == 0 {
+        if UNIT_POS_Y == 0 {
             stats[3 * idx] = m;
             stats[3 * idx + 1] = l;
             stats[3 * idx + 2] = rowdot;
@@ -263,49 +272,63 @@ pub fn attention_grad_rows<F: Float>(qkv: &Array<F>, dy: &Array<F>, dx: &mut Arr
     }
 }
 
-/// The gradient's second launch, a cube per key row `j`, lanes over the queries that see it:
+/// The gradient's second launch, per key row `j`, parts over the queries that see it:
 /// `dv_j = sum_i p_ij dy_i` and `dk_j = scale * sum_i p_ij (dy_i · v_j - rowdot_i) q_i`, into
-/// `dx` (laid out as `qkv`), each `p_ij` from row `i`'s statistics.
+/// `dx` (laid out as `qkv`), each `p_ij` from row `i`'s statistics. The lanes of a warp walk
+/// the same queries (from their first row's), each skipping those before its own key.
 #[cube(launch_unchecked)]
 pub fn attention_grad_cols<F: Float>(qkv: &Array<F>, dy: &Array<F>, stats: &Array<F>, dx: &mut Array<F>, scale: f32, #[comptime] g: AttnDims) {
     let (t, c, d) = comptime!((g.t as usize, (g.heads * g.d) as usize, g.d as usize));
-    let mut vecs = SharedMemory::<F>::new(comptime!(2 * LANES * d));
-    let (idx, s, h, j) = unit(stats.len() / 3, g);
+    let mut vecs = SharedMemory::<F>::new(comptime!(ROWS * (d + 1)));
+    let (valid, idx, s, h, j) = unit(stats.len() / 3, g);
     let scale = F::cast_from(scale);
     let at = qkv_row(s, h, j, g);
     let k = load(qkv, at + c, g.d);
     let v = load(qkv, at + 2 * c, g.d);
+    // Under the mask, from the key of the cube's first row in this (sequence, head).
+    let lane = UNIT_POS_X as usize;
     let mut first = 0;
+    let mut lo = 0;
     if comptime!(g.causal) {
-        first = j;
+        first = select(j >= lane, j - lane, 0);
+        lo = j;
     }
     let mut dk = zeros::<F>(g.d);
     let mut dv = zeros::<F>(g.d);
     // The statistics of row `i` of this (sequence, head) sit at `3 * (row0 + i)`.
     let row0 = idx - j;
-    let mut i = first + UNIT_POS as usize;
+    let mut i = first + UNIT_POS_Y as usize;
     while i < t {
-        let qi = qkv_row(s, h, i, g);
-        let gi = (s * t + i) * c + h * d;
-        let st = 3 * (row0 + i);
-        let p = F::exp(dot(&k, qkv, qi, g.d) * scale - stats[st]) / stats[st + 1];
-        let ds = p * (dot(&v, dy, gi, g.d) - stats[st + 2]) * scale;
-        #[unroll]
-        for e in 0..d {
-            dv[e] += p * dy[gi + e];
-            dk[e] += ds * qkv[qi + e];
+        if i >= lo {
+            let qi = qkv_row(s, h, i, g);
+            let gi = (s * t + i) * c + h * d;
+            let st = 3 * (row0 + i);
+            let p = F::exp(dot(&k, qkv, qi, g.d) * scale - stats[st]) / stats[st + 1];
+            let ds = p * (dot(&v, dy, gi, g.d) - stats[st + 2]) * scale;
+            #[unroll]
+            for e in 0..d {
+                dv[e] += p * dy[gi + e];
+                dk[e] += ds * qkv[qi + e];
+            }
         }
-        i += LANES;
+        i += PARTS;
     }
-    put_vec(&dk, &mut vecs, 0, g.d);
-    put_vec(&dv, &mut vecs, comptime!(LANES * d), g.d);
-    sync_cube();
-    if CUBE_POS * 3 < stats.len() {
-        let mut e = UNIT_POS as usize;
+    let base = lane * (d + 1);
+    parts_vec(&dk, &mut vecs, g.d);
+    if valid {
+        let mut e = UNIT_POS_Y as usize;
         while e < d {
-            dx[at + c + e] = sum_vec(&vecs, 0, e, g.d);
-            dx[at + 2 * c + e] = sum_vec(&vecs, comptime!(LANES * d), e, g.d);
-            e += LANES;
+            dx[at + c + e] = vecs[base + e];
+            e += PARTS;
+        }
+    }
+    sync_cube();
+    parts_vec(&dv, &mut vecs, g.d);
+    if valid {
+        let mut e = UNIT_POS_Y as usize;
+        while e < d {
+            dx[at + 2 * c + e] = vecs[base + e];
+            e += PARTS;
         }
     }
 }

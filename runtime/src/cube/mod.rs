@@ -820,10 +820,10 @@ where
                 let qkv = contiguous(args[0]);
                 let y = output::<R>(arena, &client, &device, out.dims());
                 let scale = 1.0 / (d as f32).sqrt();
-                // A cube of `LANES` units per query (or key) row.
-                let dim = CubeDim::new_1d(attention::LANES as u32);
-                let count = calculate_cube_count_elemwise(&client, rows * attention::LANES, dim);
-                // SAFETY: a cube per query (or key) row below `rows` (those past it write
+                // A cube per `ROWS` query (or key) rows, `PARTS` units each.
+                let dim = CubeDim::new_2d(attention::ROWS as u32, attention::PARTS as u32);
+                let count = calculate_cube_count_elemwise(&client, rows.div_ceil(attention::ROWS) * attention::ROWS * attention::PARTS, dim);
+                // SAFETY: units per query (or key) row below `rows` (those past it write
                 // nothing), reading `qkv` (and `dy`) and writing `y` (and the statistics)
                 // within the extents `g` and `b` give them.
                 unsafe {
