@@ -554,17 +554,18 @@ fn column_sums<R: CubeRuntime, F: FloatElement + Float>(x: &CubeTensor<R>, y: &C
     let client = &y.client;
     let (count, dim) = grid(client, cols);
     let scale = scale.map(f32::to_bits);
+    let (rows32, cols32) = (u32::try_from(rows).ok()?, u32::try_from(cols).ok()?);
     // SAFETY: a unit per element of its output (`cols`, or `parts * cols` of `part`), reading
     // rows below `rows` (or `parts`) of `cols` elements.
     unsafe {
         if rows <= 4 * PART_ROWS {
-            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(x), arr(y), u32::try_from(rows).ok()?, accumulate, scale);
+            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(x), arr(y), rows32, accumulate, scale);
         } else {
             let parts = rows.div_ceil(PART_ROWS);
             let len = parts * cols;
             let part = arena.take_scratch::<CubeTensor<R>>(len).unwrap_or_else(|| empty::<R>(client, &y.device, &[parts, cols]));
             let (pc, pd) = grid(client, len);
-            sum_row_parts::launch_unchecked::<F, R>(client, pc, pd, arr(x), arr(&part), u32::try_from(rows).ok()?, u32::try_from(cols).ok()?);
+            sum_row_parts::launch_unchecked::<F, R>(client, pc, pd, arr(x), arr(&part), rows32, cols32);
             sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(&part), arr(y), parts as u32, accumulate, scale);
             arena.give_scratch(len, part);
         }
@@ -886,7 +887,7 @@ where
                 true
             }
             // A weight gradient over many rows: its parts' products summed straight into
-            // the accumulator (see `split_matmul`).
+            // the accumulator (see `split_matmul`), in exact f32 (this hook has no TF32 opt-in).
             Native::MatMul { m, k, n, transpose_a, transpose_b, .. } => {
                 let [a, b] = args else { return false };
                 acc.meta.num_elements() == m * n && split_matmul::<R, F>([m, k, n], transpose_a, transpose_b, &contiguous(a), &contiguous(b), acc, true, false, arena)
