@@ -168,6 +168,18 @@ fn parts_vec<F: Float>(x: &Array<F>, sh: &mut SharedMemory<F>, #[comptime] d: u3
     }
 }
 
+/// Row `x`'s vector in `sh` (after [`parts_vec`]) divided by `div`, into `out[at..at + d]`,
+/// the row's parts taking every `PARTS`-th element (a division by 1 keeps the bits).
+#[cube]
+fn write_row<F: Float>(out: &mut Array<F>, at: usize, sh: &mut SharedMemory<F>, div: F, #[comptime] d: u32) {
+    let base = UNIT_POS_X as usize * comptime!(d as usize + 1);
+    let mut e = UNIT_POS_Y as usize;
+    while e < comptime!(d as usize) {
+        out[at + e] = sh[base + e] / div;
+        e += PARTS;
+    }
+}
+
 /// Row `q`'s maximum score over keys `0..n` of `(s, h)`: each part's keys, then the parts'.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -209,12 +221,7 @@ pub fn attention_forward<F: Float>(qkv: &Array<F>, y: &mut Array<F>, scale: f32,
     let l = parts_sum(l, &mut stat);
     parts_vec(&o, &mut vecs, g.d);
     if valid {
-        let (out, base) = ((s * t + i) * c + h * d, UNIT_POS_X as usize * (d + 1));
-        let mut e = UNIT_POS_Y as usize;
-        while e < d {
-            y[out + e] = vecs[base + e] / l;
-            e += PARTS;
-        }
+        write_row(y, (s * t + i) * c + h * d, &mut vecs, l, g.d);
     }
 }
 
@@ -258,12 +265,7 @@ pub fn attention_grad_rows<F: Float>(qkv: &Array<F>, dy: &Array<F>, dx: &mut Arr
     }
     parts_vec(&dq, &mut vecs, g.d);
     if valid {
-        let (out, base) = (qkv_row(s, h, i, g), UNIT_POS_X as usize * (d + 1));
-        let mut e = UNIT_POS_Y as usize;
-        while e < d {
-            dx[out + e] = vecs[base + e];
-            e += PARTS;
-        }
+        write_row(dx, qkv_row(s, h, i, g), &mut vecs, F::new(1.0), g.d);
         if UNIT_POS_Y == 0 {
             stats[3 * idx] = m;
             stats[3 * idx + 1] = l;
@@ -313,22 +315,13 @@ pub fn attention_grad_cols<F: Float>(qkv: &Array<F>, dy: &Array<F>, stats: &Arra
         }
         i += PARTS;
     }
-    let base = lane * (d + 1);
     parts_vec(&dk, &mut vecs, g.d);
     if valid {
-        let mut e = UNIT_POS_Y as usize;
-        while e < d {
-            dx[at + c + e] = vecs[base + e];
-            e += PARTS;
-        }
+        write_row(dx, at + c, &mut vecs, F::new(1.0), g.d);
     }
     sync_cube();
     parts_vec(&dv, &mut vecs, g.d);
     if valid {
-        let mut e = UNIT_POS_Y as usize;
-        while e < d {
-            dx[at + 2 * c + e] = vecs[base + e];
-            e += PARTS;
-        }
+        write_row(dx, at + 2 * c, &mut vecs, F::new(1.0), g.d);
     }
 }
