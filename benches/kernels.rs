@@ -106,8 +106,12 @@ fn gpt() {
     let [b, t, h, d] = e;
     let (qkv, dy) = (data(b * t * 3 * h * d), data(b * t * h * d));
     let pairs = (b * h * t * (t + 1) / 2) as f64;
-    row("attention 8 x 4 heads of 128 x 32, causal", || timed(dy.len(), |y| attention::forward(&qkv, e, true, y)), 2.0 * 2.0 * pairs * d as f64);
-    row("attention grad, causal", || timed(qkv.len(), |dx| attention::backward(&qkv, &dy, e, true, dx)), 5.0 * 2.0 * pairs * d as f64);
+    row("attention 8 x 4 heads of 128 x 32, causal", || timed(dy.len(), |y| attention::forward(&qkv, e, true, None, y)), 2.0 * 2.0 * pairs * d as f64);
+    row("attention grad, causal", || timed(qkv.len(), |dx| attention::backward(&qkv, &dy, e, true, None, dx)), 5.0 * 2.0 * pairs * d as f64);
+    // As a training plan runs them: the forward keeps `P`, the gradient reads it (4 products).
+    let mut p = vec![0.0f32; b * h * t * t];
+    row("attention, keeping P", || timed(dy.len(), |y| attention::forward(&qkv, e, true, Some(&mut p), y)), 2.0 * 2.0 * pairs * d as f64);
+    row("attention grad from the kept P", || timed(qkv.len(), |dx| attention::backward(&qkv, &dy, e, true, Some(&p), dx)), 4.0 * 2.0 * pairs * d as f64);
 }
 
 /// ResNet-18's convolutions on 3 x 32 x 32 images (torchvision's layout: the 7x7/2 stem, then

@@ -198,7 +198,8 @@ fn arena_sizes(graph: &Graph, steps: &[Step]) -> Vec<(usize, usize)> {
 /// scheduled after it, on the same operands: a max pool keeps its argmax (its gradients,
 /// alone or heading an epilogue, route by it instead of searching the windows again), a
 /// softmax cross-entropy its log-softmax (its gradients exponentiate it instead of computing
-/// it again). Each pair gets a [`Kept`] slot.
+/// it again), an attention its probabilities (its gradients read them instead of making the
+/// scores and the softmax again). Each pair gets a [`Kept`] slot.
 fn keep_for_gradients(steps: &mut [Step]) {
     /// The pooling window of a max pool's gradient, alone or heading an epilogue.
     fn pool_grad(op: &Op) -> Option<&cellgraph_compiler::Pool2dAttrs> {
@@ -213,6 +214,7 @@ fn keep_for_gradients(steps: &mut [Step]) {
         match k {
             Native::MaxPoolGrad { kept, .. } => Some(kept),
             Native::SoftmaxCrossEntropy { grad: true, kept, .. } => Some(kept),
+            Native::Attention { grad: true, kept, .. } => Some(kept),
             Native::Epilogue { head, .. } => kept_slot(head),
             _ => None,
         }
@@ -223,11 +225,13 @@ fn keep_for_gradients(steps: &mut [Step]) {
         match (fwd, op) {
             (Op::MaxPool2d(p), op) if pool_grad(op) == Some(p) => Some(1),
             (Op::SoftmaxCrossEntropy { sparse: true, .. }, Op::SoftmaxCrossEntropyGrad { sparse: true, .. }) => Some(2),
+            (Op::Attention { heads, causal }, Op::AttentionGrad { heads: h, causal: c }) if (heads, causal) == (h, c) => Some(1),
             _ => None,
         }
     }
-    // Argmax and log-softmax slots are counted apart (they are kept apart).
-    let (mut pools, mut losses) = (0, 0);
+    // Argmax slots and rows (log-softmax, probabilities) are counted apart (they are kept
+    // apart).
+    let (mut pools, mut rows) = (0, 0);
     for i in 0..steps.len() {
         let grads: Vec<usize> = (i + 1..steps.len())
             .filter(|&j| reuses(&steps[i].op, &steps[j].op).is_some_and(|n| steps[j].args.iter().zip(&steps[i].args).take(n).all(|(a, b)| a.0 == b.0)))
@@ -250,9 +254,13 @@ fn keep_for_gradients(steps: &mut [Step]) {
                 *keep.insert(pools - 1)
             }
             Some(Native::SoftmaxCrossEntropy { grad: false, kept, seed: s, .. }) => {
-                losses += 1;
+                rows += 1;
                 *s = seed;
-                *kept.insert(losses - 1)
+                *kept.insert(rows - 1)
+            }
+            Some(Native::Attention { grad: false, kept, .. }) => {
+                rows += 1;
+                *kept.insert(rows - 1)
             }
             _ => continue,
         };

@@ -125,7 +125,10 @@ pub enum Native {
     CausalMask { t: usize, s: usize, fill: f64 },
     /// Multi-head self-attention over `qkv [b, t, 3 * heads * d]` (see `Op::Attention`), or
     /// (`grad`) its gradient w.r.t. `qkv` from `(qkv, dy)`. Host kernels and `#[cube]` ones.
-    Attention { b: usize, t: usize, heads: usize, d: usize, causal: bool, grad: bool },
+    /// `kept`: the slot where, on host backends, the forward keeps its probabilities
+    /// `[b, heads, t, t]` and its gradients later in the plan read them instead of computing
+    /// them again (set by the executor).
+    Attention { b: usize, t: usize, heads: usize, d: usize, causal: bool, grad: bool, kept: Option<usize> },
     /// The maximum of each row of `[rows, cols]` (a `reduce_max` over the last axis). Host
     /// backends only.
     MaxRows { cols: usize },
@@ -281,7 +284,7 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
         Op::Attention { heads, causal } | Op::AttentionGrad { heads, causal } => {
             let &[b, t, c3] = d(0) else { return None };
             let grad = matches!(op, Op::AttentionGrad { .. });
-            Some(Native::Attention { b, t, heads: *heads, d: c3 / (3 * heads), causal: *causal, grad })
+            Some(Native::Attention { b, t, heads: *heads, d: c3 / (3 * heads), causal: *causal, grad, kept: None })
         }
         Op::CausalMask { fill } => {
             let r = tys[0].rank();

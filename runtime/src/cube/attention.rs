@@ -27,9 +27,18 @@ use cubecl::prelude::*;
 pub const ROWS: usize = 32;
 /// Units per row, each taking every `PARTS`-th key (or query): the cube's warps.
 pub const PARTS: usize = 8;
-/// The widest head the kernels take: a cube keeps `ROWS * (d + 1)` floats of vectors in shared
-/// memory (16.1 KiB at 128).
+/// The widest head the kernels take: a cube keeps `ROWS * (d + 1)` floats of vectors and
+/// `PARTS * ROWS` of statistics in shared memory (17.1 KiB of f32 at 128; see
+/// [`shared_bytes`]).
 pub const MAX_D: usize = 128;
+
+/// Shared memory a cube of these kernels takes for heads of width `d`, in elements of `elem`
+/// bytes: the rows' vectors and the parts' statistics. A device whose cubes have less runs
+/// attention on the burn-ops lowering (WebGPU's default limit is 16 KiB; adapters usually
+/// allow 32 or more, CUDA 48).
+pub fn shared_bytes(d: usize, elem: usize) -> usize {
+    (ROWS * (d + 1) + PARTS * ROWS) * elem
+}
 
 /// An attention kernel's compile-time extents: `t` positions, `heads` heads of width `d`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -41,10 +50,10 @@ pub struct AttnDims {
 }
 
 impl AttnDims {
-    /// `None` where the extents do not fit the kernels (`u32`, or heads wider than
-    /// [`MAX_D`]: the rows' vectors must fit shared memory).
+    /// `None` where the extents do not fit the kernels (`u32`, empty heads, or heads wider
+    /// than [`MAX_D`]: the rows' vectors must fit shared memory).
     pub fn new(t: usize, heads: usize, d: usize, causal: bool) -> Option<AttnDims> {
-        if d > MAX_D {
+        if d == 0 || d > MAX_D {
             return None;
         }
         Some(AttnDims { t: u32::try_from(t).ok()?, heads: u32::try_from(heads).ok()?, d: u32::try_from(d).ok()?, causal })

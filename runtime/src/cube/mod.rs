@@ -812,10 +812,10 @@ where
                 y
             }
             Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } => return None,
-            &Native::Attention { b, t, heads, d, causal, grad } => {
+            &Native::Attention { b, t, heads, d, causal, grad, .. } => {
                 let g = attention::AttnDims::new(t, heads, d, causal)?;
                 let rows = b * heads * t;
-                if rows == 0 {
+                if rows == 0 || attention::shared_bytes(d, core::mem::size_of::<F>()) > client.properties().hardware.max_shared_memory_size {
                     return None;
                 }
                 let qkv = contiguous(args[0]);

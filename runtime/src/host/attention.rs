@@ -15,9 +15,12 @@
 //! over the GPT's 20 updates with bands of 32, 1,289 with 64, 1,487 with one band of 128.)
 //!
 //! Per row the softmax is `p = exp(s - max) / sum` over the keys the row sees (`s` the scaled
-//! score), as the unfused ops compute it with the masked entries taking no part; the backward
-//! recomputes `P` from `Q` and `K` (as flash attention does) rather than keeping `[B, H, T, T]`
-//! between the forward and the gradient.
+//! score), as the unfused ops compute it with the masked entries taking no part. When the
+//! plan pairs the forward with its gradient (a training step: [`crate::host::Kept`]), the
+//! forward makes `P` in the kept `[B, H, T, T]` buffer instead of scratch (2 MiB a layer for
+//! the GPT's micro-batch) and the gradient reads it there; a gradient without its forward
+//! recomputes `P` from `Q` and `K` (as flash attention does), with the same code and so the
+//! same bits.
 
 use super::kernels::{each, gemm_oriented, vectorized, HostFloat};
 
@@ -130,7 +133,7 @@ struct Forward<'a, F> {
     e: Extents,
     causal: bool,
     item: usize,
-    /// `[t, t]` of scratch for `P`.
+    /// `[t, t]` for `P`: scratch, or the item's part of the kept probabilities.
     p: &'a mut [F],
 }
 
@@ -169,18 +172,21 @@ struct Backward<'a, F> {
     item: usize,
     /// `[2, t, t]` of scratch for `P` and `dS`.
     s: &'a mut [F],
+    /// The item's `P` as the forward kept it, if it did.
+    kept: Option<&'a [F]>,
 }
 
 impl<F: HostFloat> pulp::WithSimd for Backward<'_, F> {
     type Output = ();
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, _: S) {
-        let Backward { qkv, dy, dx, e, causal, item, s } = self;
+        let Backward { qkv, dy, dx, e, causal, item, s, kept } = self;
         let [_, t, heads, d] = e;
         let (c, (bi, h)) = (heads * d, (item / heads, item % heads));
         let (ld, ldi, ti, ci) = (3 * c, 3 * c as isize, t as isize, c as isize);
         let scale = F::from_f64(1.0 / (d as f64).sqrt());
-        let (p, ds) = s.split_at_mut(t * t);
+        // `[t, t]` for `dS` at the end; before it, when nothing was kept, `[t, t]` for `P`.
+        let (own, ds) = s.split_at_mut(s.len() - t * t);
         // SAFETY: as the forward's; `dy` holds the sequence's `t` rows of `c` and `dx` is laid
         // out as `qkv`.
         unsafe {
@@ -189,7 +195,13 @@ impl<F: HostFloat> pulp::WithSimd for Backward<'_, F> {
             let g = dy.as_ptr().add(bi * t * c + h * d);
             let dx = dx.0.add(bi * t * ld + h * d);
             let (dq, dk, dv) = (dx, dx.add(c), dx.add(2 * c));
-            probs(q, k, ld, e, causal, p);
+            let p: &[F] = match kept {
+                Some(p) => p,
+                None => {
+                    probs(q, k, ld, e, causal, own);
+                    own
+                }
+            };
             for r0 in (0..t).step_by(BAND) {
                 let r1 = (r0 + BAND).min(t);
                 let keys = band_keys(r1, t, causal);
@@ -222,26 +234,40 @@ impl<F: HostFloat> pulp::WithSimd for Backward<'_, F> {
 }
 
 /// `Op::Attention` over `qkv [b, t, 3 * heads * d]` into `y [b, t, heads * d]`, the
-/// (sequence, head) pairs spread over the threads.
-pub fn forward<F: HostFloat>(qkv: &[F], e: Extents, causal: bool, y: &mut [F]) {
+/// (sequence, head) pairs spread over the threads; `keep` (`[b, heads, t, t]`), when given,
+/// receives the probabilities for [`backward`].
+pub fn forward<F: HostFloat>(qkv: &[F], e: Extents, causal: bool, keep: Option<&mut [F]>, y: &mut [F]) {
     let [b, t, heads, d] = e;
     assert!(qkv.len() == b * t * 3 * heads * d && y.len() == b * t * heads * d, "attention extents");
+    assert!(keep.as_ref().is_none_or(|p| p.len() == b * heads * t * t), "kept probabilities' extents");
     let out = Out(y.as_mut_ptr());
     let out = &out;
-    // The scratch is taken here, outside pulp's dispatch: a closure handed to `scratch` from
-    // inside it would be compiled without the dispatch's target features (its row loops then
-    // called `fmaf` per element and did not vectorise).
-    each((0..b * heads).collect(), |item| F::scratch(t * t, |p| vectorized(Forward { qkv, y: out, e, causal, item, p })));
+    let keep = keep.map(|p| Out(p.as_mut_ptr()));
+    let keep = &keep;
+    each((0..b * heads).collect(), |item| match keep {
+        // SAFETY: item `item` writes its own `[t, t]` of the kept buffer (checked above).
+        Some(p) => vectorized(Forward { qkv, y: out, e, causal, item, p: unsafe { std::slice::from_raw_parts_mut(p.0.add(item * t * t), t * t) } }),
+        // The scratch is taken here, outside pulp's dispatch: a closure handed to `scratch`
+        // from inside it would be compiled without the dispatch's target features (its row
+        // loops then called `fmaf` per element and did not vectorise).
+        None => F::scratch(t * t, |p| vectorized(Forward { qkv, y: out, e, causal, item, p })),
+    });
 }
 
 /// `Op::AttentionGrad`: the gradient w.r.t. `qkv` of [`forward`] given `dy [b, t, heads * d]`,
-/// into `dx` (laid out as `qkv`).
-pub fn backward<F: HostFloat>(qkv: &[F], dy: &[F], e: Extents, causal: bool, dx: &mut [F]) {
+/// into `dx` (laid out as `qkv`); `kept`, the probabilities [`forward`] kept for this `qkv`,
+/// or `None` to make them again.
+pub fn backward<F: HostFloat>(qkv: &[F], dy: &[F], e: Extents, causal: bool, kept: Option<&[F]>, dx: &mut [F]) {
     let [b, t, heads, d] = e;
     assert!(qkv.len() == b * t * 3 * heads * d && dx.len() == qkv.len() && dy.len() == b * t * heads * d, "attention gradient extents");
+    assert!(kept.is_none_or(|p| p.len() == b * heads * t * t), "kept probabilities' extents");
     let out = Out(dx.as_mut_ptr());
     let out = &out;
-    each((0..b * heads).collect(), |item| F::scratch(2 * t * t, |s| vectorized(Backward { qkv, dy, dx: out, e, causal, item, s })));
+    let s = if kept.is_some() { t * t } else { 2 * t * t };
+    each((0..b * heads).collect(), |item| {
+        let kept = kept.map(|p| &p[item * t * t..][..t * t]);
+        F::scratch(s, |s| vectorized(Backward { qkv, dy, dx: out, e, causal, item, s, kept }))
+    });
 }
 
 #[cfg(test)]
@@ -290,7 +316,9 @@ mod tests {
 
     /// Forward and gradient match the definition, causal or not, on sequences shorter than a
     /// band, of several bands and of a band and a part (the mask's edges inside and between
-    /// bands), and give the same bits on one thread and on three.
+    /// bands), and give the same bits on one thread and on three, and with the gradient reading
+    /// the probabilities the forward kept (the kept buffer starts as NaN: an entry the forward
+    /// did not write and the gradient read would show).
     #[test]
     fn attention_matches_its_definition_on_any_number_of_threads() {
         for (e, causal) in [([2, 5, 2, 3], true), ([2, 5, 2, 3], false), ([1, 70, 3, 4], true), ([3, 64, 2, 8], true), ([1, 70, 1, 5], false)] {
@@ -299,12 +327,20 @@ mod tests {
             let run = |threads: usize| {
                 rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool").install(|| {
                     let (mut y, mut dx) = (vec![f32::NAN; dy.len()], vec![f32::NAN; qkv.len()]);
-                    forward(&qkv, e, causal, &mut y);
-                    backward(&qkv, &dy, e, causal, &mut dx);
+                    forward(&qkv, e, causal, None, &mut y);
+                    backward(&qkv, &dy, e, causal, None, &mut dx);
                     (y, dx)
                 })
             };
             let (y, dx) = run(1);
+            let kept = |threads: usize| {
+                rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool").install(|| {
+                    let (mut y, mut dx, mut p) = (vec![f32::NAN; dy.len()], vec![f32::NAN; qkv.len()], vec![f32::NAN; b * heads * t * t]);
+                    forward(&qkv, e, causal, Some(&mut p), &mut y);
+                    backward(&qkv, &dy, e, causal, Some(&p), &mut dx);
+                    (y, dx)
+                })
+            };
             let (y_ref, dx_ref) = reference(&qkv, &dy, e, causal);
             for (what, got, want) in [("y", &y, &y_ref), ("dqkv", &dx, &dx_ref)] {
                 for (i, (a, b)) in got.iter().zip(want.iter()).enumerate() {
@@ -314,6 +350,10 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             let (y3, dx3) = run(3);
             assert_eq!((bits(&y), bits(&dx)), (bits(&y3), bits(&dx3)), "{e:?} causal {causal}: threads");
+            for threads in [1, 3] {
+                let (yk, dxk) = kept(threads);
+                assert_eq!((bits(&y), bits(&dx)), (bits(&yk), bits(&dxk)), "{e:?} causal {causal}: kept probabilities, {threads} threads");
+            }
         }
     }
 }

@@ -466,8 +466,8 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         Native::Pad { dims, lo, hi } => kernels::pad(a[0], dims, lo, hi, y),
         Native::CausalMask { t, s, fill } => kernels::causal_mask(a[0], *t, *s, F::from_f64(*fill), y),
         Native::MaxRows { cols } => kernels::max_rows(a[0], *cols, y),
-        &Native::Attention { b, t, heads, d, causal, grad: false } => attention::forward(a[0], [b, t, heads, d], causal, y),
-        &Native::Attention { b, t, heads, d, causal, grad: true } => attention::backward(a[0], a[1], [b, t, heads, d], causal, y),
+        &Native::Attention { b, t, heads, d, causal, grad: false, kept: slot } => attention::forward(a[0], [b, t, heads, d], causal, slot.map(|s| kept.rows::<F>(s, b * heads * t * t)), y),
+        &Native::Attention { b, t, heads, d, causal, grad: true, kept: slot } => attention::backward(a[0], a[1], [b, t, heads, d], causal, slot.and_then(|s| kept.rows_of::<F>(s, b * heads * t * t)), y),
         Native::Epilogue { .. } | Native::SoftmaxCrossEntropy { .. } => unreachable!("an epilogue's head is neither an epilogue nor a loss"),
     }
     kernels::post_all(post, y)
