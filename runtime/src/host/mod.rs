@@ -284,8 +284,9 @@ pub(crate) struct Typed<T> {
 
 /// Per-session state the host kernels keep:
 /// - between the steps of a run, for a gradient later in the same plan: the argmax of a max
-///   pool ([`Native::MaxPool`]'s `keep`) and the log-softmax of a loss
-///   ([`Native::SoftmaxCrossEntropy`]'s `kept`), stamped with the run that wrote them (a
+///   pool ([`Native::MaxPool`]'s `keep`), the log-softmax of a loss
+///   ([`Native::SoftmaxCrossEntropy`]'s `kept`) and an attention's probabilities
+///   ([`Native::Attention`]'s `kept`), stamped with the run that wrote them (a
 ///   gradient only trusts its own run's); on device backends, a loss's gradient computed with
 ///   the loss (its `seed`), until its gradient step takes it;
 /// - between runs, for as long as a parameter keeps its value: the dense filters of the
