@@ -51,6 +51,10 @@ struct Args {
     /// where its time went: the slowest ops and kinds of step (launch and kernels together).
     #[arg(long)]
     profile: bool,
+    /// Run each micro-step op by op instead of replaying its captured graph (the default on
+    /// CUDA).
+    #[arg(long)]
+    no_graphs: bool,
 }
 
 /// The GPT's characters (the Shakespeare corpus has 65) and context.
@@ -116,6 +120,8 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     let flops_per_item = cellgraph::compiler::cost::flops(&micro_graph) as f64 / b as f64;
     let mut acc = Accumulator::<B>::new(Rc::new(net), opt, device, 1)?;
     acc.session.set_tf32(args.tf32);
+    let graphs = acc.session.graphs() && !args.no_graphs;
+    acc.session.set_graphs(graphs)?;
     let mut i = 0;
     let mut run = |acc: &mut Accumulator<B>, updates: usize| -> Result<f64, Box<dyn std::error::Error>> {
         let mut loss = 0.0;
@@ -146,6 +152,7 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     }
     let launches = if fused > 0.0 { format!("{fused:.0} (fused)") } else { "graph (per parameter)".into() };
     let label = if args.tf32 { format!("{label} tf32") } else { label.to_string() };
+    let label = if graphs { format!("{label} graphs") } else { label };
     println!(
         "| cellgraph | {label} | {} | {b} x {k} | {:.0} | {:.3} | {launches} | {:.5} | {:.3} |{tokens}",
         args.net,
@@ -155,6 +162,13 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         flops_per_item * images / secs / 1e12
     );
     eprintln!("last loss {loss:.4}");
+    if graphs {
+        let r = acc.session.replay_counts();
+        eprintln!("graph replay: {} warm-ups, {} captures, {} replays, {} forgotten, {} op by op ({} with collectives)", r.warmups, r.captures, r.replays, r.forgotten, r.uncaptured, acc.counters().uncaptured_steps);
+        for why in acc.session.replay_blockers() {
+            eprintln!("  not captured: {why}");
+        }
+    }
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     if args.launches && k >= 2 {
         use cellgraph::runtime::launches;
@@ -186,6 +200,8 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         eprintln!("transfers per window of {k} micro-steps, loss not read: {reads} device-to-host reads, {uploads} host-to-device copies");
     }
     if args.profile {
+        // Per-op times need the ops run one by one.
+        acc.session.set_graphs(false)?;
         acc.session.set_device_profiling(true);
         let t = Instant::now();
         for _ in 0..k {

@@ -14,7 +14,8 @@
 # the benchmark's configurations; UPDATES/WARMUP its timed and warm-up updates, CASE_TIMEOUT
 # the seconds each benchmark command may run. A `baseline_device_bench` in FOLDER (an earlier
 # build's) runs before and after the new one in each case, so a change is timed against its
-# baseline in the same call.
+# baseline in the same call. device_bench replays each micro-step's captured CUDA graph (the
+# default); EAGER=1 also times it with `--no-graphs` (op by op), alternating, in each case.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-target/release}
@@ -78,17 +79,22 @@ if part bench; then
 echo "## Benchmark"
 first=--header
 # bench BINARY NET B K: one cellgraph row, labelled with the binary's name.
+# Extra arguments after K go to the binary (`--no-graphs`).
 bench() {
-    measure timeout "$CASE_TIMEOUT" "$BIN/$1" --device cuda:0 --net "$2" --micro-batch "$3" --micro-size "$4" \
-        --updates "$UPDATES" --warmup "$WARMUP" $first | sed "s/^| cellgraph /| cellgraph ($1) /" || status=1
+    local bin=$1 net=$2 b=$3 k=$4
+    shift 4
+    measure timeout "$CASE_TIMEOUT" "$BIN/$bin" --device cuda:0 --net "$net" --micro-batch "$b" --micro-size "$k" \
+        --updates "$UPDATES" --warmup "$WARMUP" $first "$@" | sed "s/^| cellgraph /| cellgraph ($bin) /" || status=1
     first=
 }
 IFS=';' read -ra cases <<<"$CASES"
 for cfg in "${cases[@]}"; do
     set -- $cfg
     if [ -x "$BIN/baseline_device_bench" ]; then bench baseline_device_bench "$@"; fi
+    if [ -n "${EAGER:-}" ]; then bench device_bench "$@" --no-graphs; fi
     bench device_bench "$@"
     if [ -x "$BIN/baseline_device_bench" ]; then bench baseline_device_bench "$@"; bench device_bench "$@"; fi
+    if [ -n "${EAGER:-}" ]; then bench device_bench "$@" --no-graphs; bench device_bench "$@"; fi
     measure timeout "$CASE_TIMEOUT" python3 benches/pytorch_accumulation.py --net "$1" --micro-batch "$2" --micro-size "$3" \
         --updates "$UPDATES" --warmup "$WARMUP" || status=1
 done

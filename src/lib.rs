@@ -32,7 +32,7 @@ pub mod prelude {
     pub use cellgraph_runtime::data::{lenet_transform, Mnist};
     pub use cellgraph_cells::{GradAccumulation, LossScale, Normalization, Precision};
     pub use cellgraph_runtime::{
-        compile, cpu, Callback, CheckpointConfig, Cpu, CpuF64, Dataset, Executable, LossMonitor, Model, ModelCheckpoint,
+        compile, cpu, Callback, CheckpointConfig, Cpu, Dataset, Executable, LossMonitor, Model, ModelCheckpoint,
         Session, TensorDataset, TimeMonitor,
     };
 }

@@ -159,6 +159,10 @@ pub struct TrainArgs {
     /// backend multiplies in exact f32. The CPU ignores it.
     #[arg(long)]
     tf32: bool,
+    /// Run each device micro-step op by op instead of replaying the graph captured from it
+    /// (the default on CUDA: one launch per micro-step). `--profile` implies it.
+    #[arg(long)]
+    no_graphs: bool,
 }
 
 const TRAIN_EXAMPLES: &str = "\
@@ -353,6 +357,8 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     let mut log = args.loss_log.as_deref().map(|p| RunLog::open(p, args.resume.is_some())).transpose()?;
     model.accumulator_mut().session.set_profiling(args.profile);
     model.accumulator_mut().session.set_tf32(args.tf32);
+    let graphs = model.accumulator().session.graphs() && !args.no_graphs && !args.profile;
+    model.accumulator_mut().session.set_graphs(graphs)?;
     let updates_before = model.accumulator().updates();
     let t0 = Instant::now();
     let steps = run_epochs(args, &mut model, &ds, test.as_ref(), log.as_mut())?;

@@ -1,12 +1,16 @@
 //! The runtime's backend interface: burn's backend trait extended with what plans need
 //! (host views of tensors, flat buffers, device kernels), and its host implementation on
 //! burn-ndarray.
+//!
+//! burn 0.22 marks burn-ndarray deprecated (burn-flex is to replace it); the host kernels read
+//! its arrays in place, so it stays the CPU backend until a move to burn-flex.
+#![allow(deprecated)]
 
 use std::borrow::Cow;
 
 use burn_backend::tensor::{Device, FloatTensor, IntTensor};
 use burn_backend::{Shape as BShape, TensorData};
-use burn_ndarray::{FloatNdArrayElement, NdArray, NdArrayTensor};
+use burn_ndarray::{NdArray, NdArrayTensor};
 use cellgraph_compiler::TensorType;
 
 use crate::host::Arena;
@@ -116,6 +120,52 @@ pub trait Backend: burn_backend::Backend {
         false
     }
 
+    /// True when sessions replay captured graphs by default (CUDA; see [`crate::replay`]).
+    fn graphs_by_default() -> bool {
+        false
+    }
+
+    /// Writes `data` (the tensor's element type and length) into `t`'s own memory, enqueued
+    /// after the work already given to the device (no wait); false where the backend cannot
+    /// (host backends: replay is for device backends).
+    fn write_float(_t: &FloatTensor<Self>, _data: TensorData) -> bool {
+        false
+    }
+
+    /// [`Self::write_float`] for an integer tensor.
+    fn write_int(_t: &IntTensor<Self>, _data: TensorData) -> bool {
+        false
+    }
+
+    /// A contiguous float tensor holding `data` (in its own type), a buffer that
+    /// [`Self::write_float`] can write whole later; `None` where the backend has no such
+    /// buffers.
+    fn contiguous_float(_data: TensorData, _device: &Device<Self>) -> Option<FloatTensor<Self>> {
+        None
+    }
+
+    /// [`Self::contiguous_float`] for an integer tensor.
+    fn contiguous_int(_data: TensorData, _device: &Device<Self>) -> Option<IntTensor<Self>> {
+        None
+    }
+
+    /// A new buffer holding `t`'s elements (one launch), or `None` where the backend has no
+    /// such kernel.
+    fn device_copy(_t: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        None
+    }
+
+    /// `dst = src` elementwise, into `dst`'s memory (one launch); false where the backend
+    /// cannot.
+    fn copy_into(_dst: &FloatTensor<Self>, _src: &FloatTensor<Self>) -> bool {
+        false
+    }
+
+    /// True when `a` and `b` are the same memory (same buffer, same offset and length).
+    fn same_buffer(_a: &FloatTensor<Self>, _b: &FloatTensor<Self>) -> bool {
+        false
+    }
+
     /// The tensor's memory as a vector (row-major, exactly its elements), when the backend
     /// keeps it in host memory and nothing else holds it; the tensor back otherwise.
     fn reclaim(t: FloatTensor<Self>) -> Result<HostVec, FloatTensor<Self>> {
@@ -129,14 +179,15 @@ pub trait Backend: burn_backend::Backend {
         None
     }
 
-    /// A float tensor of extents `shape` holding `data`.
+    /// A float tensor of extents `shape` holding `data`: of `data`'s own type on host
+    /// backends, f32 on device backends (their plans compute in f32).
     fn from_host_vec(data: HostVec, shape: &[usize], device: &Device<Self>) -> FloatTensor<Self> {
         let shape = bshape(shape);
         let data = match data {
             HostVec::F32(v) => TensorData::new(v, shape),
             HostVec::F64(v) => TensorData::new(v, shape),
         };
-        Self::float_from_data(data.convert::<Self::FloatElem>(), device)
+        Self::float_from_data(data.convert::<f32>(), device)
     }
 }
 
@@ -148,10 +199,7 @@ fn cow<T: Clone>(v: ndarray::ArrayViewD<'_, T>) -> Cow<'_, [T]> {
     }
 }
 
-impl<E: FloatNdArrayElement> Backend for NdArray<E>
-where
-    NdArrayTensor: From<ndarray::ArcArray<E, ndarray::IxDyn>>,
-{
+impl Backend for NdArray {
     const HOST: bool = true;
 
     fn host_slice(t: &NdArrayTensor) -> Option<HostSlice<'_>> {

@@ -26,7 +26,18 @@ use crate::error::{Result, RuntimeError};
 use crate::host::{Arena, Kept};
 use crate::kernel::{ConvKind, Native};
 use crate::lower::{eval, Ctx};
+use crate::replay::{Graphs, ReplayCounts};
 use crate::value::{settings, Value};
+
+/// What [`Session::run_here`] checks each step's transfers for.
+#[derive(Debug, PartialEq, Eq)]
+enum Watch {
+    Off,
+    /// A replayed plan's first run: the first step that reads or uploads (its message).
+    Probe(Option<String>),
+    /// A capture: a step that reads, uploads or allocates is an error.
+    Capture,
+}
 
 /// One scheduled node.
 #[derive(Clone, Debug)]
@@ -105,6 +116,8 @@ pub struct Executable {
     id_checks: Vec<IdCheck>,
     /// Steps that are collectives (`all_reduce`).
     collectives: usize,
+    /// The plan's identity in a session's captured graphs (clones share it).
+    id: u64,
 }
 
 impl Executable {
@@ -397,7 +410,9 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
     let peak_bytes = simulate_peak(&graph, &steps);
     let arena = arena_sizes(&graph, &steps);
     let collectives = steps.iter().filter(|st| matches!(st.op, Op::AllReduce)).count();
-    Ok(Executable { source, graph, steps, outputs, writes, slots, peak_bytes, arena, id_checks, collectives })
+    static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    Ok(Executable { source, graph, steps, outputs, writes, slots, peak_bytes, arena, id_checks, collectives, id })
 }
 
 /// For a softmax cross-entropy (or its gradient) with class-id labels, a gather or a
@@ -451,7 +466,7 @@ fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &Ten
     }
     let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
     if B::HOST {
-        crate::host::run_host::<B>(k, &floats, &ints, &tys, out, cx.device, kept, arena)
+        crate::host::run_host::<B>(k, &floats, &ints, &tys, out, (cx.device, cx.settings.float_dtype), kept, arena)
     } else if matches!(k, Native::SoftmaxCrossEntropy { .. }) && !cx.ids_checked {
         // Class ids computed in the plan: the lowering reads and checks them.
         None
@@ -534,12 +549,41 @@ pub struct Session<B: Backend> {
     /// step's constant (a loss's seed) is no launch after the first run. Held here, so burn's
     /// ops never write into them in place.
     constants: Vec<((u64, TensorType), Value<B>)>,
+    /// The float type values are made in: f32, or f64 for reference runs ([`Self::new_f64`]).
+    float: burn_backend::FloatDType,
+    /// [`Self::run_replayed`] captures and replays (see [`crate::replay`]).
+    replay: bool,
+    /// The captured plans.
+    graphs: Graphs<B>,
+    /// What each step's transfers are checked for (see [`Watch`]).
+    watch: Watch,
 }
 
 impl<B: Backend> Session<B> {
     /// An empty session on `device`.
     pub fn new(device: Device<B>) -> Self {
-        Session { device, params: BTreeMap::new(), profile: None, step_profile: None, profile_sync: false, native: true, in_place: false, tf32: false, kept: Kept::default(), arena: Arena::default(), slots: Vec::new(), constants: Vec::new() }
+        Self::with_float(device, burn_backend::FloatDType::F32)
+    }
+
+    /// An empty session on `device` computing in f64 (host backends: reference runs and
+    /// gradient checks; its inputs and parameters are widened to f64 when they are bound).
+    pub fn new_f64(device: Device<B>) -> Self {
+        Self::with_float(device, burn_backend::FloatDType::F64)
+    }
+
+    /// An empty session on `device` making its float values as `float`.
+    pub fn with_float(device: Device<B>, float: burn_backend::FloatDType) -> Self {
+        Session { device, params: BTreeMap::new(), profile: None, step_profile: None, profile_sync: false, native: true, in_place: false, tf32: false, kept: Kept::default(), arena: Arena::default(), slots: Vec::new(), constants: Vec::new(), float, replay: B::graphs_by_default(), graphs: Graphs::default(), watch: Watch::Off }
+    }
+
+    /// The float type the session computes in.
+    pub fn float(&self) -> burn_backend::FloatDType {
+        self.float
+    }
+
+    /// The dtypes the session's values are made in (see [`settings`]).
+    pub fn settings(&self) -> burn_backend::DeviceSettings {
+        settings::<B>(&self.device, self.float)
     }
 
     /// Buffers the session's arena has allocated because none of their length was free: after
@@ -584,6 +628,206 @@ impl<B: Backend> Session<B> {
         self.in_place = on;
     }
 
+    /// Whether [`Self::run_replayed`] captures and replays graphs (default: on for CUDA,
+    /// off elsewhere; `--no-graphs` turns it off).
+    pub fn graphs(&self) -> bool {
+        self.replay
+    }
+
+    /// Turns graph replay on or off (see [`crate::replay`]); turning it off forgets every
+    /// captured graph. Host backends have no graphs: turning it on there is an error.
+    pub fn set_graphs(&mut self, on: bool) -> Result<()> {
+        if on && B::HOST {
+            return Err(RuntimeError::Invalid { what: "graph replay".into(), detail: "the CPU backend runs its host kernels directly and has no graphs to capture; use a device (--device cuda or wgpu), or leave graphs off".into() });
+        }
+        if !on {
+            self.graphs = Graphs::default();
+        }
+        self.replay = on;
+        Ok(())
+    }
+
+    /// What replay has done in this session.
+    pub fn replay_counts(&self) -> ReplayCounts {
+        self.graphs.counts
+    }
+
+    /// Why plans run op by op although replay is on: for each plan shape that cannot be
+    /// captured, the step that reads the device or uploads (`scope: op: what`).
+    pub fn replay_blockers(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.graphs.entries.values().filter_map(|e| e.blocker.clone()).collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// [`Self::run_device`] through a captured graph (see [`crate::replay`]): the first two
+    /// runs of a plan shape run op by op, the second then captures the plan; every later run
+    /// of that shape is one replay. The plan must not have collectives (they read the device); the outputs are
+    /// new buffers each run.
+    pub fn run_replayed(&mut self, exe: &Executable, inputs: &[HostTensor]) -> Result<Vec<Value<B>>> {
+        let fail = |detail: String| RuntimeError::Device(format!("graph replay of `{}`: {detail}", exe.graph.name));
+        if !self.replay || exe.collectives > 0 || B::HOST {
+            return Err(fail("replay is off, the plan has collectives, or the backend has no graphs (the caller runs it op by op)".into()));
+        }
+        let key = (exe.id, inputs.iter().map(|t| t.ty()).collect::<Vec<_>>());
+        let s = self.settings();
+        let data = |t: &HostTensor| {
+            let d = burn_backend::TensorData::new(t.to_f64(), crate::backend::bshape(&t.shape));
+            if t.dtype().is_float() { d.convert_dtype(s.float_dtype.into()) } else { d.convert_dtype(s.int_dtype.into()) }
+        };
+        let Some(entry) = self.graphs.entries.get(&key) else {
+            // First run: the inputs' buffers, kept for the plan's life; op by op.
+            let fixed: Option<Vec<Value<B>>> = inputs
+                .iter()
+                .map(|t| match t.dtype().is_float() {
+                    true => B::contiguous_float(data(t), &self.device).map(Value::Float),
+                    false => B::contiguous_int(data(t), &self.device).map(Value::Int),
+                })
+                .collect();
+            let fixed = fixed.ok_or_else(|| fail("this backend cannot keep an input in a fixed buffer".into()))?;
+            inputs.iter().for_each(|_| crate::value::count_upload());
+            self.watch = Watch::Probe(None);
+            let outs = self.run_here(exe, inputs, Some(&fixed), None, &|v, _| v.clone());
+            let Watch::Probe(blocker) = std::mem::replace(&mut self.watch, Watch::Off) else { unreachable!("set above") };
+            let outs = outs?;
+            let names = exe.steps.iter().filter_map(|st| match &st.op { Op::Parameter { name } => Some(name.clone()), _ => None }).chain(exe.writes.iter().map(|(n, _)| n.clone())).collect();
+            self.graphs.entries.insert(key, crate::replay::Entry { inputs: fixed, names, graph: None, blocker, tries: 0 });
+            self.graphs.counts.warmups += 1;
+            return self.copied_out(outs).map_err(fail);
+        };
+        for (t, v) in inputs.iter().zip(&entry.inputs) {
+            let written = match v {
+                Value::Float(d) => B::write_float(d, data(t)),
+                Value::Int(d) => B::write_int(d, data(t)),
+                Value::Bool(_) => false,
+            };
+            if !written {
+                return Err(fail(format!("an input of type {} cannot be written in place on this backend", t.ty())));
+            }
+            crate::value::count_upload();
+        }
+        if entry.blocker.is_some() {
+            // Known at the first run: op by op, counted (see `replay_blockers`).
+            let fixed = entry.inputs.clone();
+            self.graphs.counts.uncaptured += 1;
+            return self.run_here(exe, inputs, Some(&fixed), None, &|v, _| v.clone());
+        }
+        if entry.graph.is_none() {
+            // Second run: op by op (this run's results), then the capture, in one call (a
+            // stream holds one prepared capture at a time).
+            let fixed = entry.inputs.clone();
+            B::graph_prepare(&self.device).map_err(|e| fail(format!("preparing the device for a capture: {e:?}")))?;
+            let fresh = self.arena.fresh();
+            let outs = self.run_here(exe, inputs, Some(&fixed), None, &|v, _| v.clone()).and_then(|o| self.copied_out(o).map_err(fail));
+            self.graphs.counts.warmups += 1;
+            if self.arena.fresh() != fresh {
+                // Not yet steady (the capture would allocate): close the prepared capture empty
+                // and try again at the next run; after three tries the plan stays op by op.
+                let closed = B::graph_start_capture(&self.device).and_then(|_| B::graph_stop_capture(&self.device).map(drop));
+                closed.map_err(|e| fail(format!("closing an empty capture: {e:?}")))?;
+                let entry = self.graphs.entries.get_mut(&key).expect("inserted at the first run");
+                entry.tries += 1;
+                if entry.tries >= 3 {
+                    entry.blocker = Some(format!("its runs still take new buffers after {} runs (no steady set of buffers to capture)", entry.tries + 1));
+                }
+                return outs;
+            }
+            // A prepare must be followed by a capture on the stream, even after a failed run.
+            let graph = self.capture(exe, inputs, &fixed).map_err(|e| match e {
+                RuntimeError::Device(d) => fail(d),
+                e => e,
+            });
+            let (outs, graph) = (outs?, graph?);
+            self.graphs.entries.get_mut(&key).expect("inserted at the first run").graph = Some(graph);
+            self.graphs.counts.captures += 1;
+            return Ok(outs);
+        }
+        let Some((graph, outs)) = &self.graphs.entries[&key].graph else { unreachable!("captured above") };
+        // SAFETY: every buffer the graph touches is held by this session (inputs, outputs,
+        // parameters: a parameter set from outside forgets the graph first) or pinned by the
+        // backend at capture; writes and replays go to the one stream this thread uses.
+        unsafe { B::graph_replay(&self.device, graph) }.map_err(|e| fail(format!("replay: {e:?}")))?;
+        let outs = outs.clone();
+        self.graphs.counts.replays += 1;
+        self.copied_out(outs).map_err(fail)
+    }
+
+    /// Records `exe`'s launches reading the input buffers `fixed`; returns the graph and the
+    /// buffers its outputs land in. State the plan writes into a new buffer is copied back
+    /// into the buffer it read, inside the graph.
+    fn capture(&mut self, exe: &Executable, inputs: &[HostTensor], fixed: &[Value<B>]) -> Result<(burn_backend::BackendGraph<B>, Vec<Value<B>>)> {
+        let read: Vec<Option<Value<B>>> = exe.writes.iter().map(|(n, _)| self.params.get(n).cloned()).collect();
+        B::graph_start_capture(&self.device).map_err(|e| RuntimeError::Device(format!("starting the capture: {e:?}")))?;
+        self.watch = Watch::Capture;
+        let outs = self.run_here(exe, inputs, Some(fixed), None, &|v, _| v.clone());
+        self.watch = Watch::Off;
+        let copied_back = outs.as_ref().map_or(Ok(()), |_| self.write_back(exe, read));
+        let graph = B::graph_stop_capture(&self.device);
+        let outs = outs?;
+        copied_back?;
+        let graph = graph.map_err(|e| RuntimeError::Device(format!("capture failed (an allocation or a host copy inside the plan, outside the runtime's checks): {e:?}")))?;
+        Ok((graph, outs))
+    }
+
+    /// After a captured run: each written parameter whose new value is not in the buffer it
+    /// had is copied into that buffer (a launch in the graph), which the session keeps.
+    fn write_back(&mut self, exe: &Executable, read: Vec<Option<Value<B>>>) -> Result<()> {
+        for ((name, _), old) in exe.writes.iter().zip(read) {
+            let (Some(Value::Float(old)), Some(Value::Float(new))) = (old, self.params.get(name)) else { continue };
+            if B::same_buffer(&old, new) {
+                continue;
+            }
+            if !B::copy_into(&old, new) {
+                return Err(RuntimeError::Device(format!("`{name}` is written into a new buffer and this backend cannot copy it back inside the graph")));
+            }
+            self.put(name, Value::Float(old));
+        }
+        Ok(())
+    }
+
+    /// Copies of a run's outputs (their buffers are written again by the next run), the
+    /// outputs' own buffers back to the arena.
+    fn copied_out(&mut self, outs: Vec<Value<B>>) -> std::result::Result<Vec<Value<B>>, String> {
+        outs.into_iter()
+            .map(|v| match &v {
+                Value::Float(t) => {
+                    let c = B::device_copy(t).ok_or("this backend cannot copy an output out of its graph buffer")?;
+                    self.arena.reclaim(v);
+                    Ok(Value::Float(c))
+                }
+                _ => Err("a replayed plan's outputs must be floats".to_string()),
+            })
+            .collect()
+    }
+
+    /// A step that read the device, uploaded or took a new buffer cannot be in a graph: found
+    /// by the first run's probe (its message kept for the plan; a constant's first upload
+    /// does not count, later runs share it), and during a capture an error naming the step.
+    fn check_capturable(&mut self, step: &Step, (reads, uploads, fresh): (u64, u64, u64)) -> Result<()> {
+        if let Watch::Probe(found) = &mut self.watch {
+            let what = if crate::value::device_reads() != reads {
+                "reads the device back to the host"
+            } else if crate::value::device_uploads() != uploads && !matches!(step.op, Op::Constant { .. }) {
+                "uploads from the host"
+            } else {
+                return Ok(());
+            };
+            found.get_or_insert_with(|| format!("{}: {}: {what}, which a captured graph cannot do", step.scope, step.op.label()));
+            return Ok(());
+        }
+        let what = if crate::value::device_reads() != reads {
+            "reads the device back to the host"
+        } else if crate::value::device_uploads() != uploads {
+            "uploads from the host"
+        } else if self.arena.fresh() != fresh {
+            "takes a buffer the session's arena does not hold (a new allocation)"
+        } else {
+            return Ok(());
+        };
+        Err(RuntimeError::Device(format!("{}: {}: {what}, which a captured graph cannot do; run without graphs (`--no-graphs`, Session::set_graphs(false))", step.scope, step.op.label())))
+    }
+
     /// Gives a value a plan returned (and the caller no longer needs) back to the session's
     /// memory, for later runs to write into; dropped if anything else still holds it.
     pub fn give_back(&mut self, v: Value<B>) {
@@ -592,11 +836,13 @@ impl<B: Backend> Session<B> {
 
     /// Sets a parameter to a device value (a view of a flat buffer, say).
     pub fn set_value(&mut self, name: &str, value: Value<B>) {
+        self.graphs.forget(name);
         self.put(name, value);
     }
 
     /// Takes a parameter's value out of the session (put it back with [`Self::set_value`]).
     pub fn take_value(&mut self, name: &str) -> Option<Value<B>> {
+        self.graphs.forget(name);
         self.pull(name)
     }
 
@@ -658,7 +904,8 @@ impl<B: Backend> Session<B> {
 
     /// Sets (or replaces) a parameter's value.
     pub fn set_param(&mut self, name: &str, value: &HostTensor) {
-        let v = Value::from_host(value, &self.device);
+        let v = Value::from_host(value, &self.device, &self.settings());
+        self.graphs.forget(name);
         self.put(name, v);
     }
 
@@ -678,6 +925,7 @@ impl<B: Backend> Session<B> {
 
     /// Drops a parameter's value.
     pub fn remove_param(&mut self, name: &str) {
+        self.graphs.forget(name);
         self.pull(name);
     }
 
@@ -754,12 +1002,14 @@ impl<B: Backend> Session<B> {
         // that initialised it, so a plan with collectives never moves to rayon's pool.
         let comm = comm.filter(|c| c.size() > 1 && exe.collectives > 0);
         if comm.is_none() && B::HOST && rayon::current_thread_index().is_none() && rayon::current_num_threads() > 1 {
-            return rayon::scope(|_| self.run_here(exe, inputs, None, out));
+            return rayon::scope(|_| self.run_here(exe, inputs, None, None, out));
         }
-        self.run_here(exe, inputs, comm, out)
+        self.run_here(exe, inputs, None, comm, out)
     }
 
-    fn run_here<T>(&mut self, exe: &Executable, inputs: &[HostTensor], comm: Option<&dyn Communicator>, out: &dyn Fn(&Value<B>, &TensorType) -> T) -> Result<Vec<T>> {
+    /// Runs `exe` on this thread. `bound`: the inputs' device buffers (replay's), instead of
+    /// uploading `inputs` (whose types are still checked).
+    fn run_here<T>(&mut self, exe: &Executable, inputs: &[HostTensor], bound: Option<&[Value<B>]>, comm: Option<&dyn Communicator>, out: &dyn Fn(&Value<B>, &TensorType) -> T) -> Result<Vec<T>> {
         let graph_inputs = exe.graph.inputs();
         if inputs.len() != graph_inputs.len() {
             return Err(RuntimeError::Mismatch {
@@ -784,8 +1034,9 @@ impl<B: Backend> Session<B> {
         slots.resize(exe.slots, None);
         self.kept.begin_run();
         self.arena.size_for(&exe.arena);
-        let s = settings::<B>(&self.device);
+        let s = self.settings();
         for step in &exe.steps {
+            let before = (self.watch != Watch::Off).then(|| (crate::value::device_reads(), crate::value::device_uploads(), self.arena.fresh()));
             let v = match &step.op {
                 Op::Parameter { .. } if step.deferred => continue,
                 Op::Parameter { name } => self.bind_param(name, &step.ty)?,
@@ -799,9 +1050,10 @@ impl<B: Backend> Session<B> {
                         });
                     }
                     let copied = if B::HOST { crate::host::input::<B>(given, s.float_dtype, &mut self.arena, &self.device) } else { None };
-                    match copied {
-                        Some(t) => Value::Float(t),
-                        None => Value::from_host(given, &self.device),
+                    match (copied, bound) {
+                        (Some(t), _) => Value::Float(t),
+                        (None, Some(b)) => b[*index].clone(),
+                        (None, None) => Value::from_host(given, &self.device, &s),
                     }
                 }
                 Op::Constant { value } if !B::HOST && step.shared_constant => {
@@ -824,7 +1076,7 @@ impl<B: Backend> Session<B> {
                     c.all_reduce_sum(&mut sum);
                     let sum = HostTensor::f32(step.ty.dims().to_vec(), sum).expect("the operand's extents");
                     record(&mut self.profile, || step.op.label(), since(t0));
-                    Value::from_host_owned(sum, &self.device)
+                    Value::from_host_owned(sum, &self.device, &s)
                 }
                 op => {
                     if let Some(name) = &step.target {
@@ -942,6 +1194,9 @@ impl<B: Backend> Session<B> {
                     v
                 }
             };
+            if let Some(counts) = before {
+                self.check_capturable(step, counts)?;
+            }
             for slot in step.args.iter().filter(|(_, moved)| *moved).map(|(s, _)| *s).chain(step.frees.iter().copied()) {
                 if let Some(v) = slots[slot].take() {
                     self.arena.reclaim(v);

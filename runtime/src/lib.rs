@@ -27,6 +27,7 @@ pub mod kernel;
 pub mod launches;
 pub mod lower;
 pub mod model;
+pub mod replay;
 pub mod value;
 
 pub use error::{Result, RuntimeError};
@@ -41,12 +42,13 @@ pub use host::join_thread_pool;
 pub use model::{Dataset, Metric, Model, Position, TensorDataset};
 pub use value::Value;
 
-/// The CPU backend: burn's ndarray backend in f32.
-pub type Cpu = burn_ndarray::NdArray<f32>;
-/// The CPU backend in f64, for reference runs and gradient checks.
-pub type CpuF64 = burn_ndarray::NdArray<f64>;
+/// The CPU backend: burn's ndarray backend. A session computes in f32, or in f64 for
+/// reference runs and gradient checks ([`Session::new_f64`]).
+#[allow(deprecated)]
+pub type Cpu = burn_ndarray::NdArray;
 
 /// The CPU device.
+#[allow(deprecated)]
 pub fn cpu() -> burn_ndarray::NdArrayDevice {
     burn_ndarray::NdArrayDevice::Cpu
 }

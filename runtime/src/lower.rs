@@ -85,7 +85,7 @@ fn expand_value<B: Backend>(v: Value<B>, from: &[usize], to: &[usize]) -> Value<
 
 /// An integer tensor's values on the host (read back from a device).
 fn host_ints<B: Backend>(t: IntTensor<B>) -> Vec<i64> {
-    crate::value::block_on(B::int_into_data(t)).expect("device read").convert::<i64>().to_vec::<i64>().expect("int data")
+    crate::value::block_on(B::int_into_data(t)).expect("device read").convert::<i64>().try_to_vec::<i64>().expect("int data")
 }
 
 /// What is wrong with row `ids` into a table of `rows` rows: the first one outside `0..rows`.
@@ -287,7 +287,7 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
         Op::Constant { value } => match out.dtype {
             DType::F32 | DType::F16 | DType::BF16 => Value::Float(cx.full(od, *value)),
             DType::I32 | DType::I64 => {
-                Value::Int(B::int_from_data(TensorData::new(vec![*value as i64; out.numel()], bshape(od)).convert::<B::IntElem>(), cx.device))
+                Value::Int(B::int_from_data(TensorData::new(vec![*value as i64; out.numel()], bshape(od)).convert_dtype(cx.settings.int_dtype.into()), cx.device))
             }
             DType::Bool => Value::Bool(B::bool_from_data(TensorData::new(vec![*value != 0.0; out.numel()], bshape(od)), cx.device)),
         },
@@ -365,7 +365,7 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
             let (items, update) = (host_ints::<B>(cx.int(next())?), host_ints::<B>(cx.int(next())?));
             let row = out.numel() / od[0].max(1);
             let mask: Vec<f64> = items.iter().flat_map(|&item| (0..row).map(dropout_factor(*seed, update[0], item, *p))).collect();
-            let mask = B::float_from_data(TensorData::new(mask, bshape(od)).convert::<B::FloatElem>(), cx.device);
+            let mask = B::float_from_data(TensorData::new(mask, bshape(od)).convert_dtype(cx.settings.float_dtype.into()), cx.device);
             Value::Float(B::float_mul(x, mask))
         }
         Op::Gather => {
@@ -518,7 +518,7 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
             let xd = tys[0].dims();
             let sym = win.is_symmetric();
             let (x, pad) = if sym { (x, [win.pad[0], win.pad[2]]) } else { (pad_spatial(cx, x, xd, &win, f64::NEG_INFINITY).0, [0, 0]) };
-            let idx = B::max_pool2d_with_indices(x.clone(), p.kernel, p.stride, pad, [1, 1], false).indices;
+            let idx = B::max_pool2d_with_indices(x.clone(), p.kernel, p.stride, pad, [1, 1], false, cx.settings.int_dtype).indices;
             let dx = B::max_pool2d_with_indices_backward(x, p.kernel, p.stride, pad, [1, 1], false, dy, idx).x_grad;
             if sym {
                 Value::Float(dx)

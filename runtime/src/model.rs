@@ -143,7 +143,16 @@ impl<B: Backend> Model<B> {
     /// A model training `network` with `optimizer`; parameters are drawn from `seed`.
     pub fn new(network: GradAccumulation, optimizer: impl Optimizer + 'static, device: Device<B>, seed: u64) -> Result<Self> {
         let acc = Accumulator::new(Rc::new(network), Rc::new(optimizer), device, seed)?;
-        Ok(Model { acc, metrics: vec![Metric::Accuracy], eval_plans: HashMap::new(), position: Position::default() })
+        Ok(Self::of(acc))
+    }
+
+    /// [`Self::new`] computing in f64 (host backends: reference runs).
+    pub fn new_f64(network: GradAccumulation, optimizer: impl Optimizer + 'static, device: Device<B>, seed: u64) -> Result<Self> {
+        Ok(Self::of(Accumulator::new_f64(Rc::new(network), Rc::new(optimizer), device, seed)?))
+    }
+
+    fn of(acc: Accumulator<B>) -> Self {
+        Model { acc, metrics: vec![Metric::Accuracy], eval_plans: HashMap::new(), position: Position::default() }
     }
 
     /// A model training data-parallel over `comm` (MindSpore's `init()` + `AutoParallel(net)`):

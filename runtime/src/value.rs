@@ -4,7 +4,7 @@
 //! `Backend` trait, so one executor serves every burn backend (CPU ndarray now, CUDA later).
 
 use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IntTensor};
-use burn_backend::{get_device_settings, Backend, ElementConversion, TensorData, TensorMetadata};
+use burn_backend::{get_device_settings, Backend, DType, FloatDType, TensorData, TensorMetadata};
 use cellgraph_compiler::{HostData, HostTensor};
 
 /// A tensor on a backend device.
@@ -55,22 +55,24 @@ pub fn device_reads() -> u64 {
 }
 
 impl<B: crate::Backend> Value<B> {
-    /// Copies a host tensor to the device.
-    pub fn from_host(t: &HostTensor, device: &Device<B>) -> Self {
-        Self::from_host_owned(t.clone(), device)
+    /// Copies a host tensor to the device: floats as `settings`' float type (the session's),
+    /// integers as its integer type.
+    pub fn from_host(t: &HostTensor, device: &Device<B>, settings: &burn_backend::DeviceSettings) -> Self {
+        Self::from_host_owned(t.clone(), device, settings)
     }
 
     /// [`Self::from_host`], taking the host memory instead of copying it.
-    pub fn from_host_owned(t: HostTensor, device: &Device<B>) -> Self {
+    pub fn from_host_owned(t: HostTensor, device: &Device<B>, settings: &burn_backend::DeviceSettings) -> Self {
         if !B::HOST {
             count_upload();
         }
         let shape = crate::backend::bshape(&t.shape);
+        let (float, int): (DType, DType) = (settings.float_dtype.into(), settings.int_dtype.into());
         match t.data {
-            HostData::F32(v) => Value::Float(B::float_from_data(TensorData::new(v, shape).convert::<B::FloatElem>(), device)),
-            HostData::F64(v) => Value::Float(B::float_from_data(TensorData::new(v, shape).convert::<B::FloatElem>(), device)),
-            HostData::I32(v) => Value::Int(B::int_from_data(TensorData::new(v, shape).convert::<B::IntElem>(), device)),
-            HostData::I64(v) => Value::Int(B::int_from_data(TensorData::new(v, shape).convert::<B::IntElem>(), device)),
+            HostData::F32(v) => Value::Float(B::float_from_data(TensorData::new(v, shape).convert_dtype(float), device)),
+            HostData::F64(v) => Value::Float(B::float_from_data(TensorData::new(v, shape).convert_dtype(float), device)),
+            HostData::I32(v) => Value::Int(B::int_from_data(TensorData::new(v, shape).convert_dtype(int), device)),
+            HostData::I64(v) => Value::Int(B::int_from_data(TensorData::new(v, shape).convert_dtype(int), device)),
             HostData::Bool(v) => Value::Bool(B::bool_from_data(TensorData::new(v, shape), device)),
         }
     }
@@ -86,10 +88,10 @@ impl<B: crate::Backend> Value<B> {
                 None => {
                     let d = block_on(B::float_into_data(t.clone())).expect("device read");
                     let shape = d.shape.to_vec();
-                    let data = if B::FloatElem::from_elem(0.1f64).elem::<f64>() == 0.1 {
-                        HostData::F64(d.convert::<f64>().to_vec::<f64>().expect("f64 data"))
+                    let data = if t.dtype() == DType::F64 {
+                        HostData::F64(d.convert::<f64>().try_to_vec::<f64>().expect("f64 data"))
                     } else {
-                        HostData::F32(d.convert::<f32>().to_vec::<f32>().expect("f32 data"))
+                        HostData::F32(d.convert::<f32>().try_to_vec::<f32>().expect("f32 data"))
                     };
                     (data, shape)
                 }
@@ -97,12 +99,12 @@ impl<B: crate::Backend> Value<B> {
             Value::Int(t) => {
                 let d = block_on(B::int_into_data(t.clone())).expect("device read");
                 let shape = d.shape.to_vec();
-                (HostData::I64(d.convert::<i64>().to_vec::<i64>().expect("int data")), shape)
+                (HostData::I64(d.convert::<i64>().try_to_vec::<i64>().expect("int data")), shape)
             }
             Value::Bool(t) => {
                 let d = block_on(B::bool_into_data(t.clone())).expect("device read");
                 let shape = d.shape.to_vec();
-                (HostData::Bool(d.to_vec::<bool>().expect("bool data")), shape)
+                (HostData::Bool(d.try_to_vec::<bool>().expect("bool data")), shape)
             }
         };
         HostTensor { shape, data }
@@ -118,12 +120,12 @@ impl<B: crate::Backend> Value<B> {
     }
 }
 
-/// The dtypes ops on `B` produce: float and int from the backend's element types, bool from
-/// the device. (burn keys its device settings by device alone, so `NdArray<f32>` and
-/// `NdArray<f64>` in one process would otherwise share the first one's float dtype.)
-pub fn settings<B: Backend>(device: &Device<B>) -> burn_backend::DeviceSettings {
+/// The dtypes ops on `B` produce: floats of `float` (a session's: f32, or f64 for reference
+/// runs), integers and bools as the device makes them. (burn keys its device settings by
+/// device alone, and the CPU has one device, so an f32 and an f64 session in one process
+/// cannot take their float type from there.)
+pub fn settings<B: Backend>(device: &Device<B>, float: FloatDType) -> burn_backend::DeviceSettings {
     let mut s = get_device_settings::<B>(device);
-    s.float_dtype = <B::FloatElem as burn_backend::Element>::dtype().into();
-    s.int_dtype = <B::IntElem as burn_backend::Element>::dtype().into();
+    s.float_dtype = float;
     s
 }

@@ -52,17 +52,16 @@ fn adamw() -> Adam {
     Adam::adamw(LearningRate::Warmup { warmup: 3, then: Box::new(LearningRate::Cosine { base: 1e-2, min: 1e-3, total: 20 }) }, 0.1)
 }
 
-/// Token-weighting is checked in f64 (`CpuF64`): what it asserts is the normalisation, which
+/// Token-weighting is checked in f64 (`Model::new_f64`): what it asserts is the normalisation, which
 /// f32's different summation orders (4 micro-batch sums against one) would blur at 1e-6 after
 /// 20 AdamW updates. (The gradients cross ranks in f32.)
-type F64 = CpuF64;
 
 fn params<B: cellgraph::runtime::Backend>(m: &Model<B>) -> BTreeMap<String, Vec<f32>> {
     gpt().parameters().iter().map(|p| (p.name.clone(), m.accumulator().session.param(&p.name).unwrap().to_f32())).collect()
 }
 
-fn trained(net: GradAccumulation, batches: &[Vec<HostTensor>]) -> Model<F64> {
-    let mut m = Model::<F64>::new(net, adamw(), cpu(), 3).unwrap();
+fn trained(net: GradAccumulation, batches: &[Vec<HostTensor>]) -> Model<Cpu> {
+    let mut m = Model::<Cpu>::new_f64(net, adamw(), cpu(), 3).unwrap();
     let n = batches[0][0].shape[0];
     m.train(1, &TensorDataset { columns: concat(batches), batch_size: n }, &mut []).unwrap();
     m
@@ -261,8 +260,14 @@ fn with_items(batch: &[HostTensor], first: i64) -> Vec<HostTensor> {
 }
 
 fn accumulator<B: cellgraph::runtime::Backend>(net: WithLossCell, k: usize, opt: impl Optimizer + 'static) -> cellgraph::runtime::Accumulator<B> {
+    accumulator_in::<B>(net, k, opt, false)
+}
+
+/// [`accumulator`], computing in f64 when `wide`.
+fn accumulator_in<B: cellgraph::runtime::Backend>(net: WithLossCell, k: usize, opt: impl Optimizer + 'static, wide: bool) -> cellgraph::runtime::Accumulator<B> {
     let net = GradAccumulation::new(net, k).normalization(Normalization::Tokens);
-    let mut a = cellgraph::runtime::Accumulator::<B>::new(std::rc::Rc::new(net), std::rc::Rc::new(opt), Default::default(), 3).unwrap();
+    let new = if wide { cellgraph::runtime::Accumulator::<B>::new_f64 } else { cellgraph::runtime::Accumulator::<B>::new };
+    let mut a = new(std::rc::Rc::new(net), std::rc::Rc::new(opt), Default::default(), 3).unwrap();
     a.set_input_names(&["ids", "labels", "item_index"]);
     a
 }
@@ -281,7 +286,7 @@ fn dropout_masks_follow_items_across_micro_batches_and_ranks() {
     let mut rng = StdRng::seed_from_u64(12);
     let batches: Vec<Vec<HostTensor>> = (0..10).map(|u| with_items(&sequences(&mut rng, 8), 8 * u)).collect();
     let run = |net: WithLossCell, k: usize| {
-        let mut a = accumulator::<F64>(net, k, adamw());
+        let mut a = accumulator_in::<Cpu>(net, k, adamw(), true);
         for b in &batches {
             a.step(b).unwrap();
         }

@@ -55,7 +55,7 @@ fn run_loss(exe: &Executable, params: &[(String, HostTensor)], inputs: &[HostTen
 
 /// Runs on the f64 CPU backend, with the host kernels or with burn's generic ops only.
 fn run_on(exe: &Executable, params: &[(String, HostTensor)], inputs: &[HostTensor], native: bool) -> Vec<HostTensor> {
-    let mut s = Session::<CpuF64>::new(cpu());
+    let mut s = Session::<Cpu>::new_f64(cpu());
     s.set_native_kernels(native);
     for (n, v) in params {
         s.set_param(n, v);

@@ -128,7 +128,7 @@ fn f32_and_f64_backends_coexist_in_one_process() {
     let x = HostTensor::f32(vec![2, 1, 32, 32], (0..2048).map(|i| (i % 13) as f32 * 0.1).collect()).unwrap();
     let y = HostTensor::i32(vec![2], vec![3, 7]).unwrap();
     let mut f32s = session_for(&net, 4);
-    let mut f64s = Session::<CpuF64>::new(cpu());
+    let mut f64s = Session::<Cpu>::new_f64(cpu());
     f64s.init_params(&net.parameters(), 4);
     let a = f32s.run(&exe, &[x.clone(), y.clone()]).unwrap()[0].scalar();
     let b = f64s.run(&exe, &[x.to_f64_tensor(), y.clone()]).unwrap()[0].scalar();
@@ -359,6 +359,13 @@ fn fused_relu_and_neg_keep_the_unfused_bits_for_nan_and_negative_zero() {
 /// the reference lowering's clear error.
 #[test]
 fn host_loss_kernels_give_the_reference_bits() {
+    fn session<B: cellgraph::runtime::Backend>(wide: bool) -> Session<B> {
+        if wide {
+            Session::<B>::new_f64(Default::default())
+        } else {
+            Session::<B>::new(Default::default())
+        }
+    }
     fn case<B: cellgraph::runtime::Backend>(n: usize, c: usize, reduction: Reduction, wide: bool) {
         let dt = TensorType::f32;
         let mut g = Graph::new("loss");
@@ -375,7 +382,7 @@ fn host_loss_kernels_give_the_reference_bits() {
         let labels = |bad: bool| HostTensor::i32(vec![n], (0..n).map(|i| if bad && i == n - 1 { c as i32 } else { ((i * 5) % c) as i32 }).collect()).unwrap();
         let inputs = |bad| [host(vec![n, c], logits.clone()), labels(bad), host(g.ty(loss).dims().to_vec(), dls.clone())];
         let run = |native: bool, bad: bool| {
-            let mut s = Session::<B>::new(Default::default());
+            let mut s = session::<B>(wide);
             s.set_native_kernels(native);
             s.run(&exe, &inputs(bad))
         };
@@ -388,7 +395,7 @@ fn host_loss_kernels_give_the_reference_bits() {
         let mut alone = g.clone();
         alone.set_outputs(vec![grad]);
         let alone = compile(alone).unwrap();
-        let mut s = Session::<B>::new(Default::default());
+        let mut s = session::<B>(wide);
         assert_eq!(bits(s.run(&alone, &inputs(false)).unwrap())[0], reference[1], "the gradient alone: n {n}, c {c}, {reduction:?}");
         let err = run(true, true).unwrap_err().to_string();
         assert!(err.contains(&format!("label {c} at batch position {}", n - 1)) && err.contains("net.loss"), "{err}");
@@ -396,7 +403,7 @@ fn host_loss_kernels_give_the_reference_bits() {
     for (n, c) in [(32, 10), (5, 3), (3, 17), (1, 8)] {
         for r in [Reduction::Mean, Reduction::Sum, Reduction::None] {
             case::<Cpu>(n, c, r, false);
-            case::<CpuF64>(n, c, r, true);
+            case::<Cpu>(n, c, r, true);
         }
     }
 }

@@ -170,10 +170,18 @@ impl<B: Backend> Accumulator<B> {
     /// drawn from `seed`, zero accumulators, initial optimizer state. Micro-step graphs are
     /// compiled on first use, one per micro-batch shape.
     pub fn new(net: Rc<GradAccumulation>, opt: Rc<dyn Optimizer>, device: Device<B>, seed: u64) -> Result<Self> {
+        Self::with_session(net, opt, Session::new(device), seed)
+    }
+
+    /// [`Self::new`] computing in f64 (host backends: the reference runs of the tests).
+    pub fn new_f64(net: Rc<GradAccumulation>, opt: Rc<dyn Optimizer>, device: Device<B>, seed: u64) -> Result<Self> {
+        Self::with_session(net, opt, Session::new_f64(device), seed)
+    }
+
+    fn with_session(net: Rc<GradAccumulation>, opt: Rc<dyn Optimizer>, mut session: Session<B>, seed: u64) -> Result<Self> {
         net.check()?;
         opt.check().map_err(|detail| cellgraph_cells::CellError::Config { cell: opt.name().into(), detail })?;
         let (optimizer, clear, accumulators, state) = net.boundary_graphs(opt.as_ref())?;
-        let mut session = Session::new(device);
         session.init_params(&net.parameters(), seed);
         for (name, ty) in &accumulators {
             session.set_param(name, &HostTensor::full(ty, 0.0));
@@ -497,7 +505,16 @@ impl<B: Backend> Accumulator<B> {
             let out = self.session.run_over(exe, inputs, comm)?;
             (Loss::Read(out[0].scalar()), out.get(1).map(|c| c.scalar()))
         } else {
-            let mut out = self.session.run_device_over(exe, inputs, comm)?;
+            // A plan without collectives replays its captured graph when the session's graphs
+            // are on; one with them runs op by op (they read the device), counted.
+            let mut out = if self.session.graphs() && exe.collectives() == 0 {
+                self.session.run_replayed(exe, inputs)?
+            } else {
+                if self.session.graphs() {
+                    self.progress.counters.uncaptured_steps += 1;
+                }
+                self.session.run_device_over(exe, inputs, comm)?
+            };
             let count = out.get(1).cloned();
             let loss = Loss::Device(out.swap_remove(0));
             let counted = count.is_some();

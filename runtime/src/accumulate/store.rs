@@ -178,7 +178,7 @@ impl<B: Backend> Store<B> {
             return self.upload(session, kind, data);
         }
         for (param, t) in self.split(data) {
-            let v = Value::from_host_owned(t, session.device());
+            let v = Value::from_host_owned(t, session.device(), &session.settings());
             session.set_value(self.name(Slot { kind, param }), v);
         }
     }
@@ -243,8 +243,8 @@ impl<B: Backend> Store<B> {
         }
     }
 
-    /// Replaces the flat buffer of `kind` by `data` (unpadded, in flat-buffer order).
-    fn upload(&mut self, session: &mut Session<B>, kind: Kind, data: &[f32]) {
+    /// Writes `data` (unpadded, in flat-buffer order) into the flat buffer of `kind`.
+    fn upload(&mut self, _session: &mut Session<B>, kind: Kind, data: &[f32]) {
         let Some(f) = &mut self.flat else { return };
         let mut v = vec![self.inits[kind.index()]; f.len];
         let mut from = 0;
@@ -252,8 +252,9 @@ impl<B: Backend> Store<B> {
             v[at..at + p.len].copy_from_slice(&data[from..from + p.len]);
             from += p.len;
         }
-        f.buffers[kind.index()] = B::from_host_vec(HostVec::F32(v), &[f.len], session.device());
-        self.bind_views(session, kind);
+        // In place: the views, and the graphs replaying into them, stay valid.
+        let written = B::write_float(&f.buffers[kind.index()], burn_backend::TensorData::new(v, [f.len]));
+        assert!(written, "flat buffers are contiguous f32 device buffers, written in place");
     }
 
     /// Zeroes the accumulators of flat buffers.

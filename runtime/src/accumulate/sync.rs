@@ -170,9 +170,9 @@ impl<B: Backend> Accumulator<B> {
             scale = clipped(scale, sq[0] as f64, self.net.clip_global_norm);
         }
         let params = self.store.gather_range(&self.session, Kind::Param, rank * len, len)?;
-        let device = self.session.device().clone();
-        self.session.set_value(SHARD, Value::from_host_owned(HostTensor::f32(vec![len], params).expect("len"), &device));
-        self.session.set_value(&super::accumulator_name(SHARD), Value::from_host_owned(HostTensor::f32(vec![len], mine).expect("len"), &device));
+        let (device, settings) = (self.session.device().clone(), self.session.settings());
+        self.session.set_value(SHARD, Value::from_host_owned(HostTensor::f32(vec![len], params).expect("len"), &device, &settings));
+        self.session.set_value(&super::accumulator_name(SHARD), Value::from_host_owned(HostTensor::f32(vec![len], mine).expect("len"), &device, &settings));
         let shard = self.parallel.as_ref().and_then(|p| p.shard.as_ref()).expect("sharded");
         self.session.run(&shard.optimizer, &optimizer_inputs(scale, scalars))?;
         let updated = self.session.param(SHARD).expect("written by the optimizer").to_f32();

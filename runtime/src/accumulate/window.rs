@@ -22,6 +22,9 @@ pub struct Counters {
     /// Fused optimizer-and-clear kernel launches (device backends with flat buffers: one per
     /// update, whatever the number of parameters).
     pub fused_launches: u64,
+    /// Device micro-steps run op by op although the session replays graphs: plans with
+    /// collectives inside (SyncBatchNorm over ranks), which read the device.
+    pub uncaptured_steps: u64,
 }
 
 /// The open window, the updates applied, and the run counters.
@@ -164,7 +167,7 @@ mod tests {
     /// Every checkpointed counter survives saving and restoring, by its own name.
     #[test]
     fn checkpointed_counters_round_trip() {
-        let mut p = Progress { micro: 3, items: 96, updates: 7, counters: Counters { micro_steps: 31, optimizer_runs: 7, clear_runs: 7, grad_collectives: 7, step_collectives: 0, skipped_updates: 0, fused_launches: 0 } };
+        let mut p = Progress { micro: 3, items: 96, updates: 7, counters: Counters { micro_steps: 31, optimizer_runs: 7, clear_runs: 7, grad_collectives: 7, step_collectives: 0, skipped_updates: 0, fused_launches: 0, uncaptured_steps: 0 } };
         let saved = p.saved();
         assert_eq!(saved.len(), 6);
         assert!(saved.contains(&("cellgraph.window_items".into(), 96)));

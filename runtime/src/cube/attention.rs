@@ -70,7 +70,7 @@ fn qkv_row(s: usize, h: usize, i: usize, #[comptime] g: AttnDims) -> usize {
 
 /// `x · qkv[at..at + d]`.
 #[cube]
-fn dot<F: Float>(x: &Array<F>, qkv: &Array<F>, at: usize, #[comptime] d: u32) -> F {
+fn dot<F: Float>(x: &Array<F>, qkv: &[F], at: usize, #[comptime] d: u32) -> F {
     let mut acc = F::new(0.0);
     #[unroll]
     for e in 0..d as usize {
@@ -93,7 +93,7 @@ fn unit(rows: usize, #[comptime] g: AttnDims) -> (bool, usize, usize, usize, usi
 
 /// `d` values at `at` into registers.
 #[cube]
-fn load<F: Float>(qkv: &Array<F>, at: usize, #[comptime] d: u32) -> Array<F> {
+fn load<F: Float>(qkv: &[F], at: usize, #[comptime] d: u32) -> Array<F> {
     let mut x = Array::<F>::new(d as usize);
     #[unroll]
     for e in 0..d as usize {
@@ -126,7 +126,7 @@ fn keys(i: usize, #[comptime] g: AttnDims) -> usize {
 
 /// The maximum of the row's parts' `x` (every part of the row gets it).
 #[cube]
-fn parts_max<F: Float>(x: F, sh: &mut SharedMemory<F>) -> F {
+fn parts_max<F: Float>(x: F, sh: &mut Shared<[F]>) -> F {
     let (r, p) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
     sh[p * ROWS + r] = x;
     sync_cube();
@@ -140,7 +140,7 @@ fn parts_max<F: Float>(x: F, sh: &mut SharedMemory<F>) -> F {
 
 /// The sum of the row's parts' `x` in part order (every part of the row gets it).
 #[cube]
-fn parts_sum<F: Float>(x: F, sh: &mut SharedMemory<F>) -> F {
+fn parts_sum<F: Float>(x: F, sh: &mut Shared<[F]>) -> F {
     let (r, p) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
     sh[p * ROWS + r] = x;
     sync_cube();
@@ -156,7 +156,7 @@ fn parts_sum<F: Float>(x: F, sh: &mut SharedMemory<F>) -> F {
 /// + 1]`: a row's stride one more than `d`, so the rows' same element lies in distinct
 /// banks); readable after the call, until the next barrier's writers.
 #[cube]
-fn parts_vec<F: Float>(x: &Array<F>, sh: &mut SharedMemory<F>, #[comptime] d: u32) {
+fn parts_vec<F: Float>(x: &Array<F>, sh: &mut Shared<[F]>, #[comptime] d: u32) {
     let (r, p) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
     let base = r * comptime!(d as usize + 1);
     if p == 0 {
@@ -170,7 +170,7 @@ fn parts_vec<F: Float>(x: &Array<F>, sh: &mut SharedMemory<F>, #[comptime] d: u3
         if p == q {
             #[unroll]
             for e in 0..d as usize {
-                sh[base + e] = sh[base + e] + x[e];
+                sh[base + e] += x[e];
             }
         }
         sync_cube();
@@ -180,7 +180,7 @@ fn parts_vec<F: Float>(x: &Array<F>, sh: &mut SharedMemory<F>, #[comptime] d: u3
 /// Row `x`'s vector in `sh` (after [`parts_vec`]) divided by `div`, into `out[at..at + d]`,
 /// the row's parts taking every `PARTS`-th element (a division by 1 keeps the bits).
 #[cube]
-fn write_row<F: Float>(out: &mut Array<F>, at: usize, sh: &mut SharedMemory<F>, div: F, #[comptime] d: u32) {
+fn write_row<F: Float>(out: &mut [F], at: usize, sh: &mut Shared<[F]>, div: F, #[comptime] d: u32) {
     let base = UNIT_POS_X as usize * comptime!(d as usize + 1);
     let mut e = UNIT_POS_Y as usize;
     while e < comptime!(d as usize) {
@@ -192,7 +192,7 @@ fn write_row<F: Float>(out: &mut Array<F>, at: usize, sh: &mut SharedMemory<F>, 
 /// Row `q`'s maximum score over keys `0..n` of `(s, h)`: each part's keys, then the parts'.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn row_max<F: Float>(q: &Array<F>, qkv: &Array<F>, s: usize, h: usize, n: usize, scale: F, sh: &mut SharedMemory<F>, #[comptime] g: AttnDims) -> F {
+fn row_max<F: Float>(q: &Array<F>, qkv: &[F], s: usize, h: usize, n: usize, scale: F, sh: &mut Shared<[F]>, #[comptime] g: AttnDims) -> F {
     let c = comptime!((g.heads * g.d) as usize);
     let mut m = F::min_value();
     let mut j = UNIT_POS_Y as usize;
@@ -205,10 +205,10 @@ fn row_max<F: Float>(q: &Array<F>, qkv: &Array<F>, s: usize, h: usize, n: usize,
 
 /// `y[s, i, h * d..]` = `softmax(q_i K^T * scale) V` over the keys row `i` sees.
 #[cube(launch_unchecked)]
-pub fn attention_forward<F: Float>(qkv: &Array<F>, y: &mut Array<F>, scale: f32, #[comptime] g: AttnDims) {
+pub fn attention_forward<F: Float>(qkv: &[F], y: &mut [F], scale: f32, #[comptime] g: AttnDims) {
     let (t, c, d) = comptime!((g.t as usize, (g.heads * g.d) as usize, g.d as usize));
-    let mut stat = SharedMemory::<F>::new(comptime!(PARTS * ROWS));
-    let mut vecs = SharedMemory::<F>::new(comptime!(ROWS * (d + 1)));
+    let mut stat = Shared::<[F]>::new_slice(comptime!(PARTS * ROWS));
+    let mut vecs = Shared::<[F]>::new_slice(comptime!(ROWS * (d + 1)));
     let (valid, _, s, h, i) = unit(y.len() / d, g);
     let scale = F::cast_from(scale);
     let q = load(qkv, qkv_row(s, h, i, g), g.d);
@@ -238,10 +238,10 @@ pub fn attention_forward<F: Float>(qkv: &Array<F>, y: &mut Array<F>, scale: f32,
 /// `exp(s - m)`, `rowdot = sum_j p_ij (dy_i · v_j)` into `stats[3 * row..]`, and
 /// `dq_i = scale * sum_j p_ij (dy_i · v_j - rowdot) k_j` into `dx` (laid out as `qkv`).
 #[cube(launch_unchecked)]
-pub fn attention_grad_rows<F: Float>(qkv: &Array<F>, dy: &Array<F>, dx: &mut Array<F>, stats: &mut Array<F>, scale: f32, #[comptime] g: AttnDims) {
+pub fn attention_grad_rows<F: Float>(qkv: &[F], dy: &[F], dx: &mut [F], stats: &mut [F], scale: f32, #[comptime] g: AttnDims) {
     let (t, c, d) = comptime!((g.t as usize, (g.heads * g.d) as usize, g.d as usize));
-    let mut stat = SharedMemory::<F>::new(comptime!(PARTS * ROWS));
-    let mut vecs = SharedMemory::<F>::new(comptime!(ROWS * (d + 1)));
+    let mut stat = Shared::<[F]>::new_slice(comptime!(PARTS * ROWS));
+    let mut vecs = Shared::<[F]>::new_slice(comptime!(ROWS * (d + 1)));
     let (valid, idx, s, h, i) = unit(stats.len() / 3, g);
     let scale = F::cast_from(scale);
     let q = load(qkv, qkv_row(s, h, i, g), g.d);
@@ -288,9 +288,9 @@ pub fn attention_grad_rows<F: Float>(qkv: &Array<F>, dy: &Array<F>, dx: &mut Arr
 /// `dx` (laid out as `qkv`), each `p_ij` from row `i`'s statistics. The lanes of a warp walk
 /// the same queries (from their first row's), each skipping those before its own key.
 #[cube(launch_unchecked)]
-pub fn attention_grad_cols<F: Float>(qkv: &Array<F>, dy: &Array<F>, stats: &Array<F>, dx: &mut Array<F>, scale: f32, #[comptime] g: AttnDims) {
+pub fn attention_grad_cols<F: Float>(qkv: &[F], dy: &[F], stats: &[F], dx: &mut [F], scale: f32, #[comptime] g: AttnDims) {
     let (t, c, d) = comptime!((g.t as usize, (g.heads * g.d) as usize, g.d as usize));
-    let mut vecs = SharedMemory::<F>::new(comptime!(ROWS * (d + 1)));
+    let mut vecs = Shared::<[F]>::new_slice(comptime!(ROWS * (d + 1)));
     let (valid, idx, s, h, j) = unit(stats.len() / 3, g);
     let scale = F::cast_from(scale);
     let at = qkv_row(s, h, j, g);

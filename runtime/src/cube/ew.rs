@@ -133,8 +133,10 @@ pub fn unary<F: Float>(x: F, #[comptime] op: Unary) -> F {
 }
 
 /// `x` (an f32) rounded to the nearest bf16 value, ties to even, on its bits: as the host's
-/// conversion (`half`), NaN aside (kept as it is).
+/// conversion (`half`), NaN aside (kept as it is; `x != x` is the NaN test, as in
+/// [`super::pool`]).
 #[cube]
+#[allow(clippy::eq_op)]
 pub fn round_bf16<F: Float>(x: F) -> F {
     let b = u32::reinterpret(x);
     let r = (b + 0x7FFFu32 + ((b >> 16u32) & 1u32)) & 0xFFFF0000u32;
@@ -232,7 +234,7 @@ fn value<F: Float>(a0: F, a1: F, a2: F, a3: F, lets: &Sequence<F>, #[comptime] v
 /// read from `x1`.. (slots the program does not use are never read): what [`elementwise`]
 /// stores, and what a head kernel stores when its epilogue runs inside it.
 #[cube]
-pub fn apply<F: Float>(a0: F, x1: &Array<F>, x2: &Array<F>, x3: &Array<F>, i: usize, #[comptime] p: EwKernel) -> F {
+pub fn apply<F: Float>(a0: F, x1: &[F], x2: &[F], x3: &[F], i: usize, #[comptime] p: EwKernel) -> F {
     let n = comptime!(p.reads.len());
     let mut a1 = F::new(0.0);
     let mut a2 = F::new(0.0);
@@ -268,7 +270,7 @@ pub fn apply<F: Float>(a0: F, x1: &Array<F>, x2: &Array<F>, x3: &Array<F>, i: us
 /// `y[i]` = the program over the operands at `i` (operand 0 is `y[i]` itself when the program
 /// is in place; unused operand slots are never read).
 #[cube(launch_unchecked)]
-pub fn elementwise<F: Float>(y: &mut Array<F>, x0: &Array<F>, x1: &Array<F>, x2: &Array<F>, x3: &Array<F>, #[comptime] p: EwKernel) {
+pub fn elementwise<F: Float>(y: &mut [F], x0: &[F], x1: &[F], x2: &[F], x3: &[F], #[comptime] p: EwKernel) {
     let i = ABSOLUTE_POS;
     if i < y.len() {
         let mut a0 = F::new(0.0);

@@ -35,7 +35,7 @@ impl LossDims {
 
 /// Row `i`'s maximum logit and `ln(sum(exp(logit - max)))`.
 #[cube]
-fn row_stats<F: Float>(logits: &Array<F>, i: usize, #[comptime] c: u32) -> (F, F) {
+fn row_stats<F: Float>(logits: &[F], i: usize, #[comptime] c: u32) -> (F, F) {
     let c = comptime!(c as usize);
     let base = i * c;
     let mut m = logits[base];
@@ -54,7 +54,7 @@ fn row_stats<F: Float>(logits: &Array<F>, i: usize, #[comptime] c: u32) -> (F, F
 
 /// `-log_softmax(logits[i])[label[i]]`.
 #[cube]
-fn row_loss<F: Float, I: Int>(logits: &Array<F>, labels: &Array<I>, i: usize, #[comptime] c: u32) -> F {
+fn row_loss<F: Float, I: Int>(logits: &[F], labels: &[I], i: usize, #[comptime] c: u32) -> F {
     let (m, lse) = row_stats(logits, i, c);
     let l = usize::cast_from(labels[i]);
     -((logits[i * comptime!(c as usize) + l] - m) - lse)
@@ -62,7 +62,7 @@ fn row_loss<F: Float, I: Int>(logits: &Array<F>, labels: &Array<I>, i: usize, #[
 
 /// Writes row `i`'s gradient `(softmax - one_hot) * scale` into `dx` and returns its loss.
 #[cube]
-fn row_loss_grad<F: Float, I: Int>(logits: &Array<F>, labels: &Array<I>, dx: &mut Array<F>, i: usize, scale: F, #[comptime] c: u32) -> F {
+fn row_loss_grad<F: Float, I: Int>(logits: &[F], labels: &[I], dx: &mut [F], i: usize, scale: F, #[comptime] c: u32) -> F {
     let (m, lse) = row_stats(logits, i, c);
     let cc = comptime!(c as usize);
     let base = i * cc;
@@ -90,9 +90,9 @@ fn seed_scale<F: Float>(#[comptime] d: LossDims, #[comptime] seed: u32) -> F {
 /// Sums the cube's per-unit parts in a fixed tree order into `out[0]` (times `1 / n` for a
 /// mean).
 #[cube]
-fn reduce_store<F: Float>(part: F, out: &mut Array<F>, #[comptime] d: LossDims) {
+fn reduce_store<F: Float>(part: F, out: &mut [F], #[comptime] d: LossDims) {
     let u = UNIT_POS as usize;
-    let mut shared = SharedMemory::<F>::new(comptime!(REDUCE_UNITS as usize));
+    let mut shared = Shared::<[F]>::new_slice(comptime!(REDUCE_UNITS as usize));
     shared[u] = part;
     sync_cube();
     #[unroll]
@@ -115,7 +115,7 @@ fn reduce_store<F: Float>(part: F, out: &mut Array<F>, #[comptime] d: LossDims) 
 /// Row `i`'s loss, and with `grad` its gradient written into `dx` (see [`row_loss_grad`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn row<F: Float, I: Int>(logits: &Array<F>, labels: &Array<I>, dx: &mut Array<F>, i: usize, scale: F, #[comptime] c: u32, #[comptime] grad: bool) -> F {
+fn row<F: Float, I: Int>(logits: &[F], labels: &[I], dx: &mut [F], i: usize, scale: F, #[comptime] c: u32, #[comptime] grad: bool) -> F {
     if comptime!(grad) {
         row_loss_grad(logits, labels, dx, i, scale, c)
     } else {
@@ -128,9 +128,10 @@ fn row<F: Float, I: Int>(logits: &Array<F>, labels: &Array<I>, dx: &mut Array<F>
 /// same bits on every run), the mean scaled by `1 / n`. With `seed` (the f32 bits of a constant
 /// `dloss`) each unit also writes its rows' gradient into `dx`, with the arithmetic of
 /// [`softmax_cross_entropy_grad`]: the loss and its gradient in one launch, the two kernels'
-/// bits. Without, `dx` is not touched.
+/// bits. Without, `dx` is not touched. `_label_type`: the labels' element type (burn's int
+/// type on the device), given at launch.
 #[cube(launch_unchecked)]
-pub fn softmax_cross_entropy<F: Float, I: Int>(logits: &Array<F>, labels: &Array<I>, out: &mut Array<F>, dx: &mut Array<F>, #[comptime] d: LossDims, #[comptime] seed: Option<u32>) {
+pub fn softmax_cross_entropy<F: Float, I: Int>(logits: &[F], labels: &[I], out: &mut [F], dx: &mut [F], #[comptime] d: LossDims, #[comptime] seed: Option<u32>, #[define(I)] _label_type: ElemType) {
     let n = comptime!(d.n as usize);
     let grad = comptime!(seed.is_some());
     let scale = seed_scale::<F>(d, comptime!(seed.unwrap_or(0)));
@@ -153,9 +154,10 @@ pub fn softmax_cross_entropy<F: Float, I: Int>(logits: &Array<F>, labels: &Array
 }
 
 /// The gradient w.r.t. the logits, one unit per element: `(softmax - one_hot) * dl`, `dl`
-/// per row (no reduction), as given (sum) or divided by `n` (mean).
+/// per row (no reduction), as given (sum) or divided by `n` (mean). `_label_type` as in
+/// [`softmax_cross_entropy`].
 #[cube(launch_unchecked)]
-pub fn softmax_cross_entropy_grad<F: Float, I: Int>(logits: &Array<F>, labels: &Array<I>, dl: &Array<F>, dx: &mut Array<F>, #[comptime] d: LossDims) {
+pub fn softmax_cross_entropy_grad<F: Float, I: Int>(logits: &[F], labels: &[I], dl: &[F], dx: &mut [F], #[comptime] d: LossDims, #[define(I)] _label_type: ElemType) {
     let idx = ABSOLUTE_POS;
     if idx < dx.len() {
         let c = comptime!(d.c as usize);

@@ -27,8 +27,8 @@ pub mod ew;
 pub mod loss;
 pub mod pool;
 
+use burn_backend::cubecl::dtype_to_storage_type;
 use burn_backend::{DType, Shape};
-use burn_cubecl::element::{BoolElement, FloatElement, IntElement};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime};
 use cellgraph_compiler::expr::{Binary, Unary};
@@ -36,6 +36,7 @@ use cellgraph_compiler::update::Target;
 use ew::{EStep, EVal, EwKernel};
 use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeDim};
+use cubek::matmul::strategy::Strategy;
 
 use crate::backend::Backend;
 use crate::host::Arena;
@@ -44,14 +45,14 @@ use cellgraph_compiler::TensorType;
 
 /// burn's CUDA backend (no fusion): the executor's tensors are cubecl buffers.
 #[cfg(feature = "cuda")]
-pub type Cuda = CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+pub type Cuda = CubeBackend<cubecl::cuda::CudaRuntime>;
 /// A CUDA device (`cuda:N`).
 #[cfg(feature = "cuda")]
 pub use cubecl::cuda::CudaDevice;
 
 /// burn's cubecl backend on wgpu (Vulkan, Metal, DX12; lavapipe on a CPU).
 #[cfg(feature = "wgpu")]
-pub type Wgpu = CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
+pub type Wgpu = CubeBackend<cubecl::wgpu::WgpuRuntime>;
 /// A wgpu device.
 #[cfg(feature = "wgpu")]
 pub use cubecl::wgpu::WgpuDevice;
@@ -60,16 +61,31 @@ use crate::backend::FLAT_ALIGN as ALIGN;
 
 /// `acc[i] += g[i]`.
 #[cube(launch)]
-pub fn assign_add<F: Float>(acc: &mut Array<F>, g: &Array<F>) {
+pub fn assign_add<F: Float>(acc: &mut [F], g: &[F]) {
     if ABSOLUTE_POS < acc.len() {
         acc[ABSOLUTE_POS] += g[ABSOLUTE_POS];
     }
 }
 
+/// `y[i] = x[i]`: a replayed plan's output copied out of its graph's buffer, or state written
+/// into a new buffer copied back into the one its graph reads.
+#[cube(launch)]
+pub fn copy<F: Float>(x: &[F], y: &mut [F]) {
+    if ABSOLUTE_POS < y.len() {
+        y[ABSOLUTE_POS] = x[ABSOLUTE_POS];
+    }
+}
+
+/// Launches [`copy`] from `x` into `y` (contiguous f32 of one length).
+fn launch_copy<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>) {
+    let (count, dim) = grid(&y.client, y.meta.num_elements());
+    copy::launch::<f32, R>(&y.client, count, dim, arr(x), arr(y));
+}
+
 /// The value `v` at element `i`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn kval<F: Float>(w: F, g: F, s0: &Array<F>, s1: &Array<F>, consts: &Array<F>, lets: &Sequence<F>, i: usize, #[comptime] v: KVal) -> F {
+fn kval<F: Float>(w: F, g: F, s0: &[F], s1: &[F], consts: &[F], lets: &Sequence<F>, i: usize, #[comptime] v: KVal) -> F {
     match comptime!(v) {
         KVal::Param => w,
         KVal::Grad => g,
@@ -92,11 +108,11 @@ fn kval<F: Float>(w: F, g: F, s0: &Array<F>, s1: &Array<F>, consts: &Array<F>, l
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn update_clear<F: Float>(
-    p: &mut Array<F>,
-    acc: &mut Array<F>,
-    s0: &mut Array<F>,
-    s1: &mut Array<F>,
-    consts: &Array<F>,
+    p: &mut [F],
+    acc: &mut [F],
+    s0: &mut [F],
+    s1: &mut [F],
+    consts: &[F],
     scale: f32,
     #[comptime] prog: UpdateKernel,
 ) {
@@ -111,16 +127,16 @@ pub fn update_clear<F: Float>(
             let step = comptime!(prog.steps[k]);
             match comptime!(step) {
                 KStep::Unary(op, x) => {
-                    let x = kval(w, g, s0, s1, consts, &lets, i, x);
+                    let x = kval(w, g, &*s0, &*s1, consts, &lets, i, x);
                     lets.push(ew::unary::<F>(x, op));
                 }
                 KStep::Binary(op, a, b) => {
-                    let a = kval(w, g, s0, s1, consts, &lets, i, a);
-                    let b = kval(w, g, s0, s1, consts, &lets, i, b);
+                    let a = kval(w, g, &*s0, &*s1, consts, &lets, i, a);
+                    let b = kval(w, g, &*s0, &*s1, consts, &lets, i, b);
                     lets.push(ew::binary::<F>(a, b, op));
                 }
                 KStep::Write(t, x) => {
-                    let x = kval(w, g, s0, s1, consts, &lets, i, x);
+                    let x = kval(w, g, &*s0, &*s1, consts, &lets, i, x);
                     match comptime!(t) {
                         Target::Param => p[i] = x,
                         Target::State(k) => {
@@ -205,7 +221,7 @@ impl ConvDims {
 /// epilogue `post` (its operands after the first in `x1`..; [`EwKernel::identity`] for none).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn conv2d_forward<F: Float>(x: &Array<F>, w: &Array<F>, y: &mut Array<F>, x1: &Array<F>, x2: &Array<F>, x3: &Array<F>, #[comptime] g: ConvDims, #[comptime] post: EwKernel) {
+pub fn conv2d_forward<F: Float>(x: &[F], w: &[F], y: &mut [F], x1: &[F], x2: &[F], x3: &[F], #[comptime] g: ConvDims, #[comptime] post: EwKernel) {
     let idx = ABSOLUTE_POS;
     if idx < y.len() {
         let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as i32, g.w as i32, g.o as usize, g.oh as usize, g.ow as usize));
@@ -238,7 +254,7 @@ pub fn conv2d_forward<F: Float>(x: &Array<F>, w: &Array<F>, y: &mut Array<F>, x1
 
 /// Gradient w.r.t. the input: one unit per `dx[n, c, h, w]`.
 #[cube(launch_unchecked)]
-pub fn conv2d_input_grad<F: Float>(dy: &Array<F>, w: &Array<F>, dx: &mut Array<F>, #[comptime] g: ConvDims) {
+pub fn conv2d_input_grad<F: Float>(dy: &[F], w: &[F], dx: &mut [F], #[comptime] g: ConvDims) {
     let idx = ABSOLUTE_POS;
     if idx < dx.len() {
         let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as usize, g.w as usize, g.o as usize, g.oh as i32, g.ow as i32));
@@ -278,7 +294,7 @@ pub fn conv2d_input_grad<F: Float>(dy: &Array<F>, w: &Array<F>, dx: &mut Array<F
 /// (s + 1) * per`. With one slice `part` is the gradient; otherwise [`sum_rows`] adds the
 /// slices in order (a fixed order: the same bits on every run).
 #[cube(launch_unchecked)]
-pub fn conv2d_filter_grad<F: Float>(x: &Array<F>, dy: &Array<F>, part: &mut Array<F>, #[comptime] g: ConvDims, #[comptime] per: u32) {
+pub fn conv2d_filter_grad<F: Float>(x: &[F], dy: &[F], part: &mut [F], #[comptime] g: ConvDims, #[comptime] per: u32) {
     let idx = ABSOLUTE_POS;
     if idx < part.len() {
         let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as i32, g.w as i32, g.o as usize, g.oh as usize, g.ow as usize));
@@ -317,7 +333,7 @@ pub fn conv2d_filter_grad<F: Float>(x: &Array<F>, dy: &Array<F>, part: &mut Arra
 /// instead (an accumulator's view, in `assign_add`'s order). `scale` (f32 bits): the sum times
 /// it (a `reduce_mean`).
 #[cube(launch_unchecked)]
-pub fn sum_rows<F: Float>(x: &Array<F>, y: &mut Array<F>, #[comptime] rows: u32, #[comptime] accumulate: bool, #[comptime] scale: Option<u32>) {
+pub fn sum_rows<F: Float>(x: &[F], y: &mut [F], #[comptime] rows: u32, #[comptime] accumulate: bool, #[comptime] scale: Option<u32>) {
     let j = ABSOLUTE_POS;
     let cols = y.len();
     if j < cols {
@@ -329,7 +345,7 @@ pub fn sum_rows<F: Float>(x: &Array<F>, y: &mut Array<F>, #[comptime] rows: u32,
             acc *= F::new(comptime!(f32::from_bits(scale.unwrap_or(0))));
         }
         if comptime!(accumulate) {
-            y[j] = y[j] + acc;
+            y[j] += acc;
         } else {
             y[j] = acc;
         }
@@ -345,7 +361,7 @@ const PART_LANES: usize = 8;
 /// rows' loads issued [`PART_LANES`] at a time (a unit summing thousands of rows one load
 /// after another waits on each: a bias gradient over 8,192 rows took 230 us on an H200).
 #[cube(launch_unchecked)]
-pub fn sum_row_parts<F: Float>(x: &Array<F>, y: &mut Array<F>, #[comptime] rows: u32, #[comptime] cols: u32) {
+pub fn sum_row_parts<F: Float>(x: &[F], y: &mut [F], #[comptime] rows: u32, #[comptime] cols: u32) {
     let idx = ABSOLUTE_POS;
     if idx < y.len() {
         let (rows, cols) = comptime!((rows as usize, cols as usize));
@@ -384,12 +400,17 @@ fn filter_grad_split(g: &ConvDims) -> (usize, usize) {
 }
 
 /// cubek's exact-f32 kernel for a bound matmul's tiling.
-fn exact_strategy(tiling: Tiling) -> cubek::matmul::launch::Strategy {
-    use cubek::matmul::launch::Strategy;
-    match tiling {
-        Tiling::Simple => Strategy::SimpleUnit(Default::default()),
-        Tiling::Double => Strategy::DoubleUnit(Default::default()),
-    }
+fn exact_strategy(tiling: Tiling) -> Strategy {
+    use cubek::matmul::multi_level::Strategy as Level;
+    Strategy::MultiLevel(match tiling {
+        Tiling::Simple => Level::SimpleUnit(Default::default()),
+        Tiling::Double => Level::DoubleUnit(Default::default()),
+    })
+}
+
+/// cubek's tensor-core kernel (CMMA), which rounds f32 operands to TF32: the `tf32` opt-in.
+fn tf32_strategy() -> Strategy {
+    Strategy::MultiLevel(cubek::matmul::multi_level::Strategy::SimpleCyclicCmma(Default::default()))
 }
 
 /// `y = op(a) @ op(b)` on cubek's kernel for `tiling` (with `tf32`, first its tensor-core
@@ -410,15 +431,15 @@ fn cubek_matmul<R: CubeRuntime>(a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTe
         if transposed {
             v.meta.swap(r - 2, r - 1);
         }
-        cubek::std::InputBinding::new(v.binding(), DType::F32.into())
+        cubek::std::InputBinding::new(v.binding(), dtype_to_storage_type(DType::F32))
     };
     let out = CubeTensor::new_contiguous(y.client.clone(), y.device.clone(), Shape::from(dims(m, n)), y.handle.clone(), DType::F32);
-    let f32s = DType::F32.into();
+    let f32s = dtype_to_storage_type(DType::F32);
     let mut dtypes = MatmulElems::from_globals(&MatmulGlobalElems { lhs: f32s, rhs: f32s, out: f32s });
-    let launch = |strategy: &cubek::matmul::launch::Strategy, dtypes: &mut MatmulElems| {
+    let launch = |strategy: &Strategy, dtypes: &mut MatmulElems| {
         cubek::matmul::launch::launch_ref(strategy, &y.client, operand(a, m, k, ta), operand(b, k, n, tb), out.clone().binding(), dtypes).is_ok()
     };
-    if tf32 && launch(&cubek::matmul::launch::Strategy::SimpleCyclicCmma(Default::default()), &mut dtypes.clone()) {
+    if tf32 && launch(&tf32_strategy(), &mut dtypes.clone()) {
         return true;
     }
     launch(&exact_strategy(tiling), &mut dtypes)
@@ -436,7 +457,7 @@ pub fn naive_matmuls() -> u64 {
 /// `c = op(a) @ op(b)` in exact f32, one unit per output element: where cubek's kernels do
 /// not set up on a device.
 #[cube(launch_unchecked)]
-pub fn matmul<F: Float>(a: &Array<F>, b: &Array<F>, c: &mut Array<F>, #[comptime] mkn: [u32; 3], #[comptime] ta: bool, #[comptime] tb: bool) {
+pub fn matmul<F: Float>(a: &[F], b: &[F], c: &mut [F], #[comptime] mkn: [u32; 3], #[comptime] ta: bool, #[comptime] tb: bool) {
     let idx = ABSOLUTE_POS;
     if idx < c.len() {
         let (mm, kk, nn) = comptime!((mkn[0] as usize, mkn[1] as usize, mkn[2] as usize));
@@ -490,16 +511,34 @@ fn loss_grid<R: CubeRuntime>(client: &ComputeClient<R>, n: usize, reduction: cel
 }
 
 /// The tensor's buffer as a kernel array (the tensor must be contiguous).
-fn arr<R: CubeRuntime>(t: &CubeTensor<R>) -> ArrayArg<R> {
+fn arr<R: CubeRuntime>(t: &CubeTensor<R>) -> BufferArg<R> {
     // SAFETY: `len` is the tensor's element count, which its handle holds.
-    unsafe { ArrayArg::from_raw_parts(t.handle.clone(), t.meta.num_elements()) }
+    unsafe { BufferArg::from_raw_parts(t.handle.clone(), t.meta.num_elements()) }
+}
+
+/// A contiguous tensor holding `data` (burn's uploads may pitch a tensor's rows: a whole-buffer
+/// write would then land in the wrong places).
+fn upload_contiguous<R: CubeRuntime>(data: burn_backend::TensorData, device: &R::Device) -> CubeTensor<R> {
+    let client = R::client(device);
+    let (shape, dtype) = (data.shape.clone(), data.dtype);
+    let handle = client.create(data.bytes);
+    CubeTensor::new_contiguous(client, device.clone(), shape, handle, dtype)
+}
+
+/// Writes `data` (`t`'s type and length) into `t`'s memory, enqueued on this thread's stream.
+fn write<R: CubeRuntime>(t: &CubeTensor<R>, data: burn_backend::TensorData) -> bool {
+    if data.dtype != t.dtype || !t.is_contiguous() || data.bytes.len() != t.meta.num_elements() * t.dtype.size() {
+        return false;
+    }
+    t.client.write(&t.handle, data.bytes);
+    true
 }
 
 /// Launches one optimizer-and-clear kernel ([`update_clear`]) over flat buffers of equal
 /// length: `p` parameters, `acc` accumulators, `state` the rule's state buffers in its order,
 /// `consts` its scalar inputs (learning rate first) then its program's literals. Returns the
 /// kernels launched (1).
-pub fn launch_update<R: CubeRuntime, F: FloatElement + Float>(
+pub fn launch_update<R: CubeRuntime>(
     prog: &UpdateKernel,
     p: &CubeTensor<R>,
     acc: &CubeTensor<R>,
@@ -517,15 +556,15 @@ pub fn launch_update<R: CubeRuntime, F: FloatElement + Float>(
     let c = client.create_from_slice(f32::as_bytes(consts));
     crate::value::count_upload();
     // SAFETY: `consts.len()` f32 in the handle.
-    let c = unsafe { ArrayArg::from_raw_parts(c, consts.len().max(1)) };
-    update_clear::launch::<F, R>(client, count, dim, arr(p), arr(acc), arr(&s0), arr(&s1), c, scale, prog.clone());
+    let c = unsafe { BufferArg::from_raw_parts(c, consts.len().max(1)) };
+    update_clear::launch::<f32, R>(client, count, dim, arr(p), arr(acc), arr(&s0), arr(&s1), c, scale, prog.clone());
     1
 }
 
 /// The filter gradient of `(dy, x)` into `y` (added into it with `accumulate`, in
 /// `assign_add`'s order): split over its output positions ([`filter_grad_split`]), the slices
 /// summed in order by [`sum_rows`]; one slice without accumulation is written straight to `y`.
-fn filter_grad<R: CubeRuntime, F: FloatElement + Float>(dims: &ConvDims, dy: &CubeTensor<R>, x: &CubeTensor<R>, y: &CubeTensor<R>, accumulate: bool, arena: &mut Arena) {
+fn filter_grad<R: CubeRuntime>(dims: &ConvDims, dy: &CubeTensor<R>, x: &CubeTensor<R>, y: &CubeTensor<R>, accumulate: bool, arena: &mut Arena) {
     let client = &y.client;
     let numel = dims.filter_len();
     let (slices, per) = filter_grad_split(dims);
@@ -533,14 +572,14 @@ fn filter_grad<R: CubeRuntime, F: FloatElement + Float>(dims: &ConvDims, dy: &Cu
     // SAFETY: as in `head_kernel`; `y` holds exactly the filter's elements.
     unsafe {
         if slices == 1 && !accumulate {
-            conv2d_filter_grad::launch_unchecked::<F, R>(client, count, dim, arr(x), arr(dy), arr(y), *dims, per as u32);
+            conv2d_filter_grad::launch_unchecked::<f32, R>(client, count, dim, arr(x), arr(dy), arr(y), *dims, per as u32);
         } else {
             // The slices in the arena's scratch buffer of their length (launches run in order,
             // so the next user of the buffer writes it after the sum has read it).
             let part = arena.take_scratch::<CubeTensor<R>>(slices * numel).unwrap_or_else(|| empty::<R>(client, &y.device, &[slices, numel]));
             let (pc, pd) = grid(client, slices * numel);
-            conv2d_filter_grad::launch_unchecked::<F, R>(client, pc, pd, arr(x), arr(dy), arr(&part), *dims, per as u32);
-            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(&part), arr(y), slices as u32, accumulate, None);
+            conv2d_filter_grad::launch_unchecked::<f32, R>(client, pc, pd, arr(x), arr(dy), arr(&part), *dims, per as u32);
+            sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(&part), arr(y), slices as u32, accumulate, None);
             arena.give_scratch(slices * numel, part);
         }
     }
@@ -550,7 +589,7 @@ fn filter_grad<R: CubeRuntime, F: FloatElement + Float>(dims: &ConvDims, dy: &Cu
 /// [`sum_rows`] over a few rows; over many, their parts' sums ([`sum_row_parts`]) then the
 /// parts' sum, so that no unit walks thousands of rows.
 #[allow(clippy::too_many_arguments)]
-fn column_sums<R: CubeRuntime, F: FloatElement + Float>(x: &CubeTensor<R>, y: &CubeTensor<R>, rows: usize, cols: usize, scale: Option<f32>, accumulate: bool, arena: &mut Arena) -> Option<()> {
+fn column_sums<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>, rows: usize, cols: usize, scale: Option<f32>, accumulate: bool, arena: &mut Arena) -> Option<()> {
     let client = &y.client;
     let (count, dim) = grid(client, cols);
     let scale = scale.map(f32::to_bits);
@@ -559,14 +598,14 @@ fn column_sums<R: CubeRuntime, F: FloatElement + Float>(x: &CubeTensor<R>, y: &C
     // rows below `rows` (or `parts`) of `cols` elements.
     unsafe {
         if rows <= 4 * PART_ROWS {
-            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(x), arr(y), rows32, accumulate, scale);
+            sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(x), arr(y), rows32, accumulate, scale);
         } else {
             let parts = rows.div_ceil(PART_ROWS);
             let len = parts * cols;
             let part = arena.take_scratch::<CubeTensor<R>>(len).unwrap_or_else(|| empty::<R>(client, &y.device, &[parts, cols]));
             let (pc, pd) = grid(client, len);
-            sum_row_parts::launch_unchecked::<F, R>(client, pc, pd, arr(x), arr(&part), rows32, cols32);
-            sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(&part), arr(y), parts as u32, accumulate, scale);
+            sum_row_parts::launch_unchecked::<f32, R>(client, pc, pd, arr(x), arr(&part), rows32, cols32);
+            sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(&part), arr(y), parts as u32, accumulate, scale);
             arena.give_scratch(len, part);
         }
     }
@@ -594,7 +633,7 @@ fn split_parts(m: usize, k: usize, n: usize, ta: bool, tb: bool) -> Option<usize
 /// (in part order: the same bits on every run). False, having launched nothing, when the
 /// product is not cut or cubek's batched kernel does not set up.
 #[allow(clippy::too_many_arguments)]
-fn split_matmul<R: CubeRuntime, F: FloatElement + Float>([m, k, n]: [usize; 3], ta: bool, tb: bool, a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, accumulate: bool, tf32: bool, arena: &mut Arena) -> bool {
+fn split_matmul<R: CubeRuntime>([m, k, n]: [usize; 3], ta: bool, tb: bool, a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, accumulate: bool, tf32: bool, arena: &mut Arena) -> bool {
     let Some(parts) = split_parts(m, k, n, ta, tb) else { return false };
     let client = &y.client;
     let len = parts * m * n;
@@ -604,7 +643,7 @@ fn split_matmul<R: CubeRuntime, F: FloatElement + Float>([m, k, n]: [usize; 3], 
     if done {
         let (count, dim) = grid(client, m * n);
         // SAFETY: one unit per element of `y` (`m * n`), reading `parts * m * n` of `part`.
-        unsafe { sum_rows::launch_unchecked::<F, R>(client, count, dim, arr(&part), arr(y), parts as u32, accumulate, None) };
+        unsafe { sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(&part), arr(y), parts as u32, accumulate, None) };
     }
     arena.give_scratch(len, part);
     done
@@ -615,7 +654,7 @@ fn split_matmul<R: CubeRuntime, F: FloatElement + Float>([m, k, n]: [usize; 3], 
 /// stores its result through the in-place epilogue `post` (operands after the first in
 /// `rest`); the others take [`EwKernel::identity`] only.
 #[allow(clippy::too_many_arguments)]
-fn head_kernel<R: CubeRuntime, F: FloatElement + Float>(op: &Native, a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, numel: usize, tf32: bool, post: &EwKernel, rest: &[CubeTensor<R>], arena: &mut Arena) {
+fn head_kernel<R: CubeRuntime>(op: &Native, a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, numel: usize, tf32: bool, post: &EwKernel, rest: &[CubeTensor<R>], arena: &mut Arena) {
     let client = &y.client;
     let (count, dim) = grid(client, numel);
     // The epilogue's operands 1.. (slots it does not read get another operand, never `y`).
@@ -625,25 +664,25 @@ fn head_kernel<R: CubeRuntime, F: FloatElement + Float>(op: &Native, a: &CubeTen
     // bound op's, which the plan's types fix).
     match *op {
         Native::MatMul { m, k, n, transpose_a, transpose_b, tiling } => {
-            if split_matmul::<R, F>([m, k, n], transpose_a, transpose_b, a, b, y, false, tf32, arena) {
+            if split_matmul::<R>([m, k, n], transpose_a, transpose_b, a, b, y, false, tf32, arena) {
                 return;
             }
             if !cubek_matmul(a, b, y, 1, [m, k, n], transpose_a, transpose_b, tiling, tf32) {
                 NAIVE_MATMULS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let mkn = [m as u32, k as u32, n as u32];
-                unsafe { matmul::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(b), arr(y), mkn, transpose_a, transpose_b) }
+                unsafe { matmul::launch_unchecked::<f32, R>(client, count, dim, arr(a), arr(b), arr(y), mkn, transpose_a, transpose_b) }
             }
         }
         Native::Conv { kind, g, groups, out_channels, .. } => {
             let dims = ConvDims::of(&g, groups, out_channels);
             match kind {
-                ConvKind::Forward => unsafe { conv2d_forward::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(b), arr(y), x(0), x(1), x(2), dims, post.clone()) },
-                ConvKind::InputGrad => unsafe { conv2d_input_grad::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(b), arr(y), dims) },
+                ConvKind::Forward => unsafe { conv2d_forward::launch_unchecked::<f32, R>(client, count, dim, arr(a), arr(b), arr(y), x(0), x(1), x(2), dims, post.clone()) },
+                ConvKind::InputGrad => unsafe { conv2d_input_grad::launch_unchecked::<f32, R>(client, count, dim, arr(a), arr(b), arr(y), dims) },
                 // The op's operands are (dy, x).
-                ConvKind::FilterGrad => filter_grad::<R, F>(&dims, a, b, y, false, arena),
+                ConvKind::FilterGrad => filter_grad::<R>(&dims, a, b, y, false, arena),
             }
         }
-        Native::MaxPoolGrad { g, .. } => unsafe { pool::max_pool2d_grad::launch_unchecked::<F, R>(client, count, dim, arr(a), arr(b), arr(y), x(0), x(1), x(2), ConvDims::of(&g, 1, g.x[1]), post.clone()) },
+        Native::MaxPoolGrad { g, .. } => unsafe { pool::max_pool2d_grad::launch_unchecked::<f32, R>(client, count, dim, arr(a), arr(b), arr(y), x(0), x(1), x(2), ConvDims::of(&g, 1, g.x[1]), post.clone()) },
         _ => unreachable!("a head kernel runs matmuls, convolutions and pooling gradients"),
     }
 }
@@ -651,7 +690,7 @@ fn head_kernel<R: CubeRuntime, F: FloatElement + Float>(op: &Native, a: &CubeTen
 /// Launches the elementwise program `p` writing `y`: operand `k` is `xs[k]`, or with `p` in
 /// place, operand 0 is `y` and operand `k` is `xs[k - 1]`. Slots the program does not read get
 /// another operand (or a one-element buffer): never `y`, which the kernel writes.
-fn launch_elementwise<R: CubeRuntime, F: FloatElement + Float>(p: &EwKernel, y: &CubeTensor<R>, xs: &[CubeTensor<R>]) {
+fn launch_elementwise<R: CubeRuntime>(p: &EwKernel, y: &CubeTensor<R>, xs: &[CubeTensor<R>]) {
     let client = &y.client;
     let (count, dim) = grid(client, y.meta.num_elements());
     let spare = xs.first().cloned().unwrap_or_else(|| empty::<R>(client, &y.device, &[1]));
@@ -659,18 +698,70 @@ fn launch_elementwise<R: CubeRuntime, F: FloatElement + Float>(p: &EwKernel, y: 
     let slot = |k: usize| arr(k.checked_sub(skip).and_then(|k| xs.get(k)).unwrap_or(&spare));
     // SAFETY: each unit checks its position against `y`'s length, and reads each operand at
     // an index its bound read keeps below the operand's extents.
-    unsafe { ew::elementwise::launch_unchecked::<F, R>(client, count, dim, arr(y), slot(0), slot(1), slot(2), slot(3), p.clone()) }
+    unsafe { ew::elementwise::launch_unchecked::<f32, R>(client, count, dim, arr(y), slot(0), slot(1), slot(2), slot(3), p.clone()) }
 }
 
-impl<R, F, I, BT> Backend for CubeBackend<R, F, I, BT>
-where
-    R: CubeRuntime,
-    F: FloatElement + Float,
-    I: IntElement,
-    BT: BoolElement,
-{
+/// burn's default integer type on `device`: the type it makes class labels in, the only one
+/// the loss kernels are given.
+fn int_dtype<R: CubeRuntime>(device: &R::Device) -> DType {
+    burn_backend::get_device_settings::<CubeBackend<R>>(device).int_dtype.into()
+}
+
+impl<R: CubeRuntime> Backend for CubeBackend<R> {
+    /// The flat buffers come from [`Backend::from_host_vec`], in f32 (the kernels' type).
     fn flat_buffers() -> bool {
-        F::dtype() == burn_backend::DType::F32
+        true
+    }
+
+    /// CUDA replays captured graphs by default; wgpu records them too (CI's replay tests),
+    /// but only when asked.
+    fn graphs_by_default() -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            core::any::TypeId::of::<R>() == core::any::TypeId::of::<cubecl::cuda::CudaRuntime>()
+        }
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    fn write_float(t: &CubeTensor<R>, data: burn_backend::TensorData) -> bool {
+        write(t, data)
+    }
+
+    fn write_int(t: &CubeTensor<R>, data: burn_backend::TensorData) -> bool {
+        write(t, data)
+    }
+
+    fn contiguous_float(data: burn_backend::TensorData, device: &R::Device) -> Option<CubeTensor<R>> {
+        Some(upload_contiguous::<R>(data, device))
+    }
+
+    fn contiguous_int(data: burn_backend::TensorData, device: &R::Device) -> Option<CubeTensor<R>> {
+        Some(upload_contiguous::<R>(data, device))
+    }
+
+    fn device_copy(t: &CubeTensor<R>) -> Option<CubeTensor<R>> {
+        if t.dtype != DType::F32 || !t.is_contiguous() {
+            return None;
+        }
+        let y = empty::<R>(&t.client, &t.device, &t.meta.shape().to_vec());
+        launch_copy(t, &y);
+        Some(y)
+    }
+
+    fn copy_into(dst: &CubeTensor<R>, src: &CubeTensor<R>) -> bool {
+        let fits = dst.meta.num_elements() == src.meta.num_elements() && dst.dtype == DType::F32 && src.dtype == DType::F32;
+        if !fits || !dst.is_contiguous() {
+            return false;
+        }
+        launch_copy(&burn_cubecl::kernel::into_contiguous(src.clone()), dst);
+        true
+    }
+
+    fn same_buffer(a: &CubeTensor<R>, b: &CubeTensor<R>) -> bool {
+        // cubecl keeps a memory's identity private; its handle's debug form shows it (id,
+        // location, offsets, size).
+        format!("{:?}", a.handle) == format!("{:?}", b.handle)
     }
 
     fn flat_view(buffer: &CubeTensor<R>, offset: usize, shape: &[usize]) -> Option<CubeTensor<R>> {
@@ -695,22 +786,23 @@ where
     }
 
     fn assign_add_in_place(acc: &CubeTensor<R>, g: CubeTensor<R>) -> bool {
-        if !acc.is_contiguous() || acc.meta.num_elements() != g.meta.num_elements() || acc.dtype != g.dtype {
+        if !acc.is_contiguous() || acc.meta.num_elements() != g.meta.num_elements() || acc.dtype != DType::F32 || g.dtype != DType::F32 {
             return false;
         }
         let g = burn_cubecl::kernel::into_contiguous(g);
         let n = acc.meta.num_elements();
         let (count, dim) = grid(&acc.client, n);
-        assign_add::launch::<F, R>(&acc.client, count, dim, arr(acc), arr(&g));
+        assign_add::launch::<f32, R>(&acc.client, count, dim, arr(acc), arr(&g));
         true
     }
 
     fn device_kernel(op: &Native, args: &[&CubeTensor<R>], ints: &[&CubeTensor<R>], out: &TensorType, tf32: bool, arena: &mut Arena) -> Option<CubeTensor<R>> {
-        if F::dtype() != DType::F32 || args.iter().any(|t| t.dtype != DType::F32) || ints.iter().any(|t| t.dtype != I::dtype()) {
-            return None;
-        }
         let first = args.first()?;
         let (client, device) = (first.client.clone(), first.device.clone());
+        let int = int_dtype::<R>(&device);
+        if args.iter().any(|t| t.dtype != DType::F32) || ints.iter().any(|t| t.dtype != int) {
+            return None;
+        }
         let contiguous = |t: &CubeTensor<R>| burn_cubecl::kernel::into_contiguous(t.clone());
         let numel = out.numel().max(1);
         let (count, dim) = grid(&client, numel);
@@ -722,7 +814,7 @@ where
             Native::MatMul { .. } | Native::Conv { .. } => {
                 let (a, b) = (contiguous(args[0]), contiguous(args[1]));
                 let y = output::<R>(arena, &client, &device, out.dims());
-                head_kernel::<R, F>(op, &a, &b, &y, numel, tf32, &EwKernel::identity(), &[], arena);
+                head_kernel::<R>(op, &a, &b, &y, numel, tf32, &EwKernel::identity(), &[], arena);
                 y
             }
             Native::Epilogue { head, head_args, post } => {
@@ -732,12 +824,12 @@ where
                     // The program inside the head's kernel, on its result before it is stored.
                     let (a, b) = (contiguous(args[0]), contiguous(args[1]));
                     let y = output::<R>(arena, &client, &device, out.dims());
-                    head_kernel::<R, F>(head, &a, &b, &y, numel, tf32, &prog, &rest, arena);
+                    head_kernel::<R>(head, &a, &b, &y, numel, tf32, &prog, &rest, arena);
                     y
                 } else {
                     // The head, then the program over the head's output in place.
                     let y = Self::device_kernel(head, args.get(..*head_args)?, &[], out, tf32, arena)?;
-                    launch_elementwise::<R, F>(&prog, &y, &rest);
+                    launch_elementwise::<R>(&prog, &y, &rest);
                     y
                 }
             }
@@ -745,7 +837,7 @@ where
                 let prog = EwKernel::new(e, false)?;
                 let xs: Vec<_> = args.iter().map(|t| contiguous(t)).collect();
                 let y = output::<R>(arena, &client, &device, out.dims());
-                launch_elementwise::<R, F>(&prog, &y, &xs);
+                launch_elementwise::<R>(&prog, &y, &xs);
                 y
             }
             Native::Relu | Native::ReluGrad => {
@@ -755,32 +847,32 @@ where
                 };
                 let xs: Vec<_> = args.iter().map(|t| contiguous(t)).collect();
                 let y = output::<R>(arena, &client, &device, out.dims());
-                launch_elementwise::<R, F>(&prog, &y, &xs);
+                launch_elementwise::<R>(&prog, &y, &xs);
                 y
             }
             Native::SumRows { cols } => {
                 let x = contiguous(args[0]);
                 let y = output::<R>(arena, &client, &device, out.dims());
-                column_sums::<R, F>(&x, &y, x.meta.num_elements() / cols, *cols, None, false, arena)?;
+                column_sums::<R>(&x, &y, x.meta.num_elements() / cols, *cols, None, false, arena)?;
                 y
             }
             // Over the leading axes (a layer norm's parameter gradients): column sums.
             &Native::SumPlanes { outer, inner: 1, scale } => {
                 let x = contiguous(args[0]);
                 let y = output::<R>(arena, &client, &device, out.dims());
-                column_sums::<R, F>(&x, &y, outer, out.numel(), scale.map(|s| s as f32), false, arena)?;
+                column_sums::<R>(&x, &y, outer, out.numel(), scale.map(|s| s as f32), false, arena)?;
                 y
             }
             Native::MaxPool { g, .. } if !g.has_empty_window() => {
                 let x = contiguous(args[0]);
                 let y = output::<R>(arena, &client, &device, out.dims());
-                unsafe { pool::max_pool2d::launch_unchecked::<F, R>(&client, count, dim, arr(&x), arr(&y), ConvDims::of(g, 1, g.x[1])) };
+                unsafe { pool::max_pool2d::launch_unchecked::<f32, R>(&client, count, dim, arr(&x), arr(&y), ConvDims::of(g, 1, g.x[1])) };
                 y
             }
             Native::MaxPoolGrad { .. } => {
                 let (x, dy) = (contiguous(args[0]), contiguous(args[1]));
                 let y = output::<R>(arena, &client, &device, out.dims());
-                head_kernel::<R, F>(op, &x, &dy, &y, numel, tf32, &EwKernel::identity(), &[], arena);
+                head_kernel::<R>(op, &x, &dy, &y, numel, tf32, &EwKernel::identity(), &[], arena);
                 y
             }
             Native::SoftmaxCrossEntropy { c, reduction, grad, .. } => {
@@ -790,12 +882,12 @@ where
                 let y = output::<R>(arena, &client, &device, out.dims());
                 if *grad {
                     let dl = contiguous(args.get(1)?);
-                    unsafe { loss::softmax_cross_entropy_grad::launch_unchecked::<F, I, R>(&client, count, dim, arr(&logits), arr(&labels), arr(&dl), arr(&y), dims) };
+                    unsafe { loss::softmax_cross_entropy_grad::launch_unchecked::<f32, R>(&client, count, dim, arr(&logits), arr(&labels), arr(&dl), arr(&y), dims, dtype_to_storage_type(int)) };
                 } else {
                     let (count, dim) = loss_grid(&client, n, *reduction);
                     // No gradient: `dx` is never touched (a one-element buffer of its own).
                     let dx = arena.take_scratch::<CubeTensor<R>>(1).unwrap_or_else(|| empty::<R>(&client, &device, &[1]));
-                    unsafe { loss::softmax_cross_entropy::launch_unchecked::<F, I, R>(&client, count, dim, arr(&logits), arr(&labels), arr(&y), arr(&dx), dims, None) };
+                    unsafe { loss::softmax_cross_entropy::launch_unchecked::<f32, R>(&client, count, dim, arr(&logits), arr(&labels), arr(&y), arr(&dx), dims, None, dtype_to_storage_type(int)) };
                     arena.give_scratch(1, dx);
                 }
                 y
@@ -815,7 +907,7 @@ where
             &Native::Attention { b, t, heads, d, causal, grad, .. } => {
                 let g = attention::AttnDims::new(t, heads, d, causal)?;
                 let rows = b * heads * t;
-                if rows == 0 || attention::shared_bytes(d, core::mem::size_of::<F>()) > client.properties().hardware.max_shared_memory_size {
+                if rows == 0 || attention::shared_bytes(d, core::mem::size_of::<f32>()) > client.properties().hardware.max_shared_memory_size {
                     return None;
                 }
                 let qkv = contiguous(args[0]);
@@ -831,11 +923,11 @@ where
                     if grad {
                         let dy = contiguous(args.get(1)?);
                         let stats = arena.take_scratch::<CubeTensor<R>>(3 * rows).unwrap_or_else(|| empty::<R>(&client, &device, &[3 * rows]));
-                        attention::attention_grad_rows::launch_unchecked::<F, R>(&client, count.clone(), dim, arr(&qkv), arr(&dy), arr(&y), arr(&stats), scale, g);
-                        attention::attention_grad_cols::launch_unchecked::<F, R>(&client, count, dim, arr(&qkv), arr(&dy), arr(&stats), arr(&y), scale, g);
+                        attention::attention_grad_rows::launch_unchecked::<f32, R>(&client, count.clone(), dim, arr(&qkv), arr(&dy), arr(&y), arr(&stats), scale, g);
+                        attention::attention_grad_cols::launch_unchecked::<f32, R>(&client, count, dim, arr(&qkv), arr(&dy), arr(&stats), arr(&y), scale, g);
                         arena.give_scratch(3 * rows, stats);
                     } else {
-                        attention::attention_forward::launch_unchecked::<F, R>(&client, count, dim, arr(&qkv), arr(&y), scale, g);
+                        attention::attention_forward::launch_unchecked::<f32, R>(&client, count, dim, arr(&qkv), arr(&y), scale, g);
                     }
                 }
                 y
@@ -848,7 +940,8 @@ where
     fn device_loss_with_grad(op: &Native, args: &[&CubeTensor<R>], ints: &[&CubeTensor<R>], out: &TensorType, seed: f64, arena: &mut Arena) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
         let Native::SoftmaxCrossEntropy { c, reduction, grad: false, .. } = *op else { return None };
         let ([logits], [labels]) = (args, ints) else { return None };
-        if F::dtype() != DType::F32 || logits.dtype != DType::F32 || labels.dtype != I::dtype() {
+        let int = int_dtype::<R>(&logits.device);
+        if logits.dtype != DType::F32 || labels.dtype != int {
             return None;
         }
         let contiguous = |t: &CubeTensor<R>| burn_cubecl::kernel::into_contiguous(t.clone());
@@ -865,12 +958,12 @@ where
         let (count, dim) = loss_grid(client, n, reduction);
         // SAFETY: each unit writes rows below `n` of `dx` (`n * c` elements) and of `y`, reading
         // rows below `n` of the logits and labels (class ids checked on the host).
-        unsafe { loss::softmax_cross_entropy::launch_unchecked::<F, I, R>(client, count, dim, arr(&logits), arr(&labels), arr(&y), arr(&dx), dims, Some((seed as f32).to_bits())) };
+        unsafe { loss::softmax_cross_entropy::launch_unchecked::<f32, R>(client, count, dim, arr(&logits), arr(&labels), arr(&y), arr(&dx), dims, Some((seed as f32).to_bits()), dtype_to_storage_type(int)) };
         Some((y, dx))
     }
 
     fn device_accumulate(op: &Native, args: &[&CubeTensor<R>], acc: &CubeTensor<R>, arena: &mut Arena) -> bool {
-        let f32s = F::dtype() == DType::F32 && acc.dtype == DType::F32 && args.iter().all(|t| t.dtype == DType::F32);
+        let f32s = acc.dtype == DType::F32 && args.iter().all(|t| t.dtype == DType::F32);
         if !f32s || !acc.is_contiguous() {
             return false;
         }
@@ -883,26 +976,27 @@ where
                 if args.len() != 2 || acc.meta.num_elements() != dims.filter_len() {
                     return false;
                 }
-                filter_grad::<R, F>(&dims, &contiguous(args[0]), &contiguous(args[1]), acc, true, arena);
+                filter_grad::<R>(&dims, &contiguous(args[0]), &contiguous(args[1]), acc, true, arena);
                 true
             }
             // A weight gradient over many rows: its parts' products summed straight into
             // the accumulator (see `split_matmul`), in exact f32 (this hook has no TF32 opt-in).
             Native::MatMul { m, k, n, transpose_a, transpose_b, .. } => {
                 let [a, b] = args else { return false };
-                acc.meta.num_elements() == m * n && split_matmul::<R, F>([m, k, n], transpose_a, transpose_b, &contiguous(a), &contiguous(b), acc, true, false, arena)
+                acc.meta.num_elements() == m * n && split_matmul::<R>([m, k, n], transpose_a, transpose_b, &contiguous(a), &contiguous(b), acc, true, false, arena)
             }
             // A bias gradient: the column sums added into the accumulator.
             Native::SumRows { cols } => {
                 let [x] = args else { return false };
                 let x = contiguous(x);
-                acc.meta.num_elements() == cols && column_sums::<R, F>(&x, acc, x.meta.num_elements() / cols, cols, None, true, arena).is_some()
+                acc.meta.num_elements() == cols && column_sums::<R>(&x, acc, x.meta.num_elements() / cols, cols, None, true, arena).is_some()
             }
             _ => false,
         }
     }
 
     fn fused_update(prog: &UpdateKernel, p: &CubeTensor<R>, acc: &CubeTensor<R>, state: &[CubeTensor<R>], scale: f32, consts: &[f32]) -> Option<usize> {
-        Some(launch_update::<R, F>(prog, p, acc, state, scale, consts))
+        let f32s = [p, acc].into_iter().chain(state).all(|t| t.dtype == DType::F32);
+        f32s.then(|| launch_update::<R>(prog, p, acc, state, scale, consts))
     }
 }

@@ -14,7 +14,7 @@ use super::ConvDims;
 /// does not type as `bool` on a generic float.)
 #[cube]
 #[allow(clippy::eq_op)]
-fn argmax<F: Float>(x: &Array<F>, base: usize, oy: usize, ox: usize, #[comptime] g: ConvDims) -> i32 {
+fn argmax<F: Float>(x: &[F], base: usize, oy: usize, ox: usize, #[comptime] g: ConvDims) -> i32 {
     let (h, w) = comptime!((g.h as i32, g.w as i32));
     let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
     let mut best = F::new(0.0);
@@ -44,7 +44,7 @@ fn argmax<F: Float>(x: &Array<F>, base: usize, oy: usize, ox: usize, #[comptime]
 /// element of the plane ([`crate::kernel::Geometry::has_empty_window`]: the host kernels give
 /// such a window -inf, and WGSL has no infinite literal).
 #[cube(launch_unchecked)]
-pub fn max_pool2d<F: Float>(x: &Array<F>, y: &mut Array<F>, #[comptime] g: ConvDims) {
+pub fn max_pool2d<F: Float>(x: &[F], y: &mut [F], #[comptime] g: ConvDims) {
     let idx = ABSOLUTE_POS;
     if idx < y.len() {
         let (hw, oh, ow) = comptime!(((g.h * g.w) as usize, g.oh as usize, g.ow as usize));
@@ -64,7 +64,7 @@ pub fn max_pool2d<F: Float>(x: &Array<F>, y: &mut Array<F>, #[comptime] g: ConvD
 /// order, stored through the epilogue `post` (as [`super::conv2d_forward`]'s).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn max_pool2d_grad<F: Float>(x: &Array<F>, dy: &Array<F>, dx: &mut Array<F>, x1: &Array<F>, x2: &Array<F>, x3: &Array<F>, #[comptime] g: ConvDims, #[comptime] post: EwKernel) {
+pub fn max_pool2d_grad<F: Float>(x: &[F], dy: &[F], dx: &mut [F], x1: &[F], x2: &[F], x3: &[F], #[comptime] g: ConvDims, #[comptime] post: EwKernel) {
     let idx = ABSOLUTE_POS;
     if idx < dx.len() {
         let (h, w, oh, ow) = comptime!((g.h as usize, g.w as usize, g.oh as i32, g.ow as i32));

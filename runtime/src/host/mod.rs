@@ -478,17 +478,17 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
 /// type, writing into a buffer from `arena`; `None` sends the step to burn's generic lowering.
 /// `args` are the float operands and `ints` the integer ones, each in operand order.
 #[allow(clippy::too_many_arguments)]
-pub fn run_host<B: Backend>(k: &Native, args: &[&FloatTensor<B>], ints: &[&IntTensor<B>], tys: &[&TensorType], out: &TensorType, device: &Device<B>, kept: &mut Kept, arena: &mut Arena) -> Option<FloatTensor<B>> {
+pub fn run_host<B: Backend>(k: &Native, args: &[&FloatTensor<B>], ints: &[&IntTensor<B>], tys: &[&TensorType], out: &TensorType, (device, float): (&Device<B>, FloatDType), kept: &mut Kept, arena: &mut Arena) -> Option<FloatTensor<B>> {
     if !out.dtype.is_float() {
         return None;
     }
     let slices: Vec<HostSlice> = args.iter().map(|t| B::host_slice(t)).collect::<Option<_>>()?;
     let ints: Vec<_> = ints.iter().map(|t| B::host_ints(t)).collect::<Option<_>>()?;
     let ints: Vec<&[i64]> = ints.iter().map(|v| &v[..]).collect();
-    // The operands' element type, or (a constant) the backend's.
+    // The operands' element type, or (a constant) the session's.
     let wide = match slices.first() {
         Some(s) => matches!(s, HostSlice::F64(_)),
-        None => <B::FloatElem as burn_backend::Element>::dtype() == burn_backend::DType::F64,
+        None => float == FloatDType::F64,
     };
     let data = if wide {
         run::<f64>(k, &slices, &ints, tys, out, kept, arena).map(f64::wrap)

@@ -1,0 +1,92 @@
+//! Replaying a plan as one captured device graph (CUDA graphs; wgpu's recorded graphs):
+//! MindSpore's sink mode, without user code.
+//!
+//! A plan shape (plan and input types: a short last batch is another shape, with its own
+//! graph) runs op by op twice before it is captured, since a capture may take no buffer the
+//! session's arena does not already hold, and one run is not always enough to fill it (a
+//! value still held when its run ends gives its buffer back only at the next):
+//!
+//! 1. **First run**: the inputs are uploaded into contiguous buffers kept for the plan's
+//!    life, and the plan runs op by op (kernels compiled, buffers made).
+//! 2. **Second run**: the inputs are written into those buffers, the backend is told a
+//!    capture is coming (`graph_prepare`: allocations go to pools a graph can pin; a stream
+//!    holds one prepared capture at a time, so this and the capture happen in one call), the
+//!    plan runs op by op again (this run's results), then runs a third time between
+//!    `graph_start_capture` and `graph_stop_capture`, reading the same input buffers: its
+//!    launches are recorded, not run. A step that reads the device, uploads, or takes a
+//!    buffer the arena does not hold fails the capture with an error naming it (a graph
+//!    cannot carry a host copy or an allocation). A parameter the plan writes into a new
+//!    buffer is copied back into the buffer it read, inside the graph, so every replay reads
+//!    what the last one wrote.
+//!
+//! A plan whose first run had a step read the device or upload (a loss checking labels the
+//! plan computed, dropout keys read back) is never captured: its runs stay op by op, counted
+//! ([`ReplayCounts::uncaptured`]) and named ([`crate::Session::replay_blockers`]).
+//!
+//! Every later run is a **replay**: inputs written in place (enqueued, no wait; cubecl stages
+//! small host data through pinned memory), one launch for the whole plan, then its outputs
+//! copied out (the next replay writes the same buffers).
+//!
+//! A parameter set from outside a run (a checkpoint loaded, the accumulators replaced)
+//! forgets every graph that reads it; its plan warms up and is captured again.
+
+use std::collections::{BTreeSet, HashMap};
+
+use burn_backend::BackendGraph;
+use cellgraph_compiler::TensorType;
+
+use crate::value::Value;
+use crate::Backend;
+
+/// What replay did in a session: see [`crate::Session::replay_counts`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReplayCounts {
+    /// Runs op by op before a capture (one per plan shape, and again after a forget).
+    pub warmups: u64,
+    /// Graphs captured.
+    pub captures: u64,
+    /// Runs replayed from a captured graph.
+    pub replays: u64,
+    /// Graphs forgotten because a parameter they read was set from outside a run.
+    pub forgotten: u64,
+    /// Runs op by op because their plan cannot be captured (a step reads the device or
+    /// uploads: [`crate::Session::replay_blockers`] names it).
+    pub uncaptured: u64,
+}
+
+/// One plan shape's buffers and graph.
+pub(crate) struct Entry<B: Backend> {
+    /// The input buffers every run of this shape reads (written in place before each).
+    pub inputs: Vec<Value<B>>,
+    /// Session values the plan reads or writes: setting one from outside forgets the graph.
+    pub names: BTreeSet<String>,
+    /// The captured graph and the buffers it leaves its outputs in; `None` after the first
+    /// run (captured at the second).
+    pub graph: Option<(BackendGraph<B>, Vec<Value<B>>)>,
+    /// Why the plan cannot be captured, found by the first run (a step that reads the device
+    /// or uploads): every later run is op by op, counted.
+    pub blocker: Option<String>,
+    /// Second runs that took new buffers (not yet steady), so were not captured.
+    pub tries: u32,
+}
+
+/// A session's captured plans, by plan id and input types.
+pub(crate) struct Graphs<B: Backend> {
+    pub entries: HashMap<(u64, Vec<TensorType>), Entry<B>>,
+    pub counts: ReplayCounts,
+}
+
+impl<B: Backend> Default for Graphs<B> {
+    fn default() -> Self {
+        Graphs { entries: HashMap::new(), counts: ReplayCounts::default() }
+    }
+}
+
+impl<B: Backend> Graphs<B> {
+    /// Forgets the graphs of plans that read or write `name`.
+    pub fn forget(&mut self, name: &str) {
+        let before = self.entries.len();
+        self.entries.retain(|_, e| !e.names.contains(name));
+        self.counts.forgotten += (before - self.entries.len()) as u64;
+    }
+}
