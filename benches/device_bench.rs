@@ -51,10 +51,9 @@ struct Args {
     /// where its time went: the slowest ops and kinds of step (launch and kernels together).
     #[arg(long)]
     profile: bool,
-    /// Run each micro-step op by op instead of replaying its captured graph (the default on
-    /// CUDA).
+    /// Replay each micro-step as its captured graph (see the README's "CUDA graph replay").
     #[arg(long)]
-    no_graphs: bool,
+    graphs: bool,
 }
 
 /// The GPT's characters (the Shakespeare corpus has 65) and context.
@@ -120,7 +119,7 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     let flops_per_item = cellgraph::compiler::cost::flops(&micro_graph) as f64 / b as f64;
     let mut acc = Accumulator::<B>::new(Rc::new(net), opt, device, 1)?;
     acc.session.set_tf32(args.tf32);
-    let graphs = acc.session.graphs() && !args.no_graphs;
+    let graphs = args.graphs;
     acc.session.set_graphs(graphs)?;
     let mut i = 0;
     let mut run = |acc: &mut Accumulator<B>, updates: usize| -> Result<f64, Box<dyn std::error::Error>> {

@@ -14,8 +14,8 @@
 # the benchmark's configurations; UPDATES/WARMUP its timed and warm-up updates, CASE_TIMEOUT
 # the seconds each benchmark command may run. A `baseline_device_bench` in FOLDER (an earlier
 # build's) runs before and after the new one in each case, so a change is timed against its
-# baseline in the same call. device_bench replays each micro-step's captured CUDA graph (the
-# default); EAGER=1 also times it with `--no-graphs` (op by op), alternating, in each case.
+# baseline in the same call. GRAPHS=1 also times device_bench with `--graphs` (each
+# micro-step replayed as its captured CUDA graph), alternating with the op-by-op run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-target/release}
@@ -79,7 +79,7 @@ if part bench; then
 echo "## Benchmark"
 first=--header
 # bench BINARY NET B K: one cellgraph row, labelled with the binary's name.
-# Extra arguments after K go to the binary (`--no-graphs`).
+# Extra arguments after K go to the binary (`--graphs`).
 bench() {
     local bin=$1 net=$2 b=$3 k=$4
     shift 4
@@ -91,10 +91,10 @@ IFS=';' read -ra cases <<<"$CASES"
 for cfg in "${cases[@]}"; do
     set -- $cfg
     if [ -x "$BIN/baseline_device_bench" ]; then bench baseline_device_bench "$@"; fi
-    if [ -n "${EAGER:-}" ]; then bench device_bench "$@" --no-graphs; fi
     bench device_bench "$@"
+    if [ -n "${GRAPHS:-}" ]; then bench device_bench "$@" --graphs; fi
     if [ -x "$BIN/baseline_device_bench" ]; then bench baseline_device_bench "$@"; bench device_bench "$@"; fi
-    if [ -n "${EAGER:-}" ]; then bench device_bench "$@" --no-graphs; bench device_bench "$@"; fi
+    if [ -n "${GRAPHS:-}" ]; then bench device_bench "$@"; bench device_bench "$@" --graphs; fi
     measure timeout "$CASE_TIMEOUT" python3 benches/pytorch_accumulation.py --net "$1" --micro-batch "$2" --micro-size "$3" \
         --updates "$UPDATES" --warmup "$WARMUP" || status=1
 done

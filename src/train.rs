@@ -159,10 +159,11 @@ pub struct TrainArgs {
     /// backend multiplies in exact f32. The CPU ignores it.
     #[arg(long)]
     tf32: bool,
-    /// Run each device micro-step op by op instead of replaying the graph captured from it
-    /// (the default on CUDA: one launch per micro-step). `--profile` implies it.
+    /// Replay each device micro-step as the graph captured from it (one launch per
+    /// micro-step; CUDA and wgpu). An opt-in until it is checked against the CPU on CUDA;
+    /// `--profile` (per-op times) turns it off.
     #[arg(long)]
-    no_graphs: bool,
+    graphs: bool,
 }
 
 const TRAIN_EXAMPLES: &str = "\
@@ -357,8 +358,11 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     let mut log = args.loss_log.as_deref().map(|p| RunLog::open(p, args.resume.is_some())).transpose()?;
     model.accumulator_mut().session.set_profiling(args.profile);
     model.accumulator_mut().session.set_tf32(args.tf32);
-    let graphs = model.accumulator().session.graphs() && !args.no_graphs && !args.profile;
-    model.accumulator_mut().session.set_graphs(graphs)?;
+    if args.graphs && args.profile {
+        eprintln!("--graphs: off under --profile (it times each op)");
+    } else if args.graphs {
+        model.accumulator_mut().session.set_graphs(true)?;
+    }
     let updates_before = model.accumulator().updates();
     let t0 = Instant::now();
     let steps = run_epochs(args, &mut model, &ds, test.as_ref(), log.as_mut())?;

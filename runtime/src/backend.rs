@@ -120,11 +120,6 @@ pub trait Backend: burn_backend::Backend {
         false
     }
 
-    /// True when sessions replay captured graphs by default (CUDA; see [`crate::replay`]).
-    fn graphs_by_default() -> bool {
-        false
-    }
-
     /// Writes `data` (the tensor's element type and length) into `t`'s own memory, enqueued
     /// after the work already given to the device (no wait); false where the backend cannot
     /// (host backends: replay is for device backends).

@@ -573,7 +573,7 @@ impl<B: Backend> Session<B> {
 
     /// An empty session on `device` making its float values as `float`.
     pub fn with_float(device: Device<B>, float: burn_backend::FloatDType) -> Self {
-        Session { device, params: BTreeMap::new(), profile: None, step_profile: None, profile_sync: false, native: true, in_place: false, tf32: false, kept: Kept::default(), arena: Arena::default(), slots: Vec::new(), constants: Vec::new(), float, replay: B::graphs_by_default(), graphs: Graphs::default(), watch: Watch::Off }
+        Session { device, params: BTreeMap::new(), profile: None, step_profile: None, profile_sync: false, native: true, in_place: false, tf32: false, kept: Kept::default(), arena: Arena::default(), slots: Vec::new(), constants: Vec::new(), float, replay: false, graphs: Graphs::default(), watch: Watch::Off }
     }
 
     /// The float type the session computes in.
@@ -628,8 +628,8 @@ impl<B: Backend> Session<B> {
         self.in_place = on;
     }
 
-    /// Whether [`Self::run_replayed`] captures and replays graphs (default: on for CUDA,
-    /// off elsewhere; `--no-graphs` turns it off).
+    /// Whether [`Self::run_replayed`] captures and replays graphs (off by default: an opt-in,
+    /// `--graphs`, until replay is checked against the CPU on CUDA; see [`crate::replay`]).
     pub fn graphs(&self) -> bool {
         self.replay
     }
@@ -825,7 +825,7 @@ impl<B: Backend> Session<B> {
         } else {
             return Ok(());
         };
-        Err(RuntimeError::Device(format!("{}: {}: {what}, which a captured graph cannot do; run without graphs (`--no-graphs`, Session::set_graphs(false))", step.scope, step.op.label())))
+        Err(RuntimeError::Device(format!("{}: {}: {what}, which a captured graph cannot do; run without graphs (leave out `--graphs`, Session::set_graphs(false))", step.scope, step.op.label())))
     }
 
     /// Gives a value a plan returned (and the caller no longer needs) back to the session's

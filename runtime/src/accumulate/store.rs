@@ -243,8 +243,9 @@ impl<B: Backend> Store<B> {
         }
     }
 
-    /// Writes `data` (unpadded, in flat-buffer order) into the flat buffer of `kind`.
-    fn upload(&mut self, _session: &mut Session<B>, kind: Kind, data: &[f32]) {
+    /// Replaces the flat buffer of `kind` by `data` (unpadded, in flat-buffer order). New views
+    /// forget the captured graphs that read the old ones (see [`crate::replay`]).
+    fn upload(&mut self, session: &mut Session<B>, kind: Kind, data: &[f32]) {
         let Some(f) = &mut self.flat else { return };
         let mut v = vec![self.inits[kind.index()]; f.len];
         let mut from = 0;
@@ -252,9 +253,8 @@ impl<B: Backend> Store<B> {
             v[at..at + p.len].copy_from_slice(&data[from..from + p.len]);
             from += p.len;
         }
-        // In place: the views, and the graphs replaying into them, stay valid.
-        let written = B::write_float(&f.buffers[kind.index()], burn_backend::TensorData::new(v, [f.len]));
-        assert!(written, "flat buffers are contiguous f32 device buffers, written in place");
+        f.buffers[kind.index()] = B::from_host_vec(HostVec::F32(v), &[f.len], session.device());
+        self.bind_views(session, kind);
     }
 
     /// Zeroes the accumulators of flat buffers.

@@ -516,21 +516,52 @@ fn arr<R: CubeRuntime>(t: &CubeTensor<R>) -> BufferArg<R> {
     unsafe { BufferArg::from_raw_parts(t.handle.clone(), t.meta.num_elements()) }
 }
 
-/// A contiguous tensor holding `data` (burn's uploads may pitch a tensor's rows: a whole-buffer
-/// write would then land in the wrong places).
-fn upload_contiguous<R: CubeRuntime>(data: burn_backend::TensorData, device: &R::Device) -> CubeTensor<R> {
-    let client = R::client(device);
-    let (shape, dtype) = (data.shape.clone(), data.dtype);
-    let handle = client.create(data.bytes);
-    CubeTensor::new_contiguous(client, device.clone(), shape, handle, dtype)
+/// `y[i] = x[i]` over 32-bit words: a replayed plan's input buffer refreshed from a new
+/// upload (f32 or i32 alike).
+#[cube(launch)]
+pub fn copy_words(x: &[u32], y: &mut [u32]) {
+    if ABSOLUTE_POS < y.len() {
+        y[ABSOLUTE_POS] = x[ABSOLUTE_POS];
+    }
 }
 
-/// Writes `data` (`t`'s type and length) into `t`'s memory, enqueued on this thread's stream.
+/// `data` uploaded through burn (which may pitch a tensor's rows on CUDA), made contiguous.
+fn uploaded<R: CubeRuntime>(data: burn_backend::TensorData, device: &R::Device) -> CubeTensor<R> {
+    use burn_backend::ops::{FloatTensorOps, IntTensorOps};
+    let t = if data.dtype.is_float() { CubeBackend::<R>::float_from_data(data, device) } else { CubeBackend::<R>::int_from_data(data, device) };
+    burn_cubecl::kernel::into_contiguous(t)
+}
+
+/// A contiguous buffer of its own holding `data` (32-bit elements), written whole later by
+/// [`write`].
+fn upload_contiguous<R: CubeRuntime>(data: burn_backend::TensorData, device: &R::Device) -> Option<CubeTensor<R>> {
+    let src = uploaded::<R>(data, device);
+    if src.dtype.size() != 4 {
+        return None;
+    }
+    let dims = src.meta.shape().to_vec();
+    let mut y = empty::<R>(&src.client, device, &dims);
+    y.dtype = src.dtype;
+    launch_copy_words(&src, &y);
+    Some(y)
+}
+
+/// Launches [`copy_words`] from `x` into `y` (contiguous, 32-bit elements, one length).
+fn launch_copy_words<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>) {
+    let (count, dim) = grid(&y.client, y.meta.num_elements());
+    copy_words::launch::<R>(&y.client, count, dim, arr(x), arr(y));
+}
+
+/// Writes `data` (`t`'s type and length) into `t`'s memory: uploaded through burn, then copied
+/// by a kernel on this thread's stream (after the work already queued, which may still read
+/// `t`). A whole-buffer host write (`client.write`) is not used: on CUDA it gave wrong
+/// results for buffers whose rows burn would pitch (measured, 2026-11-27).
 fn write<R: CubeRuntime>(t: &CubeTensor<R>, data: burn_backend::TensorData) -> bool {
-    if data.dtype != t.dtype || !t.is_contiguous() || data.bytes.len() != t.meta.num_elements() * t.dtype.size() {
+    if data.dtype != t.dtype || !t.is_contiguous() || t.dtype.size() != 4 || data.shape.num_elements() != t.meta.num_elements() {
         return false;
     }
-    t.client.write(&t.handle, data.bytes);
+    let src = uploaded::<R>(data, &t.device);
+    launch_copy_words(&src, t);
     true
 }
 
@@ -713,17 +744,6 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         true
     }
 
-    /// CUDA replays captured graphs by default; wgpu records them too (CI's replay tests),
-    /// but only when asked.
-    fn graphs_by_default() -> bool {
-        #[cfg(feature = "cuda")]
-        {
-            core::any::TypeId::of::<R>() == core::any::TypeId::of::<cubecl::cuda::CudaRuntime>()
-        }
-        #[cfg(not(feature = "cuda"))]
-        false
-    }
-
     fn write_float(t: &CubeTensor<R>, data: burn_backend::TensorData) -> bool {
         write(t, data)
     }
@@ -733,11 +753,11 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
     }
 
     fn contiguous_float(data: burn_backend::TensorData, device: &R::Device) -> Option<CubeTensor<R>> {
-        Some(upload_contiguous::<R>(data, device))
+        upload_contiguous::<R>(data, device)
     }
 
     fn contiguous_int(data: burn_backend::TensorData, device: &R::Device) -> Option<CubeTensor<R>> {
-        Some(upload_contiguous::<R>(data, device))
+        upload_contiguous::<R>(data, device)
     }
 
     fn device_copy(t: &CubeTensor<R>) -> Option<CubeTensor<R>> {
