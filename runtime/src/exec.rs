@@ -121,6 +121,31 @@ pub struct Executable {
 }
 
 impl Executable {
+    /// The host checks a run makes before anything reaches the device: the number of inputs,
+    /// and the integer ids a step takes from them (see [`IdCheck`]).
+    fn check_inputs(&self, inputs: &[HostTensor]) -> Result<()> {
+        let graph_inputs = self.graph.inputs();
+        if inputs.len() != graph_inputs.len() {
+            return Err(RuntimeError::Mismatch {
+                what: format!("inputs of graph `{}`", self.graph.name),
+                expected: format!("{} inputs", graph_inputs.len()),
+                got: format!("{}", inputs.len()),
+            });
+        }
+        for l in &self.id_checks {
+            let wrong = match &inputs[l.input].data {
+                HostData::I32(v) => l.error(v.iter().map(|&x| i64::from(x))),
+                HostData::I64(v) => l.error(v.iter().copied()),
+                // Not class ids: the input's type check reports it.
+                _ => None,
+            };
+            if let Some(detail) = wrong {
+                return Err(RuntimeError::BadValue { scope: l.scope.clone(), op: l.op, detail });
+            }
+        }
+        Ok(())
+    }
+
     /// The optimised graph this plan runs.
     pub fn graph(&self) -> &Graph {
         &self.graph
@@ -670,6 +695,8 @@ impl<B: Backend> Session<B> {
         if !self.replay || exe.collectives > 0 || B::HOST {
             return Err(fail("replay is off, the plan has collectives, or the backend has no graphs (the caller runs it op by op)".into()));
         }
+        // A replay runs no step on the host: the ids are checked here, before any upload.
+        exe.check_inputs(inputs)?;
         let key = (exe.id, inputs.iter().map(|t| t.ty()).collect::<Vec<_>>());
         let s = self.settings();
         let data = |t: &HostTensor| {
@@ -1010,25 +1037,7 @@ impl<B: Backend> Session<B> {
     /// Runs `exe` on this thread. `bound`: the inputs' device buffers (replay's), instead of
     /// uploading `inputs` (whose types are still checked).
     fn run_here<T>(&mut self, exe: &Executable, inputs: &[HostTensor], bound: Option<&[Value<B>]>, comm: Option<&dyn Communicator>, out: &dyn Fn(&Value<B>, &TensorType) -> T) -> Result<Vec<T>> {
-        let graph_inputs = exe.graph.inputs();
-        if inputs.len() != graph_inputs.len() {
-            return Err(RuntimeError::Mismatch {
-                what: format!("inputs of graph `{}`", exe.graph.name),
-                expected: format!("{} inputs", graph_inputs.len()),
-                got: format!("{}", inputs.len()),
-            });
-        }
-        for l in &exe.id_checks {
-            let wrong = match &inputs[l.input].data {
-                HostData::I32(v) => l.error(v.iter().map(|&x| i64::from(x))),
-                HostData::I64(v) => l.error(v.iter().copied()),
-                // Not class ids: the input's type check below reports it.
-                _ => None,
-            };
-            if let Some(detail) = wrong {
-                return Err(RuntimeError::BadValue { scope: l.scope.clone(), op: l.op, detail });
-            }
-        }
+        exe.check_inputs(inputs)?;
         let mut slots = std::mem::take(&mut self.slots);
         slots.clear();
         slots.resize(exe.slots, None);

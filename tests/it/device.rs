@@ -251,7 +251,8 @@ fn f16_overflow_skips_the_window_on_the_device<B: Backend>(device: Device<B>) {
 /// Graph replay gives the bits of the op-by-op run: LeNet5 with windows of 3 over 8
 /// micro-batches, the last of 5 images (another plan shape, its own graph) in a partial last
 /// window; every step's loss and every parameter equal, with graphs captured and replayed.
-/// Then a checkpoint taken mid-window in a replaying run, restored into a fresh replaying run,
+/// A replayed step with a label out of range is an error before anything runs. Then a
+/// checkpoint taken mid-window in a replaying run, restored into a fresh replaying run,
 /// continues as the uninterrupted op-by-op run (restoring forgets the captured graphs).
 #[allow(dead_code)]
 fn replay_matches_op_by_op<B: Backend>(device: Device<B>) {
@@ -278,6 +279,11 @@ fn replay_matches_op_by_op<B: Backend>(device: Device<B>) {
     // the 5-image plan ran once, op by op.
     assert_eq!((r.warmups, r.captures, r.replays), (3, 1, 5), "{r:?}");
     assert_eq!(eager.session.replay_counts().replays, 0);
+    // A replayed micro-step still checks its labels on the host, before anything is uploaded.
+    let mut bad = batches[0].clone();
+    bad[1] = HostTensor::i32(vec![8], vec![10; 8]).unwrap();
+    let err = replayed.step(&bad).unwrap_err().to_string();
+    assert!(err.contains("label 10"), "{err}");
 
     // Mid-window resume, replaying.
     let mut first = mk(true);
