@@ -67,21 +67,6 @@ pub fn assign_add<F: Float>(acc: &mut [F], g: &[F]) {
     }
 }
 
-/// `y[i] = x[i]`: a replayed plan's output copied out of its graph's buffer, or state written
-/// into a new buffer copied back into the one its graph reads.
-#[cube(launch)]
-pub fn copy<F: Float>(x: &[F], y: &mut [F]) {
-    if ABSOLUTE_POS < y.len() {
-        y[ABSOLUTE_POS] = x[ABSOLUTE_POS];
-    }
-}
-
-/// Launches [`copy`] from `x` into `y` (contiguous f32 of one length).
-fn launch_copy<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>) {
-    let (count, dim) = grid(&y.client, y.meta.num_elements());
-    copy::launch::<f32, R>(&y.client, count, dim, arr(x), arr(y));
-}
-
 /// The value `v` at element `i`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -516,8 +501,9 @@ fn arr<R: CubeRuntime>(t: &CubeTensor<R>) -> BufferArg<R> {
     unsafe { BufferArg::from_raw_parts(t.handle.clone(), t.meta.num_elements()) }
 }
 
-/// `y[i] = x[i]` over 32-bit words: a replayed plan's input buffer refreshed from a new
-/// upload (f32 or i32 alike).
+/// `y[i] = x[i]` over 32-bit words (f32 or i32 alike, bit for bit): a replayed plan's input
+/// buffer refreshed from a new upload, its output copied out of the graph's buffer, or state
+/// written into a new buffer copied back into the one its graph reads.
 #[cube(launch)]
 pub fn copy_words(x: &[u32], y: &mut [u32]) {
     if ABSOLUTE_POS < y.len() {
@@ -765,7 +751,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             return None;
         }
         let y = empty::<R>(&t.client, &t.device, &t.meta.shape().to_vec());
-        launch_copy(t, &y);
+        launch_copy_words(t, &y);
         Some(y)
     }
 
@@ -774,7 +760,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         if !fits || !dst.is_contiguous() {
             return false;
         }
-        launch_copy(&burn_cubecl::kernel::into_contiguous(src.clone()), dst);
+        launch_copy_words(&burn_cubecl::kernel::into_contiguous(src.clone()), dst);
         true
     }
 
