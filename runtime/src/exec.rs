@@ -548,6 +548,20 @@ fn since(t0: Option<std::time::Instant>) -> Option<f64> {
     t0.map(|t| t.elapsed().as_secs_f64())
 }
 
+/// A captured plan shape: the plan's id and its inputs' types.
+type GraphKey = (u64, Vec<TensorType>);
+
+/// An error of `exe`'s graph replay.
+fn replay_error(exe: &Executable, detail: String) -> RuntimeError {
+    RuntimeError::Device(format!("graph replay of `{}`: {detail}", exe.graph.name))
+}
+
+/// An input's data in the dtypes the session's values are made in.
+fn input_data(t: &HostTensor, s: &burn_backend::DeviceSettings) -> burn_backend::TensorData {
+    let d = burn_backend::TensorData::new(t.to_f64(), crate::backend::bshape(&t.shape));
+    if t.dtype().is_float() { d.convert_dtype(s.float_dtype.into()) } else { d.convert_dtype(s.int_dtype.into()) }
+}
+
 /// Parameter values on one device, and the plans that read and write them.
 pub struct Session<B: Backend> {
     device: Device<B>,
@@ -688,129 +702,132 @@ impl<B: Backend> Session<B> {
 
     /// [`Self::run_device`] through a captured graph (see [`crate::replay`]): the first two
     /// runs of a plan shape run op by op, the second then captures the plan; every later run
-    /// of that shape is one replay. The plan must not have collectives (they read the device); the outputs are
-    /// new buffers each run.
+    /// of that shape is one replay. The plan must not have collectives (they read the device);
+    /// the outputs are new buffers each run.
     pub fn run_replayed(&mut self, exe: &Executable, inputs: &[HostTensor]) -> Result<Vec<Value<B>>> {
-        let fail = |detail: String| RuntimeError::Device(format!("graph replay of `{}`: {detail}", exe.graph.name));
         if !self.replay || exe.collectives > 0 || B::HOST {
-            return Err(fail("replay is off, the plan has collectives, or the backend has no graphs (the caller runs it op by op)".into()));
+            return Err(replay_error(exe, "replay is off, the plan has collectives, or the backend has no graphs (the caller runs it op by op)".into()));
         }
         // A replay runs no step on the host: the ids are checked here, before any upload.
         exe.check_inputs(inputs)?;
         let key = (exe.id, inputs.iter().map(|t| t.ty()).collect::<Vec<_>>());
-        let s = self.settings();
-        let data = |t: &HostTensor| {
-            let d = burn_backend::TensorData::new(t.to_f64(), crate::backend::bshape(&t.shape));
-            if t.dtype().is_float() { d.convert_dtype(s.float_dtype.into()) } else { d.convert_dtype(s.int_dtype.into()) }
+        let Some(entry) = self.graphs.entries.get_mut(&key) else {
+            return self.first_run(exe, inputs, key);
         };
-        let Some(entry) = self.graphs.entries.get(&key) else {
-            // First run: the inputs' buffers, kept for the plan's life; op by op.
-            let fixed: Option<Vec<Value<B>>> = inputs
-                .iter()
-                .map(|t| match t.dtype().is_float() {
-                    true => B::contiguous_float(data(t), &self.device).map(Value::Float),
-                    false => B::contiguous_int(data(t), &self.device).map(Value::Int),
-                })
-                .collect();
-            let fixed = fixed.ok_or_else(|| fail("this backend cannot keep an input in a fixed buffer".into()))?;
-            inputs.iter().for_each(|_| crate::value::count_upload());
-            self.watch = Watch::Probe(None);
-            let outs = self.run_here(exe, inputs, Some(&fixed), None, &|v, _| v.clone());
-            let Watch::Probe(blocker) = std::mem::replace(&mut self.watch, Watch::Off) else { unreachable!("set above") };
-            let outs = outs?;
-            let names = exe.steps.iter().filter_map(|st| match &st.op { Op::Parameter { name } => Some(name.clone()), _ => None }).chain(exe.writes.iter().map(|(n, _)| n.clone())).collect();
-            self.graphs.entries.insert(key, crate::replay::Entry { inputs: fixed, names, graph: None, blocker, tries: 0 });
-            self.graphs.counts.warmups += 1;
-            return self.copied_out(outs).map_err(fail);
-        };
+        let s = settings::<B>(&self.device, self.float);
         for (t, v) in inputs.iter().zip(&entry.inputs) {
             let written = match v {
-                Value::Float(d) => B::write_float(d, data(t)),
-                Value::Int(d) => B::write_int(d, data(t)),
+                Value::Float(d) => B::write_float(d, input_data(t, &s)),
+                Value::Int(d) => B::write_int(d, input_data(t, &s)),
                 Value::Bool(_) => false,
             };
             if !written {
-                return Err(fail(format!("an input of type {} cannot be written in place on this backend", t.ty())));
+                return Err(replay_error(exe, format!("an input of type {} cannot be written in place on this backend", t.ty())));
             }
             crate::value::count_upload();
         }
         if entry.blocker.is_some() {
             // Known at the first run: op by op, counted (see `replay_blockers`).
-            let fixed = entry.inputs.clone();
             self.graphs.counts.uncaptured += 1;
-            return self.run_here(exe, inputs, Some(&fixed), None, &|v, _| v.clone());
+            return self.in_own_arena(&key, |s, fixed| s.run_here(exe, inputs, Some(fixed), None, &|v, _| v.clone()));
         }
         if entry.graph.is_none() {
-            // Second run: op by op (this run's results), then the capture, in one call (a
-            // stream holds one prepared capture at a time).
-            let fixed = entry.inputs.clone();
-            B::graph_prepare(&self.device).map_err(|e| fail(format!("preparing the device for a capture: {e:?}")))?;
-            let fresh = self.arena.fresh();
-            let outs = self.run_here(exe, inputs, Some(&fixed), None, &|v, _| v.clone()).and_then(|o| self.copied_out(o).map_err(fail));
-            self.graphs.counts.warmups += 1;
-            if self.arena.fresh() != fresh {
-                // Not yet steady (the capture would allocate): close the prepared capture empty
-                // and try again at the next run; after three tries the plan stays op by op.
-                let closed = B::graph_start_capture(&self.device).and_then(|_| B::graph_stop_capture(&self.device).map(drop));
-                closed.map_err(|e| fail(format!("closing an empty capture: {e:?}")))?;
-                let entry = self.graphs.entries.get_mut(&key).expect("inserted at the first run");
-                entry.tries += 1;
-                if entry.tries >= 3 {
-                    entry.blocker = Some(format!("its runs still take new buffers after {} runs (no steady set of buffers to capture)", entry.tries + 1));
-                }
-                return outs;
-            }
-            // A prepare must be followed by a capture on the stream, even after a failed run.
-            let graph = self.capture(exe, inputs, &fixed).map_err(|e| match e {
-                RuntimeError::Device(d) => fail(d),
-                e => e,
-            });
-            let (outs, graph) = (outs?, graph?);
-            self.graphs.entries.get_mut(&key).expect("inserted at the first run").graph = Some(graph);
-            self.graphs.counts.captures += 1;
-            return Ok(outs);
+            return self.second_run(exe, inputs, &key);
         }
-        let Some((graph, outs)) = &self.graphs.entries[&key].graph else { unreachable!("captured above") };
+        let Some((graph, outs)) = &entry.graph else { unreachable!("checked above") };
         // SAFETY: every buffer the graph touches is held by this session (inputs, outputs,
-        // parameters: a parameter set from outside forgets the graph first) or pinned by the
-        // backend at capture; writes and replays go to the one stream this thread uses.
-        unsafe { B::graph_replay(&self.device, graph) }.map_err(|e| fail(format!("replay: {e:?}")))?;
+        // parameters, which stay in their buffers while graphs are on and whose graphs are
+        // forgotten when one is set from outside; the plan's own arena, which only this entry
+        // holds) or pinned by the backend at capture; writes and replays go to the one stream
+        // this thread uses.
+        unsafe { B::graph_replay(&self.device, graph) }.map_err(|e| replay_error(exe, format!("replay: {e:?}")))?;
         let outs = outs.clone();
         self.graphs.counts.replays += 1;
-        self.copied_out(outs).map_err(fail)
+        self.in_own_arena(&key, |s, _| s.copied_out(outs)).map_err(|e| replay_error(exe, e))
+    }
+
+    /// The first run of a plan shape: its inputs uploaded into the contiguous buffers kept for
+    /// the plan's life, then the plan op by op in an arena of its own, probed for a step that
+    /// reads the device or uploads (which would keep it from being captured).
+    fn first_run(&mut self, exe: &Executable, inputs: &[HostTensor], key: GraphKey) -> Result<Vec<Value<B>>> {
+        let s = self.settings();
+        let fixed: Option<Vec<Value<B>>> = inputs
+            .iter()
+            .map(|t| match t.dtype().is_float() {
+                true => B::contiguous_float(input_data(t, &s), &self.device).map(Value::Float),
+                false => B::contiguous_int(input_data(t, &s), &self.device).map(Value::Int),
+            })
+            .collect();
+        let fixed = fixed.ok_or_else(|| replay_error(exe, "this backend cannot keep an input in a fixed buffer".into()))?;
+        inputs.iter().for_each(|_| crate::value::count_upload());
+        let names = exe.steps.iter().filter_map(|st| match &st.op { Op::Parameter { name } => Some(name.clone()), _ => None }).chain(exe.writes.iter().map(|(n, _)| n.clone())).collect();
+        self.graphs.entries.insert(key.clone(), crate::replay::Entry { inputs: fixed, names, graph: None, blocker: None, tries: 0, arena: Arena::default() });
+        self.graphs.counts.warmups += 1;
+        self.watch = Watch::Probe(None);
+        let outs = self.in_own_arena(&key, |s, fixed| s.run_here(exe, inputs, Some(fixed), None, &|v, _| v.clone()));
+        let Watch::Probe(blocker) = std::mem::replace(&mut self.watch, Watch::Off) else { unreachable!("set above") };
+        self.graphs.entries.get_mut(&key).expect("inserted above").blocker = blocker;
+        let outs = outs?;
+        self.in_own_arena(&key, |s, _| s.copied_out(outs)).map_err(|e| replay_error(exe, e))
+    }
+
+    /// The second run of a plan shape: op by op (this run's results), then, when the run took
+    /// every buffer from the plan's arena, the capture, in one call (a stream holds one
+    /// prepared capture at a time). Otherwise the prepared capture is closed empty and the
+    /// next run tries again; after three tries the plan stays op by op, named.
+    fn second_run(&mut self, exe: &Executable, inputs: &[HostTensor], key: &GraphKey) -> Result<Vec<Value<B>>> {
+        B::graph_prepare(&self.device).map_err(|e| replay_error(exe, format!("preparing the device for a capture: {e:?}")))?;
+        self.graphs.counts.warmups += 1;
+        let (outs, steady) = self.in_own_arena(key, |s, fixed| {
+            let fresh = s.arena.fresh();
+            let outs = s.run_here(exe, inputs, Some(fixed), None, &|v, _| v.clone()).and_then(|o| s.copied_out(o).map_err(|e| replay_error(exe, e)));
+            (outs, s.arena.fresh() == fresh)
+        });
+        if !steady {
+            let closed = B::graph_start_capture(&self.device).and_then(|_| B::graph_stop_capture(&self.device).map(drop));
+            closed.map_err(|e| replay_error(exe, format!("closing an empty capture: {e:?}")))?;
+            let entry = self.graphs.entries.get_mut(key).expect("made at the first run");
+            entry.tries += 1;
+            if entry.tries >= 3 {
+                entry.blocker = Some(format!("its runs still take new buffers after {} runs (no steady set of buffers to capture)", entry.tries + 1));
+            }
+            return outs;
+        }
+        // A prepare must be followed by a capture on the stream, even after a failed run.
+        let graph = self.in_own_arena(key, |s, fixed| s.capture(exe, inputs, fixed)).map_err(|e| match e {
+            RuntimeError::Device(d) => replay_error(exe, d),
+            e => e,
+        });
+        let (outs, graph) = (outs?, graph?);
+        self.graphs.entries.get_mut(key).expect("made at the first run").graph = Some(graph);
+        self.graphs.counts.captures += 1;
+        Ok(outs)
+    }
+
+    /// Runs `f` with the plan shape's own arena as the session's (a graph's buffers are never
+    /// lent to another plan, which could keep one past the next replay) and its input buffers.
+    fn in_own_arena<T>(&mut self, key: &GraphKey, f: impl FnOnce(&mut Self, &[Value<B>]) -> T) -> T {
+        let entry = self.graphs.entries.get_mut(key).expect("a plan shape's entry");
+        let fixed = entry.inputs.clone();
+        std::mem::swap(&mut self.arena, &mut entry.arena);
+        let out = f(self, &fixed);
+        let entry = self.graphs.entries.get_mut(key).expect("forgotten only from outside a run");
+        std::mem::swap(&mut self.arena, &mut entry.arena);
+        out
     }
 
     /// Records `exe`'s launches reading the input buffers `fixed`; returns the graph and the
-    /// buffers its outputs land in. State the plan writes into a new buffer is copied back
-    /// into the buffer it read, inside the graph.
+    /// buffers its outputs land in. A parameter the plan writes into a new buffer is copied
+    /// into its own inside the graph (see [`Self::run_here`]).
     fn capture(&mut self, exe: &Executable, inputs: &[HostTensor], fixed: &[Value<B>]) -> Result<(burn_backend::BackendGraph<B>, Vec<Value<B>>)> {
-        let read: Vec<Option<Value<B>>> = exe.writes.iter().map(|(n, _)| self.params.get(n).cloned()).collect();
         B::graph_start_capture(&self.device).map_err(|e| RuntimeError::Device(format!("starting the capture: {e:?}")))?;
         self.watch = Watch::Capture;
         let outs = self.run_here(exe, inputs, Some(fixed), None, &|v, _| v.clone());
         self.watch = Watch::Off;
-        let copied_back = outs.as_ref().map_or(Ok(()), |_| self.write_back(exe, read));
         let graph = B::graph_stop_capture(&self.device);
         let outs = outs?;
-        copied_back?;
         let graph = graph.map_err(|e| RuntimeError::Device(format!("capture failed (an allocation or a host copy inside the plan, outside the runtime's checks): {e:?}")))?;
         Ok((graph, outs))
-    }
-
-    /// After a captured run: each written parameter whose new value is not in the buffer it
-    /// had is copied into that buffer (a launch in the graph), which the session keeps.
-    fn write_back(&mut self, exe: &Executable, read: Vec<Option<Value<B>>>) -> Result<()> {
-        for ((name, _), old) in exe.writes.iter().zip(read) {
-            let (Some(Value::Float(old)), Some(Value::Float(new))) = (old, self.params.get(name)) else { continue };
-            if B::same_buffer(&old, new) {
-                continue;
-            }
-            if !B::copy_into(&old, new) {
-                return Err(RuntimeError::Device(format!("`{name}` is written into a new buffer and this backend cannot copy it back inside the graph")));
-            }
-            self.put(name, Value::Float(old));
-        }
-        Ok(())
     }
 
     /// Copies of a run's outputs (their buffers are written again by the next run), the
@@ -1044,6 +1061,12 @@ impl<B: Backend> Session<B> {
         self.kept.begin_run();
         self.arena.size_for(&exe.arena);
         let s = self.settings();
+        // With graphs on, a parameter stays in the buffer it is in (a captured graph reads and
+        // writes that buffer): the buffers the plan's writes replace, held from the start.
+        let stay: Vec<Option<Value<B>>> = match self.replay && !B::HOST {
+            true => exe.writes.iter().map(|(n, _)| self.params.get(n).cloned()).collect(),
+            false => Vec::new(),
+        };
         for step in &exe.steps {
             let before = (self.watch != Watch::Off).then(|| (crate::value::device_reads(), crate::value::device_uploads(), self.arena.fresh()));
             let v = match &step.op {
@@ -1114,6 +1137,11 @@ impl<B: Backend> Session<B> {
                             (v.expect("operands are computed before use"), ty)
                         })
                         .collect();
+                    // Device operands at their last use that burn's ops may consume (a burn op
+                    // drops what it does not write into): held here and given back to the
+                    // arena after the step, so a run returns every buffer it took and the
+                    // next run takes none new (what a captured graph needs).
+                    let held: Vec<Value<B>> = if B::HOST { Vec::new() } else { step.args.iter().zip(&args).filter(|((_, moved), _)| *moved).map(|(_, (v, _))| v.clone()).collect() };
                     let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.label(), in_place: self.in_place, ids_checked: step.ids_checked, tf32: self.tf32 };
                     let t0 = self.profile.is_some().then(std::time::Instant::now);
                     let v = if takes_first && reshape {
@@ -1200,6 +1228,9 @@ impl<B: Backend> Session<B> {
                     };
                     record(&mut self.step_profile, kind, secs);
                     record(&mut self.profile, || op.label(), secs);
+                    for h in held {
+                        self.arena.reclaim(h);
+                    }
                     v
                 }
             };
@@ -1213,8 +1244,20 @@ impl<B: Backend> Session<B> {
             }
             slots[step.slot] = Some(v);
         }
+        let mut stay = stay.into_iter();
         for (name, slot) in &exe.writes {
             let v = slots[*slot].clone().expect("writes are pinned");
+            let v = match (stay.next().flatten(), v) {
+                // Copied into the buffer it had (a launch; captured into the graph during a
+                // capture); the new buffer goes back to the arena with the slots below.
+                (Some(Value::Float(old)), Value::Float(new)) if !B::same_buffer(&old, &new) => {
+                    if !B::copy_into(&old, &new) {
+                        return Err(RuntimeError::Device(format!("`{name}` is written into a new buffer and this backend cannot copy it back into its own (graph replay); run without graphs")));
+                    }
+                    Value::Float(old)
+                }
+                (_, v) => v,
+            };
             if let Some(old) = self.put(name, v) {
                 self.arena.reclaim(old);
             }

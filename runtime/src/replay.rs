@@ -3,8 +3,8 @@
 //!
 //! A plan shape (plan and input types: a short last batch is another shape, with its own
 //! graph) runs op by op twice before it is captured, since a capture may take no buffer the
-//! session's arena does not already hold, and one run is not always enough to fill it (a
-//! value still held when its run ends gives its buffer back only at the next):
+//! plan's arena does not already hold, and one run is not always enough to fill it (a value
+//! still held when its run ends gives its buffer back only at the next):
 //!
 //! 1. **First run**: the inputs are uploaded into contiguous buffers kept for the plan's
 //!    life, and the plan runs op by op (kernels compiled, buffers made).
@@ -15,17 +15,27 @@
 //!    `graph_start_capture` and `graph_stop_capture`, reading the same input buffers: its
 //!    launches are recorded, not run. A step that reads the device, uploads, or takes a
 //!    buffer the arena does not hold fails the capture with an error naming it (a graph
-//!    cannot carry a host copy or an allocation). A parameter the plan writes into a new
-//!    buffer is copied back into the buffer it read, inside the graph, so every replay reads
-//!    what the last one wrote.
+//!    cannot carry a host copy or an allocation).
 //!
-//! A plan whose first run had a step read the device or upload (a loss checking labels the
-//! plan computed, dropout keys read back) is never captured: its runs stay op by op, counted
-//! ([`ReplayCounts::uncaptured`]) and named ([`crate::Session::replay_blockers`]).
+//! Two rules keep every buffer a graph touches its own:
+//! - **Each plan shape has its own arena** ([`Entry::arena`]): its intermediates (and so the
+//!   graph's) are never lent to another plan, whose values (a loss, a parameter) could
+//!   outlive the next replay, which would write over them.
+//! - **While graphs are on, a parameter stays in its buffer**: a plan that computes a
+//!   parameter's new value into another buffer copies it into the parameter's own (a launch,
+//!   captured into the graph with the rest), whichever plan runs (a captured one, a short last
+//!   batch op by op, the boundary), so every graph reads and writes the buffers the session
+//!   holds. (Without it, ResNet-18's moving statistics came out wrong: the buffer a graph
+//!   wrote them into had gone back to the device's pool.)
 //!
-//! Every later run is a **replay**: inputs written in place (enqueued, no wait; cubecl stages
-//! small host data through pinned memory), one launch for the whole plan, then its outputs
-//! copied out (the next replay writes the same buffers).
+//! A plan whose first run had a step read the device or upload (dropout's masks, made on the
+//! host from keys read back; a loss checking labels the plan computed) is never captured: its
+//! runs stay op by op, counted ([`ReplayCounts::uncaptured`]) and named
+//! ([`crate::Session::replay_blockers`]).
+//!
+//! Every later run is a **replay**: inputs written in place (an upload and a copy kernel each,
+//! enqueued, no wait), one launch for the whole plan, then its outputs copied out (the next
+//! replay writes the same buffers).
 //!
 //! A parameter set from outside a run (a checkpoint loaded, the accumulators replaced)
 //! forgets every graph that reads it; its plan warms up and is captured again.
@@ -35,6 +45,7 @@ use std::collections::{BTreeSet, HashMap};
 use burn_backend::BackendGraph;
 use cellgraph_compiler::TensorType;
 
+use crate::host::Arena;
 use crate::value::Value;
 use crate::Backend;
 
@@ -68,6 +79,9 @@ pub(crate) struct Entry<B: Backend> {
     pub blocker: Option<String>,
     /// Second runs that took new buffers (not yet steady), so were not captured.
     pub tries: u32,
+    /// The plan's own buffers (its intermediates, and the graph's once captured): lent to no
+    /// other plan, whose values could outlive a replay that writes them.
+    pub arena: Arena,
 }
 
 /// A session's captured plans, by plan id and input types.
