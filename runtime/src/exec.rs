@@ -35,8 +35,8 @@ enum Watch {
     Off,
     /// A replayed plan's first run: the first step that reads or uploads (its message).
     Probe(Option<String>),
-    /// A capture: a step that reads, uploads or allocates is an error.
-    Capture,
+    /// A capture: the first step that reads, uploads or allocates (its message).
+    Capture(Option<String>),
 }
 
 /// One scheduled node.
@@ -773,8 +773,12 @@ impl<B: Backend> Session<B> {
 
     /// The second run of a plan shape: op by op (this run's results), then, when the run took
     /// every buffer from the plan's arena, the capture, in one call (a stream holds one
-    /// prepared capture at a time). Otherwise the prepared capture is closed empty and the
-    /// next run tries again; after three tries the plan stays op by op, named.
+    /// prepared capture at a time). When the run took a new buffer, or the capture found a
+    /// step it cannot record, the graph is dropped (its launches were recorded, never run:
+    /// this run's results stand) and the next run tries again; after three tries the plan
+    /// stays op by op, named. (Whether a buffer is free again is cubecl's count of its handles,
+    /// which a launch still queued for the device may hold a moment longer: a try can fail by
+    /// timing alone.)
     fn second_run(&mut self, exe: &Executable, inputs: &[HostTensor], key: &GraphKey) -> Result<Vec<Value<B>>> {
         B::graph_prepare(&self.device).map_err(|e| replay_error(exe, format!("preparing the device for a capture: {e:?}")))?;
         self.graphs.counts.warmups += 1;
@@ -783,25 +787,31 @@ impl<B: Backend> Session<B> {
             let outs = s.run_here(exe, inputs, Some(fixed), None, &|v, _| v.clone()).and_then(|o| s.copied_out(o).map_err(|e| replay_error(exe, e)));
             (outs, s.arena.fresh() == fresh)
         });
-        if !steady {
+        let failed = if steady {
+            // A prepare must be followed by a capture on the stream, even after a failed run.
+            match self.in_own_arena(key, |s, fixed| s.capture(exe, inputs, fixed)) {
+                Ok((graph, outs, None)) => {
+                    self.graphs.entries.get_mut(key).expect("made at the first run").graph = Some((graph, outs));
+                    self.graphs.counts.captures += 1;
+                    None
+                }
+                Ok((_, _, Some(why))) => Some(why),
+                Err(RuntimeError::Device(d)) => return Err(replay_error(exe, d)),
+                Err(e) => return Err(e),
+            }
+        } else {
             let closed = B::graph_start_capture(&self.device).and_then(|_| B::graph_stop_capture(&self.device).map(drop));
             closed.map_err(|e| replay_error(exe, format!("closing an empty capture: {e:?}")))?;
+            Some("its runs still take new buffers (no steady set of buffers to capture)".to_string())
+        };
+        if let Some(why) = failed {
             let entry = self.graphs.entries.get_mut(key).expect("made at the first run");
             entry.tries += 1;
             if entry.tries >= 3 {
-                entry.blocker = Some(format!("its runs still take new buffers after {} runs (no steady set of buffers to capture)", entry.tries + 1));
+                entry.blocker = Some(format!("{why}, at each of {} tries", entry.tries));
             }
-            return outs;
         }
-        // A prepare must be followed by a capture on the stream, even after a failed run.
-        let graph = self.in_own_arena(key, |s, fixed| s.capture(exe, inputs, fixed)).map_err(|e| match e {
-            RuntimeError::Device(d) => replay_error(exe, d),
-            e => e,
-        });
-        let (outs, graph) = (outs?, graph?);
-        self.graphs.entries.get_mut(key).expect("made at the first run").graph = Some(graph);
-        self.graphs.counts.captures += 1;
-        Ok(outs)
+        outs
     }
 
     /// Runs `f` with the plan shape's own arena as the session's (a graph's buffers are never
@@ -816,18 +826,19 @@ impl<B: Backend> Session<B> {
         out
     }
 
-    /// Records `exe`'s launches reading the input buffers `fixed`; returns the graph and the
-    /// buffers its outputs land in. A parameter the plan writes into a new buffer is copied
+    /// Records `exe`'s launches reading the input buffers `fixed`; returns the graph, the
+    /// buffers its outputs land in, and the first step it could not record, if any (that
+    /// graph must not be replayed). A parameter the plan writes into a new buffer is copied
     /// into its own inside the graph (see [`Self::run_here`]).
-    fn capture(&mut self, exe: &Executable, inputs: &[HostTensor], fixed: &[Value<B>]) -> Result<(burn_backend::BackendGraph<B>, Vec<Value<B>>)> {
+    fn capture(&mut self, exe: &Executable, inputs: &[HostTensor], fixed: &[Value<B>]) -> Result<(burn_backend::BackendGraph<B>, Vec<Value<B>>, Option<String>)> {
         B::graph_start_capture(&self.device).map_err(|e| RuntimeError::Device(format!("starting the capture: {e:?}")))?;
-        self.watch = Watch::Capture;
+        self.watch = Watch::Capture(None);
         let outs = self.run_here(exe, inputs, Some(fixed), None, &|v, _| v.clone());
-        self.watch = Watch::Off;
+        let Watch::Capture(why) = std::mem::replace(&mut self.watch, Watch::Off) else { unreachable!("set above") };
         let graph = B::graph_stop_capture(&self.device);
         let outs = outs?;
         let graph = graph.map_err(|e| RuntimeError::Device(format!("capture failed (an allocation or a host copy inside the plan, outside the runtime's checks): {e:?}")))?;
-        Ok((graph, outs))
+        Ok((graph, outs, why))
     }
 
     /// Copies of a run's outputs (their buffers are written again by the next run), the
@@ -846,30 +857,22 @@ impl<B: Backend> Session<B> {
     }
 
     /// A step that read the device, uploaded or took a new buffer cannot be in a graph: found
-    /// by the first run's probe (its message kept for the plan; a constant's first upload
-    /// does not count, later runs share it), and during a capture an error naming the step.
-    fn check_capturable(&mut self, step: &Step, (reads, uploads, fresh): (u64, u64, u64)) -> Result<()> {
-        if let Watch::Probe(found) = &mut self.watch {
-            let what = if crate::value::device_reads() != reads {
-                "reads the device back to the host"
-            } else if crate::value::device_uploads() != uploads && !matches!(step.op, Op::Constant { .. }) {
-                "uploads from the host"
-            } else {
-                return Ok(());
-            };
-            found.get_or_insert_with(|| format!("{}: {}: {what}, which a captured graph cannot do", step.scope, step.op.label()));
-            return Ok(());
-        }
+    /// by the first run's probe (a read or an upload; a constant's first upload does not
+    /// count, later runs share it) and by the capture (any of the three); the first such step
+    /// is kept, named, for the plan.
+    fn check_capturable(&mut self, step: &Step, (reads, uploads, fresh): (u64, u64, u64)) {
         let what = if crate::value::device_reads() != reads {
             "reads the device back to the host"
-        } else if crate::value::device_uploads() != uploads {
+        } else if crate::value::device_uploads() != uploads && !matches!(step.op, Op::Constant { .. }) {
             "uploads from the host"
-        } else if self.arena.fresh() != fresh {
-            "takes a buffer the session's arena does not hold (a new allocation)"
+        } else if self.arena.fresh() != fresh && matches!(self.watch, Watch::Capture(_)) {
+            "takes a buffer the plan's arena does not hold (a new allocation)"
         } else {
-            return Ok(());
+            return;
         };
-        Err(RuntimeError::Device(format!("{}: {}: {what}, which a captured graph cannot do; run without graphs (leave out `--graphs`, Session::set_graphs(false))", step.scope, step.op.label())))
+        if let Watch::Probe(found) | Watch::Capture(found) = &mut self.watch {
+            found.get_or_insert_with(|| format!("{}: {}: {what}, which a captured graph cannot do", step.scope, step.op.label()));
+        }
     }
 
     /// Gives a value a plan returned (and the caller no longer needs) back to the session's
@@ -1235,7 +1238,7 @@ impl<B: Backend> Session<B> {
                 }
             };
             if let Some(counts) = before {
-                self.check_capturable(step, counts)?;
+                self.check_capturable(step, counts);
             }
             for slot in step.args.iter().filter(|(_, moved)| *moved).map(|(s, _)| *s).chain(step.frees.iter().copied()) {
                 if let Some(v) = slots[slot].take() {

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The one device call of a GPU check, from the binaries scripts/gpu_prepare.sh left in
+# target/gpu: run it on the GPU machine with `target/gpu` carried, e.g.
+#   bash scripts/gpu_call.sh            (about 3 minutes on an H100)
+# 1. the CUDA tests (`it device::cuda`), replay included: `checks_with_graphs_on_cuda_match_cpu`
+#    is the gate for making replay the default on CUDA;
+# 2. the launches one LeNet5 window makes, op by op and replayed;
+# 3. the benchmark beside PyTorch (eager and CUDA graphs), each case op by op and replayed,
+#    alternating (scripts/gpu_check.sh with GRAPHS=1). CASES, UPDATES and WARMUP as there.
+# Logs go to $OUT (the device tool brings them back).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_call}
+mkdir -p "$OUT"
+# The tests find their data through the path they were built in.
+[ -e /work/main ] || { mkdir -p /work && ln -s "$PWD" /work/main; }
+G=target/gpu
+for f in $G/*.xz; do [ -e "$f" ] && xz -dkf "$f"; done
+chmod +x $G/device_bench $G/it $G/baseline_device_bench 2>/dev/null
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || { echo "no NVIDIA GPU here"; exit 1; }
+python3 -c 'import torch; print("PyTorch", torch.__version__)' 2>/dev/null || echo "no PyTorch here"
+echo "## CUDA tests"
+timeout 240 $G/it --test-threads 1 device::cuda >"$OUT/tests.log" 2>&1
+echo "rc $?"
+grep -E "^test |test result|vs CPU|panicked|differ|graph replay" "$OUT/tests.log" | head -60
+echo "## launches per LeNet5 window (op by op, then replayed)"
+for g in "" --graphs; do
+    timeout 60 $G/device_bench --device cuda:0 --net lenet --micro-batch 32 --micro-size 4 --updates 5 --warmup 2 --launches $g >"$OUT/launches$g.log" 2>&1
+    grep -E "launches|replay|not captured|last loss|rror" "$OUT/launches$g.log" | head -8
+done
+echo "## benchmark"
+OUT=$OUT GRAPHS=1 PARTS=bench CASES="${CASES:-lenet 32 4;mlp 256 4;resnet18 32 4;gpt 64 4}" UPDATES=${UPDATES:-20} WARMUP=${WARMUP:-3} \
+    CASE_TIMEOUT=${CASE_TIMEOUT:-60} bash scripts/gpu_check.sh $G 2>&1 | tee "$OUT/bench.log" | grep -E "^\| |replay|not captured|rror"
