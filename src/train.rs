@@ -370,6 +370,15 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     let updates = model.accumulator().updates() - updates_before;
     let p = model.position();
     println!("trained {steps} steps, {updates} optimizer updates in {secs:.2} s ({:.0} images/s)", (steps * args.batch_size) as f64 / secs);
+    let session = &model.accumulator().session;
+    if session.graphs() {
+        // Whether replay did what `--graphs` asked, and why not where it did not.
+        let r = session.replay_counts();
+        println!("graph replay: {} captured, {} micro-steps replayed, {} op by op while warming up, {} op by op (not capturable)", r.captures, r.replays, r.warmups, r.uncaptured);
+        for why in session.replay_blockers() {
+            println!("  not captured: {why}");
+        }
+    }
     if let Some(path) = &args.ckpt {
         model.save_checkpoint(path)?;
         println!("saved {} {} ({} updates)", path.display(), place(p), model.accumulator().updates());

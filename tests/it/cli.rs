@@ -124,6 +124,29 @@ fn svg_texts(svg: &str) -> Vec<String> {
     svg.split("<text").skip(1).filter_map(|t| Some(t.split_once('>')?.1.split_once("</text>")?.0.trim().to_string())).collect()
 }
 
+/// `--graphs` on a device: the same loss lines as without (LeNet5, 4 steps of 4 micro-batches
+/// on lavapipe), and a closing line saying the micro-step was captured and replayed; the CPU
+/// refuses it before anything trains.
+#[cfg(feature = "wgpu")]
+#[test]
+fn graphs_replay_the_micro_step_with_the_same_losses() {
+    let dir = tmp("graphs");
+    small_mnist(&dir, 256, 64);
+    let data = dir.to_str().unwrap();
+    let base = ["train", "--data-path", data, "--device", "wgpu", "--micro-size", "4", "--steps", "4", "--print-every", "1"];
+    let losses = |out: &str| out.lines().filter(|l| l.contains("loss is")).map(str::to_string).collect::<Vec<_>>();
+    let eager = ok(&base);
+    let replayed = ok(&[&base[..], &["--graphs"]].concat());
+    assert_eq!(losses(&eager).len(), 4, "{eager}");
+    assert_eq!(losses(&eager), losses(&replayed), "{eager}\n{replayed}");
+    assert!(!eager.contains("graph replay"), "{eager}");
+    // 16 micro-steps: two op by op, then replays (a capture retried by timing moves one over).
+    let line = replayed.lines().find(|l| l.starts_with("graph replay: ")).unwrap_or_else(|| panic!("{replayed}"));
+    assert!(line.starts_with("graph replay: 1 captured, 1") && line.ends_with(", 0 op by op (not capturable)"), "{line}");
+    refused(&["train", "--data-path", data, "--device", "cpu", "--graphs"], "has no graphs to capture");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn plot_draws_the_loss_curve_and_accuracy_as_svg() {
     let dir = tmp("plot");
