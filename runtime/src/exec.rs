@@ -556,12 +556,6 @@ fn replay_error(exe: &Executable, detail: String) -> RuntimeError {
     RuntimeError::Device(format!("graph replay of `{}`: {detail}", exe.graph.name))
 }
 
-/// An input's data in the dtypes the session's values are made in.
-fn input_data(t: &HostTensor, s: &burn_backend::DeviceSettings) -> burn_backend::TensorData {
-    let d = burn_backend::TensorData::new(t.to_f64(), crate::backend::bshape(&t.shape));
-    if t.dtype().is_float() { d.convert_dtype(s.float_dtype.into()) } else { d.convert_dtype(s.int_dtype.into()) }
-}
-
 /// Parameter values on one device, and the plans that read and write them.
 pub struct Session<B: Backend> {
     device: Device<B>,
@@ -717,8 +711,8 @@ impl<B: Backend> Session<B> {
         let s = settings::<B>(&self.device, self.float);
         for (t, v) in inputs.iter().zip(&entry.inputs) {
             let written = match v {
-                Value::Float(d) => B::write_float(d, input_data(t, &s)),
-                Value::Int(d) => B::write_int(d, input_data(t, &s)),
+                Value::Float(d) => B::write_float(d, crate::value::device_data(t.clone(), &s)),
+                Value::Int(d) => B::write_int(d, crate::value::device_data(t.clone(), &s)),
                 Value::Bool(_) => false,
             };
             if !written {
@@ -754,8 +748,8 @@ impl<B: Backend> Session<B> {
         let fixed: Option<Vec<Value<B>>> = inputs
             .iter()
             .map(|t| match t.dtype().is_float() {
-                true => B::contiguous_float(input_data(t, &s), &self.device).map(Value::Float),
-                false => B::contiguous_int(input_data(t, &s), &self.device).map(Value::Int),
+                true => B::contiguous_float(crate::value::device_data(t.clone(), &s), &self.device).map(Value::Float),
+                false => B::contiguous_int(crate::value::device_data(t.clone(), &s), &self.device).map(Value::Int),
             })
             .collect();
         let fixed = fixed.ok_or_else(|| replay_error(exe, "this backend cannot keep an input in a fixed buffer".into()))?;
@@ -1140,11 +1134,15 @@ impl<B: Backend> Session<B> {
                             (v.expect("operands are computed before use"), ty)
                         })
                         .collect();
-                    // Device operands at their last use that burn's ops may consume (a burn op
-                    // drops what it does not write into): held here and given back to the
-                    // arena after the step, so a run returns every buffer it took and the
-                    // next run takes none new (what a captured graph needs).
-                    let held: Vec<Value<B>> = if B::HOST { Vec::new() } else { step.args.iter().zip(&args).filter(|((_, moved), _)| *moved).map(|(_, (v, _))| v.clone()).collect() };
+                    // With graphs on, device operands at their last use that burn's ops may
+                    // consume (a burn op drops what it does not write into): held here and
+                    // given back to the arena after the step, so a run returns every buffer it
+                    // took and the next run takes none new (what a capture needs). Off, burn
+                    // may write into them in place, as before.
+                    let held: Vec<Value<B>> = match self.replay && !B::HOST {
+                        true => step.args.iter().zip(&args).filter(|((_, moved), _)| *moved).map(|(_, (v, _))| v.clone()).collect(),
+                        false => Vec::new(),
+                    };
                     let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.label(), in_place: self.in_place, ids_checked: step.ids_checked, tf32: self.tf32 };
                     let t0 = self.profile.is_some().then(std::time::Instant::now);
                     let v = if takes_first && reshape {

@@ -54,6 +54,20 @@ pub fn device_reads() -> u64 {
     DEVICE_READS.with(std::cell::Cell::get)
 }
 
+/// A host tensor's data in the dtypes a session makes its values in: floats as `settings`'
+/// float type, integers as its integer type, booleans as they are.
+pub(crate) fn device_data(t: HostTensor, settings: &burn_backend::DeviceSettings) -> TensorData {
+    let shape = crate::backend::bshape(&t.shape);
+    let (float, int): (DType, DType) = (settings.float_dtype.into(), settings.int_dtype.into());
+    match t.data {
+        HostData::F32(v) => TensorData::new(v, shape).convert_dtype(float),
+        HostData::F64(v) => TensorData::new(v, shape).convert_dtype(float),
+        HostData::I32(v) => TensorData::new(v, shape).convert_dtype(int),
+        HostData::I64(v) => TensorData::new(v, shape).convert_dtype(int),
+        HostData::Bool(v) => TensorData::new(v, shape),
+    }
+}
+
 impl<B: crate::Backend> Value<B> {
     /// Copies a host tensor to the device: floats as `settings`' float type (the session's),
     /// integers as its integer type.
@@ -66,14 +80,14 @@ impl<B: crate::Backend> Value<B> {
         if !B::HOST {
             count_upload();
         }
-        let shape = crate::backend::bshape(&t.shape);
-        let (float, int): (DType, DType) = (settings.float_dtype.into(), settings.int_dtype.into());
-        match t.data {
-            HostData::F32(v) => Value::Float(B::float_from_data(TensorData::new(v, shape).convert_dtype(float), device)),
-            HostData::F64(v) => Value::Float(B::float_from_data(TensorData::new(v, shape).convert_dtype(float), device)),
-            HostData::I32(v) => Value::Int(B::int_from_data(TensorData::new(v, shape).convert_dtype(int), device)),
-            HostData::I64(v) => Value::Int(B::int_from_data(TensorData::new(v, shape).convert_dtype(int), device)),
-            HostData::Bool(v) => Value::Bool(B::bool_from_data(TensorData::new(v, shape), device)),
+        let dtype = t.dtype();
+        let data = device_data(t, settings);
+        if dtype.is_float() {
+            Value::Float(B::float_from_data(data, device))
+        } else if dtype.is_int() {
+            Value::Int(B::int_from_data(data, device))
+        } else {
+            Value::Bool(B::bool_from_data(data, device))
         }
     }
 
