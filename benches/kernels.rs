@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use cellgraph_runtime::host::{attention, direct};
 use cellgraph_runtime::host::kernels::{self, Geometry, Mat};
+use cellgraph_runtime::kernel::Products;
 
 fn median_us(mut f: impl FnMut()) -> f64 {
     for _ in 0..5 {
@@ -52,11 +53,11 @@ fn main() {
         let g = Geometry { x: [n, c, hw, hw], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [oh, oh] };
         let (x, w, dy) = (data(n * c * hw * hw), data(o * c * 25), data(n * o * oh * oh));
         let flops = 2.0 * (n * o * oh * oh * c * 25) as f64;
-        row(&format!("{name} forward, im2col+GEMM"), || timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y, None)), flops);
+        row(&format!("{name} forward, im2col+GEMM"), || timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y, None, Products::F32)), flops);
         row(&format!("{name} forward, direct"), || timed(dy.len(), |y| direct::forward(&g, &x, &w, o, y, None)), flops);
-        row(&format!("{name} filter grad, im2col+GEMM"), || timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None)), flops);
+        row(&format!("{name} filter grad, im2col+GEMM"), || timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None, Products::F32)), flops);
         row(&format!("{name} filter grad, direct"), || timed(w.len(), |dw| direct::filter_grad(&g, &dy, &x, o, dw)), flops);
-        row(&format!("{name} input grad, im2col+GEMM"), || timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx)), flops);
+        row(&format!("{name} input grad, im2col+GEMM"), || timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx, Products::F32)), flops);
         row(&format!("{name} input grad, direct"), || timed(x.len(), |dx| direct::input_grad(&g, &dy, &w, o, dx)), flops);
     }
     for (name, c, hw) in [("pool1 6x28x28", 6usize, 28usize), ("pool2 16x10x10", 16, 10)] {
@@ -70,7 +71,7 @@ fn main() {
         let (a, b) = (data(m * k), data(k * nn));
         let ma = Mat { data: &a, rows: m, cols: k, transposed: false };
         let mb = Mat { data: &b, rows: k, cols: nn, transposed: false };
-        row(name, || timed(m * nn, |c| kernels::matmul(ma, mb, c)), 2.0 * (m * k * nn) as f64);
+        row(name, || timed(m * nn, |c| kernels::matmul(ma, mb, c, Products::F32)), 2.0 * (m * k * nn) as f64);
     }
     let (dy, x) = (data(n * 6 * 28 * 28), data(n * 6 * 28 * 28));
     row("relu grad 32x6x28x28", || timed(x.len(), |dx| kernels::relu_grad(&dy, &x, dx)), 0.0);
@@ -97,7 +98,7 @@ fn gpt() {
         let (a, b) = (data(m * k), data(k * n));
         let ma = if ta { Mat { data: &a, rows: k, cols: m, transposed: true } } else { Mat { data: &a, rows: m, cols: k, transposed: false } };
         let mb = if tb { Mat { data: &b, rows: n, cols: k, transposed: true } } else { Mat { data: &b, rows: k, cols: n, transposed: false } };
-        row(name, || timed(m * n, |c| kernels::matmul(ma, mb, c)), 2.0 * (m * k * n) as f64);
+        row(name, || timed(m * n, |c| kernels::matmul(ma, mb, c, Products::F32)), 2.0 * (m * k * n) as f64);
     }
     // The `attention` op on a micro-batch of the GPT (8 sequences of 128, 4 heads of 32),
     // causal; GFLOP/s counts the products' multiply-adds over the (query, key) pairs the
@@ -147,8 +148,8 @@ fn resnet18(n: usize) {
         let along: usize = (0..oh).map(|o| (0..k).filter(|&t| (o * s + t).checked_sub(p).is_some_and(|i| i < hw)).count()).sum();
         let flops = 2.0 * (n * o * c * along * along) as f64;
         let (x, w, dy) = (data(n * c * hw * hw), data(o * c * k * k), data(n * o * oh * oh));
-        row(&format!("{name} forward"), || timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y, None)), flops);
-        row(&format!("{name} filter grad"), || timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None)), flops);
-        row(&format!("{name} input grad"), || timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx)), flops);
+        row(&format!("{name} forward"), || timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y, None, Products::F32)), flops);
+        row(&format!("{name} filter grad"), || timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None, Products::F32)), flops);
+        row(&format!("{name} input grad"), || timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx, Products::F32)), flops);
     }
 }

@@ -15,6 +15,11 @@ one CPU thread), which is what this script ran before 2026-11-27.
 The shuffled order differs from cellgraph's (another RNG); compare validation losses over seeds.
 
     python benches/pytorch_gpt.py [--threads 1] [--epochs 2 --steps 60] [--seed 0] [--attention sdpa|manual]
+                                  [--autocast off|bf16]
+
+`--autocast bf16` runs each micro-step's forward under `torch.autocast("cpu", bfloat16)` (what
+a bf16 user writes: matmuls and attention in bf16 through oneDNN, the loss computed from the
+logits in f32 outside it), against `gpt_accumulation --precision bf16`.
 
 Prints "epoch k: validation loss X" per epoch and
 "pytorch: trained S steps, U optimizer updates, N tokens in T s (X tokens/s)" (the training
@@ -93,6 +98,9 @@ def main():
     p.add_argument("--eval-items", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention", choices=["sdpa", "manual"], default="sdpa")
+    p.add_argument("--autocast", choices=["off", "bf16"], default="off",
+                   help="run the micro-steps' forward under torch.autocast(device, bfloat16) (CPU or CUDA), "
+                        "as a bf16 user does; the loss, gradients and optimizer stay f32")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
@@ -156,7 +164,8 @@ def main():
             window_tokens = batch[:, 1:].numel()  # labels: no padding in windows
             for k in range(a.micro_size):
                 m = batch[k * mb:(k + 1) * mb]
-                logits = model(m[:, :-1])
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast == "bf16"):
+                    logits = model(m[:, :-1])
                 loss = F.cross_entropy(logits.reshape(-1, len(vocab)), m[:, 1:].reshape(-1), reduction="sum", ignore_index=-100)
                 (loss / window_tokens).backward()
             for grp in opt.param_groups:

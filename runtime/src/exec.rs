@@ -70,6 +70,89 @@ struct Step {
     /// A constant that no `assign`/`assign_add` writes and that is not an output: on device
     /// backends made once per session and shared (see [`Session::run`]).
     shared_constant: bool,
+    /// A product (matmul, convolution, attention) whose float operands all hold bf16 values:
+    /// a candidate for bf16 products ([`choose_products`]).
+    bf16_operands: bool,
+}
+
+/// The ops whose arithmetic is matrix products, with or without a bound GEMM.
+fn is_product(op: &Op) -> bool {
+    match op {
+        Op::MatMul { .. } | Op::Conv2d(_) | Op::Conv2dBackpropInput { .. } | Op::Conv2dBackpropFilter { .. } | Op::Attention { .. } | Op::AttentionGrad { .. } => true,
+        Op::Epilogue { head, .. } => is_product(head),
+        _ => false,
+    }
+}
+
+/// Whether node `id` holds only bf16 values: a `round_to bf16`, a program whose result is
+/// (ends with a rounding, or moves a rounded value: ReLU, negation, ReLU's gradient of one), a
+/// bf16 constant, or values moved from nodes that hold bf16 (a reshape, a transpose, a pad,
+/// ReLU... see [`cellgraph_compiler::passes::precision::moves_values`]).
+fn holds_bf16(g: &Graph, id: cellgraph_compiler::NodeId, depth: usize) -> bool {
+    use cellgraph_compiler::types::DType;
+    if depth > 32 {
+        return false;
+    }
+    let xs = g.operands(id);
+    let operand = |i: usize| xs.get(i).is_some_and(|&o| holds_bf16(g, o, depth + 1));
+    match &g.node(id).op {
+        Op::RoundTo { dtype: DType::BF16 } => true,
+        Op::Fused { expr } => program_holds_bf16(expr, operand),
+        // `$0` is the head's result (a product's sums: not bf16); `$1..` the operands after the head's.
+        Op::Epilogue { head, expr } => {
+            let skip = head.arity().min();
+            program_holds_bf16(expr, |i| i > 0 && operand(skip + i - 1))
+        }
+        &Op::Constant { value } => cellgraph_compiler::passes::precision::round_f64(value, DType::BF16) == value,
+        op if cellgraph_compiler::passes::precision::moves_values(op) => xs.iter().filter(|&&o| g.ty(o).dtype.is_float()).all(|&o| holds_bf16(g, o, depth + 1)),
+        _ => false,
+    }
+}
+
+/// Whether a program's result holds only bf16 values, given which of its operands do.
+fn program_holds_bf16(expr: &cellgraph_compiler::expr::Expr, arg: impl Fn(usize) -> bool) -> bool {
+    use cellgraph_compiler::expr::{Binary, Term, Unary};
+    use cellgraph_compiler::types::DType;
+    let mut stack: Vec<bool> = Vec::new();
+    for t in expr.terms() {
+        let v = match *t {
+            Term::Arg(i) => arg(i),
+            Term::Lit(v) => cellgraph_compiler::passes::precision::round_f64(v, DType::BF16) == v,
+            Term::Unary(Unary::RoundBf16) => {
+                stack.pop();
+                true
+            }
+            Term::Unary(Unary::Neg | Unary::Relu) => stack.pop().unwrap_or(false),
+            Term::Unary(_) => {
+                stack.pop();
+                false
+            }
+            // `dy * (y > 0)`: `dy`'s values or zeros.
+            Term::Binary(Binary::ReluGrad) => {
+                stack.pop();
+                stack.pop().unwrap_or(false)
+            }
+            Term::Binary(_) => {
+                stack.pop();
+                stack.pop();
+                false
+            }
+        };
+        stack.push(v);
+    }
+    stack.pop().unwrap_or(false)
+}
+
+/// `k` with bf16 products where it runs a GEMM (an epilogue's head included).
+fn choose_products(k: Native) -> Native {
+    use crate::kernel::Products;
+    match k {
+        Native::MatMul { m, k, n, transpose_a, transpose_b, tiling, .. } => Native::MatMul { m, k, n, transpose_a, transpose_b, tiling, products: Products::Bf16 },
+        Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b, .. } => Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b, products: Products::Bf16 },
+        Native::Conv { kind, g, groups, out_channels, direct: false, filter, .. } => Native::Conv { kind, g, groups, out_channels, direct: false, filter, products: Products::Bf16 },
+        Native::Epilogue { head, head_args, post } => Native::Epilogue { head: Box::new(choose_products(*head)), head_args, post },
+        k => k,
+    }
 }
 
 /// Integer ids a plan takes as an input (directly or through reshapes): checked on the host
@@ -120,7 +203,57 @@ pub struct Executable {
     id: u64,
 }
 
+/// How a plan multiplies the products whose operands hold bf16 values (see
+/// [`Executable::bf16_products`]): chosen when the plan was compiled.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Bf16Products {
+    /// Products on bf16 pairs with f32 sums ([`crate::kernel::Products::Bf16`]).
+    pub on_pairs: usize,
+    /// Those that multiply in f32 (the emulation), by op: attention and direct convolutions
+    /// have no bf16 kernel; on a CPU without AVX-512 BF16, all of them.
+    pub in_f32: BTreeMap<&'static str, usize>,
+}
+
+impl std::fmt::Display for Bf16Products {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let f32s: usize = self.in_f32.values().sum();
+        write!(f, "bf16 products: {} on AVX-512 BF16 pairs, {f32s} in f32", self.on_pairs)?;
+        if !crate::host::bf16::available() {
+            write!(f, " (this CPU has no AVX-512 BF16: f32 emulation)")?;
+        } else if f32s > 0 {
+            let each: Vec<String> = self.in_f32.iter().map(|(op, n)| format!("{op} {n}")).collect();
+            write!(f, " ({})", each.join(", "))?;
+        }
+        Ok(())
+    }
+}
+
 impl Executable {
+    /// The plan's products whose operands hold bf16 values (a plan compiled from a graph the
+    /// precision pass rounded to bf16), and what each runs on on host backends; `None` when it
+    /// has none.
+    pub fn bf16_products(&self) -> Option<Bf16Products> {
+        use crate::kernel::Products;
+        let mut out = Bf16Products::default();
+        for st in self.steps.iter().filter(|st| st.bf16_operands) {
+            let head = match &st.kernel {
+                Some(Native::Epilogue { head, .. }) => Some(&**head),
+                k => k.as_ref(),
+            };
+            match head {
+                Some(Native::MatMul { products: Products::Bf16, .. } | Native::BatchMatMul { products: Products::Bf16, .. } | Native::Conv { products: Products::Bf16, .. }) => out.on_pairs += 1,
+                _ => {
+                    let op = match &st.op {
+                        Op::Epilogue { head, .. } => head.label(),
+                        op => op.label(),
+                    };
+                    *out.in_f32.entry(op).or_default() += 1;
+                }
+            }
+        }
+        (out.on_pairs + out.in_f32.values().sum::<usize>() > 0).then_some(out)
+    }
+
     /// The host checks a run makes before anything reaches the device: the number of inputs,
     /// and the integer ids a step takes from them (see [`IdCheck`]).
     fn check_inputs(&self, inputs: &[HostTensor]) -> Result<()> {
@@ -417,7 +550,17 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
                 (op, Some(Op::Parameter { name })) if op.is_effect() => Some(name.clone()),
                 _ => None,
             };
-            let kernel = crate::kernel::bind(&n.op, &arg_types.iter().collect::<Vec<_>>());
+            let mut kernel = crate::kernel::bind(&n.op, &arg_types.iter().collect::<Vec<_>>());
+            // The product's own operands (an epilogue's head's: the program's extra operands,
+            // an accumulator say, are not multiplied).
+            let factors = match &n.op {
+                Op::Epilogue { head, .. } => &ops[..head.arity().min().min(ops.len())],
+                _ => &ops[..],
+            };
+            let bf16_operands = is_product(&n.op) && factors.iter().filter(|&&o| graph.ty(o).dtype.is_float()).all(|&o| holds_bf16(&graph, o, 0));
+            if bf16_operands && crate::host::bf16::available() {
+                kernel = kernel.map(choose_products);
+            }
             let accumulator = cellgraph_compiler::passes::epilogue::accumulator(&graph, id);
             let check = id_input(&graph, id);
             let ids_checked = check.is_some();
@@ -425,7 +568,7 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
                 id_checks.push(c);
             }
             let shared_constant = matches!(n.op, Op::Constant { .. }) && !graph.outputs().contains(&id) && graph.users(id).iter().all(|&u| !graph.node(u).op.is_effect());
-            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred, kernel, accumulator, ids_checked, shared_constant }
+            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred, kernel, accumulator, ids_checked, shared_constant, bf16_operands }
         })
         .collect();
     keep_for_gradients(&mut steps);
@@ -491,7 +634,7 @@ fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &Ten
     }
     let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
     if B::HOST {
-        crate::host::run_host::<B>(k, &floats, &ints, &tys, out, (cx.device, cx.settings.float_dtype), kept, arena)
+        crate::host::run_host::<B>(k, &floats, &ints, &tys, out, (cx.device, cx.settings.float_dtype, cx.bf16), kept, arena)
     } else if matches!(k, Native::SoftmaxCrossEntropy { .. }) && !cx.ids_checked {
         // Class ids computed in the plan: the lowering reads and checks them.
         None
@@ -572,6 +715,8 @@ pub struct Session<B: Backend> {
     in_place: bool,
     /// Device matmuls may use TF32 tensor cores (see [`Self::set_tf32`]).
     tf32: bool,
+    /// Host products the plan chose to run on bf16 pairs do (see [`Self::set_bf16_products`]).
+    bf16: bool,
     /// What the host kernels keep between the steps of a run (max pools' argmax).
     kept: Kept,
     /// The memory host kernels write values into (see [`Executable::arena`]).
@@ -606,7 +751,7 @@ impl<B: Backend> Session<B> {
 
     /// An empty session on `device` making its float values as `float`.
     pub fn with_float(device: Device<B>, float: burn_backend::FloatDType) -> Self {
-        Session { device, params: BTreeMap::new(), profile: None, step_profile: None, profile_sync: false, native: true, in_place: false, tf32: false, kept: Kept::default(), arena: Arena::default(), slots: Vec::new(), constants: Vec::new(), float, replay: false, graphs: Graphs::default(), watch: Watch::Off }
+        Session { device, params: BTreeMap::new(), profile: None, step_profile: None, profile_sync: false, native: true, in_place: false, tf32: false, bf16: true, kept: Kept::default(), arena: Arena::default(), slots: Vec::new(), constants: Vec::new(), float, replay: false, graphs: Graphs::default(), watch: Watch::Off }
     }
 
     /// The float type the session computes in.
@@ -653,6 +798,15 @@ impl<B: Backend> Session<B> {
     /// CPU's to 1e-5. Host backends ignore it.
     pub fn set_tf32(&mut self, on: bool) {
         self.tf32 = on;
+    }
+
+    /// Lets host products whose operands the precision pass rounded to bf16 multiply bf16
+    /// pairs with f32 sums on the CPU's AVX-512 BF16 instructions, where the plan chose them
+    /// ([`crate::kernel::Products::Bf16`]; on by default). Off, they run on the f32 GEMM: the
+    /// emulation of bf16 compute, the same products summed in another order. Device backends
+    /// and f32 plans ignore it.
+    pub fn set_bf16_products(&mut self, on: bool) {
+        self.bf16 = on;
     }
 
     /// Makes `assign_add` write into the accumulator's own memory where the backend can (its
@@ -1090,7 +1244,7 @@ impl<B: Backend> Session<B> {
                     match self.constants.iter().find(|(k, _)| *k == key) {
                         Some((_, v)) => v.clone(),
                         None => {
-                            let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: step.op.label(), in_place: self.in_place, ids_checked: false, tf32: self.tf32 };
+                            let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: step.op.label(), in_place: self.in_place, ids_checked: false, tf32: self.tf32, bf16: self.bf16 };
                             let v = eval(&cx, &step.op, Vec::new(), &step.ty)?;
                             self.constants.push((key, v.clone()));
                             v
@@ -1143,7 +1297,7 @@ impl<B: Backend> Session<B> {
                         true => step.args.iter().zip(&args).filter(|((_, moved), _)| *moved).map(|(_, (v, _))| v.clone()).collect(),
                         false => Vec::new(),
                     };
-                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.label(), in_place: self.in_place, ids_checked: step.ids_checked, tf32: self.tf32 };
+                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.label(), in_place: self.in_place, ids_checked: step.ids_checked, tf32: self.tf32, bf16: self.bf16 };
                     let t0 = self.profile.is_some().then(std::time::Instant::now);
                     let v = if takes_first && reshape {
                         let Ok([(x, ty)]) = <[_; 1]>::try_from(args) else { unreachable!("a reshape's arity is checked by the verifier") };

@@ -68,16 +68,18 @@ impl Geometry {
 /// ([`crate::backend::Backend::device_kernel`]) and the rest on burn's ops.
 #[derive(Clone, Debug)]
 pub enum Native {
-    /// `op(a) @ op(b)`, `m x k` by `k x n`; `tiling`: the kernel a device runs it on.
-    MatMul { m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool, tiling: Tiling },
+    /// `op(a) @ op(b)`, `m x k` by `k x n`; `tiling`: the kernel a device runs it on;
+    /// `products`: how host backends multiply.
+    MatMul { m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool, tiling: Tiling, products: Products },
     /// Forward, input gradient, filter gradient; `out_channels` is the filter's first extent.
     /// `direct`: on host backends, the direct kernels ([`crate::host::direct`]) rather than
     /// im2col + GEMM (see [`direct_conv`]). `filter`: on host backends, for a forward or input
     /// gradient on a map small enough to run as a dense layer (see [`crate::host::dense_conv`])
     /// whose filter is a parameter read as it is, that parameter's name: its dense filter is
     /// then built once per value of the parameter and kept between runs
-    /// ([`crate::host::Kept`]), rather than on every call.
-    Conv { kind: ConvKind, g: Geometry, groups: usize, out_channels: usize, direct: bool, filter: Option<Arc<str>> },
+    /// ([`crate::host::Kept`]), rather than on every call. `products`: how the host's GEMMs
+    /// multiply (the direct kernels always in f32).
+    Conv { kind: ConvKind, g: Geometry, groups: usize, out_channels: usize, direct: bool, filter: Option<Arc<str>>, products: Products },
     /// Max pooling; `keep`: the [`crate::host::Kept`] slot its argmax goes to, when its gradient is later in
     /// the same plan.
     MaxPool { g: Geometry, keep: Option<usize> },
@@ -110,7 +112,7 @@ pub enum Native {
     /// Batched `op(a) @ op(b)`: `batch` products of `m x k` by `k x n`, each operand's
     /// matrices consecutive (rank > 2, equal leading axes). The host GEMM, or cubek's exact
     /// kernels over the batch on a device.
-    BatchMatMul { batch: usize, m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool },
+    BatchMatMul { batch: usize, m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool, products: Products },
     /// A transpose written out row-major: input extents `dims`, output axis `i` is input axis
     /// `perm[i]`. Host backends only (on burn's ops a transpose is a view, which the next op
     /// that needs row-major data copies element by element).
@@ -139,6 +141,21 @@ pub enum Native {
     /// output in place (`post`'s operand 0 is the head's output, the others the node's operands
     /// after the head's).
     Epilogue { head: Box<Native>, head_args: usize, post: Arc<Elementwise> },
+}
+
+/// How a host backend multiplies a product's operands. Chosen when the plan is compiled
+/// ([`crate::exec::compile`]): `Bf16` where the precision pass has rounded both operands to
+/// bf16 and the CPU multiplies bf16 pairs ([`crate::host::bf16`]: AVX-512 BF16), `F32`
+/// everywhere else. Device backends and the f64 reference backend multiply in their own
+/// precision whatever it says.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Products {
+    /// f32 multiply-adds: exact f32 products, the emulation of bf16 when its operands are bf16.
+    #[default]
+    F32,
+    /// Pairs of bf16 values multiplied and summed in f32 (`vdpbf16ps`), as autocast's products:
+    /// the same products as `F32` on bf16 operands, summed in another order.
+    Bf16,
 }
 
 /// Which of cubek's exact-f32 matmul kernels a device runs a matmul on, chosen from its
@@ -265,7 +282,7 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
     let conv = |kind, c: &cellgraph_compiler::op::Conv2dAttrs, x: &[usize], w: &[usize]| {
         let win = resolve(x, [w[2], w[3]], c.stride, c.dilation, c.pad_mode, c.pad)?;
         let g = geometry(x, [w[2], w[3]], c.stride, c.dilation, &win);
-        Some(Native::Conv { kind, g, groups: c.groups, out_channels: w[0], direct: direct_conv(&g, c.groups), filter: None })
+        Some(Native::Conv { kind, g, groups: c.groups, out_channels: w[0], direct: direct_conv(&g, c.groups), filter: None, products: Products::F32 })
     };
     let pool = |p: &cellgraph_compiler::Pool2dAttrs| {
         let x = d(0);
@@ -277,7 +294,7 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
             let (a, b, r) = (d(0), d(1), tys[0].rank());
             let (m, k) = if *transpose_a { (a[r - 1], a[r - 2]) } else { (a[r - 2], a[r - 1]) };
             let n = if *transpose_b { b[r - 2] } else { b[r - 1] };
-            Some(Native::BatchMatMul { batch: a[..r - 2].iter().product(), m, k, n, transpose_a: *transpose_a, transpose_b: *transpose_b })
+            Some(Native::BatchMatMul { batch: a[..r - 2].iter().product(), m, k, n, transpose_a: *transpose_a, transpose_b: *transpose_b, products: Products::F32 })
         }
         Op::Transpose { perm } if tys[0].dtype.is_float() => Some(Native::Permute { dims: d(0).to_vec(), perm: perm.clone() }),
         Op::Pad { lo, hi } if tys[0].dtype.is_float() => Some(Native::Pad { dims: d(0).to_vec(), lo: lo.clone(), hi: hi.clone() }),
@@ -297,7 +314,7 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
             let (a, b) = (d(0), d(1));
             let (m, k) = if *transpose_a { (a[1], a[0]) } else { (a[0], a[1]) };
             let n = if *transpose_b { b[0] } else { b[1] };
-            Some(Native::MatMul { m, k, n, transpose_a: *transpose_a, transpose_b: *transpose_b, tiling: Tiling::for_extents(m, k, n) })
+            Some(Native::MatMul { m, k, n, transpose_a: *transpose_a, transpose_b: *transpose_b, tiling: Tiling::for_extents(m, k, n), products: Products::F32 })
         }
         Op::Conv2d(c) => conv(ConvKind::Forward, c, d(0), d(1)),
         Op::Conv2dBackpropInput { conv: c, input_shape } => conv(ConvKind::InputGrad, c, &input_shape.0, d(1)),

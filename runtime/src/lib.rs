@@ -35,7 +35,7 @@ pub use error::{Result, RuntimeError};
 pub use burn_backend;
 pub use accumulate::{Accumulator, Counters, LoadReport, StepOutcome};
 pub use callback::{Callback, CheckpointConfig, LossLog, LossMonitor, ModelCheckpoint, ProgressBar, RunContext, TimeMonitor};
-pub use exec::{compile, compile_unfused, compile_with, compile_with_options, DumpAt, Executable, Session};
+pub use exec::{Bf16Products, compile, compile_unfused, compile_with, compile_with_options, DumpAt, Executable, Session};
 pub use cellgraph_compiler::passes::pipeline::PipelineOptions;
 pub use backend::Backend;
 pub use host::join_thread_pool;

@@ -32,6 +32,8 @@ pub struct Ctx<'a, B: Backend> {
     pub ids_checked: bool,
     /// Matmuls may round their operands to TF32 on tensor cores (the session's opt-in).
     pub tf32: bool,
+    /// Host products of bf16 operands may run on bf16 pairs (the session's setting).
+    pub bf16: bool,
 }
 
 impl<B: Backend> Ctx<'_, B> {
@@ -145,7 +147,7 @@ fn split_heads<B: Backend>(qkv: FloatTensor<B>, ty: &TensorType, heads: usize) -
 /// opt-in: burn's matmul would take TF32 tensor cores), else burn's.
 #[allow(clippy::too_many_arguments)]
 fn heads_matmul<B: Backend>(cx: &Ctx<B>, qkv: &TensorType, heads: usize, a: FloatTensor<B>, b: FloatTensor<B>, [ta, tb]: [bool; 2], [m, k, n]: [usize; 3]) -> FloatTensor<B> {
-    let native = Native::BatchMatMul { batch: qkv.dims()[0] * heads, m, k, n, transpose_a: ta, transpose_b: tb };
+    let native = Native::BatchMatMul { batch: qkv.dims()[0] * heads, m, k, n, transpose_a: ta, transpose_b: tb, products: crate::kernel::Products::F32 };
     let out = qkv.with_shape(vec![qkv.dims()[0], heads, m, n]);
     if let Some(y) = B::device_kernel(&native, &[&a, &b], &[], &out, cx.tf32, &mut Arena::default()) {
         return y;

@@ -85,10 +85,15 @@ struct Args {
     /// any number of ranks and micro-batches).
     #[arg(long, default_value_t = 0.0)]
     dropout: f64,
-    /// Compute precision of the micro-steps (low precision is emulated: f32 arithmetic,
-    /// values rounded where they are stored).
+    /// Compute precision of the micro-steps: values rounded to it where they are stored, f32
+    /// arithmetic inside each op; under bf16, products of bf16 values multiply bf16 pairs on
+    /// the CPU's AVX-512 BF16 where it has them (elsewhere, and on f16, emulated in f32).
     #[arg(long, value_enum, default_value = "f32")]
     precision: Compute,
+    /// Under bf16, multiply on the f32 GEMM even where the CPU has AVX-512 BF16 (the
+    /// emulation: the same products, summed in another order).
+    #[arg(long)]
+    f32_products: bool,
     /// Held-out sequences the validation loss reads.
     #[arg(long, default_value_t = 128)]
     eval_items: usize,
@@ -172,6 +177,7 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
     let mut model = if size > 1 { Model::<Cpu>::parallel(AutoParallel::new(net), optimizer, cpu(), args.seed, comm.clone())? } else { Model::<Cpu>::new(net, optimizer, cpu(), args.seed)? };
     model = model.with_metrics(&[Metric::Loss]);
     model.accumulator_mut().session.set_profiling(args.profile);
+    model.accumulator_mut().session.set_bf16_products(!args.f32_products);
     // MindSpore's save_graphs: CELLGRAPH_SAVE_GRAPHS=1..3, CELLGRAPH_SAVE_GRAPHS_PATH=dir.
     if let Some(opts) = cellgraph::compiler::dump::DumpOptions::from_env()? {
         model.save_graphs(opts)?;
@@ -207,6 +213,9 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
         println!("ranks: {size}, updates: {}, gradient collectives: {}, skipped: {}", model.accumulator().updates(), c.grad_collectives, c.skipped_updates);
         if let Some(s) = model.accumulator().loss_scale() {
             println!("loss scale: {s}");
+        }
+        if let Some(p) = model.accumulator().micro_plans().find_map(|e| e.bf16_products()) {
+            println!("{p}{}", if args.f32_products { " (--f32-products: all in f32)" } else { "" });
         }
         if matches!(args.items, ItemKind::Windows) {
             println!("training: {secs:.2} s, {:.1} tokens/s across ranks", tokens as f64 / secs);

@@ -20,7 +20,7 @@ use crate::types::DType;
 
 /// Whether `op`'s result is made of its operands' values (or zeros, or a fill), so that it
 /// holds only low-precision values when its float operands do.
-fn moves_values(op: &Op) -> bool {
+pub fn moves_values(op: &Op) -> bool {
     matches!(
         op,
         Op::Reshape { .. }

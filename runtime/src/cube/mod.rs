@@ -680,7 +680,7 @@ fn head_kernel<R: CubeRuntime>(op: &Native, a: &CubeTensor<R>, b: &CubeTensor<R>
     // unit checks its position against its output's length; the operands' extents are the
     // bound op's, which the plan's types fix).
     match *op {
-        Native::MatMul { m, k, n, transpose_a, transpose_b, tiling } => {
+        Native::MatMul { m, k, n, transpose_a, transpose_b, tiling, .. } => {
             if split_matmul::<R>([m, k, n], transpose_a, transpose_b, a, b, y, false, tf32, arena) {
                 return;
             }
@@ -901,7 +901,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             // burn's `full`: one launch either way.
             Native::Fill(_) | Native::MaxPool { .. } | Native::SumPlanes { .. } => return None,
             // cubek's exact kernels over the batch (burn's matmul would take TF32 tensor cores).
-            Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b } => {
+            Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b, .. } => {
                 let (a, b) = (contiguous(args[0]), contiguous(args[1]));
                 let y = output::<R>(arena, &client, &device, out.dims());
                 if !cubek_matmul(&a, &b, &y, *batch, [*m, *k, *n], *transpose_a, *transpose_b, Tiling::for_extents(*m, *k, *n), tf32) {

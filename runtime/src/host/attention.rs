@@ -23,6 +23,7 @@
 //! same bits.
 
 use super::kernels::{each, gemm_oriented, vectorized, HostFloat};
+use crate::kernel::Products;
 
 /// Query rows per band of scores: the products' rows, and the causal mask's granularity
 /// (see the module's doc for why 64).
@@ -110,7 +111,7 @@ unsafe fn probs<F: HostFloat>(q: *const F, k: *const F, ld: usize, [_, t, _, d]:
         let (r1, ldi) = ((r0 + BAND).min(t), ld as isize);
         let keys = band_keys(r1, t, causal);
         // S[r0..r1, ..keys] = Q[r0..r1] K[..keys]^T.
-        gemm_oriented::<F>(r1 - r0, d, keys, q.add(r0 * ld), ldi, 1, k, 1, ldi, F::ZERO, p.as_mut_ptr().add(r0 * t), t as isize, 1, 1);
+        gemm_oriented::<F>(r1 - r0, d, keys, q.add(r0 * ld), ldi, 1, k, 1, ldi, F::ZERO, p.as_mut_ptr().add(r0 * t), t as isize, 1, 1, Products::F32);
         for i in r0..r1 {
             let row = &mut p[i * t..][..keys];
             let (live, dead) = row.split_at_mut(seen(i, t, causal));
@@ -156,7 +157,7 @@ impl<F: HostFloat> pulp::WithSimd for Forward<'_, F> {
                 let r1 = (r0 + BAND).min(t);
                 let keys = band_keys(r1, t, causal);
                 // Y[r0..r1] = P[r0..r1, ..keys] V[..keys].
-                gemm_oriented::<F>(r1 - r0, keys, d, p.as_ptr().add(r0 * t), t as isize, 1, v, ld as isize, 1, F::ZERO, y.add(r0 * c), c as isize, 1, 1);
+                gemm_oriented::<F>(r1 - r0, keys, d, p.as_ptr().add(r0 * t), t as isize, 1, v, ld as isize, 1, F::ZERO, y.add(r0 * c), c as isize, 1, 1, Products::F32);
             }
         }
     }
@@ -206,7 +207,7 @@ impl<F: HostFloat> pulp::WithSimd for Backward<'_, F> {
                 let r1 = (r0 + BAND).min(t);
                 let keys = band_keys(r1, t, causal);
                 // dP[r0..r1, ..keys] = dY[r0..r1] V[..keys]^T, then dS in its place.
-                gemm_oriented::<F>(r1 - r0, d, keys, g.add(r0 * c), ci, 1, v, 1, ldi, F::ZERO, ds.as_mut_ptr().add(r0 * t), ti, 1, 1);
+                gemm_oriented::<F>(r1 - r0, d, keys, g.add(r0 * c), ci, 1, v, 1, ldi, F::ZERO, ds.as_mut_ptr().add(r0 * t), ti, 1, 1, Products::F32);
                 for i in r0..r1 {
                     let n = seen(i, t, causal);
                     let (pr, dr) = (&p[i * t..][..n], &mut ds[i * t..][..keys]);
@@ -218,7 +219,7 @@ impl<F: HostFloat> pulp::WithSimd for Backward<'_, F> {
                     dead.fill(F::ZERO);
                 }
                 // dQ[r0..r1] = dS[r0..r1, ..keys] K[..keys].
-                gemm_oriented::<F>(r1 - r0, keys, d, ds.as_ptr().add(r0 * t), ti, 1, k, ldi, 1, F::ZERO, dq.add(r0 * ld), ldi, 1, 1);
+                gemm_oriented::<F>(r1 - r0, keys, d, ds.as_ptr().add(r0 * t), ti, 1, k, ldi, 1, F::ZERO, dq.add(r0 * ld), ldi, 1, 1, Products::F32);
             }
             for c0 in (0..t).step_by(BAND) {
                 let c1 = (c0 + BAND).min(t);
@@ -226,8 +227,8 @@ impl<F: HostFloat> pulp::WithSimd for Backward<'_, F> {
                 let lo = if causal { c0 } else { 0 };
                 let rows = t - lo;
                 // dK[c0..c1] = dS[lo.., c0..c1]^T Q[lo..]; dV[c0..c1] = P[lo.., c0..c1]^T dY[lo..].
-                gemm_oriented::<F>(c1 - c0, rows, d, ds.as_ptr().add(lo * t + c0), 1, ti, q.add(lo * ld), ldi, 1, F::ZERO, dk.add(c0 * ld), ldi, 1, 1);
-                gemm_oriented::<F>(c1 - c0, rows, d, p.as_ptr().add(lo * t + c0), 1, ti, g.add(lo * c), ci, 1, F::ZERO, dv.add(c0 * ld), ldi, 1, 1);
+                gemm_oriented::<F>(c1 - c0, rows, d, ds.as_ptr().add(lo * t + c0), 1, ti, q.add(lo * ld), ldi, 1, F::ZERO, dk.add(c0 * ld), ldi, 1, 1, Products::F32);
+                gemm_oriented::<F>(c1 - c0, rows, d, p.as_ptr().add(lo * t + c0), 1, ti, g.add(lo * c), ci, 1, F::ZERO, dv.add(c0 * ld), ldi, 1, 1, Products::F32);
             }
         }
     }

@@ -25,7 +25,7 @@ thread_local! {
 
 pub use crate::kernel::Geometry;
 use super::toeplitz;
-use crate::kernel::{Elementwise, KStep, KVal, Read, UpdateKernel};
+use crate::kernel::{Elementwise, KStep, KVal, Products, Read, UpdateKernel};
 use cellgraph_compiler::update::Target;
 use cellgraph_compiler::expr::{Binary, Term, Unary};
 use cellgraph_compiler::Reduction;
@@ -119,7 +119,7 @@ macro_rules! host_float {
             // From f32 (f64 values, on the f64 reference backend, are rounded to f32 first:
             // the op rounds f32 values).
             fn round_bf16(self) -> $t {
-                half::bf16::from_f32(self as f32).to_f32() as $t
+                super::math::round_bf16(self as f32) as $t
             }
             fn round_f16(self) -> $t {
                 half::f16::from_f32(self as f32).to_f32() as $t
@@ -193,7 +193,7 @@ pub(crate) fn vectorized<Op: pulp::WithSimd>(op: Op) -> Op::Output {
 /// # Safety
 /// As [`HostFloat::gemm`].
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn gemm_oriented<F: HostFloat>(m: usize, k: usize, n: usize, a: *const F, rsa: isize, csa: isize, b: *const F, rsb: isize, csb: isize, beta: F, c: *mut F, rsc: isize, csc: isize, threads: usize) {
+pub(super) unsafe fn gemm_oriented<F: HostFloat>(m: usize, k: usize, n: usize, a: *const F, rsa: isize, csa: isize, b: *const F, rsb: isize, csb: isize, beta: F, c: *mut F, rsc: isize, csc: isize, threads: usize, pr: Products) {
     let along = m.max(n);
     let mut bands = threads.min(along / MIN_BAND);
     // The last band is the shortest.
@@ -201,7 +201,7 @@ pub(super) unsafe fn gemm_oriented<F: HostFloat>(m: usize, k: usize, n: usize, a
         bands -= 1;
     }
     if bands < 2 {
-        return gemm_turned(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc, threads);
+        return gemm_turned(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc, threads, pr);
     }
     /// The operands' addresses, shared by the bands (each writes its own part of `C`).
     struct Ptrs<F>(*const F, *const F, *mut F);
@@ -216,9 +216,9 @@ pub(super) unsafe fn gemm_oriented<F: HostFloat>(m: usize, k: usize, n: usize, a
         // columns) lie inside the caller's views.
         unsafe {
             if m >= n {
-                gemm_turned(len, k, n, p.0.offset(lo as isize * rsa), rsa, csa, p.1, rsb, csb, beta, p.2.offset(lo as isize * rsc), rsc, csc, 1)
+                gemm_turned(len, k, n, p.0.offset(lo as isize * rsa), rsa, csa, p.1, rsb, csb, beta, p.2.offset(lo as isize * rsc), rsc, csc, 1, pr)
             } else {
-                gemm_turned(m, k, len, p.0, rsa, csa, p.1.offset(lo as isize * csb), rsb, csb, beta, p.2.offset(lo as isize * csc), rsc, csc, 1)
+                gemm_turned(m, k, len, p.0, rsa, csa, p.1.offset(lo as isize * csb), rsb, csb, beta, p.2.offset(lo as isize * csc), rsc, csc, 1, pr)
             }
         }
     });
@@ -230,14 +230,27 @@ pub(super) unsafe fn gemm_oriented<F: HostFloat>(m: usize, k: usize, n: usize, a
 const MIN_BAND: usize = 80;
 
 /// `C = A B` as [`gemm_oriented`], computed as `C^T = B^T A^T` when that wastes less of the
-/// micro-kernel's tiles: its register tile is 64 bytes of rows (16 f32) by 6 columns, so a
-/// product with few rows (a convolution's 6 output channels) runs faster turned around. The
-/// arithmetic per element of `C` is the same dot product either way.
+/// micro-kernel's tiles: the f32 GEMM's register tile is 64 bytes of rows (16 f32) by 6
+/// columns, so a product with few rows (a convolution's 6 output channels) runs faster turned
+/// around; the bf16 kernel's is 8 rows by 32 columns. The arithmetic per element of `C` is the
+/// same dot product either way. Products of bf16 values (`pr`) on f32 run on
+/// [`super::bf16`], one thread per call (the bands of [`gemm_oriented`] share the work).
 ///
 /// # Safety
 /// As [`HostFloat::gemm`].
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_turned<F: HostFloat>(m: usize, k: usize, n: usize, a: *const F, rsa: isize, csa: isize, b: *const F, rsb: isize, csb: isize, beta: F, c: *mut F, rsc: isize, csc: isize, threads: usize) {
+unsafe fn gemm_turned<F: HostFloat>(m: usize, k: usize, n: usize, a: *const F, rsa: isize, csa: isize, b: *const F, rsb: isize, csb: isize, beta: F, c: *mut F, rsc: isize, csc: isize, threads: usize, pr: Products) {
+    if pr == Products::Bf16 && std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>() {
+        let padded = |m: usize, n: usize| m.div_ceil(8) * 8 * n.div_ceil(32) * 32;
+        let beta = if beta == F::ZERO { 0.0 } else { 1.0 };
+        let (a, b, c) = (a as *const f32, b as *const f32, c as *mut f32);
+        // SAFETY: plans choose bf16 products only where `bf16::available()`.
+        return if 4 * padded(n, m) < 3 * padded(m, n) {
+            super::bf16::gemm(n, k, m, b, csb, rsb, a, csa, rsa, beta, c, csc, rsc)
+        } else {
+            super::bf16::gemm(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+        };
+    }
     let mr = 64 / std::mem::size_of::<F>();
     let padded = |m: usize, n: usize| m.div_ceil(mr) * mr * n.div_ceil(6) * 6;
     if 4 * padded(n, m) < 3 * padded(m, n) {
@@ -276,7 +289,7 @@ impl<F> Mat<'_, F> {
 }
 
 /// `op(a) @ op(b)` into the row-major `c` (every element written).
-pub fn matmul<F: HostFloat>(a: Mat<F>, b: Mat<F>, c: &mut [F]) {
+pub fn matmul<F: HostFloat>(a: Mat<F>, b: Mat<F>, c: &mut [F], p: Products) {
     let ((m, k), (k2, n)) = (a.logical(), b.logical());
     assert_eq!(k, k2, "contracting extents checked by shape inference");
     assert!(a.data.len() >= a.rows * a.cols && b.data.len() >= b.rows * b.cols && c.len() == m * n);
@@ -288,20 +301,20 @@ pub fn matmul<F: HostFloat>(a: Mat<F>, b: Mat<F>, c: &mut [F]) {
     // rows and columns, never the contraction: the same bits on any number of threads).
     let threads = if m * k * n >= 1 << 22 { rayon::current_num_threads() } else { 1 };
     // SAFETY: both views were checked to lie inside their slices; `c` is m x n.
-    unsafe { gemm_oriented::<F>(m, k, n, a.data.as_ptr(), rsa, csa, b.data.as_ptr(), rsb, csb, F::ZERO, c.as_mut_ptr(), n as isize, 1, threads) };
+    unsafe { gemm_oriented::<F>(m, k, n, a.data.as_ptr(), rsa, csa, b.data.as_ptr(), rsb, csb, F::ZERO, c.as_mut_ptr(), n as isize, 1, threads, p) };
 }
 
 /// `batch` products `op(a_i) @ op(b_i)` of `m x k` by `k x n`, each operand's matrices
 /// consecutive, into the row-major `c`; the products are shared among the pool's threads.
 #[allow(clippy::too_many_arguments)]
-pub fn batch_matmul<F: HostFloat>(a: &[F], b: &[F], batch: usize, m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool, c: &mut [F]) {
+pub fn batch_matmul<F: HostFloat>(a: &[F], b: &[F], batch: usize, m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool, c: &mut [F], p: Products) {
     let (sa, sb) = (m * k, k * n);
     let (ra, ca) = if transpose_a { (k, m) } else { (m, k) };
     let (rb, cb) = if transpose_b { (n, k) } else { (k, n) };
     let one = |(i, c): (usize, &mut [F])| {
         let lhs = Mat { data: &a[i * sa..(i + 1) * sa], rows: ra, cols: ca, transposed: transpose_a };
         let rhs = Mat { data: &b[i * sb..(i + 1) * sb], rows: rb, cols: cb, transposed: transpose_b };
-        matmul(lhs, rhs, c);
+        matmul(lhs, rhs, c, p);
     };
     if rayon::current_num_threads() > 1 && batch > 1 {
         use rayon::prelude::*;
@@ -776,12 +789,12 @@ fn scatter_rows<F: HostFloat>(d: &ConvDims, o: usize, gi: usize, rows: &[F], nch
 /// Convolution: `x` `[n, c, h, w]`, `w` `[o, c/groups, kh, kw]` -> `[n, o, oh, ow]`. Per chunk
 /// of images and group, one GEMM: `w_g [og, kk] @ col [kk, m*oh*ow]`; `post` runs on each
 /// chunk's output.
-pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>) {
+pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>, p: Products) {
     if let Some(taps) = toeplitz::taps(g, groups, o) {
-        return toeplitz::forward(g, &taps, x, w, o, y, post);
+        return toeplitz::forward(g, &taps, x, w, o, y, post, p);
     }
     if let Some((small, at)) = cropped(g) {
-        return with_cropped_filter(w, g, &small, at, |wc| conv2d(&small, groups, x, wc, o, y, post));
+        return with_cropped_filter(w, g, &small, at, |wc| conv2d(&small, groups, x, wc, o, y, post, p));
     }
     let d = conv_dims(g, groups, o);
     let [n, c, h, wd] = g.x;
@@ -802,7 +815,7 @@ pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: us
                 im2col_batch(&sub, &dc, gi, xc, col);
                 let wg = &w[gi * dc.og * dc.kk..(gi + 1) * dc.og * dc.kk];
                 // SAFETY: wg is og x kk, col is kk x cols, rows is og x cols, all row-major.
-                unsafe { gemm_oriented::<F>(dc.og, dc.kk, dc.cols, wg.as_ptr(), dc.kk as isize, 1, col.as_ptr(), dc.cols as isize, 1, F::ZERO, rows.as_mut_ptr(), dc.cols as isize, 1, par) };
+                unsafe { gemm_oriented::<F>(dc.og, dc.kk, dc.cols, wg.as_ptr(), dc.kk as isize, 1, col.as_ptr(), dc.cols as isize, 1, F::ZERO, rows.as_mut_ptr(), dc.cols as isize, 1, par, p) };
                 scatter_rows(&dc, o, gi, rows, yc);
             }
         });
@@ -814,12 +827,12 @@ pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: us
 
 /// Gradient of [`conv2d`] w.r.t. its input: `dy` `[n, o, oh, ow]` -> `[n, c, h, w]`. Per chunk
 /// and group, `w_g^T [kk, og] @ dy_g [og, m*oh*ow]`, then col2im image by image.
-pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w: &[F], o: usize, dx: &mut [F]) {
+pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w: &[F], o: usize, dx: &mut [F], p: Products) {
     if let Some(taps) = toeplitz::taps(g, groups, o) {
-        return toeplitz::input_grad(g, &taps, dy, w, o, dx);
+        return toeplitz::input_grad(g, &taps, dy, w, o, dx, p);
     }
     if let Some((small, at)) = cropped(g) {
-        return with_cropped_filter(w, g, &small, at, |wc| conv2d_input_grad(&small, groups, dy, wc, o, dx));
+        return with_cropped_filter(w, g, &small, at, |wc| conv2d_input_grad(&small, groups, dy, wc, o, dx, p));
     }
     let d = conv_dims(g, groups, o);
     let [n, c, h, wi] = g.x;
@@ -843,7 +856,7 @@ pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w:
                 gather_rows(&dc, o, gi, dyc, rows);
                 let wg = &w[gi * dc.og * dc.kk..(gi + 1) * dc.og * dc.kk];
                 // SAFETY: wg^T is kk x og (read with swapped strides), rows is og x cols, col kk x cols.
-                unsafe { gemm_oriented::<F>(dc.kk, dc.og, dc.cols, wg.as_ptr(), 1, dc.kk as isize, rows.as_ptr(), dc.cols as isize, 1, F::ZERO, col.as_mut_ptr(), dc.cols as isize, 1, par) };
+                unsafe { gemm_oriented::<F>(dc.kk, dc.og, dc.cols, wg.as_ptr(), 1, dc.kk as isize, rows.as_ptr(), dc.cols as isize, 1, F::ZERO, col.as_mut_ptr(), dc.cols as isize, 1, par, p) };
                 for i in 0..sub.x[0] {
                     col2im(&sub, &col[i * dc.sp..], dc.cols, dc.cg, &mut dxc[(i * c + gi * dc.cg) * h * wi..(i * c + (gi + 1) * dc.cg) * h * wi], padded);
                 }
@@ -864,16 +877,16 @@ pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w:
 /// `cargo bench --bench kernels`); `[kk, og]` packs the chunk's `dy` instead. With 128 output
 /// channels the arithmetic hides the packing and `dw`'s layout is faster (layer2: 1.19x the
 /// time transposed). `post` runs on the output in parts, as each is finished.
-pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize, dw: &mut [F], post: Post<F>) {
+pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize, dw: &mut [F], post: Post<F>, p: Products) {
     if let Some(taps) = toeplitz::taps(g, groups, o) {
-        return toeplitz::filter_grad(g, &taps, dy, x, o, dw, post);
+        return toeplitz::filter_grad(g, &taps, dy, x, o, dw, post, p);
     }
     if let Some((small, at)) = cropped(g) {
         // The cropped gradient, then written into its taps' places; the others are zero.
         let (big, little) = (g.kernel[0] * g.kernel[1], small.kernel[0] * small.kernel[1]);
         let planes = dw.len() / big;
         return F::partials(planes * little, |part| {
-            conv2d_filter_grad(&small, groups, dy, x, o, part, None);
+            conv2d_filter_grad(&small, groups, dy, x, o, part, None, p);
             dw.fill(F::ZERO);
             for r in 0..small.kernel[0] {
                 for c in 0..small.kernel[1] {
@@ -900,7 +913,7 @@ pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x
         // thread-local memory.
         return F::partials((chunks - 1) * size, |rest| {
             let parts: Vec<_> = std::iter::once(&mut *dw).chain(rest.chunks_mut(size)).enumerate().collect();
-            filter_grad_chunks(g, groups, dy, x, o, per, false, parts);
+            filter_grad_chunks(g, groups, dy, x, o, per, false, parts, p);
             for part in rest.chunks_exact(size) {
                 add_assign(dw, part);
             }
@@ -908,7 +921,7 @@ pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x
         });
     }
     F::partials(chunks * size, |parts| {
-        filter_grad_chunks(g, groups, dy, x, o, per, true, parts.chunks_mut(size).enumerate().collect());
+        filter_grad_chunks(g, groups, dy, x, o, per, true, parts.chunks_mut(size).enumerate().collect(), p);
         let parts = &*parts;
         // Per group, dw_g [og, kk] = the sum of the chunks' [kk, og], in tiles that keep both
         // sides' lines in L1.
@@ -941,7 +954,7 @@ pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x
 /// Chunk `k`'s filter gradient (images `k*per..`) into each `(k, part)`, per group `[og, kk]`,
 /// or `[kk, og]` if `transposed`.
 #[allow(clippy::too_many_arguments)]
-fn filter_grad_chunks<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize, per: usize, transposed: bool, parts: Vec<(usize, &mut [F])>) {
+fn filter_grad_chunks<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize, per: usize, transposed: bool, parts: Vec<(usize, &mut [F])>, p: Products) {
     let [n, c, h, wd] = g.x;
     let par = gemm_threads(parts.len());
     let chunks = parts;
@@ -959,7 +972,7 @@ fn filter_grad_chunks<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[
                 let dwg = &mut part[gi * dc.og * dc.kk..(gi + 1) * dc.og * dc.kk];
                 // SAFETY: rows is og x cols, col^T is cols x kk (swapped strides), dwg is og x kk
                 // (row-major, or column-major as the row-major [kk, og]).
-                unsafe { gemm_oriented::<F>(dc.og, dc.cols, dc.kk, rows.as_ptr(), dc.cols as isize, 1, col.as_ptr(), 1, dc.cols as isize, F::ZERO, dwg.as_mut_ptr(), rsc, csc, par) };
+                unsafe { gemm_oriented::<F>(dc.og, dc.cols, dc.kk, rows.as_ptr(), dc.cols as isize, 1, col.as_ptr(), 1, dc.cols as isize, F::ZERO, dwg.as_mut_ptr(), rsc, csc, par, p) };
             }
         })
     });
@@ -2045,7 +2058,7 @@ pub(crate) mod tests {
     /// epilogue applied to every element once, at its own offset.
     pub(crate) fn assert_filter_grad_epilogue(g: &Geometry, groups: usize, dy: &[f32], x: &[f32], o: usize, dw: &[f32]) {
         let post = |first: usize, part: &mut [f32]| part.iter_mut().enumerate().for_each(|(i, v)| *v = *v * 2.0 + (first + i) as f32);
-        let twice = new(dw.len(), |out| conv2d_filter_grad(g, groups, dy, x, o, out, Some(&post)));
+        let twice = new(dw.len(), |out| conv2d_filter_grad(g, groups, dy, x, o, out, Some(&post), Products::F32));
         assert!(twice.iter().zip(dw).enumerate().all(|(i, (t, d))| t.to_bits() == (d * 2.0 + i as f32).to_bits()), "{g:?}: the epilogue");
     }
 
@@ -2105,13 +2118,13 @@ pub(crate) mod tests {
         for (g, groups, o) in cases {
             let [n, c, h, wd] = g.x;
             let (x, w, dy) = (data(n * c * h * wd, 1), data(o * c / groups * g.kernel[0] * g.kernel[1], 2), data(n * o * g.spatial(), 3));
-            let y = new(n * o * g.spatial(), |y| conv2d(&g, groups, &x, &w, o, y, None));
+            let y = new(n * o * g.spatial(), |y| conv2d(&g, groups, &x, &w, o, y, None, Products::F32));
             for (a, b) in y.iter().zip(conv_reference(&g, groups, &x, &w, o)) {
                 assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "{g:?}: {a} vs {b}");
             }
             let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>();
-            let dx = new(x.len(), |dx| conv2d_input_grad(&g, groups, &dy, &w, o, dx));
-            let dw = new(w.len(), |dw| conv2d_filter_grad(&g, groups, &dy, &x, o, dw, None));
+            let dx = new(x.len(), |dx| conv2d_input_grad(&g, groups, &dy, &w, o, dx, Products::F32));
+            let dw = new(w.len(), |dw| conv2d_filter_grad(&g, groups, &dy, &x, o, dw, None, Products::F32));
             assert_filter_grad_epilogue(&g, groups, &dy, &x, o, &dw);
             let lhs = dot(&y, &dy);
             for rhs in [dot(&x, &dx), dot(&w, &dw)] {
@@ -2222,10 +2235,10 @@ pub(crate) mod tests {
                 let (a, b) = (data(m * k, m), data(k * n, n));
                 let ma = if ta { Mat { data: &a, rows: k, cols: m, transposed: true } } else { Mat { data: &a, rows: m, cols: k, transposed: false } };
                 let mb = if tb { Mat { data: &b, rows: n, cols: k, transposed: true } } else { Mat { data: &b, rows: k, cols: n, transposed: false } };
-                let one: Vec<u32> = new(m * n, |c| matmul(ma, mb, c)).into_iter().map(f32::to_bits).collect();
+                let one: Vec<u32> = new(m * n, |c| matmul(ma, mb, c, Products::F32)).into_iter().map(f32::to_bits).collect();
                 for threads in [2, 3, 4] {
                     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
-                    let got: Vec<u32> = pool.install(|| new(m * n, |c| matmul(ma, mb, c))).into_iter().map(f32::to_bits).collect();
+                    let got: Vec<u32> = pool.install(|| new(m * n, |c| matmul(ma, mb, c, Products::F32))).into_iter().map(f32::to_bits).collect();
                     assert!(got == one, "{m}x{k}x{n} (transposed {ta}, {tb}) on {threads} threads");
                 }
             }
@@ -2263,9 +2276,9 @@ pub(crate) mod tests {
                 let y = new(at.len(), |y| max_pool2d(&p, &x, &mut at, y));
                 let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
                 [
-                    bits(new(dy.len(), |y| conv2d(&g, 1, &x, &w, 16, y, None))),
-                    bits(new(x.len(), |dx| conv2d_input_grad(&g, 1, &dy, &w, 16, dx))),
-                    bits(new(w.len(), |dw| conv2d_filter_grad(&g, 1, &dy, &x, 16, dw, None))),
+                    bits(new(dy.len(), |y| conv2d(&g, 1, &x, &w, 16, y, None, Products::F32))),
+                    bits(new(x.len(), |dx| conv2d_input_grad(&g, 1, &dy, &w, 16, dx, Products::F32))),
+                    bits(new(w.len(), |dw| conv2d_filter_grad(&g, 1, &dy, &x, 16, dw, None, Products::F32))),
                     bits(y),
                     bits(new(x.len(), |dx| max_pool2d_grad(&p, &at, &x[..at.len()], dx, None))),
                     // Sums over rows (shared out by 4 KiB of the output) and over planes.

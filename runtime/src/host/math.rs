@@ -13,6 +13,18 @@
 //! NaN gives NaN, infinities give the limits, -0 stays -0 for `erf` and `tanh`, and
 //! subnormal results are formed by one rounding.
 
+/// `x` rounded to the nearest bf16 value (ties to even; past the largest finite value,
+/// infinity; a NaN stays NaN, made quiet), bit for bit as `half::bf16::from_f32` then
+/// `to_f32` (the precision pass's rounding), with selects in place of its branches so that a
+/// program's loop over a block vectorises.
+#[inline(always)]
+pub fn round_bf16(x: f32) -> f32 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000;
+    let quiet = (b | 0x0040_0000) & 0xffff_0000;
+    f32::from_bits(if b & 0x7fff_ffff > 0x7f80_0000 { quiet } else { rounded })
+}
+
 /// `e^x`: Cephes' `expf` (Cody-Waite reduction by `ln 2` in two parts, a degree-6 polynomial),
 /// the power of two applied as two factors so that `2^n` for `n` in `-150..=128` needs no
 /// subnormal or infinite factor. Overflow gives +inf and underflow 0 through the products.
@@ -88,6 +100,17 @@ mod tests {
         }
         let ulp = if r == 0.0 { f64::from(f32::from_bits(1)) } else { f64::from(f32::from_bits(r.abs().to_bits() + 1)) - f64::from(r.abs()) };
         (f64::from(f) - want).abs() / ulp
+    }
+
+    /// Every 13th f32 bit pattern and the edges (ties, the largest finite values, NaNs with
+    /// payloads, infinities, zeros, subnormals): the same bits as `half`'s rounding.
+    #[test]
+    fn round_bf16_is_halfs_rounding() {
+        let edges = [0x0000_8000u32, 0x0001_8000, 0x3f80_8000, 0x3f81_8000, 0x7f7f_ffff, 0x7f7f_8000, 0x7f7f_7fff, 0xff7f_ffff, 0x7f80_0000, 0xff80_0000, 0x7f80_0001, 0xff80_0001, 0x7fc0_0000, 0x7fff_ffff, 0, 0x8000_0000, 1, 0x8000_7fff];
+        for b in (0..=u32::MAX).step_by(13).chain(edges) {
+            let x = f32::from_bits(b);
+            assert_eq!(super::round_bf16(x).to_bits(), half::bf16::from_f32(x).to_f32().to_bits(), "{b:#010x}");
+        }
     }
 
     /// Every 251st f32 bit pattern (both signs, subnormals to the largest): within the

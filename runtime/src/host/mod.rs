@@ -4,6 +4,7 @@
 //! their outputs are written into ([`Arena`]).
 
 pub mod attention;
+pub mod bf16;
 pub mod direct;
 pub mod kernels;
 pub mod math;
@@ -18,7 +19,7 @@ use burn_backend::FloatDType;
 use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
 use crate::backend::{Backend, HostSlice, HostVec};
-use crate::kernel::{ConvKind, Geometry, Native, UpdateKernel};
+use crate::kernel::{ConvKind, Geometry, Native, Products, UpdateKernel};
 use crate::value::Value;
 use kernels::{HostFloat, Mat};
 
@@ -357,7 +358,7 @@ impl Kept {
 /// operand is not `F` or the output is empty.
 /// `args` are the float operands and `ints` the integer ones, each in operand order; `tys` every
 /// operand's type, in order.
-fn run<F: Elem>(k: &Native, args: &[HostSlice], ints: &[&[i64]], tys: &[&TensorType], out: &TensorType, kept: &mut Kept, arena: &mut Arena) -> Option<Vec<F>> {
+fn run<F: Elem>(k: &Native, args: &[HostSlice], ints: &[&[i64]], tys: &[&TensorType], out: &TensorType, kept: &mut Kept, arena: &mut Arena, bf16: bool) -> Option<Vec<F>> {
     let a: Vec<&[F]> = args.iter().map(F::slice).collect::<Option<_>>()?;
     let len = out.numel();
     if let Native::SoftmaxCrossEntropy { c, reduction, grad, kept: slot, .. } = *k {
@@ -408,22 +409,28 @@ fn run<F: Elem>(k: &Native, args: &[HostSlice], ints: &[&[i64]], tys: &[&TensorT
             let split = *split;
             let extras = &a[split..];
             let part = |first: usize, part: &mut [F]| kernels::epilogue(post, extras, first, part);
-            run_into(head, &a[..split], &tys[..split], kept, &mut y, Some(&part))
+            run_into(head, &a[..split], &tys[..split], kept, &mut y, Some(&part), bf16)
         }
-        k => run_into(k, &a, tys, kept, &mut y, None),
+        k => run_into(k, &a, tys, kept, &mut y, None, bf16),
     }
     Some(y)
 }
 
 /// Runs a bound kernel (not an epilogue) into `y`, then `post` over each part of `y` as the
 /// kernel finishes it (or over the whole of `y` after kernels that do not cut their output).
-fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kept, y: &mut [F], post: kernels::Post<F>) {
+/// `bf16`: products the plan chose to run on bf16 pairs do (else in f32; see
+/// [`crate::Session::set_bf16_products`]).
+fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kept, y: &mut [F], post: kernels::Post<F>, bf16: bool) {
     let d = |i: usize| tys[i].dims();
+    let products = |k: &Native| match k {
+        Native::MatMul { products, .. } | Native::BatchMatMul { products, .. } | Native::Conv { products, .. } if bf16 => *products,
+        _ => Products::F32,
+    };
     if let Native::Conv { kind, g, out_channels: o, filter: Some(name), .. } = k {
         if let Some(t) = kept.dense_filter(name, g, *o, a[1]) {
             match kind {
-                ConvKind::Forward => return toeplitz::forward_dense(g, a[0], t, *o, y, post),
-                ConvKind::InputGrad => toeplitz::input_grad_dense(g, a[0], t, *o, y),
+                ConvKind::Forward => return toeplitz::forward_dense(g, a[0], t, *o, y, post, products(k)),
+                ConvKind::InputGrad => toeplitz::input_grad_dense(g, a[0], t, *o, y, products(k)),
                 ConvKind::FilterGrad => unreachable!("only forwards and input gradients name their filter"),
             }
             return kernels::post_all(post, y);
@@ -431,7 +438,7 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
     }
     match k {
         Native::Conv { kind: ConvKind::Forward, g, out_channels, direct: true, .. } => return direct::forward(g, a[0], a[1], *out_channels, y, post),
-        Native::Conv { kind: ConvKind::Forward, g, groups, out_channels, .. } => return kernels::conv2d(g, *groups, a[0], a[1], *out_channels, y, post),
+        Native::Conv { kind: ConvKind::Forward, g, groups, out_channels, .. } => return kernels::conv2d(g, *groups, a[0], a[1], *out_channels, y, post, products(k)),
         Native::MaxPoolGrad { g, kept: slot } => {
             let at_len = tys[1].numel();
             return match slot.and_then(|s| kept.argmax_of(s, at_len)) {
@@ -445,12 +452,12 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         }
         Native::MatMul { transpose_a, transpose_b, .. } => {
             let m = |i: usize, t: bool| Mat { data: a[i], rows: d(i)[0], cols: d(i)[1], transposed: t };
-            kernels::matmul(m(0, *transpose_a), m(1, *transpose_b), y)
+            kernels::matmul(m(0, *transpose_a), m(1, *transpose_b), y, products(k))
         }
         Native::Conv { kind: ConvKind::InputGrad, g, out_channels, direct: true, .. } => direct::input_grad(g, a[0], a[1], *out_channels, y),
         Native::Conv { kind: ConvKind::FilterGrad, g, out_channels, direct: true, .. } => direct::filter_grad(g, a[0], a[1], *out_channels, y),
-        Native::Conv { kind: ConvKind::InputGrad, g, groups, out_channels, .. } => kernels::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels, y),
-        Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } => return kernels::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels, y, post),
+        Native::Conv { kind: ConvKind::InputGrad, g, groups, out_channels, .. } => kernels::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels, y, products(k)),
+        Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } => return kernels::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels, y, post, products(k)),
         Native::MaxPool { g, keep } => match keep {
             Some(s) => kernels::max_pool2d(g, a[0], kept.argmax(*s, y.len()), y),
             None => kernels::max_pool2d(g, a[0], &mut vec![0; y.len()], y),
@@ -461,7 +468,7 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         Native::Fused(e) => kernels::fused(e, a, y),
         Native::SumRows { .. } => kernels::sum_rows(a[0], y),
         Native::SumPlanes { outer, inner, scale } => kernels::sum_planes(a[0], *outer, *inner, scale.map(F::from_f64), y),
-        Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b } => kernels::batch_matmul(a[0], a[1], *batch, *m, *k, *n, *transpose_a, *transpose_b, y),
+        Native::BatchMatMul { batch, m, k: kk, n, transpose_a, transpose_b, .. } => kernels::batch_matmul(a[0], a[1], *batch, *m, *kk, *n, *transpose_a, *transpose_b, y, products(k)),
         Native::Permute { dims, perm } => kernels::permute(a[0], dims, perm, y),
         Native::Slice { dims, begin, end } => kernels::slice(a[0], dims, begin, end, y),
         Native::Pad { dims, lo, hi } => kernels::pad(a[0], dims, lo, hi, y),
@@ -478,7 +485,7 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
 /// type, writing into a buffer from `arena`; `None` sends the step to burn's generic lowering.
 /// `args` are the float operands and `ints` the integer ones, each in operand order.
 #[allow(clippy::too_many_arguments)]
-pub fn run_host<B: Backend>(k: &Native, args: &[&FloatTensor<B>], ints: &[&IntTensor<B>], tys: &[&TensorType], out: &TensorType, (device, float): (&Device<B>, FloatDType), kept: &mut Kept, arena: &mut Arena) -> Option<FloatTensor<B>> {
+pub fn run_host<B: Backend>(k: &Native, args: &[&FloatTensor<B>], ints: &[&IntTensor<B>], tys: &[&TensorType], out: &TensorType, (device, float, bf16): (&Device<B>, FloatDType, bool), kept: &mut Kept, arena: &mut Arena) -> Option<FloatTensor<B>> {
     if !out.dtype.is_float() {
         return None;
     }
@@ -491,9 +498,9 @@ pub fn run_host<B: Backend>(k: &Native, args: &[&FloatTensor<B>], ints: &[&IntTe
         None => float == FloatDType::F64,
     };
     let data = if wide {
-        run::<f64>(k, &slices, &ints, tys, out, kept, arena).map(f64::wrap)
+        run::<f64>(k, &slices, &ints, tys, out, kept, arena, bf16).map(f64::wrap)
     } else {
-        run::<f32>(k, &slices, &ints, tys, out, kept, arena).map(f32::wrap)
+        run::<f32>(k, &slices, &ints, tys, out, kept, arena, bf16).map(f32::wrap)
     }?;
     Some(B::from_host_vec(data, out.dims(), device))
 }
@@ -521,14 +528,14 @@ mod tests {
         let s = |v: &[f32]| HostSlice::F32(Cow::Owned(v.to_vec()));
         let (mut state, arena) = (Kept::default(), &mut Arena::default());
         state.begin_run();
-        run::<f32>(&keep, &[s(&x1)], &[], &[&xt], &yt, &mut state, arena).expect("forward");
-        let routed = run::<f32>(&kept, &[s(&x1), s(&dy)], &[], &[&xt, &yt], &xt, &mut state, arena).expect("gradient");
-        let searched = run::<f32>(&grad, &[s(&x1), s(&dy)], &[], &[&xt, &yt], &xt, &mut state, arena).expect("gradient");
+        run::<f32>(&keep, &[s(&x1)], &[], &[&xt], &yt, &mut state, arena, true).expect("forward");
+        let routed = run::<f32>(&kept, &[s(&x1), s(&dy)], &[], &[&xt, &yt], &xt, &mut state, arena, true).expect("gradient");
+        let searched = run::<f32>(&grad, &[s(&x1), s(&dy)], &[], &[&xt, &yt], &xt, &mut state, arena, true).expect("gradient");
         assert_eq!(routed.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), searched.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         // The next run's gradient, on other input, before its forward ran: it must search.
         state.begin_run();
-        let fresh = run::<f32>(&kept, &[s(&x2), s(&dy)], &[], &[&xt, &yt], &xt, &mut state, arena).expect("gradient");
-        assert_eq!(fresh, run::<f32>(&grad, &[s(&x2), s(&dy)], &[], &[&xt, &yt], &xt, &mut state, arena).expect("gradient"));
+        let fresh = run::<f32>(&kept, &[s(&x2), s(&dy)], &[], &[&xt, &yt], &xt, &mut state, arena, true).expect("gradient");
+        assert_eq!(fresh, run::<f32>(&grad, &[s(&x2), s(&dy)], &[], &[&xt, &yt], &xt, &mut state, arena, true).expect("gradient"));
         assert_ne!(fresh, routed);
     }
 }

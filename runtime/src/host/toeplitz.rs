@@ -13,7 +13,7 @@
 //! session ([`super::Kept`]); the filter gradient folds `dt` back into the taps.
 
 use super::kernels::{add_assign, each, gemm_oriented, most_shares, post_all, HostFloat, Post};
-use crate::kernel::Geometry;
+use crate::kernel::{Geometry, Products};
 
 /// The dense filter's largest size in elements (16 MiB of f32).
 const MAX_DENSE: usize = 1 << 22;
@@ -123,16 +123,16 @@ fn transpose<F: Copy>(a: &[F], rows: usize, cols: usize, out: &mut [F]) {
 
 /// [`super::kernels::conv2d`] on a small map: `y [n, o * sp] = x [n, c * hw] @ t^T`; `post` runs
 /// over the whole output after.
-pub(super) fn forward<F: HostFloat>(g: &Geometry, taps: &[Tap], x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>) {
+pub(super) fn forward<F: HostFloat>(g: &Geometry, taps: &[Tap], x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>, p: Products) {
     let [_, c, h, wd] = g.x;
     F::partials(o * g.spatial() * c * h * wd, |t| {
         dense_filter(g, taps, w, o, t);
-        forward_dense(g, x, t, o, y, post)
+        forward_dense(g, x, t, o, y, post, p)
     });
 }
 
 /// [`forward`] with the dense filter `t` already built.
-pub(super) fn forward_dense<F: HostFloat>(g: &Geometry, x: &[F], t: &[F], o: usize, y: &mut [F], post: Post<F>) {
+pub(super) fn forward_dense<F: HostFloat>(g: &Geometry, x: &[F], t: &[F], o: usize, y: &mut [F], post: Post<F>, p: Products) {
     let [n, c, h, wd] = g.x;
     let (k, m) = (c * h * wd, o * g.spatial());
     assert!(y.len() == n * m && t.len() == m * k, "output and dense filter extents");
@@ -142,28 +142,28 @@ pub(super) fn forward_dense<F: HostFloat>(g: &Geometry, x: &[F], t: &[F], o: usi
         let (xt, yt) = s.split_at_mut(k * n);
         transpose(x, n, k, xt);
         // SAFETY: t is m x k, xt is k x n, yt is m x n, all row-major.
-        unsafe { gemm_oriented::<F>(m, k, n, t.as_ptr(), k as isize, 1, xt.as_ptr(), n as isize, 1, F::ZERO, yt.as_mut_ptr(), n as isize, 1, threads(n * k * m)) };
+        unsafe { gemm_oriented::<F>(m, k, n, t.as_ptr(), k as isize, 1, xt.as_ptr(), n as isize, 1, F::ZERO, yt.as_mut_ptr(), n as isize, 1, threads(n * k * m), p) };
         transpose(yt, m, n, y);
     });
     post_all(post, y);
 }
 
 /// [`super::kernels::conv2d_input_grad`] on a small map: `dx [n, c * hw] = dy [n, o * sp] @ t`.
-pub(super) fn input_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], w: &[F], o: usize, dx: &mut [F]) {
+pub(super) fn input_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], w: &[F], o: usize, dx: &mut [F], p: Products) {
     let [_, c, h, wd] = g.x;
     F::partials(o * g.spatial() * c * h * wd, |t| {
         dense_filter(g, taps, w, o, t);
-        input_grad_dense(g, dy, t, o, dx)
+        input_grad_dense(g, dy, t, o, dx, p)
     });
 }
 
 /// [`input_grad`] with the dense filter `t` already built.
-pub(super) fn input_grad_dense<F: HostFloat>(g: &Geometry, dy: &[F], t: &[F], o: usize, dx: &mut [F]) {
+pub(super) fn input_grad_dense<F: HostFloat>(g: &Geometry, dy: &[F], t: &[F], o: usize, dx: &mut [F], p: Products) {
     let [n, c, h, wd] = g.x;
     let (k, m) = (c * h * wd, o * g.spatial());
     assert!(dx.len() == n * k && t.len() == m * k, "output and dense filter extents");
     // SAFETY: dy is n x m, t is m x k, dx is n x k, all row-major.
-    unsafe { gemm_oriented::<F>(n, m, k, dy.as_ptr(), m as isize, 1, t.as_ptr(), k as isize, 1, F::ZERO, dx.as_mut_ptr(), k as isize, 1, threads(n * k * m)) };
+    unsafe { gemm_oriented::<F>(n, m, k, dy.as_ptr(), m as isize, 1, t.as_ptr(), k as isize, 1, F::ZERO, dx.as_mut_ptr(), k as isize, 1, threads(n * k * m), p) };
 }
 
 /// [`super::kernels::conv2d_filter_grad`] on a small map: `dt = dy^T @ x`, laid out
@@ -172,7 +172,7 @@ pub(super) fn input_grad_dense<F: HostFloat>(g: &Geometry, dy: &[F], t: &[F], o:
 /// order: for each output channel, the entries' rows of `c` added into the tap's row of a
 /// `[kk, c]` buffer (whole rows at a time, where adding entry by entry into `dw`'s `[c, kk]`
 /// strode through memory), which is then written out transposed.
-pub(super) fn filter_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], x: &[F], o: usize, dw: &mut [F], post: Post<F>) {
+pub(super) fn filter_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], x: &[F], o: usize, dw: &mut [F], post: Post<F>, p: Products) {
     let [n, c, h, wd] = g.x;
     let (sp, hw, kk) = (g.spatial(), h * wd, g.kernel[0] * g.kernel[1]);
     let (k, m) = (c * hw, o * sp);
@@ -182,7 +182,7 @@ pub(super) fn filter_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], x:
             // SAFETY: dy^T is m x n (dy read with swapped strides); pixel q of every channel
             // of x is n x c (rows k apart, channels hw apart); its block of dt is m x c (rows k
             // apart), all inside their slices.
-            unsafe { gemm_oriented::<F>(m, n, c, dy.as_ptr(), 1, m as isize, x.as_ptr().add(q), k as isize, hw as isize, F::ZERO, dt.as_mut_ptr().add(q * c), k as isize, 1, threads(n * c * m)) };
+            unsafe { gemm_oriented::<F>(m, n, c, dy.as_ptr(), 1, m as isize, x.as_ptr().add(q), k as isize, hw as isize, F::ZERO, dt.as_mut_ptr().add(q * c), k as isize, 1, threads(n * c * m), p) };
         }
         let dt = &*dt;
         // The kernel taps some entry goes through (on a 1 x 1 map, only the centre's).
@@ -265,7 +265,7 @@ mod tests {
             let kk = g.kernel[0] * g.kernel[1];
             let (x, w, dy) = (data(n * c * h * wd, 1), data(o * c * kk, 2), data(n * o * g.spatial(), 3));
             let mut y = vec![f32::NAN; dy.len()];
-            conv2d(&g, 1, &x, &w, o, &mut y, None);
+            conv2d(&g, 1, &x, &w, o, &mut y, None, Products::F32);
             for (a, b) in y.iter().zip(conv_reference(&g, 1, &x, &w, o)) {
                 assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "{g:?}: {a} vs {b}");
             }
@@ -290,8 +290,8 @@ mod tests {
                 }
             }
             let (mut dx, mut dw) = (vec![f32::NAN; x.len()], vec![f32::NAN; w.len()]);
-            conv2d_input_grad(&g, 1, &dy, &w, o, &mut dx);
-            conv2d_filter_grad(&g, 1, &dy, &x, o, &mut dw, None);
+            conv2d_input_grad(&g, 1, &dy, &w, o, &mut dx, Products::F32);
+            conv2d_filter_grad(&g, 1, &dy, &x, o, &mut dw, None, Products::F32);
             assert_filter_grad_epilogue(&g, 1, &dy, &x, o, &dw);
             for (a, b) in dx.iter().zip(&dx_ref).chain(dw.iter().zip(&dw_ref)) {
                 assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "{g:?}: {a} vs {b}");
@@ -311,9 +311,9 @@ mod tests {
             let run = |threads: usize| {
                 rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool").install(|| {
                     let (mut y, mut dx, mut dw) = (vec![0.0; dy.len()], vec![0.0; x.len()], vec![0.0; w.len()]);
-                    conv2d(&g, 1, &x, &w, o, &mut y, None);
-                    conv2d_input_grad(&g, 1, &dy, &w, o, &mut dx);
-                    conv2d_filter_grad(&g, 1, &dy, &x, o, &mut dw, None);
+                    conv2d(&g, 1, &x, &w, o, &mut y, None, Products::F32);
+                    conv2d_input_grad(&g, 1, &dy, &w, o, &mut dx, Products::F32);
+                    conv2d_filter_grad(&g, 1, &dy, &x, o, &mut dw, None, Products::F32);
                     [bits(y), bits(dx), bits(dw)]
                 })
             };

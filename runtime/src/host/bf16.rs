@@ -1,0 +1,374 @@
+//! Products of bf16 values with f32 accumulation on AVX-512 BF16 (`vdpbf16ps`): the host's
+//! low-precision matrix kernel, as a tensor core or PyTorch's CPU autocast computes a bf16
+//! product. Each instruction multiplies 16 pairs of bf16 values and adds both products, in
+//! order, to 16 f32 sums (denormals flushed to zero, round to nearest even), at twice the
+//! multiply-adds of f32 FMA, from half the bytes.
+//!
+//! Used only where the plan knows both operands hold bf16 values (the precision pass rounded
+//! them: [`crate::kernel::Products::Bf16`], decided at plan build). There a bf16 product is the
+//! f32 product of the emulation summed in another order: every partial product of two bf16
+//! values is exact in f32, so the results differ only by the rounding of the sums (and
+//! denormals), within `k` f32 roundings of the sum of the magnitudes.
+//!
+//! Layout: the `k` extent is cut into blocks of [`KC`] values and the columns into blocks of
+//! [`NC`]; each block of `B` is packed as panels of [`NR`] columns holding, for each pair of
+//! rows `2q, 2q + 1`, the 32-bit pair of each column's two values (the instruction's operand);
+//! each row of `A`'s block is packed as its consecutive pairs. The micro-kernel holds an
+//! [`MR`] x [`NR`] tile of `C` in 16 registers and broadcasts one pair of each of its rows
+//! against two registers of `B`'s panel per pair of `k`.
+
+/// Rows of the micro-kernel's tile of `C`.
+const MR: usize = 8;
+/// Columns of the micro-kernel's tile (two registers of 16 f32).
+const NR: usize = 32;
+/// Values of `k` per packed block (an `MR`-row strip of `A` and a panel of `B` in L1/L2).
+const KC: usize = 512;
+/// Columns of `B` per packed block (`KC / 2 * NC * 4` bytes: 512 KiB, in L2).
+const NC: usize = 512;
+
+/// Whether this CPU multiplies bf16 pairs (AVX-512 F and AVX-512 BF16); checked once.
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+thread_local! {
+    /// Packed `A` and `B` blocks (grown, never shrunk).
+    static PACKED: std::cell::Cell<(Vec<u32>, Vec<u32>)> = const { std::cell::Cell::new((Vec::new(), Vec::new())) };
+    /// One line of pairs, packing a transposed operand.
+    static LINE: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `C = A B + beta * C` (`beta` 0 or 1; with 0, `C` is not read) with element strides, on
+/// the calling thread, for `A` and `B` holding bf16 values (any other value is rounded to the
+/// nearest bf16, ties to even, as it is packed).
+///
+/// # Safety
+/// The pointers and strides must describe matrices inside their allocations, and
+/// [`available`] must be true.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm(m: usize, k: usize, n: usize, a: *const f32, rsa: isize, csa: isize, b: *const f32, rsb: isize, csb: isize, beta: f32, c: *mut f32, rsc: isize, csc: isize) {
+    debug_assert!(available());
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if beta == 0.0 {
+            for i in 0..m {
+                for j in 0..n {
+                    *c.offset(i as isize * rsc + j as isize * csc) = 0.0;
+                }
+            }
+        }
+        return;
+    }
+    let (mut pa, mut pb) = PACKED.take();
+    for j0 in (0..n).step_by(NC) {
+        let nc = NC.min(n - j0);
+        for k0 in (0..k).step_by(KC) {
+            let kc = KC.min(k - k0);
+            let kp = kc.div_ceil(2);
+            pack_b(kc, nc, b.offset(k0 as isize * rsb + j0 as isize * csb), rsb, csb, &mut pb);
+            let (si, sq) = pack_a(m, kc, a.offset(k0 as isize * csa), rsa, csa, &mut pa);
+            let add = k0 > 0 || beta != 0.0;
+            for jp in 0..nc.div_ceil(NR) {
+                let cols = NR.min(nc - jp * NR);
+                let panel = pb.as_ptr().add(jp * kp * NR);
+                for i0 in (0..m).step_by(MR) {
+                    let rows = MR.min(m - i0);
+                    let at = c.offset(i0 as isize * rsc + (j0 + jp * NR) as isize * csc);
+                    tile(kp, pa.as_ptr().add(i0 * kp), (si, sq), panel, at, rsc, csc, rows, cols, add);
+                }
+            }
+        }
+    }
+    PACKED.set((pa, pb));
+}
+
+/// The 32-bit pair `(lo, hi)` of two values rounded to bf16.
+#[inline]
+fn pair(lo: f32, hi: f32) -> u32 {
+    half::bf16::from_f32(lo).to_bits() as u32 | (half::bf16::from_f32(hi).to_bits() as u32) << 16
+}
+
+/// Packs `A`'s `m x kc` block as `kc / 2` pairs per row (the last pair's high half zero when
+/// `kc` is odd), and returns where pair `q` of row `i` is, as `(row stride, pair stride)`: rows
+/// of pairs `(kc / 2, 1)`, or, for an operand whose columns are contiguous, panels of [`MR`]
+/// rows with each pair's rows side by side `(1, MR)` (row `i`'s panel starting at
+/// `i / MR * MR * kc / 2` either way).
+unsafe fn pack_a(m: usize, kc: usize, a: *const f32, rsa: isize, csa: isize, out: &mut Vec<u32>) -> (usize, usize) {
+    let kp = kc.div_ceil(2);
+    out.clear();
+    if csa != 1 && rsa == 1 {
+        // Each pair of columns interleaved into a line of `m` pairs, then cut into the panels.
+        out.resize(m.div_ceil(MR) * MR * kp, 0);
+        LINE.with_borrow_mut(|line| {
+            line.resize(m, 0);
+            for q in 0..kp {
+                let lo = a.offset(2 * q as isize * csa);
+                interleave_rows(lo, (2 * q + 1 < kc).then(|| lo.offset(csa)), m, line);
+                for (p, part) in line.chunks(MR).enumerate() {
+                    out[(p * kp + q) * MR..][..part.len()].copy_from_slice(part);
+                }
+            }
+        });
+        return (1, MR);
+    }
+    out.resize(m * kp, 0);
+    for i in 0..m {
+        let row = a.offset(i as isize * rsa);
+        let dst = &mut out[i * kp..(i + 1) * kp];
+        if csa == 1 {
+            pairs_of_row(row, kc, dst);
+        } else {
+            for (q, d) in dst.iter_mut().enumerate() {
+                let hi = if 2 * q + 1 < kc { *row.offset((2 * q + 1) as isize * csa) } else { 0.0 };
+                *d = pair(*row.offset(2 * q as isize * csa), hi);
+            }
+        }
+    }
+    (kp, 1)
+}
+
+/// Packs `B`'s `kc x nc` block as panels of [`NR`] columns, each `kc / 2` pairs of rows deep
+/// (zeros past the last column and, for odd `kc`, in the last pair's high halves).
+unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, rsb: isize, csb: isize, out: &mut Vec<u32>) {
+    let kp = kc.div_ceil(2);
+    let panels = nc.div_ceil(NR);
+    out.clear();
+    out.resize(panels * kp * NR, 0);
+    if csb != 1 && rsb == 1 {
+        // Each column's values along `k` are contiguous, so its pairs are too: converted as a
+        // line, then spread down the column of its panel.
+        return LINE.with_borrow_mut(|line| {
+            line.resize(kp, 0);
+            for j in 0..nc {
+                pairs_of_row(b.offset(j as isize * csb), kc, line);
+                let (p, jj) = (j / NR, j % NR);
+                let panel = &mut out[p * kp * NR..(p + 1) * kp * NR];
+                for (q, &v) in line.iter().enumerate() {
+                    *panel.get_unchecked_mut(q * NR + jj) = v;
+                }
+            }
+        });
+    }
+    for p in 0..panels {
+        let cols = NR.min(nc - p * NR);
+        for q in 0..kp {
+            let dst = &mut out[(p * kp + q) * NR..(p * kp + q + 1) * NR];
+            let lo = b.offset(2 * q as isize * rsb + (p * NR) as isize * csb);
+            let hi = (2 * q + 1 < kc).then(|| lo.offset(rsb));
+            if csb == 1 {
+                interleave_rows(lo, hi, cols, dst);
+            } else {
+                for (j, d) in dst[..cols].iter_mut().enumerate() {
+                    let h = hi.map_or(0.0, |h| *h.offset(j as isize * csb));
+                    *d = pair(*lo.offset(j as isize * csb), h);
+                }
+            }
+        }
+    }
+}
+
+/// `dst[q]` = the pair of `row[2q], row[2q + 1]` (`row` contiguous, `len` values).
+unsafe fn pairs_of_row(row: *const f32, len: usize, dst: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    return x86::pairs_of_row(row, len, dst);
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("bf16 products run only where `available`")
+}
+
+/// `dst[j]` = the pair of `lo[j], hi[j]` for `j < cols` (`hi` absent: zeros).
+unsafe fn interleave_rows(lo: *const f32, hi: Option<*const f32>, cols: usize, dst: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    return x86::interleave_rows(lo, hi, cols, dst);
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("bf16 products run only where `available`")
+}
+
+/// One `rows x cols` tile of `C` (at most [`MR`] x [`NR`]) from `kp` pairs: `a` holds the rows'
+/// pairs (pair `q` of row `i` at `i * si + q * sq`), `panel` the columns' pairs; `add`: add to
+/// `C` rather than overwrite.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile(kp: usize, a: *const u32, (si, sq): (usize, usize), panel: *const u32, c: *mut f32, rsc: isize, csc: isize, rows: usize, cols: usize, add: bool) {
+    #[cfg(target_arch = "x86_64")]
+    return x86::tile(kp, a, si, sq, panel, c, rsc, csc, rows, cols, add);
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("bf16 products run only where `available`")
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{MR, NR};
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn pairs_of_row(row: *const f32, len: usize, dst: &mut [u32]) {
+        let mut q = 0;
+        // 32 values, 16 pairs, at a time: `cvtne2ps` keeps their order.
+        while 2 * q + 32 <= len {
+            let lo = _mm512_loadu_ps(row.add(2 * q));
+            let hi = _mm512_loadu_ps(row.add(2 * q + 16));
+            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(dst.as_mut_ptr().add(q) as *mut _, v);
+            q += 16;
+        }
+        while 2 * q < len {
+            let hi = if 2 * q + 1 < len { *row.add(2 * q + 1) } else { 0.0 };
+            dst[q] = super::pair(*row.add(2 * q), hi);
+            q += 1;
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn interleave_rows(lo: *const f32, hi: Option<*const f32>, cols: usize, dst: &mut [u32]) {
+        // Lanes 0..16 of the converted pair hold `lo`'s 16 values, 16..32 `hi`'s: put each
+        // column's two side by side.
+        let idx = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0,
+        );
+        let mut j = 0;
+        while j < cols {
+            let w = (cols - j).min(16);
+            let mask: __mmask16 = if w == 16 { 0xffff } else { ((1u32 << w) - 1) as u16 };
+            let l = _mm512_maskz_loadu_ps(mask, lo.add(j));
+            let h = hi.map_or(_mm512_setzero_ps(), |h| _mm512_maskz_loadu_ps(mask, h.add(j)));
+            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(h, l));
+            let v = _mm512_permutexvar_epi16(idx, v);
+            _mm512_mask_storeu_epi32(dst.as_mut_ptr().add(j) as *mut _, mask, v);
+            j += 16;
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn tile(kp: usize, a: *const u32, si: usize, sq: usize, panel: *const u32, c: *mut f32, rsc: isize, csc: isize, rows: usize, cols: usize, add: bool) {
+        // Rows past `rows` read row 0 again (their sums are not stored).
+        let r: [*const u32; MR] = std::array::from_fn(|i| a.add(if i < rows { i * si } else { 0 }));
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        for q in 0..kp {
+            let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(panel.add(q * NR) as *const _));
+            let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(panel.add(q * NR + 16) as *const _));
+            for i in 0..MR {
+                let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(*r[i].add(q * sq) as i32));
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, b0);
+                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, b1);
+            }
+        }
+        if csc == 1 {
+            let m0: __mmask16 = if cols >= 16 { 0xffff } else { ((1u32 << cols) - 1) as u16 };
+            let m1: __mmask16 = if cols >= 32 { 0xffff } else if cols <= 16 { 0 } else { ((1u32 << (cols - 16)) - 1) as u16 };
+            for (i, acc) in acc.iter().enumerate().take(rows) {
+                let p = c.offset(i as isize * rsc);
+                let (mut x0, mut x1) = (acc[0], acc[1]);
+                if add {
+                    x0 = _mm512_add_ps(x0, _mm512_maskz_loadu_ps(m0, p));
+                    x1 = _mm512_add_ps(x1, _mm512_maskz_loadu_ps(m1, p.add(16)));
+                }
+                _mm512_mask_storeu_ps(p, m0, x0);
+                _mm512_mask_storeu_ps(p.add(16), m1, x1);
+            }
+        } else {
+            let mut t = [[0f32; NR]; MR];
+            for i in 0..rows {
+                _mm512_storeu_ps(t[i].as_mut_ptr(), acc[i][0]);
+                _mm512_storeu_ps(t[i].as_mut_ptr().add(16), acc[i][1]);
+            }
+            for (i, t) in t.iter().enumerate().take(rows) {
+                for (j, &v) in t.iter().enumerate().take(cols) {
+                    let p = c.offset(i as isize * rsc + j as isize * csc);
+                    *p = if add { *p + v } else { v };
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values rounded to bf16, of both signs and a spread of magnitudes.
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                half::bf16::from_f32(u * (1 << (s % 5)) as f32).to_f32()
+            })
+            .collect()
+    }
+
+    /// Every orientation of both operands and of `C`, odd `k`, edges of every tile and block,
+    /// `beta` 1: each element within `k` f32 roundings of the f64 product of the same bf16
+    /// values (which is what the f32 emulation computes, up to its own order of sums).
+    #[test]
+    fn products_of_bf16_values_match_f64_in_every_orientation() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX-512 BF16");
+            return;
+        }
+        for &(m, k, n) in &[(1, 1, 1), (3, 5, 7), (9, 33, 31), (17, 1031, 45), (70, 64, 600), (8, 2, 32)] {
+            let a = values(m * k, 1);
+            let b = values(k * n, 2);
+            let c0 = values(m * n, 3);
+            for (ta, tb, tc, beta) in [(false, false, false, 0.0), (true, false, false, 1.0), (false, true, true, 0.0), (true, true, true, 1.0)] {
+                let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
+                let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
+                let (rsc, csc) = if tc { (1, m as isize) } else { (n as isize, 1) };
+                let mut c = c0.clone();
+                unsafe { gemm(m, k, n, a.as_ptr(), rsa, csa, b.as_ptr(), rsb, csb, beta, c.as_mut_ptr(), rsc, csc) };
+                for i in 0..m {
+                    for j in 0..n {
+                        let (mut exact, mut mag) = (0f64, 0f64);
+                        for l in 0..k {
+                            let x = a[(i as isize * rsa + l as isize * csa) as usize] as f64 * b[(l as isize * rsb + j as isize * csb) as usize] as f64;
+                            exact += x;
+                            mag += x.abs();
+                        }
+                        let at = (i as isize * rsc + j as isize * csc) as usize;
+                        if beta != 0.0 {
+                            exact += c0[at] as f64;
+                            mag += (c0[at] as f64).abs();
+                        }
+                        let err = (c[at] as f64 - exact).abs();
+                        assert!(err <= (k + 1) as f64 * f32::EPSILON as f64 * mag, "{m}x{k}x{n} {ta} {tb} {tc} at ({i}, {j}): {} against {exact}", c[at]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Values that are not bf16 are rounded to the nearest (ties to even) as they are packed,
+    /// by the vector and the scalar packing alike.
+    #[test]
+    fn other_values_are_rounded_to_bf16_when_packed() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX-512 BF16");
+            return;
+        }
+        let (m, k, n) = (2, 40, 40);
+        let a: Vec<f32> = (0..m * k).map(|i| 1.0 + (i as f32) * 1e-3).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| if i % 7 == 0 { 1.0 } else { 0.0 }).collect();
+        let round = |x: f32| half::bf16::from_f32(x).to_f32() as f64;
+        for ta in [false, true] {
+            let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
+            let mut c = vec![0f32; m * n];
+            unsafe { gemm(m, k, n, a.as_ptr(), rsa, csa, b.as_ptr(), n as isize, 1, 0.0, c.as_mut_ptr(), n as isize, 1) };
+            for i in 0..m {
+                for j in 0..n {
+                    let exact: f64 = (0..k).map(|l| round(a[(i as isize * rsa + l as isize * csa) as usize]) * b[l * n + j] as f64).sum();
+                    assert!((c[i * n + j] as f64 - exact).abs() <= 1e-5 * exact.abs().max(1.0), "{ta} ({i}, {j}): {} against {exact}", c[i * n + j]);
+                }
+            }
+        }
+    }
+}
