@@ -54,6 +54,15 @@ struct Args {
     /// Replay each micro-step as its captured graph (see the README's "CUDA graph replay").
     #[arg(long)]
     graphs: bool,
+    /// Compute precision of the micro-steps: f32, or bf16 (`Precision::bf16()`: values stored
+    /// as bf16, f32 accumulators; on the CPU, products of bf16 values on AVX-512 BF16 where it
+    /// has them).
+    #[arg(long, default_value = "f32")]
+    precision: String,
+    /// Under bf16 on the CPU, multiply on the f32 GEMM (the emulation) even where the CPU has
+    /// AVX-512 BF16.
+    #[arg(long)]
+    f32_products: bool,
 }
 
 /// The GPT's characters (the Shakespeare corpus has 65) and context.
@@ -114,11 +123,18 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         }
         other => return Err(format!("--net must be lenet, mlp, resnet18 or gpt, got `{other}`").into()),
     };
+    let mut net = net;
+    net.precision = match args.precision.as_str() {
+        "f32" => None,
+        "bf16" => Some(cellgraph::cells::Precision::bf16()),
+        other => return Err(format!("--precision must be f32 or bf16, got `{other}`").into()),
+    };
     let types: Vec<(String, TensorType)> = batches[0].iter().enumerate().map(|(i, t)| (format!("input{i}"), t.ty())).collect();
     let micro_graph = net.micro_step_graph(&types)?;
     let flops_per_item = cellgraph::compiler::cost::flops(&micro_graph) as f64 / b as f64;
     let mut acc = Accumulator::<B>::new(Rc::new(net), opt, device, 1)?;
     acc.session.set_tf32(args.tf32);
+    acc.session.set_bf16_products(!args.f32_products);
     let graphs = args.graphs;
     acc.session.set_graphs(graphs)?;
     let mut i = 0;
@@ -152,6 +168,11 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     let launches = if fused > 0.0 { format!("{fused:.0} (fused)") } else { "graph (per parameter)".into() };
     let label = if args.tf32 { format!("{label} tf32") } else { label.to_string() };
     let label = if graphs { format!("{label} graphs") } else { label };
+    let label = match (args.precision.as_str(), args.f32_products) {
+        ("bf16", false) => format!("{label} bf16"),
+        ("bf16", true) => format!("{label} bf16 (f32 products)"),
+        _ => label,
+    };
     println!(
         "| cellgraph | {label} | {} | {b} x {k} | {:.0} | {:.3} | {launches} | {:.5} | {:.3} |{tokens}",
         args.net,
@@ -161,6 +182,9 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         flops_per_item * images / secs / 1e12
     );
     eprintln!("last loss {loss:.4}");
+    if let Some(p) = acc.micro_plans().find_map(|e| e.bf16_products()) {
+        eprintln!("{p}{}", if args.f32_products { " (--f32-products: all in f32)" } else { "" });
+    }
     if graphs {
         let r = acc.session.replay_counts();
         eprintln!("graph replay: {} warm-ups, {} captures, {} replays, {} forgotten, {} op by op ({} with collectives)", r.warmups, r.captures, r.replays, r.forgotten, r.uncaptured, acc.counters().uncaptured_steps);

@@ -4,9 +4,15 @@ graphs (one captured graph per accumulation window).
 
 Prints markdown table rows in device_bench's columns, plus the GPU's measured matmul peak.
 Both read the loss back once per update (the last micro-batch's), no more.
-Run by scripts/gpu_check.sh; needs torch with CUDA.
+Run by scripts/gpu_check.sh; needs torch with CUDA (or `--device cpu`: eager only, against
+`device_bench --device cpu`).
+
+`--autocast bf16` runs each micro-step's forward under `torch.autocast(device, bfloat16)` (what
+a bf16 user writes; with TF32 allowed for what stays f32 on CUDA), against
+`device_bench --precision bf16`.
 
     python3 benches/pytorch_accumulation.py --net lenet --micro-batch 32 --micro-size 4
+    python3 benches/pytorch_accumulation.py --device cpu --net gpt --micro-batch 8 --autocast bf16
 """
 
 import argparse
@@ -59,6 +65,7 @@ class Net:
 
     def __init__(self, args, graphs):
         torch.manual_seed(1)
+        self.device, self.autocast = args.device, args.autocast == "bf16"
         b, k = args.micro_batch, args.micro_size
         # Under CUDA graphs the optimizer keeps its step count on the GPU.
         cap = {"capturable": True} if graphs else {}
@@ -66,17 +73,17 @@ class Net:
         self.clip = False
         self.loss = lambda out, y: F.cross_entropy(out, y) / k
         if args.net == "lenet":
-            self.model, self.batches = LeNet5().cuda(), images(1, 32)
+            self.model, self.batches = LeNet5().to(args.device), images(1, 32)
             self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         elif args.net == "mlp":
-            self.model, self.batches = mlp().cuda(), images(1, 28)
+            self.model, self.batches = mlp().to(args.device), images(1, 28)
             self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
         elif args.net == "resnet18":
-            self.model, self.batches = ResNet18(10).cuda(), images(3, 32)
+            self.model, self.batches = ResNet18(10).to(args.device), images(3, 32)
             self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
         elif args.net == "gpt":
             t = GPT_CONTEXT
-            self.model = GPT(GPT_VOCAB, 128, 4, 4, t).cuda()
+            self.model = GPT(GPT_VOCAB, 128, 4, 4, t).to(args.device)
             ids = [torch.randint(0, GPT_VOCAB, (b, t + 1)) for _ in range(8)]
             self.batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in ids]
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, **cap)
@@ -86,7 +93,9 @@ class Net:
             raise SystemExit(f"--net must be lenet, mlp, resnet18 or gpt, got {args.net}")
 
     def micro(self, x, y):
-        loss = self.loss(self.model(x), y)
+        with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.model(x)
+        loss = self.loss(out.float(), y)
         loss.backward()
         return loss
 
@@ -103,7 +112,7 @@ def flops_per_item(args, net):
 
     x, y = net.batches[0]
     with FlopCounterMode(display=False) as fc:
-        net.micro(x.cuda(), y.cuda())
+        net.micro(x.to(args.device), y.to(args.device))
     net.model.zero_grad(set_to_none=True)
     return fc.get_total_flops() / args.micro_batch
 
@@ -115,7 +124,7 @@ def eager(args, net, updates):
         for _ in range(k):
             x, y = net.batches[i % len(net.batches)]
             i += 1
-            loss = net.micro(x.cuda(), y.cuda())
+            loss = net.micro(x.to(args.device), y.to(args.device))
         net.update()
         net.opt.zero_grad(set_to_none=True)
         # The loss read back once per update, as cellgraph's device_bench does.
@@ -174,11 +183,12 @@ def optimizer_launches(net, k):
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def timed(fn, updates):
-    torch.cuda.synchronize()
+def timed(fn, updates, device):
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
     t = time.perf_counter()
     fn(updates)
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t
 
 
@@ -205,30 +215,43 @@ def main():
     p.add_argument("--updates", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--peak", action="store_true", help="print the GPU's measured fp32/tf32 matmul peak")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--autocast", choices=["off", "bf16"], default="off")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (torch.set_num_threads; 0: torch's default)")
     args = p.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    cuda = args.device == "cuda"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # Exact f32 unless autocast (whose users leave TF32 on for what stays f32).
+    torch.backends.cuda.matmul.allow_tf32 = args.autocast == "bf16"
+    torch.backends.cudnn.allow_tf32 = args.autocast == "bf16"
     b, k = args.micro_batch, args.micro_size
-    name = torch.cuda.get_device_name(0)
-    for mode in ["eager", "CUDA graphs"]:
+    name = torch.cuda.get_device_name(0) if cuda else f"cpu ({torch.get_num_threads()} threads)"
+    if args.autocast == "bf16":
+        name += " autocast bf16"
+    for mode in ["eager", "CUDA graphs"] if cuda else ["eager"]:
         net = Net(args, mode != "eager")
         fpi = flops_per_item(args, net)
-        torch.cuda.reset_peak_memory_stats()
-        if mode == "eager":
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        if mode == "eager" and not cuda:
+            launches = "-"
+            fn = lambda n: eager(args, net, n)
+        elif mode == "eager":
             launches = optimizer_launches(net, k)
             fn = lambda n: eager(args, net, n)
         else:
             launches = "1 graph replay / window"
             fn = make_graphed(args, net)
         fn(args.warmup)
-        secs = timed(fn, args.updates)
+        secs = timed(fn, args.updates, args.device)
         items = args.updates * b * k
-        mem = torch.cuda.max_memory_allocated() / 2**20
+        mem = torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0
         tokens = f" <!-- {items * GPT_CONTEXT / secs:.0f} tokens/s -->" if args.net == "gpt" else ""
         print(
             f"| PyTorch {torch.__version__} {mode} | {name} | {args.net} | {b} x {k} | {items / secs:.0f} | "
             f"{secs * 1e3 / args.updates:.3f} | {launches} | {fpi / 1e9:.5f} | {fpi * items / secs / 1e12:.3f} |"
-            f" <!-- peak allocated {mem:.1f} MiB -->{tokens}",
+            f"{f' <!-- peak allocated {mem:.1f} MiB -->' if cuda else ''}{tokens}",
             flush=True,
         )
     if args.peak:

@@ -454,13 +454,23 @@ fn name_dense_filters(steps: &mut [Step]) {
             _ => None,
         }
     }
-    let params: BTreeMap<usize, Arc<str>> = steps
+    let mut params: BTreeMap<usize, Arc<str>> = steps
         .iter()
         .filter_map(|st| match &st.op {
             Op::Parameter { name } if !st.deferred => Some((st.slot, Arc::from(name.as_str()))),
             _ => None,
         })
         .collect();
+    // A parameter's bf16 copy (mixed precision): its own dense filter, under its own name
+    // (see [`crate::host::Kept::forget`]).
+    let rounded: Vec<(usize, Arc<str>)> = steps
+        .iter()
+        .filter_map(|st| match (&st.op, st.args.first()) {
+            (Op::RoundTo { dtype: cellgraph_compiler::DType::BF16 }, Some((slot, _))) => params.get(slot).map(|n| (st.slot, Arc::from(format!("{}{n}", crate::host::ROUNDED_BF16)))),
+            _ => None,
+        })
+        .collect();
+    params.extend(rounded);
     for st in steps.iter_mut() {
         let name = st.args.get(1).and_then(|(slot, _)| params.get(slot));
         if let (Some(name), Some(Native::Conv { g, groups, out_channels, filter, .. })) = (name, st.kernel.as_mut().and_then(conv)) {

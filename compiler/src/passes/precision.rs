@@ -6,12 +6,13 @@
 //! What is rounded: the parameters as the network reads them (the low-precision copy of each
 //! f32 master weight), the float inputs, and the result of every op that makes new values.
 //! What is not: the graph's outputs (the loss and the token count stay f32, as autocast keeps
-//! losses), the loss-scale seed (`sens`), values written only to state (BatchNorm's moving
-//! statistics stay f32, as master weights do), and results of ops that only move, select or
+//! losses), the loss-scale seed (`sens`), state and what only state is made from (a parameter
+//! the graph writes, read for its update, and the terms of its new value: BatchNorm's moving
+//! statistics are read, updated and stored in f32, as master weights are), and results of ops that only move, select or
 //! mask values already rounded (reshapes, transposes, slices, max pooling, ReLU...), which
 //! rounding would leave unchanged. Constants are rounded in place.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use crate::autodiff::SENS;
 use crate::graph::{Graph, NodeId};
@@ -49,10 +50,12 @@ pub fn moves_values(op: &Op) -> bool {
 pub fn round_values(g: &mut Graph, dtype: DType) -> HashMap<NodeId, NodeId> {
     debug_assert!(matches!(dtype, DType::F16 | DType::BF16));
     let outputs: Vec<NodeId> = g.outputs().to_vec();
+    let state = state_values(g);
     let mut rounded = HashMap::new();
     for id in g.ids() {
         let node = g.node(id);
-        if node.ty.dtype != DType::F32 || outputs.contains(&id) || node.op.is_effect() || moves_values(&node.op) {
+        // Values only state is computed from stay f32, and so do reads of state.
+        if node.ty.dtype != DType::F32 || outputs.contains(&id) || node.op.is_effect() || moves_values(&node.op) || state.contains(&id) {
             continue;
         }
         match &node.op {
@@ -64,9 +67,7 @@ pub fn round_values(g: &mut Graph, dtype: DType) -> HashMap<NodeId, NodeId> {
             Op::Input { name, .. } if name == SENS => continue,
             _ => {}
         }
-        let users = g.users(id);
-        // Values only written to state (moving statistics) stay f32.
-        if users.is_empty() || users.iter().all(|&u| g.node(u).op.is_effect() && g.operands(u).first() != Some(&id)) {
+        if g.users(id).is_empty() {
             continue;
         }
         let scope = g.node(id).scope.clone();
@@ -76,6 +77,23 @@ pub fn round_values(g: &mut Graph, dtype: DType) -> HashMap<NodeId, NodeId> {
         rounded.insert(id, r);
     }
     rounded
+}
+
+/// State and what only state is made from: the parameters the graph writes (BatchNorm's moving
+/// statistics; their reads), and the values whose every use is a write of state or another such
+/// value (the statistics' new values and their terms). Kept f32, as autocast keeps them.
+fn state_values(g: &Graph) -> HashSet<NodeId> {
+    let mut state = HashSet::new();
+    let order = g.topo_order().unwrap_or_default();
+    for &id in order.iter().rev() {
+        let users = g.users(id);
+        let writes = |u: NodeId| g.node(u).op.is_effect() && g.operands(u).first() == Some(&id);
+        let feeds = |u: NodeId| (g.node(u).op.is_effect() && !writes(u)) || state.contains(&u);
+        if users.iter().any(|&u| writes(u)) || (!users.is_empty() && users.iter().all(|&u| feeds(u))) {
+            state.insert(id);
+        }
+    }
+    state
 }
 
 /// `x` as f32, rounded to the nearest value of `dtype` (F16 or BF16; ties to even; past the
@@ -94,6 +112,30 @@ mod tests {
     use crate::op::ReduceAttrs;
     use crate::passes::testing::leaf;
     use crate::types::TensorType;
+
+    /// State (a moving statistic) is read, updated and written in f32: neither its read nor the
+    /// terms of its new value are rounded, and its `assign` still writes the parameter; the
+    /// batch value it shares with the network is rounded for the network.
+    #[test]
+    fn state_and_its_update_stay_f32() {
+        let mut g = Graph::new("g");
+        let x = leaf(&mut g, "x", vec![3]);
+        let m = g.add_leaf(Op::Parameter { name: "moving".into() }, TensorType::f32(vec![3]), "bn").unwrap();
+        let c = g.add_leaf(Op::Constant { value: 0.9 }, TensorType::f32(vec![3]), "bn").unwrap();
+        let e = g.add(Op::Exp, &[x], "t").unwrap();
+        let d = g.add(Op::Mul, &[m, c], "bn").unwrap();
+        let n = g.add(Op::Add, &[d, e], "bn").unwrap();
+        g.add(Op::Assign, &[m, n], "bn").unwrap();
+        let y = g.add(Op::Mul, &[e, e], "t").unwrap();
+        g.set_outputs(vec![y]);
+        let rounded = round_values(&mut g, DType::BF16);
+        let mut keys: Vec<NodeId> = rounded.keys().copied().collect();
+        keys.sort();
+        assert_eq!(keys, vec![x, e]);
+        assert_eq!(g.operands(d), vec![m, c]);
+        assert_eq!(g.node(c).op, Op::Constant { value: 0.9 }, "the momentum of a state update is not rounded");
+        crate::verify(&g).unwrap();
+    }
 
     /// A parameter read, an exp and a product are rounded; a reshape of a rounded value and the
     /// output are not; a constant is rounded in place.

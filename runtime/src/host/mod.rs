@@ -32,6 +32,10 @@ pub fn join_thread_pool() {
     let _ = rayon::ThreadPoolBuilder::new().use_current_thread().build_global();
 }
 
+/// What [`Kept`] names what it derives from a parameter's bf16 copy by: this, then the
+/// parameter's name (no parameter name holds it).
+pub const ROUNDED_BF16: &str = "round_to bf16 of ";
+
 /// Free buffers of one element type, by length.
 type Shelf<T> = BTreeMap<usize, Vec<Vec<T>>>;
 
@@ -304,11 +308,14 @@ pub struct Kept {
 }
 
 impl Kept {
-    /// Drops what was derived from parameter `name`'s value: the session calls it on every
-    /// write of the parameter.
+    /// Drops what was derived from parameter `name`'s value (and from its bf16 copy, kept as
+    /// [`ROUNDED_BF16`] `name`): the session calls it on every write of the parameter.
     pub fn forget(&mut self, name: &str) {
-        self.f32.dense.remove(name);
-        self.f64.dense.remove(name);
+        let rounded = format!("{ROUNDED_BF16}{name}");
+        for key in [name, &rounded] {
+            self.f32.dense.remove(key);
+            self.f64.dense.remove(key);
+        }
     }
     /// The dense filter of parameter `name` (value `w`) for geometry `g` (any batch) and `o`
     /// output channels: the one built since the parameter was last written, else built now.
