@@ -34,6 +34,9 @@
 #   RUN_TIMEOUT=S           kill a single run after S seconds (default 600); that fails the script
 #   GPT_ATTENTION=manual    the GPT twin's attention as nanoGPT's slow path (scores, masked_fill,
 #                           softmax; what gpt1/gpt2 compared against before 2026-11-27); default sdpa
+#   PRECISION=bf16          gpt1/gpt2 in bf16: gpt_accumulation --precision bf16 (bf16 products on
+#                           AVX-512 BF16 where the CPU has it) against the twin under
+#                           torch.autocast("cpu", bfloat16); default f32 on both sides
 #
 # Needs the release binaries (built elsewhere; this script builds nothing):
 #   cargo build --release --locked --bin cellgraph --bin distributed_gradient_accumulation
@@ -77,6 +80,11 @@ case "$CASE" in
     *) die "--case must be lenet1, lenet2, lenet8, mlp8, resnet1, resnet2, gpt1, gpt2 or all, got '$CASE'" ;;
 esac
 RUN_TIMEOUT=${RUN_TIMEOUT:-600}
+case "${PRECISION:-f32}" in
+    f32) ;;
+    bf16) for c in "${CASES[@]}"; do [[ $c == gpt1 || $c == gpt2 ]] || die "PRECISION=bf16 is for gpt1 and gpt2 (ResNet-18 in bf16: device_bench --device cpu --precision bf16), got --case $c"; done ;;
+    *) die "PRECISION must be f32 or bf16, got '$PRECISION'" ;;
+esac
 PYTHON=${PYTHON:-python3}
 
 # --- prerequisites: nothing is installed or built here -------------------------------------
@@ -180,10 +188,10 @@ set_commands() {
             [[ $n == 2 ]] && cpus=0,1
             CG_ENV=(MATMUL_NUM_THREADS=$n RAYON_NUM_THREADS=$n)
             CG=(taskset -c $cpus target/release/examples/gpt_accumulation --epochs 1 --steps 20 --eval-items 64 --sample 0
-                --print-every 0 --ckpt LOGDIR)
+                --print-every 0 --ckpt LOGDIR --precision "${PRECISION:-f32}")
             PT_ENV=(OMP_NUM_THREADS=$n)
             PT=(taskset -c $cpus "$PYTHON" benches/pytorch_gpt.py --threads "$n" --epochs 1 --steps 20 --eval-items 64
-                --attention "${GPT_ATTENTION:-sdpa}")
+                --attention "${GPT_ATTENTION:-sdpa}" --autocast "$([[ ${PRECISION:-f32} == bf16 ]] && echo bf16 || echo off)")
             ;;
         lenet8 | mlp8)
             local net=()
@@ -257,6 +265,7 @@ echo "cpu:       ${MODEL:-unknown} ($(nproc) CPUs online)"
 echo "load avg:  $(cut -d' ' -f1-3 /proc/loadavg) at start"
 echo "cellgraph: $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- 2>/dev/null || echo ' (work tree modified)'), binaries from target/release"
 echo "pytorch:   $TORCH_VERSION ($PYTHON)"
+echo "precision: ${PRECISION:-f32}$([[ ${PRECISION:-f32} == bf16 ]] && echo " (cellgraph --precision bf16, PyTorch autocast bf16)")"
 echo "mpirun:    $(mpirun --version 2>/dev/null | head -n 1 || echo 'not found')"
 
 SUMMARY=()

@@ -398,12 +398,24 @@ fn bf16_products_on_the_cpu_match_the_emulation() {
             vec![HostTensor::f32(vec![5, 1, 32, 32], x).unwrap(), HostTensor::i32(vec![5], y).unwrap()]
         })
         .collect();
-    let cases: [(&str, &dyn Fn() -> WithLossCell, &[Vec<HostTensor>]); 2] = [("gpt", &gpt, &text), ("lenet5", &lenet, &images)];
+    let block = || WithLossCell::new(crate::batchnorm::BlockNet::new(), CrossEntropyLoss::new());
+    let colour: Vec<Vec<HostTensor>> = (0..20)
+        .map(|_| {
+            let x: Vec<f32> = (0..5 * 3 * 16 * 16).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let y: Vec<i32> = (0..5).map(|_| rng.random_range(0..10)).collect();
+            vec![HostTensor::f32(vec![5, 3, 16, 16], x).unwrap(), HostTensor::i32(vec![5], y).unwrap()]
+        })
+        .collect();
+    let cases: [(&str, &dyn Fn() -> WithLossCell, &[Vec<HostTensor>]); 3] = [("gpt", &gpt, &text), ("lenet5", &lenet, &images), ("resnet block", &block, &colour)];
     for (name, net, batches) in cases {
         let (pairs, pair_losses, plan) = trained_bf16(net(), batches, true);
         let (emulated, emulated_losses, _) = trained_bf16(net(), batches, false);
         let plan = plan.expect("a bf16 plan has products of bf16 values");
         println!("{name}: {plan}");
+        // Batch norm's moving statistics are state: updated and kept in f32.
+        for (p, v) in pairs.iter().filter(|(p, _)| p.contains("moving")) {
+            assert!(v.iter().any(|&x| half::bf16::from_f32(x).to_f32() != x), "{name}: {p} holds only bf16 values");
+        }
         if !cellgraph::runtime::host::bf16::available() {
             assert_eq!(plan.on_pairs, 0, "{name}: {plan}");
             eprintln!("{name}: this CPU has no AVX-512 BF16; the bf16 kernel's own tests skip");
