@@ -51,7 +51,7 @@ struct Args {
     /// where its time went: the slowest ops and kinds of step (launch and kernels together).
     #[arg(long)]
     profile: bool,
-    /// Replay each micro-step as its captured graph (see the README's "CUDA graph replay").
+    /// Replay each micro-step as its captured graph (see docs/devices.md, "CUDA graph replay").
     #[arg(long)]
     graphs: bool,
     /// Compute precision of the micro-steps: f32, or bf16 (`Precision::bf16()`: values stored

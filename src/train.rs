@@ -334,7 +334,7 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     let ds = train_data(args.net, dir, batch, args.seed)?;
     let test = if args.eval_each_epoch { Some(test_data(args.net, dir, batch)?) } else { None };
     let mut model = args.model::<B>(device)?;
-    // MindSpore's save_graphs, read once here (see README: graph dumps).
+    // MindSpore's save_graphs, read once here (see docs/ir-and-passes.md: graph dumps).
     if let Some(opts) = cellgraph::compiler::dump::DumpOptions::from_env()? {
         model.save_graphs(opts)?;
     }

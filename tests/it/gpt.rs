@@ -202,7 +202,7 @@ fn corpus_of(text: &str) -> Arc<Corpus> {
 #[test]
 fn the_vendored_corpus_and_its_split() {
     let c = Corpus::load(Path::new("data/shakespeare/shakespeare.txt.gz")).unwrap();
-    assert_eq!((c.text.len(), c.vocab_size()), (5_057_282, 84), "the README's size and character count");
+    assert_eq!((c.text.len(), c.vocab_size()), (5_057_282, 84), "docs/data.md's size and character count");
     let (train, val) = c.split(0.1);
     assert_eq!(train.end, val.start);
     assert!(c.text[..val.start].ends_with(b"\n\n"), "the held-out part starts at a paragraph break");
