@@ -101,7 +101,8 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         }
         // Colossal-AI's seed: SGD(0.1, momentum 0.9, weight decay 5e-4), loss divided by K.
         "resnet18" => {
-            let net = GradAccumulation::across_steps(WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()), k).normalization(Normalization::Mean);
+            let net = GradAccumulation::across_steps(WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()), k)
+                .normalization(Normalization::Mean);
             (net, Rc::new(SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(0.1) }), (0..8).map(|_| images(&mut rng, 3, 32)).collect())
         }
         // sample_code/gpt_accumulation's model and recipe at a constant learning rate: the
@@ -187,7 +188,15 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     }
     if graphs {
         let r = acc.session.replay_counts();
-        eprintln!("graph replay: {} warm-ups, {} captures, {} replays, {} forgotten, {} op by op ({} with collectives)", r.warmups, r.captures, r.replays, r.forgotten, r.uncaptured, acc.counters().uncaptured_steps);
+        eprintln!(
+            "graph replay: {} warm-ups, {} captures, {} replays, {} forgotten, {} op by op ({} with collectives)",
+            r.warmups,
+            r.captures,
+            r.replays,
+            r.forgotten,
+            r.uncaptured,
+            acc.counters().uncaptured_steps
+        );
         for why in acc.session.replay_blockers() {
             eprintln!("  not captured: {why}");
         }
@@ -208,7 +217,8 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         let c2 = launches::settled();
         let micro = (c1 - c0) as f64 / (k - 1) as f64;
         eprintln!("kernel launches: {micro:.1} per micro-step, {:.1} at the boundary, {} per window", (c2 - c1) as f64 - micro, c2 - c0);
-        let mut names: Vec<(u64, String)> = launches::by_name().into_iter().map(|(n, c)| (c - before.get(&n).copied().unwrap_or(0), n)).filter(|(c, _)| *c > 0).collect();
+        let mut names: Vec<(u64, String)> =
+            launches::by_name().into_iter().map(|(n, c)| (c - before.get(&n).copied().unwrap_or(0), n)).filter(|(c, _)| *c > 0).collect();
         names.sort_by(|a, b| b.0.cmp(&a.0));
         for (c, n) in names {
             eprintln!("  {c:>4}  {n}");

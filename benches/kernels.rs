@@ -6,8 +6,8 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use cellgraph_runtime::host::{attention, direct};
 use cellgraph_runtime::host::kernels::{self, Geometry, Mat};
+use cellgraph_runtime::host::{attention, direct};
 use cellgraph_runtime::kernel::Products;
 
 fn median_us(mut f: impl FnMut()) -> f64 {
@@ -55,9 +55,17 @@ fn main() {
         let flops = 2.0 * (n * o * oh * oh * c * 25) as f64;
         row(&format!("{name} forward, im2col+GEMM"), || timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y, None, Products::F32)), flops);
         row(&format!("{name} forward, direct"), || timed(dy.len(), |y| direct::forward(&g, &x, &w, o, y, None)), flops);
-        row(&format!("{name} filter grad, im2col+GEMM"), || timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None, Products::F32)), flops);
+        row(
+            &format!("{name} filter grad, im2col+GEMM"),
+            || timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None, Products::F32)),
+            flops,
+        );
         row(&format!("{name} filter grad, direct"), || timed(w.len(), |dw| direct::filter_grad(&g, &dy, &x, o, dw)), flops);
-        row(&format!("{name} input grad, im2col+GEMM"), || timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx, Products::F32)), flops);
+        row(
+            &format!("{name} input grad, im2col+GEMM"),
+            || timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx, Products::F32)),
+            flops,
+        );
         row(&format!("{name} input grad, direct"), || timed(x.len(), |dx| direct::input_grad(&g, &dy, &w, o, dx)), flops);
     }
     for (name, c, hw) in [("pool1 6x28x28", 6usize, 28usize), ("pool2 16x10x10", 16, 10)] {
@@ -107,12 +115,20 @@ fn gpt() {
     let [b, t, h, d] = e;
     let (qkv, dy) = (data(b * t * 3 * h * d), data(b * t * h * d));
     let pairs = (b * h * t * (t + 1) / 2) as f64;
-    row("attention 8 x 4 heads of 128 x 32, causal", || timed(dy.len(), |y| attention::forward(&qkv, e, true, None, y)), 2.0 * 2.0 * pairs * d as f64);
+    row(
+        "attention 8 x 4 heads of 128 x 32, causal",
+        || timed(dy.len(), |y| attention::forward(&qkv, e, true, None, y)),
+        2.0 * 2.0 * pairs * d as f64,
+    );
     row("attention grad, causal", || timed(qkv.len(), |dx| attention::backward(&qkv, &dy, e, true, None, dx)), 5.0 * 2.0 * pairs * d as f64);
     // As a training plan runs them: the forward keeps `P`, the gradient reads it (4 products).
     let mut p = vec![0.0f32; b * h * t * t];
     row("attention, keeping P", || timed(dy.len(), |y| attention::forward(&qkv, e, true, Some(&mut p), y)), 2.0 * 2.0 * pairs * d as f64);
-    row("attention grad from the kept P", || timed(qkv.len(), |dx| attention::backward(&qkv, &dy, e, true, Some(&p), dx)), 4.0 * 2.0 * pairs * d as f64);
+    row(
+        "attention grad from the kept P",
+        || timed(qkv.len(), |dx| attention::backward(&qkv, &dy, e, true, Some(&p), dx)),
+        4.0 * 2.0 * pairs * d as f64,
+    );
 }
 
 /// ResNet-18's convolutions on 3 x 32 x 32 images (torchvision's layout: the 7x7/2 stem, then
@@ -123,7 +139,8 @@ fn resnet18(n: usize) {
     // The stem's max pooling: 3x3 at stride 2 padded by 1, 64 x 16 x 16 -> 64 x 8 x 8.
     let g = Geometry { x: [n, 64, 16, 16], kernel: [3, 3], stride: [2, 2], dilation: [1, 1], pad: [1, 1], out: [8, 8] };
     // Its input comes out of a ReLU: half of it zeros, in no pattern a branch predictor learns.
-    let x: Vec<f32> = (0..n * 64 * 16 * 16).map(|i| (((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / (1u64 << 23) as f32 - 1.0).max(0.0)).collect();
+    let x: Vec<f32> =
+        (0..n * 64 * 16 * 16).map(|i| (((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / (1u64 << 23) as f32 - 1.0).max(0.0)).collect();
     let dy = data(n * 64 * 8 * 8);
     let mut at = vec![0u32; dy.len()];
     row("max pool 3x3/2 padded by 1, 64x16x16", || timed(dy.len(), |y| kernels::max_pool2d(&g, &x, &mut at, y)), 0.0);

@@ -52,5 +52,9 @@ fn main() {
     println!("| benchmark | threads | result |");
     println!("|---|---|---|");
     println!("| LeNet5 trace + grad + compile (median of 21) | - | {compile_ms:.2} ms |");
-    println!("| LeNet5 forward+backward, batch 32 ({steps} steps) | {threads} | {:.0} images/s ({:.2} ms/step) |", (steps * 32) as f64 / secs, secs * 1e3 / steps as f64);
+    println!(
+        "| LeNet5 forward+backward, batch 32 ({steps} steps) | {threads} | {:.0} images/s ({:.2} ms/step) |",
+        (steps * 32) as f64 / secs,
+        secs * 1e3 / steps as f64
+    );
 }

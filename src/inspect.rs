@@ -210,7 +210,8 @@ fn show(g: &Graph, op: Option<&str>, scope: Option<&str>, stats: bool, as_json: 
     if as_json {
         let all = dump::to_json(g, "");
         let ids: Vec<usize> = picked.iter().map(|id| id.index()).collect();
-        let nodes: Vec<&serde_json::Value> = all["nodes"].as_array().into_iter().flatten().filter(|n| n["id"].as_u64().is_some_and(|i| ids.contains(&(i as usize)))).collect();
+        let nodes: Vec<&serde_json::Value> =
+            all["nodes"].as_array().into_iter().flatten().filter(|n| n["id"].as_u64().is_some_and(|i| ids.contains(&(i as usize)))).collect();
         println!("{}", serde_json::to_string_pretty(&json!({ "graph": g.name, "nodes": nodes }))?);
         return Ok(());
     }

@@ -19,21 +19,17 @@ pub use cellgraph_runtime as runtime;
 /// Everything a training script needs.
 pub mod prelude {
     pub use cellgraph_cells::{
-        grad_graph, materialize, trace, train_one_step, Adam, Cell, CrossEntropyLoss, Dense, Flatten, Initializer,
-        LeNet5, LearningRate, MSELoss, Momentum, Network, Parameter, Pool2d, ReLU, Scope, SequentialCell,
-        SoftmaxCrossEntropyWithLogits, Tracer, WithLossCell, SGD,
+        grad_graph, materialize, trace, train_one_step, Adam, Cell, CrossEntropyLoss, Dense, Flatten, Initializer, LeNet5, LearningRate, MSELoss,
+        Momentum, Network, Parameter, Pool2d, ReLU, Scope, SequentialCell, SoftmaxCrossEntropyWithLogits, Tracer, WithLossCell, SGD,
     };
     pub use cellgraph_cells::{AdaptiveAvgPool2d, AutoParallel, BatchNorm2d, Conv2d, Optimizer, ResNet18};
     pub use cellgraph_cells::{Embedding, GptConfig, LayerNorm, Softmax, GELU, GPT};
-    pub use cellgraph_compiler::autodiff::Sens;
-    pub use cellgraph_compiler::{
-        parse, print, verify, DType, Graph, HostData, HostTensor, NodeId, Op, PadMode, Reduction, Shape, TensorType,
-    };
-    pub use cellgraph_runtime::data::{lenet_transform, Mnist};
     pub use cellgraph_cells::{GradAccumulation, LossScale, Normalization, Precision};
+    pub use cellgraph_compiler::autodiff::Sens;
+    pub use cellgraph_compiler::{parse, print, verify, DType, Graph, HostData, HostTensor, NodeId, Op, PadMode, Reduction, Shape, TensorType};
+    pub use cellgraph_runtime::data::{lenet_transform, Mnist};
     pub use cellgraph_runtime::{
-        compile, cpu, Callback, CheckpointConfig, Cpu, Dataset, Executable, LossMonitor, Model, ModelCheckpoint,
-        Session, TensorDataset, TimeMonitor,
+        compile, cpu, Callback, CheckpointConfig, Cpu, Dataset, Executable, LossMonitor, Model, ModelCheckpoint, Session, TensorDataset, TimeMonitor,
     };
 }
 
@@ -54,7 +50,9 @@ pub fn exit_with(result: Result<(), Box<dyn std::error::Error>>) -> std::process
 /// the communicator (a world of one without mpirun; exit status 2 if it cannot start), runs
 /// `run`, and ends as [`exit_with`]; under several ranks a failing rank prints its error with
 /// its rank and takes the whole job down (the others may be waiting in a collective).
-pub fn main_on_ranks(run: impl FnOnce(std::sync::Arc<dyn runtime::comm::Communicator>) -> Result<(), Box<dyn std::error::Error>>) -> std::process::ExitCode {
+pub fn main_on_ranks(
+    run: impl FnOnce(std::sync::Arc<dyn runtime::comm::Communicator>) -> Result<(), Box<dyn std::error::Error>>,
+) -> std::process::ExitCode {
     runtime::join_thread_pool();
     let comm = match runtime::comm::init() {
         Ok(c) => c,

@@ -58,7 +58,11 @@ fn read(path: &Path) -> Res<Run> {
         }
     }
     if run.loss.is_empty() {
-        return Err(format!("{}: no loss in it (expected JSON lines such as {{\"step\": 1, \"loss\": 2.3}}, written by cellgraph train --loss-log)", path.display()).into());
+        return Err(format!(
+            "{}: no loss in it (expected JSON lines such as {{\"step\": 1, \"loss\": 2.3}}, written by cellgraph train --loss-log)",
+            path.display()
+        )
+        .into());
     }
     Ok(run)
 }
@@ -93,7 +97,11 @@ fn moving_mean(points: &[(f64, f64)], w: usize) -> Vec<(f64, f64)> {
     let mut sums = vec![0.0];
     points.iter().for_each(|p| sums.push(sums[sums.len() - 1] + p.1));
     let n = points.len();
-    (0..n).map(|i| (points[i].0, (sums[(i + w / 2 + 1).min(n)] - sums[i.saturating_sub(w / 2)]) / ((i + w / 2 + 1).min(n) - i.saturating_sub(w / 2)) as f64)).collect()
+    (0..n)
+        .map(|i| {
+            (points[i].0, (sums[(i + w / 2 + 1).min(n)] - sums[i.saturating_sub(w / 2)]) / ((i + w / 2 + 1).min(n) - i.saturating_sub(w / 2)) as f64)
+        })
+        .collect()
 }
 
 /// matplotlib's `tab10`: each run takes two, loss then accuracy.
@@ -146,7 +154,13 @@ fn draw(runs: &[Run], title: &str, svg: &mut String) -> Res<()> {
         let name = if runs.len() == 1 { String::new() } else { format!("{}: ", r.name) };
         draw_run(&mut chart, r, &name, (COLORS[2 * i % 10], COLORS[(2 * i + 1) % 10]))?;
     }
-    chart.configure_series_labels().position(SeriesLabelPosition::MiddleRight).label_font(labels).background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::MiddleRight)
+        .label_font(labels)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
     root.present()?;
     Ok(())
 }

@@ -374,7 +374,10 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     if session.graphs() {
         // Whether replay did what `--graphs` asked, and why not where it did not.
         let r = session.replay_counts();
-        println!("graph replay: {} captured, {} micro-steps replayed, {} op by op while warming up, {} op by op (not capturable)", r.captures, r.replays, r.warmups, r.uncaptured);
+        println!(
+            "graph replay: {} captured, {} micro-steps replayed, {} op by op while warming up, {} op by op (not capturable)",
+            r.captures, r.replays, r.warmups, r.uncaptured
+        );
         for why in session.replay_blockers() {
             println!("  not captured: {why}");
         }
@@ -399,7 +402,13 @@ fn place(p: Position) -> String {
 
 /// Trains epoch by epoch up to `--epochs` (scoring after each with `--eval-each-epoch`);
 /// returns the steps taken.
-fn run_epochs<B: Backend>(args: &TrainArgs, model: &mut Model<B>, ds: &MnistDataset, test: Option<&MnistDataset>, mut log: Option<&mut RunLog>) -> Res<usize> {
+fn run_epochs<B: Backend>(
+    args: &TrainArgs,
+    model: &mut Model<B>,
+    ds: &MnistDataset,
+    test: Option<&MnistDataset>,
+    mut log: Option<&mut RunLog>,
+) -> Res<usize> {
     let mut loss = LossMonitor::new(args.print_every);
     let mut time = TimeMonitor::new();
     let mut bar = ProgressBar::new();

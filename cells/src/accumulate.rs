@@ -13,12 +13,10 @@
 //! micro-batches differ in size), or mean over tokens (a summing loss that counts its
 //! non-ignored tokens: the window's count over micro-batches and ranks divides once). Parameter names are the wrapped network's, unchanged.
 
-use cellgraph_compiler::passes::grad_accumulation::{
-    clear_graph, micro_graph, optimizer_graph, AccumulationOptions,
-};
+pub use cellgraph_compiler::passes::grad_accumulation::{accumulator_name, LossScale, Normalization, Precision};
+use cellgraph_compiler::passes::grad_accumulation::{clear_graph, micro_graph, optimizer_graph, AccumulationOptions};
 use cellgraph_compiler::update::StateSpec;
 use cellgraph_compiler::Graph;
-pub use cellgraph_compiler::passes::grad_accumulation::{accumulator_name, LossScale, Normalization, Precision};
 use cellgraph_compiler::{NodeId, TensorType};
 
 use crate::cell::{Cell, Tracer};
@@ -103,7 +101,10 @@ impl GradAccumulation {
             return Err(CellError::Config { cell: "GradAccumulation".into(), detail: format!("{what} must be at least 1, got 0") });
         }
         if let Some(c) = self.clip_global_norm.filter(|c| !(c.is_finite() && *c > 0.0)) {
-            return Err(CellError::Config { cell: "GradAccumulation".into(), detail: format!("clip_global_norm must be a finite number > 0, got {c}") });
+            return Err(CellError::Config {
+                cell: "GradAccumulation".into(),
+                detail: format!("clip_global_norm must be a finite number > 0, got {c}"),
+            });
         }
         if let Some(p) = &self.precision {
             use cellgraph_compiler::DType;
@@ -112,11 +113,18 @@ impl GradAccumulation {
                 return config(format!("precision: compute must be f16, bf16 or f32, got {}", p.compute.name()));
             }
             if p.accumulators != DType::F32 && p.accumulators != p.compute {
-                return config(format!("precision: accumulators must be f32 or the compute format ({}), got {}", p.compute.name(), p.accumulators.name()));
+                return config(format!(
+                    "precision: accumulators must be f32 or the compute format ({}), got {}",
+                    p.compute.name(),
+                    p.accumulators.name()
+                ));
             }
             if let Some(s) = p.loss_scale {
                 if !(s.init.is_finite() && s.init > 0.0) || s.growth_interval == 0 {
-                    return config(format!("loss scale: init must be a finite number > 0 and growth_interval at least 1, got {} and {}", s.init, s.growth_interval));
+                    return config(format!(
+                        "loss scale: init must be a finite number > 0 and growth_interval at least 1, got {} and {}",
+                        s.init, s.growth_interval
+                    ));
                 }
             }
         }

@@ -90,7 +90,14 @@ impl Tracer {
     /// built from: `BatchNorm2d` normalises with the batch's statistics and updates its moving
     /// ones).
     pub fn new(name: &str) -> Self {
-        Tracer { graph: Graph::new(name), scopes: vec![ROOT_SCOPE.to_string()], params: HashMap::new(), phase: Phase::Training, count: None, keys: None }
+        Tracer {
+            graph: Graph::new(name),
+            scopes: vec![ROOT_SCOPE.to_string()],
+            params: HashMap::new(),
+            phase: Phase::Training,
+            count: None,
+            keys: None,
+        }
     }
 
     /// An empty inference trace (MindSpore's `set_train(False)`: `BatchNorm2d` normalises with

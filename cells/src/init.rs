@@ -18,20 +18,37 @@ pub enum Initializer {
     Ones,
     Constant(f64),
     /// `N(mean, sigma^2)`; MindSpore's default sigma is 0.01.
-    Normal { sigma: f64, mean: f64 },
+    Normal {
+        sigma: f64,
+        mean: f64,
+    },
     /// `N(0, sigma^2)` redrawn outside two sigmas.
-    TruncatedNormal { sigma: f64 },
+    TruncatedNormal {
+        sigma: f64,
+    },
     /// `U(-scale, scale)`; MindSpore's default scale is 0.07.
-    Uniform { scale: f64 },
-    XavierUniform { gain: f64 },
-    XavierNormal { gain: f64 },
+    Uniform {
+        scale: f64,
+    },
+    XavierUniform {
+        gain: f64,
+    },
+    XavierNormal {
+        gain: f64,
+    },
     /// Kaiming uniform, fan-in mode, leaky-relu gain with `negative_slope`.
-    HeUniform { negative_slope: f64 },
+    HeUniform {
+        negative_slope: f64,
+    },
     /// Kaiming normal, fan-in mode, leaky-relu gain with `negative_slope`.
-    HeNormal { negative_slope: f64 },
+    HeNormal {
+        negative_slope: f64,
+    },
     /// Kaiming normal, fan-out mode (torchvision's ResNet convolutions:
     /// `kaiming_normal_(mode="fan_out", nonlinearity="relu")` is `negative_slope = 0`).
-    HeNormalFanOut { negative_slope: f64 },
+    HeNormalFanOut {
+        negative_slope: f64,
+    },
 }
 
 impl Initializer {
@@ -91,9 +108,7 @@ impl Initializer {
                 let std = gain * (2.0 / (fan_in + fan_out)).sqrt();
                 (0..n).map(|_| (std * std_normal(&mut rng)) as f32).collect()
             }
-            Initializer::HeUniform { negative_slope } => {
-                uniform(&mut rng, n, 3f64.sqrt() * gain(negative_slope) / fan_in.sqrt())
-            }
+            Initializer::HeUniform { negative_slope } => uniform(&mut rng, n, 3f64.sqrt() * gain(negative_slope) / fan_in.sqrt()),
             Initializer::HeNormal { negative_slope } => {
                 let std = gain(negative_slope) / fan_in.sqrt();
                 (0..n).map(|_| (std * std_normal(&mut rng)) as f32).collect()

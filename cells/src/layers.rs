@@ -23,11 +23,7 @@ impl Dense {
         let bound = 1.0 / (in_channels as f64).sqrt();
         Dense {
             path: s.path().to_string(),
-            weight: s.param(
-                "weight",
-                TensorType::f32([out_channels, in_channels]),
-                Initializer::HeUniform { negative_slope: 5f64.sqrt() },
-            ),
+            weight: s.param("weight", TensorType::f32([out_channels, in_channels]), Initializer::HeUniform { negative_slope: 5f64.sqrt() }),
             bias: Some(s.param("bias", TensorType::f32([out_channels]), Initializer::Uniform { scale: bound })),
         }
     }

@@ -101,7 +101,11 @@ impl BatchNorm2d {
         let c = self.num_features();
         let scope = if self.path.is_empty() { Scope::root() } else { Scope::root().child(&self.path) };
         let state = |name: &str, ty: TensorType| Parameter { requires_grad: false, ..scope.param(name, ty, Initializer::Zeros) };
-        self.window = Some([state("window_count", TensorType::f32(cellgraph_compiler::Shape::scalar())), state("window_mean", TensorType::f32([c])), state("window_m2", TensorType::f32([c]))]);
+        self.window = Some([
+            state("window_count", TensorType::f32(cellgraph_compiler::Shape::scalar())),
+            state("window_mean", TensorType::f32([c])),
+            state("window_m2", TensorType::f32([c])),
+        ]);
         Ok(self)
     }
 
@@ -118,7 +122,9 @@ impl BatchNorm2d {
     /// kept at each update, in `[0, 1]` (PyTorch's `momentum` is `1 -` this).
     pub fn momentum(mut self, momentum: f64) -> Result<Self> {
         if !(0.0..=1.0).contains(&momentum) {
-            return Err(self.config(format!("momentum must be in [0, 1] (MindSpore's convention: the share of the old moving statistics kept), got {momentum}")));
+            return Err(self.config(format!(
+                "momentum must be in [0, 1] (MindSpore's convention: the share of the old moving statistics kept), got {momentum}"
+            )));
         }
         self.momentum = momentum;
         Ok(self)

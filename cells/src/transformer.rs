@@ -24,7 +24,10 @@ pub struct Embedding {
 impl Embedding {
     /// A table of `vocab_size` rows of `embedding_size` features.
     pub fn new(s: &Scope, vocab_size: usize, embedding_size: usize) -> Self {
-        Embedding { path: s.path().into(), table: s.param("embedding_table", TensorType::f32([vocab_size, embedding_size]), Initializer::normal(0.01)) }
+        Embedding {
+            path: s.path().into(),
+            table: s.param("embedding_table", TensorType::f32([vocab_size, embedding_size]), Initializer::normal(0.01)),
+        }
     }
     /// Sets the table's initializer.
     pub fn embedding_init(mut self, init: Initializer) -> Self {
@@ -234,7 +237,10 @@ impl CausalSelfAttention {
     /// `dropout` on the attention probabilities and the output.
     pub fn new(s: &Scope, width: usize, heads: usize, proj_sigma: f64, dropout: f64) -> Result<Self> {
         if heads == 0 || width % heads != 0 {
-            return Err(CellError::Config { cell: s.path().into(), detail: format!("width {width} must be a multiple of the number of heads {heads}") });
+            return Err(CellError::Config {
+                cell: s.path().into(),
+                detail: format!("width {width} must be a multiple of the number of heads {heads}"),
+            });
         }
         Ok(CausalSelfAttention {
             path: s.path().into(),

@@ -74,11 +74,8 @@ pub struct Network {
 impl Network {
     /// The network with MindSpore's parameter names (`dense_relu_sequential.0.weight`, ...).
     pub fn new(s: &Scope) -> Self {
-        let dense = |i, o| {
-            move |s: &Scope| {
-                Dense::new(s, i, o).weight_init(Initializer::from_name("normal").expect("known")).bias_init(Initializer::Zeros)
-            }
-        };
+        let dense =
+            |i, o| move |s: &Scope| Dense::new(s, i, o).weight_init(Initializer::from_name("normal").expect("known")).bias_init(Initializer::Zeros);
         Network {
             flatten: Flatten::new(),
             dense_relu_sequential: SequentialCell::new(&s.child("dense_relu_sequential"))
@@ -301,7 +298,9 @@ impl GPT {
             wte: Embedding::new(&s.child("wte"), c.vocab_size, c.width).embedding_init(Initializer::normal(0.02)),
             wpe: Embedding::new(&s.child("wpe"), c.context, c.width).embedding_init(Initializer::normal(0.02)),
             drop: Dropout::new(&s.child("drop"), c.dropout),
-            h: (0..c.layers).map(|i| Block::new(&s.child("h").child(&i.to_string()), c.width, c.heads, c.layers, c.layer_norm_eps, c.dropout)).collect::<Result<_>>()?,
+            h: (0..c.layers)
+                .map(|i| Block::new(&s.child("h").child(&i.to_string()), c.width, c.heads, c.layers, c.layer_norm_eps, c.dropout))
+                .collect::<Result<_>>()?,
             ln_f: LayerNorm::new(&s.child("ln_f"), c.width).epsilon(c.layer_norm_eps),
             config,
         })
@@ -317,7 +316,10 @@ impl Cell for GPT {
         };
         let (c, v) = (self.config.width, self.config.vocab_size);
         if tt > self.config.context {
-            return Err(CellError::Config { cell: "GPT".into(), detail: format!("sequences of {tt} tokens exceed the context of {}; use windows of at most {0}", self.config.context) });
+            return Err(CellError::Config {
+                cell: "GPT".into(),
+                detail: format!("sequences of {tt} tokens exceed the context of {}; use windows of at most {0}", self.config.context),
+            });
         }
         let tok = t.call(&self.wte, xs)?;
         let wpe = t.param(self.wpe.table())?;

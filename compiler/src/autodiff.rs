@@ -71,8 +71,7 @@ pub fn grad(g: &mut Graph, loss: NodeId, wrt: &[NodeId], sens: Sens) -> Result<G
         }
         let node = g.node(n).clone();
         let mut e = Emit::new(g, grad_scope(&node.scope));
-        let dxs = vjp(&mut e, &node.op, &xs, n, dy)?
-            .ok_or_else(|| IrError::NoGradient { scope: node.scope.clone(), op: node.op.name(), node: n })?;
+        let dxs = vjp(&mut e, &node.op, &xs, n, dy)?.ok_or_else(|| IrError::NoGradient { scope: node.scope.clone(), op: node.op.name(), node: n })?;
         for (x, dx) in xs.into_iter().zip(dxs) {
             let Some(dx) = dx.filter(|_| active.contains(&x)) else { continue };
             let sum = match ct.get(&x) {
@@ -114,7 +113,6 @@ fn active_nodes(g: &Graph, order: &[NodeId], loss: NodeId, wrt: &[NodeId]) -> Ha
     fwd.intersection(&back).copied().collect()
 }
 
-
 /// The keep-dims shape of a reduction of `x` over `axes`.
 fn kept_shape(x: &Shape, axes: &[usize]) -> Shape {
     Shape(x.0.iter().enumerate().map(|(i, &d)| if axes.contains(&i) { 1 } else { d }).collect())
@@ -126,147 +124,147 @@ fn kept_shape(x: &Shape, axes: &[usize]) -> Shape {
 pub fn vjp(e: &mut Emit, op: &Op, xs: &[NodeId], y: NodeId, g: NodeId) -> Result<Option<Vec<Option<NodeId>>>> {
     let s = |e: &Emit, i: usize| e.g.ty(xs[i]).shape.clone();
     Ok(Some(match op {
-            Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => vec![],
-            Op::Add => vec![Some(e.unbroadcast(g, &s(e, 0))?), Some(e.unbroadcast(g, &s(e, 1))?)],
-            Op::Sub => {
-                let nb = e.neg(g)?;
-                vec![Some(e.unbroadcast(g, &s(e, 0))?), Some(e.unbroadcast(nb, &s(e, 1))?)]
+        Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => vec![],
+        Op::Add => vec![Some(e.unbroadcast(g, &s(e, 0))?), Some(e.unbroadcast(g, &s(e, 1))?)],
+        Op::Sub => {
+            let nb = e.neg(g)?;
+            vec![Some(e.unbroadcast(g, &s(e, 0))?), Some(e.unbroadcast(nb, &s(e, 1))?)]
+        }
+        Op::Mul => {
+            let (ga, gb) = (e.mul(g, xs[1])?, e.mul(g, xs[0])?);
+            vec![Some(e.unbroadcast(ga, &s(e, 0))?), Some(e.unbroadcast(gb, &s(e, 1))?)]
+        }
+        Op::Div => {
+            let ga = e.div(g, xs[1])?;
+            let gy = e.mul(ga, y)?;
+            let gb = e.neg(gy)?;
+            vec![Some(e.unbroadcast(ga, &s(e, 0))?), Some(e.unbroadcast(gb, &s(e, 1))?)]
+        }
+        Op::Neg => vec![Some(e.neg(g)?)],
+        // y = sum over ranks of x_r: every rank's loss reads y, so x_r's cotangent is the
+        // sum over ranks of theirs.
+        Op::AllReduce => vec![Some(e.op(Op::AllReduce, &[g])?)],
+        Op::Exp => vec![Some(e.mul(g, y)?)],
+        Op::Log => vec![Some(e.div(g, xs[0])?)],
+        Op::Relu => vec![Some(e.op(Op::ReluGrad, &[g, y])?)],
+        Op::Sqrt => {
+            let two_y = e.scale(y, 2.0)?;
+            vec![Some(e.div(g, two_y)?)]
+        }
+        Op::GreaterEqual | Op::Equal => vec![None, None],
+        Op::Tanh => {
+            // 1 - y^2
+            let yy = e.mul(y, y)?;
+            let one = e.scalar_like(1.0, yy)?;
+            let d = e.sub(one, yy)?;
+            vec![Some(e.mul(g, d)?)]
+        }
+        Op::Erf => {
+            // 2/sqrt(pi) exp(-x^2)
+            let xx = e.mul(xs[0], xs[0])?;
+            let nxx = e.neg(xx)?;
+            let ex = e.op(Op::Exp, &[nxx])?;
+            let d = e.scale(ex, std::f64::consts::FRAC_2_SQRT_PI)?;
+            vec![Some(e.mul(g, d)?)]
+        }
+        Op::CausalMask { .. } => vec![Some(e.op(Op::CausalMask { fill: 0.0 }, &[g])?)],
+        Op::Attention { heads, causal } => vec![Some(e.op(Op::AttentionGrad { heads: *heads, causal: *causal }, &[xs[0], g])?)],
+        // y = x * m: the same mask on the cotangent.
+        Op::Dropout { .. } => vec![Some(e.op(op.clone(), &[g, xs[1], xs[2]])?), None, None],
+        Op::Gather => {
+            let rows = s(e, 0).0[0];
+            vec![Some(e.op(Op::ScatterAdd { rows }, &[xs[1], g])?), None]
+        }
+        Op::Select => {
+            let z = e.op(Op::ZerosLike, &[g])?;
+            let (ga, gb) = (e.op(Op::Select, &[xs[0], g, z])?, e.op(Op::Select, &[xs[0], z, g])?);
+            vec![None, Some(e.unbroadcast(ga, &s(e, 1))?), Some(e.unbroadcast(gb, &s(e, 2))?)]
+        }
+        Op::ReluGrad => vec![Some(e.op(Op::ReluGrad, &[g, xs[1]])?), None],
+        Op::Cast { .. } => {
+            let dtype = e.g.ty(xs[0]).dtype;
+            vec![Some(e.op(Op::Cast { dtype }, &[g])?)]
+        }
+        Op::ZerosLike | Op::StopGradient => vec![None],
+        // Straight through: the rounding error is not differentiated.
+        Op::RoundTo { .. } => vec![Some(g)],
+        Op::Broadcast { .. } => vec![Some(e.unbroadcast(g, &s(e, 0))?)],
+        Op::Reshape { .. } | Op::Flatten => vec![Some(e.reshape(g, s(e, 0))?)],
+        Op::Transpose { perm } => {
+            let mut inv = vec![0; perm.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                inv[p] = i;
             }
-            Op::Mul => {
-                let (ga, gb) = (e.mul(g, xs[1])?, e.mul(g, xs[0])?);
-                vec![Some(e.unbroadcast(ga, &s(e, 0))?), Some(e.unbroadcast(gb, &s(e, 1))?)]
+            vec![Some(e.op(Op::Transpose { perm: inv }, &[g])?)]
+        }
+        Op::Slice { begin, end } => {
+            let hi = s(e, 0).0.iter().zip(end).map(|(d, e)| d - e).collect();
+            vec![Some(e.op(Op::Pad { lo: begin.clone(), hi }, &[g])?)]
+        }
+        Op::Pad { lo, .. } => {
+            let end = s(e, 0).0.iter().zip(lo).map(|(d, l)| d + l).collect();
+            vec![Some(e.op(Op::Slice { begin: lo.clone(), end }, &[g])?)]
+        }
+        Op::Concat { axis } => {
+            let mut out = Vec::new();
+            let mut off = 0;
+            let full = e.ty(g).shape;
+            for i in 0..xs.len() {
+                let xi = s(e, i);
+                let mut begin = vec![0; full.rank()];
+                let mut end = full.0.clone();
+                begin[*axis] = off;
+                end[*axis] = off + xi.0[*axis];
+                off = end[*axis];
+                out.push(Some(e.op(Op::Slice { begin, end }, &[g])?));
             }
-            Op::Div => {
-                let ga = e.div(g, xs[1])?;
-                let gy = e.mul(ga, y)?;
-                let gb = e.neg(gy)?;
-                vec![Some(e.unbroadcast(ga, &s(e, 0))?), Some(e.unbroadcast(gb, &s(e, 1))?)]
-            }
-            Op::Neg => vec![Some(e.neg(g)?)],
-            // y = sum over ranks of x_r: every rank's loss reads y, so x_r's cotangent is the
-            // sum over ranks of theirs.
-            Op::AllReduce => vec![Some(e.op(Op::AllReduce, &[g])?)],
-            Op::Exp => vec![Some(e.mul(g, y)?)],
-            Op::Log => vec![Some(e.div(g, xs[0])?)],
-            Op::Relu => vec![Some(e.op(Op::ReluGrad, &[g, y])?)],
-            Op::Sqrt => {
-                let two_y = e.scale(y, 2.0)?;
-                vec![Some(e.div(g, two_y)?)]
-            }
-            Op::GreaterEqual | Op::Equal => vec![None, None],
-            Op::Tanh => {
-                // 1 - y^2
-                let yy = e.mul(y, y)?;
-                let one = e.scalar_like(1.0, yy)?;
-                let d = e.sub(one, yy)?;
-                vec![Some(e.mul(g, d)?)]
-            }
-            Op::Erf => {
-                // 2/sqrt(pi) exp(-x^2)
-                let xx = e.mul(xs[0], xs[0])?;
-                let nxx = e.neg(xx)?;
-                let ex = e.op(Op::Exp, &[nxx])?;
-                let d = e.scale(ex, std::f64::consts::FRAC_2_SQRT_PI)?;
-                vec![Some(e.mul(g, d)?)]
-            }
-            Op::CausalMask { .. } => vec![Some(e.op(Op::CausalMask { fill: 0.0 }, &[g])?)],
-            Op::Attention { heads, causal } => vec![Some(e.op(Op::AttentionGrad { heads: *heads, causal: *causal }, &[xs[0], g])?)],
-            // y = x * m: the same mask on the cotangent.
-            Op::Dropout { .. } => vec![Some(e.op(op.clone(), &[g, xs[1], xs[2]])?), None, None],
-            Op::Gather => {
-                let rows = s(e, 0).0[0];
-                vec![Some(e.op(Op::ScatterAdd { rows }, &[xs[1], g])?), None]
-            }
-            Op::Select => {
-                let z = e.op(Op::ZerosLike, &[g])?;
-                let (ga, gb) = (e.op(Op::Select, &[xs[0], g, z])?, e.op(Op::Select, &[xs[0], z, g])?);
-                vec![None, Some(e.unbroadcast(ga, &s(e, 1))?), Some(e.unbroadcast(gb, &s(e, 2))?)]
-            }
-            Op::ReluGrad => vec![Some(e.op(Op::ReluGrad, &[g, xs[1]])?), None],
-            Op::Cast { .. } => {
-                let dtype = e.g.ty(xs[0]).dtype;
-                vec![Some(e.op(Op::Cast { dtype }, &[g])?)]
-            }
-            Op::ZerosLike | Op::StopGradient => vec![None],
-            // Straight through: the rounding error is not differentiated.
-            Op::RoundTo { .. } => vec![Some(g)],
-            Op::Broadcast { .. } => vec![Some(e.unbroadcast(g, &s(e, 0))?)],
-            Op::Reshape { .. } | Op::Flatten => vec![Some(e.reshape(g, s(e, 0))?)],
-            Op::Transpose { perm } => {
-                let mut inv = vec![0; perm.len()];
-                for (i, &p) in perm.iter().enumerate() {
-                    inv[p] = i;
-                }
-                vec![Some(e.op(Op::Transpose { perm: inv }, &[g])?)]
-            }
-            Op::Slice { begin, end } => {
-                let hi = s(e, 0).0.iter().zip(end).map(|(d, e)| d - e).collect();
-                vec![Some(e.op(Op::Pad { lo: begin.clone(), hi }, &[g])?)]
-            }
-            Op::Pad { lo, .. } => {
-                let end = s(e, 0).0.iter().zip(lo).map(|(d, l)| d + l).collect();
-                vec![Some(e.op(Op::Slice { begin: lo.clone(), end }, &[g])?)]
-            }
-            Op::Concat { axis } => {
-                let mut out = Vec::new();
-                let mut off = 0;
-                let full = e.ty(g).shape;
-                for i in 0..xs.len() {
-                    let xi = s(e, i);
-                    let mut begin = vec![0; full.rank()];
-                    let mut end = full.0.clone();
-                    begin[*axis] = off;
-                    end[*axis] = off + xi.0[*axis];
-                    off = end[*axis];
-                    out.push(Some(e.op(Op::Slice { begin, end }, &[g])?));
-                }
-                out
-            }
-            Op::ReduceSum(r) => {
-                let k = e.reshape(g, kept_shape(&s(e, 0), &r.axes))?;
-                vec![Some(e.broadcast(k, s(e, 0))?)]
-            }
-            Op::ReduceMean(r) => {
-                let x = s(e, 0);
-                let count: usize = r.axes.iter().map(|&a| x.0[a]).product();
-                let k = e.reshape(g, kept_shape(&x, &r.axes))?;
-                let b = e.broadcast(k, x)?;
-                vec![Some(e.scale(b, 1.0 / count as f64)?)]
-            }
-            Op::ReduceMax(r) => vec![Some(e.op(Op::ReduceMaxGrad(r.clone()), &[xs[0], y, g])?)],
-            Op::MatMul { transpose_a: ta, transpose_b: tb } => {
-                let (a, b) = (xs[0], xs[1]);
-                let (da, db) = match (ta, tb) {
-                    (false, false) => (e.matmul(g, b, false, true)?, e.matmul(a, g, true, false)?),
-                    (false, true) => (e.matmul(g, b, false, false)?, e.matmul(g, a, true, false)?),
-                    (true, false) => (e.matmul(b, g, false, true)?, e.matmul(a, g, false, false)?),
-                    (true, true) => (e.matmul(b, g, true, true)?, e.matmul(g, a, true, true)?),
-                };
-                vec![Some(da), Some(db)]
-            }
-            Op::SoftmaxCrossEntropy { sparse, reduction } => {
-                let grad_op = Op::SoftmaxCrossEntropyGrad { sparse: *sparse, reduction: *reduction };
-                vec![Some(e.op(grad_op, &[xs[0], xs[1], g])?), None]
-            }
-            Op::Conv2d(c) => {
-                let dx = Op::Conv2dBackpropInput { conv: c.clone(), input_shape: s(e, 0) };
-                let dw = Op::Conv2dBackpropFilter { conv: c.clone(), filter_shape: s(e, 1) };
-                vec![Some(e.op(dx, &[g, xs[1]])?), Some(e.op(dw, &[g, xs[0]])?)]
-            }
-            Op::MaxPool2d(p) => vec![Some(e.op(Op::MaxPool2dGrad(p.clone()), &[xs[0], g])?)],
-            Op::AvgPool2d(p) => vec![Some(e.op(Op::AvgPool2dGrad(p.clone()), &[xs[0], g])?)],
-            Op::ReduceMaxGrad(_)
-            | Op::ScatterAdd { .. }
-            | Op::AttentionGrad { .. }
-            | Op::SoftmaxCrossEntropyGrad { .. }
-            | Op::Conv2dBackpropInput { .. }
-            | Op::Conv2dBackpropFilter { .. }
-            | Op::MaxPool2dGrad(_)
-            | Op::AvgPool2dGrad(_)
-            | Op::Assign
-            | Op::AssignAdd
-            | Op::Fused { .. }
-            | Op::Epilogue { .. } => return Ok(None),
+            out
+        }
+        Op::ReduceSum(r) => {
+            let k = e.reshape(g, kept_shape(&s(e, 0), &r.axes))?;
+            vec![Some(e.broadcast(k, s(e, 0))?)]
+        }
+        Op::ReduceMean(r) => {
+            let x = s(e, 0);
+            let count: usize = r.axes.iter().map(|&a| x.0[a]).product();
+            let k = e.reshape(g, kept_shape(&x, &r.axes))?;
+            let b = e.broadcast(k, x)?;
+            vec![Some(e.scale(b, 1.0 / count as f64)?)]
+        }
+        Op::ReduceMax(r) => vec![Some(e.op(Op::ReduceMaxGrad(r.clone()), &[xs[0], y, g])?)],
+        Op::MatMul { transpose_a: ta, transpose_b: tb } => {
+            let (a, b) = (xs[0], xs[1]);
+            let (da, db) = match (ta, tb) {
+                (false, false) => (e.matmul(g, b, false, true)?, e.matmul(a, g, true, false)?),
+                (false, true) => (e.matmul(g, b, false, false)?, e.matmul(g, a, true, false)?),
+                (true, false) => (e.matmul(b, g, false, true)?, e.matmul(a, g, false, false)?),
+                (true, true) => (e.matmul(b, g, true, true)?, e.matmul(g, a, true, true)?),
+            };
+            vec![Some(da), Some(db)]
+        }
+        Op::SoftmaxCrossEntropy { sparse, reduction } => {
+            let grad_op = Op::SoftmaxCrossEntropyGrad { sparse: *sparse, reduction: *reduction };
+            vec![Some(e.op(grad_op, &[xs[0], xs[1], g])?), None]
+        }
+        Op::Conv2d(c) => {
+            let dx = Op::Conv2dBackpropInput { conv: c.clone(), input_shape: s(e, 0) };
+            let dw = Op::Conv2dBackpropFilter { conv: c.clone(), filter_shape: s(e, 1) };
+            vec![Some(e.op(dx, &[g, xs[1]])?), Some(e.op(dw, &[g, xs[0]])?)]
+        }
+        Op::MaxPool2d(p) => vec![Some(e.op(Op::MaxPool2dGrad(p.clone()), &[xs[0], g])?)],
+        Op::AvgPool2d(p) => vec![Some(e.op(Op::AvgPool2dGrad(p.clone()), &[xs[0], g])?)],
+        Op::ReduceMaxGrad(_)
+        | Op::ScatterAdd { .. }
+        | Op::AttentionGrad { .. }
+        | Op::SoftmaxCrossEntropyGrad { .. }
+        | Op::Conv2dBackpropInput { .. }
+        | Op::Conv2dBackpropFilter { .. }
+        | Op::MaxPool2dGrad(_)
+        | Op::AvgPool2dGrad(_)
+        | Op::Assign
+        | Op::AssignAdd
+        | Op::Fused { .. }
+        | Op::Epilogue { .. } => return Ok(None),
     }))
 }
 

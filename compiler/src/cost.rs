@@ -1,8 +1,8 @@
 //! Cost estimates per node: floating-point operations (a multiply-add counts 2) and the
 //! bytes of parameters a graph reads. `cellgraph inspect` reports them.
 
-use crate::graph::{Graph, NodeId};
 use crate::expr::{Expr, Term, Unary};
+use crate::graph::{Graph, NodeId};
 use crate::op::Op;
 use crate::types::TensorType;
 

@@ -78,12 +78,11 @@ pub fn to_json(g: &Graph, pass: &str) -> Value {
         .into_iter()
         .map(|id| {
             let n = g.node(id);
-            let attrs: serde_json::Map<String, Value> = n
-                .op
-                .attrs()
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), Value::String(if let crate::op::Attr::Str(s) = v { s } else { v.to_string() })))
-                .collect();
+            let attrs: serde_json::Map<String, Value> =
+                n.op.attrs()
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), Value::String(if let crate::op::Attr::Str(s) = v { s } else { v.to_string() })))
+                    .collect();
             json!({
                 "id": id.index(),
                 "op": n.op.name(),

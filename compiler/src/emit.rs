@@ -81,8 +81,7 @@ impl<'g> Emit<'g> {
             return Ok(x);
         }
         let lead = xs.rank() - shape.rank();
-        let axes: Vec<usize> =
-            (0..xs.rank()).filter(|&i| i < lead || (shape.0[i - lead] == 1 && xs.0[i] != 1)).collect();
+        let axes: Vec<usize> = (0..xs.rank()).filter(|&i| i < lead || (shape.0[i - lead] == 1 && xs.0[i] != 1)).collect();
         // Summing away the leading axes alone (a bias's gradient) drops them: no reshape.
         let keep_dims = axes != (0..lead).collect::<Vec<_>>();
         let s = if axes.is_empty() { x } else { self.reduce_sum(x, axes, keep_dims)? };

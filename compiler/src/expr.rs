@@ -258,7 +258,13 @@ mod tests {
 
     #[test]
     fn programs_print_and_parse_back() {
-        for s in ["$0 $1 add relu", "$0 0.9 mul $1 $2 mul add", "$0 $1 $2 mul sub", "$0 -0.125 div neg exp log sqrt $0 relu_grad", "$0 round_bf16 $1 round_f16 mul"] {
+        for s in [
+            "$0 $1 add relu",
+            "$0 0.9 mul $1 $2 mul add",
+            "$0 $1 $2 mul sub",
+            "$0 -0.125 div neg exp log sqrt $0 relu_grad",
+            "$0 round_bf16 $1 round_f16 mul",
+        ] {
             let e: Expr = s.parse().unwrap();
             assert_eq!(e.to_string(), s);
         }

@@ -74,12 +74,7 @@ impl Graph {
             });
         }
         if !op.arity().accepts(operands.len()) {
-            return Err(IrError::Arity {
-                scope: scope.into(),
-                op: op.name(),
-                expected: op.arity().to_string(),
-                got: operands.len(),
-            });
+            return Err(IrError::Arity { scope: scope.into(), op: op.name(), expected: op.arity().to_string(), got: operands.len() });
         }
         let tys = operands.iter().map(|&o| self.try_node(o).map(|n| &n.ty)).collect::<Result<Vec<_>>>()?;
         let ty = infer(&op, &tys).map_err(|detail| IrError::Type { scope: scope.into(), op: op.name(), detail })?;
@@ -89,11 +84,7 @@ impl Graph {
     /// Adds a leaf (parameter, input, constant) of the given type.
     pub fn add_leaf(&mut self, op: Op, ty: TensorType, scope: &str) -> Result<NodeId> {
         if !op.is_leaf() {
-            return Err(IrError::Misuse {
-                scope: scope.into(),
-                op: op.name(),
-                detail: "only leaf ops take an explicit type".into(),
-            });
+            return Err(IrError::Misuse { scope: scope.into(), op: op.name(), detail: "only leaf ops take an explicit type".into() });
         }
         Ok(self.add_unchecked(op, &[], ty, scope))
     }
@@ -137,11 +128,8 @@ impl Graph {
 
     /// The operands of a node, in order.
     pub fn operands(&self, id: NodeId) -> Vec<NodeId> {
-        let mut e: Vec<(u32, NodeId)> = self
-            .inner
-            .edges_directed(id.ix(), Direction::Incoming)
-            .map(|e| (*e.weight(), NodeId(e.source().index() as u32)))
-            .collect();
+        let mut e: Vec<(u32, NodeId)> =
+            self.inner.edges_directed(id.ix(), Direction::Incoming).map(|e| (*e.weight(), NodeId(e.source().index() as u32))).collect();
         e.sort_unstable();
         e.into_iter().map(|(_, n)| n).collect()
     }
@@ -155,11 +143,7 @@ impl Graph {
 
     /// The distinct nodes that use this node as an operand, by id.
     pub fn users(&self, id: NodeId) -> Vec<NodeId> {
-        let set: BTreeSet<NodeId> = self
-            .inner
-            .edges_directed(id.ix(), Direction::Outgoing)
-            .map(|e| NodeId(e.target().index() as u32))
-            .collect();
+        let set: BTreeSet<NodeId> = self.inner.edges_directed(id.ix(), Direction::Outgoing).map(|e| NodeId(e.target().index() as u32)).collect();
         set.into_iter().collect()
     }
 
@@ -236,8 +220,7 @@ impl Graph {
 
     /// A topological order, smallest id first among ready nodes; `Err(node)` names a node on a cycle.
     pub fn topo_order(&self) -> std::result::Result<Vec<NodeId>, NodeId> {
-        let mut indeg: HashMap<NodeId, usize> =
-            self.ids().into_iter().map(|id| (id, self.operands(id).len())).collect();
+        let mut indeg: HashMap<NodeId, usize> = self.ids().into_iter().map(|id| (id, self.operands(id).len())).collect();
         let mut ready: BTreeSet<NodeId> = indeg.iter().filter(|(_, &d)| d == 0).map(|(&id, _)| id).collect();
         let mut order = Vec::with_capacity(indeg.len());
         while let Some(id) = ready.pop_first() {
@@ -304,10 +287,8 @@ impl PartialEq for Graph {
         let pos_a: HashMap<NodeId, usize> = a.iter().enumerate().map(|(i, &id)| (id, i)).collect();
         let pos_b: HashMap<NodeId, usize> = b.iter().enumerate().map(|(i, &id)| (id, i)).collect();
         let same_node = |x: NodeId, y: NodeId| {
-            self.node(x) == other.node(y)
-                && self.operands(x).iter().map(|o| pos_a[o]).eq(other.operands(y).iter().map(|o| pos_b[o]))
+            self.node(x) == other.node(y) && self.operands(x).iter().map(|o| pos_a[o]).eq(other.operands(y).iter().map(|o| pos_b[o]))
         };
-        a.iter().zip(&b).all(|(&x, &y)| same_node(x, y))
-            && self.outputs.iter().map(|o| pos_a.get(o)).eq(other.outputs.iter().map(|o| pos_b.get(o)))
+        a.iter().zip(&b).all(|(&x, &y)| same_node(x, y)) && self.outputs.iter().map(|o| pos_a.get(o)).eq(other.outputs.iter().map(|o| pos_b.get(o)))
     }
 }

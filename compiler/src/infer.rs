@@ -44,8 +44,7 @@ fn float_operand(t: &TensorType) -> Result<(), String> {
 
 fn binary(a: &TensorType, b: &TensorType) -> Result<TensorType, String> {
     let dtype = same_dtype(&[a, b])?;
-    let shape = broadcast_shapes(a.dims(), b.dims())
-        .ok_or_else(|| format!("shapes {a} and {b} do not broadcast"))?;
+    let shape = broadcast_shapes(a.dims(), b.dims()).ok_or_else(|| format!("shapes {a} and {b} do not broadcast"))?;
     Ok(TensorType::new(dtype, shape))
 }
 
@@ -81,11 +80,7 @@ fn conv2d(x: &TensorType, w: &TensorType, c: &Conv2dAttrs) -> Result<TensorType,
         return Err(format!("groups {} must divide input channels {ci} and output channels {o}", c.groups));
     }
     if wc * c.groups != ci {
-        return Err(format!(
-            "input {x} has {ci} channels but weight {w} expects {} (= {wc} x groups {})",
-            wc * c.groups,
-            c.groups
-        ));
+        return Err(format!("input {x} has {ci} channels but weight {w} expects {} (= {wc} x groups {})", wc * c.groups, c.groups));
     }
     let win = window::resolve([h, wd], [kh, kw], c.stride, c.dilation, c.pad_mode, c.pad)?;
     Ok(x.with_shape([n, o, win.out[0], win.out[1]]))
@@ -108,11 +103,7 @@ fn matmul(a: &TensorType, b: &TensorType, ta: bool, tb: bool) -> Result<TensorTy
     let (m, ka) = if ta { (ac, ar) } else { (ar, ac) };
     let (kb, n) = if tb { (bc, br) } else { (br, bc) };
     if ka != kb {
-        return Err(format!(
-            "contracting dimensions differ: {a}{} has {ka}, {b}{} has {kb}",
-            if ta { "^T" } else { "" },
-            if tb { "^T" } else { "" }
-        ));
+        return Err(format!("contracting dimensions differ: {a}{} has {ka}, {b}{} has {kb}", if ta { "^T" } else { "" }, if tb { "^T" } else { "" }));
     }
     Ok(TensorType::new(dtype, batch.iter().copied().chain([m, n]).collect::<Vec<_>>()))
 }
@@ -145,9 +136,7 @@ fn check_same(a: &TensorType, b: &TensorType, what: &str) -> Result<(), String> 
 /// The caller has checked the arity. Leaves return an error: their type is given.
 pub fn infer(op: &Op, xs: &[&TensorType]) -> Result<TensorType, String> {
     match op {
-        Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => {
-            Err("leaf ops carry their type; it is not inferred".into())
-        }
+        Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => Err("leaf ops carry their type; it is not inferred".into()),
         Op::Add | Op::Sub | Op::Mul | Op::Div => binary(xs[0], xs[1]),
         Op::GreaterEqual | Op::Equal => Ok(binary(xs[0], xs[1])?.with_dtype(DType::Bool)),
         Op::Select => {
@@ -155,8 +144,7 @@ pub fn infer(op: &Op, xs: &[&TensorType]) -> Result<TensorType, String> {
                 return Err(format!("condition must be bool, got {}", xs[0]));
             }
             let ab = binary(xs[1], xs[2])?;
-            let shape = broadcast_shapes(xs[0].dims(), ab.dims())
-                .ok_or_else(|| format!("condition {} does not broadcast with {ab}", xs[0]))?;
+            let shape = broadcast_shapes(xs[0].dims(), ab.dims()).ok_or_else(|| format!("condition {} does not broadcast with {ab}", xs[0]))?;
             Ok(ab.with_shape(shape))
         }
         Op::Neg | Op::Exp | Op::Log | Op::Relu | Op::Sqrt | Op::AllReduce | Op::Tanh | Op::Erf => {
@@ -199,7 +187,9 @@ pub fn infer(op: &Op, xs: &[&TensorType]) -> Result<TensorType, String> {
                 return Err(format!("dropout probability must be in [0, 1), got {p}"));
             }
             if x.rank() == 0 || !items.dtype.is_int() || items.dims() != [x.dims()[0]] || !update.dtype.is_int() || update.rank() != 0 {
-                return Err(format!("dropout needs x [N, ...], integer item indices [N] and an integer update number [], got {x}, {items} and {update}"));
+                return Err(format!(
+                    "dropout needs x [N, ...], integer item indices [N] and an integer update number [], got {x}, {items} and {update}"
+                ));
             }
             Ok(x.clone())
         }
@@ -269,8 +259,7 @@ pub fn infer(op: &Op, xs: &[&TensorType]) -> Result<TensorType, String> {
             let mut out = first.to_vec();
             out[*axis] = 0;
             for x in xs {
-                let ok = x.rank() == first.len()
-                    && (0..first.len()).all(|i| i == *axis || x.dims()[i] == first[i]);
+                let ok = x.rank() == first.len() && (0..first.len()).all(|i| i == *axis || x.dims()[i] == first[i]);
                 if !ok {
                     return Err(format!("{} and {x} differ outside axis {axis}", xs[0]));
                 }

@@ -65,11 +65,18 @@ pub struct ReduceAttrs {
 pub enum Op {
     // ---- leaves (no operands)
     /// A trainable or state tensor, read by name from the parameter store.
-    Parameter { name: String },
+    Parameter {
+        name: String,
+    },
     /// The `index`-th input of the graph.
-    Input { index: usize, name: String },
+    Input {
+        index: usize,
+        name: String,
+    },
     /// A tensor of the node's type with every element equal to `value` (MindSpore's Fill).
-    Constant { value: f64 },
+    Constant {
+        value: f64,
+    },
     // ---- elementwise (binary ops broadcast numpy-style)
     Add,
     Sub,
@@ -95,28 +102,49 @@ pub enum Op {
     /// falls below `p`, else 0. The mask depends on the item's global index and the update
     /// number only, so slicing into micro-batches, sharding over ranks or resuming never
     /// changes it. Its gradient is the same op on the cotangent.
-    Dropout { p: f64, seed: u64 },
+    Dropout {
+        p: f64,
+        seed: u64,
+    },
     /// Rounds f32 values to the nearest value of `dtype` (F16 or BF16: ties to even, past the
     /// largest finite value to infinity, f16's subnormals kept), storing them as f32: emulated
     /// low precision ([`crate::passes::precision`]). Its gradient passes the cotangent through
     /// unchanged (the rounding error is not differentiated, as a cast's is not).
-    RoundTo { dtype: DType },
+    RoundTo {
+        dtype: DType,
+    },
     /// The identity, through which no gradient flows (JAX's and MindSpore's `stop_gradient`):
     /// softmax's subtracted maximum, whose exact gradient is zero.
     StopGradient,
     /// `cond ? a : b` elementwise, operands `(cond, a, b)`, broadcasting.
     Select,
-    Cast { dtype: DType },
+    Cast {
+        dtype: DType,
+    },
     ZerosLike,
     // ---- shape
-    Broadcast { shape: Shape },
-    Reshape { shape: Shape },
-    Transpose { perm: Vec<usize> },
+    Broadcast {
+        shape: Shape,
+    },
+    Reshape {
+        shape: Shape,
+    },
+    Transpose {
+        perm: Vec<usize>,
+    },
     /// `x[begin[i]..end[i]]` on every axis.
-    Slice { begin: Vec<usize>, end: Vec<usize> },
+    Slice {
+        begin: Vec<usize>,
+        end: Vec<usize>,
+    },
     /// Zero padding: `lo[i]` before and `hi[i]` after axis `i`.
-    Pad { lo: Vec<usize>, hi: Vec<usize> },
-    Concat { axis: usize },
+    Pad {
+        lo: Vec<usize>,
+        hi: Vec<usize>,
+    },
+    Concat {
+        axis: usize,
+    },
     /// `[N, ...] -> [N, prod(...)]`.
     Flatten,
     // ---- reductions
@@ -128,7 +156,10 @@ pub enum Op {
     // ---- linear algebra
     /// `op(a) @ op(b)`, `op` transposing the last two axes when the flag is set; operands of
     /// rank 2, or of one rank above 2 with equal leading (batch) axes.
-    MatMul { transpose_a: bool, transpose_b: bool },
+    MatMul {
+        transpose_a: bool,
+        transpose_b: bool,
+    },
     // ---- indexing
     /// Rows of a table by integer ids, operands `(table [V, ...], ids [...])`, giving
     /// `[...ids, ...rows]` (MindSpore's `Gather` on axis 0, an embedding lookup). Ids outside
@@ -136,11 +167,15 @@ pub enum Op {
     Gather,
     /// The gradient of [`Op::Gather`]: `updates` added into a zero `[rows, ...]` table at their
     /// ids (repeated ids add up), operands `(ids [...], updates [...ids, ...])`.
-    ScatterAdd { rows: usize },
+    ScatterAdd {
+        rows: usize,
+    },
     /// Causal masking of attention scores `[..., T, S]`: element `(i, j)` becomes `fill` where
     /// `j > i + S - T` (a query never sees a later key); the rest pass through. Its gradient is
     /// the same mask with `fill` 0.
-    CausalMask { fill: f64 },
+    CausalMask {
+        fill: f64,
+    },
     // ---- neural network
     /// Multi-head scaled dot-product self-attention (PyTorch's `scaled_dot_product_attention`
     /// on `heads` heads, scale `1/sqrt(D)`), operand `qkv [B, T, 3C]`: queries, keys and values
@@ -149,20 +184,38 @@ pub enum Op {
     /// side. `causal`: position `i` attends to positions `0..=i` only, the others taking no
     /// part in its softmax (a fill of minus infinity). One op, so kernels skip what the mask
     /// removes and never write the scores out.
-    Attention { heads: usize, causal: bool },
+    Attention {
+        heads: usize,
+        causal: bool,
+    },
     /// Gradient of [`Op::Attention`] w.r.t. `qkv`, operands `(qkv, dy)`, laid out as `qkv`.
-    AttentionGrad { heads: usize, causal: bool },
+    AttentionGrad {
+        heads: usize,
+        causal: bool,
+    },
     /// Softmax cross-entropy of `(logits [N,C], labels)`: labels are class ids `[N]` when
     /// `sparse`, else probabilities `[N,C]`.
-    SoftmaxCrossEntropy { sparse: bool, reduction: Reduction },
+    SoftmaxCrossEntropy {
+        sparse: bool,
+        reduction: Reduction,
+    },
     /// Gradient w.r.t. logits, operands `(logits, labels, dloss)`.
-    SoftmaxCrossEntropyGrad { sparse: bool, reduction: Reduction },
+    SoftmaxCrossEntropyGrad {
+        sparse: bool,
+        reduction: Reduction,
+    },
     /// Operands `(x [N,C,H,W], w [O,C/groups,KH,KW])`.
     Conv2d(Conv2dAttrs),
     /// Gradient w.r.t. the input, operands `(dy, w)`.
-    Conv2dBackpropInput { conv: Conv2dAttrs, input_shape: Shape },
+    Conv2dBackpropInput {
+        conv: Conv2dAttrs,
+        input_shape: Shape,
+    },
     /// Gradient w.r.t. the weight, operands `(dy, x)`.
-    Conv2dBackpropFilter { conv: Conv2dAttrs, filter_shape: Shape },
+    Conv2dBackpropFilter {
+        conv: Conv2dAttrs,
+        filter_shape: Shape,
+    },
     MaxPool2d(Pool2dAttrs),
     /// Operands `(x, dy)`.
     MaxPool2dGrad(Pool2dAttrs),
@@ -183,13 +236,18 @@ pub enum Op {
     // ---- formed by the compiler
     /// Elementwise ops fused into one node by [`crate::passes::fuse`]: `expr` runs per output
     /// element over the operands (broadcast numpy-style). Formed after differentiation.
-    Fused { expr: Expr },
+    Fused {
+        expr: Expr,
+    },
     /// An op with elementwise ops fused onto its output, by [`crate::passes::epilogue`]: `head`
     /// runs on the first operands (as many as it takes), then `expr` per output element, `$0`
     /// reading the head's result and `$1, $2, ...` the operands after the head's. The result
     /// keeps the head's type. Kernels apply the program to each part of the output as the
     /// head finishes it, while it is still in cache. Formed after differentiation.
-    Epilogue { head: Box<Op>, expr: Expr },
+    Epilogue {
+        head: Box<Op>,
+        expr: Expr,
+    },
 }
 
 /// A printed attribute value.
@@ -418,7 +476,9 @@ impl Op {
             Op::Equal | Op::Tanh | Op::Erf | Op::Gather | Op::StopGradient => vec![],
             Op::ScatterAdd { rows } => vec![("rows", Attr::Int(*rows as i64))],
             Op::CausalMask { fill } => vec![("fill", Attr::Float(*fill))],
-            Op::Attention { heads, causal } | Op::AttentionGrad { heads, causal } => vec![("causal", Attr::Bool(*causal)), ("heads", Attr::Int(*heads as i64))],
+            Op::Attention { heads, causal } | Op::AttentionGrad { heads, causal } => {
+                vec![("causal", Attr::Bool(*causal)), ("heads", Attr::Int(*heads as i64))]
+            }
             Op::Dropout { p, seed } => vec![("p", Attr::Float(*p)), ("seed", Attr::Int(*seed as i64))],
             Op::Cast { dtype } | Op::RoundTo { dtype } => vec![("dtype", Attr::Sym(dtype.name().into()))],
             Op::Broadcast { shape } | Op::Reshape { shape } => vec![("shape", ints(&shape.0))],
@@ -436,15 +496,10 @@ impl Op {
             Op::ReduceSum(r) | Op::ReduceMean(r) | Op::ReduceMax(r) | Op::ReduceMaxGrad(r) => {
                 vec![("axes", ints(&r.axes)), ("keep_dims", Attr::Bool(r.keep_dims))]
             }
-            Op::MatMul { transpose_a, transpose_b } => vec![
-                ("transpose_a", Attr::Bool(*transpose_a)),
-                ("transpose_b", Attr::Bool(*transpose_b)),
-            ],
-            Op::SoftmaxCrossEntropy { sparse, reduction }
-            | Op::SoftmaxCrossEntropyGrad { sparse, reduction } => vec![
-                ("reduction", Attr::Sym(reduction_name(*reduction).into())),
-                ("sparse", Attr::Bool(*sparse)),
-            ],
+            Op::MatMul { transpose_a, transpose_b } => vec![("transpose_a", Attr::Bool(*transpose_a)), ("transpose_b", Attr::Bool(*transpose_b))],
+            Op::SoftmaxCrossEntropy { sparse, reduction } | Op::SoftmaxCrossEntropyGrad { sparse, reduction } => {
+                vec![("reduction", Attr::Sym(reduction_name(*reduction).into())), ("sparse", Attr::Bool(*sparse))]
+            }
             Op::Conv2d(c) => conv_attrs(c),
             Op::Conv2dBackpropInput { conv, input_shape } => {
                 let mut v = conv_attrs(conv);
@@ -518,19 +573,11 @@ impl Op {
             "reduce_max" => Op::ReduceMax(a.reduce()?),
             "reduce_max_grad" => Op::ReduceMaxGrad(a.reduce()?),
             "matmul" => Op::MatMul { transpose_a: a.bool("transpose_a")?, transpose_b: a.bool("transpose_b")? },
-            "softmax_cross_entropy" => {
-                Op::SoftmaxCrossEntropy { sparse: a.bool("sparse")?, reduction: a.reduction()? }
-            }
-            "softmax_cross_entropy_grad" => {
-                Op::SoftmaxCrossEntropyGrad { sparse: a.bool("sparse")?, reduction: a.reduction()? }
-            }
+            "softmax_cross_entropy" => Op::SoftmaxCrossEntropy { sparse: a.bool("sparse")?, reduction: a.reduction()? },
+            "softmax_cross_entropy_grad" => Op::SoftmaxCrossEntropyGrad { sparse: a.bool("sparse")?, reduction: a.reduction()? },
             "conv2d" => Op::Conv2d(a.conv()?),
-            "conv2d_backprop_input" => {
-                Op::Conv2dBackpropInput { conv: a.conv()?, input_shape: Shape(a.usizes("input_shape")?) }
-            }
-            "conv2d_backprop_filter" => {
-                Op::Conv2dBackpropFilter { conv: a.conv()?, filter_shape: Shape(a.usizes("filter_shape")?) }
-            }
+            "conv2d_backprop_input" => Op::Conv2dBackpropInput { conv: a.conv()?, input_shape: Shape(a.usizes("input_shape")?) },
+            "conv2d_backprop_filter" => Op::Conv2dBackpropFilter { conv: a.conv()?, filter_shape: Shape(a.usizes("filter_shape")?) },
             "max_pool2d" => Op::MaxPool2d(a.pool()?),
             "max_pool2d_grad" => Op::MaxPool2dGrad(a.pool()?),
             "avg_pool2d" => Op::AvgPool2d(a.pool()?),
@@ -646,12 +693,7 @@ impl AttrReader {
         })
     }
     fn pool(&mut self) -> Result<Pool2dAttrs, String> {
-        Ok(Pool2dAttrs {
-            kernel: self.array("kernel")?,
-            stride: self.array("stride")?,
-            pad_mode: self.pad_mode()?,
-            pad: self.array("pad")?,
-        })
+        Ok(Pool2dAttrs { kernel: self.array("kernel")?, stride: self.array("stride")?, pad_mode: self.pad_mode()?, pad: self.array("pad")? })
     }
 }
 

@@ -186,8 +186,7 @@ fn attr_value(c: &mut Cursor) -> PResult<Attr> {
             if let Ok(i) = w.parse::<i64>() {
                 return Ok(Attr::Int(i));
             }
-            let numeric = w.starts_with(|ch: char| ch.is_ascii_digit() || ch == '-' || ch == '+')
-                || matches!(w, "inf" | "NaN");
+            let numeric = w.starts_with(|ch: char| ch.is_ascii_digit() || ch == '-' || ch == '+') || matches!(w, "inf" | "NaN");
             if numeric {
                 return w.parse::<f64>().map(Attr::Float).or_else(|_| {
                     c.pos = start;
@@ -308,10 +307,13 @@ fn equation(c: &mut Cursor, eqs: &mut Vec<Equation>, names: &mut HashMap<u64, No
     Ok(())
 }
 
+/// A graph being read: the graph, its names, whether its `return` was seen, its equations.
+type Reading = (Graph, HashMap<u64, NodeId>, bool, Vec<Equation>);
+
 /// Parses every graph in the text (a file may hold several, separated by blank lines).
 pub fn parse_many(text: &str) -> Result<Vec<Graph>, ParseError> {
     let mut graphs = Vec::new();
-    let mut current: Option<(Graph, HashMap<u64, NodeId>, bool, Vec<Equation>)> = None;
+    let mut current: Option<Reading> = None;
     let mut last_line = 0;
     for (i, raw) in text.lines().enumerate() {
         last_line = i + 1;

@@ -261,13 +261,8 @@ pub fn emit_updates(g: &mut Graph, rule: &dyn UpdateRule, params: &[(String, Nod
     let mut all_state = Vec::new();
     for (name, p, d) in params {
         let specs = rule.state(name, g.ty(*p));
-        update
-            .check(specs.len(), names.len())
-            .map_err(|detail| IrError::Misuse { scope: scope.clone(), op: "update", detail })?;
-        let state = specs
-            .iter()
-            .map(|s| g.add_leaf(Op::Parameter { name: s.name.clone() }, s.ty.clone(), &scope))
-            .collect::<Result<Vec<_>>>()?;
+        update.check(specs.len(), names.len()).map_err(|detail| IrError::Misuse { scope: scope.clone(), op: "update", detail })?;
+        let state = specs.iter().map(|s| g.add_leaf(Op::Parameter { name: s.name.clone() }, s.ty.clone(), &scope)).collect::<Result<Vec<_>>>()?;
         update.emit(&mut Emit::new(g, scope.clone()), *p, *d, &state, &scalars)?;
         all_state.extend(specs);
     }

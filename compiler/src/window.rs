@@ -47,10 +47,7 @@ pub fn resolve(
         };
         let padded = input[a] + lo + hi;
         if padded < eff {
-            return Err(format!(
-                "window of extent {eff} does not fit input extent {} (padded {padded})",
-                input[a]
-            ));
+            return Err(format!("window of extent {eff} does not fit input extent {} (padded {padded})", input[a]));
         }
         pad[2 * a] = lo;
         pad[2 * a + 1] = hi;

@@ -101,14 +101,28 @@ pub trait Backend: burn_backend::Backend {
     /// for what burn's ops take several for (elementwise programs, epilogues, the loss and
     /// its gradient, pooling).
     /// Outputs come from `arena` ([`Arena::take_device`]).
-    fn device_kernel(_op: &Native, _args: &[&FloatTensor<Self>], _ints: &[&IntTensor<Self>], _out: &TensorType, _tf32: bool, _arena: &mut Arena) -> Option<FloatTensor<Self>> {
+    fn device_kernel(
+        _op: &Native,
+        _args: &[&FloatTensor<Self>],
+        _ints: &[&IntTensor<Self>],
+        _out: &TensorType,
+        _tf32: bool,
+        _arena: &mut Arena,
+    ) -> Option<FloatTensor<Self>> {
         None
     }
 
     /// A softmax cross-entropy forward (`op`, class-id labels) and its gradient for the constant
     /// `dloss` `seed`, in one kernel: `(loss, gradient)`, or `None` where the backend has no
     /// such kernel (the two steps then run apart).
-    fn device_loss_with_grad(_op: &Native, _args: &[&FloatTensor<Self>], _ints: &[&IntTensor<Self>], _out: &TensorType, _seed: f64, _arena: &mut Arena) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+    fn device_loss_with_grad(
+        _op: &Native,
+        _args: &[&FloatTensor<Self>],
+        _ints: &[&IntTensor<Self>],
+        _out: &TensorType,
+        _seed: f64,
+        _arena: &mut Arena,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
         None
     }
 
@@ -249,4 +263,3 @@ impl Backend for NdArray {
         }
     }
 }
-

@@ -131,7 +131,11 @@ pub fn py_float(x: f64) -> String {
     let exp: i32 = exp.parse().expect("integer exponent");
     if (-4..16).contains(&exp) {
         let s = format!("{x}");
-        if s.contains('.') { s } else { format!("{s}.0") }
+        if s.contains('.') {
+            s
+        } else {
+            format!("{s}.0")
+        }
     } else {
         let sign = if exp < 0 { '-' } else { '+' };
         format!("{mantissa}e{sign}{:02}", exp.abs())

@@ -112,7 +112,10 @@ fn cannot_write(path: &Path, e: std::io::Error) -> RuntimeError {
 /// directory exists or can be made, and a file can be created there (a probe file, removed).
 pub fn check_writable(path: &Path) -> Result<()> {
     if path.is_dir() {
-        return Err(RuntimeError::Invalid { what: format!("checkpoint target {}", path.display()), detail: "is a directory; give a file path such as model.ckpt".into() });
+        return Err(RuntimeError::Invalid {
+            what: format!("checkpoint target {}", path.display()),
+            detail: "is a directory; give a file path such as model.ckpt".into(),
+        });
     }
     let (dir, tmp) = temp_beside(path)?;
     std::fs::create_dir_all(dir).map_err(|e| cannot_write(path, e))?;
@@ -125,7 +128,10 @@ pub fn check_writable(path: &Path) -> Result<()> {
 /// failure removes the temporary file (a full disk does not stay full) and names `path`.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     if path.is_dir() {
-        return Err(RuntimeError::Invalid { what: format!("checkpoint target {}", path.display()), detail: "is a directory; give a file path such as model.ckpt".into() });
+        return Err(RuntimeError::Invalid {
+            what: format!("checkpoint target {}", path.display()),
+            detail: "is a directory; give a file path such as model.ckpt".into(),
+        });
     }
     let (dir, tmp) = temp_beside(path)?;
     std::fs::create_dir_all(dir).map_err(|e| cannot_write(path, e))?;
@@ -174,7 +180,11 @@ pub fn from_ckpt_bytes(path: &Path, bytes: &[u8]) -> Result<Tensors> {
             let stored = bytes[at + CRC_TAG.len()..].iter().fold(0u128, |acc, &b| acc << 8 | b as u128);
             let computed = crc32fast::hash(&bytes[..at]);
             if stored != computed as u128 {
-                return Err(err(path, at as u64, format!("CRC check failed (stored {stored:#010x}, computed {computed:#010x}): the checkpoint is damaged")));
+                return Err(err(
+                    path,
+                    at as u64,
+                    format!("CRC check failed (stored {stored:#010x}, computed {computed:#010x}): the checkpoint is damaged"),
+                ));
             }
             &bytes[..at]
         }
@@ -188,7 +198,9 @@ pub fn from_ckpt_bytes(path: &Path, bytes: &[u8]) -> Result<Tensors> {
     for v in ckpt.value {
         let t = v.tensor.ok_or_else(|| err(path, 0, format!("entry `{}` has no tensor", v.tag)))?;
         match parts.last_mut() {
-            Some((tag, prev)) if *tag == v.tag && prev.dims == t.dims && prev.tensor_type == t.tensor_type => prev.tensor_content.extend(t.tensor_content),
+            Some((tag, prev)) if *tag == v.tag && prev.dims == t.dims && prev.tensor_type == t.tensor_type => {
+                prev.tensor_content.extend(t.tensor_content)
+            }
             _ => parts.push((v.tag, t)),
         }
     }

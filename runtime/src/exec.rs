@@ -15,10 +15,10 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use burn_backend::tensor::Device;
 use crate::Backend;
-use cellgraph_compiler::passes::pipeline::{self, PipelineOptions};
+use burn_backend::tensor::Device;
 use cellgraph_compiler::dump::DumpOptions;
+use cellgraph_compiler::passes::pipeline::{self, PipelineOptions};
 use cellgraph_compiler::{Graph, HostData, HostTensor, Op, TensorType};
 
 use crate::comm::Communicator;
@@ -78,7 +78,12 @@ struct Step {
 /// The ops whose arithmetic is matrix products, with or without a bound GEMM.
 fn is_product(op: &Op) -> bool {
     match op {
-        Op::MatMul { .. } | Op::Conv2d(_) | Op::Conv2dBackpropInput { .. } | Op::Conv2dBackpropFilter { .. } | Op::Attention { .. } | Op::AttentionGrad { .. } => true,
+        Op::MatMul { .. }
+        | Op::Conv2d(_)
+        | Op::Conv2dBackpropInput { .. }
+        | Op::Conv2dBackpropFilter { .. }
+        | Op::Attention { .. }
+        | Op::AttentionGrad { .. } => true,
         Op::Epilogue { head, .. } => is_product(head),
         _ => false,
     }
@@ -104,7 +109,9 @@ fn holds_bf16(g: &Graph, id: cellgraph_compiler::NodeId, depth: usize) -> bool {
             program_holds_bf16(expr, |i| i > 0 && operand(skip + i - 1))
         }
         &Op::Constant { value } => cellgraph_compiler::passes::precision::round_f64(value, DType::BF16) == value,
-        op if cellgraph_compiler::passes::precision::moves_values(op) => xs.iter().filter(|&&o| g.ty(o).dtype.is_float()).all(|&o| holds_bf16(g, o, depth + 1)),
+        op if cellgraph_compiler::passes::precision::moves_values(op) => {
+            xs.iter().filter(|&&o| g.ty(o).dtype.is_float()).all(|&o| holds_bf16(g, o, depth + 1))
+        }
         _ => false,
     }
 }
@@ -147,9 +154,15 @@ fn program_holds_bf16(expr: &cellgraph_compiler::expr::Expr, arg: impl Fn(usize)
 fn choose_products(k: Native) -> Native {
     use crate::kernel::Products;
     match k {
-        Native::MatMul { m, k, n, transpose_a, transpose_b, tiling, .. } => Native::MatMul { m, k, n, transpose_a, transpose_b, tiling, products: Products::Bf16 },
-        Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b, .. } => Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b, products: Products::Bf16 },
-        Native::Conv { kind, g, groups, out_channels, direct: false, filter, .. } => Native::Conv { kind, g, groups, out_channels, direct: false, filter, products: Products::Bf16 },
+        Native::MatMul { m, k, n, transpose_a, transpose_b, tiling, .. } => {
+            Native::MatMul { m, k, n, transpose_a, transpose_b, tiling, products: Products::Bf16 }
+        }
+        Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b, .. } => {
+            Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b, products: Products::Bf16 }
+        }
+        Native::Conv { kind, g, groups, out_channels, direct: false, filter, .. } => {
+            Native::Conv { kind, g, groups, out_channels, direct: false, filter, products: Products::Bf16 }
+        }
         Native::Epilogue { head, head_args, post } => Native::Epilogue { head: Box::new(choose_products(*head)), head_args, post },
         k => k,
     }
@@ -241,7 +254,11 @@ impl Executable {
                 k => k.as_ref(),
             };
             match head {
-                Some(Native::MatMul { products: Products::Bf16, .. } | Native::BatchMatMul { products: Products::Bf16, .. } | Native::Conv { products: Products::Bf16, .. }) => out.on_pairs += 1,
+                Some(
+                    Native::MatMul { products: Products::Bf16, .. }
+                    | Native::BatchMatMul { products: Products::Bf16, .. }
+                    | Native::Conv { products: Products::Bf16, .. },
+                ) => out.on_pairs += 1,
                 _ => {
                     let op = match &st.op {
                         Op::Epilogue { head, .. } => head.label(),
@@ -405,7 +422,9 @@ fn keep_for_gradients(steps: &mut [Step]) {
     let (mut pools, mut rows) = (0, 0);
     for i in 0..steps.len() {
         let grads: Vec<usize> = (i + 1..steps.len())
-            .filter(|&j| reuses(&steps[i].op, &steps[j].op).is_some_and(|n| steps[j].args.iter().zip(&steps[i].args).take(n).all(|(a, b)| a.0 == b.0)))
+            .filter(|&j| {
+                reuses(&steps[i].op, &steps[j].op).is_some_and(|n| steps[j].args.iter().zip(&steps[i].args).take(n).all(|(a, b)| a.0 == b.0))
+            })
             .collect();
         if grads.is_empty() {
             continue;
@@ -466,7 +485,9 @@ fn name_dense_filters(steps: &mut [Step]) {
     let rounded: Vec<(usize, Arc<str>)> = steps
         .iter()
         .filter_map(|st| match (&st.op, st.args.first()) {
-            (Op::RoundTo { dtype: cellgraph_compiler::DType::BF16 }, Some((slot, _))) => params.get(slot).map(|n| (st.slot, Arc::from(format!("{}{n}", crate::host::ROUNDED_BF16)))),
+            (Op::RoundTo { dtype: cellgraph_compiler::DType::BF16 }, Some((slot, _))) => {
+                params.get(slot).map(|n| (st.slot, Arc::from(format!("{}{n}", crate::host::ROUNDED_BF16))))
+            }
             _ => None,
         })
         .collect();
@@ -546,11 +567,7 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
             let n = graph.node(id);
             let ops = graph.operands(id);
             let is_last = |o: &cellgraph_compiler::NodeId| last_use[o.index()] == Some(pos[&id]) && !pinned[o.index()];
-            let args = ops
-                .iter()
-                .enumerate()
-                .map(|(k, o)| (o.index(), is_last(o) && !ops[k + 1..].contains(o)))
-                .collect();
+            let args = ops.iter().enumerate().map(|(k, o)| (o.index(), is_last(o) && !ops[k + 1..].contains(o))).collect();
             let mut frees: Vec<usize> = ops.iter().filter(|o| is_last(o)).map(|o| o.index()).collect();
             frees.sort_unstable();
             frees.dedup();
@@ -574,11 +591,30 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
             let accumulator = cellgraph_compiler::passes::epilogue::accumulator(&graph, id);
             let check = id_input(&graph, id);
             let ids_checked = check.is_some();
-            if let Some(c) = check.filter(|c| !id_checks.iter().any(|l| (l.input, l.bound, l.labels, l.except) == (c.input, c.bound, c.labels, c.except))) {
+            if let Some(c) =
+                check.filter(|c| !id_checks.iter().any(|l| (l.input, l.bound, l.labels, l.except) == (c.input, c.bound, c.labels, c.except)))
+            {
                 id_checks.push(c);
             }
-            let shared_constant = matches!(n.op, Op::Constant { .. }) && !graph.outputs().contains(&id) && graph.users(id).iter().all(|&u| !graph.node(u).op.is_effect());
-            Step { slot: id.index(), op: n.op.clone(), ty: n.ty.clone(), scope: n.scope.clone(), args, arg_types, target, frees, deferred, kernel, accumulator, ids_checked, shared_constant, bf16_operands }
+            let shared_constant = matches!(n.op, Op::Constant { .. })
+                && !graph.outputs().contains(&id)
+                && graph.users(id).iter().all(|&u| !graph.node(u).op.is_effect());
+            Step {
+                slot: id.index(),
+                op: n.op.clone(),
+                ty: n.ty.clone(),
+                scope: n.scope.clone(),
+                args,
+                arg_types,
+                target,
+                frees,
+                deferred,
+                kernel,
+                accumulator,
+                ids_checked,
+                shared_constant,
+                bf16_operands,
+            }
         })
         .collect();
     keep_for_gradients(&mut steps);
@@ -601,7 +637,9 @@ fn id_input(g: &Graph, id: cellgraph_compiler::NodeId) -> Option<IdCheck> {
     let n = g.node(id);
     let xs = g.operands(id);
     let (ids, bound, labels) = match n.op {
-        Op::SoftmaxCrossEntropy { sparse: true, .. } | Op::SoftmaxCrossEntropyGrad { sparse: true, .. } => (*xs.get(1)?, *g.ty(xs[0]).dims().get(1)?, true),
+        Op::SoftmaxCrossEntropy { sparse: true, .. } | Op::SoftmaxCrossEntropyGrad { sparse: true, .. } => {
+            (*xs.get(1)?, *g.ty(xs[0]).dims().get(1)?, true)
+        }
         Op::Gather => (*xs.get(1)?, *g.ty(xs[0]).dims().first()?, false),
         Op::ScatterAdd { rows } => (*xs.first()?, rows, false),
         _ => return None,
@@ -633,7 +671,14 @@ fn id_input(g: &Graph, id: cellgraph_compiler::NodeId) -> Option<IdCheck> {
 /// Runs a step's bound kernel: on the host kernels on a host backend, on the device's own
 /// kernels otherwise; `None` when it does not apply (a non-float operand, a dtype the kernels
 /// lack), and burn's ops run the step instead.
-fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &TensorType, cx: &Ctx<B>, kept: &mut Kept, arena: &mut Arena) -> Option<burn_backend::tensor::FloatTensor<B>> {
+fn run_bound<B: Backend>(
+    k: &Native,
+    args: &[(Value<B>, &TensorType)],
+    out: &TensorType,
+    cx: &Ctx<B>,
+    kept: &mut Kept,
+    arena: &mut Arena,
+) -> Option<burn_backend::tensor::FloatTensor<B>> {
     let (mut floats, mut ints) = (Vec::new(), Vec::new());
     for (v, _) in args {
         match v {
@@ -670,7 +715,15 @@ fn run_bound<B: Backend>(k: &Native, args: &[(Value<B>, &TensorType)], out: &Ten
 
 /// An epilogue step's head (`args`: its operands) on the head's bound kernel where the backend
 /// runs it (`native`), else on burn's ops.
-fn run_head<B: Backend>(cx: &Ctx<B>, head: &Op, step: &Step, args: Vec<(Value<B>, &TensorType)>, native: bool, kept: &mut Kept, arena: &mut Arena) -> Result<Value<B>> {
+fn run_head<B: Backend>(
+    cx: &Ctx<B>,
+    head: &Op,
+    step: &Step,
+    args: Vec<(Value<B>, &TensorType)>,
+    native: bool,
+    kept: &mut Kept,
+    arena: &mut Arena,
+) -> Result<Value<B>> {
     let bound = match &step.kernel {
         Some(Native::Epilogue { head, .. }) if native => run_bound(head, &args, &step.ty, cx, kept, arena),
         _ => None,
@@ -761,7 +814,25 @@ impl<B: Backend> Session<B> {
 
     /// An empty session on `device` making its float values as `float`.
     pub fn with_float(device: Device<B>, float: burn_backend::FloatDType) -> Self {
-        Session { device, params: BTreeMap::new(), profile: None, step_profile: None, profile_sync: false, native: true, in_place: false, tf32: false, bf16: true, kept: Kept::default(), arena: Arena::default(), slots: Vec::new(), constants: Vec::new(), float, replay: false, graphs: Graphs::default(), watch: Watch::Off }
+        Session {
+            device,
+            params: BTreeMap::new(),
+            profile: None,
+            step_profile: None,
+            profile_sync: false,
+            native: true,
+            in_place: false,
+            tf32: false,
+            bf16: true,
+            kept: Kept::default(),
+            arena: Arena::default(),
+            slots: Vec::new(),
+            constants: Vec::new(),
+            float,
+            replay: false,
+            graphs: Graphs::default(),
+            watch: Watch::Off,
+        }
     }
 
     /// The float type the session computes in.
@@ -864,7 +935,10 @@ impl<B: Backend> Session<B> {
     /// the outputs are new buffers each run.
     pub fn run_replayed(&mut self, exe: &Executable, inputs: &[HostTensor]) -> Result<Vec<Value<B>>> {
         if !self.replay || exe.collectives > 0 || B::HOST {
-            return Err(replay_error(exe, "replay is off, the plan has collectives, or the backend has no graphs (the caller runs it op by op)".into()));
+            return Err(replay_error(
+                exe,
+                "replay is off, the plan has collectives, or the backend has no graphs (the caller runs it op by op)".into(),
+            ));
         }
         // A replay runs no step on the host: the ids are checked here, before any upload.
         exe.check_inputs(inputs)?;
@@ -918,8 +992,18 @@ impl<B: Backend> Session<B> {
             .collect();
         let fixed = fixed.ok_or_else(|| replay_error(exe, "this backend cannot keep an input in a fixed buffer".into()))?;
         inputs.iter().for_each(|_| crate::value::count_upload());
-        let names = exe.steps.iter().filter_map(|st| match &st.op { Op::Parameter { name } => Some(name.clone()), _ => None }).chain(exe.writes.iter().map(|(n, _)| n.clone())).collect();
-        self.graphs.entries.insert(key.clone(), crate::replay::Entry { inputs: fixed, names, graph: None, blocker: None, tries: 0, arena: Arena::default() });
+        let names = exe
+            .steps
+            .iter()
+            .filter_map(|st| match &st.op {
+                Op::Parameter { name } => Some(name.clone()),
+                _ => None,
+            })
+            .chain(exe.writes.iter().map(|(n, _)| n.clone()))
+            .collect();
+        self.graphs
+            .entries
+            .insert(key.clone(), crate::replay::Entry { inputs: fixed, names, graph: None, blocker: None, tries: 0, arena: Arena::default() });
         self.graphs.counts.warmups += 1;
         self.watch = Watch::Probe(None);
         let outs = self.in_own_arena(&key, |s, fixed| s.run_here(exe, inputs, Some(fixed), None, &|v, _| v.clone()));
@@ -988,14 +1072,21 @@ impl<B: Backend> Session<B> {
     /// buffers its outputs land in, and the first step it could not record, if any (that
     /// graph must not be replayed). A parameter the plan writes into a new buffer is copied
     /// into its own inside the graph (see [`Self::run_here`]).
-    fn capture(&mut self, exe: &Executable, inputs: &[HostTensor], fixed: &[Value<B>]) -> Result<(burn_backend::BackendGraph<B>, Vec<Value<B>>, Option<String>)> {
+    fn capture(
+        &mut self,
+        exe: &Executable,
+        inputs: &[HostTensor],
+        fixed: &[Value<B>],
+    ) -> Result<(burn_backend::BackendGraph<B>, Vec<Value<B>>, Option<String>)> {
         B::graph_start_capture(&self.device).map_err(|e| RuntimeError::Device(format!("starting the capture: {e:?}")))?;
         self.watch = Watch::Capture(None);
         let outs = self.run_here(exe, inputs, Some(fixed), None, &|v, _| v.clone());
         let Watch::Capture(why) = std::mem::replace(&mut self.watch, Watch::Off) else { unreachable!("set above") };
         let graph = B::graph_stop_capture(&self.device);
         let outs = outs?;
-        let graph = graph.map_err(|e| RuntimeError::Device(format!("capture failed (an allocation or a host copy inside the plan, outside the runtime's checks): {e:?}")))?;
+        let graph = graph.map_err(|e| {
+            RuntimeError::Device(format!("capture failed (an allocation or a host copy inside the plan, outside the runtime's checks): {e:?}"))
+        })?;
         Ok((graph, outs, why))
     }
 
@@ -1202,7 +1293,13 @@ impl<B: Backend> Session<B> {
         self.run_mapped(exe, inputs, comm, &|v, _| v.clone())
     }
 
-    fn run_mapped<T: Send>(&mut self, exe: &Executable, inputs: &[HostTensor], comm: Option<&dyn Communicator>, out: &(dyn Fn(&Value<B>, &TensorType) -> T + Sync)) -> Result<Vec<T>> {
+    fn run_mapped<T: Send>(
+        &mut self,
+        exe: &Executable,
+        inputs: &[HostTensor],
+        comm: Option<&dyn Communicator>,
+        out: &(dyn Fn(&Value<B>, &TensorType) -> T + Sync),
+    ) -> Result<Vec<T>> {
         // Collectives are called from the thread that runs the plan: MPI wants the thread
         // that initialised it, so a plan with collectives never moves to rayon's pool.
         let comm = comm.filter(|c| c.size() > 1 && exe.collectives > 0);
@@ -1214,7 +1311,14 @@ impl<B: Backend> Session<B> {
 
     /// Runs `exe` on this thread. `bound`: the inputs' device buffers (replay's), instead of
     /// uploading `inputs` (whose types are still checked).
-    fn run_here<T>(&mut self, exe: &Executable, inputs: &[HostTensor], bound: Option<&[Value<B>]>, comm: Option<&dyn Communicator>, out: &dyn Fn(&Value<B>, &TensorType) -> T) -> Result<Vec<T>> {
+    fn run_here<T>(
+        &mut self,
+        exe: &Executable,
+        inputs: &[HostTensor],
+        bound: Option<&[Value<B>]>,
+        comm: Option<&dyn Communicator>,
+        out: &dyn Fn(&Value<B>, &TensorType) -> T,
+    ) -> Result<Vec<T>> {
         exe.check_inputs(inputs)?;
         let mut slots = std::mem::take(&mut self.slots);
         slots.clear();
@@ -1254,7 +1358,16 @@ impl<B: Backend> Session<B> {
                     match self.constants.iter().find(|(k, _)| *k == key) {
                         Some((_, v)) => v.clone(),
                         None => {
-                            let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: step.op.label(), in_place: self.in_place, ids_checked: false, tf32: self.tf32, bf16: self.bf16 };
+                            let cx = Ctx {
+                                device: &self.device,
+                                settings: s,
+                                scope: &step.scope,
+                                op: step.op.label(),
+                                in_place: self.in_place,
+                                ids_checked: false,
+                                tf32: self.tf32,
+                                bf16: self.bf16,
+                            };
                             let v = eval(&cx, &step.op, Vec::new(), &step.ty)?;
                             self.constants.push((key, v.clone()));
                             v
@@ -1307,7 +1420,16 @@ impl<B: Backend> Session<B> {
                         true => step.args.iter().zip(&args).filter(|((_, moved), _)| *moved).map(|(_, (v, _))| v.clone()).collect(),
                         false => Vec::new(),
                     };
-                    let cx = Ctx { device: &self.device, settings: s, scope: &step.scope, op: op.label(), in_place: self.in_place, ids_checked: step.ids_checked, tf32: self.tf32, bf16: self.bf16 };
+                    let cx = Ctx {
+                        device: &self.device,
+                        settings: s,
+                        scope: &step.scope,
+                        op: op.label(),
+                        in_place: self.in_place,
+                        ids_checked: step.ids_checked,
+                        tf32: self.tf32,
+                        bf16: self.bf16,
+                    };
                     let t0 = self.profile.is_some().then(std::time::Instant::now);
                     let v = if takes_first && reshape {
                         let Ok([(x, ty)]) = <[_; 1]>::try_from(args) else { unreachable!("a reshape's arity is checked by the verifier") };
@@ -1380,7 +1502,8 @@ impl<B: Backend> Session<B> {
                         }
                     };
                     if t0.is_some() && self.profile_sync {
-                        B::sync(&self.device).map_err(|e| RuntimeError::Device(format!("{}: {}: waiting for the device: {e:?}", step.scope, op.label())))?;
+                        B::sync(&self.device)
+                            .map_err(|e| RuntimeError::Device(format!("{}: {}: waiting for the device: {e:?}", step.scope, op.label())))?;
                     }
                     // The step's time, taken before its kind's name is formatted.
                     let secs = since(t0);
@@ -1427,7 +1550,11 @@ impl<B: Backend> Session<B> {
                 self.arena.reclaim(old);
             }
         }
-        let outputs = exe.outputs.iter().map(|&o| out(slots[o].as_ref().expect("outputs are pinned"), exe.graph.ty(cellgraph_compiler::NodeId(o as u32)))).collect();
+        let outputs = exe
+            .outputs
+            .iter()
+            .map(|&o| out(slots[o].as_ref().expect("outputs are pinned"), exe.graph.ty(cellgraph_compiler::NodeId(o as u32))))
+            .collect();
         for v in slots.iter_mut().filter_map(Option::take) {
             self.arena.reclaim(v);
         }

@@ -9,8 +9,8 @@
 use std::sync::Arc;
 
 use cellgraph_compiler::expr::{Binary, Expr, Term, Unary};
-use cellgraph_compiler::update::{Step, Target, Update, Val};
 use cellgraph_compiler::infer::{broadcast_shapes, infer};
+use cellgraph_compiler::update::{Step, Target, Update, Val};
 use cellgraph_compiler::{window, Op, Reduction, TensorType};
 
 /// The geometry of one 2-D convolution (or pooling window) over NCHW input.
@@ -294,7 +294,15 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
             let (a, b, r) = (d(0), d(1), tys[0].rank());
             let (m, k) = if *transpose_a { (a[r - 1], a[r - 2]) } else { (a[r - 2], a[r - 1]) };
             let n = if *transpose_b { b[r - 2] } else { b[r - 1] };
-            Some(Native::BatchMatMul { batch: a[..r - 2].iter().product(), m, k, n, transpose_a: *transpose_a, transpose_b: *transpose_b, products: Products::F32 })
+            Some(Native::BatchMatMul {
+                batch: a[..r - 2].iter().product(),
+                m,
+                k,
+                n,
+                transpose_a: *transpose_a,
+                transpose_b: *transpose_b,
+                products: Products::F32,
+            })
         }
         Op::Transpose { perm } if tys[0].dtype.is_float() => Some(Native::Permute { dims: d(0).to_vec(), perm: perm.clone() }),
         Op::Pad { lo, hi } if tys[0].dtype.is_float() => Some(Native::Pad { dims: d(0).to_vec(), lo: lo.clone(), hi: hi.clone() }),
@@ -308,13 +316,23 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
             Some(Native::CausalMask { t: d(0)[r - 2], s: d(0)[r - 1], fill: *fill })
         }
         // Over the last axis (a scalar has none: `rank - 1` must not be formed for it).
-        Op::ReduceMax(r) if r.axes.len() == 1 && r.axes[0] + 1 == tys[0].rank() && d(0)[r.axes[0]] > 0 => Some(Native::MaxRows { cols: d(0)[r.axes[0]] }),
+        Op::ReduceMax(r) if r.axes.len() == 1 && r.axes[0] + 1 == tys[0].rank() && d(0)[r.axes[0]] > 0 => {
+            Some(Native::MaxRows { cols: d(0)[r.axes[0]] })
+        }
         Op::Slice { begin, end } if tys[0].dtype.is_float() => Some(Native::Slice { dims: d(0).to_vec(), begin: begin.clone(), end: end.clone() }),
         Op::MatMul { transpose_a, transpose_b } => {
             let (a, b) = (d(0), d(1));
             let (m, k) = if *transpose_a { (a[1], a[0]) } else { (a[0], a[1]) };
             let n = if *transpose_b { b[0] } else { b[1] };
-            Some(Native::MatMul { m, k, n, transpose_a: *transpose_a, transpose_b: *transpose_b, tiling: Tiling::for_extents(m, k, n), products: Products::F32 })
+            Some(Native::MatMul {
+                m,
+                k,
+                n,
+                transpose_a: *transpose_a,
+                transpose_b: *transpose_b,
+                tiling: Tiling::for_extents(m, k, n),
+                products: Products::F32,
+            })
         }
         Op::Conv2d(c) => conv(ConvKind::Forward, c, d(0), d(1)),
         Op::Conv2dBackpropInput { conv: c, input_shape } => conv(ConvKind::InputGrad, c, &input_shape.0, d(1)),
@@ -339,8 +357,12 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
             let scale = matches!(op, Op::ReduceMean(_)).then(|| 1.0 / (outer * inner) as f64);
             (kept > 0).then_some(Native::SumPlanes { outer, inner, scale })
         }
-        Op::SoftmaxCrossEntropy { sparse: true, reduction } if d(0)[1] > 0 => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: false, kept: None, seed: None }),
-        Op::SoftmaxCrossEntropyGrad { sparse: true, reduction } if d(0)[1] > 0 => Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: true, kept: None, seed: None }),
+        Op::SoftmaxCrossEntropy { sparse: true, reduction } if d(0)[1] > 0 => {
+            Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: false, kept: None, seed: None })
+        }
+        Op::SoftmaxCrossEntropyGrad { sparse: true, reduction } if d(0)[1] > 0 => {
+            Some(Native::SoftmaxCrossEntropy { c: d(0)[1], reduction: *reduction, grad: true, kept: None, seed: None })
+        }
         Op::Epilogue { head, expr } => {
             let (hs, rest) = tys.split_at(head.arity().min());
             let y = infer(head, hs).ok()?;

@@ -30,14 +30,14 @@ pub mod model;
 pub mod replay;
 pub mod value;
 
-pub use error::{Result, RuntimeError};
+pub use accumulate::{Accumulator, Counters, LoadReport, StepOutcome};
+pub use backend::Backend;
 /// burn's backend API, for code generic over [`Backend`] (`Device<B>`, tensor primitives).
 pub use burn_backend;
-pub use accumulate::{Accumulator, Counters, LoadReport, StepOutcome};
 pub use callback::{Callback, CheckpointConfig, LossLog, LossMonitor, ModelCheckpoint, ProgressBar, RunContext, TimeMonitor};
-pub use exec::{Bf16Products, compile, compile_unfused, compile_with, compile_with_options, DumpAt, Executable, Session};
 pub use cellgraph_compiler::passes::pipeline::PipelineOptions;
-pub use backend::Backend;
+pub use error::{Result, RuntimeError};
+pub use exec::{compile, compile_unfused, compile_with, compile_with_options, Bf16Products, DumpAt, Executable, Session};
 pub use host::join_thread_pool;
 pub use model::{Dataset, Metric, Model, Position, TensorDataset};
 pub use value::Value;

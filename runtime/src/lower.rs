@@ -12,8 +12,8 @@ use cellgraph_compiler::infer::infer;
 use cellgraph_compiler::window::{self, Window};
 use cellgraph_compiler::{DType, HostData, Op, PadMode, Pool2dAttrs, ReduceAttrs, Reduction, TensorType};
 
-use crate::error::{Result, RuntimeError};
 use crate::backend::{bshape, Backend, HostVec};
+use crate::error::{Result, RuntimeError};
 use crate::host::Arena;
 use crate::kernel::Native;
 use crate::value::Value;
@@ -146,8 +146,17 @@ fn split_heads<B: Backend>(qkv: FloatTensor<B>, ty: &TensorType, heads: usize) -
 /// matmul where it has one (a device's cubek exact-f32 kernels, TF32 only under the session's
 /// opt-in: burn's matmul would take TF32 tensor cores), else burn's.
 #[allow(clippy::too_many_arguments)]
-fn heads_matmul<B: Backend>(cx: &Ctx<B>, qkv: &TensorType, heads: usize, a: FloatTensor<B>, b: FloatTensor<B>, [ta, tb]: [bool; 2], [m, k, n]: [usize; 3]) -> FloatTensor<B> {
-    let native = Native::BatchMatMul { batch: qkv.dims()[0] * heads, m, k, n, transpose_a: ta, transpose_b: tb, products: crate::kernel::Products::F32 };
+fn heads_matmul<B: Backend>(
+    cx: &Ctx<B>,
+    qkv: &TensorType,
+    heads: usize,
+    a: FloatTensor<B>,
+    b: FloatTensor<B>,
+    [ta, tb]: [bool; 2],
+    [m, k, n]: [usize; 3],
+) -> FloatTensor<B> {
+    let native =
+        Native::BatchMatMul { batch: qkv.dims()[0] * heads, m, k, n, transpose_a: ta, transpose_b: tb, products: crate::kernel::Products::F32 };
     let out = qkv.with_shape(vec![qkv.dims()[0], heads, m, n]);
     if let Some(y) = B::device_kernel(&native, &[&a, &b], &[], &out, cx.tf32, &mut Arena::default()) {
         return y;
@@ -288,9 +297,10 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
         Op::Parameter { .. } | Op::Input { .. } => return cx.unsupported("leaves are bound by the executor"),
         Op::Constant { value } => match out.dtype {
             DType::F32 | DType::F16 | DType::BF16 => Value::Float(cx.full(od, *value)),
-            DType::I32 | DType::I64 => {
-                Value::Int(B::int_from_data(TensorData::new(vec![*value as i64; out.numel()], bshape(od)).convert_dtype(cx.settings.int_dtype.into()), cx.device))
-            }
+            DType::I32 | DType::I64 => Value::Int(B::int_from_data(
+                TensorData::new(vec![*value as i64; out.numel()], bshape(od)).convert_dtype(cx.settings.int_dtype.into()),
+                cx.device,
+            )),
             DType::Bool => Value::Bool(B::bool_from_data(TensorData::new(vec![*value != 0.0; out.numel()], bshape(od)), cx.device)),
         },
         Op::Add => binary(cx, next(), next(), B::float_add)?,
@@ -511,7 +521,11 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
         Op::MaxPool2d(p) => {
             let win = pool_window(cx, tys[0], p)?;
             let x = cx.float(next())?;
-            let (x, pad) = if win.is_symmetric() { (x, [win.pad[0], win.pad[2]]) } else { (pad_spatial(cx, x, tys[0].dims(), &win, f64::NEG_INFINITY).0, [0, 0]) };
+            let (x, pad) = if win.is_symmetric() {
+                (x, [win.pad[0], win.pad[2]])
+            } else {
+                (pad_spatial(cx, x, tys[0].dims(), &win, f64::NEG_INFINITY).0, [0, 0])
+            };
             Value::Float(B::max_pool2d(x, p.kernel, p.stride, pad, [1, 1], false))
         }
         Op::MaxPool2dGrad(p) => {
@@ -591,7 +605,13 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
 
 /// An epilogue's program on burn's ops, over the head's result `y` and the operands after the
 /// head's (`rest`).
-pub fn epilogue_program<B: Backend>(cx: &Ctx<B>, y: Value<B>, expr: &cellgraph_compiler::expr::Expr, rest: Vec<(Value<B>, &TensorType)>, out: &TensorType) -> Result<Value<B>> {
+pub fn epilogue_program<B: Backend>(
+    cx: &Ctx<B>,
+    y: Value<B>,
+    expr: &cellgraph_compiler::expr::Expr,
+    rest: Vec<(Value<B>, &TensorType)>,
+    out: &TensorType,
+) -> Result<Value<B>> {
     let args = std::iter::once((y, out)).chain(rest).collect();
     eval(cx, &Op::Fused { expr: expr.clone() }, args, out)
 }

@@ -13,8 +13,8 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Instant;
 
-use burn_backend::tensor::Device;
 use crate::Backend;
+use burn_backend::tensor::Device;
 use cellgraph_cells::{AutoParallel, Cell, GradAccumulation, Optimizer};
 use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
@@ -158,7 +158,13 @@ impl<B: Backend> Model<B> {
     /// A model training data-parallel over `comm` (MindSpore's `init()` + `AutoParallel(net)`):
     /// every rank runs this with its shard of the data. The ranks check at once that they
     /// agree on the configuration and the initial parameters.
-    pub fn parallel(network: AutoParallel, optimizer: impl Optimizer + 'static, device: Device<B>, seed: u64, comm: Arc<dyn Communicator>) -> Result<Self> {
+    pub fn parallel(
+        network: AutoParallel,
+        optimizer: impl Optimizer + 'static,
+        device: Device<B>,
+        seed: u64,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self> {
         let AutoParallel { network, hsdp, gradients_mean } = network;
         let mut model = Self::new(network, optimizer, device, seed)?;
         model.acc.set_parallel(comm, gradients_mean, hsdp)?;
@@ -201,7 +207,10 @@ impl<B: Backend> Model<B> {
     /// Trains until `epochs` epochs are complete (resuming from the current position).
     pub fn train(&mut self, epochs: usize, dataset: &dyn Dataset, callbacks: &mut [&mut dyn Callback<B>]) -> Result<()> {
         if epochs == 0 {
-            return Err(RuntimeError::Invalid { what: "Model::train".into(), detail: "epoch must be at least 1, got 0 (MindSpore's check_positive_int)".into() });
+            return Err(RuntimeError::Invalid {
+                what: "Model::train".into(),
+                detail: "epoch must be at least 1, got 0 (MindSpore's check_positive_int)".into(),
+            });
         }
         let steps_per_epoch = dataset.dataset_size();
         self.acc.set_input_names(&dataset.column_names());
@@ -283,7 +292,9 @@ impl<B: Backend> Model<B> {
         let wanted = dataset.batch_size();
         let fail = |detail: String| Err(RuntimeError::Invalid { what: format!("{rank}{}", dataset.describe()), detail });
         if sizes.is_empty() || sizes.iter().all(|&b| b == 0) {
-            return fail(format!("gives no batch per epoch (batch size {wanted}): it has fewer items than one batch, or none; use a smaller batch size or more data"));
+            return fail(format!(
+                "gives no batch per epoch (batch size {wanted}): it has fewer items than one batch, or none; use a smaller batch size or more data"
+            ));
         }
         if sizes.len() == 1 && sizes[0] < wanted {
             return fail(format!("holds {} items, fewer than one batch of {wanted}; use a batch size of at most {}", sizes[0], sizes[0]));
@@ -330,10 +341,15 @@ impl<B: Backend> Model<B> {
         let mut all = vec![0u8; bytes.len() * comm.size()];
         comm.all_gather_bytes(&bytes, &mut all);
         let least: Vec<usize> = (0..mine.len())
-            .map(|k| all.chunks(bytes.len()).map(|r| u64::from_le_bytes(r[8 * k..8 * k + 8].try_into().expect("8 bytes"))).min().unwrap_or(1) as usize)
+            .map(|k| {
+                all.chunks(bytes.len()).map(|r| u64::from_le_bytes(r[8 * k..8 * k + 8].try_into().expect("8 bytes"))).min().unwrap_or(1) as usize
+            })
             .collect();
         let mut at = least.into_iter();
-        let traced: Vec<TensorType> = first.iter().map(|t| TensorType::new(t.ty().dtype, cellgraph_compiler::Shape(t.shape.iter().map(|_| at.next().unwrap_or(1)).collect()))).collect();
+        let traced: Vec<TensorType> = first
+            .iter()
+            .map(|t| TensorType::new(t.ty().dtype, cellgraph_compiler::Shape(t.shape.iter().map(|_| at.next().unwrap_or(1)).collect())))
+            .collect();
         let inputs = self.acc.named_inputs(&self.acc.network_inputs(&traced));
         let (_, micro) = self.acc.network().traced_micro_step(&inputs)?;
         crate::comm::agree(comm.as_ref(), "network (its micro-step graph)", cellgraph_compiler::print(&micro).as_bytes())
@@ -345,7 +361,8 @@ impl<B: Backend> Model<B> {
         if dataset.dataset_size() == 0 {
             return Err(RuntimeError::Invalid {
                 what: dataset.describe(),
-                detail: "has no batch to evaluate (no items, or fewer than one batch with drop_remainder); an accuracy over nothing is not a number".into(),
+                detail: "has no batch to evaluate (no items, or fewer than one batch with drop_remainder); an accuracy over nothing is not a number"
+                    .into(),
             });
         }
         let (accuracy, loss) = (self.metrics.contains(&Metric::Accuracy), self.metrics.contains(&Metric::Loss));
@@ -440,7 +457,9 @@ impl<B: Backend> Model<B> {
     pub fn load_checkpoint_with(&mut self, path: &Path, strict: bool) -> Result<crate::LoadReport> {
         let (tensors, _) = checkpoint::load(path)?;
         self.restore_with(&tensors, strict).map_err(|e| match e {
-            RuntimeError::Invalid { what, detail } if what == "checkpoint" => RuntimeError::Invalid { what: format!("checkpoint {}", path.display()), detail },
+            RuntimeError::Invalid { what, detail } if what == "checkpoint" => {
+                RuntimeError::Invalid { what: format!("checkpoint {}", path.display()), detail }
+            }
             e => e,
         })
     }

@@ -101,12 +101,17 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
     if args.train && rank == 0 {
         cellgraph::runtime::checkpoint::check_writable(&args.ckpt)?;
     }
-    let train_dataset = Cifar10Dataset::new(data(&args, "train", rank)?).augment(args.seed).shuffle(args.seed).batch(args.batch_size, true)?.shard(size, rank)?;
+    let train_dataset =
+        Cifar10Dataset::new(data(&args, "train", rank)?).augment(args.seed).shuffle(args.seed).batch(args.batch_size, true)?.shard(size, rank)?;
     train_dataset.check_batches()?;
     let (sync, window) = (args.sync_bn, args.window_statistics);
     let model = ResNet18::with_norm(&Scope::root(), 10, &|bn| {
         let bn = if sync { bn.sync()? } else { bn };
-        if window { bn.window_statistics() } else { Ok(bn) }
+        if window {
+            bn.window_statistics()
+        } else {
+            Ok(bn)
+        }
     })?;
     let criterion = CrossEntropyLoss::new();
     let optimizer = SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(0.1) };
@@ -153,9 +158,19 @@ fn collectives(c: cellgraph::runtime::accumulate::Counters) -> String {
     }
 }
 
-fn train(args: &Args, net: GradAccumulation, optimizer: SGD, ds: &Cifar10Dataset, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error::Error>> {
+fn train(
+    args: &Args,
+    net: GradAccumulation,
+    optimizer: SGD,
+    ds: &Cifar10Dataset,
+    comm: Arc<dyn Communicator>,
+) -> Result<(), Box<dyn std::error::Error>> {
     let (rank, size) = (comm.rank(), comm.size());
-    let mut model = if size > 1 { Model::<Cpu>::parallel(AutoParallel::new(net), optimizer, cpu(), args.seed, comm.clone())? } else { Model::<Cpu>::new(net, optimizer, cpu(), args.seed)? };
+    let mut model = if size > 1 {
+        Model::<Cpu>::parallel(AutoParallel::new(net), optimizer, cpu(), args.seed, comm.clone())?
+    } else {
+        Model::<Cpu>::new(net, optimizer, cpu(), args.seed)?
+    };
     model.accumulator_mut().session.set_profiling(args.profile);
     // MindSpore's save_graphs: CELLGRAPH_SAVE_GRAPHS=1..3, CELLGRAPH_SAVE_GRAPHS_PATH=dir.
     if let Some(opts) = cellgraph::compiler::dump::DumpOptions::from_env()? {

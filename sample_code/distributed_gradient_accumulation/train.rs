@@ -28,11 +28,11 @@ use clap::Parser;
 
 use cellgraph::cells::AutoParallel;
 use cellgraph::prelude::*;
+use cellgraph::runtime::burn_backend::tensor::Device;
 use cellgraph::runtime::comm::{self, Communicator};
+use cellgraph::runtime::data::{create_dataset, Cifar10, Cifar10Dataset, ImageOp, MnistDataset};
 use cellgraph::runtime::device::{self, OnDevice};
 use cellgraph::runtime::Backend;
-use cellgraph::runtime::burn_backend::tensor::Device;
-use cellgraph::runtime::data::{create_dataset, Cifar10, Cifar10Dataset, ImageOp, MnistDataset};
 
 #[derive(Parser)]
 #[command(about = "cellgraph distributed gradient accumulation (MindSpore seed 002): run under mpirun", allow_negative_numbers = true)]
@@ -218,7 +218,12 @@ fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>
         let images = ds.batch_sizes().iter().sum::<usize>() * args.epochs * size;
         let elements: usize = trained.iter().map(|p| p.ty.numel()).sum();
         let c = acc.counters();
-        println!("ranks: {size}, updates: {}, gradient collectives: {}, fused optimizer launches: {}", acc.updates(), c.grad_collectives, c.fused_launches);
+        println!(
+            "ranks: {size}, updates: {}, gradient collectives: {}, fused optimizer launches: {}",
+            acc.updates(),
+            c.grad_collectives,
+            c.fused_launches
+        );
         if c.step_collectives > 0 {
             println!("batch-norm collectives: {} (SyncBatchNorm)", c.step_collectives);
         }
@@ -264,15 +269,13 @@ fn main() {
     }));
     let result: Result<(), Box<dyn std::error::Error>> = match log {
         Err(e) => Err(format!("cannot write the worker log {}: {e} (pass --log-dir a writable directory)", log_path.display()).into()),
-        Ok(log) => device::choose(&args.device, device::local_rank())
-            .map_err(Into::into)
-            .and_then(|(spec, msg)| {
-                if comm.rank() == 0 {
-                    println!("{msg}");
-                }
-                let file = log.try_clone().map_err(|e| format!("{}: {e}", log_path.display()))?;
-                device::dispatch(spec, Train(&args, comm.clone(), file)).map_err(Box::<dyn std::error::Error>::from)?
-            }),
+        Ok(log) => device::choose(&args.device, device::local_rank()).map_err(Into::into).and_then(|(spec, msg)| {
+            if comm.rank() == 0 {
+                println!("{msg}");
+            }
+            let file = log.try_clone().map_err(|e| format!("{}: {e}", log_path.display()))?;
+            device::dispatch(spec, Train(&args, comm.clone(), file)).map_err(Box::<dyn std::error::Error>::from)?
+        }),
     };
     if let Err(e) = result {
         let line = format!("rank {}: error: {e}", comm.rank());

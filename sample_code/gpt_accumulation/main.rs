@@ -152,10 +152,20 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
         .take_batches(args.steps);
     train.check_batches()?;
     // Validation: the same held-out windows (or lines) on every rank, in order.
-    let val = CharDataset::new(corpus.clone(), val_part.clone(), kind, args.context, "Shakespeare held-out")?.batch(args.eval_items.min(64).max(1), false)?.take_batches(args.eval_items.div_ceil(64));
+    let val = CharDataset::new(corpus.clone(), val_part.clone(), kind, args.context, "Shakespeare held-out")?
+        .batch(args.eval_items.min(64).max(1), false)?
+        .take_batches(args.eval_items.div_ceil(64));
     val.check_batches()?;
 
-    let config = GptConfig { vocab_size: corpus.vocab_size(), context: args.context, layers: args.layers, heads: args.heads, width: args.width, layer_norm_eps: 1e-5, dropout: args.dropout };
+    let config = GptConfig {
+        vocab_size: corpus.vocab_size(),
+        context: args.context,
+        layers: args.layers,
+        heads: args.heads,
+        width: args.width,
+        layer_norm_eps: 1e-5,
+        dropout: args.dropout,
+    };
     let gpt = GPT::new(&Scope::root(), config)?;
     let loss = CrossEntropyLoss::new().ignore_index(IGNORE_INDEX as i64).tokens();
     let mut net = GradAccumulation::new(WithLossCell::new(gpt, loss), args.micro_size).normalization(Normalization::Tokens).clip_global_norm(1.0);
@@ -172,9 +182,16 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
         }
     };
     let total = (args.epochs * args.steps) as u64;
-    let schedule = LearningRate::Warmup { warmup: args.warmup, then: Box::new(LearningRate::Cosine { base: args.lr, min: args.lr / 10.0, total: total.saturating_sub(args.warmup).max(1) }) };
+    let schedule = LearningRate::Warmup {
+        warmup: args.warmup,
+        then: Box::new(LearningRate::Cosine { base: args.lr, min: args.lr / 10.0, total: total.saturating_sub(args.warmup).max(1) }),
+    };
     let optimizer = Adam { beta2: 0.99, ..Adam::adamw(schedule, args.weight_decay) };
-    let mut model = if size > 1 { Model::<Cpu>::parallel(AutoParallel::new(net), optimizer, cpu(), args.seed, comm.clone())? } else { Model::<Cpu>::new(net, optimizer, cpu(), args.seed)? };
+    let mut model = if size > 1 {
+        Model::<Cpu>::parallel(AutoParallel::new(net), optimizer, cpu(), args.seed, comm.clone())?
+    } else {
+        Model::<Cpu>::new(net, optimizer, cpu(), args.seed)?
+    };
     model = model.with_metrics(&[Metric::Loss]);
     model.accumulator_mut().session.set_profiling(args.profile);
     model.accumulator_mut().session.set_bf16_products(!args.f32_products);
@@ -190,7 +207,11 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
     if rank == 0 {
         println!(
             "GPT: {} layers, {} heads, width {}, context {}, {} characters, {params} parameters",
-            args.layers, args.heads, args.width, args.context, corpus.vocab_size()
+            args.layers,
+            args.heads,
+            args.width,
+            args.context,
+            corpus.vocab_size()
         );
         println!("{}; {} updates per epoch of {} micro-batches", train.describe(), args.steps, args.micro_size);
         println!("{}; unigram baseline {baseline:.3} nats/char", val.describe());
@@ -210,7 +231,12 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
     let snapshot = model.snapshot();
     if rank == 0 {
         let c = model.accumulator().counters();
-        println!("ranks: {size}, updates: {}, gradient collectives: {}, skipped: {}", model.accumulator().updates(), c.grad_collectives, c.skipped_updates);
+        println!(
+            "ranks: {size}, updates: {}, gradient collectives: {}, skipped: {}",
+            model.accumulator().updates(),
+            c.grad_collectives,
+            c.skipped_updates
+        );
         if let Some(s) = model.accumulator().loss_scale() {
             println!("loss scale: {s}");
         }

@@ -163,7 +163,9 @@ fn compare(acc: GradAccumulation, sizes: &[usize], updates: usize, loss_factor: 
 fn micro_batches_equal_the_concatenated_batch_for_both_flavours_and_all_normalisations() {
     let (k, b) = (4, 8);
     let sizes = vec![b; k];
-    for (name, norm, factor) in [("sum", Normalization::Sum, k as f64), ("mean", Normalization::Mean, 1.0), ("items", Normalization::ItemWeighted, 1.0)] {
+    for (name, norm, factor) in
+        [("sum", Normalization::Sum, k as f64), ("mean", Normalization::Mean, 1.0), ("items", Normalization::ItemWeighted, 1.0)]
+    {
         let d = compare(GradAccumulation::new(net(), k).normalization(norm), &sizes, 20, factor);
         assert!(d <= 1e-6, "in-step {name}: relative difference {d:e}");
         let d = compare(GradAccumulation::across_steps(net(), k).normalization(norm), &sizes, 20, factor);
@@ -201,7 +203,19 @@ fn parameters_change_only_at_the_boundary_and_each_graph_runs_once_per_window() 
                 assert!(a.session.param(acc_name).unwrap().to_f32().iter().all(|&v| v == 0.0), "accumulators cleared");
             }
         }
-        assert_eq!(a.counters(), Counters { micro_steps: 4 * window, optimizer_runs: window, clear_runs: window, grad_collectives: 0, step_collectives: 0, skipped_updates: 0, fused_launches: 0, uncaptured_steps: 0 });
+        assert_eq!(
+            a.counters(),
+            Counters {
+                micro_steps: 4 * window,
+                optimizer_runs: window,
+                clear_runs: window,
+                grad_collectives: 0,
+                step_collectives: 0,
+                skipped_updates: 0,
+                fused_launches: 0,
+                uncaptured_steps: 0
+            }
+        );
     }
 }
 
@@ -219,7 +233,19 @@ fn in_step_loss_is_the_sum_of_micro_losses_and_bad_batch_sizes_are_refused() {
         .sum();
     let out = a.step(&batch).unwrap();
     assert!((out.loss - expected).abs() < 1e-5, "{} vs {expected}", out.loss);
-    assert_eq!(a.counters(), Counters { micro_steps: 4, optimizer_runs: 1, clear_runs: 1, grad_collectives: 0, step_collectives: 0, skipped_updates: 0, fused_launches: 0, uncaptured_steps: 0 });
+    assert_eq!(
+        a.counters(),
+        Counters {
+            micro_steps: 4,
+            optimizer_runs: 1,
+            clear_runs: 1,
+            grad_collectives: 0,
+            step_collectives: 0,
+            skipped_updates: 0,
+            fused_launches: 0,
+            uncaptured_steps: 0
+        }
+    );
 
     let mut bad = Accumulator::<Cpu>::new(Rc::new(GradAccumulation::new(net(), 3)), momentum(), cpu(), 3).unwrap();
     let e = bad.step(&data(&mut rng, 16)).unwrap_err().to_string();
@@ -245,7 +271,19 @@ fn incomplete_last_window_steps_with_its_true_count_or_is_dropped() {
     r.step(&concat(&micro[4..]));
     let d = rel_diff(&params_of(&a.session), &params_of(&r.session));
     assert!(d <= 1e-6, "true-count last window: {d:e}");
-    assert_eq!(a.counters(), Counters { micro_steps: 6, optimizer_runs: 2, clear_runs: 2, grad_collectives: 0, step_collectives: 0, skipped_updates: 0, fused_launches: 0, uncaptured_steps: 0 });
+    assert_eq!(
+        a.counters(),
+        Counters {
+            micro_steps: 6,
+            optimizer_runs: 2,
+            clear_runs: 2,
+            grad_collectives: 0,
+            step_collectives: 0,
+            skipped_updates: 0,
+            fused_launches: 0,
+            uncaptured_steps: 0
+        }
+    );
 
     let acc = GradAccumulation::across_steps(net(), 4).normalization(Normalization::Mean).drop_incomplete_window();
     let mut a = Accumulator::<Cpu>::new(Rc::new(acc), momentum(), cpu(), 1).unwrap();
@@ -259,7 +297,19 @@ fn incomplete_last_window_steps_with_its_true_count_or_is_dropped() {
     assert!(!a.finish().unwrap());
     assert_eq!(params_of(&a.session), after_first);
     assert!(a.session.param("accu_grads.fc2.bias").unwrap().to_f32().iter().all(|&v| v == 0.0));
-    assert_eq!(a.counters(), Counters { micro_steps: 6, optimizer_runs: 1, clear_runs: 2, grad_collectives: 0, step_collectives: 0, skipped_updates: 0, fused_launches: 0, uncaptured_steps: 0 });
+    assert_eq!(
+        a.counters(),
+        Counters {
+            micro_steps: 6,
+            optimizer_runs: 1,
+            clear_runs: 2,
+            grad_collectives: 0,
+            step_collectives: 0,
+            skipped_updates: 0,
+            fused_launches: 0,
+            uncaptured_steps: 0
+        }
+    );
 }
 
 #[test]
@@ -325,7 +375,9 @@ fn the_one_pass_host_boundary_equals_the_optimizer_and_clear_graphs_bit_for_bit(
             let net = GradAccumulation::across_steps(net(), 2).normalization(Normalization::Mean);
             let net = if clip { net.clip_global_norm(1e30) } else { net };
             let mut acc = Accumulator::<Cpu>::new(Rc::new(net), opt(), cpu(), 3).unwrap();
-            batches.iter().for_each(|b| { acc.step(b).unwrap(); });
+            batches.iter().for_each(|b| {
+                acc.step(b).unwrap();
+            });
             acc.session.params_host().into_iter().map(|(n, t)| (n, t.to_f32())).collect::<BTreeMap<_, _>>()
         };
         let (one_pass, graphs) = (run(false), run(true));

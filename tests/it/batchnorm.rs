@@ -49,7 +49,12 @@ fn batch_norm_matches_mindspore() {
     let (train, _) = trace(&bn, "train", &[("x", x_ty.clone())]).unwrap();
     let train = compile(train).unwrap();
     let y1 = s.run(&train, &[x(&x1)]).unwrap()[0].to_f32();
-    assert!(max_rel(&y1[..6], &[0.00976022332906723, 0.7799123525619507, 1.4458279609680176, 1.917378544807434, 2.130741834640503, 2.0570404529571533]) < 1e-5, "{:?}", &y1[..6]);
+    assert!(
+        max_rel(&y1[..6], &[0.00976022332906723, 0.7799123525619507, 1.4458279609680176, 1.917378544807434, 2.130741834640503, 2.0570404529571533])
+            < 1e-5,
+        "{:?}",
+        &y1[..6]
+    );
     assert!((weighted(&y1) - 5.735347880214945).abs() < 1e-4, "{}", weighted(&y1));
     s.run(&train, &[x(&x2)]).unwrap();
     let mm = s.param("bn.moving_mean").unwrap().to_f32();
@@ -79,7 +84,14 @@ fn batch_norm_matches_mindspore() {
     g.set_outputs(d.grads.clone());
     let out = s.run(&compile(g).unwrap(), &[x(&x1), x(&w)]).unwrap();
     let gx = out[0].to_f32();
-    assert!(max_rel(&gx[..6], &[-0.14654260873794556, -0.03229609504342079, 0.08089654892683029, 0.19194991886615753, 0.2997218668460846, 0.4030003547668457]) < 1e-4, "{:?}", &gx[..6]);
+    assert!(
+        max_rel(
+            &gx[..6],
+            &[-0.14654260873794556, -0.03229609504342079, 0.08089654892683029, 0.19194991886615753, 0.2997218668460846, 0.4030003547668457]
+        ) < 1e-4,
+        "{:?}",
+        &gx[..6]
+    );
     assert!((weighted(&gx) - 35.467239033455236).abs() < 1e-3, "{}", weighted(&gx));
     assert!(max_rel(&out[1].to_f32(), &[0.48539966344833374, 0.276387482881546, 0.11097285896539688]) < 1e-4, "dgamma {:?}", out[1].to_f32());
     assert!(max_rel(&out[2].to_f32(), &[13.790656089782715, -10.254898071289062, 5.166606903076172]) < 1e-5, "dbeta {:?}", out[2].to_f32());
@@ -108,7 +120,18 @@ fn resnet18_has_torchvisions_architecture() {
     let trainable: usize = net.trainable_params().iter().map(|p| p.ty.numel()).sum();
     assert_eq!(trainable, 11_181_642);
     let names: Vec<String> = net.parameters().iter().map(|p| p.name.clone()).collect();
-    for n in ["conv1.weight", "bn1.gamma", "bn1.moving_variance", "layer1.0.conv1.weight", "layer1.1.bn2.beta", "layer2.0.downsample.0.weight", "layer2.0.downsample.1.moving_mean", "layer4.1.conv2.weight", "fc.weight", "fc.bias"] {
+    for n in [
+        "conv1.weight",
+        "bn1.gamma",
+        "bn1.moving_variance",
+        "layer1.0.conv1.weight",
+        "layer1.1.bn2.beta",
+        "layer2.0.downsample.0.weight",
+        "layer2.0.downsample.1.moving_mean",
+        "layer4.1.conv2.weight",
+        "fc.weight",
+        "fc.bias",
+    ] {
         assert!(names.iter().any(|m| m == n), "{n} missing from {names:?}");
     }
     assert!(!names.iter().any(|m| m.starts_with("layer1.0.downsample")), "layer1 keeps its width and stride");
@@ -133,7 +156,11 @@ impl BnNet {
     pub(crate) fn new(ghost: Option<usize>) -> Self {
         let s = Scope::root();
         let bn = BatchNorm2d::new(&s.child("bn"), 4);
-        BnNet { conv: Conv2d::new(&s.child("conv"), 3, 4, 3), bn: ghost.map_or(bn.clone(), |g| bn.ghost_batch(g).unwrap()), fc: Dense::new(&s.child("fc"), 4, 10) }
+        BnNet {
+            conv: Conv2d::new(&s.child("conv"), 3, 4, 3),
+            bn: ghost.map_or(bn.clone(), |g| bn.ghost_batch(g).unwrap()),
+            fc: Dense::new(&s.child("fc"), 4, 10),
+        }
     }
 
     /// With the moving statistics updated once per window.
@@ -180,7 +207,10 @@ impl BlockNet {
 
     pub(crate) fn with_norm(norm: cellgraph::cells::zoo::NormOption) -> Self {
         let s = Scope::root();
-        BlockNet { block: cellgraph::cells::zoo::BasicBlock::with_norm(&s.child("block"), 3, 4, 2, norm).unwrap(), fc: Dense::new(&s.child("fc"), 4, 10) }
+        BlockNet {
+            block: cellgraph::cells::zoo::BasicBlock::with_norm(&s.child("block"), 3, 4, 2, norm).unwrap(),
+            fc: Dense::new(&s.child("fc"), 4, 10),
+        }
     }
 }
 
@@ -270,7 +300,10 @@ fn moving_statistics_update_per_micro_step_and_never_by_the_optimizer() {
         let mm: Vec<f64> = acc.session.param("bn.moving_mean").unwrap().to_f64();
         assert!(mm.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5 * b.abs().max(1e-3)), "after micro-step {i}: {mm:?} vs {want:?}");
     }
-    assert!(!acc.session.param_names().iter().any(|n| n.contains("moving_mean") && n != "bn.moving_mean"), "no accumulator or optimizer state for the statistics");
+    assert!(
+        !acc.session.param_names().iter().any(|n| n.contains("moving_mean") && n != "bn.moving_mean"),
+        "no accumulator or optimizer state for the statistics"
+    );
 }
 
 /// A checkpoint taken mid-window keeps the moving statistics, and resumes bit-identically.
@@ -311,18 +344,28 @@ fn a_mid_window_checkpoint_keeps_the_moving_statistics_and_resumes_bit_identical
 /// averaged, Momentum(0.1, 0.9)) for one epoch on rows `r*k*b..(r+1)*k*b` of every global
 /// batch, sliced into K micro-batches of b: each rank's parameters (all of `net()`'s, moving
 /// statistics included) and run counters.
-fn train_ranks(w: usize, k: usize, b: usize, global: &[Vec<HostTensor>], net: impl Fn() -> BnNet + Send + Copy + 'static) -> Vec<(std::collections::BTreeMap<String, Vec<f32>>, cellgraph::runtime::Counters)> {
+fn train_ranks(
+    w: usize,
+    k: usize,
+    b: usize,
+    global: &[Vec<HostTensor>],
+    net: impl Fn() -> BnNet + Send + Copy + 'static,
+) -> Vec<(std::collections::BTreeMap<String, Vec<f32>>, cellgraph::runtime::Counters)> {
     use cellgraph::runtime::comm::{Communicator, LocalGroup};
     use std::sync::Arc;
     let handles: Vec<_> = LocalGroup::new(w)
         .into_iter()
         .enumerate()
         .map(|(r, c)| {
-            let mine: Vec<Vec<HostTensor>> = global.iter().map(|g| g.iter().map(|t| cellgraph::runtime::accumulate::slice_rows(t, r * k * b, (r + 1) * k * b)).collect()).collect();
+            let mine: Vec<Vec<HostTensor>> = global
+                .iter()
+                .map(|g| g.iter().map(|t| cellgraph::runtime::accumulate::slice_rows(t, r * k * b, (r + 1) * k * b)).collect())
+                .collect();
             std::thread::spawn(move || {
                 let comm: Arc<dyn Communicator> = Arc::new(c);
                 let accumulate = GradAccumulation::new(WithLossCell::new(net(), CrossEntropyLoss::new()), k).normalization(Normalization::Mean);
-                let mut m = Model::<Cpu>::parallel(AutoParallel::new(accumulate).enable_gradients_mean(), Momentum::new(0.1, 0.9), cpu(), 1, comm).unwrap();
+                let mut m =
+                    Model::<Cpu>::parallel(AutoParallel::new(accumulate).enable_gradients_mean(), Momentum::new(0.1, 0.9), cpu(), 1, comm).unwrap();
                 m.train(1, &TensorDataset { columns: crate::accumulation::concat(&mine), batch_size: k * b }, &mut []).unwrap();
                 (params_of(m.accumulator(), &net()), m.accumulator().counters())
             })
@@ -347,10 +390,16 @@ fn ranks_with_batch_norm_equal_one_process_on_the_gathered_batches() {
             let net = GradAccumulation::new(with_loss(), k * w).normalization(Normalization::Mean);
             let mut m = Model::<Cpu>::new(net, Momentum::new(0.1, 0.9), cpu(), 1).unwrap();
             m.train(1, &TensorDataset { columns: crate::accumulation::concat(&global), batch_size: w * k * b }, &mut []).unwrap();
-            BnNet::new(None).parameters().iter().map(|p| (p.name.clone(), m.accumulator().session.param(&p.name).unwrap().to_f32())).collect::<std::collections::BTreeMap<_, _>>()
+            BnNet::new(None)
+                .parameters()
+                .iter()
+                .map(|p| (p.name.clone(), m.accumulator().session.param(&p.name).unwrap().to_f32()))
+                .collect::<std::collections::BTreeMap<_, _>>()
         };
         let ranks: Vec<_> = train_ranks(w, k, b, &global, || BnNet::new(None)).into_iter().map(|(p, _)| p).collect();
-        let pick = |m: &std::collections::BTreeMap<String, Vec<f32>>| m.iter().filter(|(n, _)| trainable.contains(n)).map(|(n, v)| (n.clone(), v.clone())).collect::<std::collections::BTreeMap<_, _>>();
+        let pick = |m: &std::collections::BTreeMap<String, Vec<f32>>| {
+            m.iter().filter(|(n, _)| trainable.contains(n)).map(|(n, v)| (n.clone(), v.clone())).collect::<std::collections::BTreeMap<_, _>>()
+        };
         for (r, p) in ranks.iter().enumerate() {
             let d = rel_diff(&pick(p), &pick(&single));
             assert!(d < 1e-6, "W={w} rank {r}: {d:e} relative");
@@ -386,7 +435,9 @@ fn window_statistics_update_the_moving_statistics_once_per_window() {
         // The conv outputs of the whole window, with the window's (fixed) weights.
         let ys: Vec<Vec<f64>> = window.iter().map(|m| acc.session.run(&conv_exe, &m[..1]).unwrap()[0].to_f64()).collect();
         let per = ys[0].len() / b / 4;
-        let channel = |c: usize| -> Vec<f64> { ys.iter().flat_map(|y| (0..b).flat_map(move |n| y[(n * 4 + c) * per..(n * 4 + c + 1) * per].iter().copied())).collect() };
+        let channel = |c: usize| -> Vec<f64> {
+            ys.iter().flat_map(|y| (0..b).flat_map(move |n| y[(n * 4 + c) * per..(n * 4 + c + 1) * per].iter().copied())).collect()
+        };
         for (i, m) in window.iter().enumerate() {
             let applied = acc.step(m).unwrap().applied;
             plain.step(m).unwrap();
@@ -452,7 +503,10 @@ fn sync_batch_norm_on_w_ranks_equals_one_process_on_the_joined_micro_batches() {
         let joined: Vec<Vec<HostTensor>> = global
             .iter()
             .map(|g| {
-                let parts: Vec<Vec<HostTensor>> = (0..k).flat_map(|j| (0..w).map(move |r| (r * k + j) * b)).map(|at| g.iter().map(|t| cellgraph::runtime::accumulate::slice_rows(t, at, at + b)).collect()).collect();
+                let parts: Vec<Vec<HostTensor>> = (0..k)
+                    .flat_map(|j| (0..w).map(move |r| (r * k + j) * b))
+                    .map(|at| g.iter().map(|t| cellgraph::runtime::accumulate::slice_rows(t, at, at + b)).collect())
+                    .collect();
                 crate::accumulation::concat(&parts)
             })
             .collect();
@@ -476,7 +530,9 @@ fn sync_batch_norm_on_w_ranks_equals_one_process_on_the_joined_micro_batches() {
     let data: Vec<Vec<HostTensor>> = (0..3).map(|_| images(&mut rng, k * b)).collect();
     let run = |net: BnNet| {
         let mut acc = Accumulator::<Cpu>::new(Rc::new(accumulate(net)), Rc::new(opt()), cpu(), 1).unwrap();
-        data.iter().for_each(|batch| { acc.step(batch).unwrap(); });
+        data.iter().for_each(|batch| {
+            acc.step(batch).unwrap();
+        });
         (all(&acc, false), acc.counters().step_collectives)
     };
     let ((synced, counted), (plain, _)) = (run(BnNet::synced(false)), run(BnNet::new(None)));

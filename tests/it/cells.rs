@@ -1,7 +1,7 @@
 //! The Cell API: MindSpore parameter names and counts, initializers, wrappers.
 
-use cellgraph::prelude::*;
 use crate::common::*;
+use cellgraph::prelude::*;
 
 fn names(c: &dyn Cell) -> Vec<String> {
     c.parameters().into_iter().map(|p| p.name).collect()
@@ -14,10 +14,7 @@ fn count(c: &dyn Cell) -> usize {
 #[test]
 fn lenet5_has_mindspore_names_shapes_and_61684_parameters() {
     let net = LeNet5::new(&Scope::root(), 10, 1);
-    assert_eq!(
-        names(&net),
-        ["conv1.weight", "conv2.weight", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]
-    );
+    assert_eq!(names(&net), ["conv1.weight", "conv2.weight", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]);
     let shapes: Vec<Vec<usize>> = net.parameters().iter().map(|p| p.ty.dims().to_vec()).collect();
     assert_eq!(shapes[0], [6, 1, 5, 5]);
     assert_eq!(shapes[2], [120, 400]);

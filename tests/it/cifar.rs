@@ -101,7 +101,10 @@ fn augmentation_is_the_same_whatever_the_sharding_and_batching() {
     // distinct, so key the tensors by the image's index in the files.
     let by_index = |ds: &Cifar10Dataset, epoch: usize| -> BTreeMap<usize, Vec<u32>> {
         let order = ds.order(epoch);
-        let rows: Vec<Vec<u32>> = ds.epoch(epoch, 0).flat_map(|b| b[0].to_f32().chunks(PIXELS).map(|c| c.iter().map(|x| x.to_bits()).collect()).collect::<Vec<_>>()).collect();
+        let rows: Vec<Vec<u32>> = ds
+            .epoch(epoch, 0)
+            .flat_map(|b| b[0].to_f32().chunks(PIXELS).map(|c| c.iter().map(|x| x.to_bits()).collect()).collect::<Vec<_>>())
+            .collect();
         order.into_iter().zip(rows).collect()
     };
     let one = Cifar10Dataset::new(source.clone()).augment(3).shuffle(11).batch(8, false).unwrap();

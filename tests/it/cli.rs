@@ -34,7 +34,10 @@ fn refused(args: &[&str], want: &str) {
     let (code, out, err) = cellgraph(args);
     assert!(code.is_some_and(|c| c != 0), "cellgraph {args:?} should fail:\n{out}\n{err}");
     assert!(err.contains("error: ") && err.contains(want), "cellgraph {args:?}: expected `{want}` in:\n{err}");
-    assert!(!err.contains("panicked") && !err.contains("Error: ") && !err.contains(" { "), "cellgraph {args:?} printed a panic or Debug output:\n{err}");
+    assert!(
+        !err.contains("panicked") && !err.contains("Error: ") && !err.contains(" { "),
+        "cellgraph {args:?} printed a panic or Debug output:\n{err}"
+    );
 }
 
 /// The first `n` digits of each split of `data/mnist`, as uncompressed IDX files in `dir`.
@@ -109,7 +112,21 @@ fn steps_stop_mid_epoch_and_resume_continues_there() {
     let (ckpt, log) = (dir.join("mlp.safetensors"), dir.join("loss.jsonl"));
     let (ckpt_s, log_s) = (ckpt.to_str().unwrap(), log.to_str().unwrap());
     // Across steps: one update every 4 of the 8 batches.
-    let base = ["train", "--net", "mlp", "--data-path", data, "--device", "cpu", "--accumulation", "across-steps", "--micro-size", "4", "--print-every", "1"];
+    let base = [
+        "train",
+        "--net",
+        "mlp",
+        "--data-path",
+        data,
+        "--device",
+        "cpu",
+        "--accumulation",
+        "across-steps",
+        "--micro-size",
+        "4",
+        "--print-every",
+        "1",
+    ];
     let out = ok(&[&base[..], &["--steps", "3", "--ckpt", ckpt_s, "--loss-log", log_s]].concat());
     assert!(out.contains("epoch: 1 step: 3, loss is ") && !out.contains("step: 4,") && out.contains("trained 3 steps, 0 optimizer updates"), "{out}");
     let out = ok(&[&base[..], &["--resume", ckpt_s, "--loss-log", log_s]].concat());
@@ -151,7 +168,8 @@ fn graphs_replay_the_micro_step_with_the_same_losses() {
 fn plot_draws_the_loss_curve_and_accuracy_as_svg() {
     let dir = tmp("plot");
     let log = dir.join("run.jsonl");
-    let mut text: String = (1..=20).map(|s| format!("{{\"epoch\": {}, \"step\": {s}, \"updates\": {s}, \"loss\": {}}}\n", 1 + s / 11, 2.3 / s as f64)).collect();
+    let mut text: String =
+        (1..=20).map(|s| format!("{{\"epoch\": {}, \"step\": {s}, \"updates\": {s}, \"loss\": {}}}\n", 1 + s / 11, 2.3 / s as f64)).collect();
     text.push_str("{\"epoch\": 1, \"updates\": 10, \"accuracy\": 0.5}\n{\"epoch\": 2, \"updates\": 20, \"accuracy\": 0.75}\n");
     std::fs::write(&log, text).unwrap();
     let svg = dir.join("loss.svg");
@@ -208,7 +226,22 @@ fn bad_arguments_are_refused_before_anything_trains() {
 #[test]
 fn help_names_every_option_and_its_default() {
     let out = ok(&["train", "--help"]);
-    for flag in ["--net", "--accumulation", "--micro-size", "--normalization", "--optimizer", "--lr", "--epochs", "--batch-size", "--device", "--ckpt", "--resume", "--loss-log", "--eval-each-epoch", "--profile"] {
+    for flag in [
+        "--net",
+        "--accumulation",
+        "--micro-size",
+        "--normalization",
+        "--optimizer",
+        "--lr",
+        "--epochs",
+        "--batch-size",
+        "--device",
+        "--ckpt",
+        "--resume",
+        "--loss-log",
+        "--eval-each-epoch",
+        "--profile",
+    ] {
         assert!(out.contains(flag), "{flag} missing from train --help:\n{out}");
     }
     assert!(out.contains("[default: lenet]") && out.contains("[default: in-step]") && out.contains("Momentum(0.01, 0.9)"), "{out}");

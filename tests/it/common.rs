@@ -84,8 +84,7 @@ pub fn golden(name: &str, actual: &str) {
         std::fs::write(&path, actual).unwrap();
         return;
     }
-    let expected = std::fs::read_to_string(&path)
-        .unwrap_or_else(|_| panic!("missing golden file {}; run with BLESS=1 to record it", path.display()));
+    let expected = std::fs::read_to_string(&path).unwrap_or_else(|_| panic!("missing golden file {}; run with BLESS=1 to record it", path.display()));
     if expected != actual {
         let diff = similar::TextDiff::from_lines(expected.as_str(), actual)
             .unified_diff()

@@ -36,7 +36,12 @@ fn with_graphs(f: impl FnOnce()) {
 #[allow(dead_code)] // used by the wgpu and cuda tests
 /// Trains `net` on `batches` (one micro-batch each) and returns every parameter, the counters'
 /// fused launches and updates. Under [`with_graphs`] a device session replays its micro-steps.
-fn train<B: Backend>(net: GradAccumulation, opt: Rc<dyn Optimizer>, device: Device<B>, batches: &[Vec<HostTensor>]) -> (BTreeMap<String, Vec<f32>>, u64, u64) {
+fn train<B: Backend>(
+    net: GradAccumulation,
+    opt: Rc<dyn Optimizer>,
+    device: Device<B>,
+    batches: &[Vec<HostTensor>],
+) -> (BTreeMap<String, Vec<f32>>, u64, u64) {
     let names: Vec<String> = net.parameters().iter().map(|p| p.name.clone()).collect();
     let mut acc = Accumulator::<B>::new(Rc::new(net), opt, device, 1).unwrap();
     if !B::HOST && GRAPHS.get() {
@@ -85,7 +90,10 @@ fn resnet18_window_matches_cpu<B: Backend>(device: Device<B>) {
         vec![HostTensor::f32(vec![n, 3, 32, 32], x).unwrap(), HostTensor::i32(vec![n], y).unwrap()]
     };
     let batches: Vec<_> = (0..2).map(|_| images(&mut rng, 8)).collect();
-    let mk = || GradAccumulation::across_steps(WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()), 2).normalization(Normalization::Mean);
+    let mk = || {
+        GradAccumulation::across_steps(WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()), 2)
+            .normalization(Normalization::Mean)
+    };
     let opt: Rc<dyn Optimizer> = Rc::new(SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(0.1) });
     let (cpu_p, _, _) = train::<Cpu>(mk(), opt.clone(), cpu(), &batches);
     let (dev_p, _, updates) = train::<B>(mk(), opt, device.clone(), &batches);
@@ -234,7 +242,8 @@ fn round_to_matches_the_host<B: Backend>(device: Device<B>) {
         for fused in [false, true] {
             let host = crate::precision::round_on::<Cpu>(&xs, dtype, fused, cpu());
             let dev = crate::precision::round_on::<B>(&xs, dtype, fused, device.clone());
-            let bad: Vec<_> = xs.iter().zip(&dev).zip(&host).filter(|((_, d), h)| d.to_bits() != h.to_bits() && !(d.is_nan() && h.is_nan())).take(3).collect();
+            let bad: Vec<_> =
+                xs.iter().zip(&dev).zip(&host).filter(|((_, d), h)| d.to_bits() != h.to_bits() && !(d.is_nan() && h.is_nan())).take(3).collect();
             assert!(bad.is_empty(), "{dtype:?} (fused: {fused}): x, device, host: {bad:?}");
         }
     }
@@ -253,7 +262,10 @@ fn f16_overflow_skips_the_window_on_the_device<B: Backend>(device: Device<B>) {
     let HostData::F32(x) = &mut batches[2][0].data else { unreachable!() };
     x[3] = f32::INFINITY;
     fn run<B2: Backend>(device: Device<B2>, batches: &[Vec<HostTensor>]) -> (BTreeMap<String, Vec<f32>>, u64, f64) {
-        let mk = || GradAccumulation::across_steps(crate::accumulation::net(), 2).precision(Precision::f16().loss_scale(Some(LossScale { init: 512.0, growth_interval: 100 })));
+        let mk = || {
+            GradAccumulation::across_steps(crate::accumulation::net(), 2)
+                .precision(Precision::f16().loss_scale(Some(LossScale { init: 512.0, growth_interval: 100 })))
+        };
         let names: Vec<String> = mk().trainable_params().iter().map(|p| p.name.clone()).collect();
         let mut a = Accumulator::<B2>::new(Rc::new(mk()), Rc::new(Momentum::new(0.1, 0.9)), device, 1).unwrap();
         batches.iter().for_each(|b| {
@@ -398,8 +410,8 @@ fn replay_captures_resnet18_and_the_gpt<B: Backend>(device: Device<B>) {
 mod wgpu {
     use super::*;
     use cellgraph::compiler::passes::grad_accumulation::{optimizer_graph, AccumulationOptions};
-    use cellgraph::runtime::cube::{Wgpu, WgpuDevice};
     use cellgraph::runtime::backend::HostVec;
+    use cellgraph::runtime::cube::{Wgpu, WgpuDevice};
     use cellgraph::runtime::kernel::UpdateKernel;
     use cellgraph::runtime::Value;
     use rand::{Rng, SeedableRng};
@@ -431,13 +443,17 @@ mod wgpu {
             ("Momentum", Rc::new(Momentum::new(0.1, 0.9))),
             ("Momentum nesterov + wd", Rc::new(Momentum { weight_decay: 0.01, use_nesterov: true, ..Momentum::new(0.1, 0.9) })),
             ("SGD", Rc::new(SGD::new(0.1))),
-            ("SGD momentum dampening nesterov wd", Rc::new(SGD { dampening: 0.1, weight_decay: 0.01, nesterov: true, ..SGD::new(0.1).momentum(0.9) })),
+            (
+                "SGD momentum dampening nesterov wd",
+                Rc::new(SGD { dampening: 0.1, weight_decay: 0.01, nesterov: true, ..SGD::new(0.1).momentum(0.9) }),
+            ),
             ("Adam", Rc::new(Adam { weight_decay: 0.01, ..Adam::new(0.01) })),
             ("AdamW", Rc::new(Adam::adamw(0.01, 0.05))),
         ];
         let n = 1000;
         for (what, opt) in rules {
-            let (prog, literals) = UpdateKernel::new(&opt.update(), opt.scalar_inputs().len()).expect("every built-in optimizer fits the boundary kernel");
+            let (prog, literals) =
+                UpdateKernel::new(&opt.update(), opt.scalar_inputs().len()).expect("every built-in optimizer fits the boundary kernel");
             let opts = AccumulationOptions { normalization: Normalization::Sum, clip_global_norm: None, precision: None };
             let (g, state) = optimizer_graph(&[("w".into(), TensorType::f32([n]))], opt.as_ref(), &opts).unwrap();
             let exe = compile(g).unwrap();
@@ -641,7 +657,8 @@ mod wgpu {
     fn a_steady_device_window_takes_every_buffer_from_the_arena() {
         let lenet = crate::common::lenet_with_loss;
         let batches = lenet_batches(4, 8, 3);
-        let mut acc = Accumulator::<Wgpu>::new(Rc::new(GradAccumulation::across_steps(lenet(), 4)), Rc::new(Momentum::new(0.01, 0.9)), dev(), 1).unwrap();
+        let mut acc =
+            Accumulator::<Wgpu>::new(Rc::new(GradAccumulation::across_steps(lenet(), 4)), Rc::new(Momentum::new(0.01, 0.9)), dev(), 1).unwrap();
         for b in &batches {
             acc.step(b).unwrap();
         }
@@ -653,7 +670,8 @@ mod wgpu {
         assert_eq!(acc.session.fresh_buffers(), warm, "buffers made in a steady window");
         let names: Vec<String> = lenet().parameters().iter().map(|p| p.name.clone()).collect();
         let dev_p: BTreeMap<String, Vec<f32>> = names.iter().map(|n| (n.clone(), acc.session.param(n).unwrap().to_f32())).collect();
-        let (cpu_p, _, _) = train::<Cpu>(GradAccumulation::across_steps(lenet(), 4), Rc::new(Momentum::new(0.01, 0.9)), cpu(), &[batches.clone(), batches].concat());
+        let (cpu_p, _, _) =
+            train::<Cpu>(GradAccumulation::across_steps(lenet(), 4), Rc::new(Momentum::new(0.01, 0.9)), cpu(), &[batches.clone(), batches].concat());
         let d = rel_diff(&dev_p, &cpu_p);
         assert!(d < 1e-5, "two windows on reused device buffers differ from the CPU by {d:e} relative");
     }
@@ -752,7 +770,10 @@ mod wgpu {
         // launch; issue 14's bar is 35); the count may only go down.
         assert!(micro[0] <= 32, "launches per LeNet5 micro-step: {}", micro[0]);
         let count = |prefix: &str| names.iter().filter(|(n, _)| n.starts_with(prefix)).map(|(_, c)| c).sum::<u64>();
-        assert!(count("SoftmaxCrossEntropy |") > 0 && count("SoftmaxCrossEntropyGrad") == 0, "the loss makes its gradient, no gradient kernel runs: {names:?}");
+        assert!(
+            count("SoftmaxCrossEntropy |") > 0 && count("SoftmaxCrossEntropyGrad") == 0,
+            "the loss makes its gradient, no gradient kernel runs: {names:?}"
+        );
         let copies: u64 = names.iter().filter(|(n, _)| n.starts_with("CopyKernel")).map(|(_, c)| c).sum();
         assert_eq!(copies, 0, "no operand is copied to make it contiguous: {names:?}");
         assert_eq!(boundary, 1, "the boundary is one fused update-and-clear kernel");
@@ -797,7 +818,10 @@ mod wgpu {
         // Per-token losses (reduced after the ignored labels are zeroed): the gradient's seed
         // is not a constant, so the loss and its gradient are two launches, on the loss
         // kernels rather than burn's ops (which the labels' device read-back check forced).
-        assert!(count("SoftmaxCrossEntropy |") == 3 && count("SoftmaxCrossEntropyGrad") == 3, "the loss and its gradient on the loss kernels: {names:?}");
+        assert!(
+            count("SoftmaxCrossEntropy |") == 3 && count("SoftmaxCrossEntropyGrad") == 3,
+            "the loss and its gradient on the loss kernels: {names:?}"
+        );
         assert_eq!(count("CopyKernel"), 0, "no operand is copied to make it contiguous: {names:?}");
         // Measured 125 for this one-layer GPT; the count may only go down.
         assert!(micro <= 125, "launches per GPT micro-step: {micro}");
@@ -847,12 +871,15 @@ mod wgpu {
                 .zip(data)
                 .map(|(c, batches)| {
                     std::thread::spawn(move || {
-                        let net = GradAccumulation::across_steps(WithLossCell::new(crate::batchnorm::BnNet::synced(false), CrossEntropyLoss::new()), 2);
+                        let net =
+                            GradAccumulation::across_steps(WithLossCell::new(crate::batchnorm::BnNet::synced(false), CrossEntropyLoss::new()), 2);
                         let names: Vec<String> = net.parameters().iter().map(|p| p.name.clone()).collect();
                         let mut acc = Accumulator::<B>::new(Rc::new(net), Rc::new(Momentum::new(0.1, 0.9)), device(), 1).unwrap();
                         let comm: Arc<dyn Communicator> = Arc::new(c);
                         acc.set_parallel(comm, true, false).unwrap();
-                        batches.iter().for_each(|b| { acc.step(b).unwrap(); });
+                        batches.iter().for_each(|b| {
+                            acc.step(b).unwrap();
+                        });
                         (names.iter().map(|n| (n.clone(), acc.session.param(n).unwrap().to_f32())).collect(), acc.counters().step_collectives)
                     })
                 })
@@ -1127,5 +1154,3 @@ fn device_choice() {
         assert!(choose("wgpu", 0).unwrap_err().to_string().contains("`wgpu` feature"));
     }
 }
-
-

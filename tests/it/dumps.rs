@@ -21,7 +21,8 @@ fn dump_lenet(level: u8, dir: &Path) -> Vec<String> {
     let net = GradAccumulation::new(lenet_with_loss(), 4);
     let mut model = Model::<Cpu>::new(net, Momentum::new(0.01, 0.9), cpu(), 1).unwrap();
     model.save_graphs(DumpOptions { level, dir: dir.to_path_buf() }).unwrap();
-    let batch = [HostTensor::f32(vec![32, 1, 32, 32], vec![0.5; 32 * 1024]).unwrap(), HostTensor::i32(vec![32], (0..32).map(|i| i % 10).collect()).unwrap()];
+    let batch =
+        [HostTensor::f32(vec![32, 1, 32, 32], vec![0.5; 32 * 1024]).unwrap(), HostTensor::i32(vec![32], (0..32).map(|i| i % 10).collect()).unwrap()];
     model.accumulator_mut().set_input_names(&["data", "label"]);
     model.accumulator_mut().step(&batch).unwrap();
     let mut names: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
@@ -86,13 +87,22 @@ fn every_dump_parses_back_and_names_accumulators_and_state() {
     assert!(fused.contains("expr=\"$0 0.9 mul $1 $2 mul add\"") && !fused.contains("constant"), "{fused}");
     let epilogues = std::fs::read_to_string(dir.join("04_fuse_epilogue_micro_step.ir")).unwrap();
     for (head, expr) in [("conv2d", "$0 relu"), ("matmul", "$0 $1 add relu"), ("matmul", "$0 $1 relu_grad"), ("max_pool2d_grad", "$0 $1 relu_grad")] {
-        assert!(epilogues.lines().any(|l| l.contains("= epilogue(") && l.contains(&format!("expr=\"{expr}\"")) && l.contains(&format!("head={head}"))), "{head} + {expr}: {epilogues}");
+        assert!(
+            epilogues.lines().any(|l| l.contains("= epilogue(") && l.contains(&format!("expr=\"{expr}\"")) && l.contains(&format!("head={head}"))),
+            "{head} + {expr}: {epilogues}"
+        );
     }
     assert!(!epilogues.contains("= relu(") && !epilogues.contains("= relu_grad(") && !epilogues.contains("= fused("), "{epilogues}");
     // Every gradient is added into its accumulator by the op producing it: the weights' by
     // their filter gradients and matmuls, the biases' by their sums over the batch.
     let last = std::fs::read_to_string(dir.join("05_fuse_accumulation_micro_step.ir")).unwrap();
-    let adds = |head: &str| last.lines().filter(|l| l.contains("= epilogue(") && l.contains("expr=\"$0 $1 add\"") && l.contains(&format!("head={head},")) && l.contains("# Gradients/")).count();
+    let adds = |head: &str| {
+        last.lines()
+            .filter(|l| {
+                l.contains("= epilogue(") && l.contains("expr=\"$0 $1 add\"") && l.contains(&format!("head={head},")) && l.contains("# Gradients/")
+            })
+            .count()
+    };
     assert_eq!((adds("conv2d_backprop_filter"), adds("matmul"), adds("reduce_sum")), (2, 3, 3), "{last}");
     assert_eq!((last.matches("= assign(").count(), last.matches("= assign_add(").count()), (8, 0), "{last}");
 }
@@ -198,7 +208,12 @@ fn inspect_lists_the_ranks_of_a_multi_rank_dump_and_names_the_known_ops() {
 
     let file = dir.join("rank_0/02_dce_micro_step.ir");
     let (ok, out) = inspect(&[file.to_str().unwrap(), "--op", "assign-add"]);
-    assert!(!ok && out.contains("--op assign-add: no such op") && out.contains("assign_add, attention, attention_grad, avg_pool2d") && out.contains("conv2d_backprop_filter"), "{out}");
+    assert!(
+        !ok && out.contains("--op assign-add: no such op")
+            && out.contains("assign_add, attention, attention_grad, avg_pool2d")
+            && out.contains("conv2d_backprop_filter"),
+        "{out}"
+    );
     let (ok, out) = inspect(&[dir.to_str().unwrap(), "--op", "conv2d"]);
     assert!(!ok && out.contains("apply to one .ir dump"), "{out}");
     let empty = tmp("no-dumps");

@@ -7,10 +7,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use cellgraph::cells::accumulate::{AutoParallel, GradAccumulation, Normalization};
+use cellgraph::prelude::Optimizer;
 use cellgraph::prelude::*;
 use cellgraph::runtime::data::{CharDataset, Corpus, Items, IGNORE_INDEX};
 use cellgraph::runtime::{Dataset, Metric};
-use cellgraph::prelude::Optimizer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -74,7 +74,8 @@ fn trained(net: GradAccumulation, batches: &[Vec<HostTensor>]) -> Model<Cpu> {
 fn token_weighted_micro_batches_equal_one_large_batch_and_the_mean_of_means_does_not() {
     let mut rng = StdRng::seed_from_u64(1);
     let batches: Vec<Vec<HostTensor>> = (0..20).map(|_| sequences(&mut rng, 8)).collect();
-    let micro: Vec<usize> = (0..4).map(|k| tokens(&[batches[0][0].clone(), cellgraph::runtime::accumulate::slice_rows(&batches[0][1], 2 * k, 2 * k + 2)])).collect();
+    let micro: Vec<usize> =
+        (0..4).map(|k| tokens(&[batches[0][0].clone(), cellgraph::runtime::accumulate::slice_rows(&batches[0][1], 2 * k, 2 * k + 2)])).collect();
     assert!(micro.iter().any(|&c| c != micro[0]), "the micro-batches must differ in tokens: {micro:?}");
     let accumulated = trained(GradAccumulation::new(counted(), 4).normalization(Normalization::Tokens), &batches);
     let large = trained(GradAccumulation::new(counted(), 1).normalization(Normalization::Tokens), &batches);
@@ -108,7 +109,8 @@ fn token_weighted_ranks_equal_one_process() {
             (params(&m), m.accumulator().counters().grad_collectives)
         });
         let gathered: Vec<Vec<HostTensor>> = steps.iter().map(|s| concat(s)).collect();
-        let mut single = Model::<Cpu>::new(GradAccumulation::new(counted(), 1).normalization(Normalization::Tokens), Momentum::new(0.1, 0.9), cpu(), 3).unwrap();
+        let mut single =
+            Model::<Cpu>::new(GradAccumulation::new(counted(), 1).normalization(Normalization::Tokens), Momentum::new(0.1, 0.9), cpu(), 3).unwrap();
         single.train(1, &TensorDataset { columns: concat(&gathered), batch_size: 4 * w }, &mut []).unwrap();
         let reference = params(&single);
         for (r, (p, collectives)) in ranks.iter().enumerate() {
@@ -185,7 +187,12 @@ fn the_validation_loss_is_the_mean_over_tokens() {
     let got = m.eval(&TensorDataset { columns: data.clone(), batch_size: 4 }).unwrap();
     // The reference: one plan on all six sequences, per-token losses summed in f64.
     let per_token = WithLossCell::new(gpt(), CrossEntropyLoss::new().reduction(Reduction::None));
-    let (g, _) = cellgraph::cells::cell::trace_inference(&per_token, "ref", &[("ids", data[0].ty()), ("labels", HostTensor::i32(vec![6, T], vec![0; 6 * T]).unwrap().ty())]).unwrap();
+    let (g, _) = cellgraph::cells::cell::trace_inference(
+        &per_token,
+        "ref",
+        &[("ids", data[0].ty()), ("labels", HostTensor::i32(vec![6, T], vec![0; 6 * T]).unwrap().ty())],
+    )
+    .unwrap();
     let exe = compile(g).unwrap();
     let labels = data[1].to_f64();
     let safe = HostTensor::i32(vec![6, T], labels.iter().map(|&l| l.max(0.0) as i32).collect()).unwrap();
@@ -264,7 +271,12 @@ fn accumulator<B: cellgraph::runtime::Backend>(net: WithLossCell, k: usize, opt:
 }
 
 /// [`accumulator`], computing in f64 when `wide`.
-fn accumulator_in<B: cellgraph::runtime::Backend>(net: WithLossCell, k: usize, opt: impl Optimizer + 'static, wide: bool) -> cellgraph::runtime::Accumulator<B> {
+fn accumulator_in<B: cellgraph::runtime::Backend>(
+    net: WithLossCell,
+    k: usize,
+    opt: impl Optimizer + 'static,
+    wide: bool,
+) -> cellgraph::runtime::Accumulator<B> {
     let net = GradAccumulation::new(net, k).normalization(Normalization::Tokens);
     let new = if wide { cellgraph::runtime::Accumulator::<B>::new_f64 } else { cellgraph::runtime::Accumulator::<B>::new };
     let mut a = new(std::rc::Rc::new(net), std::rc::Rc::new(opt), Default::default(), 3).unwrap();
@@ -299,7 +311,9 @@ fn dropout_masks_follow_items_across_micro_batches_and_ranks() {
     assert!(rel_diff(&plain, &large) > 1e-3, "dropout 0.3 changed nothing");
 
     // Two ranks: rank r takes rows 4r..4r+4 of every 8-row batch (with their item indices).
-    let halves: Vec<Vec<Vec<HostTensor>>> = (0..2).map(|r| batches.iter().map(|b| b.iter().map(|t| cellgraph::runtime::accumulate::slice_rows(t, 4 * r, 4 * r + 4)).collect()).collect()).collect();
+    let halves: Vec<Vec<Vec<HostTensor>>> = (0..2)
+        .map(|r| batches.iter().map(|b| b.iter().map(|t| cellgraph::runtime::accumulate::slice_rows(t, 4 * r, 4 * r + 4)).collect()).collect())
+        .collect();
     for keyed in [true, false] {
         let halves = halves.clone();
         let ranks = run_ranks(2, move |r, comm| {
@@ -351,7 +365,9 @@ fn dropout_drops_p_and_is_the_identity_in_inference() {
     assert_ne!(y, run(&mut s, 0, 1), "another update, another mask");
     assert_ne!(y, run(&mut s, 100, 0), "other items, other masks");
     assert_eq!(y, run(&mut s, 0, 0), "the same keys, the same mask");
-    let (g, _) = cellgraph::cells::cell::trace_inference(&dropped(), "eval", &[("ids", TensorType::i32([2, T])), ("labels", TensorType::i32([2, T]))]).unwrap();
+    let (g, _) =
+        cellgraph::cells::cell::trace_inference(&dropped(), "eval", &[("ids", TensorType::i32([2, T])), ("labels", TensorType::i32([2, T]))])
+            .unwrap();
     assert!(!print(&g).contains("dropout") && !print(&g).contains("item_index"));
 }
 
@@ -365,7 +381,9 @@ fn ranks_with_different_sequence_lengths_train_together() {
         .iter()
         .map(|&t| {
             let full = sequences(&mut rng, 8);
-            full.iter().map(|c| HostTensor::i32(vec![8, t], c.to_f64().chunks(T).flat_map(|r| r[..t].to_vec()).map(|v| v as i32).collect()).unwrap()).collect()
+            full.iter()
+                .map(|c| HostTensor::i32(vec![8, t], c.to_f64().chunks(T).flat_map(|r| r[..t].to_vec()).map(|v| v as i32).collect()).unwrap())
+                .collect()
         })
         .collect();
     let ranks = run_ranks(2, move |r, comm| {

@@ -34,12 +34,8 @@ fn build(case: &Case) -> (Graph, Vec<NodeId>, NodeId) {
         .enumerate()
         .map(|(i, s)| g.add_leaf(Op::Parameter { name: format!("x{i}") }, TensorType::f32(s.clone()), "t").unwrap())
         .collect();
-    let xs: Vec<NodeId> = case
-        .inputs
-        .iter()
-        .enumerate()
-        .map(|(i, h)| g.add_leaf(Op::Input { index: i, name: format!("in{i}") }, h.ty(), "t").unwrap())
-        .collect();
+    let xs: Vec<NodeId> =
+        case.inputs.iter().enumerate().map(|(i, h)| g.add_leaf(Op::Input { index: i, name: format!("in{i}") }, h.ty(), "t").unwrap()).collect();
     let mut e = Emit::new(&mut g, "t");
     let y = (case.body)(&mut e, &ps, &xs);
     let yt = e.ty(y);
@@ -71,7 +67,8 @@ fn bits(t: &HostTensor) -> Vec<u64> {
 /// on burn's ops: the same bits. Returns how many `fused` and `epilogue` nodes the fused plan has.
 fn fused_equals_unfused(g: &Graph, params: &[(String, HostTensor)], inputs: &[HostTensor]) -> usize {
     let (fused, plain) = (compile(g.clone()).unwrap(), compile_unfused(g.clone()).unwrap());
-    let count = |e: &Executable| e.graph().ids().into_iter().filter(|&id| matches!(e.graph().node(id).op, Op::Fused { .. } | Op::Epilogue { .. })).count();
+    let count =
+        |e: &Executable| e.graph().ids().into_iter().filter(|&id| matches!(e.graph().node(id).op, Op::Fused { .. } | Op::Epilogue { .. })).count();
     assert_eq!(count(&plain), 0, "{}: the unfused plan has fused nodes", g.name);
     for native in [true, false] {
         let (a, b) = (run_on(&fused, params, inputs, native), run_on(&plain, params, inputs, native));
@@ -135,12 +132,7 @@ fn check(case: &Case) -> usize {
         for k in picks {
             let numeric = numeric_grad(&fwd, &params, &inputs, pi, k);
             let tol = 1e-6 + 1e-5 * numeric.abs().max(a[k].abs());
-            assert!(
-                (numeric - a[k]).abs() <= tol,
-                "{}: d/dx{pi}[{k}] analytic {} vs numeric {numeric}",
-                case.name,
-                a[k]
-            );
+            assert!((numeric - a[k]).abs() <= tol, "{}: d/dx{pi}[{k}] analytic {} vs numeric {numeric}", case.name, a[k]);
         }
     }
     fused
@@ -213,19 +205,41 @@ fn cases() -> Vec<Case> {
         case!("erf", [[2, 3]], |e, p, x| e.op(Op::Erf, &[p[0]]).unwrap()),
         // Scores [batch, T = 3, S = 4]: a query sees keys up to its own position + 1.
         case!("causal_mask", [[2, 3, 4]], |e, p, x| e.op(Op::CausalMask { fill: -5.0 }, &[p[0]]).unwrap()),
-        case!("conv2d_valid", [[2, 3, 6, 6], [4, 3, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
-        case!("conv2d_same_stride2_asym", [[1, 2, 6, 6], [3, 2, 2, 2]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Same, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
-        case!("conv2d_same_odd", [[1, 2, 5, 5], [2, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Same, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
-        case!("conv2d_pad_dilation", [[1, 2, 7, 7], [2, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Pad, [1, 1, 2, 2], 2, 1)), &[p[0], p[1]]).unwrap()),
-        case!("conv2d_stride3", [[1, 1, 8, 8], [2, 1, 2, 2]], |e, p, x| e.op(Op::Conv2d(conv(3, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
-        case!("conv2d_1x1_wide_pad_fallback", [[1, 2, 4, 4], [3, 2, 1, 1]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Pad, [1, 2, 2, 1], 1, 1)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_valid", [[2, 3, 6, 6], [4, 3, 3, 3]], |e, p, x| e
+            .op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]])
+            .unwrap()),
+        case!("conv2d_same_stride2_asym", [[1, 2, 6, 6], [3, 2, 2, 2]], |e, p, x| e
+            .op(Op::Conv2d(conv(2, PadMode::Same, [0; 4], 1, 1)), &[p[0], p[1]])
+            .unwrap()),
+        case!("conv2d_same_odd", [[1, 2, 5, 5], [2, 2, 3, 3]], |e, p, x| e
+            .op(Op::Conv2d(conv(1, PadMode::Same, [0; 4], 1, 1)), &[p[0], p[1]])
+            .unwrap()),
+        case!("conv2d_pad_dilation", [[1, 2, 7, 7], [2, 2, 3, 3]], |e, p, x| e
+            .op(Op::Conv2d(conv(1, PadMode::Pad, [1, 1, 2, 2], 2, 1)), &[p[0], p[1]])
+            .unwrap()),
+        case!("conv2d_stride3", [[1, 1, 8, 8], [2, 1, 2, 2]], |e, p, x| e
+            .op(Op::Conv2d(conv(3, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]])
+            .unwrap()),
+        case!("conv2d_1x1_wide_pad_fallback", [[1, 2, 4, 4], [3, 2, 1, 1]], |e, p, x| e
+            .op(Op::Conv2d(conv(1, PadMode::Pad, [1, 2, 2, 1], 1, 1)), &[p[0], p[1]])
+            .unwrap()),
         // Taps that only ever read padding are cropped off: ResNet's layer4 (3x3 padded by 1
         // on a 1x1 map reads its centre alone; stride 2 on a 2x2 map reads a 2x2 corner).
-        case!("conv2d_3x3_pad1_on_1x1", [[2, 3, 1, 1], [4, 3, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Pad, [1; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
-        case!("conv2d_3x3_stride2_pad1_on_2x2", [[2, 3, 2, 2], [4, 3, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Pad, [1; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
-        case!("conv2d_groups", [[1, 4, 5, 5], [6, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 2)), &[p[0], p[1]]).unwrap()),
-        case!("conv2d_groups_stride2_same", [[2, 4, 7, 7], [4, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Same, [0; 4], 1, 2)), &[p[0], p[1]]).unwrap()),
-        case!("conv2d_groups_dilation_pad", [[1, 6, 6, 6], [3, 2, 2, 2]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Pad, [0, 1, 2, 0], 2, 3)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_3x3_pad1_on_1x1", [[2, 3, 1, 1], [4, 3, 3, 3]], |e, p, x| e
+            .op(Op::Conv2d(conv(1, PadMode::Pad, [1; 4], 1, 1)), &[p[0], p[1]])
+            .unwrap()),
+        case!("conv2d_3x3_stride2_pad1_on_2x2", [[2, 3, 2, 2], [4, 3, 3, 3]], |e, p, x| e
+            .op(Op::Conv2d(conv(2, PadMode::Pad, [1; 4], 1, 1)), &[p[0], p[1]])
+            .unwrap()),
+        case!("conv2d_groups", [[1, 4, 5, 5], [6, 2, 3, 3]], |e, p, x| e
+            .op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 2)), &[p[0], p[1]])
+            .unwrap()),
+        case!("conv2d_groups_stride2_same", [[2, 4, 7, 7], [4, 2, 3, 3]], |e, p, x| e
+            .op(Op::Conv2d(conv(2, PadMode::Same, [0; 4], 1, 2)), &[p[0], p[1]])
+            .unwrap()),
+        case!("conv2d_groups_dilation_pad", [[1, 6, 6, 6], [3, 2, 2, 2]], |e, p, x| e
+            .op(Op::Conv2d(conv(1, PadMode::Pad, [0, 1, 2, 0], 2, 3)), &[p[0], p[1]])
+            .unwrap()),
         case!("max_pool2d", [[2, 2, 4, 4]], |e, p, x| e.op(Op::MaxPool2d(pool(2, 2, PadMode::Valid)), &[p[0]]).unwrap()),
         case!("max_pool2d_same", [[1, 2, 5, 5]], |e, p, x| e.op(Op::MaxPool2d(pool(2, 2, PadMode::Same)), &[p[0]]).unwrap()),
         case!("max_pool2d_overlap", [[1, 1, 5, 5]], |e, p, x| e.op(Op::MaxPool2d(pool(3, 1, PadMode::Valid)), &[p[0]]).unwrap()),
@@ -272,7 +286,9 @@ fn cases() -> Vec<Case> {
         inputs: vec![HostTensor::f32(vec![4, 5], probs).unwrap()],
         body: |e, p, x| e.op(Op::SoftmaxCrossEntropy { sparse: false, reduction: Reduction::Mean }, &[p[0], x[0]]).unwrap(),
     });
-    for (name, reduction) in [("softmax_ce_sparse_mean", Reduction::Mean), ("softmax_ce_sparse_sum", Reduction::Sum), ("softmax_ce_sparse_none", Reduction::None)] {
+    for (name, reduction) in
+        [("softmax_ce_sparse_mean", Reduction::Mean), ("softmax_ce_sparse_sum", Reduction::Sum), ("softmax_ce_sparse_none", Reduction::None)]
+    {
         v.push(Case {
             name,
             params: vec![vec![4, 5]],
@@ -341,7 +357,11 @@ fn round_to_passes_the_gradient_through() {
     let out = run_loss(&compile(g).unwrap(), &[("x".into(), HostTensor::new(vec![3], HostData::F64(xs)).unwrap())], &[]);
     let rounded = [1.0, -3.0, 0.10009765625];
     assert_eq!(out[0].scalar(), rounded.iter().map(|v| v * v).sum::<f64>(), "sum(bf16(x)^2)");
-    assert_eq!(out[1].to_f64(), rounded.iter().map(|v| 2.0 * v).collect::<Vec<_>>(), "d/dx sum(r(x)^2) = 2 r(x): the rounding passes the cotangent through");
+    assert_eq!(
+        out[1].to_f64(),
+        rounded.iter().map(|v| 2.0 * v).collect::<Vec<_>>(),
+        "d/dx sum(r(x)^2) = 2 r(x): the rounding passes the cotangent through"
+    );
 }
 
 #[test]
@@ -403,7 +423,13 @@ fn network_check_on(net: &dyn Cell, named: &[(&str, HostTensor)], seed: u64, t: 
         .map(|(n, t)| {
             let t = t.to_f64_tensor();
             let mut moving = |positive| HostTensor::new(t.shape.clone(), HostData::F64(randn(&mut rng, t.shape.iter().product(), positive))).unwrap();
-            let t = if n.ends_with("moving_mean") { moving(false) } else if n.ends_with("moving_variance") { moving(true) } else { t };
+            let t = if n.ends_with("moving_mean") {
+                moving(false)
+            } else if n.ends_with("moving_variance") {
+                moving(true)
+            } else {
+                t
+            };
             (n, t)
         })
         .collect();
@@ -433,7 +459,8 @@ fn gpt_gradients_match_finite_differences() {
     let ids = HostTensor::i32(vec![2, 4], vec![1, 5, 5, 0, 6, 2, 3, 3]).unwrap();
     let labels = HostTensor::i32(vec![2, 4], vec![5, 5, 0, -100, 2, 3, 3, 4]).unwrap();
     network_check_on(&net, &[("data", ids), ("label", labels)], 21, Tracer::new("net"), true);
-    let gelu = WithLossCell::new(SequentialCell::new(&Scope::root()).add(|s| Dense::new(&s.child("0"), 3, 4)).add(|_| GELU::new(true)), MSELoss::new());
+    let gelu =
+        WithLossCell::new(SequentialCell::new(&Scope::root()).add(|s| Dense::new(&s.child("0"), 3, 4)).add(|_| GELU::new(true)), MSELoss::new());
     let x = HostTensor::new(vec![3, 3], HostData::F64((0..9).map(|i| i as f64 * 0.3 - 1.2).collect())).unwrap();
     let y = HostTensor::new(vec![3, 4], HostData::F64((0..12).map(|i| (i as f64).sin()).collect())).unwrap();
     network_check_on(&gelu, &[("data", x), ("label", y)], 22, Tracer::new("net"), false);
@@ -475,20 +502,32 @@ fn device_cases() -> Vec<Case> {
         case!("matmul_double", [[96, 200], [200, 80]], |e, p, x| e.matmul(p[0], p[1], false, false).unwrap()),
         case!("matmul_double_ta_tb", [[200, 96], [80, 200]], |e, p, x| e.matmul(p[0], p[1], true, true).unwrap()),
         case!("matmul_odd", [[37, 300], [300, 7]], |e, p, x| e.matmul(p[0], p[1], false, false).unwrap()),
-        case!("conv2d_lenet_c1", [[8, 1, 32, 32], [6, 1, 5, 5]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
-        case!("conv2d_lenet_c2", [[8, 6, 14, 14], [16, 6, 5, 5]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
-        case!("conv2d_split_stride2_same", [[4, 3, 17, 17], [8, 3, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Same, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
-        case!("conv2d_split_groups", [[4, 4, 12, 12], [6, 2, 3, 3]], |e, p, x| e.op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 2)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_lenet_c1", [[8, 1, 32, 32], [6, 1, 5, 5]], |e, p, x| e
+            .op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]])
+            .unwrap()),
+        case!("conv2d_lenet_c2", [[8, 6, 14, 14], [16, 6, 5, 5]], |e, p, x| e
+            .op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]])
+            .unwrap()),
+        case!("conv2d_split_stride2_same", [[4, 3, 17, 17], [8, 3, 3, 3]], |e, p, x| e
+            .op(Op::Conv2d(conv(2, PadMode::Same, [0; 4], 1, 1)), &[p[0], p[1]])
+            .unwrap()),
+        case!("conv2d_split_groups", [[4, 4, 12, 12], [6, 2, 3, 3]], |e, p, x| e
+            .op(Op::Conv2d(conv(1, PadMode::Valid, [0; 4], 1, 2)), &[p[0], p[1]])
+            .unwrap()),
         // ResNet-18's stem (7 x 7, stride 2, padding 3) on an odd map, a dilated padded 3 x 3
         // with a bias and ReLU after it (an epilogue inside the convolution's kernel), a
         // strided 1 x 1 downsample.
-        case!("conv2d_stem", [[2, 3, 13, 13], [64, 3, 7, 7]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Pad, [3; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_stem", [[2, 3, 13, 13], [64, 3, 7, 7]], |e, p, x| e
+            .op(Op::Conv2d(conv(2, PadMode::Pad, [3; 4], 1, 1)), &[p[0], p[1]])
+            .unwrap()),
         case!("conv2d_dilated_bias_relu", [[2, 16, 9, 9], [64, 16, 3, 3], [1, 64, 1, 1]], |e, p, x| {
             let y = e.op(Op::Conv2d(conv(1, PadMode::Pad, [1, 1, 2, 2], 2, 1)), &[p[0], p[1]]).unwrap();
             let y = e.add(y, p[2]).unwrap();
             e.op(Op::Relu, &[y]).unwrap()
         }),
-        case!("conv2d_1x1_stride2", [[2, 64, 7, 7], [128, 64, 1, 1]], |e, p, x| e.op(Op::Conv2d(conv(2, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]]).unwrap()),
+        case!("conv2d_1x1_stride2", [[2, 64, 7, 7], [128, 64, 1, 1]], |e, p, x| e
+            .op(Op::Conv2d(conv(2, PadMode::Valid, [0; 4], 1, 1)), &[p[0], p[1]])
+            .unwrap()),
         // Epilogues: bias + ReLU after a matmul (its gradients: ReLU's gradient after the
         // input-gradient matmul, the bias gradient a sum over rows), ReLU after a convolution
         // and its gradient after pooling's.
@@ -531,7 +570,9 @@ fn long_cases() -> Vec<Case> {
         }),
         // A mean over the two leading axes of 2,080 x 8 (a layer norm's parameter gradients):
         // column sums by row parts, scaled.
-        case!("reduce_mean_leading_axes", [[16, 130, 8]], |e, p, x| e.op(Op::ReduceMean(ReduceAttrs { axes: vec![0, 1], keep_dims: false }), &[p[0]]).unwrap()),
+        case!("reduce_mean_leading_axes", [[16, 130, 8]], |e, p, x| e
+            .op(Op::ReduceMean(ReduceAttrs { axes: vec![0, 1], keep_dims: false }), &[p[0]])
+            .unwrap()),
         // Attention over 70 positions (cubes of 32 rows spanning two heads; each of a row's
         // parts taking several keys), with and without the mask.
         case!("attention_causal_long", [[2, 70, 48]], |e, p, x| e.op(Op::Attention { heads: 2, causal: true }, &[p[0]]).unwrap()),

@@ -1,9 +1,9 @@
 //! The IR: golden text dumps, print/parse round-trips, and the verifier's and parser's errors.
 
+use crate::common::*;
 use cellgraph::compiler::passes::dce::dce;
 use cellgraph::compiler::{ParseError, ReduceAttrs};
 use cellgraph::prelude::*;
-use crate::common::*;
 
 /// Every graph the suite builds, by name.
 fn suite_graphs() -> Vec<(&'static str, Graph)> {
@@ -158,9 +158,7 @@ fn shape_errors_name_the_cell_path_op_and_both_shapes() {
     assert!(err.starts_with("net.conv1: conv2d:") && err.contains("1 channels but weight f32[6,3,5,5] expects 3"), "{err}");
 
     // Sparse labels of the wrong length.
-    let err = trace(&lenet_with_loss(), "g", &[("data", TensorType::f32([4, 1, 32, 32])), ("label", TensorType::i32([5]))])
-        .unwrap_err()
-        .to_string();
+    let err = trace(&lenet_with_loss(), "g", &[("data", TensorType::f32([4, 1, 32, 32])), ("label", TensorType::i32([5]))]).unwrap_err().to_string();
     assert!(err.starts_with("net.loss_fn: softmax_cross_entropy:") && err.contains("i32[5]"), "{err}");
 }
 

@@ -3,10 +3,10 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use crate::common::*;
 use cellgraph::prelude::*;
 use cellgraph::runtime::data::mnist::{parse_idx, read_idx, resize_linear_u8};
 use cellgraph::runtime::data::{create_eval_dataset, ImageOp, MnistDataset};
-use crate::common::*;
 
 #[test]
 fn vendored_files_load_with_expected_sizes() {
@@ -45,7 +45,9 @@ fn the_lenet_pipeline_gives_mindspores_exact_pixels() {
     // little-endian bytes.
     let f32_bits = |x: f64| (x as f32).to_bits();
     assert_eq!([f32_bits(1.0 / 255.0), f32_bits(1.0 / 0.3081), f32_bits(-0.1307 / 0.3081)], [0x3b80_8081, 0x404f_b98a, 0xbed9_3270]);
-    for (split, resized, fin) in [("train", 0xba69_e34e_d10a_db32u64, 0x489f_a62b_b6ce_2f50u64), ("t10k", 0x0087_36bf_af88_1ed4, 0xb076_69e0_12fb_f533)] {
+    for (split, resized, fin) in
+        [("train", 0xba69_e34e_d10a_db32u64, 0x489f_a62b_b6ce_2f50u64), ("t10k", 0x0087_36bf_af88_1ed4, 0xb076_69e0_12fb_f533)]
+    {
         let m = Mnist::load(&mnist_dir(), split).unwrap();
         let bytes = (0..m.len()).flat_map(|i| resize_linear_u8(m.image(i), 28, 28, 32, 32));
         assert_eq!(fnv1a(bytes), resized, "{split}: Resize differs from MindSpore's");
@@ -60,7 +62,12 @@ fn the_lenet_pipeline_gives_mindspores_exact_pixels() {
         assert_eq!(x[i].to_bits(), bits, "pixel {i}: {}", x[i]);
     }
     // The same ops through a dataset built by hand.
-    let by_hand = MnistDataset::new(&mnist_dir(), "train").unwrap().map([ImageOp::Resize(32, 32), ImageOp::rescale(1.0 / 255.0, 0.0), ImageOp::rescale(1.0 / 0.3081, -0.1307 / 0.3081), ImageOp::Hwc2Chw]);
+    let by_hand = MnistDataset::new(&mnist_dir(), "train").unwrap().map([
+        ImageOp::Resize(32, 32),
+        ImageOp::rescale(1.0 / 255.0, 0.0),
+        ImageOp::rescale(1.0 / 0.3081, -0.1307 / 0.3081),
+        ImageOp::Hwc2Chw,
+    ]);
     assert_eq!(by_hand.batch(1, false).unwrap().epoch(0, 0).next().unwrap().data.to_f32(), x);
 }
 

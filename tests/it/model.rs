@@ -7,12 +7,12 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::rc::Rc;
 
+use crate::common::*;
 use cellgraph::cells::accumulate::{GradAccumulation, Normalization};
 use cellgraph::prelude::*;
 use cellgraph::runtime::checkpoint::{self, from_ckpt_bytes, to_ckpt_bytes, Tensors};
 use cellgraph::runtime::data::{create_dataset, create_eval_dataset, ImageOp, MnistDataset};
 use cellgraph::runtime::{Callback, CheckpointConfig, LossMonitor, ModelCheckpoint, RunContext, TensorDataset};
-use crate::common::*;
 
 fn tmpdir(name: &str) -> TmpDir {
     TmpDir::created(name)
@@ -103,7 +103,8 @@ fn checkpoints_round_trip_atomically_and_corruption_is_an_error() {
     std::fs::write(&p, &bytes).unwrap();
     let e = checkpoint::load(&p).unwrap_err().to_string();
     assert!(e.contains("checksum mismatch") && e.contains("corrupt"), "{e}");
-    let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().contains(".tmp")).collect();
+    let leftovers: Vec<_> =
+        std::fs::read_dir(&dir).unwrap().filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().contains(".tmp")).collect();
     assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -317,7 +318,10 @@ fn batches_that_cannot_be_sliced_fail_before_the_first_step() {
     assert!(e.contains("batch 1 of each epoch has 10 items") && e.contains("multiple of 4 (such as 8 or 12)"), "{e}");
     assert_eq!(m.accumulator().counters().micro_steps, 0, "checked before the first step");
     // A dataset with no batch, or fewer items than one batch, is an error, not an epoch of nothing.
-    let empty = TensorDataset { columns: vec![HostTensor::f32(vec![0, 1, 32, 32], vec![]).unwrap(), HostTensor::i32(vec![0], vec![]).unwrap()], batch_size: 8 };
+    let empty = TensorDataset {
+        columns: vec![HostTensor::f32(vec![0, 1, 32, 32], vec![]).unwrap(), HostTensor::i32(vec![0], vec![]).unwrap()],
+        batch_size: 8,
+    };
     let e = m.train(1, &empty, &mut []).unwrap_err().to_string();
     assert!(e.contains("gives no batch per epoch"), "{e}");
     let e = m.train(1, &TensorDataset { batch_size: 32, ..random_images(12) }, &mut []).unwrap_err().to_string();
@@ -411,7 +415,8 @@ fn checkpoint_targets_that_cannot_be_written_are_found_first_and_leave_no_litter
     // temporary file, so the disk is not left full, and the error names the target.
     let small = dir.join("small");
     std::fs::create_dir_all(&small).unwrap();
-    let mounted = std::process::Command::new("mount").args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"]).arg(&small).status().is_ok_and(|s| s.success());
+    let mounted =
+        std::process::Command::new("mount").args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"]).arg(&small).status().is_ok_and(|s| s.success());
     if mounted {
         let target = small.join("big.ckpt");
         let e = checkpoint::write_atomic(&target, &vec![7u8; 256 * 1024]).unwrap_err().to_string();

@@ -19,7 +19,8 @@ const B: usize = 4;
 
 /// Rank `r`'s rows of every global batch of `w * B` rows.
 fn rank_columns(global: &[Vec<HostTensor>], r: usize) -> Vec<HostTensor> {
-    let mine: Vec<Vec<HostTensor>> = global.iter().map(|g| g.iter().map(|t| cellgraph::runtime::accumulate::slice_rows(t, r * B, (r + 1) * B)).collect()).collect();
+    let mine: Vec<Vec<HostTensor>> =
+        global.iter().map(|g| g.iter().map(|t| cellgraph::runtime::accumulate::slice_rows(t, r * B, (r + 1) * B)).collect()).collect();
     concat(&mine)
 }
 
@@ -50,7 +51,11 @@ pub(crate) fn run_ranks<T: Send + 'static>(w: usize, f: impl Fn(usize, Arc<dyn C
 
 fn network(mean: bool) -> GradAccumulation {
     let n = GradAccumulation::new(net(), K);
-    if mean { n.normalization(Normalization::Mean) } else { n }
+    if mean {
+        n.normalization(Normalization::Mean)
+    } else {
+        n
+    }
 }
 
 fn parallel_model(comm: Arc<dyn Communicator>, s: &Setup) -> cellgraph::runtime::Result<Model<Cpu>> {
@@ -211,7 +216,12 @@ fn uneven_shards_take_the_same_steps_on_every_rank() {
         m.train(1, &ds, &mut []).unwrap();
         let a = m.accumulator();
         let names: Vec<String> = a.network().parameters().into_iter().map(|p| p.name).collect();
-        (ds.get_dataset_size(), a.updates(), a.counters().grad_collectives, names.iter().map(|n| a.session.param(n).unwrap().to_f32()).collect::<Vec<_>>())
+        (
+            ds.get_dataset_size(),
+            a.updates(),
+            a.counters().grad_collectives,
+            names.iter().map(|n| a.session.param(n).unwrap().to_f32()).collect::<Vec<_>>(),
+        )
     });
     for (batches, updates, collectives, params) in &out {
         assert_eq!((*batches, *updates, *collectives), (21, 6, 6));

@@ -23,7 +23,8 @@ use crate::parallel::run_ranks;
 /// Values around every case of the two conversions: ties to even, the largest finite values
 /// and past them, f16's subnormals and what underflows to zero, negative zero, infinities.
 pub(crate) fn awkward_values() -> Vec<f32> {
-    let mut v = vec![0.0, -0.0, 1.0, -1.0, 65504.0, 65519.99, 65520.0, -65520.0, 1e5, f32::MAX, f32::MIN_POSITIVE, 1e-40, f32::INFINITY, f32::NEG_INFINITY];
+    let mut v =
+        vec![0.0, -0.0, 1.0, -1.0, 65504.0, 65519.99, 65520.0, -65520.0, 1e5, f32::MAX, f32::MIN_POSITIVE, 1e-40, f32::INFINITY, f32::NEG_INFINITY];
     for base in [1.0f32, 3.0, 1.0 / 3.0, 6.1035156e-5, 5.9604645e-8, 2.9802322e-8, 1e-7, 1e-5, 0.1, 1000.0, 3.4e38] {
         let b = base.to_bits();
         // The base and its neighbours: halfway points of both formats fall among them.
@@ -55,14 +56,25 @@ fn round_to_rounds_as_half_converts() {
             .collect();
         for fused in [false, true] {
             let got = round_on::<Cpu>(&xs, dtype, fused, cpu());
-            let bad: Vec<_> = xs.iter().zip(&got).zip(&want).filter(|((_, g), w)| g.to_bits() != **w && !(g.is_nan() && f32::from_bits(**w).is_nan())).take(3).collect();
+            let bad: Vec<_> = xs
+                .iter()
+                .zip(&got)
+                .zip(&want)
+                .filter(|((_, g), w)| g.to_bits() != **w && !(g.is_nan() && f32::from_bits(**w).is_nan()))
+                .take(3)
+                .collect();
             assert!(bad.is_empty(), "{dtype:?} (fused: {fused}): x, got, want: {bad:?}");
         }
     }
 }
 
 /// Runs `round_to` over `xs` on `device`, alone or in a fused program (`x * 1` rounded).
-pub(crate) fn round_on<B: cellgraph::runtime::Backend>(xs: &[f32], dtype: DType, fused: bool, device: cellgraph::runtime::burn_backend::tensor::Device<B>) -> Vec<f32> {
+pub(crate) fn round_on<B: cellgraph::runtime::Backend>(
+    xs: &[f32],
+    dtype: DType,
+    fused: bool,
+    device: cellgraph::runtime::burn_backend::tensor::Device<B>,
+) -> Vec<f32> {
     use cellgraph::compiler::{Graph, Op};
     use cellgraph::runtime::Session;
     let mut g = Graph::new("round");
@@ -222,7 +234,12 @@ fn bf16_runs_after_20_updates_against_f32() {
 fn the_optimizer_and_clipping_see_unscaled_gradients() {
     let mut rng = StdRng::seed_from_u64(22);
     let batches: Vec<_> = (0..12).map(|_| data(&mut rng, 4)).collect();
-    let mk = |scale: Option<LossScale>| GradAccumulation::across_steps(net(), 3).normalization(Normalization::Mean).clip_global_norm(0.05).precision(Precision::bf16().loss_scale(scale));
+    let mk = |scale: Option<LossScale>| {
+        GradAccumulation::across_steps(net(), 3)
+            .normalization(Normalization::Mean)
+            .clip_global_norm(0.05)
+            .precision(Precision::bf16().loss_scale(scale))
+    };
     let opt: Rc<dyn Optimizer> = Rc::new(Adam::new(0.01));
     let plain = trained(mk(None), opt.clone(), &batches);
     let scaled = trained(mk(Some(LossScale { init: 1024.0, growth_interval: 1000 })), opt, &batches);
@@ -239,7 +256,9 @@ const K: usize = 4;
 const INIT_SCALE: f64 = 1024.0;
 
 fn f16_net() -> GradAccumulation {
-    GradAccumulation::across_steps(net(), K).normalization(Normalization::Mean).precision(Precision::f16().loss_scale(Some(LossScale { init: INIT_SCALE, growth_interval: 100 })))
+    GradAccumulation::across_steps(net(), K)
+        .normalization(Normalization::Mean)
+        .precision(Precision::f16().loss_scale(Some(LossScale { init: INIT_SCALE, growth_interval: 100 })))
 }
 
 /// Four ranks, f16 with loss scaling: an inf in micro-step 3 of window 5 on rank 2 makes every
@@ -281,7 +300,11 @@ fn an_overflow_on_one_rank_skips_the_window_on_every_rank() {
             assert!(*before == *after, "hsdp {hsdp}, rank {rank}: the skipped window changed the parameters, optimizer state or update count");
             assert_eq!(*skipped, 1, "hsdp {hsdp}, rank {rank}");
             assert_eq!(*updates, 5, "hsdp {hsdp}, rank {rank}: 6 windows, one skipped");
-            assert_eq!(scales, &[INIT_SCALE, INIT_SCALE, INIT_SCALE, INIT_SCALE, INIT_SCALE / 2.0, INIT_SCALE / 2.0], "hsdp {hsdp}, rank {rank}: halved once");
+            assert_eq!(
+                scales,
+                &[INIT_SCALE, INIT_SCALE, INIT_SCALE, INIT_SCALE, INIT_SCALE / 2.0, INIT_SCALE / 2.0],
+                "hsdp {hsdp}, rank {rank}: halved once"
+            );
             assert!(accu_zero, "hsdp {hsdp}, rank {rank}: accumulators cleared");
         }
         // The ranks agree after the skip and the update that follows it.
@@ -353,10 +376,13 @@ fn bad_precision_settings_are_refused() {
     assert!(err(Precision::f16().loss_scale(Some(LossScale { init: 0.0, growth_interval: 10 }))).contains("init must be a finite number > 0"));
 }
 
-
 /// A model trained `updates` windows of 4 micro-batches under bf16 compute, with the CPU's bf16
 /// products on or off (the emulation), and the micro-step plan's account of its products.
-fn trained_bf16(net: WithLossCell, batches: &[Vec<HostTensor>], pairs: bool) -> (BTreeMap<String, Vec<f32>>, Vec<f32>, Option<cellgraph::runtime::Bf16Products>) {
+fn trained_bf16(
+    net: WithLossCell,
+    batches: &[Vec<HostTensor>],
+    pairs: bool,
+) -> (BTreeMap<String, Vec<f32>>, Vec<f32>, Option<cellgraph::runtime::Bf16Products>) {
     let names: Vec<String> = net.parameters().iter().map(|p| p.name.clone()).collect();
     let net = GradAccumulation::across_steps(net, 4).precision(Precision::bf16());
     let mut acc = Accumulator::<Cpu>::new(Rc::new(net), Rc::new(Adam::adamw(LearningRate::Constant(3e-3), 0.01)), cpu(), 5).unwrap();
@@ -406,7 +432,8 @@ fn bf16_products_on_the_cpu_match_the_emulation() {
             vec![HostTensor::f32(vec![5, 3, 16, 16], x).unwrap(), HostTensor::i32(vec![5], y).unwrap()]
         })
         .collect();
-    let cases: [(&str, &dyn Fn() -> WithLossCell, &[Vec<HostTensor>]); 3] = [("gpt", &gpt, &text), ("lenet5", &lenet, &images), ("resnet block", &block, &colour)];
+    let cases: [(&str, &dyn Fn() -> WithLossCell, &[Vec<HostTensor>]); 3] =
+        [("gpt", &gpt, &text), ("lenet5", &lenet, &images), ("resnet block", &block, &colour)];
     for (name, net, batches) in cases {
         let (pairs, pair_losses, plan) = trained_bf16(net(), batches, true);
         let (emulated, emulated_losses, _) = trained_bf16(net(), batches, false);
@@ -421,14 +448,26 @@ fn bf16_products_on_the_cpu_match_the_emulation() {
             eprintln!("{name}: this CPU has no AVX-512 BF16; the bf16 kernel's own tests skip");
             continue;
         }
-        let f32_only: Vec<&str> = plan.in_f32.keys().copied().filter(|op| !matches!(*op, "attention" | "attention_grad" | "conv2d" | "conv2d_backprop_input" | "conv2d_backprop_filter")).collect();
+        let f32_only: Vec<&str> = plan
+            .in_f32
+            .keys()
+            .copied()
+            .filter(|op| !matches!(*op, "attention" | "attention_grad" | "conv2d" | "conv2d_backprop_input" | "conv2d_backprop_filter"))
+            .collect();
         assert!(f32_only.is_empty(), "{name}: products of bf16 values left in f32: {plan}");
         let want = if name == "gpt" { 2 * 2 * 4 + 3 * 1 } else { 0 };
         assert!(plan.on_pairs >= want.max(3), "{name}: {plan}");
         assert!(pairs != emulated, "{name}: bf16 pairs and the emulation are bit-equal: the bf16 kernel did not run");
-        let init: BTreeMap<String, Vec<f32>> = cellgraph::cells::materialize(&net().parameters(), 5).into_iter().map(|(n, t)| (n, t.to_f32())).collect();
+        let init: BTreeMap<String, Vec<f32>> =
+            cellgraph::cells::materialize(&net().parameters(), 5).into_iter().map(|(n, t)| (n, t.to_f32())).collect();
         let f32_run: BTreeMap<String, Vec<f32>> = {
-            let mut acc = Accumulator::<Cpu>::new(Rc::new(GradAccumulation::across_steps(net(), 4)), Rc::new(Adam::adamw(LearningRate::Constant(3e-3), 0.01)), cpu(), 5).unwrap();
+            let mut acc = Accumulator::<Cpu>::new(
+                Rc::new(GradAccumulation::across_steps(net(), 4)),
+                Rc::new(Adam::adamw(LearningRate::Constant(3e-3), 0.01)),
+                cpu(),
+                5,
+            )
+            .unwrap();
             for b in batches {
                 acc.step(b).unwrap();
             }

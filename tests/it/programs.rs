@@ -127,22 +127,58 @@ fn the_gpt_program_learns_and_refuses_bad_settings() {
     let dir = tmp("gpt");
     let ckpt = dir.join("gpt.ckpt");
     let ckpt = ckpt.to_str().unwrap();
-    let small = ["--layers", "1", "--width", "64", "--heads", "2", "--context", "32", "--micro-size", "2", "--eval-items", "64", "--lr", "1e-2", "--print-every", "40", "--ckpt", ckpt];
+    let small = [
+        "--layers",
+        "1",
+        "--width",
+        "64",
+        "--heads",
+        "2",
+        "--context",
+        "32",
+        "--micro-size",
+        "2",
+        "--eval-items",
+        "64",
+        "--lr",
+        "1e-2",
+        "--print-every",
+        "40",
+        "--ckpt",
+        ckpt,
+    ];
     let (out, s) = run("gpt_accumulation", &[&small[..], &["--batch-size", "16", "--steps", "120", "--epochs", "1", "--sample", "60"]].concat());
     assert!(out.status.success(), "{s}");
-    let val: f64 = s.lines().find_map(|l| l.strip_prefix("epoch 1: validation loss ")).and_then(|l| l.split(' ').next()).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no validation loss: {s}"));
+    let val: f64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("epoch 1: validation loss "))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no validation loss: {s}"));
     assert!(val < 3.0, "validation loss {val} should be well under the unigram baseline 3.33: {s}");
     assert!(s.contains("unigram baseline 3.330") && s.contains("updates: 120") && s.contains("sample:\n") && s.contains("checkpoint: "), "{s}");
     assert!(std::fs::metadata(ckpt).unwrap().len() > 100_000);
-    let (out, s) = run("gpt_accumulation", &[&small[..], &["--items", "lines", "--batch-size", "8", "--steps", "3", "--epochs", "1", "--sample", "0", "--profile"]].concat());
+    let (out, s) = run(
+        "gpt_accumulation",
+        &[&small[..], &["--items", "lines", "--batch-size", "8", "--steps", "3", "--epochs", "1", "--sample", "0", "--profile"]].concat(),
+    );
     assert!(out.status.success() && s.contains("lines of up to 33 characters") && s.contains("updates: 3"), "{s}");
     // --profile: the ops, then the kinds of step with their programs.
     let steps = s.split("slowest kinds of step (op, output, program):\n").nth(1).unwrap_or_else(|| panic!("no kinds of step: {s}"));
     assert!(s.contains(" calls ") && steps.lines().any(|l| l.contains(" calls  fused f32[") && l.contains("$0")), "{s}");
     // f16 with loss scaling: windows whose gradients overflow are skipped, the rest applied.
-    let (out, s) = run("gpt_accumulation", &[&small[..], &["--precision", "f16", "--batch-size", "8", "--steps", "24", "--epochs", "1", "--sample", "0"]].concat());
+    let (out, s) = run(
+        "gpt_accumulation",
+        &[&small[..], &["--precision", "f16", "--batch-size", "8", "--steps", "24", "--epochs", "1", "--sample", "0"]].concat(),
+    );
     assert!(out.status.success(), "{s}");
-    let count = |key: &str| -> u64 { s.split(key).nth(1).and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next()).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no `{key}`: {s}")) };
+    let count = |key: &str| -> u64 {
+        s.split(key)
+            .nth(1)
+            .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no `{key}`: {s}"))
+    };
     assert_eq!(count("updates: ") + count("skipped: "), 24, "{s}");
     assert!(count("updates: ") > 12 && s.contains("loss scale: "), "{s}");
     refused("gpt_accumulation", &["--batch-size", "6", "--micro-size", "4", "--ckpt", ckpt], "must be a multiple of --micro-size 4");

@@ -1,7 +1,7 @@
 //! The CPU runtime: training on real digits, parameters by name, and errors on bad input.
 
-use cellgraph::prelude::*;
 use crate::common::*;
+use cellgraph::prelude::*;
 
 fn session_for(net: &dyn Cell, seed: u64) -> Session<Cpu> {
     let mut s = Session::<Cpu>::new(cpu());
@@ -377,9 +377,16 @@ fn host_loss_kernels_give_the_reference_bits() {
         g.set_outputs(vec![loss, grad]);
         let exe = compile(g.clone()).unwrap();
         let logits: Vec<f64> = (0..n * c).map(|i| ((i * 7919) % 113) as f64 / 9.0 - 6.0).collect();
-        let host = |d: Vec<usize>, v: Vec<f64>| if wide { HostTensor::new(d, HostData::F64(v)).unwrap() } else { HostTensor::f32(d, v.iter().map(|&x| x as f32).collect()).unwrap() };
+        let host = |d: Vec<usize>, v: Vec<f64>| {
+            if wide {
+                HostTensor::new(d, HostData::F64(v)).unwrap()
+            } else {
+                HostTensor::f32(d, v.iter().map(|&x| x as f32).collect()).unwrap()
+            }
+        };
         let dls: Vec<f64> = (0..g.ty(loss).numel()).map(|i| 0.75 + i as f64).collect();
-        let labels = |bad: bool| HostTensor::i32(vec![n], (0..n).map(|i| if bad && i == n - 1 { c as i32 } else { ((i * 5) % c) as i32 }).collect()).unwrap();
+        let labels =
+            |bad: bool| HostTensor::i32(vec![n], (0..n).map(|i| if bad && i == n - 1 { c as i32 } else { ((i * 5) % c) as i32 }).collect()).unwrap();
         let inputs = |bad| [host(vec![n, c], logits.clone()), labels(bad), host(g.ty(loss).dims().to_vec(), dls.clone())];
         let run = |native: bool, bad: bool| {
             let mut s = session::<B>(wide);

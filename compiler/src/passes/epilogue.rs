@@ -121,8 +121,8 @@ pub fn accumulator(g: &Graph, id: NodeId) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::passes::testing::leaf;
     use crate::op::{Conv2dAttrs, PadMode, Pool2dAttrs};
+    use crate::passes::testing::leaf;
     use crate::NodeId;
 
     fn epilogue(g: &Graph, id: NodeId) -> (String, String) {

@@ -48,10 +48,7 @@ fn literal(g: &Graph, id: NodeId) -> Option<f64> {
 /// True when `consumer` (with operands `xs`) may take in its operand `x`, an elementwise
 /// node: read once, by `consumer` alone, not an output, of the consumer's type.
 pub(super) fn absorbable(g: &Graph, x: NodeId, consumer: NodeId, xs: &[NodeId]) -> bool {
-    g.ty(x) == g.ty(consumer)
-        && !g.outputs().contains(&x)
-        && g.users(x).iter().all(|&u| u == consumer)
-        && xs.iter().filter(|&&o| o == x).count() == 1
+    g.ty(x) == g.ty(consumer) && !g.outputs().contains(&x) && g.users(x).iter().all(|&u| u == consumer) && xs.iter().filter(|&&o| o == x).count() == 1
 }
 
 /// The longest program that computing cheap operands again may make.
@@ -68,7 +65,15 @@ const MAX_COPYING_TERMS: usize = 48;
 /// bits do not change.
 fn duplicable(g: &Graph, x: NodeId) -> bool {
     let Some((terms, ys)) = body(g, x) else { return false };
-    let cheap = |t: &Term| matches!(t, Term::Arg(_) | Term::Lit(_) | Term::Unary(Unary::Neg | Unary::Relu) | Term::Binary(Binary::Add | Binary::Sub | Binary::Mul | Binary::ReluGrad));
+    let cheap = |t: &Term| {
+        matches!(
+            t,
+            Term::Arg(_)
+                | Term::Lit(_)
+                | Term::Unary(Unary::Neg | Unary::Relu)
+                | Term::Binary(Binary::Add | Binary::Sub | Binary::Mul | Binary::ReluGrad)
+        )
+    };
     let ty = g.ty(x);
     let large = ys.iter().filter(|&&y| literal(g, y).is_none() && g.ty(y).numel() >= ty.numel()).count();
     !matches!(g.node(x).op, Op::Fused { .. })
@@ -271,7 +276,12 @@ mod tests {
         assert_eq!(program(outs[1]), ("$0 0.5 mul $1 add".to_string(), vec![x, y]));
         // (Node ids are reused: look for the ops, not the ids.)
         let ops = |f: fn(&Op) -> bool| g.ids().into_iter().filter(|&id| f(&g.node(id).op)).count();
-        assert_eq!(ops(|op| matches!(op, Op::Constant { .. } | Op::Sub)), 0, "the shared product's constant and `x - mean` are gone: {}", crate::print::print(&g));
+        assert_eq!(
+            ops(|op| matches!(op, Op::Constant { .. } | Op::Sub)),
+            0,
+            "the shared product's constant and `x - mean` are gone: {}",
+            crate::print::print(&g)
+        );
         assert_eq!(ops(|op| matches!(op, Op::Mul)), 1, "only x * y, with two operands of its extents, stays");
         assert!(g.contains(k) && program(outs[2]) == ("exp".to_string(), vec![k]), "{:?}", program(outs[2]));
         assert!(g.contains(xy) && program(outs[4]).1 == vec![xy] && program(outs[5]).1 == vec![xy]);
@@ -310,10 +320,14 @@ mod tests {
         let p2 = g.add(Op::Sub, &[p, step], "t").unwrap();
         g.add(Op::Assign, &[p, p2], "t").unwrap();
         assert_eq!(fuse_elementwise(&mut g), 2);
-        let mut bodies: Vec<String> = g.ids().into_iter().filter_map(|id| match &g.node(id).op {
-            Op::Fused { expr } => Some(expr.to_string()),
-            _ => None,
-        }).collect();
+        let mut bodies: Vec<String> = g
+            .ids()
+            .into_iter()
+            .filter_map(|id| match &g.node(id).op {
+                Op::Fused { expr } => Some(expr.to_string()),
+                _ => None,
+            })
+            .collect();
         bodies.sort();
         assert_eq!(bodies, ["$0 $1 $2 mul sub", "$0 0.9 mul $1 $2 mul add"]);
         assert!(g.ids().into_iter().all(|id| !matches!(g.node(id).op, Op::Constant { .. })), "the literal's constant is gone");

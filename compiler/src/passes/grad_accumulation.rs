@@ -130,7 +130,8 @@ pub fn micro_graph(forward: &Graph, loss: NodeId, params: &[String], opts: &Accu
         (Normalization::Tokens, Some(&c)) if forward.try_node(c)?.ty.rank() == 0 => Some(c),
         (Normalization::Tokens, _) => {
             return Err(IrError::Autodiff(
-                "Normalization::Tokens needs a loss that sums over tokens and counts them (CrossEntropyLoss::new().ignore_index(-100).tokens())".into(),
+                "Normalization::Tokens needs a loss that sums over tokens and counts them (CrossEntropyLoss::new().ignore_index(-100).tokens())"
+                    .into(),
             ))
         }
         _ => None,

@@ -5,8 +5,8 @@ pub mod dce;
 pub mod epilogue;
 pub mod fuse;
 pub mod grad_accumulation;
-pub mod precision;
 pub mod pipeline;
+pub mod precision;
 
 /// What the passes' tests build graphs from.
 #[cfg(test)]

@@ -65,12 +65,7 @@ pub fn passes(opts: &PipelineOptions) -> Vec<Pass> {
 
 /// Runs `passes` in order on `g`, calling `observe(index, name, graph)` after each (dumps hook
 /// in here). The input is always verified; each pass's output when `opts.verify` asks.
-pub fn run(
-    g: &mut Graph,
-    passes: &[Pass],
-    opts: &PipelineOptions,
-    mut observe: impl FnMut(usize, &str, &Graph),
-) -> Result<()> {
+pub fn run(g: &mut Graph, passes: &[Pass], opts: &PipelineOptions, mut observe: impl FnMut(usize, &str, &Graph)) -> Result<()> {
     // The passes assume a well-formed input: checked in every build.
     verify(g)?;
     observe(0, "input", g);

@@ -27,8 +27,8 @@ use std::sync::Arc;
 use burn_backend::tensor::Device;
 use cellgraph_cells::cell::{ITEM_INDEX, UPDATE};
 use cellgraph_cells::{Cell, GradAccumulation, Normalization, Optimizer, Slicing};
-use cellgraph_compiler::dump::DumpOptions;
 use cellgraph_compiler::autodiff::SENS;
+use cellgraph_compiler::dump::DumpOptions;
 use cellgraph_compiler::passes::grad_accumulation::ACCUMULATOR_PREFIX;
 use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
@@ -187,10 +187,26 @@ impl<B: Backend> Accumulator<B> {
             session.set_param(name, &HostTensor::full(ty, 0.0));
         }
         session.init_state(&state);
-        let trained: Vec<(String, TensorType)> = accumulators.iter().map(|(n, t)| (n[ACCUMULATOR_PREFIX.len() + 1..].to_string(), t.clone())).collect();
+        let trained: Vec<(String, TensorType)> =
+            accumulators.iter().map(|(n, t)| (n[ACCUMULATOR_PREFIX.len() + 1..].to_string(), t.clone())).collect();
         let store = Store::new(&trained, accumulator_name, opt.as_ref());
-        let plans = Plans { micro: HashMap::new(), optimizer: compile(optimizer)?, clear: compile(clear)?, window: None, names: Vec::new(), dump: None };
-        let mut acc = Accumulator { net, opt, plans, session, progress: Progress::default(), store, parallel: None, losses: Vec::new(), loss: std::cell::Cell::new(None), tokens: 0.0, counts: Vec::new(), items_seen: 0, scaler: None };
+        let plans =
+            Plans { micro: HashMap::new(), optimizer: compile(optimizer)?, clear: compile(clear)?, window: None, names: Vec::new(), dump: None };
+        let mut acc = Accumulator {
+            net,
+            opt,
+            plans,
+            session,
+            progress: Progress::default(),
+            store,
+            parallel: None,
+            losses: Vec::new(),
+            loss: std::cell::Cell::new(None),
+            tokens: 0.0,
+            counts: Vec::new(),
+            items_seen: 0,
+            scaler: None,
+        };
         acc.scaler = acc.net.precision.and_then(|p| p.scaling()).map(Scaler::new);
         acc.store.enter_flat(&mut acc.session, acc.opt.as_ref())?;
         Ok(acc)
@@ -308,7 +324,8 @@ impl<B: Backend> Accumulator<B> {
         if let Some(l) = self.loss.get() {
             return l;
         }
-        let on_device: Vec<_> = self.losses.iter().filter_map(|l| if let Loss::Device(Value::Float(t)) = l { Some(t.clone()) } else { None }).collect();
+        let on_device: Vec<_> =
+            self.losses.iter().filter_map(|l| if let Loss::Device(Value::Float(t)) = l { Some(t.clone()) } else { None }).collect();
         let losses = on_device.len();
         // One read for all of the step's device losses and unread token counts.
         let counts = self.counts.iter().filter(|c| c.1).map(|c| c.0.clone());
@@ -457,7 +474,11 @@ impl<B: Backend> Accumulator<B> {
                 }),
                 UPDATE => Ok(HostTensor::new(vec![], HostData::I64(vec![self.progress.updates as i64])).expect("scalar")),
                 SENS => Ok(HostTensor::f32(vec![], vec![self.loss_scale().unwrap_or(1.0) as f32]).expect("scalar")),
-                other => Err(RuntimeError::Mismatch { what: "micro-step inputs".into(), expected: format!("{given} inputs from the data"), got: format!("an input `{other}` the runtime does not fill") }),
+                other => Err(RuntimeError::Mismatch {
+                    what: "micro-step inputs".into(),
+                    expected: format!("{given} inputs from the data"),
+                    got: format!("an input `{other}` the runtime does not fill"),
+                }),
             })
             .collect()
     }
@@ -481,7 +502,8 @@ impl<B: Backend> Accumulator<B> {
             }
             let exe = match &self.plans.dump {
                 Some(d) => {
-                    cellgraph_compiler::dump::write(d, 0, "trace", &forward).map_err(|source| RuntimeError::Io { path: d.dir.display().to_string(), source })?;
+                    cellgraph_compiler::dump::write(d, 0, "trace", &forward)
+                        .map_err(|source| RuntimeError::Io { path: d.dir.display().to_string(), source })?;
                     compile_with(g, Some(DumpAt { opts: d, first: 1, input: "grad_accumulation" }))?
                 }
                 None => compile(g)?,
@@ -552,7 +574,9 @@ impl<B: Backend> Accumulator<B> {
                 let overflow = if self.scaler.is_some() { !finite(&self.store.gather(&self.session, Kind::Accu)?) } else { false };
                 match self.skipped(items, overflow) {
                     Some(e) => e,
-                    None => Ended::Applied(self.run_optimizer(self.unscaled(scale(self.net.normalization, self.progress.micro, items, 1, false)), &scalars)?),
+                    None => Ended::Applied(
+                        self.run_optimizer(self.unscaled(scale(self.net.normalization, self.progress.micro, items, 1, false)), &scalars)?,
+                    ),
                 }
             }
             Some(false) => self.apply_replicated(&scalars)?,

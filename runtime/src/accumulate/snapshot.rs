@@ -110,11 +110,17 @@ impl<B: Backend> Accumulator<B> {
                 false => e.1.push(n),
             }
         }
-        let partial: Vec<String> = kinds.values().filter(|(have, miss)| *have > 0 && !miss.is_empty()).flat_map(|(_, m)| m.iter().map(|s| s.to_string())).collect();
+        let partial: Vec<String> =
+            kinds.values().filter(|(have, miss)| *have > 0 && !miss.is_empty()).flat_map(|(_, m)| m.iter().map(|s| s.to_string())).collect();
         if strict {
             let mut problems = Vec::new();
             if !report.missing.is_empty() {
-                problems.push(format!("it lacks {} of the network's {} parameters: {}", report.missing.len(), network.len(), listed(&report.missing)));
+                problems.push(format!(
+                    "it lacks {} of the network's {} parameters: {}",
+                    report.missing.len(),
+                    network.len(),
+                    listed(&report.missing)
+                ));
             }
             if !partial.is_empty() {
                 problems.push(format!("it has only part of the optimizer state; missing: {}", listed(&partial)));
@@ -125,7 +131,10 @@ impl<B: Backend> Accumulator<B> {
             if !problems.is_empty() {
                 return Err(RuntimeError::Invalid {
                     what: "checkpoint".into(),
-                    detail: format!("{} (a checkpoint of another network? load it non-strictly to skip them: strict_load=False)", problems.join("; ")),
+                    detail: format!(
+                        "{} (a checkpoint of another network? load it non-strictly to skip them: strict_load=False)",
+                        problems.join("; ")
+                    ),
                 });
             }
         }

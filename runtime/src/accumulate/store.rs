@@ -86,7 +86,10 @@ impl<B: Backend> Store<B> {
         let mut inits = vec![0.0, 0.0];
         inits.extend(specs.first().into_iter().flatten().map(|s| s.init as f32));
         let params = params.iter().map(|(name, ty)| Trained { name: name.clone(), shape: ty.dims().to_vec(), len: ty.numel() }).collect();
-        let host = B::HOST.then(|| UpdateKernel::new(&opt.update(), opt.scalar_inputs().len())).flatten().map(|(k, lits)| (k, lits.iter().map(|&c| c as f32).collect()));
+        let host = B::HOST
+            .then(|| UpdateKernel::new(&opt.update(), opt.scalar_inputs().len()))
+            .flatten()
+            .map(|(k, lits)| (k, lits.iter().map(|&c| c as f32).collect()));
         Store { params, names, inits, flat: None, host }
     }
 
@@ -151,7 +154,11 @@ impl<B: Backend> Store<B> {
                     _ => {
                         let name = self.name(s);
                         let v = session.value(name).ok_or_else(|| RuntimeError::MissingParam(name.into()))?;
-                        let not_f32 = || RuntimeError::Comm(format!("data parallelism needs f32 values; `{name}` is held in another type (use the f32 CPU backend or a device)"));
+                        let not_f32 = || {
+                            RuntimeError::Comm(format!(
+                                "data parallelism needs f32 values; `{name}` is held in another type (use the f32 CPU backend or a device)"
+                            ))
+                        };
                         match v {
                             Value::Float(t) => match B::host_slice(t) {
                                 Some(HostSlice::F32(h)) => out.extend_from_slice(&h[part]),
@@ -290,7 +297,9 @@ impl<B: Backend> Store<B> {
                     _ => unreachable!("checked above"),
                 })
                 .collect();
-            let Ok(out) = crate::host::update_clear::<B>(prog, bufs, &t.shape, &consts, scale as f32, &device) else { unreachable!("f32 host values of one length, checked above") };
+            let Ok(out) = crate::host::update_clear::<B>(prog, bufs, &t.shape, &consts, scale as f32, &device) else {
+                unreachable!("f32 host values of one length, checked above")
+            };
             for (n, b) in names.iter().zip(out) {
                 session.set_value(n, Value::Float(b));
             }
@@ -310,6 +319,9 @@ impl<B: Backend> Store<B> {
             scale = super::window::clipped(scale, Value::<B>::Float(sq).to_host().scalar(), clip);
         }
         let consts: Vec<f32> = scalars.iter().map(|&v| v as f32).chain(f.literals.iter().copied()).collect();
-        Some(B::fused_update(&f.prog, params, accu, state, scale as f32, &consts).ok_or_else(|| RuntimeError::Device("the backend keeps flat buffers but has no fused update kernel".into())))
+        Some(
+            B::fused_update(&f.prog, params, accu, state, scale as f32, &consts)
+                .ok_or_else(|| RuntimeError::Device("the backend keeps flat buffers but has no fused update kernel".into())),
+        )
     }
 }

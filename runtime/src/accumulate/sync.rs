@@ -53,8 +53,12 @@ impl<B: Backend> Accumulator<B> {
     /// same graphs and initial parameters.
     pub fn set_parallel(&mut self, comm: Arc<dyn Communicator>, gradients_mean: bool, hsdp: bool) -> Result<()> {
         let net = &self.net;
-        let mut fingerprint = format!("{}\n{}\n", cellgraph_compiler::print(self.plans.optimizer.graph()), cellgraph_compiler::print(self.plans.clear.graph()));
-        fingerprint += &format!("{:?} {:?} {} {:?} {} {gradients_mean} {hsdp}\n", net.slicing, net.normalization, net.micro_size, net.clip_global_norm, net.drop_incomplete_window);
+        let mut fingerprint =
+            format!("{}\n{}\n", cellgraph_compiler::print(self.plans.optimizer.graph()), cellgraph_compiler::print(self.plans.clear.graph()));
+        fingerprint += &format!(
+            "{:?} {:?} {} {:?} {} {gradients_mean} {hsdp}\n",
+            net.slicing, net.normalization, net.micro_size, net.clip_global_norm, net.drop_incomplete_window
+        );
         // The learning-rate schedule and other host scalars are inputs, not graph constants.
         fingerprint += &format!("{:?}\n", [0, 1, 10, 1000].map(|u| self.opt.scalar_values(u)));
         crate::comm::agree(comm.as_ref(), "configuration (network, optimizer, accumulation options)", fingerprint.as_bytes())?;
@@ -172,7 +176,8 @@ impl<B: Backend> Accumulator<B> {
         let params = self.store.gather_range(&self.session, Kind::Param, rank * len, len)?;
         let (device, settings) = (self.session.device().clone(), self.session.settings());
         self.session.set_value(SHARD, Value::from_host_owned(HostTensor::f32(vec![len], params).expect("len"), &device, &settings));
-        self.session.set_value(&super::accumulator_name(SHARD), Value::from_host_owned(HostTensor::f32(vec![len], mine).expect("len"), &device, &settings));
+        self.session
+            .set_value(&super::accumulator_name(SHARD), Value::from_host_owned(HostTensor::f32(vec![len], mine).expect("len"), &device, &settings));
         let shard = self.parallel.as_ref().and_then(|p| p.shard.as_ref()).expect("sharded");
         self.session.run(&shard.optimizer, &optimizer_inputs(scale, scalars))?;
         let updated = self.session.param(SHARD).expect("written by the optimizer").to_f32();
@@ -214,7 +219,11 @@ impl<B: Backend> Accumulator<B> {
             }
             let mut flat = Vec::new();
             for n in names {
-                let t = out.remove(n).ok_or_else(|| crate::error::RuntimeError::Mismatch { what: "checkpoint".into(), expected: format!("optimizer state `{n}`"), got: "nothing".into() })?;
+                let t = out.remove(n).ok_or_else(|| crate::error::RuntimeError::Mismatch {
+                    what: "checkpoint".into(),
+                    expected: format!("optimizer state `{n}`"),
+                    got: "nothing".into(),
+                })?;
                 flat.extend(t.to_f32());
             }
             let mine = shard_of(&flat, comm.rank(), shard.len, spec.init as f32);

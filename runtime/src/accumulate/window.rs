@@ -167,7 +167,21 @@ mod tests {
     /// Every checkpointed counter survives saving and restoring, by its own name.
     #[test]
     fn checkpointed_counters_round_trip() {
-        let mut p = Progress { micro: 3, items: 96, updates: 7, counters: Counters { micro_steps: 31, optimizer_runs: 7, clear_runs: 7, grad_collectives: 7, step_collectives: 0, skipped_updates: 0, fused_launches: 0, uncaptured_steps: 0 } };
+        let mut p = Progress {
+            micro: 3,
+            items: 96,
+            updates: 7,
+            counters: Counters {
+                micro_steps: 31,
+                optimizer_runs: 7,
+                clear_runs: 7,
+                grad_collectives: 7,
+                step_collectives: 0,
+                skipped_updates: 0,
+                fused_launches: 0,
+                uncaptured_steps: 0,
+            },
+        };
         let saved = p.saved();
         assert_eq!(saved.len(), 6);
         assert!(saved.contains(&("cellgraph.window_items".into(), 96)));

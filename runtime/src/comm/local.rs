@@ -24,11 +24,8 @@ pub struct LocalGroup {
 impl LocalGroup {
     /// `size` communicators, one per rank; move each into its own thread.
     pub fn new(size: usize) -> Vec<LocalGroup> {
-        let shared = Arc::new(Shared {
-            barrier: Barrier::new(size),
-            floats: Mutex::new(vec![Vec::new(); size]),
-            bytes: Mutex::new(vec![Vec::new(); size]),
-        });
+        let shared =
+            Arc::new(Shared { barrier: Barrier::new(size), floats: Mutex::new(vec![Vec::new(); size]), bytes: Mutex::new(vec![Vec::new(); size]) });
         (0..size).map(|rank| LocalGroup { rank, size, shared: shared.clone() }).collect()
     }
 

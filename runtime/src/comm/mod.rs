@@ -17,9 +17,9 @@ mod mpi;
 
 use std::sync::Arc;
 
-pub use local::LocalGroup;
 #[cfg(feature = "mpi")]
 pub use self::mpi::Mpi;
+pub use local::LocalGroup;
 
 use crate::error::{Result, RuntimeError};
 

@@ -23,7 +23,10 @@ pub enum KRead {
     Cycle(u32),
     /// At the sum over `rank` output axes of `(i / div) % extent * stride` (broadcast axes left
     /// out).
-    Strided { axes: [(u32, u32, u32); MAX_AXES], rank: u8 },
+    Strided {
+        axes: [(u32, u32, u32); MAX_AXES],
+        rank: u8,
+    },
 }
 
 impl KRead {
@@ -295,7 +298,14 @@ mod tests {
         let e = Elementwise { terms: Expr::new(terms).unwrap().terms().to_vec(), depth: 2, reads: vec![Read::Same, Read::Cycle(4)], len: 12 };
         let k = EwKernel::new(&e, true).unwrap();
         use {EStep as S, EVal as V};
-        assert_eq!(k.steps, vec![S::Binary(Binary::Add, V::Arg(0), V::Arg(1)), S::Binary(Binary::Mul, V::Let(0), V::Lit(2.5f32.to_bits())), S::Unary(Unary::Relu, V::Let(1))]);
+        assert_eq!(
+            k.steps,
+            vec![
+                S::Binary(Binary::Add, V::Arg(0), V::Arg(1)),
+                S::Binary(Binary::Mul, V::Let(0), V::Lit(2.5f32.to_bits())),
+                S::Unary(Unary::Relu, V::Let(1))
+            ]
+        );
         assert_eq!((k.result, k.reads.clone()), (V::Let(2), vec![KRead::Same, KRead::Cycle(4)]));
         // In place needs operand 0 at the output's extents; five operands do not fit.
         assert!(EwKernel::new(&Elementwise { reads: vec![Read::Cycle(4), Read::Same], ..e }, true).is_none());

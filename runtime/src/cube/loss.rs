@@ -131,7 +131,15 @@ fn row<F: Float, I: Int>(logits: &[F], labels: &[I], dx: &mut [F], i: usize, sca
 /// bits. Without, `dx` is not touched. `_label_type`: the labels' element type (burn's int
 /// type on the device), given at launch.
 #[cube(launch_unchecked)]
-pub fn softmax_cross_entropy<F: Float, I: Int>(logits: &[F], labels: &[I], out: &mut [F], dx: &mut [F], #[comptime] d: LossDims, #[comptime] seed: Option<u32>, #[define(I)] _label_type: ElemType) {
+pub fn softmax_cross_entropy<F: Float, I: Int>(
+    logits: &[F],
+    labels: &[I],
+    out: &mut [F],
+    dx: &mut [F],
+    #[comptime] d: LossDims,
+    #[comptime] seed: Option<u32>,
+    #[define(I)] _label_type: ElemType,
+) {
     let n = comptime!(d.n as usize);
     let grad = comptime!(seed.is_some());
     let scale = seed_scale::<F>(d, comptime!(seed.unwrap_or(0)));
@@ -157,7 +165,14 @@ pub fn softmax_cross_entropy<F: Float, I: Int>(logits: &[F], labels: &[I], out: 
 /// per row (no reduction), as given (sum) or divided by `n` (mean). `_label_type` as in
 /// [`softmax_cross_entropy`].
 #[cube(launch_unchecked)]
-pub fn softmax_cross_entropy_grad<F: Float, I: Int>(logits: &[F], labels: &[I], dl: &[F], dx: &mut [F], #[comptime] d: LossDims, #[define(I)] _label_type: ElemType) {
+pub fn softmax_cross_entropy_grad<F: Float, I: Int>(
+    logits: &[F],
+    labels: &[I],
+    dl: &[F],
+    dx: &mut [F],
+    #[comptime] d: LossDims,
+    #[define(I)] _label_type: ElemType,
+) {
     let idx = ABSOLUTE_POS;
     if idx < dx.len() {
         let c = comptime!(d.c as usize);

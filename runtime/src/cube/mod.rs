@@ -33,10 +33,10 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime};
 use cellgraph_compiler::expr::{Binary, Unary};
 use cellgraph_compiler::update::Target;
-use ew::{EStep, EVal, EwKernel};
 use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeDim};
 use cubek::matmul::strategy::Strategy;
+use ew::{EStep, EVal, EwKernel};
 
 use crate::backend::Backend;
 use crate::host::Arena;
@@ -92,15 +92,7 @@ fn kval<F: Float>(w: F, g: F, s0: &[F], s1: &[F], consts: &[F], lets: &Sequence<
 /// where it keeps fewer); `consts` the scalar inputs, then the literals.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub fn update_clear<F: Float>(
-    p: &mut [F],
-    acc: &mut [F],
-    s0: &mut [F],
-    s1: &mut [F],
-    consts: &[F],
-    scale: f32,
-    #[comptime] prog: UpdateKernel,
-) {
+pub fn update_clear<F: Float>(p: &mut [F], acc: &mut [F], s0: &mut [F], s1: &mut [F], consts: &[F], scale: f32, #[comptime] prog: UpdateKernel) {
     let i = ABSOLUTE_POS;
     if i < p.len() {
         let w = p[i];
@@ -284,7 +276,8 @@ pub fn conv2d_filter_grad<F: Float>(x: &[F], dy: &[F], part: &mut [F], #[comptim
     if idx < part.len() {
         let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as i32, g.w as i32, g.o as usize, g.oh as usize, g.ow as usize));
         let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
-        let (cg, og, len, total, per) = comptime!(((g.c / g.groups) as usize, (g.o / g.groups) as usize, g.filter_len(), g.positions(), per as usize));
+        let (cg, og, len, total, per) =
+            comptime!(((g.c / g.groups) as usize, (g.o / g.groups) as usize, g.filter_len(), g.positions(), per as usize));
         let e = idx % len;
         let s = idx / len;
         let kx = e % kw;
@@ -404,7 +397,17 @@ fn tf32_strategy() -> Strategy {
 /// one after another in each buffer (attention's). False when cubek cannot set a kernel up
 /// on this device.
 #[allow(clippy::too_many_arguments)]
-fn cubek_matmul<R: CubeRuntime>(a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, batch: usize, [m, k, n]: [usize; 3], ta: bool, tb: bool, tiling: Tiling, tf32: bool) -> bool {
+fn cubek_matmul<R: CubeRuntime>(
+    a: &CubeTensor<R>,
+    b: &CubeTensor<R>,
+    y: &CubeTensor<R>,
+    batch: usize,
+    [m, k, n]: [usize; 3],
+    ta: bool,
+    tb: bool,
+    tiling: Tiling,
+    tf32: bool,
+) -> bool {
     use burn_backend::DType;
     use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
     let dims = |rows: usize, cols: usize| if batch > 1 { vec![batch, rows, cols] } else { vec![rows, cols] };
@@ -606,7 +609,15 @@ fn filter_grad<R: CubeRuntime>(dims: &ConvDims, dy: &CubeTensor<R>, x: &CubeTens
 /// [`sum_rows`] over a few rows; over many, their parts' sums ([`sum_row_parts`]) then the
 /// parts' sum, so that no unit walks thousands of rows.
 #[allow(clippy::too_many_arguments)]
-fn column_sums<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>, rows: usize, cols: usize, scale: Option<f32>, accumulate: bool, arena: &mut Arena) -> Option<()> {
+fn column_sums<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    y: &CubeTensor<R>,
+    rows: usize,
+    cols: usize,
+    scale: Option<f32>,
+    accumulate: bool,
+    arena: &mut Arena,
+) -> Option<()> {
     let client = &y.client;
     let (count, dim) = grid(client, cols);
     let scale = scale.map(f32::to_bits);
@@ -650,7 +661,17 @@ fn split_parts(m: usize, k: usize, n: usize, ta: bool, tb: bool) -> Option<usize
 /// (in part order: the same bits on every run). False, having launched nothing, when the
 /// product is not cut or cubek's batched kernel does not set up.
 #[allow(clippy::too_many_arguments)]
-fn split_matmul<R: CubeRuntime>([m, k, n]: [usize; 3], ta: bool, tb: bool, a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, accumulate: bool, tf32: bool, arena: &mut Arena) -> bool {
+fn split_matmul<R: CubeRuntime>(
+    [m, k, n]: [usize; 3],
+    ta: bool,
+    tb: bool,
+    a: &CubeTensor<R>,
+    b: &CubeTensor<R>,
+    y: &CubeTensor<R>,
+    accumulate: bool,
+    tf32: bool,
+    arena: &mut Arena,
+) -> bool {
     let Some(parts) = split_parts(m, k, n, ta, tb) else { return false };
     let client = &y.client;
     let len = parts * m * n;
@@ -671,7 +692,17 @@ fn split_matmul<R: CubeRuntime>([m, k, n]: [usize; 3], ta: bool, tb: bool, a: &C
 /// stores its result through the in-place epilogue `post` (operands after the first in
 /// `rest`); the others take [`EwKernel::identity`] only.
 #[allow(clippy::too_many_arguments)]
-fn head_kernel<R: CubeRuntime>(op: &Native, a: &CubeTensor<R>, b: &CubeTensor<R>, y: &CubeTensor<R>, numel: usize, tf32: bool, post: &EwKernel, rest: &[CubeTensor<R>], arena: &mut Arena) {
+fn head_kernel<R: CubeRuntime>(
+    op: &Native,
+    a: &CubeTensor<R>,
+    b: &CubeTensor<R>,
+    y: &CubeTensor<R>,
+    numel: usize,
+    tf32: bool,
+    post: &EwKernel,
+    rest: &[CubeTensor<R>],
+    arena: &mut Arena,
+) {
     let client = &y.client;
     let (count, dim) = grid(client, numel);
     // The epilogue's operands 1.. (slots it does not read get another operand, never `y`).
@@ -693,13 +724,29 @@ fn head_kernel<R: CubeRuntime>(op: &Native, a: &CubeTensor<R>, b: &CubeTensor<R>
         Native::Conv { kind, g, groups, out_channels, .. } => {
             let dims = ConvDims::of(&g, groups, out_channels);
             match kind {
-                ConvKind::Forward => unsafe { conv2d_forward::launch_unchecked::<f32, R>(client, count, dim, arr(a), arr(b), arr(y), x(0), x(1), x(2), dims, post.clone()) },
+                ConvKind::Forward => unsafe {
+                    conv2d_forward::launch_unchecked::<f32, R>(client, count, dim, arr(a), arr(b), arr(y), x(0), x(1), x(2), dims, post.clone())
+                },
                 ConvKind::InputGrad => unsafe { conv2d_input_grad::launch_unchecked::<f32, R>(client, count, dim, arr(a), arr(b), arr(y), dims) },
                 // The op's operands are (dy, x).
                 ConvKind::FilterGrad => filter_grad::<R>(&dims, a, b, y, false, arena),
             }
         }
-        Native::MaxPoolGrad { g, .. } => unsafe { pool::max_pool2d_grad::launch_unchecked::<f32, R>(client, count, dim, arr(a), arr(b), arr(y), x(0), x(1), x(2), ConvDims::of(&g, 1, g.x[1]), post.clone()) },
+        Native::MaxPoolGrad { g, .. } => unsafe {
+            pool::max_pool2d_grad::launch_unchecked::<f32, R>(
+                client,
+                count,
+                dim,
+                arr(a),
+                arr(b),
+                arr(y),
+                x(0),
+                x(1),
+                x(2),
+                ConvDims::of(&g, 1, g.x[1]),
+                post.clone(),
+            )
+        },
         _ => unreachable!("a head kernel runs matmuls, convolutions and pooling gradients"),
     }
 }
@@ -802,7 +849,14 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         true
     }
 
-    fn device_kernel(op: &Native, args: &[&CubeTensor<R>], ints: &[&CubeTensor<R>], out: &TensorType, tf32: bool, arena: &mut Arena) -> Option<CubeTensor<R>> {
+    fn device_kernel(
+        op: &Native,
+        args: &[&CubeTensor<R>],
+        ints: &[&CubeTensor<R>],
+        out: &TensorType,
+        tf32: bool,
+        arena: &mut Arena,
+    ) -> Option<CubeTensor<R>> {
         let first = args.first()?;
         let (client, device) = (first.client.clone(), first.device.clone());
         let int = int_dtype::<R>(&device);
@@ -888,12 +942,37 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 let y = output::<R>(arena, &client, &device, out.dims());
                 if *grad {
                     let dl = contiguous(args.get(1)?);
-                    unsafe { loss::softmax_cross_entropy_grad::launch_unchecked::<f32, R>(&client, count, dim, arr(&logits), arr(&labels), arr(&dl), arr(&y), dims, dtype_to_storage_type(int)) };
+                    unsafe {
+                        loss::softmax_cross_entropy_grad::launch_unchecked::<f32, R>(
+                            &client,
+                            count,
+                            dim,
+                            arr(&logits),
+                            arr(&labels),
+                            arr(&dl),
+                            arr(&y),
+                            dims,
+                            dtype_to_storage_type(int),
+                        )
+                    };
                 } else {
                     let (count, dim) = loss_grid(&client, n, *reduction);
                     // No gradient: `dx` is never touched (a one-element buffer of its own).
                     let dx = arena.take_scratch::<CubeTensor<R>>(1).unwrap_or_else(|| empty::<R>(&client, &device, &[1]));
-                    unsafe { loss::softmax_cross_entropy::launch_unchecked::<f32, R>(&client, count, dim, arr(&logits), arr(&labels), arr(&y), arr(&dx), dims, None, dtype_to_storage_type(int)) };
+                    unsafe {
+                        loss::softmax_cross_entropy::launch_unchecked::<f32, R>(
+                            &client,
+                            count,
+                            dim,
+                            arr(&logits),
+                            arr(&labels),
+                            arr(&y),
+                            arr(&dx),
+                            dims,
+                            None,
+                            dtype_to_storage_type(int),
+                        )
+                    };
                     arena.give_scratch(1, dx);
                 }
                 y
@@ -929,8 +1008,28 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                     if grad {
                         let dy = contiguous(args.get(1)?);
                         let stats = arena.take_scratch::<CubeTensor<R>>(3 * rows).unwrap_or_else(|| empty::<R>(&client, &device, &[3 * rows]));
-                        attention::attention_grad_rows::launch_unchecked::<f32, R>(&client, count.clone(), dim, arr(&qkv), arr(&dy), arr(&y), arr(&stats), scale, g);
-                        attention::attention_grad_cols::launch_unchecked::<f32, R>(&client, count, dim, arr(&qkv), arr(&dy), arr(&stats), arr(&y), scale, g);
+                        attention::attention_grad_rows::launch_unchecked::<f32, R>(
+                            &client,
+                            count.clone(),
+                            dim,
+                            arr(&qkv),
+                            arr(&dy),
+                            arr(&y),
+                            arr(&stats),
+                            scale,
+                            g,
+                        );
+                        attention::attention_grad_cols::launch_unchecked::<f32, R>(
+                            &client,
+                            count,
+                            dim,
+                            arr(&qkv),
+                            arr(&dy),
+                            arr(&stats),
+                            arr(&y),
+                            scale,
+                            g,
+                        );
                         arena.give_scratch(3 * rows, stats);
                     } else {
                         attention::attention_forward::launch_unchecked::<f32, R>(&client, count, dim, arr(&qkv), arr(&y), scale, g);
@@ -943,7 +1042,14 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         Some(y)
     }
 
-    fn device_loss_with_grad(op: &Native, args: &[&CubeTensor<R>], ints: &[&CubeTensor<R>], out: &TensorType, seed: f64, arena: &mut Arena) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
+    fn device_loss_with_grad(
+        op: &Native,
+        args: &[&CubeTensor<R>],
+        ints: &[&CubeTensor<R>],
+        out: &TensorType,
+        seed: f64,
+        arena: &mut Arena,
+    ) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
         let Native::SoftmaxCrossEntropy { c, reduction, grad: false, .. } = *op else { return None };
         let ([logits], [labels]) = (args, ints) else { return None };
         let int = int_dtype::<R>(&logits.device);
@@ -964,7 +1070,20 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         let (count, dim) = loss_grid(client, n, reduction);
         // SAFETY: each unit writes rows below `n` of `dx` (`n * c` elements) and of `y`, reading
         // rows below `n` of the logits and labels (class ids checked on the host).
-        unsafe { loss::softmax_cross_entropy::launch_unchecked::<f32, R>(client, count, dim, arr(&logits), arr(&labels), arr(&y), arr(&dx), dims, Some((seed as f32).to_bits()), dtype_to_storage_type(int)) };
+        unsafe {
+            loss::softmax_cross_entropy::launch_unchecked::<f32, R>(
+                client,
+                count,
+                dim,
+                arr(&logits),
+                arr(&labels),
+                arr(&y),
+                arr(&dx),
+                dims,
+                Some((seed as f32).to_bits()),
+                dtype_to_storage_type(int),
+            )
+        };
         Some((y, dx))
     }
 
@@ -989,7 +1108,8 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             // the accumulator (see `split_matmul`), in exact f32 (this hook has no TF32 opt-in).
             Native::MatMul { m, k, n, transpose_a, transpose_b, .. } => {
                 let [a, b] = args else { return false };
-                acc.meta.num_elements() == m * n && split_matmul::<R>([m, k, n], transpose_a, transpose_b, &contiguous(a), &contiguous(b), acc, true, false, arena)
+                acc.meta.num_elements() == m * n
+                    && split_matmul::<R>([m, k, n], transpose_a, transpose_b, &contiguous(a), &contiguous(b), acc, true, false, arena)
             }
             // A bias gradient: the column sums added into the accumulator.
             Native::SumRows { cols } => {
@@ -1001,7 +1121,14 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         }
     }
 
-    fn fused_update(prog: &UpdateKernel, p: &CubeTensor<R>, acc: &CubeTensor<R>, state: &[CubeTensor<R>], scale: f32, consts: &[f32]) -> Option<usize> {
+    fn fused_update(
+        prog: &UpdateKernel,
+        p: &CubeTensor<R>,
+        acc: &CubeTensor<R>,
+        state: &[CubeTensor<R>],
+        scale: f32,
+        consts: &[f32],
+    ) -> Option<usize> {
         let f32s = [p, acc].into_iter().chain(state).all(|t| t.dtype == DType::F32);
         f32s.then(|| launch_update::<R>(prog, p, acc, state, scale, consts))
     }

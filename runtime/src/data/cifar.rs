@@ -58,7 +58,10 @@ impl Cifar10 {
             let path = dir.join(&f);
             let bytes = std::fs::read(&path).map_err(|source| RuntimeError::Io {
                 path: path.display().to_string(),
-                source: std::io::Error::new(source.kind(), format!("{source} (pass --data-path the directory of the binary version, `cifar-10-batches-bin`)")),
+                source: std::io::Error::new(
+                    source.kind(),
+                    format!("{source} (pass --data-path the directory of the binary version, `cifar-10-batches-bin`)"),
+                ),
             })?;
             let part = Self::parse(&path, &bytes)?;
             all.images.extend(part.images);
@@ -88,7 +91,11 @@ impl Cifar10 {
         let mut out = Cifar10 { images: Vec::with_capacity(n * PIXELS), labels: Vec::with_capacity(n), source: path.display().to_string() };
         for (i, r) in b.chunks_exact(RECORD).enumerate() {
             if r[0] > 9 {
-                return Err(data_err(path, i * RECORD, format!("record {i} has label {}: CIFAR-10 labels are 0..=9 (is this the CIFAR-100 binary version?)", r[0])));
+                return Err(data_err(
+                    path,
+                    i * RECORD,
+                    format!("record {i} has label {}: CIFAR-10 labels are 0..=9 (is this the CIFAR-100 binary version?)", r[0]),
+                ));
             }
             out.labels.push(r[0]);
             out.images.extend_from_slice(&r[1..]);

@@ -54,10 +54,13 @@ pub fn parse_idx(path: &Path, b: &[u8]) -> Result<Idx> {
     if b.len() < header {
         return Err(data_err(path, b.len() as u64, format!("file ends inside the header ({header} bytes expected)")));
     }
-    let dims: Vec<usize> =
-        (0..ndim).map(|i| u32::from_be_bytes(b[4 + 4 * i..8 + 4 * i].try_into().unwrap()) as usize).collect();
+    let dims: Vec<usize> = (0..ndim).map(|i| u32::from_be_bytes(b[4 + 4 * i..8 + 4 * i].try_into().unwrap()) as usize).collect();
     if let Some(i) = dims.iter().position(|&d| d == 0) {
-        return Err(data_err(path, 4 + 4 * i as u64, format!("IDX dimension {i} is 0 (header says {dims:?}): {}", if i == 0 { "the file holds no items" } else { "its items are empty" })));
+        return Err(data_err(
+            path,
+            4 + 4 * i as u64,
+            format!("IDX dimension {i} is 0 (header says {dims:?}): {}", if i == 0 { "the file holds no items" } else { "its items are empty" }),
+        ));
     }
     let n = dims
         .iter()
@@ -67,11 +70,7 @@ pub fn parse_idx(path: &Path, b: &[u8]) -> Result<Idx> {
     let have = b.len() - header;
     if have != n {
         let what = if have < n { "truncated" } else { "has trailing bytes" };
-        return Err(data_err(
-            path,
-            (header + have.min(n)) as u64,
-            format!("{what}: header says {dims:?} = {n} bytes of data, file holds {have}"),
-        ));
+        return Err(data_err(path, (header + have.min(n)) as u64, format!("{what}: header says {dims:?} = {n} bytes of data, file holds {have}")));
     }
     Ok(Idx { dims, data: b[header..].to_vec() })
 }
@@ -121,11 +120,7 @@ impl Mnist {
             return Err(data_err(&lp, 3, format!("labels must have rank 1 [N], header says {:?}", labels.dims)));
         }
         if images.dims[0] != labels.dims[0] {
-            return Err(data_err(
-                &lp,
-                4,
-                format!("{} labels for {} images in {}", labels.dims[0], images.dims[0], ip.display()),
-            ));
+            return Err(data_err(&lp, 4, format!("{} labels for {} images in {}", labels.dims[0], images.dims[0], ip.display())));
         }
         if let Some(i) = labels.data.iter().position(|&l| l > 9) {
             return Err(data_err(&lp, 8 + i as u64, format!("label {} of item {i} is not a digit 0..9", labels.data[i])));

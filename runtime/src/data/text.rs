@@ -42,7 +42,9 @@ impl Corpus {
         let raw = std::fs::read(path).map_err(|source| RuntimeError::Io { path: path.display().to_string(), source })?;
         let bytes = if raw.starts_with(&[0x1f, 0x8b]) {
             let mut out = Vec::new();
-            flate2::read::GzDecoder::new(&raw[..]).read_to_end(&mut out).map_err(|e| data_err(path, 0, format!("corrupt gzip stream ({e}); copy the file again")))?;
+            flate2::read::GzDecoder::new(&raw[..])
+                .read_to_end(&mut out)
+                .map_err(|e| data_err(path, 0, format!("corrupt gzip stream ({e}); copy the file again")))?;
             out
         } else {
             raw
@@ -54,7 +56,11 @@ impl Corpus {
     /// newlines; anything else is an error at its offset.
     pub fn parse(path: &Path, text: Vec<u8>) -> Result<Corpus> {
         if let Some(i) = text.iter().position(|&b| !(b == b'\n' || b == b'\t' || b == b'\r' || (32..127).contains(&b))) {
-            return Err(data_err(path, i as u64, format!("byte {:#04x} is not printable ASCII: the character model reads plain ASCII text", text[i])));
+            return Err(data_err(
+                path,
+                i as u64,
+                format!("byte {:#04x} is not printable ASCII: the character model reads plain ASCII text", text[i]),
+            ));
         }
         if text.len() < 2 {
             return Err(data_err(path, 0, format!("{} bytes: a language model needs at least two characters", text.len())));
@@ -81,7 +87,10 @@ impl Corpus {
         s.iter()
             .enumerate()
             .map(|(i, &b)| match self.ids[b as usize] {
-                -1 => Err(RuntimeError::Invalid { what: format!("character {:?} at position {i}", b as char), detail: "is not in the corpus's vocabulary".into() }),
+                -1 => Err(RuntimeError::Invalid {
+                    what: format!("character {:?} at position {i}", b as char),
+                    detail: "is not in the corpus's vocabulary".into(),
+                }),
                 id => Ok(id),
             })
             .collect()
@@ -135,7 +144,9 @@ impl CharDataset {
         }
         let text = &corpus.text[range.clone()];
         let items: Vec<(usize, usize)> = match kind {
-            Items::Windows => (0..text.len().saturating_sub(context + 1) / context + usize::from(text.len() > context)).map(|i| (range.start + i * context, context + 1)).collect(),
+            Items::Windows => (0..text.len().saturating_sub(context + 1) / context + usize::from(text.len() > context))
+                .map(|i| (range.start + i * context, context + 1))
+                .collect(),
             Items::Lines => {
                 let mut v = Vec::new();
                 let mut start = 0;
@@ -230,7 +241,10 @@ impl crate::model::Dataset for CharDataset {
         self.sampling.batch_size()
     }
     fn describe(&self) -> String {
-        let limit = self.limit.filter(|&l| l < self.sampling.dataset_size(self.items.len())).map_or(String::new(), |l| format!(", the first {l} batches of each epoch"));
+        let limit = self
+            .limit
+            .filter(|&l| l < self.sampling.dataset_size(self.items.len()))
+            .map_or(String::new(), |l| format!(", the first {l} batches of each epoch"));
         format!("{}{limit}", self.sampling.describe(&self.describe_items(), self.items.len()))
     }
 }

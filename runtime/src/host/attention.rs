@@ -157,7 +157,23 @@ impl<F: HostFloat> pulp::WithSimd for Forward<'_, F> {
                 let r1 = (r0 + BAND).min(t);
                 let keys = band_keys(r1, t, causal);
                 // Y[r0..r1] = P[r0..r1, ..keys] V[..keys].
-                gemm_oriented::<F>(r1 - r0, keys, d, p.as_ptr().add(r0 * t), t as isize, 1, v, ld as isize, 1, F::ZERO, y.add(r0 * c), c as isize, 1, 1, Products::F32);
+                gemm_oriented::<F>(
+                    r1 - r0,
+                    keys,
+                    d,
+                    p.as_ptr().add(r0 * t),
+                    t as isize,
+                    1,
+                    v,
+                    ld as isize,
+                    1,
+                    F::ZERO,
+                    y.add(r0 * c),
+                    c as isize,
+                    1,
+                    1,
+                    Products::F32,
+                );
             }
         }
     }
@@ -227,8 +243,40 @@ impl<F: HostFloat> pulp::WithSimd for Backward<'_, F> {
                 let lo = if causal { c0 } else { 0 };
                 let rows = t - lo;
                 // dK[c0..c1] = dS[lo.., c0..c1]^T Q[lo..]; dV[c0..c1] = P[lo.., c0..c1]^T dY[lo..].
-                gemm_oriented::<F>(c1 - c0, rows, d, ds.as_ptr().add(lo * t + c0), 1, ti, q.add(lo * ld), ldi, 1, F::ZERO, dk.add(c0 * ld), ldi, 1, 1, Products::F32);
-                gemm_oriented::<F>(c1 - c0, rows, d, p.as_ptr().add(lo * t + c0), 1, ti, g.add(lo * c), ci, 1, F::ZERO, dv.add(c0 * ld), ldi, 1, 1, Products::F32);
+                gemm_oriented::<F>(
+                    c1 - c0,
+                    rows,
+                    d,
+                    ds.as_ptr().add(lo * t + c0),
+                    1,
+                    ti,
+                    q.add(lo * ld),
+                    ldi,
+                    1,
+                    F::ZERO,
+                    dk.add(c0 * ld),
+                    ldi,
+                    1,
+                    1,
+                    Products::F32,
+                );
+                gemm_oriented::<F>(
+                    c1 - c0,
+                    rows,
+                    d,
+                    p.as_ptr().add(lo * t + c0),
+                    1,
+                    ti,
+                    g.add(lo * c),
+                    ci,
+                    1,
+                    F::ZERO,
+                    dv.add(c0 * ld),
+                    ldi,
+                    1,
+                    1,
+                    Products::F32,
+                );
             }
         }
     }
@@ -290,7 +338,9 @@ mod tests {
             for h in 0..heads {
                 for i in 0..t {
                     let n = seen(i, t, causal);
-                    let s: Vec<f64> = (0..n).map(|j| (0..d).map(|x| qkv[at(bi, i, 0, h, x)] as f64 * qkv[at(bi, j, 1, h, x)] as f64).sum::<f64>() * scale).collect();
+                    let s: Vec<f64> = (0..n)
+                        .map(|j| (0..d).map(|x| qkv[at(bi, i, 0, h, x)] as f64 * qkv[at(bi, j, 1, h, x)] as f64).sum::<f64>() * scale)
+                        .collect();
                     let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                     let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
                     let sum: f64 = e.iter().sum();

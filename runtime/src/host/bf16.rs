@@ -54,7 +54,21 @@ thread_local! {
 /// The pointers and strides must describe matrices inside their allocations, and
 /// [`available`] must be true.
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn gemm(m: usize, k: usize, n: usize, a: *const f32, rsa: isize, csa: isize, b: *const f32, rsb: isize, csb: isize, beta: f32, c: *mut f32, rsc: isize, csc: isize) {
+pub unsafe fn gemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: *const f32,
+    rsa: isize,
+    csa: isize,
+    b: *const f32,
+    rsb: isize,
+    csb: isize,
+    beta: f32,
+    c: *mut f32,
+    rsc: isize,
+    csc: isize,
+) {
     debug_assert!(available());
     if m == 0 || n == 0 {
         return;
@@ -197,7 +211,18 @@ unsafe fn interleave_rows(lo: *const f32, hi: Option<*const f32>, cols: usize, d
 /// pairs (pair `q` of row `i` at `i * si + q * sq`), `panel` the columns' pairs; `add`: add to
 /// `C` rather than overwrite.
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile(kp: usize, a: *const u32, (si, sq): (usize, usize), panel: *const u32, c: *mut f32, rsc: isize, csc: isize, rows: usize, cols: usize, add: bool) {
+unsafe fn tile(
+    kp: usize,
+    a: *const u32,
+    (si, sq): (usize, usize),
+    panel: *const u32,
+    c: *mut f32,
+    rsc: isize,
+    csc: isize,
+    rows: usize,
+    cols: usize,
+    add: bool,
+) {
     #[cfg(target_arch = "x86_64")]
     return x86::tile(kp, a, si, sq, panel, c, rsc, csc, rows, cols, add);
     #[cfg(not(target_arch = "x86_64"))]
@@ -231,9 +256,8 @@ mod x86 {
     pub(super) unsafe fn interleave_rows(lo: *const f32, hi: Option<*const f32>, cols: usize, dst: &mut [u32]) {
         // Lanes 0..16 of the converted pair hold `lo`'s 16 values, 16..32 `hi`'s: put each
         // column's two side by side.
-        let idx = _mm512_set_epi16(
-            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0,
-        );
+        let idx =
+            _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
         let mut j = 0;
         while j < cols {
             let w = (cols - j).min(16);
@@ -249,7 +273,19 @@ mod x86 {
 
     #[target_feature(enable = "avx512f,avx512bf16")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn tile(kp: usize, a: *const u32, si: usize, sq: usize, panel: *const u32, c: *mut f32, rsc: isize, csc: isize, rows: usize, cols: usize, add: bool) {
+    pub(super) unsafe fn tile(
+        kp: usize,
+        a: *const u32,
+        si: usize,
+        sq: usize,
+        panel: *const u32,
+        c: *mut f32,
+        rsc: isize,
+        csc: isize,
+        rows: usize,
+        cols: usize,
+        add: bool,
+    ) {
         // Rows past `rows` read row 0 again (their sums are not stored).
         let r: [*const u32; MR] = std::array::from_fn(|i| a.add(if i < rows { i * si } else { 0 }));
         let mut acc = [[_mm512_setzero_ps(); 2]; MR];
@@ -264,7 +300,13 @@ mod x86 {
         }
         if csc == 1 {
             let m0: __mmask16 = if cols >= 16 { 0xffff } else { ((1u32 << cols) - 1) as u16 };
-            let m1: __mmask16 = if cols >= 32 { 0xffff } else if cols <= 16 { 0 } else { ((1u32 << (cols - 16)) - 1) as u16 };
+            let m1: __mmask16 = if cols >= 32 {
+                0xffff
+            } else if cols <= 16 {
+                0
+            } else {
+                ((1u32 << (cols - 16)) - 1) as u16
+            };
             for (i, acc) in acc.iter().enumerate().take(rows) {
                 let p = c.offset(i as isize * rsc);
                 let (mut x0, mut x1) = (acc[0], acc[1]);
@@ -330,7 +372,8 @@ mod tests {
                     for j in 0..n {
                         let (mut exact, mut mag) = (0f64, 0f64);
                         for l in 0..k {
-                            let x = a[(i as isize * rsa + l as isize * csa) as usize] as f64 * b[(l as isize * rsb + j as isize * csb) as usize] as f64;
+                            let x =
+                                a[(i as isize * rsa + l as isize * csa) as usize] as f64 * b[(l as isize * rsb + j as isize * csb) as usize] as f64;
                             exact += x;
                             mag += x.abs();
                         }
@@ -340,7 +383,11 @@ mod tests {
                             mag += (c0[at] as f64).abs();
                         }
                         let err = (c[at] as f64 - exact).abs();
-                        assert!(err <= (k + 1) as f64 * f32::EPSILON as f64 * mag, "{m}x{k}x{n} {ta} {tb} {tc} at ({i}, {j}): {} against {exact}", c[at]);
+                        assert!(
+                            err <= (k + 1) as f64 * f32::EPSILON as f64 * mag,
+                            "{m}x{k}x{n} {ta} {tb} {tc} at ({i}, {j}): {} against {exact}",
+                            c[at]
+                        );
                     }
                 }
             }

@@ -268,7 +268,9 @@ pub fn forward<F: Lanes>(g: &Geometry, x: &[F], w: &[F], o: usize, y: &mut [F], 
         pack(w, o, gr.c, gr.taps(), false, cap, packed);
         let images: Vec<_> = y.chunks_mut(yout.max(1)).enumerate().collect();
         each(images, |(i, y)| {
-            F::scratch(o * gr.span, |rows| dispatch(Forward { gr: &gr, x: &x[i * xin..][..xin], w: packed, offsets: &offsets, cap, rows, y: &mut *y }));
+            F::scratch(o * gr.span, |rows| {
+                dispatch(Forward { gr: &gr, x: &x[i * xin..][..xin], w: packed, offsets: &offsets, cap, rows, y: &mut *y })
+            });
             if let Some(post) = post {
                 post(i * yout, y);
             }
@@ -323,7 +325,16 @@ impl<F: Lanes> WithSimd for Forward<'_, F> {
 /// every vector written in `rows`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn forward_tile<F: Lanes, S: Simd, const T: usize, const Q: usize>(s: S, gr: &Grid, x: &[F], w: &[F], offsets: &[usize], q: [usize; Q], o0: usize, rows: &mut [F]) {
+fn forward_tile<F: Lanes, S: Simd, const T: usize, const Q: usize>(
+    s: S,
+    gr: &Grid,
+    x: &[F],
+    w: &[F],
+    offsets: &[usize],
+    q: [usize; Q],
+    o0: usize,
+    rows: &mut [F],
+) {
     let kk = offsets.len();
     let mut acc = [[zeros::<F, S>(s); Q]; T];
     for (c, wc) in w.chunks_exact(kk * T).enumerate().take(gr.c) {
@@ -434,7 +445,17 @@ impl<F: Lanes> WithSimd for Filter<'_, F> {
 /// `dyq` and `xs`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn filter_tile<F: Lanes, S: Simd, const R: usize, const C: usize>(s: S, gr: &Grid, xs: &[F], dyq: &[F], m: usize, rows: &[usize], o0: usize, j0: usize, dw: &mut [F]) {
+fn filter_tile<F: Lanes, S: Simd, const R: usize, const C: usize>(
+    s: S,
+    gr: &Grid,
+    xs: &[F],
+    dyq: &[F],
+    m: usize,
+    rows: &[usize],
+    o0: usize,
+    j0: usize,
+    dw: &mut [F],
+) {
     let xin = gr.images().0;
     let rows: [usize; C] = rows.try_into().expect("a tile's rows");
     let mut acc = [[zeros::<F, S>(s); C]; R];
@@ -531,7 +552,19 @@ impl<F: Lanes> WithSimd for Input<'_, F> {
 /// vector read lies in `dyq` and every vector written in `sums`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn input_tile<F: Lanes, S: Simd, const T: usize, const Q: usize>(s: S, gr: &Grid, dyq: &[F], w: &[F], kk: usize, tap: usize, off: usize, q: [usize; Q], c0: usize, sums: &mut [F], row: usize) {
+fn input_tile<F: Lanes, S: Simd, const T: usize, const Q: usize>(
+    s: S,
+    gr: &Grid,
+    dyq: &[F],
+    w: &[F],
+    kk: usize,
+    tap: usize,
+    off: usize,
+    q: [usize; Q],
+    c0: usize,
+    sums: &mut [F],
+    row: usize,
+) {
     let dy = dyq.as_ptr();
     let mut acc = [[zeros::<F, S>(s); Q]; T];
     for oo in 0..gr.o {

@@ -23,11 +23,11 @@ thread_local! {
     static PARTIALS_F64: Cell<Vec<f64>> = const { Cell::new(Vec::new()) };
 }
 
-pub use crate::kernel::Geometry;
 use super::toeplitz;
+pub use crate::kernel::Geometry;
 use crate::kernel::{Elementwise, KStep, KVal, Products, Read, UpdateKernel};
-use cellgraph_compiler::update::Target;
 use cellgraph_compiler::expr::{Binary, Term, Unary};
+use cellgraph_compiler::update::Target;
 use cellgraph_compiler::Reduction;
 
 /// A float element the host kernels compute in.
@@ -80,7 +80,22 @@ pub trait HostFloat:
     /// # Safety
     /// The pointers and strides must describe matrices inside their allocations.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn gemm(m: usize, k: usize, n: usize, a: *const Self, rsa: isize, csa: isize, b: *const Self, rsb: isize, csb: isize, beta: Self, c: *mut Self, rsc: isize, csc: isize, threads: usize);
+    unsafe fn gemm(
+        m: usize,
+        k: usize,
+        n: usize,
+        a: *const Self,
+        rsa: isize,
+        csa: isize,
+        b: *const Self,
+        rsb: isize,
+        csb: isize,
+        beta: Self,
+        c: *mut Self,
+        rsc: isize,
+        csc: isize,
+        threads: usize,
+    );
 }
 
 /// One implementation for both element types (`$scratch`: the type's thread-local scratch).
@@ -137,7 +152,22 @@ macro_rules! host_float {
             fn partials<R>(len: usize, f: impl FnOnce(&mut [$t]) -> R) -> R {
                 grown(&$partials, len, f)
             }
-            unsafe fn gemm(m: usize, k: usize, n: usize, a: *const $t, rsa: isize, csa: isize, b: *const $t, rsb: isize, csb: isize, beta: $t, c: *mut $t, rsc: isize, csc: isize, threads: usize) {
+            unsafe fn gemm(
+                m: usize,
+                k: usize,
+                n: usize,
+                a: *const $t,
+                rsa: isize,
+                csa: isize,
+                b: *const $t,
+                rsb: isize,
+                csb: isize,
+                beta: $t,
+                c: *mut $t,
+                rsc: isize,
+                csc: isize,
+                threads: usize,
+            ) {
                 let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
                 gemm::gemm(m, n, k, c, csc, rsc, beta != 0.0, a, csa, rsa, b, csb, rsb, beta, 1.0, false, false, false, par)
             }
@@ -193,7 +223,23 @@ pub(crate) fn vectorized<Op: pulp::WithSimd>(op: Op) -> Op::Output {
 /// # Safety
 /// As [`HostFloat::gemm`].
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn gemm_oriented<F: HostFloat>(m: usize, k: usize, n: usize, a: *const F, rsa: isize, csa: isize, b: *const F, rsb: isize, csb: isize, beta: F, c: *mut F, rsc: isize, csc: isize, threads: usize, pr: Products) {
+pub(super) unsafe fn gemm_oriented<F: HostFloat>(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: *const F,
+    rsa: isize,
+    csa: isize,
+    b: *const F,
+    rsb: isize,
+    csb: isize,
+    beta: F,
+    c: *mut F,
+    rsc: isize,
+    csc: isize,
+    threads: usize,
+    pr: Products,
+) {
     let along = m.max(n);
     let mut bands = threads.min(along / MIN_BAND);
     // The last band is the shortest.
@@ -239,7 +285,23 @@ const MIN_BAND: usize = 80;
 /// # Safety
 /// As [`HostFloat::gemm`].
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_turned<F: HostFloat>(m: usize, k: usize, n: usize, a: *const F, rsa: isize, csa: isize, b: *const F, rsb: isize, csb: isize, beta: F, c: *mut F, rsc: isize, csc: isize, threads: usize, pr: Products) {
+unsafe fn gemm_turned<F: HostFloat>(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: *const F,
+    rsa: isize,
+    csa: isize,
+    b: *const F,
+    rsb: isize,
+    csb: isize,
+    beta: F,
+    c: *mut F,
+    rsc: isize,
+    csc: isize,
+    threads: usize,
+    pr: Products,
+) {
     if pr == Products::Bf16 && std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>() {
         let padded = |m: usize, n: usize| m.div_ceil(8) * 8 * n.div_ceil(32) * 32;
         let beta = if beta == F::ZERO { 0.0 } else { 1.0 };
@@ -307,7 +369,18 @@ pub fn matmul<F: HostFloat>(a: Mat<F>, b: Mat<F>, c: &mut [F], p: Products) {
 /// `batch` products `op(a_i) @ op(b_i)` of `m x k` by `k x n`, each operand's matrices
 /// consecutive, into the row-major `c`; the products are shared among the pool's threads.
 #[allow(clippy::too_many_arguments)]
-pub fn batch_matmul<F: HostFloat>(a: &[F], b: &[F], batch: usize, m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool, c: &mut [F], p: Products) {
+pub fn batch_matmul<F: HostFloat>(
+    a: &[F],
+    b: &[F],
+    batch: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    transpose_a: bool,
+    transpose_b: bool,
+    c: &mut [F],
+    p: Products,
+) {
     let (sa, sb) = (m * k, k * n);
     let (ra, ca) = if transpose_a { (k, m) } else { (m, k) };
     let (rb, cb) = if transpose_b { (n, k) } else { (k, n) };
@@ -815,7 +888,25 @@ pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: us
                 im2col_batch(&sub, &dc, gi, xc, col);
                 let wg = &w[gi * dc.og * dc.kk..(gi + 1) * dc.og * dc.kk];
                 // SAFETY: wg is og x kk, col is kk x cols, rows is og x cols, all row-major.
-                unsafe { gemm_oriented::<F>(dc.og, dc.kk, dc.cols, wg.as_ptr(), dc.kk as isize, 1, col.as_ptr(), dc.cols as isize, 1, F::ZERO, rows.as_mut_ptr(), dc.cols as isize, 1, par, p) };
+                unsafe {
+                    gemm_oriented::<F>(
+                        dc.og,
+                        dc.kk,
+                        dc.cols,
+                        wg.as_ptr(),
+                        dc.kk as isize,
+                        1,
+                        col.as_ptr(),
+                        dc.cols as isize,
+                        1,
+                        F::ZERO,
+                        rows.as_mut_ptr(),
+                        dc.cols as isize,
+                        1,
+                        par,
+                        p,
+                    )
+                };
                 scatter_rows(&dc, o, gi, rows, yc);
             }
         });
@@ -856,9 +947,34 @@ pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w:
                 gather_rows(&dc, o, gi, dyc, rows);
                 let wg = &w[gi * dc.og * dc.kk..(gi + 1) * dc.og * dc.kk];
                 // SAFETY: wg^T is kk x og (read with swapped strides), rows is og x cols, col kk x cols.
-                unsafe { gemm_oriented::<F>(dc.kk, dc.og, dc.cols, wg.as_ptr(), 1, dc.kk as isize, rows.as_ptr(), dc.cols as isize, 1, F::ZERO, col.as_mut_ptr(), dc.cols as isize, 1, par, p) };
+                unsafe {
+                    gemm_oriented::<F>(
+                        dc.kk,
+                        dc.og,
+                        dc.cols,
+                        wg.as_ptr(),
+                        1,
+                        dc.kk as isize,
+                        rows.as_ptr(),
+                        dc.cols as isize,
+                        1,
+                        F::ZERO,
+                        col.as_mut_ptr(),
+                        dc.cols as isize,
+                        1,
+                        par,
+                        p,
+                    )
+                };
                 for i in 0..sub.x[0] {
-                    col2im(&sub, &col[i * dc.sp..], dc.cols, dc.cg, &mut dxc[(i * c + gi * dc.cg) * h * wi..(i * c + (gi + 1) * dc.cg) * h * wi], padded);
+                    col2im(
+                        &sub,
+                        &col[i * dc.sp..],
+                        dc.cols,
+                        dc.cg,
+                        &mut dxc[(i * c + gi * dc.cg) * h * wi..(i * c + (gi + 1) * dc.cg) * h * wi],
+                        padded,
+                    );
                 }
             }
         })
@@ -954,7 +1070,17 @@ pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x
 /// Chunk `k`'s filter gradient (images `k*per..`) into each `(k, part)`, per group `[og, kk]`,
 /// or `[kk, og]` if `transposed`.
 #[allow(clippy::too_many_arguments)]
-fn filter_grad_chunks<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize, per: usize, transposed: bool, parts: Vec<(usize, &mut [F])>, p: Products) {
+fn filter_grad_chunks<F: HostFloat>(
+    g: &Geometry,
+    groups: usize,
+    dy: &[F],
+    x: &[F],
+    o: usize,
+    per: usize,
+    transposed: bool,
+    parts: Vec<(usize, &mut [F])>,
+    p: Products,
+) {
     let [n, c, h, wd] = g.x;
     let par = gemm_threads(parts.len());
     let chunks = parts;
@@ -972,7 +1098,25 @@ fn filter_grad_chunks<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[
                 let dwg = &mut part[gi * dc.og * dc.kk..(gi + 1) * dc.og * dc.kk];
                 // SAFETY: rows is og x cols, col^T is cols x kk (swapped strides), dwg is og x kk
                 // (row-major, or column-major as the row-major [kk, og]).
-                unsafe { gemm_oriented::<F>(dc.og, dc.cols, dc.kk, rows.as_ptr(), dc.cols as isize, 1, col.as_ptr(), 1, dc.cols as isize, F::ZERO, dwg.as_mut_ptr(), rsc, csc, par, p) };
+                unsafe {
+                    gemm_oriented::<F>(
+                        dc.og,
+                        dc.cols,
+                        dc.kk,
+                        rows.as_ptr(),
+                        dc.cols as isize,
+                        1,
+                        col.as_ptr(),
+                        1,
+                        dc.cols as isize,
+                        F::ZERO,
+                        dwg.as_mut_ptr(),
+                        rsc,
+                        csc,
+                        par,
+                        p,
+                    )
+                };
             }
         })
     });
@@ -1335,7 +1479,14 @@ fn class(labels: &[i64], i: usize, c: usize) -> Option<usize> {
 /// `false` (nothing written) when a label is out of range: the reference lowering
 /// then reports it. The same ops in the same order as the reference lowering on burn's ops,
 /// so the same bits.
-pub fn softmax_cross_entropy<F: HostFloat>(logits: &[F], labels: &[i64], c: usize, reduction: Reduction, out: &mut [F], mut keep: Option<&mut [F]>) -> bool {
+pub fn softmax_cross_entropy<F: HostFloat>(
+    logits: &[F],
+    labels: &[i64],
+    c: usize,
+    reduction: Reduction,
+    out: &mut [F],
+    mut keep: Option<&mut [F]>,
+) -> bool {
     let n = labels.len();
     // Every label first: a bad one leaves nothing kept for a gradient.
     if (0..n).any(|i| class(labels, i, c).is_none()) {
@@ -1366,7 +1517,15 @@ pub fn softmax_cross_entropy<F: HostFloat>(logits: &[F], labels: &[i64], c: usiz
 /// `dl` per item (no reduction), as given (sum) or divided by `n` (mean). The log-softmax is
 /// the forward's (`kept`, the same bits) when given, else computed again from `logits`.
 /// `false` when a label is out of range.
-pub fn softmax_cross_entropy_grad<F: HostFloat>(logits: &[F], kept: Option<&[F]>, labels: &[i64], dl: &[F], c: usize, reduction: Reduction, dx: &mut [F]) -> bool {
+pub fn softmax_cross_entropy_grad<F: HostFloat>(
+    logits: &[F],
+    kept: Option<&[F]>,
+    labels: &[i64],
+    dl: &[F],
+    c: usize,
+    reduction: Reduction,
+    dx: &mut [F],
+) -> bool {
     let n = labels.len();
     F::scratch(c, |e| {
         for (i, (row, d)) in logits.chunks_exact(c).zip(dx.chunks_exact_mut(c)).enumerate().take(n) {
@@ -1573,7 +1732,8 @@ pub fn update_clear<F: HostFloat>(prog: &UpdateKernel, p: &mut [F], acc: &mut [F
     let per = n.div_ceil(threads).div_ceil(BLOCK).max(1) * BLOCK;
     // Each share: its part of the parameter, the accumulator and every state.
     let mut parts: Vec<Vec<&mut [F]>> = states.iter_mut().map(|s| s.chunks_mut(per).collect()).collect();
-    let shares: Vec<_> = p.chunks_mut(per).zip(acc.chunks_mut(per)).map(|(p, a)| (p, a, parts.iter_mut().map(|v| v.remove(0)).collect::<Vec<_>>())).collect();
+    let shares: Vec<_> =
+        p.chunks_mut(per).zip(acc.chunks_mut(per)).map(|(p, a)| (p, a, parts.iter_mut().map(|v| v.remove(0)).collect::<Vec<_>>())).collect();
     each(shares, |(p, acc, mut st)| {
         // Scratch: the gradient, the parameter and the states as they were, the steps' values.
         F::scratch((2 + st.len() + lets) * BLOCK, |scratch| vectorized(Update { prog, kept: &kept, consts, scale, p, acc, states: &mut st, scratch }))
@@ -1649,7 +1809,17 @@ impl<F: HostFloat> pulp::WithSimd for Update<'_, '_, F> {
 /// where the program reads one after writing it) from copies taken first.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn update_block<F: HostFloat>(prog: &UpdateKernel, kept: &[bool], consts: &[F], scale: F, p: &mut [F], acc: &mut [F], states: &mut [&mut [F]], start: usize, scratch: &mut [F]) {
+fn update_block<F: HostFloat>(
+    prog: &UpdateKernel,
+    kept: &[bool],
+    consts: &[F],
+    scale: F,
+    p: &mut [F],
+    acc: &mut [F],
+    states: &mut [&mut [F]],
+    start: usize,
+    scratch: &mut [F],
+) {
     let m = p.len();
     let k = states.len();
     let (fixed, lets) = scratch.split_at_mut((2 + k) * BLOCK);
@@ -1890,7 +2060,9 @@ impl<'a, F: Copy> Runs<'a, F> {
             Read::Same => (RunKind::Same, at(start)),
             Read::Splat => (RunKind::Splat, at(0)),
             Read::Cycle(m) if *m >= MIN_RUN => (RunKind::Cycle(*m), at(start % m)),
-            Read::Strided { out, strides } if out.len() <= MAX_RANK && *out.last()? >= MIN_RUN && *strides.last()? <= 1 => (RunKind::Strided { out, strides }, Odometer::new(out, strides, start)),
+            Read::Strided { out, strides } if out.len() <= MAX_RANK && *out.last()? >= MIN_RUN && *strides.last()? <= 1 => {
+                (RunKind::Strided { out, strides }, Odometer::new(out, strides, start))
+            }
             _ => return None,
         };
         Some(Runs { x, kind, k: 0, n, od })
@@ -2077,7 +2249,8 @@ pub(crate) mod tests {
                                 for kx in 0..g.kernel[1] {
                                     let (Some(iy), Some(ix)) = (g.at(0, oy, ky), g.at(1, ox, kx)) else { continue };
                                     let xc = (oc / og) * cg + ci;
-                                    acc += x[((i * c + xc) * h + iy) * wd + ix] as f64 * w[((oc * cg + ci) * g.kernel[0] + ky) * g.kernel[1] + kx] as f64;
+                                    acc += x[((i * c + xc) * h + iy) * wd + ix] as f64
+                                        * w[((oc * cg + ci) * g.kernel[0] + ky) * g.kernel[1] + kx] as f64;
                                 }
                             }
                         }
@@ -2186,7 +2359,15 @@ pub(crate) mod tests {
         let mut m = data(n / cols * cols, 3);
         m[5 * cols + 77] = f32::NAN;
         // The fold keeps the +0 it meets first; lane by lane, lane 1's -0 would come first.
-        m[9 * cols..10 * cols].iter_mut().enumerate().for_each(|(j, v)| *v = if j == 17 { -0.0 } else if j == 2 { 0.0 } else { -1.0 - j as f32 });
+        m[9 * cols..10 * cols].iter_mut().enumerate().for_each(|(j, v)| {
+            *v = if j == 17 {
+                -0.0
+            } else if j == 2 {
+                0.0
+            } else {
+                -1.0 - j as f32
+            }
+        });
         (m[11 * cols + 2], m[11 * cols + 90]) = (f32::NAN, f32::from_bits(0x7fc0_0001));
         let fold = |row: &[f32]| row[1..].iter().fold(row[0], |a, &b| if b > a || b != b { b } else { a });
         let want_max: Vec<u32> = m.chunks_exact(cols).map(|r| fold(r).to_bits()).collect();
@@ -2198,7 +2379,8 @@ pub(crate) mod tests {
             let sums: Vec<u32> = (0..kept)
                 .map(|o| {
                     let run = |p: usize| &x[(p * kept + o) * inner..][..inner];
-                    let total = (0..outer).fold(0.0f32, |s, p| s + if inner >= 16 { f32::ndarray_sum(run(p)) } else { run(p).iter().fold(0.0, |a, &v| a + v) });
+                    let total = (0..outer)
+                        .fold(0.0f32, |s, p| s + if inner >= 16 { f32::ndarray_sum(run(p)) } else { run(p).iter().fold(0.0, |a, &v| a + v) });
                     (total * 0.5).to_bits()
                 })
                 .collect();
@@ -2233,8 +2415,10 @@ pub(crate) mod tests {
         for (m, k, n) in [(1024, 128, 512), (128, 1024, 512), (160, 700, 40), (150, 700, 40), (40, 700, 170)] {
             for (ta, tb) in [(false, false), (true, false), (false, true)] {
                 let (a, b) = (data(m * k, m), data(k * n, n));
-                let ma = if ta { Mat { data: &a, rows: k, cols: m, transposed: true } } else { Mat { data: &a, rows: m, cols: k, transposed: false } };
-                let mb = if tb { Mat { data: &b, rows: n, cols: k, transposed: true } } else { Mat { data: &b, rows: k, cols: n, transposed: false } };
+                let ma =
+                    if ta { Mat { data: &a, rows: k, cols: m, transposed: true } } else { Mat { data: &a, rows: m, cols: k, transposed: false } };
+                let mb =
+                    if tb { Mat { data: &b, rows: n, cols: k, transposed: true } } else { Mat { data: &b, rows: k, cols: n, transposed: false } };
                 let one: Vec<u32> = new(m * n, |c| matmul(ma, mb, c, Products::F32)).into_iter().map(f32::to_bits).collect();
                 for threads in [2, 3, 4] {
                     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
@@ -2251,7 +2435,14 @@ pub(crate) mod tests {
     /// the time); LeNet5's first layer on 32 images, 4 chunks of 8, not 3 of 11.
     #[test]
     fn convolution_chunks_come_in_powers_of_two() {
-        let g = |c: usize, hw: usize, k: usize, out: usize| Geometry { x: [32, c, hw, hw], kernel: [k, k], stride: [1, 1], dilation: [1, 1], pad: [k / 2, k / 2], out: [out, out] };
+        let g = |c: usize, hw: usize, k: usize, out: usize| Geometry {
+            x: [32, c, hw, hw],
+            kernel: [k, k],
+            stride: [1, 1],
+            dilation: [1, 1],
+            pad: [k / 2, k / 2],
+            out: [out, out],
+        };
         let per = |g: Geometry, o: usize| chunk_images::<f32>(&conv_dims(&g, 1, o), 32);
         assert_eq!(per(g(64, 8, 3, 8), 64), 4);
         assert_eq!(per(g(128, 4, 3, 4), 128), 8);
@@ -2358,10 +2549,13 @@ pub(crate) mod tests {
     #[test]
     fn fused_programs_read_every_broadcast_and_round_as_the_ops_do() {
         use cellgraph_compiler::{Op, TensorType};
-        let expr: cellgraph_compiler::expr::Expr = "$0 $1 mul $2 add $3 sub relu $4 div $0 relu_grad 0.5 add exp log sqrt neg tanh erf".parse().unwrap();
+        let expr: cellgraph_compiler::expr::Expr =
+            "$0 $1 mul $2 add $3 sub relu $4 div $0 relu_grad 0.5 add exp log sqrt neg tanh erf".parse().unwrap();
         let dims: [&[usize]; 5] = [&[4, 100, 100], &[], &[100], &[100, 1], &[4, 1, 100]];
         let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.to_vec())).collect();
-        let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else { panic!("fused binds") };
+        let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else {
+            panic!("fused binds")
+        };
         assert_eq!(e.reads[..3], [Read::Same, Read::Splat, Read::Cycle(100)]);
         assert!(matches!(e.reads[3], Read::Strided { .. }) && matches!(e.reads[4], Read::Strided { .. }));
         let mut xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i)).collect();
@@ -2389,7 +2583,9 @@ pub(crate) mod tests {
         let expr: cellgraph_compiler::expr::Expr = "$0 $1 sub $2 div $0 mul".parse().unwrap();
         let dims: [&[usize]; 3] = [&[40, 64, 2, 2], &[1, 64, 1, 1], &[64, 1, 1]];
         let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.to_vec())).collect();
-        let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else { panic!("fused binds") };
+        let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else {
+            panic!("fused binds")
+        };
         assert_eq!(e.reads[1..].iter().map(|r| period(r, e.len)).collect::<Vec<_>>(), [Some(256), Some(256)]);
         let xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i)).collect();
         let args: Vec<&[f32]> = xs.iter().map(|v| &v[..]).collect();
@@ -2415,7 +2611,9 @@ pub(crate) mod tests {
         let expr: cellgraph_compiler::expr::Expr = "$0 $1 add $0 mul $2 sub 2.0 $0 mul $3 mul add".parse().unwrap();
         let dims: [&[usize]; 4] = [&[4, 100, 100], &[100], &[4, 100, 1], &[4, 1, 100]];
         let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.to_vec())).collect();
-        let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else { panic!("fused binds") };
+        let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else {
+            panic!("fused binds")
+        };
         let xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i)).collect();
         let extras: Vec<&[f32]> = xs[1..].iter().map(|v| &v[..]).collect();
         let mut got = xs[0].clone();

@@ -41,7 +41,12 @@ pub fn exp(x: f32) -> f32 {
     let fx = x * LOG2E + SHIFT;
     let n = fx - SHIFT;
     let r = (-n).mul_add(C2, (-n).mul_add(C1, x));
-    let p = 1.987_569_1e-4f32.mul_add(r, 1.398_199_9e-3).mul_add(r, 8.333_452e-3).mul_add(r, 4.166_579_6e-2).mul_add(r, 1.666_666_5e-1).mul_add(r, 5.000_000_1e-1);
+    let p = 1.987_569_1e-4f32
+        .mul_add(r, 1.398_199_9e-3)
+        .mul_add(r, 8.333_452e-3)
+        .mul_add(r, 4.166_579_6e-2)
+        .mul_add(r, 1.666_666_5e-1)
+        .mul_add(r, 5.000_000_1e-1);
     // Plain, not `p.mul_add(r * r, r)`: that was 1.008 ulp off at -5.854.
     let y = p * (r * r) + r + 1.0;
     let n = (fx.to_bits() as i32).wrapping_sub(0x4B40_0000);
@@ -59,11 +64,40 @@ pub fn exp(x: f32) -> f32 {
 pub fn erf(x: f32) -> f32 {
     // Highest degree first: `ERFC_NEAR` for `[0.875, 2)` about 1.4375, `ERFC_FAR` for
     // `[2, 3.92]` about 2.96.
-    const ERFC_NEAR: [f32; 11] = [-1.4828015e-4, -1.4575607e-3, 3.3460988e-3, 3.2417614e-3, -2.1110171e-2, 2.2477785e-2, 3.878314e-2, -1.4922485e-1, 2.054159e-1, -1.4289802e-1, 4.2059395e-2];
-    const ERFC_FAR: [f32; 11] = [-2.607944e-5, 2.1823054e-5, 1.4325116e-4, -4.5975426e-4, 8.5146347e-4, -1.1972423e-3, 1.2667334e-3, -9.75083e-4, 5.231258e-4, -1.766676e-4, 2.8382698e-5];
+    const ERFC_NEAR: [f32; 11] = [
+        -1.4828015e-4,
+        -1.4575607e-3,
+        3.3460988e-3,
+        3.2417614e-3,
+        -2.1110171e-2,
+        2.2477785e-2,
+        3.878314e-2,
+        -1.4922485e-1,
+        2.054159e-1,
+        -1.4289802e-1,
+        4.2059395e-2,
+    ];
+    const ERFC_FAR: [f32; 11] = [
+        -2.607944e-5,
+        2.1823054e-5,
+        1.4325116e-4,
+        -4.5975426e-4,
+        8.5146347e-4,
+        -1.1972423e-3,
+        1.2667334e-3,
+        -9.75083e-4,
+        5.231258e-4,
+        -1.766676e-4,
+        2.8382698e-5,
+    ];
     let a = x.abs();
     let s = x * x;
-    let r = (-6.222_423e-4f32).mul_add(s, 5.035_872e-3).mul_add(s, -2.679_395_5e-2).mul_add(s, 1.128_252_4e-1).mul_add(s, -3.761_255_7e-1).mul_add(s, 1.283_791_6e-1);
+    let r = (-6.222_423e-4f32)
+        .mul_add(s, 5.035_872e-3)
+        .mul_add(s, -2.679_395_5e-2)
+        .mul_add(s, 1.128_252_4e-1)
+        .mul_add(s, -3.761_255_7e-1)
+        .mul_add(s, 1.283_791_6e-1);
     let small = x.mul_add(r, x);
     let far = a >= 2.0;
     let u = (if a > 3.92 { 3.92 } else { a }) - if far { 2.96 } else { 1.4375 };
@@ -82,7 +116,12 @@ pub fn erf(x: f32) -> f32 {
 pub fn tanh(x: f32) -> f32 {
     let a = x.abs();
     let s = x * x;
-    let p = 2.399_000_4e-3f32.mul_add(s, -8.416_794e-3).mul_add(s, 2.178_376_8e-2).mul_add(s, -5.395_979e-2).mul_add(s, 1.333_329_5e-1).mul_add(s, -3.333_333_3e-1);
+    let p = 2.399_000_4e-3f32
+        .mul_add(s, -8.416_794e-3)
+        .mul_add(s, 2.178_376_8e-2)
+        .mul_add(s, -5.395_979e-2)
+        .mul_add(s, 1.333_329_5e-1)
+        .mul_add(s, -3.333_333_3e-1);
     let small = (x * s).mul_add(p, x);
     let large = 1.0 - 2.0 / (exp(2.0 * a) + 1.0);
     // The sign of `x` on both (-0 included, which `-0 + -0 * 0 * p` is not).
@@ -106,7 +145,26 @@ mod tests {
     /// payloads, infinities, zeros, subnormals): the same bits as `half`'s rounding.
     #[test]
     fn round_bf16_is_halfs_rounding() {
-        let edges = [0x0000_8000u32, 0x0001_8000, 0x3f80_8000, 0x3f81_8000, 0x7f7f_ffff, 0x7f7f_8000, 0x7f7f_7fff, 0xff7f_ffff, 0x7f80_0000, 0xff80_0000, 0x7f80_0001, 0xff80_0001, 0x7fc0_0000, 0x7fff_ffff, 0, 0x8000_0000, 1, 0x8000_7fff];
+        let edges = [
+            0x0000_8000u32,
+            0x0001_8000,
+            0x3f80_8000,
+            0x3f81_8000,
+            0x7f7f_ffff,
+            0x7f7f_8000,
+            0x7f7f_7fff,
+            0xff7f_ffff,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7f80_0001,
+            0xff80_0001,
+            0x7fc0_0000,
+            0x7fff_ffff,
+            0,
+            0x8000_0000,
+            1,
+            0x8000_7fff,
+        ];
         for b in (0..=u32::MAX).step_by(13).chain(edges) {
             let x = f32::from_bits(b);
             assert_eq!(super::round_bf16(x).to_bits(), half::bf16::from_f32(x).to_f32().to_bits(), "{b:#010x}");
@@ -117,7 +175,8 @@ mod tests {
     /// documented ulps of the f64 function.
     #[test]
     fn exp_erf_and_tanh_are_within_their_ulps_of_the_f64_functions() {
-        let cases: [(&str, fn(f32) -> f32, fn(f64) -> f64, f64); 3] = [("exp", super::exp, f64::exp, 1.0), ("erf", super::erf, libm::erf, 1.0), ("tanh", super::tanh, f64::tanh, 1.5)];
+        let cases: [(&str, fn(f32) -> f32, fn(f64) -> f64, f64); 3] =
+            [("exp", super::exp, f64::exp, 1.0), ("erf", super::erf, libm::erf, 1.0), ("tanh", super::tanh, f64::tanh, 1.5)];
         for (name, f, want, limit) in cases {
             let (mut worst, mut at) = (0.0f64, 0.0f32);
             for bits in (0..=u32::MAX).step_by(251) {

@@ -211,7 +211,12 @@ pub fn reshape<B: Backend>(t: FloatTensor<B>, ty: &TensorType, device: &Device<B
 
 /// `acc += g` in `acc`'s own memory when nothing else holds it (an accumulator read only by
 /// its `assign_add`) and both are host floats of one type and length; `Err(acc)` otherwise.
-pub fn assign_add<B: Backend>(acc: FloatTensor<B>, g: &FloatTensor<B>, ty: &TensorType, device: &Device<B>) -> Result<FloatTensor<B>, FloatTensor<B>> {
+pub fn assign_add<B: Backend>(
+    acc: FloatTensor<B>,
+    g: &FloatTensor<B>,
+    ty: &TensorType,
+    device: &Device<B>,
+) -> Result<FloatTensor<B>, FloatTensor<B>> {
     let Some(gs) = B::host_slice(g) else { return Err(acc) };
     let data = match (B::reclaim(acc)?, gs) {
         (HostVec::F32(mut a), HostSlice::F32(g)) if a.len() == g.len() => {
@@ -237,7 +242,14 @@ pub fn is_host_f32<B: Backend>(t: &FloatTensor<B>, len: usize) -> bool {
 /// [`kernels::update_clear`]): `bufs` are the parameter, its accumulator and its optimizer
 /// states, in place where nothing else holds them (else copied), returned updated (the
 /// accumulator zeroed). `Err(bufs)` when they are not all f32 host values of one length.
-pub fn update_clear<B: Backend>(prog: &UpdateKernel, bufs: Vec<FloatTensor<B>>, dims: &[usize], consts: &[f32], scale: f32, device: &Device<B>) -> Result<Vec<FloatTensor<B>>, Vec<FloatTensor<B>>> {
+pub fn update_clear<B: Backend>(
+    prog: &UpdateKernel,
+    bufs: Vec<FloatTensor<B>>,
+    dims: &[usize],
+    consts: &[f32],
+    scale: f32,
+    device: &Device<B>,
+) -> Result<Vec<FloatTensor<B>>, Vec<FloatTensor<B>>> {
     let n: usize = dims.iter().product();
     if bufs.len() < 2 || !bufs.iter().all(|t| is_host_f32::<B>(t, n)) {
         return Err(bufs);
@@ -365,7 +377,16 @@ impl Kept {
 /// operand is not `F` or the output is empty.
 /// `args` are the float operands and `ints` the integer ones, each in operand order; `tys` every
 /// operand's type, in order.
-fn run<F: Elem>(k: &Native, args: &[HostSlice], ints: &[&[i64]], tys: &[&TensorType], out: &TensorType, kept: &mut Kept, arena: &mut Arena, bf16: bool) -> Option<Vec<F>> {
+fn run<F: Elem>(
+    k: &Native,
+    args: &[HostSlice],
+    ints: &[&[i64]],
+    tys: &[&TensorType],
+    out: &TensorType,
+    kept: &mut Kept,
+    arena: &mut Arena,
+    bf16: bool,
+) -> Option<Vec<F>> {
     let a: Vec<&[F]> = args.iter().map(F::slice).collect::<Option<_>>()?;
     let len = out.numel();
     if let Native::SoftmaxCrossEntropy { c, reduction, grad, kept: slot, .. } = *k {
@@ -445,7 +466,9 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
     }
     match k {
         Native::Conv { kind: ConvKind::Forward, g, out_channels, direct: true, .. } => return direct::forward(g, a[0], a[1], *out_channels, y, post),
-        Native::Conv { kind: ConvKind::Forward, g, groups, out_channels, .. } => return kernels::conv2d(g, *groups, a[0], a[1], *out_channels, y, post, products(k)),
+        Native::Conv { kind: ConvKind::Forward, g, groups, out_channels, .. } => {
+            return kernels::conv2d(g, *groups, a[0], a[1], *out_channels, y, post, products(k))
+        }
         Native::MaxPoolGrad { g, kept: slot } => {
             let at_len = tys[1].numel();
             return match slot.and_then(|s| kept.argmax_of(s, at_len)) {
@@ -463,8 +486,12 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         }
         Native::Conv { kind: ConvKind::InputGrad, g, out_channels, direct: true, .. } => direct::input_grad(g, a[0], a[1], *out_channels, y),
         Native::Conv { kind: ConvKind::FilterGrad, g, out_channels, direct: true, .. } => direct::filter_grad(g, a[0], a[1], *out_channels, y),
-        Native::Conv { kind: ConvKind::InputGrad, g, groups, out_channels, .. } => kernels::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels, y, products(k)),
-        Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } => return kernels::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels, y, post, products(k)),
+        Native::Conv { kind: ConvKind::InputGrad, g, groups, out_channels, .. } => {
+            kernels::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels, y, products(k))
+        }
+        Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } => {
+            return kernels::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels, y, post, products(k))
+        }
         Native::MaxPool { g, keep } => match keep {
             Some(s) => kernels::max_pool2d(g, a[0], kept.argmax(*s, y.len()), y),
             None => kernels::max_pool2d(g, a[0], &mut vec![0; y.len()], y),
@@ -475,14 +502,20 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         Native::Fused(e) => kernels::fused(e, a, y),
         Native::SumRows { .. } => kernels::sum_rows(a[0], y),
         Native::SumPlanes { outer, inner, scale } => kernels::sum_planes(a[0], *outer, *inner, scale.map(F::from_f64), y),
-        Native::BatchMatMul { batch, m, k: kk, n, transpose_a, transpose_b, .. } => kernels::batch_matmul(a[0], a[1], *batch, *m, *kk, *n, *transpose_a, *transpose_b, y, products(k)),
+        Native::BatchMatMul { batch, m, k: kk, n, transpose_a, transpose_b, .. } => {
+            kernels::batch_matmul(a[0], a[1], *batch, *m, *kk, *n, *transpose_a, *transpose_b, y, products(k))
+        }
         Native::Permute { dims, perm } => kernels::permute(a[0], dims, perm, y),
         Native::Slice { dims, begin, end } => kernels::slice(a[0], dims, begin, end, y),
         Native::Pad { dims, lo, hi } => kernels::pad(a[0], dims, lo, hi, y),
         Native::CausalMask { t, s, fill } => kernels::causal_mask(a[0], *t, *s, F::from_f64(*fill), y),
         Native::MaxRows { cols } => kernels::max_rows(a[0], *cols, y),
-        &Native::Attention { b, t, heads, d, causal, grad: false, kept: slot } => attention::forward(a[0], [b, t, heads, d], causal, slot.map(|s| kept.rows::<F>(s, b * heads * t * t)), y),
-        &Native::Attention { b, t, heads, d, causal, grad: true, kept: slot } => attention::backward(a[0], a[1], [b, t, heads, d], causal, slot.and_then(|s| kept.rows_of::<F>(s, b * heads * t * t)), y),
+        &Native::Attention { b, t, heads, d, causal, grad: false, kept: slot } => {
+            attention::forward(a[0], [b, t, heads, d], causal, slot.map(|s| kept.rows::<F>(s, b * heads * t * t)), y)
+        }
+        &Native::Attention { b, t, heads, d, causal, grad: true, kept: slot } => {
+            attention::backward(a[0], a[1], [b, t, heads, d], causal, slot.and_then(|s| kept.rows_of::<F>(s, b * heads * t * t)), y)
+        }
         Native::Epilogue { .. } | Native::SoftmaxCrossEntropy { .. } => unreachable!("an epilogue's head is neither an epilogue nor a loss"),
     }
     kernels::post_all(post, y)
@@ -492,7 +525,16 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
 /// type, writing into a buffer from `arena`; `None` sends the step to burn's generic lowering.
 /// `args` are the float operands and `ints` the integer ones, each in operand order.
 #[allow(clippy::too_many_arguments)]
-pub fn run_host<B: Backend>(k: &Native, args: &[&FloatTensor<B>], ints: &[&IntTensor<B>], tys: &[&TensorType], out: &TensorType, (device, float, bf16): (&Device<B>, FloatDType, bool), kept: &mut Kept, arena: &mut Arena) -> Option<FloatTensor<B>> {
+pub fn run_host<B: Backend>(
+    k: &Native,
+    args: &[&FloatTensor<B>],
+    ints: &[&IntTensor<B>],
+    tys: &[&TensorType],
+    out: &TensorType,
+    (device, float, bf16): (&Device<B>, FloatDType, bool),
+    kept: &mut Kept,
+    arena: &mut Arena,
+) -> Option<FloatTensor<B>> {
     if !out.dtype.is_float() {
         return None;
     }

@@ -142,7 +142,25 @@ pub(super) fn forward_dense<F: HostFloat>(g: &Geometry, x: &[F], t: &[F], o: usi
         let (xt, yt) = s.split_at_mut(k * n);
         transpose(x, n, k, xt);
         // SAFETY: t is m x k, xt is k x n, yt is m x n, all row-major.
-        unsafe { gemm_oriented::<F>(m, k, n, t.as_ptr(), k as isize, 1, xt.as_ptr(), n as isize, 1, F::ZERO, yt.as_mut_ptr(), n as isize, 1, threads(n * k * m), p) };
+        unsafe {
+            gemm_oriented::<F>(
+                m,
+                k,
+                n,
+                t.as_ptr(),
+                k as isize,
+                1,
+                xt.as_ptr(),
+                n as isize,
+                1,
+                F::ZERO,
+                yt.as_mut_ptr(),
+                n as isize,
+                1,
+                threads(n * k * m),
+                p,
+            )
+        };
         transpose(yt, m, n, y);
     });
     post_all(post, y);
@@ -163,7 +181,25 @@ pub(super) fn input_grad_dense<F: HostFloat>(g: &Geometry, dy: &[F], t: &[F], o:
     let (k, m) = (c * h * wd, o * g.spatial());
     assert!(dx.len() == n * k && t.len() == m * k, "output and dense filter extents");
     // SAFETY: dy is n x m, t is m x k, dx is n x k, all row-major.
-    unsafe { gemm_oriented::<F>(n, m, k, dy.as_ptr(), m as isize, 1, t.as_ptr(), k as isize, 1, F::ZERO, dx.as_mut_ptr(), k as isize, 1, threads(n * k * m), p) };
+    unsafe {
+        gemm_oriented::<F>(
+            n,
+            m,
+            k,
+            dy.as_ptr(),
+            m as isize,
+            1,
+            t.as_ptr(),
+            k as isize,
+            1,
+            F::ZERO,
+            dx.as_mut_ptr(),
+            k as isize,
+            1,
+            threads(n * k * m),
+            p,
+        )
+    };
 }
 
 /// [`super::kernels::conv2d_filter_grad`] on a small map: `dt = dy^T @ x`, laid out
@@ -182,7 +218,25 @@ pub(super) fn filter_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], x:
             // SAFETY: dy^T is m x n (dy read with swapped strides); pixel q of every channel
             // of x is n x c (rows k apart, channels hw apart); its block of dt is m x c (rows k
             // apart), all inside their slices.
-            unsafe { gemm_oriented::<F>(m, n, c, dy.as_ptr(), 1, m as isize, x.as_ptr().add(q), k as isize, hw as isize, F::ZERO, dt.as_mut_ptr().add(q * c), k as isize, 1, threads(n * c * m), p) };
+            unsafe {
+                gemm_oriented::<F>(
+                    m,
+                    n,
+                    c,
+                    dy.as_ptr(),
+                    1,
+                    m as isize,
+                    x.as_ptr().add(q),
+                    k as isize,
+                    hw as isize,
+                    F::ZERO,
+                    dt.as_mut_ptr().add(q * c),
+                    k as isize,
+                    1,
+                    threads(n * c * m),
+                    p,
+                )
+            };
         }
         let dt = &*dt;
         // The kernel taps some entry goes through (on a 1 x 1 map, only the centre's).
@@ -237,7 +291,13 @@ mod tests {
     /// dense filter has zeros), with output channels that split unevenly over threads.
     fn cases() -> Vec<(Geometry, usize)> {
         let wide = Geometry { x: [2, 3, 1, 10], kernel: [1, 10], stride: [1, 1], dilation: [1, 1], pad: [0, 1], out: [1, 3] };
-        vec![(geometry(5, 7, [2, 2], 3, 1, 1), 9), (geometry(4, 6, [2, 2], 3, 2, 1), 11), (geometry(3, 8, [1, 1], 3, 1, 1), 5), (geometry(2, 3, [1, 2], 3, 1, 1), 4), (wide, 6)]
+        vec![
+            (geometry(5, 7, [2, 2], 3, 1, 1), 9),
+            (geometry(4, 6, [2, 2], 3, 2, 1), 11),
+            (geometry(3, 8, [1, 1], 3, 1, 1), 5),
+            (geometry(2, 3, [1, 2], 3, 1, 1), 4),
+            (wide, 6),
+        ]
     }
 
     /// Which convolutions go dense: the small maps above; not a 4x4 map (a 3x3 kernel padded by
