@@ -219,7 +219,7 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         eprintln!("kernel launches: {micro:.1} per micro-step, {:.1} at the boundary, {} per window", (c2 - c1) as f64 - micro, c2 - c0);
         let mut names: Vec<(u64, String)> =
             launches::by_name().into_iter().map(|(n, c)| (c - before.get(&n).copied().unwrap_or(0), n)).filter(|(c, _)| *c > 0).collect();
-        names.sort_by(|a, b| b.0.cmp(&a.0));
+        names.sort_by_key(|n| std::cmp::Reverse(n.0));
         for (c, n) in names {
             eprintln!("  {c:>4}  {n}");
         }

@@ -16,6 +16,10 @@
 pub use cellgraph_compiler::passes::grad_accumulation::{accumulator_name, LossScale, Normalization, Precision};
 use cellgraph_compiler::passes::grad_accumulation::{clear_graph, micro_graph, optimizer_graph, AccumulationOptions};
 use cellgraph_compiler::update::StateSpec;
+
+/// [`GradAccumulation::boundary_graphs`]: the optimizer graph, the clear graph, the optimizer
+/// state's parameters (name, type) and their specs.
+pub type BoundaryGraphs = (Graph, Graph, Vec<(String, TensorType)>, Vec<StateSpec>);
 use cellgraph_compiler::Graph;
 use cellgraph_compiler::{NodeId, TensorType};
 
@@ -134,7 +138,7 @@ impl GradAccumulation {
     /// Checks the configuration and a step's batch size.
     pub fn check_batch(&self, batch: usize) -> Result<()> {
         self.check()?;
-        if self.slicing == Slicing::InStep && batch % self.micro_size != 0 {
+        if self.slicing == Slicing::InStep && !batch.is_multiple_of(self.micro_size) {
             return Err(CellError::Config {
                 cell: "GradAccumulation".into(),
                 detail: format!(
@@ -169,7 +173,7 @@ impl GradAccumulation {
 
     /// The `optimizer` and `clear` graphs (they do not depend on the micro-batch shape), the
     /// accumulators and the optimizer state.
-    pub fn boundary_graphs(&self, opt: &dyn Optimizer) -> Result<(Graph, Graph, Vec<(String, TensorType)>, Vec<StateSpec>)> {
+    pub fn boundary_graphs(&self, opt: &dyn Optimizer) -> Result<BoundaryGraphs> {
         let trained = self.trained();
         let (optimizer, state) = optimizer_graph(&trained, opt, &self.options())?;
         let clear = clear_graph(&trained)?;

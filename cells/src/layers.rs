@@ -125,7 +125,7 @@ impl Conv2d {
     pub fn groups(mut self, g: usize) -> Result<Self> {
         let d = self.weight.ty.dims().to_vec();
         let in_channels = d[1] * self.attrs.groups;
-        if g == 0 || in_channels % g != 0 || d[0] % g != 0 {
+        if g == 0 || !in_channels.is_multiple_of(g) || !d[0].is_multiple_of(g) {
             return Err(CellError::Config {
                 cell: self.path.clone(),
                 detail: format!("groups {g} must divide in_channels {in_channels} and out_channels {}", d[0]),
@@ -320,7 +320,9 @@ impl SequentialCell {
     pub fn new(s: &Scope) -> Self {
         SequentialCell { scope: s.clone(), cells: Vec::new() }
     }
-    /// Appends the child built by `f` under the next index.
+    /// Appends the child built by `f` under the next index (a builder, as `SequentialCell`'s
+    /// list of cells is in MindSpore, not arithmetic).
+    #[allow(clippy::should_implement_trait)]
     pub fn add<C: Cell + 'static>(mut self, f: impl FnOnce(&Scope) -> C) -> Self {
         let child = self.scope.child(&self.cells.len().to_string());
         self.cells.push(Box::new(f(&child)));

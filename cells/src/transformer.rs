@@ -236,7 +236,7 @@ impl CausalSelfAttention {
     /// Attention of `width` features in `heads` heads; `proj_sigma` initialises `c_proj`;
     /// `dropout` on the attention probabilities and the output.
     pub fn new(s: &Scope, width: usize, heads: usize, proj_sigma: f64, dropout: f64) -> Result<Self> {
-        if heads == 0 || width % heads != 0 {
+        if heads == 0 || !width.is_multiple_of(heads) {
             return Err(CellError::Config {
                 cell: s.path().into(),
                 detail: format!("width {width} must be a multiple of the number of heads {heads}"),

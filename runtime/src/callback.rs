@@ -214,7 +214,7 @@ impl<B: Backend> Callback<B> for ModelCheckpoint {
     }
     fn step_end(&mut self, cx: &mut RunContext<B>) -> Result<()> {
         self.total_steps += 1;
-        if self.total_steps % self.config.save_checkpoint_steps.max(1) != 0 {
+        if !self.total_steps.is_multiple_of(self.config.save_checkpoint_steps.max(1)) {
             return Ok(());
         }
         let path = self.directory.join(format!("{}-{}_{}.{}", self.prefix, cx.epoch, cx.step, self.config.format));

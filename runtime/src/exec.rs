@@ -800,6 +800,9 @@ pub struct Session<B: Backend> {
     watch: Watch,
 }
 
+/// A capture's graph, the run's outputs, and why it cannot be replayed (if so).
+type Captured<B> = (burn_backend::BackendGraph<B>, Vec<Value<B>>, Option<String>);
+
 impl<B: Backend> Session<B> {
     /// An empty session on `device`.
     pub fn new(device: Device<B>) -> Self {
@@ -1072,12 +1075,7 @@ impl<B: Backend> Session<B> {
     /// buffers its outputs land in, and the first step it could not record, if any (that
     /// graph must not be replayed). A parameter the plan writes into a new buffer is copied
     /// into its own inside the graph (see [`Self::run_here`]).
-    fn capture(
-        &mut self,
-        exe: &Executable,
-        inputs: &[HostTensor],
-        fixed: &[Value<B>],
-    ) -> Result<(burn_backend::BackendGraph<B>, Vec<Value<B>>, Option<String>)> {
+    fn capture(&mut self, exe: &Executable, inputs: &[HostTensor], fixed: &[Value<B>]) -> Result<Captured<B>> {
         B::graph_start_capture(&self.device).map_err(|e| RuntimeError::Device(format!("starting the capture: {e:?}")))?;
         self.watch = Watch::Capture(None);
         let outs = self.run_here(exe, inputs, Some(fixed), None, &|v, _| v.clone());

@@ -133,7 +133,7 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
     if args.epochs == 0 || args.steps == 0 {
         return Err("--epochs and --steps must be at least 1".into());
     }
-    if args.batch_size % args.micro_size != 0 {
+    if !args.batch_size.is_multiple_of(args.micro_size) {
         return Err(format!("--batch-size {} must be a multiple of --micro-size {}", args.batch_size, args.micro_size).into());
     }
     if rank == 0 {
@@ -153,7 +153,7 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
     train.check_batches()?;
     // Validation: the same held-out windows (or lines) on every rank, in order.
     let val = CharDataset::new(corpus.clone(), val_part.clone(), kind, args.context, "Shakespeare held-out")?
-        .batch(args.eval_items.min(64).max(1), false)?
+        .batch(args.eval_items.clamp(1, 64), false)?
         .take_batches(args.eval_items.div_ceil(64));
     val.check_batches()?;
 

@@ -360,7 +360,8 @@ fn a_loss_that_is_not_a_scalar_is_a_clear_error() {
 /// (which a clip at 1e30 selects: its factor is exactly 1), and the accumulators are zero.
 #[test]
 fn the_one_pass_host_boundary_equals_the_optimizer_and_clear_graphs_bit_for_bit() {
-    let rules: Vec<(&str, fn() -> Rc<dyn Optimizer>)> = vec![
+    type Rule = (&'static str, fn() -> Rc<dyn Optimizer>);
+    let rules: Vec<Rule> = vec![
         ("Momentum", || Rc::new(Momentum::new(0.1, 0.9))),
         ("Momentum nesterov + wd", || Rc::new(Momentum { weight_decay: 0.01, use_nesterov: true, ..Momentum::new(0.1, 0.9) })),
         ("SGD", || Rc::new(SGD::new(0.1))),

@@ -52,9 +52,9 @@ fn adamw() -> Adam {
     Adam::adamw(LearningRate::Warmup { warmup: 3, then: Box::new(LearningRate::Cosine { base: 1e-2, min: 1e-3, total: 20 }) }, 0.1)
 }
 
-/// Token-weighting is checked in f64 (`Model::new_f64`): what it asserts is the normalisation, which
-/// f32's different summation orders (4 micro-batch sums against one) would blur at 1e-6 after
-/// 20 AdamW updates. (The gradients cross ranks in f32.)
+// Token-weighting is checked in f64 (`Model::new_f64`): what it asserts is the normalisation, which
+// f32's different summation orders (4 micro-batch sums against one) would blur at 1e-6 after
+// 20 AdamW updates. (The gradients cross ranks in f32.)
 
 fn params<B: cellgraph::runtime::Backend>(m: &Model<B>) -> BTreeMap<String, Vec<f32>> {
     gpt().parameters().iter().map(|p| (p.name.clone(), m.accumulator().session.param(&p.name).unwrap().to_f32())).collect()

@@ -280,7 +280,7 @@ fn loss_monitor_counts_global_steps_across_epochs_like_mindspore() {
 #[test]
 fn losses_print_as_python_floats() {
     use cellgraph::runtime::callback::py_float;
-    assert_eq!(py_float(7.793933868408203f32 as f64), "7.793933868408203");
+    assert_eq!(py_float(7.793_934_f32 as f64), "7.793933868408203");
     assert_eq!(py_float(2.0), "2.0");
     assert_eq!(py_float(0.1f32 as f64), "0.10000000149011612");
     assert_eq!(py_float(1e-5), "1e-05");

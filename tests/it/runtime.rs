@@ -87,7 +87,7 @@ fn bad_inputs_are_clear_errors() {
     assert!(e.starts_with("parameter `") && e.contains("has no value"), "{e}");
 
     let mut s = session_for(&net, 1);
-    let e = s.run(&exe, &[x.clone()]).unwrap_err().to_string();
+    let e = s.run(&exe, std::slice::from_ref(&x)).unwrap_err().to_string();
     assert_eq!(e, "inputs of graph `train_one_step`: expected 3 inputs, got 1");
     let e = s.run(&exe, &[x.clone(), HostTensor::i32(vec![5], vec![0; 5]).unwrap(), lr(0.1)]).unwrap_err().to_string();
     assert_eq!(e, "input 1 (`label`): expected i32[4], got i32[5]");
@@ -472,18 +472,18 @@ fn dense_filters_follow_their_parameters_writes() {
         f.run(exe, args).unwrap()
     };
     let mut s = session_for(&with_loss, 3);
-    let y0 = s.run(&fwd, &[x.clone()]).unwrap();
-    assert_eq!(y0, fresh(&s, &fwd, &[x.clone()]));
+    let y0 = s.run(&fwd, std::slice::from_ref(&x)).unwrap();
+    assert_eq!(y0, fresh(&s, &fwd, std::slice::from_ref(&x)));
     for _ in 0..2 {
         let expected = fresh(&s, &step, &[x.clone(), y.clone(), lr(0.5)]);
         assert_eq!(s.run(&step, &[x.clone(), y.clone(), lr(0.5)]).unwrap(), expected, "a step after a write");
     }
-    let y1 = s.run(&fwd, &[x.clone()]).unwrap();
+    let y1 = s.run(&fwd, std::slice::from_ref(&x)).unwrap();
     assert_ne!(y1, y0, "the steps changed the filters");
-    assert_eq!(y1, fresh(&s, &fwd, &[x.clone()]), "the forward after the optimizer's writes");
+    assert_eq!(y1, fresh(&s, &fwd, std::slice::from_ref(&x)), "the forward after the optimizer's writes");
     let w = s.param("net.1.weight").unwrap();
     s.set_param("net.1.weight", &HostTensor::f32(w.shape.clone(), w.to_f32().iter().map(|v| -v).collect()).unwrap());
-    let y2 = s.run(&fwd, &[x.clone()]).unwrap();
+    let y2 = s.run(&fwd, std::slice::from_ref(&x)).unwrap();
     assert_ne!(y2, y1);
-    assert_eq!(y2, fresh(&s, &fwd, &[x.clone()]), "the forward after set_param");
+    assert_eq!(y2, fresh(&s, &fwd, std::slice::from_ref(&x)), "the forward after set_param");
 }

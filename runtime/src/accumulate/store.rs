@@ -140,10 +140,7 @@ impl<B: Backend> Store<B> {
     /// on host backends one copy, straight out of the session's memory.
     pub fn gather_range(&self, session: &Session<B>, kind: Kind, lo: usize, len: usize) -> Result<Vec<f32>> {
         let mut out = Vec::with_capacity(len);
-        let all = match &self.flat {
-            Some(f) => Some(Value::<B>::Float(f.buffers[kind.index()].clone()).to_host().to_f32()),
-            None => None,
-        };
+        let all = self.flat.as_ref().map(|f| Value::<B>::Float(f.buffers[kind.index()].clone()).to_host().to_f32());
         let mut at = 0;
         for (s, p) in self.slots(kind).zip(&self.params) {
             let (a, b) = (lo.max(at), (lo + len).min(at + p.len));

@@ -86,7 +86,10 @@ pub fn init() -> Result<Arc<dyn Communicator>> {
     }
     #[cfg(feature = "mpi")]
     {
-        Ok(Arc::new(Mpi::init()?))
+        // One rank's communicator, shared by the objects of its one training thread.
+        #[allow(clippy::arc_with_non_send_sync)]
+        let comm = Arc::new(Mpi::init()?);
+        Ok(comm)
     }
     #[cfg(not(feature = "mpi"))]
     {

@@ -820,7 +820,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
     fn flat_view(buffer: &CubeTensor<R>, offset: usize, shape: &[usize]) -> Option<CubeTensor<R>> {
         let n: usize = shape.iter().product();
         let total = buffer.meta.num_elements();
-        if offset % ALIGN != 0 || offset + n > total || !buffer.is_contiguous() {
+        if !offset.is_multiple_of(ALIGN) || offset + n > total || !buffer.is_contiguous() {
             return None;
         }
         let size = buffer.dtype.size() as u64;

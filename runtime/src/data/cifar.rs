@@ -75,7 +75,7 @@ impl Cifar10 {
         if b.is_empty() {
             return Err(data_err(path, 0, "empty file: a CIFAR-10 batch file holds 3,073-byte records (a label byte, then 3,072 pixel bytes)"));
         }
-        if b.len() % RECORD != 0 {
+        if !b.len().is_multiple_of(RECORD) {
             let whole = b.len() / RECORD;
             return Err(data_err(
                 path,

@@ -139,7 +139,7 @@ impl Sampling {
     pub fn batch_lengths(&self, n: usize) -> Vec<usize> {
         let n = self.items_per_pass(n) * self.repeat;
         let mut v = vec![self.batch_size; n / self.batch_size];
-        if !self.drop_remainder && n % self.batch_size != 0 {
+        if !self.drop_remainder && !n.is_multiple_of(self.batch_size) {
             v.push(n % self.batch_size);
         }
         v

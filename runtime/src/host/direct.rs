@@ -120,7 +120,7 @@ fn lanes_sum<F: Lanes, S: Simd>(b: Block<F, S>) -> F {
     while n > 1 {
         n /= 2;
         for j in 0..n {
-            p[j] = p[j] + p[j + n];
+            p[j] += p[j + n];
         }
     }
     p[0]
@@ -405,7 +405,7 @@ pub fn filter_grad<F: Lanes>(g: &Geometry, dy: &[F], x: &[F], o: usize, dw: &mut
         });
         for part in rest.chunks_exact(size) {
             for (a, &b) in dw.iter_mut().zip(part) {
-                *a = *a + b;
+                *a += b;
             }
         }
     })

@@ -862,6 +862,7 @@ fn scatter_rows<F: HostFloat>(d: &ConvDims, o: usize, gi: usize, rows: &[F], nch
 /// Convolution: `x` `[n, c, h, w]`, `w` `[o, c/groups, kh, kw]` -> `[n, o, oh, ow]`. Per chunk
 /// of images and group, one GEMM: `w_g [og, kk] @ col [kk, m*oh*ow]`; `post` runs on each
 /// chunk's output.
+#[allow(clippy::too_many_arguments)]
 pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>, p: Products) {
     if let Some(taps) = toeplitz::taps(g, groups, o) {
         return toeplitz::forward(g, &taps, x, w, o, y, post, p);
@@ -993,6 +994,7 @@ pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w:
 /// `cargo bench --bench kernels`); `[kk, og]` packs the chunk's `dy` instead. With 128 output
 /// channels the arithmetic hides the packing and `dw`'s layout is faster (layer2: 1.19x the
 /// time transposed). `post` runs on the output in parts, as each is finished.
+#[allow(clippy::too_many_arguments)]
 pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize, dw: &mut [F], post: Post<F>, p: Products) {
     if let Some(taps) = toeplitz::taps(g, groups, o) {
         return toeplitz::filter_grad(g, &taps, dy, x, o, dw, post, p);
@@ -1412,7 +1414,7 @@ pub fn relu_grad<F: HostFloat>(dy: &[F], x: &[F], dx: &mut [F]) {
 pub fn add_assign<F: HostFloat>(acc: &mut [F], g: &[F]) {
     vectorized(
         #[inline(always)]
-        || acc.iter_mut().zip(g).for_each(|(a, &b)| *a = *a + b),
+        || acc.iter_mut().zip(g).for_each(|(a, &b)| *a += b),
     )
 }
 
@@ -1446,7 +1448,7 @@ pub fn sum_planes<F: HostFloat>(x: &[F], outer: usize, inner: usize, scale: Opti
                 add_assign(part, runs);
             } else {
                 for (o, run) in part.iter_mut().zip(runs.chunks_exact(inner)) {
-                    *o = *o + if inner >= 16 { F::ndarray_sum(run) } else { run.iter().fold(F::ZERO, |s, &v| s + v) };
+                    *o += if inner >= 16 { F::ndarray_sum(run) } else { run.iter().fold(F::ZERO, |s, &v| s + v) };
                 }
             }
         }
@@ -2205,6 +2207,219 @@ impl Odometer {
     }
 }
 
+/// Row-major strides of extents `dims`.
+fn strides_of(dims: &[usize]) -> Vec<usize> {
+    let mut st = vec![1; dims.len()];
+    for i in (0..dims.len().saturating_sub(1)).rev() {
+        st[i] = st[i + 1] * dims[i + 1];
+    }
+    st
+}
+
+/// The offsets of the rows of a walk over extents `ext` in row-major order (an odometer), in
+/// an array whose axes step by `st`, starting at `base`.
+fn row_offsets<'a>(ext: &'a [usize], st: &'a [usize], base: usize) -> impl Iterator<Item = usize> + 'a {
+    let mut idx = vec![0usize; ext.len()];
+    let mut at = base;
+    (0..ext.iter().product::<usize>()).map(move |_| {
+        let here = at;
+        for a in (0..ext.len()).rev() {
+            idx[a] += 1;
+            at += st[a];
+            if idx[a] < ext[a] {
+                break;
+            }
+            at -= st[a] * ext[a];
+            idx[a] = 0;
+        }
+        here
+    })
+}
+
+/// Runs `f(first, part)` on `y` cut into shares of whole rows of `row` elements (`first`:
+/// the share's first row) when there is more than one thread and `y` is large enough to be
+/// worth it: up to four shares per thread, of 8 blocks or more, taken by the threads as they
+/// come (a thread woken for the call starts tens of microseconds late; with one share each, the
+/// caller finished its own and waited for the other's, and outputs of 128 Ki elements ran at
+/// half the speed of one thread). Each element is computed the same way whatever the cut.
+fn row_shares<F: HostFloat>(y: &mut [F], row: usize, f: impl Fn(usize, &mut [F]) + Send + Sync) {
+    let work = y.len();
+    shares_of(y, row, work, f)
+}
+
+/// The most shares a kernel's work is cut into: up to four per thread, taken by the threads as
+/// they come (see [`row_shares`]); one on one thread.
+pub(super) fn most_shares() -> usize {
+    match rayon::current_num_threads() {
+        1 => 1,
+        t => 4 * t,
+    }
+}
+
+/// [`row_shares`] for a kernel whose work is `work` elements rather than its output's (a
+/// reduction reads more than it writes).
+fn shares_of<F: HostFloat>(y: &mut [F], row: usize, work: usize, f: impl Fn(usize, &mut [F]) + Send + Sync) {
+    if y.is_empty() {
+        return;
+    }
+    let rows = y.len().checked_div(row).unwrap_or(0);
+    let shares = most_shares().min(work / (8 * BLOCK)).min(rows);
+    if shares <= 1 {
+        return f(0, y);
+    }
+    let per = rows.div_ceil(shares);
+    let shares: Vec<(usize, &mut [F])> = y.chunks_mut(per * row).enumerate().map(|(i, c)| (i * per, c)).collect();
+    each(shares, |(first, part)| f(first, part));
+}
+
+/// `y` = the row-major `x` of extents `dims` with its axes permuted (`y`'s axis `i` is `x`'s
+/// axis `perm[i]`), written row-major; runs along a kept last axis are copied whole.
+pub fn permute<F: HostFloat>(x: &[F], dims: &[usize], perm: &[usize], y: &mut [F]) {
+    let r = dims.len();
+    if r == 0 || y.is_empty() {
+        return y.copy_from_slice(&x[..y.len()]);
+    }
+    let strides = strides_of(dims);
+    let out: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
+    let st: Vec<usize> = perm.iter().map(|&p| strides[p]).collect();
+    let (inner, step) = (out[r - 1], st[r - 1]);
+    row_shares(y, inner, |first, part| {
+        for (row, base) in part.chunks_exact_mut(inner).zip(row_offsets(&out[..r - 1], &st[..r - 1], 0).skip(first)) {
+            if step == 1 {
+                row.copy_from_slice(&x[base..base + inner]);
+            } else {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = x[base + j * step];
+                }
+            }
+        }
+    });
+}
+
+/// `y` = `x[begin..end]` on every axis of the row-major `x` of extents `dims`, row-major.
+pub fn slice<F: HostFloat>(x: &[F], dims: &[usize], begin: &[usize], end: &[usize], y: &mut [F]) {
+    let r = dims.len();
+    if r == 0 || y.is_empty() {
+        return y.copy_from_slice(&x[..y.len()]);
+    }
+    let st = strides_of(dims);
+    let out: Vec<usize> = (0..r).map(|i| end[i] - begin[i]).collect();
+    let base = (0..r).map(|i| begin[i] * st[i]).sum();
+    row_shares(y, out[r - 1], |first, part| {
+        for (row, at) in part.chunks_exact_mut(out[r - 1]).zip(row_offsets(&out[..r - 1], &st[..r - 1], base).skip(first)) {
+            row.copy_from_slice(&x[at..at + row.len()]);
+        }
+    });
+}
+
+/// `y` = the row-major `x` of extents `dims` padded with zeros, `lo[i]` before and `hi[i]`
+/// after axis `i`, row-major: each output row is zeros, or zeros around a row of `x`.
+pub fn pad<F: HostFloat>(x: &[F], dims: &[usize], lo: &[usize], hi: &[usize], y: &mut [F]) {
+    let r = dims.len();
+    if r == 0 || x.is_empty() || y.is_empty() {
+        y.fill(F::ZERO);
+        return y[..x.len()].copy_from_slice(x);
+    }
+    let out: Vec<usize> = (0..r).map(|i| lo[i] + dims[i] + hi[i]).collect();
+    let xst = strides_of(dims);
+    let (w, (l, xw)) = (out[r - 1], (lo[r - 1], dims[r - 1]));
+    row_shares(y, w, |first, part| {
+        // The multi-index of the share's first row over the outer axes.
+        let mut idx = vec![0; r - 1];
+        let mut rest = first;
+        for a in (0..r - 1).rev() {
+            (idx[a], rest) = (rest % out[a], rest / out[a]);
+        }
+        for row in part.chunks_exact_mut(w) {
+            if (0..r - 1).all(|a| idx[a] >= lo[a] && idx[a] < lo[a] + dims[a]) {
+                let at: usize = (0..r - 1).map(|a| (idx[a] - lo[a]) * xst[a]).sum();
+                row[..l].fill(F::ZERO);
+                row[l..l + xw].copy_from_slice(&x[at..at + xw]);
+                row[l + xw..].fill(F::ZERO);
+            } else {
+                row.fill(F::ZERO);
+            }
+            for a in (0..r - 1).rev() {
+                idx[a] += 1;
+                if idx[a] < out[a] {
+                    break;
+                }
+                idx[a] = 0;
+            }
+        }
+    });
+}
+
+/// Causal masking of `[..., t, s]` scores: element `(i, j)` of each `t x s` matrix is `fill`
+/// where `j > i + s - t`, else `x`'s.
+pub fn causal_mask<F: HostFloat>(x: &[F], t: usize, s: usize, fill: F, y: &mut [F]) {
+    if s == 0 || t == 0 {
+        return;
+    }
+    row_shares(y, s, |first, part| {
+        for (k, yr) in part.chunks_exact_mut(s).enumerate() {
+            let (g, i) = (first + k, (first + k) % t);
+            // Keys 0..=i + s - t are visible.
+            let seen = (i + s).saturating_sub(t).saturating_add(1).min(s);
+            let xr = &x[g * s..(g + 1) * s];
+            yr[..seen].copy_from_slice(&xr[..seen]);
+            yr[seen..].fill(fill);
+        }
+    });
+}
+
+/// The maximum of each row of the row-major `[rows, cols]` `x` (a NaN in a row makes it NaN:
+/// the last one's bits, as the sequential fold `if b > a || b != b { b } else { a }`).
+pub fn max_rows<F: HostFloat>(x: &[F], cols: usize, y: &mut [F]) {
+    if cols == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads().min(x.len() / (16 * BLOCK)).min(y.len()).max(1);
+    let per = y.len().div_ceil(threads);
+    let shares: Vec<(&[F], &mut [F])> = x.chunks(per * cols).zip(y.chunks_mut(per)).collect();
+    each(shares, |(x, y)| vectorized(MaxRows { x, cols, y }));
+}
+
+/// [`max_rows`] over one share, as a struct so that its loop is compiled for the dispatched
+/// instruction set ([`vectorized`]).
+struct MaxRows<'a, F> {
+    x: &'a [F],
+    cols: usize,
+    y: &'a mut [F],
+}
+
+impl<F: HostFloat> pulp::WithSimd for MaxRows<'_, F> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        const LANES: usize = 16;
+        // `b != b`: `b` is NaN (`HostFloat` has no `is_nan`).
+        #[allow(clippy::eq_op)]
+        let fold = |row: &[F]| row[1..].iter().fold(row[0], |a, &b| if b > a || b != b { b } else { a });
+        for (row, m) in self.x.chunks_exact(self.cols).zip(self.y.iter_mut()) {
+            // Lane by lane, then across the lanes: the same maximum as the fold unless the row
+            // holds a NaN (which one is kept) or the maximum is zero (which sign is kept),
+            // where the fold itself decides.
+            let mut acc = [row[0]; LANES];
+            let mut nan = [false; LANES];
+            let chunks = row.chunks_exact(LANES);
+            let rest = chunks.remainder();
+            for c in chunks {
+                for j in 0..LANES {
+                    acc[j] = if c[j] > acc[j] { c[j] } else { acc[j] };
+                    nan[j] |= c[j].is_nan();
+                }
+            }
+            let mut v = acc[0];
+            for &b in acc[1..].iter().chain(rest) {
+                v = if b > v { b } else { v };
+            }
+            let odd = nan.iter().any(|&n| n) || rest.iter().any(|b| b.is_nan()) || v == F::ZERO;
+            *m = if odd { fold(row) } else { v };
+        }
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -2627,219 +2842,6 @@ pub(crate) mod tests {
             let x0 = xs[0][i];
             let want = (x0 + xs[1][col]) * x0 - xs[2][n * 100 + r] + 2.0 * x0 * xs[3][n * 100 + col];
             assert_eq!(g.to_bits(), want.to_bits(), "element {i}: {g} vs {want}");
-        }
-    }
-}
-
-/// Row-major strides of extents `dims`.
-fn strides_of(dims: &[usize]) -> Vec<usize> {
-    let mut st = vec![1; dims.len()];
-    for i in (0..dims.len().saturating_sub(1)).rev() {
-        st[i] = st[i + 1] * dims[i + 1];
-    }
-    st
-}
-
-/// The offsets of the rows of a walk over extents `ext` in row-major order (an odometer), in
-/// an array whose axes step by `st`, starting at `base`.
-fn row_offsets<'a>(ext: &'a [usize], st: &'a [usize], base: usize) -> impl Iterator<Item = usize> + 'a {
-    let mut idx = vec![0usize; ext.len()];
-    let mut at = base;
-    (0..ext.iter().product::<usize>()).map(move |_| {
-        let here = at;
-        for a in (0..ext.len()).rev() {
-            idx[a] += 1;
-            at += st[a];
-            if idx[a] < ext[a] {
-                break;
-            }
-            at -= st[a] * ext[a];
-            idx[a] = 0;
-        }
-        here
-    })
-}
-
-/// Runs `f(first, part)` on `y` cut into shares of whole rows of `row` elements (`first`:
-/// the share's first row) when there is more than one thread and `y` is large enough to be
-/// worth it: up to four shares per thread, of 8 blocks or more, taken by the threads as they
-/// come (a thread woken for the call starts tens of microseconds late; with one share each, the
-/// caller finished its own and waited for the other's, and outputs of 128 Ki elements ran at
-/// half the speed of one thread). Each element is computed the same way whatever the cut.
-fn row_shares<F: HostFloat>(y: &mut [F], row: usize, f: impl Fn(usize, &mut [F]) + Send + Sync) {
-    let work = y.len();
-    shares_of(y, row, work, f)
-}
-
-/// The most shares a kernel's work is cut into: up to four per thread, taken by the threads as
-/// they come (see [`row_shares`]); one on one thread.
-pub(super) fn most_shares() -> usize {
-    match rayon::current_num_threads() {
-        1 => 1,
-        t => 4 * t,
-    }
-}
-
-/// [`row_shares`] for a kernel whose work is `work` elements rather than its output's (a
-/// reduction reads more than it writes).
-fn shares_of<F: HostFloat>(y: &mut [F], row: usize, work: usize, f: impl Fn(usize, &mut [F]) + Send + Sync) {
-    if y.is_empty() {
-        return;
-    }
-    let rows = y.len().checked_div(row).unwrap_or(0);
-    let shares = most_shares().min(work / (8 * BLOCK)).min(rows);
-    if shares <= 1 {
-        return f(0, y);
-    }
-    let per = rows.div_ceil(shares);
-    let shares: Vec<(usize, &mut [F])> = y.chunks_mut(per * row).enumerate().map(|(i, c)| (i * per, c)).collect();
-    each(shares, |(first, part)| f(first, part));
-}
-
-/// `y` = the row-major `x` of extents `dims` with its axes permuted (`y`'s axis `i` is `x`'s
-/// axis `perm[i]`), written row-major; runs along a kept last axis are copied whole.
-pub fn permute<F: HostFloat>(x: &[F], dims: &[usize], perm: &[usize], y: &mut [F]) {
-    let r = dims.len();
-    if r == 0 || y.is_empty() {
-        return y.copy_from_slice(&x[..y.len()]);
-    }
-    let strides = strides_of(dims);
-    let out: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
-    let st: Vec<usize> = perm.iter().map(|&p| strides[p]).collect();
-    let (inner, step) = (out[r - 1], st[r - 1]);
-    row_shares(y, inner, |first, part| {
-        for (row, base) in part.chunks_exact_mut(inner).zip(row_offsets(&out[..r - 1], &st[..r - 1], 0).skip(first)) {
-            if step == 1 {
-                row.copy_from_slice(&x[base..base + inner]);
-            } else {
-                for (j, v) in row.iter_mut().enumerate() {
-                    *v = x[base + j * step];
-                }
-            }
-        }
-    });
-}
-
-/// `y` = `x[begin..end]` on every axis of the row-major `x` of extents `dims`, row-major.
-pub fn slice<F: HostFloat>(x: &[F], dims: &[usize], begin: &[usize], end: &[usize], y: &mut [F]) {
-    let r = dims.len();
-    if r == 0 || y.is_empty() {
-        return y.copy_from_slice(&x[..y.len()]);
-    }
-    let st = strides_of(dims);
-    let out: Vec<usize> = (0..r).map(|i| end[i] - begin[i]).collect();
-    let base = (0..r).map(|i| begin[i] * st[i]).sum();
-    row_shares(y, out[r - 1], |first, part| {
-        for (row, at) in part.chunks_exact_mut(out[r - 1]).zip(row_offsets(&out[..r - 1], &st[..r - 1], base).skip(first)) {
-            row.copy_from_slice(&x[at..at + row.len()]);
-        }
-    });
-}
-
-/// `y` = the row-major `x` of extents `dims` padded with zeros, `lo[i]` before and `hi[i]`
-/// after axis `i`, row-major: each output row is zeros, or zeros around a row of `x`.
-pub fn pad<F: HostFloat>(x: &[F], dims: &[usize], lo: &[usize], hi: &[usize], y: &mut [F]) {
-    let r = dims.len();
-    if r == 0 || x.is_empty() || y.is_empty() {
-        y.fill(F::ZERO);
-        return y[..x.len()].copy_from_slice(x);
-    }
-    let out: Vec<usize> = (0..r).map(|i| lo[i] + dims[i] + hi[i]).collect();
-    let xst = strides_of(dims);
-    let (w, (l, xw)) = (out[r - 1], (lo[r - 1], dims[r - 1]));
-    row_shares(y, w, |first, part| {
-        // The multi-index of the share's first row over the outer axes.
-        let mut idx = vec![0; r - 1];
-        let mut rest = first;
-        for a in (0..r - 1).rev() {
-            (idx[a], rest) = (rest % out[a], rest / out[a]);
-        }
-        for row in part.chunks_exact_mut(w) {
-            if (0..r - 1).all(|a| idx[a] >= lo[a] && idx[a] < lo[a] + dims[a]) {
-                let at: usize = (0..r - 1).map(|a| (idx[a] - lo[a]) * xst[a]).sum();
-                row[..l].fill(F::ZERO);
-                row[l..l + xw].copy_from_slice(&x[at..at + xw]);
-                row[l + xw..].fill(F::ZERO);
-            } else {
-                row.fill(F::ZERO);
-            }
-            for a in (0..r - 1).rev() {
-                idx[a] += 1;
-                if idx[a] < out[a] {
-                    break;
-                }
-                idx[a] = 0;
-            }
-        }
-    });
-}
-
-/// Causal masking of `[..., t, s]` scores: element `(i, j)` of each `t x s` matrix is `fill`
-/// where `j > i + s - t`, else `x`'s.
-pub fn causal_mask<F: HostFloat>(x: &[F], t: usize, s: usize, fill: F, y: &mut [F]) {
-    if s == 0 || t == 0 {
-        return;
-    }
-    row_shares(y, s, |first, part| {
-        for (k, yr) in part.chunks_exact_mut(s).enumerate() {
-            let (g, i) = (first + k, (first + k) % t);
-            // Keys 0..=i + s - t are visible.
-            let seen = (i + s).saturating_sub(t).saturating_add(1).min(s);
-            let xr = &x[g * s..(g + 1) * s];
-            yr[..seen].copy_from_slice(&xr[..seen]);
-            yr[seen..].fill(fill);
-        }
-    });
-}
-
-/// The maximum of each row of the row-major `[rows, cols]` `x` (a NaN in a row makes it NaN:
-/// the last one's bits, as the sequential fold `if b > a || b != b { b } else { a }`).
-pub fn max_rows<F: HostFloat>(x: &[F], cols: usize, y: &mut [F]) {
-    if cols == 0 {
-        return;
-    }
-    let threads = rayon::current_num_threads().min(x.len() / (16 * BLOCK)).min(y.len()).max(1);
-    let per = y.len().div_ceil(threads);
-    let shares: Vec<(&[F], &mut [F])> = x.chunks(per * cols).zip(y.chunks_mut(per)).collect();
-    each(shares, |(x, y)| vectorized(MaxRows { x, cols, y }));
-}
-
-/// [`max_rows`] over one share, as a struct so that its loop is compiled for the dispatched
-/// instruction set ([`vectorized`]).
-struct MaxRows<'a, F> {
-    x: &'a [F],
-    cols: usize,
-    y: &'a mut [F],
-}
-
-impl<F: HostFloat> pulp::WithSimd for MaxRows<'_, F> {
-    type Output = ();
-    #[inline(always)]
-    fn with_simd<S: pulp::Simd>(self, _: S) {
-        const LANES: usize = 16;
-        // `b != b`: `b` is NaN (`HostFloat` has no `is_nan`).
-        #[allow(clippy::eq_op)]
-        let fold = |row: &[F]| row[1..].iter().fold(row[0], |a, &b| if b > a || b != b { b } else { a });
-        for (row, m) in self.x.chunks_exact(self.cols).zip(self.y.iter_mut()) {
-            // Lane by lane, then across the lanes: the same maximum as the fold unless the row
-            // holds a NaN (which one is kept) or the maximum is zero (which sign is kept),
-            // where the fold itself decides.
-            let mut acc = [row[0]; LANES];
-            let mut nan = [false; LANES];
-            let chunks = row.chunks_exact(LANES);
-            let rest = chunks.remainder();
-            for c in chunks {
-                for j in 0..LANES {
-                    acc[j] = if c[j] > acc[j] { c[j] } else { acc[j] };
-                    nan[j] |= c[j].is_nan();
-                }
-            }
-            let mut v = acc[0];
-            for &b in acc[1..].iter().chain(rest) {
-                v = if b > v { b } else { v };
-            }
-            let odd = nan.iter().any(|&n| n) || rest.iter().any(|b| b.is_nan()) || v == F::ZERO;
-            *m = if odd { fold(row) } else { v };
         }
     }
 }

@@ -377,6 +377,7 @@ impl Kept {
 /// operand is not `F` or the output is empty.
 /// `args` are the float operands and `ints` the integer ones, each in operand order; `tys` every
 /// operand's type, in order.
+#[allow(clippy::too_many_arguments)]
 fn run<F: Elem>(
     k: &Native,
     args: &[HostSlice],
@@ -415,7 +416,7 @@ fn run<F: Elem>(
     }
     let fits = match k {
         Native::Fused(e) | Native::Epilogue { post: e, .. } => e.len == len,
-        Native::SumRows { cols } => *cols == len && a[0].len() % cols == 0,
+        Native::SumRows { cols } => *cols == len && a[0].len().is_multiple_of(*cols),
         Native::SumPlanes { outer, inner, .. } => a[0].len() == outer * len * inner,
         Native::BatchMatMul { batch, m, k, n, .. } => len == batch * m * n && a[0].len() == batch * m * k && a[1].len() == batch * k * n,
         Native::Permute { dims, .. } | Native::Slice { dims, .. } | Native::Pad { dims, .. } => a[0].len() == dims.iter().product::<usize>(),

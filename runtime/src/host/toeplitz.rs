@@ -123,6 +123,7 @@ fn transpose<F: Copy>(a: &[F], rows: usize, cols: usize, out: &mut [F]) {
 
 /// [`super::kernels::conv2d`] on a small map: `y [n, o * sp] = x [n, c * hw] @ t^T`; `post` runs
 /// over the whole output after.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn forward<F: HostFloat>(g: &Geometry, taps: &[Tap], x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>, p: Products) {
     let [_, c, h, wd] = g.x;
     F::partials(o * g.spatial() * c * h * wd, |t| {
@@ -208,6 +209,7 @@ pub(super) fn input_grad_dense<F: HostFloat>(g: &Geometry, dy: &[F], t: &[F], o:
 /// order: for each output channel, the entries' rows of `c` added into the tap's row of a
 /// `[kk, c]` buffer (whole rows at a time, where adding entry by entry into `dw`'s `[c, kk]`
 /// strode through memory), which is then written out transposed.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn filter_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], x: &[F], o: usize, dw: &mut [F], post: Post<F>, p: Products) {
     let [n, c, h, wd] = g.x;
     let (sp, hw, kk) = (g.spatial(), h * wd, g.kernel[0] * g.kernel[1]);
