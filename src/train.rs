@@ -1,12 +1,13 @@
-//! `cellgraph train` and `cellgraph eval`: MindSpore's `Model.train` / `Model.eval` on MNIST
-//! from the command line.
+//! `cellgraph train` and `cellgraph eval`: MindSpore's `Model.train` / `Model.eval` from the
+//! command line, on MNIST (LeNet5, the MLP), MNIST or CIFAR-10 as 3 x 32 x 32 images
+//! (ResNet-18) and the Shakespeare characters (the GPT), each with its sample program's recipe.
 //!
-//! - `train`: a network (`--net lenet|mlp`) wrapped in `GradAccumulation` (`--accumulation
+//! - `train`: a network (`--net lenet|mlp|resnet18|gpt`) wrapped in `GradAccumulation` (`--accumulation
 //!   in-step|across-steps|boost`, `--micro-size`, `--normalization`), an optimizer, LossMonitor
 //!   and TimeMonitor lines, a progress bar on a terminal, a JSON-lines log (`--loss-log`, read
 //!   by `cellgraph plot`), a checkpoint (`--ckpt`) and resuming from one (`--resume`).
 //! - `eval`: the network's parameters from a checkpoint, scored on the test split:
-//!   `{'Accuracy': 0.9645}`.
+//!   `{'Accuracy': 0.9645}` (the GPT: the held-out text's loss per character, `{'Loss': 1.62}`).
 //!
 //! Every setting is checked before anything trains; errors are sentences (`error: ...`).
 
@@ -19,9 +20,13 @@ use clap::{Args, ValueEnum};
 use cellgraph::prelude::*;
 use cellgraph::runtime::burn_backend::tensor::Device;
 use cellgraph::runtime::callback::py_float;
-use cellgraph::runtime::data::{create_dataset, create_eval_dataset, ImageOp, MnistDataset};
+use std::sync::Arc;
+
+use cellgraph::runtime::data::{
+    create_dataset, create_eval_dataset, CharDataset, Cifar10, Cifar10Dataset, Corpus, ImageOp, Items, Mnist, MnistDataset, IGNORE_INDEX,
+};
 use cellgraph::runtime::device::{self, OnDevice};
-use cellgraph::runtime::{checkpoint, Backend, Position, ProgressBar, RunContext};
+use cellgraph::runtime::{checkpoint, Backend, Dataset, Metric, Position, ProgressBar, RunContext};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -32,7 +37,20 @@ pub enum Net {
     Lenet,
     /// The seed-002 MLP (`Network`: 784-512-512-10) on 28x28 images, CrossEntropyLoss.
     Mlp,
+    /// torchvision's ResNet-18 (batch norm in training mode) on 3 x 32 x 32 images with
+    /// CIFAR-10's augmentation: CIFAR-10 when `--data-path` holds its binary files, else the
+    /// MNIST digits; Colossal-AI's recipe (SGD(0.1, momentum 0.9, weight decay 5e-4), the
+    /// window's mean).
+    Resnet18,
+    /// The character-level GPT (4 layers, 4 heads, width 128, context 128) on the Shakespeare
+    /// text (`--data-path`, a text file or gzip; the last tenth held out): gpt_accumulation's
+    /// recipe (AdamW(3e-3, betas 0.9/0.99, weight decay 0.1), 10 warmup updates then cosine to
+    /// lr/10, clipping at global norm 1.0, token-weighted windows).
+    Gpt,
 }
+
+/// The GPT's shape (gpt_accumulation's defaults).
+const GPT_CONTEXT: usize = 128;
 
 /// Where micro-batches come from (see `GradAccumulation`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -55,6 +73,15 @@ pub enum Norm {
     Mean,
     /// The mean over the window's items (right when micro-batches differ in size).
     Item,
+    /// The mean over the window's tokens (labels other than the ignored index; the GPT's).
+    Tokens,
+}
+
+/// The micro-steps' compute precision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Compute {
+    F32,
+    Bf16,
 }
 
 /// The optimizers.
@@ -76,16 +103,44 @@ impl Net {
         match self {
             Net::Lenet => "lenet",
             Net::Mlp => "mlp",
+            Net::Resnet18 => "resnet18",
+            Net::Gpt => "gpt",
         }
+    }
+
+    /// Where its data is unless `--data-path` says.
+    fn default_data(self) -> &'static str {
+        match self {
+            Net::Gpt => "data/shakespeare/shakespeare.txt.gz",
+            _ => "data/mnist",
+        }
+    }
+
+    /// What `eval` and `--eval-each-epoch` report.
+    fn metric(self) -> Metric {
+        match self {
+            Net::Gpt => Metric::Loss,
+            _ => Metric::Accuracy,
+        }
+    }
+}
+
+/// What one item is, for the throughput line.
+fn items(net: Net) -> &'static str {
+    match net {
+        Net::Gpt => "sequences",
+        _ => "images",
     }
 }
 
 /// Where the data is and where it runs (both `train` and `eval`).
 #[derive(Args)]
 pub struct Place {
-    /// Directory with the MNIST IDX files (`train-images-idx3-ubyte[.gz]`, `t10k-...`).
-    #[arg(long, visible_alias = "data", value_name = "DIR", default_value = "data/mnist")]
-    data_path: PathBuf,
+    /// The data: a directory with the MNIST IDX files (`train-images-idx3-ubyte[.gz]`,
+    /// `t10k-...`; default data/mnist), for resnet18 also CIFAR-10's `cifar-10-batches-bin`,
+    /// for gpt a text file or its gzip (default data/shakespeare/shakespeare.txt.gz).
+    #[arg(long, visible_alias = "data", value_name = "PATH")]
+    data_path: Option<PathBuf>,
     /// `cpu`, `cuda`, `cuda:N`, `wgpu` or `auto` (a CUDA GPU when the binary has the `cuda`
     /// feature and the machine has one, else the CPU).
     #[arg(long, default_value = "auto")]
@@ -109,16 +164,23 @@ pub struct TrainArgs {
     /// per optimizer update (across-steps, boost). 1 is plain training.
     #[arg(long, value_name = "K", default_value_t = 4, value_parser = at_least_one)]
     micro_size: usize,
-    /// Gradient normalisation at each update [default: sum; mean with boost].
+    /// Gradient normalisation at each update [default: sum; mean with boost and for resnet18;
+    /// tokens for gpt].
     #[arg(long, value_enum)]
     normalization: Option<Norm>,
-    /// Optimizer [default: momentum for lenet, sgd for mlp].
+    /// Compute precision of the micro-steps: f32, or bf16 (values stored as bf16, f32
+    /// accumulators and optimizer state; on a CPU with AVX-512 BF16 its products of bf16 values
+    /// multiply bf16 pairs, elsewhere bf16 is emulated).
+    #[arg(long, value_enum, default_value_t = Compute::F32)]
+    precision: Compute,
+    /// Optimizer [default: momentum for lenet and resnet18, sgd for mlp, adamw for gpt].
     #[arg(long, value_enum)]
     optimizer: Option<Opt>,
-    /// Learning rate [default: 0.01; 0.001 for adam and adamw].
+    /// Learning rate [default: 0.01; 0.1 for resnet18; 0.001 for adam and adamw, 0.003 for
+    /// gpt (its peak: 10 warmup updates, then cosine to a tenth)].
     #[arg(long, value_name = "LR", allow_negative_numbers = true, value_parser = non_negative)]
     lr: Option<f64>,
-    /// Weight decay [default: 0; 0.01 for adamw].
+    /// Weight decay [default: 0; 0.01 for adamw; 5e-4 for resnet18, 0.1 for gpt].
     #[arg(long, value_name = "WD", allow_negative_numbers = true, value_parser = non_negative)]
     weight_decay: Option<f64>,
     /// Epochs to train, counting those a resumed checkpoint has done.
@@ -168,11 +230,14 @@ pub struct TrainArgs {
 
 const TRAIN_EXAMPLES: &str = "\
 Defaults: LeNet5, in-step accumulation with K = 4 (each batch of 32 sliced into 4 micro-batches
-of 8, summed), Momentum(0.01, 0.9), 1 epoch, seed 1 (the MLP: SGD(0.01)). One step is one batch.
+of 8, summed), Momentum(0.01, 0.9), 1 epoch, seed 1 (the MLP: SGD(0.01); ResNet-18 and the GPT:
+their sample programs' recipes, see --net). One step is one batch.
 
 Examples:
   cellgraph train --epochs 10 --ckpt lenet.ckpt --loss-log loss.jsonl --eval-each-epoch
   cellgraph train --net mlp --accumulation across-steps --micro-size 8 --normalization mean
+  cellgraph train --net resnet18 --steps 40 --eval-each-epoch
+  cellgraph train --net gpt --steps 60 --precision bf16 --eval-each-epoch
   cellgraph train --epochs 10 --resume lenet.ckpt --ckpt lenet.ckpt --loss-log loss.jsonl
   cellgraph eval --ckpt lenet.ckpt
   cellgraph plot loss.jsonl -o loss.svg";
@@ -210,12 +275,63 @@ fn non_negative(s: &str) -> Result<f64, String> {
     }
 }
 
-/// The network with its loss.
-fn with_loss(net: Net) -> WithLossCell {
-    match net {
+/// The network with its loss (`vocab`: the GPT's characters).
+fn with_loss(net: Net, vocab: usize) -> Res<WithLossCell> {
+    Ok(match net {
         Net::Lenet => WithLossCell::new(LeNet5::new(&Scope::root(), 10, 1), SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean)),
         Net::Mlp => WithLossCell::new(Network::new(&Scope::root()), CrossEntropyLoss::new()),
-    }
+        Net::Resnet18 => WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()),
+        Net::Gpt => {
+            let config = GptConfig { vocab_size: vocab, context: GPT_CONTEXT, layers: 4, heads: 4, width: 128, layer_norm_eps: 1e-5, dropout: 0.0 };
+            WithLossCell::new(GPT::new(&Scope::root(), config)?, CrossEntropyLoss::new().ignore_index(IGNORE_INDEX as i64).tokens())
+        }
+    })
+}
+
+/// A network's data: its training and test splits, and (the GPT) its characters.
+struct Data {
+    train: Box<dyn Dataset>,
+    test: Box<dyn Dataset>,
+    vocab: usize,
+}
+
+/// Loads `net`'s data from `path`: the training split shuffled each epoch (LeNet's
+/// `create_dataset`, the MLP's pipeline, CIFAR-10's augmentation, the GPT's windows of
+/// `GPT_CONTEXT + 1` characters), the test split in order, every item scored.
+fn data(net: Net, path: &Path, batch: usize, seed: u64) -> Res<Data> {
+    let images = |train: Box<dyn Dataset>, test: Box<dyn Dataset>| Data { train, test, vocab: 0 };
+    Ok(match net {
+        Net::Lenet => images(Box::new(create_dataset(path, "train", batch, 1, seed)?), Box::new(create_eval_dataset(path, "t10k", batch)?)),
+        Net::Mlp => images(
+            Box::new(MnistDataset::new(path, "train")?.map(mlp_ops()).shuffle(seed).batch(batch, false)?),
+            Box::new(MnistDataset::new(path, "t10k")?.map(mlp_ops()).batch(batch, false)?),
+        ),
+        Net::Resnet18 => {
+            let cifar = path.join("data_batch_1.bin").is_file();
+            let split = |s: &str| -> Res<Cifar10> {
+                Ok(if cifar {
+                    Cifar10::load(path, s)?
+                } else {
+                    Cifar10::from_mnist(&Mnist::load(path, if s == "train" { "train" } else { "t10k" })?)
+                })
+            };
+            if !cifar {
+                println!("--net resnet18: the MNIST digits in {} as 3 x 32 x 32 images (CIFAR-10's binary files are not there)", path.display());
+            }
+            images(
+                Box::new(Cifar10Dataset::new(split("train")?).augment(seed).shuffle(seed).batch(batch, true)?),
+                Box::new(Cifar10Dataset::new(split("test")?).batch(batch, false)?),
+            )
+        }
+        Net::Gpt => {
+            let corpus = Arc::new(Corpus::load(path)?);
+            let (train, held_out) = corpus.split(0.1);
+            let t = GPT_CONTEXT;
+            let train = CharDataset::new(corpus.clone(), train, Items::Windows, t, "Shakespeare train")?.shuffle(seed).batch(batch, true)?;
+            let test = CharDataset::new(corpus.clone(), held_out, Items::Windows, t, "Shakespeare held-out")?.batch(batch, false)?;
+            Data { train: Box::new(train), test: Box::new(test), vocab: corpus.vocab_size() }
+        }
+    })
 }
 
 /// The seed-002 MLP's pipeline: 28x28, scaled to [0, 1] and standardised.
@@ -223,65 +339,86 @@ fn mlp_ops() -> [ImageOp; 3] {
     [ImageOp::Rescale { rescale: 1.0 / 255.0, shift: 0.0 }, ImageOp::Normalize { mean: 0.1307, std: 0.3081 }, ImageOp::Hwc2Chw]
 }
 
-/// The training split, shuffled each epoch: LeNet's `create_dataset` (last partial batch
-/// dropped), or the MLP's pipeline (last partial batch kept).
-fn train_data(net: Net, dir: &Path, batch: usize, seed: u64) -> Res<MnistDataset> {
-    Ok(match net {
-        Net::Lenet => create_dataset(dir, "train", batch, 1, seed)?,
-        Net::Mlp => MnistDataset::new(dir, "train")?.map(mlp_ops()).shuffle(seed).batch(batch, false)?,
-    })
-}
-
-/// The test split in file order, every image scored.
-fn test_data(net: Net, dir: &Path, batch: usize) -> Res<MnistDataset> {
-    Ok(match net {
-        Net::Lenet => create_eval_dataset(dir, "t10k", batch)?,
-        Net::Mlp => MnistDataset::new(dir, "t10k")?.map(mlp_ops()).batch(batch, false)?,
-    })
-}
-
 impl TrainArgs {
     fn optimizer(&self) -> Opt {
         self.optimizer.unwrap_or(match self.net {
-            Net::Lenet => Opt::Momentum,
+            Net::Lenet | Net::Resnet18 => Opt::Momentum,
             Net::Mlp => Opt::Sgd,
+            Net::Gpt => Opt::Adamw,
         })
     }
 
     fn lr(&self) -> f64 {
-        self.lr.unwrap_or(if matches!(self.optimizer(), Opt::Adam | Opt::Adamw) { 1e-3 } else { 1e-2 })
+        self.lr.unwrap_or(match (self.net, self.optimizer()) {
+            (Net::Gpt, Opt::Adamw) => 3e-3,
+            (_, Opt::Adam | Opt::Adamw) => 1e-3,
+            (Net::Resnet18, _) => 0.1,
+            _ => 1e-2,
+        })
     }
 
-    fn network(&self) -> GradAccumulation {
-        let (net, k) = (with_loss(self.net), self.micro_size);
+    fn weight_decay(&self) -> f64 {
+        self.weight_decay.unwrap_or(match (self.net, self.optimizer()) {
+            (Net::Gpt, Opt::Adamw) => 0.1,
+            (_, Opt::Adamw) => 0.01,
+            (Net::Resnet18, _) => 5e-4,
+            _ => 0.0,
+        })
+    }
+
+    fn network(&self, vocab: usize) -> Res<GradAccumulation> {
+        let (net, k) = (with_loss(self.net, vocab)?, self.micro_size);
         let acc = match self.accumulation {
             Accumulation::InStep => GradAccumulation::new(net, k),
             Accumulation::AcrossSteps => GradAccumulation::across_steps(net, k),
             Accumulation::Boost => GradAccumulation::boost(net, k),
         };
-        match self.normalization {
+        let norm = self.normalization.or(match self.net {
+            Net::Resnet18 => Some(Norm::Mean),
+            Net::Gpt => Some(Norm::Tokens),
+            _ => None,
+        });
+        let mut acc = match norm {
             None => acc,
             Some(Norm::Sum) => acc.normalization(Normalization::Sum),
             Some(Norm::Mean) => acc.normalization(Normalization::Mean),
             Some(Norm::Item) => acc.normalization(Normalization::ItemWeighted),
+            Some(Norm::Tokens) => acc.normalization(Normalization::Tokens),
+        };
+        if self.net == Net::Gpt {
+            acc = acc.clip_global_norm(1.0);
         }
+        if self.precision == Compute::Bf16 {
+            acc = acc.precision(Precision::bf16());
+        }
+        Ok(acc)
     }
 
-    /// The model with the chosen optimizer.
-    fn model<B: Backend>(&self, device: Device<B>) -> Res<Model<B>> {
-        let (net, lr, seed) = (self.network(), self.lr(), self.seed);
-        let wd = self.weight_decay.unwrap_or(if self.optimizer() == Opt::Adamw { 0.01 } else { 0.0 });
-        Ok(match self.optimizer() {
+    /// The model with the chosen optimizer; `updates`: how many the run makes in all (the
+    /// GPT's cosine schedule ends there).
+    fn model<B: Backend>(&self, device: Device<B>, vocab: usize, updates: u64) -> Res<Model<B>> {
+        let (net, lr, wd, seed) = (self.network(vocab)?, self.lr(), self.weight_decay(), self.seed);
+        let model = match self.optimizer() {
             Opt::Momentum => Model::new(net, Momentum { weight_decay: wd, ..Momentum::new(lr, 0.9) }, device, seed)?,
             Opt::Sgd => Model::new(net, SGD { weight_decay: wd, ..SGD::new(lr) }, device, seed)?,
             Opt::Adam => Model::new(net, Adam { weight_decay: wd, ..Adam::new(lr) }, device, seed)?,
+            Opt::Adamw if self.net == Net::Gpt => {
+                let warmup = 10;
+                let then = LearningRate::Cosine { base: lr, min: lr / 10.0, total: updates.saturating_sub(warmup).max(1) };
+                let schedule = LearningRate::Warmup { warmup, then: Box::new(then) };
+                Model::new(net, Adam { beta2: 0.99, ..Adam::adamw(schedule, wd) }, device, seed)?
+            }
             Opt::Adamw => Model::new(net, Adam::adamw(lr, wd), device, seed)?,
-        })
+        };
+        Ok(model.with_metrics(&[self.net.metric()]))
     }
 
     /// What can be checked from the flags alone.
     fn check(&self) -> Res<()> {
         let (b, k) = (self.batch_size, self.micro_size);
+        if self.normalization == Some(Norm::Tokens) && self.net != Net::Gpt {
+            return Err(format!("--normalization tokens weighs a window by its tokens: it is for --net gpt, not --net {}", self.net.name()).into());
+        }
         if self.accumulation == Accumulation::InStep && b % k != 0 {
             let (lo, hi) = ((b / k).max(1) * k, (b / k + 1) * k);
             return Err(format!(
@@ -330,10 +467,19 @@ impl OnDevice for Eval<'_> {
 }
 
 fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
-    let (dir, batch) = (&args.place.data_path, args.batch_size);
-    let ds = train_data(args.net, dir, batch, args.seed)?;
-    let test = if args.eval_each_epoch { Some(test_data(args.net, dir, batch)?) } else { None };
-    let mut model = args.model::<B>(device)?;
+    let path = args.place.data_path.clone().unwrap_or_else(|| args.net.default_data().into());
+    let data = data(args.net, &path, args.batch_size, args.seed)?;
+    let ds = &*data.train;
+    let test = args.eval_each_epoch.then_some(&*data.test);
+    let updates = {
+        let steps = (ds.dataset_size() * args.epochs).min(args.steps.unwrap_or(usize::MAX)) as u64;
+        if args.accumulation == Accumulation::InStep {
+            steps
+        } else {
+            steps.div_ceil(args.micro_size as u64)
+        }
+    };
+    let mut model = args.model::<B>(device, data.vocab, updates)?;
     // MindSpore's save_graphs, read once here (see docs/ir-and-passes.md: graph dumps).
     if let Some(opts) = cellgraph::compiler::dump::DumpOptions::from_env()? {
         model.save_graphs(opts)?;
@@ -365,11 +511,16 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     }
     let updates_before = model.accumulator().updates();
     let t0 = Instant::now();
-    let steps = run_epochs(args, &mut model, &ds, test.as_ref(), log.as_mut())?;
+    let steps = run_epochs(args, &mut model, ds, test, log.as_mut())?;
     let secs = t0.elapsed().as_secs_f64();
     let updates = model.accumulator().updates() - updates_before;
     let p = model.position();
-    println!("trained {steps} steps, {updates} optimizer updates in {secs:.2} s ({:.0} images/s)", (steps * args.batch_size) as f64 / secs);
+    let per_second = (steps * args.batch_size) as f64 / secs;
+    let tokens = if args.net == Net::Gpt { format!(", {:.0} tokens/s", per_second * GPT_CONTEXT as f64) } else { String::new() };
+    println!("trained {steps} steps, {updates} optimizer updates in {secs:.2} s ({per_second:.0} {}/s{tokens})", items(args.net));
+    if let Some(p) = model.accumulator().micro_plans().find_map(|e| e.bf16_products()) {
+        println!("{p}");
+    }
     let session = &model.accumulator().session;
     if session.graphs() {
         // Whether replay did what `--graphs` asked, and why not where it did not.
@@ -405,8 +556,8 @@ fn place(p: Position) -> String {
 fn run_epochs<B: Backend>(
     args: &TrainArgs,
     model: &mut Model<B>,
-    ds: &MnistDataset,
-    test: Option<&MnistDataset>,
+    ds: &dyn Dataset,
+    test: Option<&dyn Dataset>,
     mut log: Option<&mut RunLog>,
 ) -> Res<usize> {
     let mut loss = LossMonitor::new(args.print_every);
@@ -427,10 +578,14 @@ fn run_epochs<B: Backend>(
             break; // stopped by --steps
         }
         if let Some(test) = test {
-            let acc = model.eval(test)?["Accuracy"];
-            println!("epoch: {epoch} {{'Accuracy': {}}}", py_float(acc));
+            let (name, key) = match args.net.metric() {
+                Metric::Loss => ("Loss", "loss"),
+                _ => ("Accuracy", "accuracy"),
+            };
+            let v = model.eval(test)?[name];
+            println!("epoch: {epoch} {{'{name}': {}}}", py_float(v));
             if let Some(l) = log.as_deref_mut() {
-                l.write(&serde_json::json!({"epoch": epoch, "updates": model.accumulator().updates(), "accuracy": acc}))?;
+                l.write(&serde_json::json!({"epoch": epoch, "updates": model.accumulator().updates(), key: v}))?;
             }
         }
     }
@@ -441,32 +596,34 @@ fn run_epochs<B: Backend>(
 }
 
 fn eval_on<B: Backend>(args: &EvalArgs, device: Device<B>) -> Res<()> {
-    let test = test_data(args.net, &args.place.data_path, args.batch_size)?;
-    let net = GradAccumulation::new(with_loss(args.net), 1);
+    let path = args.place.data_path.clone().unwrap_or_else(|| args.net.default_data().into());
+    let data = data(args.net, &path, args.batch_size, 1)?;
+    let net = GradAccumulation::new(with_loss(args.net, data.vocab)?, 1);
     let names: Vec<String> = net.parameters().into_iter().map(|p| p.name).collect();
-    let mut model = Model::<B>::new(net, SGD::new(0.0), device, 1)?;
+    let mut model = Model::<B>::new(net, SGD::new(0.0), device, 1)?.with_metrics(&[args.net.metric()]);
     let (tensors, _) = checkpoint::load(&args.ckpt)?;
     let missing: Vec<&str> = names.iter().filter(|n| !tensors.contains_key(*n)).map(String::as_str).collect();
     if !missing.is_empty() {
-        let other = if args.net == Net::Lenet { Net::Mlp } else { Net::Lenet };
+        let others: Vec<&str> = Net::value_variants().iter().filter(|n| **n != args.net).map(|n| n.name()).collect();
         let shown: Vec<&str> = missing.iter().take(4).copied().collect();
         return Err(format!(
-            "{}: not a checkpoint of --net {}: it lacks {} of the network's {} parameters ({}{}); was it written with --net {}?",
+            "{}: not a checkpoint of --net {}: it lacks {} of the network's {} parameters ({}{}); was it written with another --net ({})?",
             args.ckpt.display(),
             args.net.name(),
             missing.len(),
             names.len(),
             shown.join(", "),
             if missing.len() > shown.len() { ", ..." } else { "" },
-            other.name()
+            others.join(", ")
         )
         .into());
     }
     // Only the network's parameters: the optimizer state and counters do not score.
     let params = tensors.into_iter().filter(|(k, _)| names.contains(k)).collect();
     model.restore(&params)?;
-    let acc = model.eval(&test)?["Accuracy"];
-    println!("{{'Accuracy': {}}}", py_float(acc));
+    let name = if args.net.metric() == Metric::Loss { "Loss" } else { "Accuracy" };
+    let v = model.eval(&*data.test)?[name];
+    println!("{{'{name}': {}}}", py_float(v));
     Ok(())
 }
 

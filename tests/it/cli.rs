@@ -192,6 +192,66 @@ fn plot_draws_the_loss_curve_and_accuracy_as_svg() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `cellgraph train` covers every workload with its sample's recipe: ResNet-18 on the MNIST
+/// digits as 3 x 32 x 32 images (here in bf16), scored by accuracy; the GPT on a slice of the
+/// vendored Shakespeare, token-weighted, scored by the held-out loss per character; each
+/// checkpoint scores again with `eval`, and not as another network.
+#[test]
+fn train_covers_resnet18_and_the_gpt() {
+    let dir = tmp("nets");
+    small_mnist(&dir, 16, 8);
+    let data = dir.to_str().unwrap();
+    let ckpt = dir.join("resnet.ckpt");
+    let out = ok(&[
+        "train",
+        "--net",
+        "resnet18",
+        "--data-path",
+        data,
+        "--device",
+        "cpu",
+        "--batch-size",
+        "8",
+        "--print-every",
+        "1",
+        "--precision",
+        "bf16",
+        "--eval-each-epoch",
+        "--ckpt",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert!(out.contains("the MNIST digits in") && out.contains("epoch: 1 step: 2, loss is "), "{out}");
+    assert!(out.contains("trained 2 steps, 2 optimizer updates") && out.contains(" images/s)"), "{out}");
+    assert!(out.contains("bf16 products: "), "{out}");
+    assert!((0.0..=1.0).contains(&accuracy(&out)), "{out}");
+    let out = ok(&["eval", "--net", "resnet18", "--data-path", data, "--device", "cpu", "--ckpt", ckpt.to_str().unwrap()]);
+    assert!((0.0..=1.0).contains(&accuracy(&out)), "{out}");
+
+    // 60,000 characters of the play: 418 windows of 129 to train on, 47 held out.
+    let text = cellgraph::runtime::data::Corpus::load(Path::new("data/shakespeare/shakespeare.txt.gz")).unwrap().text;
+    let corpus = dir.join("shakespeare.txt");
+    std::fs::write(&corpus, &text[..60_000]).unwrap();
+    let (corpus, gpt) = (corpus.to_str().unwrap(), dir.join("gpt.ckpt"));
+    let base = ["train", "--net", "gpt", "--data-path", corpus, "--device", "cpu", "--batch-size", "8", "--print-every", "1"];
+    let out = ok(&[&base[..], &["--steps", "3", "--ckpt", gpt.to_str().unwrap()]].concat());
+    assert!(out.contains("epoch: 1 step: 3, loss is ") && out.contains("trained 3 steps, 3 optimizer updates"), "{out}");
+    assert!(out.contains(" sequences/s, ") && out.contains(" tokens/s)"), "{out}");
+    let loss = |out: &str| -> f64 {
+        let line = out.lines().find(|l| l.contains("{'Loss': ")).unwrap_or_else(|| panic!("no loss in:\n{out}"));
+        line.split("{'Loss': ").nth(1).unwrap().trim_end_matches('}').parse().unwrap()
+    };
+    let out = ok(&["eval", "--net", "gpt", "--data-path", corpus, "--device", "cpu", "--ckpt", gpt.to_str().unwrap()]);
+    // A loss per character, below a uniform guess over the full play's 84 characters (4.43 nats).
+    let l = loss(&out);
+    assert!(l > 0.0 && l < 4.43, "{out}");
+    refused(
+        &["eval", "--net", "resnet18", "--data-path", data, "--ckpt", gpt.to_str().unwrap()],
+        "was it written with another --net (lenet, mlp, gpt)?",
+    );
+    refused(&["train", "--net", "lenet", "--normalization", "tokens", "--data-path", data], "it is for --net gpt");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn bad_arguments_are_refused_before_anything_trains() {
     let dir = tmp("bad");
