@@ -288,50 +288,79 @@ fn with_loss(net: Net, vocab: usize) -> Res<WithLossCell> {
     })
 }
 
-/// A network's data: its training and test splits, and (the GPT) its characters.
-struct Data {
-    train: Box<dyn Dataset>,
-    test: Box<dyn Dataset>,
-    vocab: usize,
+/// Where a network's data is: each split is read when asked for (training reads the test split
+/// only for `--eval-each-epoch`, `eval` never reads the training split).
+struct Source<'a> {
+    net: Net,
+    path: &'a Path,
+    batch: usize,
+    /// ResNet-18: CIFAR-10's binary files are at `path` (else the MNIST digits stand in).
+    cifar: bool,
+    /// The GPT: the text, read once, and its training and held-out parts.
+    corpus: Option<(Arc<Corpus>, std::ops::Range<usize>, std::ops::Range<usize>)>,
 }
 
-/// Loads `net`'s data from `path`: the training split shuffled each epoch (LeNet's
-/// `create_dataset`, the MLP's pipeline, CIFAR-10's augmentation, the GPT's windows of
-/// `GPT_CONTEXT + 1` characters), the test split in order, every item scored.
-fn data(net: Net, path: &Path, batch: usize, seed: u64) -> Res<Data> {
-    let images = |train: Box<dyn Dataset>, test: Box<dyn Dataset>| Data { train, test, vocab: 0 };
-    Ok(match net {
-        Net::Lenet => images(Box::new(create_dataset(path, "train", batch, 1, seed)?), Box::new(create_eval_dataset(path, "t10k", batch)?)),
-        Net::Mlp => images(
-            Box::new(MnistDataset::new(path, "train")?.map(mlp_ops()).shuffle(seed).batch(batch, false)?),
-            Box::new(MnistDataset::new(path, "t10k")?.map(mlp_ops()).batch(batch, false)?),
-        ),
-        Net::Resnet18 => {
-            let cifar = path.join("data_batch_1.bin").is_file();
-            let split = |s: &str| -> Res<Cifar10> {
-                Ok(if cifar {
-                    Cifar10::load(path, s)?
-                } else {
-                    Cifar10::from_mnist(&Mnist::load(path, if s == "train" { "train" } else { "t10k" })?)
-                })
-            };
-            if !cifar {
-                println!("--net resnet18: the MNIST digits in {} as 3 x 32 x 32 images (CIFAR-10's binary files are not there)", path.display());
+impl<'a> Source<'a> {
+    /// `net`'s data at `path`, in batches of `batch` (the GPT's text is read here).
+    fn open(net: Net, path: &'a Path, batch: usize) -> Res<Self> {
+        let cifar = net == Net::Resnet18 && path.join("data_batch_1.bin").is_file();
+        if net == Net::Resnet18 && !cifar {
+            println!("--net resnet18: the MNIST digits in {} as 3 x 32 x 32 images (CIFAR-10's binary files are not there)", path.display());
+        }
+        let corpus = match net {
+            Net::Gpt => {
+                let corpus = Arc::new(Corpus::load(path)?);
+                let (train, held_out) = corpus.split(0.1);
+                Some((corpus, train, held_out))
             }
-            images(
-                Box::new(Cifar10Dataset::new(split("train")?).augment(seed).shuffle(seed).batch(batch, true)?),
-                Box::new(Cifar10Dataset::new(split("test")?).batch(batch, false)?),
-            )
-        }
-        Net::Gpt => {
-            let corpus = Arc::new(Corpus::load(path)?);
-            let (train, held_out) = corpus.split(0.1);
-            let t = GPT_CONTEXT;
-            let train = CharDataset::new(corpus.clone(), train, Items::Windows, t, "Shakespeare train")?.shuffle(seed).batch(batch, true)?;
-            let test = CharDataset::new(corpus.clone(), held_out, Items::Windows, t, "Shakespeare held-out")?.batch(batch, false)?;
-            Data { train: Box::new(train), test: Box::new(test), vocab: corpus.vocab_size() }
-        }
-    })
+            _ => None,
+        };
+        Ok(Source { net, path, batch, cifar, corpus })
+    }
+
+    /// The GPT's characters (0 for the image networks).
+    fn vocab(&self) -> usize {
+        self.corpus.as_ref().map_or(0, |(c, _, _)| c.vocab_size())
+    }
+
+    /// ResNet-18's images of a split (`train` or `test`).
+    fn images(&self, split: &str) -> Res<Cifar10> {
+        Ok(match self.cifar {
+            true => Cifar10::load(self.path, split)?,
+            false => Cifar10::from_mnist(&Mnist::load(self.path, if split == "train" { "train" } else { "t10k" })?),
+        })
+    }
+
+    /// The training split, shuffled each epoch: LeNet's `create_dataset`, the MLP's pipeline,
+    /// CIFAR-10's augmentation, the GPT's windows of `GPT_CONTEXT + 1` characters.
+    fn train(&self, seed: u64) -> Res<Box<dyn Dataset>> {
+        let (path, batch) = (self.path, self.batch);
+        Ok(match (self.net, &self.corpus) {
+            (Net::Lenet, _) => Box::new(create_dataset(path, "train", batch, 1, seed)?),
+            (Net::Mlp, _) => Box::new(MnistDataset::new(path, "train")?.map(mlp_ops()).shuffle(seed).batch(batch, false)?),
+            (Net::Resnet18, _) => Box::new(Cifar10Dataset::new(self.images("train")?).augment(seed).shuffle(seed).batch(batch, true)?),
+            (Net::Gpt, Some((corpus, train, _))) => Box::new(
+                CharDataset::new(corpus.clone(), train.clone(), Items::Windows, GPT_CONTEXT, "Shakespeare train")?
+                    .shuffle(seed)
+                    .batch(batch, true)?,
+            ),
+            (Net::Gpt, None) => unreachable!("`open` reads the GPT's text"),
+        })
+    }
+
+    /// The test split in order, every item scored.
+    fn test(&self) -> Res<Box<dyn Dataset>> {
+        let (path, batch) = (self.path, self.batch);
+        Ok(match (self.net, &self.corpus) {
+            (Net::Lenet, _) => Box::new(create_eval_dataset(path, "t10k", batch)?),
+            (Net::Mlp, _) => Box::new(MnistDataset::new(path, "t10k")?.map(mlp_ops()).batch(batch, false)?),
+            (Net::Resnet18, _) => Box::new(Cifar10Dataset::new(self.images("test")?).batch(batch, false)?),
+            (Net::Gpt, Some((corpus, _, held_out))) => Box::new(
+                CharDataset::new(corpus.clone(), held_out.clone(), Items::Windows, GPT_CONTEXT, "Shakespeare held-out")?.batch(batch, false)?,
+            ),
+            (Net::Gpt, None) => unreachable!("`open` reads the GPT's text"),
+        })
+    }
 }
 
 /// The seed-002 MLP's pipeline: 28x28, scaled to [0, 1] and standardised.
@@ -468,9 +497,10 @@ impl OnDevice for Eval<'_> {
 
 fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     let path = args.place.data_path.clone().unwrap_or_else(|| args.net.default_data().into());
-    let data = data(args.net, &path, args.batch_size, args.seed)?;
-    let ds = &*data.train;
-    let test = args.eval_each_epoch.then_some(&*data.test);
+    let source = Source::open(args.net, &path, args.batch_size)?;
+    let train = source.train(args.seed)?;
+    let test = if args.eval_each_epoch { Some(source.test()?) } else { None };
+    let (ds, test) = (&*train, test.as_deref());
     let updates = {
         let steps = (ds.dataset_size() * args.epochs).min(args.steps.unwrap_or(usize::MAX)) as u64;
         if args.accumulation == Accumulation::InStep {
@@ -479,7 +509,7 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
             steps.div_ceil(args.micro_size as u64)
         }
     };
-    let mut model = args.model::<B>(device, data.vocab, updates)?;
+    let mut model = args.model::<B>(device, source.vocab(), updates)?;
     // MindSpore's save_graphs, read once here (see docs/ir-and-passes.md: graph dumps).
     if let Some(opts) = cellgraph::compiler::dump::DumpOptions::from_env()? {
         model.save_graphs(opts)?;
@@ -597,8 +627,9 @@ fn run_epochs<B: Backend>(
 
 fn eval_on<B: Backend>(args: &EvalArgs, device: Device<B>) -> Res<()> {
     let path = args.place.data_path.clone().unwrap_or_else(|| args.net.default_data().into());
-    let data = data(args.net, &path, args.batch_size, 1)?;
-    let net = GradAccumulation::new(with_loss(args.net, data.vocab)?, 1);
+    let source = Source::open(args.net, &path, args.batch_size)?;
+    let test = source.test()?;
+    let net = GradAccumulation::new(with_loss(args.net, source.vocab())?, 1);
     let names: Vec<String> = net.parameters().into_iter().map(|p| p.name).collect();
     let mut model = Model::<B>::new(net, SGD::new(0.0), device, 1)?.with_metrics(&[args.net.metric()]);
     let (tensors, _) = checkpoint::load(&args.ckpt)?;
@@ -622,7 +653,7 @@ fn eval_on<B: Backend>(args: &EvalArgs, device: Device<B>) -> Res<()> {
     let params = tensors.into_iter().filter(|(k, _)| names.contains(k)).collect();
     model.restore(&params)?;
     let name = if args.net.metric() == Metric::Loss { "Loss" } else { "Accuracy" };
-    let v = model.eval(&*data.test)?[name];
+    let v = model.eval(&*test)?[name];
     println!("{{'{name}': {}}}", py_float(v));
     Ok(())
 }

@@ -376,15 +376,18 @@ fn bad_precision_settings_are_refused() {
     assert!(err(Precision::f16().loss_scale(Some(LossScale { init: 0.0, growth_interval: 10 }))).contains("init must be a finite number > 0"));
 }
 
-/// A model trained `updates` windows of 4 micro-batches under bf16 compute, with the CPU's bf16
-/// products on or off (the emulation), and the micro-step plan's account of its products.
-fn trained_bf16(
+/// A model trained on `batches` in windows of 4 micro-batches (AdamW), in `precision` (f32 when
+/// `None`) with the CPU's bf16 products on or off (the emulation): its parameters, its losses
+/// and the micro-step plan's account of its products.
+fn trained_adamw(
     net: WithLossCell,
     batches: &[Vec<HostTensor>],
+    precision: Option<Precision>,
     pairs: bool,
 ) -> (BTreeMap<String, Vec<f32>>, Vec<f32>, Option<cellgraph::runtime::Bf16Products>) {
     let names: Vec<String> = net.parameters().iter().map(|p| p.name.clone()).collect();
-    let net = GradAccumulation::across_steps(net, 4).precision(Precision::bf16());
+    let mut net = GradAccumulation::across_steps(net, 4);
+    net.precision = precision;
     let mut acc = Accumulator::<Cpu>::new(Rc::new(net), Rc::new(Adam::adamw(LearningRate::Constant(3e-3), 0.01)), cpu(), 5).unwrap();
     acc.session.set_bf16_products(pairs);
     let losses = batches.iter().map(|b| acc.step(b).unwrap().loss as f32).collect();
@@ -435,8 +438,8 @@ fn bf16_products_on_the_cpu_match_the_emulation() {
     type Case<'a> = (&'a str, &'a dyn Fn() -> WithLossCell, &'a [Vec<HostTensor>]);
     let cases: [Case; 3] = [("gpt", &gpt, &text), ("lenet5", &lenet, &images), ("resnet block", &block, &colour)];
     for (name, net, batches) in cases {
-        let (pairs, pair_losses, plan) = trained_bf16(net(), batches, true);
-        let (emulated, emulated_losses, _) = trained_bf16(net(), batches, false);
+        let (pairs, pair_losses, plan) = trained_adamw(net(), batches, Some(Precision::bf16()), true);
+        let (emulated, emulated_losses, _) = trained_adamw(net(), batches, Some(Precision::bf16()), false);
         let plan = plan.expect("a bf16 plan has products of bf16 values");
         println!("{name}: {plan}");
         // Batch norm's moving statistics are state: updated and kept in f32.
@@ -460,19 +463,7 @@ fn bf16_products_on_the_cpu_match_the_emulation() {
         assert!(pairs != emulated, "{name}: bf16 pairs and the emulation are bit-equal: the bf16 kernel did not run");
         let init: BTreeMap<String, Vec<f32>> =
             cellgraph::cells::materialize(&net().parameters(), 5).into_iter().map(|(n, t)| (n, t.to_f32())).collect();
-        let f32_run: BTreeMap<String, Vec<f32>> = {
-            let mut acc = Accumulator::<Cpu>::new(
-                Rc::new(GradAccumulation::across_steps(net(), 4)),
-                Rc::new(Adam::adamw(LearningRate::Constant(3e-3), 0.01)),
-                cpu(),
-                5,
-            )
-            .unwrap();
-            for b in batches {
-                acc.step(b).unwrap();
-            }
-            pairs.keys().map(|n| (n.clone(), acc.session.param(n).unwrap().to_f32())).collect()
-        };
+        let (f32_run, _, _) = trained_adamw(net(), batches, None, true);
         let (near, far) = (distance(&pairs, &emulated, &init), distance(&emulated, &f32_run, &init));
         let loss_gap = pair_losses.iter().zip(&emulated_losses).map(|(a, b)| ((a - b) / b).abs()).fold(0f32, f32::max);
         println!("{name}: bf16 pairs {near:.3e} from the emulation, the emulation {far:.3e} from f32 (relative to the change); losses within {loss_gap:.2e}");

@@ -21,6 +21,9 @@
 const MR: usize = 8;
 /// Columns of the micro-kernel's tile (two registers of 16 f32).
 const NR: usize = 32;
+/// The micro-kernel's tile of `C`, `(MR, NR)`: what a caller choosing between `C = A B` and
+/// `C^T = B^T A^T` weighs the padding of.
+pub const TILE: (usize, usize) = (MR, NR);
 /// Values of `k` per packed block (an `MR`-row strip of `A` and a panel of `B` in L1/L2).
 const KC: usize = 512;
 /// Columns of `B` per packed block (`KC / 2 * NC * 4` bytes: 512 KiB, in L2).

@@ -302,23 +302,25 @@ unsafe fn gemm_turned<F: HostFloat>(
     threads: usize,
     pr: Products,
 ) {
-    if pr == Products::Bf16 && std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>() {
-        let padded = |m: usize, n: usize| m.div_ceil(8) * 8 * n.div_ceil(32) * 32;
-        let beta = if beta == F::ZERO { 0.0 } else { 1.0 };
-        let (a, b, c) = (a as *const f32, b as *const f32, c as *mut f32);
-        // SAFETY: plans choose bf16 products only where `bf16::available()`.
-        return if 4 * padded(n, m) < 3 * padded(m, n) {
-            super::bf16::gemm(n, k, m, b, csb, rsb, a, csa, rsa, beta, c, csc, rsc)
+    let bf16 = pr == Products::Bf16 && std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>();
+    // The micro-kernel's register tile: rows and columns of `C`.
+    let (mr, nr) = if bf16 { super::bf16::TILE } else { (64 / std::mem::size_of::<F>(), 6) };
+    let padded = |m: usize, n: usize| m.div_ceil(mr) * mr * n.div_ceil(nr) * nr;
+    let product = |m, n, a: *const F, rsa, csa, b: *const F, rsb, csb, rsc, csc| {
+        if bf16 {
+            let (a, b, c) = (a as *const f32, b as *const f32, c as *mut f32);
+            let beta = if beta == F::ZERO { 0.0 } else { 1.0 };
+            // SAFETY: as the caller's; plans choose bf16 products only where `bf16::available()`.
+            unsafe { super::bf16::gemm(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc) }
         } else {
-            super::bf16::gemm(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
-        };
-    }
-    let mr = 64 / std::mem::size_of::<F>();
-    let padded = |m: usize, n: usize| m.div_ceil(mr) * mr * n.div_ceil(6) * 6;
+            // SAFETY: as the caller's.
+            unsafe { F::gemm(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc, threads) }
+        }
+    };
     if 4 * padded(n, m) < 3 * padded(m, n) {
-        F::gemm(n, k, m, b, csb, rsb, a, csa, rsa, beta, c, csc, rsc, threads)
+        product(n, m, b, csb, rsb, a, csa, rsa, csc, rsc)
     } else {
-        F::gemm(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc, threads)
+        product(m, n, a, rsa, csa, b, rsb, csb, rsc, csc)
     }
 }
 
