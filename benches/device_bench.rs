@@ -183,8 +183,12 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         flops_per_item * images / secs / 1e12
     );
     eprintln!("last loss {loss:.4}");
-    if let Some(p) = acc.micro_plans().find_map(|e| e.bf16_products()) {
+    if let Some(p) = acc.micro_plans().find_map(|e| e.bf16_products::<B>()) {
         eprintln!("{p}{}", if args.f32_products { " (--f32-products: all in f32)" } else { "" });
+    }
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if !B::HOST && cellgraph::runtime::cube::tf32_fallbacks() > 0 {
+        eprintln!("tensor-core matmuls run in exact f32 (no tensor-core kernel here): {}", cellgraph::runtime::cube::tf32_fallbacks());
     }
     if graphs {
         let r = acc.session.replay_counts();

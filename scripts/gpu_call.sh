@@ -6,7 +6,9 @@
 #    is the gate for making replay the default on CUDA;
 # 2. the launches one LeNet5 window makes, op by op and replayed;
 # 3. the benchmark beside PyTorch (eager and CUDA graphs), each case op by op and replayed,
-#    alternating (scripts/gpu_check.sh with GRAPHS=1). CASES, UPDATES and WARMUP as there.
+#    alternating (scripts/gpu_check.sh with GRAPHS=1). CASES, UPDATES and WARMUP as there;
+# 4. bf16 (BF16_CASES, default the GPT 64 x 4): bf16 compute with its matmuls on tensor cores,
+#    the emulation (--f32-products), and PyTorch's autocast (bf16, TF32 on), alternating.
 # Logs go to $OUT (the device tool brings them back).
 set -u
 cd "$(dirname "$0")/.."
@@ -31,3 +33,16 @@ done
 echo "## benchmark"
 OUT=$OUT GRAPHS=1 PARTS=bench CASES="${CASES:-lenet 32 4;mlp 256 4;resnet18 32 4;gpt 64 4}" UPDATES=${UPDATES:-20} WARMUP=${WARMUP:-3} \
     CASE_TIMEOUT=${CASE_TIMEOUT:-60} bash scripts/gpu_check.sh $G 2>&1 | tee "$OUT/bench.log" | grep -E "^\| |replay|not captured|rror"
+echo "## bf16"
+IFS=';' read -ra bf16_cases <<<"${BF16_CASES:-gpt 64 4}"
+for cfg in "${bf16_cases[@]}"; do
+    set -- $cfg
+    for pass in 1 2; do
+        for products in "" --f32-products; do
+            timeout 90 $G/device_bench --device cuda:0 --net "$1" --micro-batch "$2" --micro-size "$3" --updates "${UPDATES:-20}" \
+                --warmup "${WARMUP:-3}" --precision bf16 $products 2>&1 | tee -a "$OUT/bf16.log" | grep -E "^\| |bf16 products|tensor-core|rror"
+        done
+        timeout 90 python3 benches/pytorch_accumulation.py --net "$1" --micro-batch "$2" --micro-size "$3" --updates "${UPDATES:-20}" \
+            --warmup "${WARMUP:-3}" --autocast bf16 2>&1 | tee -a "$OUT/bf16.log" | grep -E "^\| |rror"
+    done
+done

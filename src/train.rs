@@ -548,7 +548,7 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     let per_second = (steps * args.batch_size) as f64 / secs;
     let tokens = if args.net == Net::Gpt { format!(", {:.0} tokens/s", per_second * GPT_CONTEXT as f64) } else { String::new() };
     println!("trained {steps} steps, {updates} optimizer updates in {secs:.2} s ({per_second:.0} {}/s{tokens})", items(args.net));
-    if let Some(p) = model.accumulator().micro_plans().find_map(|e| e.bf16_products()) {
+    if let Some(p) = model.accumulator().micro_plans().find_map(|e| e.bf16_products::<B>()) {
         println!("{p}");
     }
     let session = &model.accumulator().session;

@@ -129,8 +129,8 @@ pub trait Backend: burn_backend::Backend {
     /// Runs a bound head (an accumulating epilogue's, see [`crate::kernel::bind`]) adding its
     /// result into `acc`'s memory (`acc += head(args)`, the sum in `assign_add`'s order); false
     /// when the backend has no such kernel for it (the caller then runs the head and an
-    /// `assign_add`).
-    fn device_accumulate(_op: &Native, _args: &[&FloatTensor<Self>], _acc: &FloatTensor<Self>, _arena: &mut Arena) -> bool {
+    /// `assign_add`). `tf32`: a product may run on TF32 tensor cores.
+    fn device_accumulate(_op: &Native, _args: &[&FloatTensor<Self>], _acc: &FloatTensor<Self>, _tf32: bool, _arena: &mut Arena) -> bool {
         false
     }
 

@@ -220,18 +220,39 @@ pub struct Executable {
 /// [`Executable::bf16_products`]): chosen when the plan was compiled.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Bf16Products {
-    /// Products on bf16 pairs with f32 sums ([`crate::kernel::Products::Bf16`]).
-    pub on_pairs: usize,
-    /// Those that multiply in f32 (the emulation), by op: attention and direct convolutions
-    /// have no bf16 kernel; on a CPU without AVX-512 BF16, all of them.
+    /// Where the fast ones run: AVX-512 BF16 pairs on host backends, tensor cores on devices.
+    pub unit: Bf16Unit,
+    /// Products on that unit with f32 sums: [`crate::kernel::Products::Bf16`] on the host; on
+    /// a device, every matmul and batched matmul (and epilogue head) of bf16 values.
+    pub fast: usize,
+    /// Those that multiply in exact f32 (the emulation), by op: attention and direct
+    /// convolutions have no bf16 kernel on the host, convolutions and attention none on
+    /// devices; on a CPU without AVX-512 BF16, all of them.
     pub in_f32: BTreeMap<&'static str, usize>,
+}
+
+/// The unit that multiplies a plan's fast bf16 products ([`Bf16Products`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Bf16Unit {
+    /// The CPU's `vdpbf16ps`: pairs of bf16 values multiplied, summed in f32.
+    #[default]
+    Avx512Pairs,
+    /// cubek's tensor-core matmul on TF32 operands with f32 sums. A bf16 value is a TF32 value
+    /// (8 significant bits of TF32's 11), so these are the products of bf16 tensor cores, not
+    /// a rounding of them; where the device has no tensor-core kernel cubek's exact-f32 kernel
+    /// runs them, counted ([`crate::cube::tf32_fallbacks`]).
+    Tf32TensorCores,
 }
 
 impl std::fmt::Display for Bf16Products {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let f32s: usize = self.in_f32.values().sum();
-        write!(f, "bf16 products: {} on AVX-512 BF16 pairs, {f32s} in f32", self.on_pairs)?;
-        if !crate::host::bf16::available() {
+        let unit = match self.unit {
+            Bf16Unit::Avx512Pairs => "AVX-512 BF16 pairs",
+            Bf16Unit::Tf32TensorCores => "tensor cores (TF32 operands, exact for bf16 values)",
+        };
+        write!(f, "bf16 products: {} on {unit}, {f32s} in f32", self.fast)?;
+        if self.unit == Bf16Unit::Avx512Pairs && !crate::host::bf16::available() {
             write!(f, " (this CPU has no AVX-512 BF16: f32 emulation)")?;
         } else if f32s > 0 {
             let each: Vec<String> = self.in_f32.iter().map(|(op, n)| format!("{op} {n}")).collect();
@@ -243,32 +264,37 @@ impl std::fmt::Display for Bf16Products {
 
 impl Executable {
     /// The plan's products whose operands hold bf16 values (a plan compiled from a graph the
-    /// precision pass rounded to bf16), and what each runs on on host backends; `None` when it
+    /// precision pass rounded to bf16), and what each runs on on backend `B`; `None` when it
     /// has none.
-    pub fn bf16_products(&self) -> Option<Bf16Products> {
+    pub fn bf16_products<B: Backend>(&self) -> Option<Bf16Products> {
         use crate::kernel::Products;
-        let mut out = Bf16Products::default();
+        let unit = if B::HOST { Bf16Unit::Avx512Pairs } else { Bf16Unit::Tf32TensorCores };
+        let mut out = Bf16Products { unit, ..Default::default() };
         for st in self.steps.iter().filter(|st| st.bf16_operands) {
             let head = match &st.kernel {
                 Some(Native::Epilogue { head, .. }) => Some(&**head),
                 k => k.as_ref(),
             };
-            match head {
+            let fast = match head {
+                Some(Native::MatMul { .. } | Native::BatchMatMul { .. }) if !B::HOST => true,
                 Some(
                     Native::MatMul { products: Products::Bf16, .. }
                     | Native::BatchMatMul { products: Products::Bf16, .. }
                     | Native::Conv { products: Products::Bf16, .. },
-                ) => out.on_pairs += 1,
-                _ => {
-                    let op = match &st.op {
-                        Op::Epilogue { head, .. } => head.label(),
-                        op => op.label(),
-                    };
-                    *out.in_f32.entry(op).or_default() += 1;
-                }
+                ) => B::HOST,
+                _ => false,
+            };
+            if fast {
+                out.fast += 1;
+            } else {
+                let op = match &st.op {
+                    Op::Epilogue { head, .. } => head.label(),
+                    op => op.label(),
+                };
+                *out.in_f32.entry(op).or_default() += 1;
             }
         }
-        (out.on_pairs + out.in_f32.values().sum::<usize>() > 0).then_some(out)
+        (out.fast + out.in_f32.values().sum::<usize>() > 0).then_some(out)
     }
 
     /// The host checks a run makes before anything reaches the device: the number of inputs,
@@ -1425,7 +1451,8 @@ impl<B: Backend> Session<B> {
                         op: op.label(),
                         in_place: self.in_place,
                         ids_checked: step.ids_checked,
-                        tf32: self.tf32,
+                        // A device product of bf16 values on tensor cores: TF32 holds them exactly.
+                        tf32: self.tf32 || (self.bf16 && step.bf16_operands),
                         bf16: self.bf16,
                     };
                     let t0 = self.profile.is_some().then(std::time::Instant::now);
@@ -1457,7 +1484,7 @@ impl<B: Backend> Session<B> {
                         let into = match (&step.kernel, acc.as_slice()) {
                             (Some(Native::Epilogue { head: k, .. }), [(Value::Float(a), _)]) if self.native => {
                                 let floats: Option<Vec<_>> = args.iter().map(|(v, _)| if let Value::Float(t) = v { Some(t) } else { None }).collect();
-                                floats.is_some_and(|f| B::device_accumulate(k, &f, a, &mut self.arena))
+                                floats.is_some_and(|f| B::device_accumulate(k, &f, a, cx.tf32, &mut self.arena))
                             }
                             _ => false,
                         };

@@ -37,7 +37,7 @@ pub use burn_backend;
 pub use callback::{Callback, CheckpointConfig, LossLog, LossMonitor, ModelCheckpoint, ProgressBar, RunContext, TimeMonitor};
 pub use cellgraph_compiler::passes::pipeline::PipelineOptions;
 pub use error::{Result, RuntimeError};
-pub use exec::{compile, compile_unfused, compile_with, compile_with_options, Bf16Products, DumpAt, Executable, Session};
+pub use exec::{compile, compile_unfused, compile_with, compile_with_options, Bf16Products, Bf16Unit, DumpAt, Executable, Session};
 pub use host::join_thread_pool;
 pub use model::{Dataset, Metric, Model, Position, TensorDataset};
 pub use value::Value;

@@ -240,7 +240,7 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
         if let Some(s) = model.accumulator().loss_scale() {
             println!("loss scale: {s}");
         }
-        if let Some(p) = model.accumulator().micro_plans().find_map(|e| e.bf16_products()) {
+        if let Some(p) = model.accumulator().micro_plans().find_map(|e| e.bf16_products::<Cpu>()) {
             println!("{p}{}", if args.f32_products { " (--f32-products: all in f32)" } else { "" });
         }
         if matches!(args.items, ItemKind::Windows) {

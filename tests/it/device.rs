@@ -249,6 +249,47 @@ fn round_to_matches_the_host<B: Backend>(device: Device<B>) {
     }
 }
 
+/// Under bf16 compute a device multiplies the GPT's products of bf16 values (every matmul
+/// and batched matmul, the weight gradients summed into their accumulators included) on
+/// tensor cores with TF32 operands, which hold bf16 values exactly, and the plan names what
+/// stays in f32 (attention). After 5 AdamW updates of 4 micro-batches the run is within
+/// bf16's rounding of the CPU's emulation. Where the device has no tensor-core kernel
+/// (cubek's does not set up), its exact kernel runs them and the fallback is counted: a run
+/// bit-equal to the products off with no fallback counted fails.
+#[allow(dead_code)]
+fn bf16_products_on_the_device_match_the_emulation<B: Backend>(device: Device<B>) {
+    use cellgraph::cells::accumulate::Precision;
+    use cellgraph::runtime::{cube, Bf16Unit};
+    use rand::SeedableRng;
+    let (net, batches) = crate::precision::bf16_gpt_case(&mut rand::rngs::StdRng::seed_from_u64(31));
+    let bf16 = Some(Precision::bf16());
+    let before = cube::tf32_fallbacks();
+    let (tc, tc_losses, plan) = crate::precision::trained_adamw_on::<B>(device.clone(), net(), &batches, bf16, true);
+    let fallbacks = cube::tf32_fallbacks() - before;
+    let (exact, _, _) = crate::precision::trained_adamw_on::<B>(device, net(), &batches, bf16, false);
+    let (emulated, emulated_losses, _) = crate::precision::trained_adamw_on::<Cpu>(cpu(), net(), &batches, bf16, false);
+    let (f32_run, _, _) = crate::precision::trained_adamw_on::<Cpu>(cpu(), net(), &batches, None, false);
+    let plan = plan.expect("a bf16 plan has products of bf16 values");
+    eprintln!("{plan}; tensor-core matmuls run in exact f32 here: {fallbacks}");
+    assert_eq!(plan.unit, Bf16Unit::Tf32TensorCores);
+    assert!(plan.fast >= 2 * 2 * 4 + 3, "{plan}");
+    assert!(plan.in_f32.keys().all(|op| op.starts_with("attention")), "products of bf16 values left in f32: {plan}");
+    if tc == exact {
+        assert!(fallbacks > 0, "tensor-core products gave the exact kernel's bits and no fallback was counted");
+    }
+    let init: BTreeMap<String, Vec<f32>> = cellgraph::cells::materialize(&net().parameters(), 5).into_iter().map(|(n, t)| (n, t.to_f32())).collect();
+    let distance = crate::precision::distance;
+    let (near, exact_near, far) = (distance(&tc, &emulated, &init), distance(&exact, &emulated, &init), distance(&emulated, &f32_run, &init));
+    let loss_gap = tc_losses.iter().zip(&emulated_losses).map(|(a, b)| ((a - b) / b).abs()).fold(0f32, f32::max);
+    eprintln!(
+        "tensor cores {near:.3e} from the CPU's emulation, the device's exact kernels {exact_near:.3e}, the emulation {far:.3e} from f32 \
+         (relative to the change); losses within {loss_gap:.2e}"
+    );
+    assert!(near < 0.3 * far && near < 0.05, "tensor cores {near:e} from the emulation, the emulation {far:e} from f32");
+    assert!(exact_near < 0.3 * far, "the device's exact kernels {exact_near:e} from the emulation, the emulation {far:e} from f32");
+    assert!(loss_gap < 1e-2, "losses {tc_losses:?} against {emulated_losses:?}");
+}
+
 /// f16 with loss scaling on the device: an inf in the second window's first micro-step
 /// skips that window (the overflow read from the device's accumulators), halves the scale,
 /// and the run stays within f16's rounding of the CPU's.
@@ -853,6 +894,11 @@ mod wgpu {
     }
 
     #[test]
+    fn bf16_products_on_wgpu_match_the_emulation() {
+        super::bf16_products_on_the_device_match_the_emulation::<Wgpu>(dev());
+    }
+
+    #[test]
     fn f16_overflow_skips_the_window_on_wgpu() {
         super::f16_overflow_skips_the_window_on_the_device::<Wgpu>(dev());
     }
@@ -1091,6 +1137,12 @@ mod cuda {
     fn round_to_on_cuda_matches_the_host() {
         let Some(device) = gpu() else { return };
         super::round_to_matches_the_host::<Cuda>(device);
+    }
+
+    #[test]
+    fn bf16_products_on_cuda_match_the_emulation() {
+        let Some(device) = gpu() else { return };
+        super::bf16_products_on_the_device_match_the_emulation::<Cuda>(device);
     }
 
     #[test]

@@ -130,7 +130,7 @@ fn trained(net: GradAccumulation, opt: Rc<dyn Optimizer>, batches: &[Vec<HostTen
 }
 
 /// L2 distance between two parameter sets, relative to the f32 run's change from the start.
-fn distance(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>, init: &BTreeMap<String, Vec<f32>>) -> f64 {
+pub(crate) fn distance(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>, init: &BTreeMap<String, Vec<f32>>) -> f64 {
     let (mut d, mut n) = (0.0f64, 0.0f64);
     for (k, va) in a {
         for ((x, y), i) in va.iter().zip(&b[k]).zip(&init[k]) {
@@ -376,24 +376,52 @@ fn bad_precision_settings_are_refused() {
     assert!(err(Precision::f16().loss_scale(Some(LossScale { init: 0.0, growth_interval: 10 }))).contains("init must be a finite number > 0"));
 }
 
-/// A model trained on `batches` in windows of 4 micro-batches (AdamW), in `precision` (f32 when
-/// `None`) with the CPU's bf16 products on or off (the emulation): its parameters, its losses
-/// and the micro-step plan's account of its products.
-fn trained_adamw(
+/// A model trained on `batches` in windows of 4 micro-batches (AdamW) on the CPU, in
+/// `precision` (f32 when `None`) with the CPU's bf16 products on or off (the emulation): its
+/// parameters, its losses and the micro-step plan's account of its products.
+fn trained_adamw(net: WithLossCell, batches: &[Vec<HostTensor>], precision: Option<Precision>, pairs: bool) -> Trained {
+    trained_adamw_on::<Cpu>(cpu(), net, batches, precision, pairs)
+}
+
+/// A trained model's parameters, its losses and its micro-step plan's account of its products.
+pub(crate) type Trained = (BTreeMap<String, Vec<f32>>, Vec<f32>, Option<cellgraph::runtime::Bf16Products>);
+
+/// [`trained_adamw`] on `device`, whose bf16 products (`fast`: on AVX-512 BF16 pairs on the
+/// CPU, on tensor cores on a device) are on or off.
+pub(crate) fn trained_adamw_on<B: cellgraph::runtime::Backend>(
+    device: cellgraph::runtime::burn_backend::tensor::Device<B>,
     net: WithLossCell,
     batches: &[Vec<HostTensor>],
     precision: Option<Precision>,
-    pairs: bool,
-) -> (BTreeMap<String, Vec<f32>>, Vec<f32>, Option<cellgraph::runtime::Bf16Products>) {
+    fast: bool,
+) -> Trained {
     let names: Vec<String> = net.parameters().iter().map(|p| p.name.clone()).collect();
     let mut net = GradAccumulation::across_steps(net, 4);
     net.precision = precision;
-    let mut acc = Accumulator::<Cpu>::new(Rc::new(net), Rc::new(Adam::adamw(LearningRate::Constant(3e-3), 0.01)), cpu(), 5).unwrap();
-    acc.session.set_bf16_products(pairs);
+    let mut acc = Accumulator::<B>::new(Rc::new(net), Rc::new(Adam::adamw(LearningRate::Constant(3e-3), 0.01)), device, 5).unwrap();
+    acc.session.set_bf16_products(fast);
     let losses = batches.iter().map(|b| acc.step(b).unwrap().loss as f32).collect();
     let params = names.iter().map(|n| (n.clone(), acc.session.param(n).unwrap().to_f32())).collect();
-    let products = acc.micro_plans().find_map(|e| e.bf16_products());
+    let products = acc.micro_plans().find_map(|e| e.bf16_products::<B>());
     (params, losses, products)
+}
+
+/// A 2-layer GPT (vocabulary 40, context 24, width 48) and 20 micro-batches of 6 sequences
+/// labelled by a fixed map of their tokens.
+pub(crate) fn bf16_gpt_case(rng: &mut StdRng) -> (fn() -> WithLossCell, Vec<Vec<HostTensor>>) {
+    let (vocab, t) = (40usize, 24);
+    fn gpt() -> WithLossCell {
+        let config = GptConfig { vocab_size: 40, context: 24, layers: 2, heads: 2, width: 48, layer_norm_eps: 1e-5, dropout: 0.0 };
+        WithLossCell::new(GPT::new(&Scope::root(), config).unwrap(), CrossEntropyLoss::new())
+    }
+    let text: Vec<Vec<HostTensor>> = (0..20)
+        .map(|_| {
+            let ids: Vec<i32> = (0..6 * t).map(|_| rng.random_range(0..vocab as i32)).collect();
+            let labels: Vec<i32> = ids.iter().map(|&i| (i * 7 + 3) % vocab as i32).collect();
+            vec![HostTensor::i32(vec![6, t], ids).unwrap(), HostTensor::i32(vec![6, t], labels).unwrap()]
+        })
+        .collect();
+    (gpt, text)
 }
 
 /// On a CPU with AVX-512 BF16, bf16 compute multiplies the GPT's and LeNet5's products of bf16
@@ -407,18 +435,7 @@ fn trained_adamw(
 #[test]
 fn bf16_products_on_the_cpu_match_the_emulation() {
     let mut rng = StdRng::seed_from_u64(31);
-    let (vocab, t) = (40, 24);
-    let gpt = || {
-        let config = GptConfig { vocab_size: vocab, context: t, layers: 2, heads: 2, width: 48, layer_norm_eps: 1e-5, dropout: 0.0 };
-        WithLossCell::new(GPT::new(&Scope::root(), config).unwrap(), CrossEntropyLoss::new())
-    };
-    let text: Vec<Vec<HostTensor>> = (0..20)
-        .map(|_| {
-            let ids: Vec<i32> = (0..6 * t).map(|_| rng.random_range(0..vocab as i32)).collect();
-            let labels: Vec<i32> = ids.iter().map(|&i| (i * 7 + 3) % vocab as i32).collect();
-            vec![HostTensor::i32(vec![6, t], ids).unwrap(), HostTensor::i32(vec![6, t], labels).unwrap()]
-        })
-        .collect();
+    let (gpt, text) = bf16_gpt_case(&mut rng);
     let lenet = || crate::common::lenet_with_loss();
     let images: Vec<Vec<HostTensor>> = (0..20)
         .map(|_| {
@@ -447,7 +464,7 @@ fn bf16_products_on_the_cpu_match_the_emulation() {
             assert!(v.iter().any(|&x| half::bf16::from_f32(x).to_f32() != x), "{name}: {p} holds only bf16 values");
         }
         if !cellgraph::runtime::host::bf16::available() {
-            assert_eq!(plan.on_pairs, 0, "{name}: {plan}");
+            assert_eq!(plan.fast, 0, "{name}: {plan}");
             eprintln!("{name}: this CPU has no AVX-512 BF16; the bf16 kernel's own tests skip");
             continue;
         }
@@ -459,7 +476,7 @@ fn bf16_products_on_the_cpu_match_the_emulation() {
             .collect();
         assert!(f32_only.is_empty(), "{name}: products of bf16 values left in f32: {plan}");
         let want = if name == "gpt" { 2 * 2 * 4 + 3 } else { 0 };
-        assert!(plan.on_pairs >= want.max(3), "{name}: {plan}");
+        assert!(plan.fast >= want.max(3), "{name}: {plan}");
         assert!(pairs != emulated, "{name}: bf16 pairs and the emulation are bit-equal: the bf16 kernel did not run");
         let init: BTreeMap<String, Vec<f32>> =
             cellgraph::cells::materialize(&net().parameters(), 5).into_iter().map(|(n, t)| (n, t.to_f32())).collect();

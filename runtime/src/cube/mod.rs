@@ -427,10 +427,24 @@ fn cubek_matmul<R: CubeRuntime>(
     let launch = |strategy: &Strategy, dtypes: &mut MatmulElems| {
         cubek::matmul::launch::launch_ref(strategy, &y.client, operand(a, m, k, ta), operand(b, k, n, tb), out.clone().binding(), dtypes).is_ok()
     };
-    if tf32 && launch(&tf32_strategy(), &mut dtypes.clone()) {
-        return true;
+    if tf32 {
+        if launch(&tf32_strategy(), &mut dtypes.clone()) {
+            return true;
+        }
+        TF32_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     launch(&exact_strategy(tiling), &mut dtypes)
+}
+
+/// Matmuls asked for tensor cores (TF32) that ran on cubek's exact-f32 kernel because its
+/// tensor-core kernel did not set up on the device (in this process).
+static TF32_FALLBACKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many matmuls asked for TF32 tensor cores ([`crate::Session::set_tf32`], or bf16 values'
+/// products, [`crate::Bf16Unit::Tf32TensorCores`]) ran in exact f32 instead in this process,
+/// because the device has no tensor-core kernel for them.
+pub fn tf32_fallbacks() -> u64 {
+    TF32_FALLBACKS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Matmuls that ran on [`matmul`] because cubek's kernel did not set up (in this process).
@@ -1087,7 +1101,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         Some((y, dx))
     }
 
-    fn device_accumulate(op: &Native, args: &[&CubeTensor<R>], acc: &CubeTensor<R>, arena: &mut Arena) -> bool {
+    fn device_accumulate(op: &Native, args: &[&CubeTensor<R>], acc: &CubeTensor<R>, tf32: bool, arena: &mut Arena) -> bool {
         let f32s = acc.dtype == DType::F32 && args.iter().all(|t| t.dtype == DType::F32);
         if !f32s || !acc.is_contiguous() {
             return false;
@@ -1105,11 +1119,11 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 true
             }
             // A weight gradient over many rows: its parts' products summed straight into
-            // the accumulator (see `split_matmul`), in exact f32 (this hook has no TF32 opt-in).
+            // the accumulator (see `split_matmul`), on TF32 tensor cores with `tf32`.
             Native::MatMul { m, k, n, transpose_a, transpose_b, .. } => {
                 let [a, b] = args else { return false };
                 acc.meta.num_elements() == m * n
-                    && split_matmul::<R>([m, k, n], transpose_a, transpose_b, &contiguous(a), &contiguous(b), acc, true, false, arena)
+                    && split_matmul::<R>([m, k, n], transpose_a, transpose_b, &contiguous(a), &contiguous(b), acc, true, tf32, arena)
             }
             // A bias gradient: the column sums added into the accumulator.
             Native::SumRows { cols } => {
