@@ -6,8 +6,10 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use cellgraph_runtime::host::kernels::{self, Geometry, Mat};
+use cellgraph_runtime::host::gemm::{self, Mat};
 use cellgraph_runtime::host::{attention, direct};
+use cellgraph_runtime::host::{conv, pool, rows};
+use cellgraph_runtime::kernel::Geometry;
 use cellgraph_runtime::kernel::Products;
 
 fn median_us(mut f: impl FnMut()) -> f64 {
@@ -53,36 +55,32 @@ fn main() {
         let g = Geometry { x: [n, c, hw, hw], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [oh, oh] };
         let (x, w, dy) = (data(n * c * hw * hw), data(o * c * 25), data(n * o * oh * oh));
         let flops = 2.0 * (n * o * oh * oh * c * 25) as f64;
-        row(&format!("{name} forward, im2col+GEMM"), || timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y, None, Products::F32)), flops);
+        row(&format!("{name} forward, im2col+GEMM"), || timed(dy.len(), |y| conv::conv2d(&g, 1, &x, &w, o, y, None, Products::F32)), flops);
         row(&format!("{name} forward, direct"), || timed(dy.len(), |y| direct::forward(&g, &x, &w, o, y, None)), flops);
         row(
             &format!("{name} filter grad, im2col+GEMM"),
-            || timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None, Products::F32)),
+            || timed(w.len(), |dw| conv::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None, Products::F32)),
             flops,
         );
         row(&format!("{name} filter grad, direct"), || timed(w.len(), |dw| direct::filter_grad(&g, &dy, &x, o, dw)), flops);
-        row(
-            &format!("{name} input grad, im2col+GEMM"),
-            || timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx, Products::F32)),
-            flops,
-        );
+        row(&format!("{name} input grad, im2col+GEMM"), || timed(x.len(), |dx| conv::conv2d_input_grad(&g, 1, &dy, &w, o, dx, Products::F32)), flops);
         row(&format!("{name} input grad, direct"), || timed(x.len(), |dx| direct::input_grad(&g, &dy, &w, o, dx)), flops);
     }
     for (name, c, hw) in [("pool1 6x28x28", 6usize, 28usize), ("pool2 16x10x10", 16, 10)] {
         let g = Geometry { x: [n, c, hw, hw], kernel: [2, 2], stride: [2, 2], dilation: [1, 1], pad: [0, 0], out: [hw / 2, hw / 2] };
         let (x, dy) = (data(n * c * hw * hw), data(n * c * hw * hw / 4));
         let mut at = vec![0u32; dy.len()];
-        row(&format!("{name} max pool"), || timed(dy.len(), |y| kernels::max_pool2d(&g, &x, &mut at, y)), 0.0);
-        row(&format!("{name} max pool grad (kept argmax)"), || timed(x.len(), |dx| kernels::max_pool2d_grad(&g, &at, &dy, dx, None)), 0.0);
+        row(&format!("{name} max pool"), || timed(dy.len(), |y| pool::max_pool2d(&g, &x, &mut at, y)), 0.0);
+        row(&format!("{name} max pool grad (kept argmax)"), || timed(x.len(), |dx| pool::max_pool2d_grad(&g, &at, &dy, dx, None)), 0.0);
     }
     for (name, m, k, nn) in [("fc1 32x400 @ 400x120^T", 32usize, 400usize, 120usize), ("fc1 grad 120x32^T @ 32x400", 120, 32, 400)] {
         let (a, b) = (data(m * k), data(k * nn));
         let ma = Mat { data: &a, rows: m, cols: k, transposed: false };
         let mb = Mat { data: &b, rows: k, cols: nn, transposed: false };
-        row(name, || timed(m * nn, |c| kernels::matmul(ma, mb, c, Products::F32)), 2.0 * (m * k * nn) as f64);
+        row(name, || timed(m * nn, |c| gemm::matmul(ma, mb, c, Products::F32)), 2.0 * (m * k * nn) as f64);
     }
     let (dy, x) = (data(n * 6 * 28 * 28), data(n * 6 * 28 * 28));
-    row("relu grad 32x6x28x28", || timed(x.len(), |dx| kernels::relu_grad(&dy, &x, dx)), 0.0);
+    row("relu grad 32x6x28x28", || timed(x.len(), |dx| rows::relu_grad(&dy, &x, dx)), 0.0);
     resnet18(n);
     gpt();
 }
@@ -106,7 +104,7 @@ fn gpt() {
         let (a, b) = (data(m * k), data(k * n));
         let ma = if ta { Mat { data: &a, rows: k, cols: m, transposed: true } } else { Mat { data: &a, rows: m, cols: k, transposed: false } };
         let mb = if tb { Mat { data: &b, rows: n, cols: k, transposed: true } } else { Mat { data: &b, rows: k, cols: n, transposed: false } };
-        row(name, || timed(m * n, |c| kernels::matmul(ma, mb, c, Products::F32)), 2.0 * (m * k * n) as f64);
+        row(name, || timed(m * n, |c| gemm::matmul(ma, mb, c, Products::F32)), 2.0 * (m * k * n) as f64);
     }
     // The `attention` op on a micro-batch of the GPT (8 sequences of 128, 4 heads of 32),
     // causal; GFLOP/s counts the products' multiply-adds over the (query, key) pairs the
@@ -143,8 +141,8 @@ fn resnet18(n: usize) {
         (0..n * 64 * 16 * 16).map(|i| (((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / (1u64 << 23) as f32 - 1.0).max(0.0)).collect();
     let dy = data(n * 64 * 8 * 8);
     let mut at = vec![0u32; dy.len()];
-    row("max pool 3x3/2 padded by 1, 64x16x16", || timed(dy.len(), |y| kernels::max_pool2d(&g, &x, &mut at, y)), 0.0);
-    row("max pool 3x3/2 grad (kept argmax)", || timed(x.len(), |dx| kernels::max_pool2d_grad(&g, &at, &dy, dx, None)), 0.0);
+    row("max pool 3x3/2 padded by 1, 64x16x16", || timed(dy.len(), |y| pool::max_pool2d(&g, &x, &mut at, y)), 0.0);
+    row("max pool 3x3/2 grad (kept argmax)", || timed(x.len(), |dx| pool::max_pool2d_grad(&g, &at, &dy, dx, None)), 0.0);
     // (name, in channels, in size, out channels, kernel, stride, padding)
     let convs = [
         ("stem 3->64 7x7/2 on 32x32", 3usize, 32usize, 64usize, 7usize, 2usize, 3usize),
@@ -165,8 +163,8 @@ fn resnet18(n: usize) {
         let along: usize = (0..oh).map(|o| (0..k).filter(|&t| (o * s + t).checked_sub(p).is_some_and(|i| i < hw)).count()).sum();
         let flops = 2.0 * (n * o * c * along * along) as f64;
         let (x, w, dy) = (data(n * c * hw * hw), data(o * c * k * k), data(n * o * oh * oh));
-        row(&format!("{name} forward"), || timed(dy.len(), |y| kernels::conv2d(&g, 1, &x, &w, o, y, None, Products::F32)), flops);
-        row(&format!("{name} filter grad"), || timed(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None, Products::F32)), flops);
-        row(&format!("{name} input grad"), || timed(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx, Products::F32)), flops);
+        row(&format!("{name} forward"), || timed(dy.len(), |y| conv::conv2d(&g, 1, &x, &w, o, y, None, Products::F32)), flops);
+        row(&format!("{name} filter grad"), || timed(w.len(), |dw| conv::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None, Products::F32)), flops);
+        row(&format!("{name} input grad"), || timed(x.len(), |dx| conv::conv2d_input_grad(&g, 1, &dy, &w, o, dx, Products::F32)), flops);
     }
 }

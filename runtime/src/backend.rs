@@ -44,7 +44,7 @@ pub const FLAT_ALIGN: usize = 64;
 /// A burn backend as the runtime drives it.
 pub trait Backend: burn_backend::Backend {
     /// True when tensors live in host memory ([`Self::host_slice`] always answers): plans then
-    /// run their bound kernels on [`kernels`]; otherwise on [`Self::device_kernel`].
+    /// run their bound kernels on the host kernels ([`crate::host`]); otherwise on [`Self::device_kernel`].
     const HOST: bool = false;
 
     /// The tensor's contents when the backend keeps them in host memory (no copy when the

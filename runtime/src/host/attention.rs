@@ -22,7 +22,8 @@
 //! recomputes `P` from `Q` and `K` (as flash attention does), with the same code and so the
 //! same bits.
 
-use super::kernels::{each, gemm_oriented, vectorized, HostFloat};
+use super::float::{each, vectorized, HostFloat};
+use super::gemm::gemm_oriented;
 use crate::kernel::Products;
 
 /// Query rows per band of scores: the products' rows, and the causal mask's granularity

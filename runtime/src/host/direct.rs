@@ -29,7 +29,7 @@
 
 use pulp::{Simd, WithSimd};
 
-use super::kernels::{copy_row, each, vectorized as dispatch, HostFloat, Post};
+use super::float::{copy_row, each, vectorized as dispatch, HostFloat, Post};
 use crate::kernel::{Geometry, DIRECT_BLOCK as L};
 
 /// A float type's vectors on each instruction set `S`.
@@ -588,8 +588,8 @@ fn input_tile<F: Lanes, S: Simd, const T: usize, const Q: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host::kernels;
-    use crate::host::kernels::tests::SCALAR;
+    use crate::host::conv;
+    use crate::host::float::tests::SCALAR;
     use crate::kernel::{direct_conv, Products};
 
     fn data(n: usize, salt: usize) -> Vec<f32> {
@@ -663,8 +663,8 @@ mod tests {
             for rhs in [dot(&x, &r.dx), dot(&w, &r.dw)] {
                 assert!((lhs - rhs).abs() <= 1e-4 * (1.0 + lhs.abs()), "{g:?}: {lhs} vs {rhs}");
             }
-            let gemm_dx = new(x.len(), |dx| kernels::conv2d_input_grad(&g, 1, &dy, &w, o, dx, Products::F32));
-            let gemm_dw = new(w.len(), |dw| kernels::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None, Products::F32));
+            let gemm_dx = new(x.len(), |dx| conv::conv2d_input_grad(&g, 1, &dy, &w, o, dx, Products::F32));
+            let gemm_dw = new(w.len(), |dw| conv::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None, Products::F32));
             for (a, b) in r.dx.iter().zip(&gemm_dx).chain(r.dw.iter().zip(&gemm_dw)) {
                 assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{g:?}: {a} vs {b}");
             }

@@ -1,13 +1,20 @@
 //! Bound kernels ([`crate::kernel::Native`]) on backends that keep tensors in host memory
-//! (burn-ndarray): the slice kernels in [`kernels`], what they keep between the steps of a
+//! (burn-ndarray): the slice kernels, one module per family (below), what they keep between the steps of a
 //! run ([`Kept`]: a max pool's argmax for its gradient in the same plan), and the memory
 //! their outputs are written into ([`Arena`]).
 
 pub mod attention;
 pub mod bf16;
+pub mod conv;
 pub mod direct;
-pub mod kernels;
+pub mod float;
+pub mod gemm;
+pub mod layout;
+pub mod loss;
 pub mod math;
+pub mod pool;
+pub mod program;
+pub mod rows;
 mod toeplitz;
 
 pub use toeplitz::dense_conv;
@@ -21,7 +28,8 @@ use cellgraph_compiler::{HostData, HostTensor, TensorType};
 use crate::backend::{Backend, HostSlice, HostVec};
 use crate::kernel::{ConvKind, Geometry, Native, Products, UpdateKernel};
 use crate::value::Value;
-use kernels::{HostFloat, Mat};
+use float::HostFloat;
+use gemm::Mat;
 
 /// Makes the calling thread thread 0 of rayon's global pool (sized by `RAYON_NUM_THREADS`, else
 /// one thread per core), so the plans it runs split their kernels' work with the pool's other
@@ -220,11 +228,11 @@ pub fn assign_add<B: Backend>(
     let Some(gs) = B::host_slice(g) else { return Err(acc) };
     let data = match (B::reclaim(acc)?, gs) {
         (HostVec::F32(mut a), HostSlice::F32(g)) if a.len() == g.len() => {
-            kernels::add_assign(&mut a, &g);
+            rows::add_assign(&mut a, &g);
             return Ok(B::from_host_vec(HostVec::F32(a), ty.dims(), device));
         }
         (HostVec::F64(mut a), HostSlice::F64(g)) if a.len() == g.len() => {
-            kernels::add_assign(&mut a, &g);
+            rows::add_assign(&mut a, &g);
             return Ok(B::from_host_vec(HostVec::F64(a), ty.dims(), device));
         }
         (a, _) => a,
@@ -239,7 +247,7 @@ pub fn is_host_f32<B: Backend>(t: &FloatTensor<B>, len: usize) -> bool {
 }
 
 /// A window's boundary for one parameter on a host backend, in one pass (see
-/// [`kernels::update_clear`]): `bufs` are the parameter, its accumulator and its optimizer
+/// [`program::update_clear`]): `bufs` are the parameter, its accumulator and its optimizer
 /// states, in place where nothing else holds them (else copied), returned updated (the
 /// accumulator zeroed). `Err(bufs)` when they are not all f32 host values of one length.
 pub fn update_clear<B: Backend>(
@@ -267,7 +275,7 @@ pub fn update_clear<B: Backend>(
         .collect();
     let (pa, states) = vecs.split_at_mut(2);
     let [p, acc] = pa else { unreachable!("two") };
-    kernels::update_clear(prog, p, acc, states, consts, scale);
+    program::update_clear(prog, p, acc, states, consts, scale);
     Ok(vecs.into_iter().map(|v| B::from_host_vec(HostVec::F32(v), dims, device)).collect())
 }
 
@@ -396,11 +404,11 @@ fn run<F: Elem>(
         let ok = match (grad, ints) {
             (false, [labels]) => {
                 let keep = slot.map(|s| kept.rows::<F>(s, labels.len() * c));
-                kernels::softmax_cross_entropy(a[0], labels, c, reduction, &mut y, keep)
+                loss::softmax_cross_entropy(a[0], labels, c, reduction, &mut y, keep)
             }
             (true, [labels]) => {
                 let from = slot.and_then(|s| kept.rows_of::<F>(s, labels.len() * c));
-                kernels::softmax_cross_entropy_grad(a[0], from, labels, a[1], c, reduction, &mut y)
+                loss::softmax_cross_entropy_grad(a[0], from, labels, a[1], c, reduction, &mut y)
             }
             _ => false,
         };
@@ -437,7 +445,7 @@ fn run<F: Elem>(
             // The head's operands come first; `post` reads the output and the rest.
             let split = *split;
             let extras = &a[split..];
-            let part = |first: usize, part: &mut [F]| kernels::epilogue(post, extras, first, part);
+            let part = |first: usize, part: &mut [F]| program::epilogue(post, extras, first, part);
             run_into(head, &a[..split], &tys[..split], kept, &mut y, Some(&part), bf16)
         }
         k => run_into(k, &a, tys, kept, &mut y, None, bf16),
@@ -449,7 +457,7 @@ fn run<F: Elem>(
 /// kernel finishes it (or over the whole of `y` after kernels that do not cut their output).
 /// `bf16`: products the plan chose to run on bf16 pairs do (else in f32; see
 /// [`crate::Session::set_bf16_products`]).
-fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kept, y: &mut [F], post: kernels::Post<F>, bf16: bool) {
+fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kept, y: &mut [F], post: float::Post<F>, bf16: bool) {
     let d = |i: usize| tys[i].dims();
     let products = |k: &Native| match k {
         Native::MatMul { products, .. } | Native::BatchMatMul { products, .. } | Native::Conv { products, .. } if bf16 => *products,
@@ -462,55 +470,55 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
                 ConvKind::InputGrad => toeplitz::input_grad_dense(g, a[0], t, *o, y, products(k)),
                 ConvKind::FilterGrad => unreachable!("only forwards and input gradients name their filter"),
             }
-            return kernels::post_all(post, y);
+            return float::post_all(post, y);
         }
     }
     match k {
         Native::Conv { kind: ConvKind::Forward, g, out_channels, direct: true, .. } => return direct::forward(g, a[0], a[1], *out_channels, y, post),
         Native::Conv { kind: ConvKind::Forward, g, groups, out_channels, .. } => {
-            return kernels::conv2d(g, *groups, a[0], a[1], *out_channels, y, post, products(k))
+            return conv::conv2d(g, *groups, a[0], a[1], *out_channels, y, post, products(k))
         }
         Native::MaxPoolGrad { g, kept: slot } => {
             let at_len = tys[1].numel();
             return match slot.and_then(|s| kept.argmax_of(s, at_len)) {
-                Some(at) => kernels::max_pool2d_grad(g, at, a[1], y, post),
+                Some(at) => pool::max_pool2d_grad(g, at, a[1], y, post),
                 None => {
                     let mut at = vec![0; at_len];
-                    kernels::max_pool2d_argmax(g, a[0], &mut at);
-                    kernels::max_pool2d_grad(g, &at, a[1], y, post)
+                    pool::max_pool2d_argmax(g, a[0], &mut at);
+                    pool::max_pool2d_grad(g, &at, a[1], y, post)
                 }
             };
         }
         Native::MatMul { transpose_a, transpose_b, .. } => {
             let m = |i: usize, t: bool| Mat { data: a[i], rows: d(i)[0], cols: d(i)[1], transposed: t };
-            kernels::matmul(m(0, *transpose_a), m(1, *transpose_b), y, products(k))
+            gemm::matmul(m(0, *transpose_a), m(1, *transpose_b), y, products(k))
         }
         Native::Conv { kind: ConvKind::InputGrad, g, out_channels, direct: true, .. } => direct::input_grad(g, a[0], a[1], *out_channels, y),
         Native::Conv { kind: ConvKind::FilterGrad, g, out_channels, direct: true, .. } => direct::filter_grad(g, a[0], a[1], *out_channels, y),
         Native::Conv { kind: ConvKind::InputGrad, g, groups, out_channels, .. } => {
-            kernels::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels, y, products(k))
+            conv::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels, y, products(k))
         }
         Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } => {
-            return kernels::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels, y, post, products(k))
+            return conv::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels, y, post, products(k))
         }
         Native::MaxPool { g, keep } => match keep {
-            Some(s) => kernels::max_pool2d(g, a[0], kept.argmax(*s, y.len()), y),
-            None => kernels::max_pool2d(g, a[0], &mut vec![0; y.len()], y),
+            Some(s) => pool::max_pool2d(g, a[0], kept.argmax(*s, y.len()), y),
+            None => pool::max_pool2d(g, a[0], &mut vec![0; y.len()], y),
         },
         Native::Fill(v) => y.fill(F::from_f64(*v)),
-        Native::Relu => kernels::relu(a[0], y),
-        Native::ReluGrad => kernels::relu_grad(a[0], a[1], y),
-        Native::Fused(e) => kernels::fused(e, a, y),
-        Native::SumRows { .. } => kernels::sum_rows(a[0], y),
-        Native::SumPlanes { outer, inner, scale } => kernels::sum_planes(a[0], *outer, *inner, scale.map(F::from_f64), y),
+        Native::Relu => rows::relu(a[0], y),
+        Native::ReluGrad => rows::relu_grad(a[0], a[1], y),
+        Native::Fused(e) => program::fused(e, a, y),
+        Native::SumRows { .. } => rows::sum_rows(a[0], y),
+        Native::SumPlanes { outer, inner, scale } => rows::sum_planes(a[0], *outer, *inner, scale.map(F::from_f64), y),
         Native::BatchMatMul { batch, m, k: kk, n, transpose_a, transpose_b, .. } => {
-            kernels::batch_matmul(a[0], a[1], *batch, *m, *kk, *n, *transpose_a, *transpose_b, y, products(k))
+            gemm::batch_matmul(a[0], a[1], *batch, *m, *kk, *n, *transpose_a, *transpose_b, y, products(k))
         }
-        Native::Permute { dims, perm } => kernels::permute(a[0], dims, perm, y),
-        Native::Slice { dims, begin, end } => kernels::slice(a[0], dims, begin, end, y),
-        Native::Pad { dims, lo, hi } => kernels::pad(a[0], dims, lo, hi, y),
-        Native::CausalMask { t, s, fill } => kernels::causal_mask(a[0], *t, *s, F::from_f64(*fill), y),
-        Native::MaxRows { cols } => kernels::max_rows(a[0], *cols, y),
+        Native::Permute { dims, perm } => layout::permute(a[0], dims, perm, y),
+        Native::Slice { dims, begin, end } => layout::slice(a[0], dims, begin, end, y),
+        Native::Pad { dims, lo, hi } => layout::pad(a[0], dims, lo, hi, y),
+        Native::CausalMask { t, s, fill } => rows::causal_mask(a[0], *t, *s, F::from_f64(*fill), y),
+        Native::MaxRows { cols } => rows::max_rows(a[0], *cols, y),
         &Native::Attention { b, t, heads, d, causal, grad: false, kept: slot } => {
             attention::forward(a[0], [b, t, heads, d], causal, slot.map(|s| kept.rows::<F>(s, b * heads * t * t)), y)
         }
@@ -519,7 +527,7 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         }
         Native::Epilogue { .. } | Native::SoftmaxCrossEntropy { .. } => unreachable!("an epilogue's head is neither an epilogue nor a loss"),
     }
-    kernels::post_all(post, y)
+    float::post_all(post, y)
 }
 
 /// Runs a bound kernel on the host kernels when every operand is host-visible in one float

@@ -12,7 +12,9 @@
 //! parameter read as it is: then it is built once per value of the parameter and kept in the
 //! session ([`super::Kept`]); the filter gradient folds `dt` back into the taps.
 
-use super::kernels::{add_assign, each, gemm_oriented, most_shares, post_all, HostFloat, Post};
+use super::float::{each, most_shares, post_all, HostFloat, Post};
+use super::gemm::gemm_oriented;
+use super::rows::add_assign;
 use crate::kernel::{Geometry, Products};
 
 /// The dense filter's largest size in elements (16 MiB of f32).
@@ -71,7 +73,7 @@ pub(super) fn dense<F: HostFloat>(g: &Geometry, groups: usize, o: usize, w: &[F]
     Some(t)
 }
 
-/// Threads for a GEMM of `m * k * n` multiply-adds (as [`super::kernels::matmul`] chooses).
+/// Threads for a GEMM of `m * k * n` multiply-adds (as [`super::gemm::matmul`] chooses).
 fn threads(work: usize) -> usize {
     if work >= 1 << 22 {
         rayon::current_num_threads()
@@ -121,7 +123,7 @@ fn transpose<F: Copy>(a: &[F], rows: usize, cols: usize, out: &mut [F]) {
     }
 }
 
-/// [`super::kernels::conv2d`] on a small map: `y [n, o * sp] = x [n, c * hw] @ t^T`; `post` runs
+/// [`super::conv::conv2d`] on a small map: `y [n, o * sp] = x [n, c * hw] @ t^T`; `post` runs
 /// over the whole output after.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward<F: HostFloat>(g: &Geometry, taps: &[Tap], x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>, p: Products) {
@@ -167,7 +169,7 @@ pub(super) fn forward_dense<F: HostFloat>(g: &Geometry, x: &[F], t: &[F], o: usi
     post_all(post, y);
 }
 
-/// [`super::kernels::conv2d_input_grad`] on a small map: `dx [n, c * hw] = dy [n, o * sp] @ t`.
+/// [`super::conv::conv2d_input_grad`] on a small map: `dx [n, c * hw] = dy [n, o * sp] @ t`.
 pub(super) fn input_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], w: &[F], o: usize, dx: &mut [F], p: Products) {
     let [_, c, h, wd] = g.x;
     F::partials(o * g.spatial() * c * h * wd, |t| {
@@ -203,7 +205,7 @@ pub(super) fn input_grad_dense<F: HostFloat>(g: &Geometry, dy: &[F], t: &[F], o:
     };
 }
 
-/// [`super::kernels::conv2d_filter_grad`] on a small map: `dt = dy^T @ x`, laid out
+/// [`super::conv::conv2d_filter_grad`] on a small map: `dt = dy^T @ x`, laid out
 /// `[o * sp, hw, c]` (one GEMM per input pixel `q`, each writing its `c` columns: the same dot
 /// products), then each tap of `dw` is the sum of its entries of `dt`, in (position, pixel)
 /// order: for each output channel, the entries' rows of `c` added into the tap's row of a
@@ -276,8 +278,8 @@ pub(super) fn filter_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], x:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host::kernels::tests::{assert_filter_grad_epilogue, conv_reference};
-    use crate::host::kernels::{conv2d, conv2d_filter_grad, conv2d_input_grad};
+    use crate::host::conv::tests::{assert_filter_grad_epilogue, conv_reference};
+    use crate::host::conv::{conv2d, conv2d_filter_grad, conv2d_input_grad};
 
     fn data(n: usize, salt: usize) -> Vec<f32> {
         (0..n).map(|i| (((i * 7919 + salt * 104729) % 2003) as f32 - 1001.0) / 1001.0).collect()

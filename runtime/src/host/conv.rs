@@ -1,0 +1,819 @@
+//! Convolutions on host slices (NCHW, row-major) through im2col and GEMM. The batch is cut
+//! into chunks of images whose column matrices fit in L2 (in thread-local scratch, reused),
+//! and each chunk and group runs one GEMM: im2col of the chunk's images into one column matrix
+//! `[c/g*kh*kw, m*oh*ow]` (stride-1 rows are slice copies), the forward `w @ col`, the filter
+//! gradient `dy @ col^T` contracting over the chunk (chunk sums added in order), the input
+//! gradient `w^T @ dy` then col2im. Chunks run on the rayon pool's threads; the cut never
+//! depends on the thread count. Small maps go to [`super::toeplitz`]'s dense filters first.
+//! Every kernel handles stride, dilation, asymmetric padding and groups, so the lowering needs
+//! no fallbacks on host backends. `benches/kernels.rs` times them on LeNet5's and ResNet-18's
+//! shapes.
+
+use super::float::{copy_row, each, post_all, vectorized, HostFloat, Post};
+use super::gemm::gemm_oriented;
+use super::rows::add_assign;
+use super::toeplitz;
+use crate::kernel::{Geometry, Products};
+
+/// Unfolds `channels` input planes (`x`, each `h*w`) into rows of `col`: row
+/// `c*kh*kw + ky*kw + kx` holds the `oh*ow` inputs that kernel offset `(ky, kx)` of channel `c`
+/// reads, at `col[row * ld..][..oh*ow]` (`ld` >= `oh*ow`: one image's block of a batch-wide
+/// column matrix).
+fn im2col<F: HostFloat>(g: &Geometry, x: &[F], channels: usize, col: &mut [F], ld: usize) {
+    if g.is_dense() {
+        return im2col_dense(g, x, channels, col, ld);
+    }
+    let (h, w) = (g.x[2], g.x[3]);
+    let (ow, sp) = (g.out[1], g.spatial());
+    let spans = ColSpans::new(g);
+    let mut row = 0;
+    for c in 0..channels {
+        let plane = &x[c * h * w..(c + 1) * h * w];
+        for ky in 0..g.kernel[0] {
+            for kx in 0..g.kernel[1] {
+                let dst = &mut col[row * ld..row * ld + sp];
+                let (lo, hi) = spans.get(g, kx);
+                let base = kx * g.dilation[1];
+                for oy in 0..g.out[0] {
+                    let d = &mut dst[oy * ow..(oy + 1) * ow];
+                    let Some(iy) = g.at(0, oy, ky) else {
+                        d.fill(F::ZERO);
+                        continue;
+                    };
+                    d[..lo].fill(F::ZERO);
+                    d[hi..].fill(F::ZERO);
+                    let src = &plane[iy * w..(iy + 1) * w];
+                    if g.stride[1] == 1 {
+                        d[lo..hi].copy_from_slice(&src[lo + base - g.pad[1]..hi + base - g.pad[1]]);
+                    } else {
+                        for ox in lo..hi {
+                            d[ox] = src[ox * g.stride[1] + base - g.pad[1]];
+                        }
+                    }
+                }
+                row += 1;
+            }
+        }
+    }
+}
+
+/// [`Geometry::valid_cols`] of the first 16 kernel columns, worked out once per call rather
+/// than once per channel and kernel row (ResNet's small maps have rows of 1 to 8 elements, where
+/// the divisions cost as much as the copies).
+struct ColSpans([(usize, usize); 16]);
+
+impl ColSpans {
+    fn new(g: &Geometry) -> Self {
+        let mut v = [(0, 0); 16];
+        for (kx, s) in v.iter_mut().enumerate().take(g.kernel[1]) {
+            *s = g.valid_cols(kx);
+        }
+        ColSpans(v)
+    }
+    #[inline(always)]
+    fn get(&self, g: &Geometry, kx: usize) -> (usize, usize) {
+        match self.0.get(kx) {
+            Some(&s) => s,
+            None => g.valid_cols(kx),
+        }
+    }
+}
+
+/// The adjoint of [`im2col`]: adds the rows of `col` (row stride `ld`) back into `channels`
+/// planes of `x`; `padded` is scratch of at least [`padded_extents`].
+fn col2im<F: HostFloat>(g: &Geometry, col: &[F], ld: usize, channels: usize, x: &mut [F], padded: &mut [F]) {
+    vectorized(Col2Im { g, col, ld, channels, x, padded })
+}
+
+/// [`col2im`] as a [`vectorized`] op (too large for a closure: see there).
+struct Col2Im<'a, F> {
+    g: &'a Geometry,
+    col: &'a [F],
+    ld: usize,
+    channels: usize,
+    x: &'a mut [F],
+    padded: &'a mut [F],
+}
+
+impl<F: HostFloat> pulp::WithSimd for Col2Im<'_, F> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let Col2Im { g, col, ld, channels, x, padded } = self;
+        if g.is_dense() {
+            col2im_dense(g, col, ld, channels, x)
+        } else if g.stride[1] == 1 {
+            col2im_padded(g, col, ld, channels, x, padded)
+        } else {
+            col2im_strided(g, col, ld, channels, x)
+        }
+    }
+}
+
+/// [`col2im`] for any geometry (ResNet's stride-2 convolutions), clipping each row of `col`
+/// to the inputs it reaches.
+#[inline(always)]
+fn col2im_strided<F: HostFloat>(g: &Geometry, col: &[F], ld: usize, channels: usize, x: &mut [F]) {
+    let (h, w) = (g.x[2], g.x[3]);
+    let (ow, sp) = (g.out[1], g.spatial());
+    let spans = ColSpans::new(g);
+    let mut row = 0;
+    for c in 0..channels {
+        let plane = &mut x[c * h * w..(c + 1) * h * w];
+        for ky in 0..g.kernel[0] {
+            for kx in 0..g.kernel[1] {
+                let src = &col[row * ld..row * ld + sp];
+                let (lo, hi) = spans.get(g, kx);
+                let base = kx * g.dilation[1];
+                for oy in 0..g.out[0] {
+                    let Some(iy) = g.at(0, oy, ky) else { continue };
+                    let d = &mut plane[iy * w..(iy + 1) * w];
+                    let s = &src[oy * ow..(oy + 1) * ow];
+                    if g.stride[1] == 1 {
+                        let d = &mut d[lo + base - g.pad[1]..hi + base - g.pad[1]];
+                        for (d, &v) in d.iter_mut().zip(&s[lo..hi]) {
+                            *d += v;
+                        }
+                    } else {
+                        for ox in lo..hi {
+                            d[ox * g.stride[1] + base - g.pad[1]] += s[ox];
+                        }
+                    }
+                }
+                row += 1;
+            }
+        }
+    }
+}
+
+/// [`im2col`] for stride 1, dilation 1 and no padding (LeNet's and most 'valid'
+/// convolutions): every row of `col` is `oh` input row segments, copied inline.
+fn im2col_dense<F: HostFloat>(g: &Geometry, x: &[F], channels: usize, col: &mut [F], ld: usize) {
+    let [_, _, h, w] = g.x;
+    let [oh, ow] = g.out;
+    let [kh, kw] = g.kernel;
+    for c in 0..channels {
+        for ky in 0..kh {
+            for kx in 0..kw {
+                let dst = &mut col[((c * kh + ky) * kw + kx) * ld..][..oh * ow];
+                let src = &x[c * h * w + ky * w + kx..];
+                for (oy, d) in dst.chunks_exact_mut(ow).enumerate() {
+                    copy_row(d, &src[oy * w..oy * w + ow]);
+                }
+            }
+        }
+    }
+}
+
+/// [`col2im`] for the geometries [`im2col_dense`] takes.
+#[inline(always)]
+fn col2im_dense<F: HostFloat>(g: &Geometry, col: &[F], ld: usize, channels: usize, x: &mut [F]) {
+    let [_, _, h, w] = g.x;
+    let [oh, ow] = g.out;
+    let [kh, kw] = g.kernel;
+    for c in 0..channels {
+        for ky in 0..kh {
+            for kx in 0..kw {
+                let src = &col[((c * kh + ky) * kw + kx) * ld..][..oh * ow];
+                let dst = &mut x[c * h * w + ky * w + kx..];
+                for (oy, s) in src.chunks_exact(ow).enumerate() {
+                    add_row(&mut dst[oy * w..oy * w + ow], s);
+                }
+            }
+        }
+    }
+}
+
+/// [`col2im`] at stride 1 along rows, padded or dilated (ResNet's 3x3 convolutions padded by
+/// 1): each channel's plane is copied into the interior of `padded` (a plane of
+/// [`padded_extents`]), every row of `col` is added into it without bounds, and the interior
+/// is copied back. Each input gets the same additions in the same order as in
+/// [`col2im_strided`]; what lands in the border is padding's, and is dropped (on ResNet-18's
+/// 8x8 and 4x4 maps, clipping rows of 8 and 4 cost more than adding them).
+#[inline(always)]
+fn col2im_padded<F: HostFloat>(g: &Geometry, col: &[F], ld: usize, channels: usize, x: &mut [F], padded: &mut [F]) {
+    let [_, _, h, w] = g.x;
+    let ([oh, ow], [kh, kw]) = (g.out, g.kernel);
+    let (sy, [dy, dx]) = (g.stride[0], g.dilation);
+    let [ph, pw] = padded_extents(g);
+    let padded = &mut padded[..ph * pw];
+    let [rows, cols] = interior(g, ph, pw);
+    let inside = g.pad[0] * pw + g.pad[1];
+    for c in 0..channels {
+        let plane = &mut x[c * h * w..][..h * w];
+        for iy in 0..rows {
+            copy_row(&mut padded[inside + iy * pw..][..cols], &plane[iy * w..][..cols]);
+        }
+        for ky in 0..kh {
+            for kx in 0..kw {
+                let src = &col[((c * kh + ky) * kw + kx) * ld..][..oh * ow];
+                for (oy, s) in src.chunks_exact(ow).enumerate() {
+                    add_row(&mut padded[(oy * sy + ky * dy) * pw + kx * dx..][..ow], s);
+                }
+            }
+        }
+        for iy in 0..rows {
+            copy_row(&mut plane[iy * w..][..cols], &padded[inside + iy * pw..][..cols]);
+        }
+    }
+}
+
+/// `d += s`, element by element, for short rows: eight at a time, then four, then one.
+#[inline(always)]
+fn add_row<F: HostFloat>(d: &mut [F], s: &[F]) {
+    let n = d.len();
+    let s = &s[..n];
+    let mut i = 0;
+    while i + 8 <= n {
+        let (mut a, b): ([F; 8], [F; 8]) = (d[i..i + 8].try_into().expect("eight"), s[i..i + 8].try_into().expect("eight"));
+        for k in 0..8 {
+            a[k] += b[k];
+        }
+        d[i..i + 8].copy_from_slice(&a);
+        i += 8;
+    }
+    if i + 4 <= n {
+        let (mut a, b): ([F; 4], [F; 4]) = (d[i..i + 4].try_into().expect("four"), s[i..i + 4].try_into().expect("four"));
+        for k in 0..4 {
+            a[k] += b[k];
+        }
+        d[i..i + 4].copy_from_slice(&a);
+        i += 4;
+    }
+    for (d, &v) in d[i..].iter_mut().zip(&s[i..]) {
+        *d += v;
+    }
+}
+
+/// The extents a convolution's GEMMs use: channels and output channels per group, output
+/// pixels per image, the contraction `c/groups * kh * kw`, and `n * oh * ow` columns (for the
+/// `n` images of one chunk).
+struct ConvDims {
+    cg: usize,
+    og: usize,
+    sp: usize,
+    kk: usize,
+    cols: usize,
+}
+
+fn conv_dims(g: &Geometry, groups: usize, o: usize) -> ConvDims {
+    let sp = g.spatial();
+    let cg = g.x[1] / groups;
+    ConvDims { cg, og: o / groups, sp, kk: cg * g.kernel[0] * g.kernel[1], cols: g.x[0] * sp }
+}
+
+/// A chunk's column matrix stays within about this many bytes (a core's L2 cache; larger
+/// chunks give the GEMMs of small maps more columns: ResNet-18's epoch 0.91x the time of
+/// 256 KiB chunks on one thread).
+const CHUNK_BYTES: usize = 1 << 20;
+
+/// The kernel taps that read an input element for some output, `[rows, cols]` of taps, when
+/// others never do (a 3x3 convolution padded by 1 on a 1x1 map reads its centre alone): the
+/// geometry of the convolution by the cropped kernel, and the first tap kept on each axis.
+/// The cropped convolution computes the same sums without the terms that are always zero.
+fn cropped(g: &Geometry) -> Option<(Geometry, [usize; 2])> {
+    let live = |a: usize| {
+        let read = |k: usize| (0..g.out[a]).any(|o| g.at(a, o, k).is_some());
+        let lo = (0..g.kernel[a]).find(|&k| read(k))?;
+        let hi = (0..g.kernel[a]).rev().find(|&k| read(k))? + 1;
+        Some((lo, hi))
+    };
+    let (r, c) = (live(0)?, live(1)?);
+    if (r.1 - r.0, c.1 - c.0) == (g.kernel[0], g.kernel[1]) {
+        return None;
+    }
+    let pad = [g.pad[0].checked_sub(r.0 * g.dilation[0])?, g.pad[1].checked_sub(c.0 * g.dilation[1])?];
+    Some((Geometry { kernel: [r.1 - r.0, c.1 - c.0], pad, ..*g }, [r.0, c.0]))
+}
+
+/// `f` on the filter `w` (of `big`'s kernel) cropped to the taps `at..at + small.kernel` of
+/// every `[kh, kw]` plane, held in the calling thread's partials buffer.
+fn with_cropped_filter<F: HostFloat, R>(w: &[F], big: &Geometry, small: &Geometry, at: [usize; 2], f: impl FnOnce(&[F]) -> R) -> R {
+    let ([bh, bw], [sh, sw]) = (big.kernel, small.kernel);
+    F::partials(w.len() / (bh * bw) * sh * sw, |out| {
+        for (plane, dst) in w.chunks_exact(bh * bw).zip(out.chunks_exact_mut(sh * sw)) {
+            for (r, row) in dst.chunks_exact_mut(sw).enumerate() {
+                row.copy_from_slice(&plane[(at[0] + r) * bw + at[1]..][..sw]);
+            }
+        }
+        f(out)
+    })
+}
+
+/// Images per chunk of a convolution: the batch is cut into chunks whose column matrices
+/// fit in L2; chunks run on the rayon pool's threads. The cut depends on the shapes only,
+/// never on the thread count, so neither do the results.
+fn chunk_images<F>(d: &ConvDims, n: usize) -> usize {
+    let per_image = d.kk * d.sp * std::mem::size_of::<F>();
+    let n = n.max(1);
+    let most = (CHUNK_BYTES / per_image.max(1)).clamp(1, n);
+    // As many chunks as that needs, rounded up to a power of two so that two or four threads
+    // share them evenly (five chunks on two threads left one idle for a fifth of the time),
+    // of sizes as equal as they can be.
+    n.div_ceil(n.div_ceil(most).next_power_of_two().min(n))
+}
+
+/// The threads one chunk's GEMM may use: all of rayon's when the batch is one chunk (else
+/// the chunks are the threads' work).
+fn gemm_threads(chunks: usize) -> usize {
+    if chunks == 1 {
+        rayon::current_num_threads()
+    } else {
+        1
+    }
+}
+
+/// The geometry of images `[i0, i0 + m)` of `g`'s batch.
+fn sub_batch(g: &Geometry, m: usize) -> Geometry {
+    Geometry { x: [m, g.x[1], g.x[2], g.x[3]], ..*g }
+}
+
+/// Unfolds group `gi` of every image into the batch-wide column matrix `col`
+/// (`[kk, n * oh * ow]`, image `i` in columns `i*sp..(i+1)*sp`). Padded convolutions go
+/// through a zero-padded copy of each plane ([`im2col_padded`]).
+fn im2col_batch<F: HostFloat>(g: &Geometry, d: &ConvDims, gi: usize, x: &[F], col: &mut [F]) {
+    let [n, c, h, w] = g.x;
+    if g.pad == [0, 0] || d.sp == 0 {
+        for i in 0..n {
+            im2col(g, &x[(i * c + gi * d.cg) * h * w..], d.cg, &mut col[i * d.sp..], d.cols);
+        }
+        return;
+    }
+    let [ph, pw] = padded_extents(g);
+    F::scratch(ph * pw, |plane| {
+        // Only the interior is ever written: the border stays zero for every plane.
+        plane.fill(F::ZERO);
+        for i in 0..n {
+            im2col_padded(g, &x[(i * c + gi * d.cg) * h * w..], d.cg, &mut col[i * d.sp..], d.cols, plane, pw);
+        }
+    })
+}
+
+/// The extents of the padded plane every output's window lies in: `(out - 1) * stride +
+/// (kernel - 1) * dilation + 1` per axis (input beyond it is never read).
+fn padded_extents(g: &Geometry) -> [usize; 2] {
+    [0, 1].map(|a| (g.out[a] - 1) * g.stride[a] + (g.kernel[a] - 1) * g.dilation[a] + 1)
+}
+
+/// The input planes a padded plane (`pw` wide, zero outside the interior) holds: rows and
+/// columns of each plane that land inside it, at offset `pad`.
+fn interior(g: &Geometry, ph: usize, pw: usize) -> [usize; 2] {
+    [g.x[2].min(ph.saturating_sub(g.pad[0])), g.x[3].min(pw.saturating_sub(g.pad[1]))]
+}
+
+/// [`im2col`] through `padded`, a plane of [`padded_extents`] whose border is zero: each
+/// channel's plane is copied into its interior, then every row of `col` is `oh` reads of it
+/// without bounds (on ResNet's 8x8 and 4x4 maps, the per-row `memset`s and `memcpy`s of the
+/// clipped rows cost more than the copying).
+fn im2col_padded<F: HostFloat>(g: &Geometry, x: &[F], channels: usize, col: &mut [F], ld: usize, padded: &mut [F], pw: usize) {
+    let [_, _, h, w] = g.x;
+    let ([oh, ow], [kh, kw]) = (g.out, g.kernel);
+    let ([sy, sx], [dy, dx]) = (g.stride, g.dilation);
+    let [rows, cols] = interior(g, padded.len() / pw, pw);
+    for ci in 0..channels {
+        let plane = &x[ci * h * w..][..h * w];
+        for iy in 0..rows {
+            copy_row(&mut padded[(iy + g.pad[0]) * pw + g.pad[1]..][..cols], &plane[iy * w..][..cols]);
+        }
+        for ky in 0..kh {
+            for kx in 0..kw {
+                let dst = &mut col[((ci * kh + ky) * kw + kx) * ld..][..oh * ow];
+                for (oy, d) in dst.chunks_exact_mut(ow).enumerate() {
+                    let s = &padded[(oy * sy + ky * dy) * pw + kx * dx..];
+                    if sx == 1 {
+                        copy_row(d, &s[..ow]);
+                    } else {
+                        d.iter_mut().enumerate().for_each(|(ox, v)| *v = s[ox * sx]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Group `gi` of an `[n, o, sp]` tensor as the rows `[og, n * sp]` of a batch-wide matrix.
+fn gather_rows<F: HostFloat>(d: &ConvDims, o: usize, gi: usize, nchw: &[F], rows: &mut [F]) {
+    for (i, image) in nchw.chunks_exact(o * d.sp).enumerate() {
+        for oo in 0..d.og {
+            rows[oo * d.cols + i * d.sp..][..d.sp].copy_from_slice(&image[(gi * d.og + oo) * d.sp..][..d.sp]);
+        }
+    }
+}
+
+/// The inverse of [`gather_rows`]: writes the rows back into group `gi` of `[n, o, sp]`.
+fn scatter_rows<F: HostFloat>(d: &ConvDims, o: usize, gi: usize, rows: &[F], nchw: &mut [F]) {
+    for (i, image) in nchw.chunks_exact_mut(o * d.sp).enumerate() {
+        for oo in 0..d.og {
+            image[(gi * d.og + oo) * d.sp..][..d.sp].copy_from_slice(&rows[oo * d.cols + i * d.sp..][..d.sp]);
+        }
+    }
+}
+
+/// Convolution: `x` `[n, c, h, w]`, `w` `[o, c/groups, kh, kw]` -> `[n, o, oh, ow]`. Per chunk
+/// of images and group, one GEMM: `w_g [og, kk] @ col [kk, m*oh*ow]`; `post` runs on each
+/// chunk's output.
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>, p: Products) {
+    if let Some(taps) = toeplitz::taps(g, groups, o) {
+        return toeplitz::forward(g, &taps, x, w, o, y, post, p);
+    }
+    if let Some((small, at)) = cropped(g) {
+        return with_cropped_filter(w, g, &small, at, |wc| conv2d(&small, groups, x, wc, o, y, post, p));
+    }
+    let d = conv_dims(g, groups, o);
+    let [n, c, h, wd] = g.x;
+    assert_eq!(y.len(), n * o * d.sp, "output extents");
+    if y.is_empty() {
+        return;
+    }
+    let per = chunk_images::<F>(&d, n);
+    let par = gemm_threads(n.div_ceil(per));
+    let chunks: Vec<_> = y.chunks_mut(per * o * d.sp).enumerate().collect();
+    each(chunks, |(k, yc)| {
+        let sub = sub_batch(g, yc.len() / (o * d.sp));
+        let dc = conv_dims(&sub, groups, o);
+        let xc = &x[k * per * c * h * wd..][..sub.x[0] * c * h * wd];
+        F::scratch(dc.kk * dc.cols + dc.og * dc.cols, |s| {
+            let (col, rows) = s.split_at_mut(dc.kk * dc.cols);
+            for gi in 0..groups {
+                im2col_batch(&sub, &dc, gi, xc, col);
+                let wg = &w[gi * dc.og * dc.kk..(gi + 1) * dc.og * dc.kk];
+                // SAFETY: wg is og x kk, col is kk x cols, rows is og x cols, all row-major.
+                unsafe {
+                    gemm_oriented::<F>(
+                        dc.og,
+                        dc.kk,
+                        dc.cols,
+                        wg.as_ptr(),
+                        dc.kk as isize,
+                        1,
+                        col.as_ptr(),
+                        dc.cols as isize,
+                        1,
+                        F::ZERO,
+                        rows.as_mut_ptr(),
+                        dc.cols as isize,
+                        1,
+                        par,
+                        p,
+                    )
+                };
+                scatter_rows(&dc, o, gi, rows, yc);
+            }
+        });
+        if let Some(post) = post {
+            post(k * per * o * d.sp, yc);
+        }
+    });
+}
+
+/// Gradient of [`conv2d`] w.r.t. its input: `dy` `[n, o, oh, ow]` -> `[n, c, h, w]`. Per chunk
+/// and group, `w_g^T [kk, og] @ dy_g [og, m*oh*ow]`, then col2im image by image.
+pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w: &[F], o: usize, dx: &mut [F], p: Products) {
+    if let Some(taps) = toeplitz::taps(g, groups, o) {
+        return toeplitz::input_grad(g, &taps, dy, w, o, dx, p);
+    }
+    if let Some((small, at)) = cropped(g) {
+        return with_cropped_filter(w, g, &small, at, |wc| conv2d_input_grad(&small, groups, dy, wc, o, dx, p));
+    }
+    let d = conv_dims(g, groups, o);
+    let [n, c, h, wi] = g.x;
+    assert_eq!(dx.len(), n * c * h * wi, "output extents");
+    dx.fill(F::ZERO);
+    if dx.is_empty() || d.sp == 0 {
+        return;
+    }
+    let per = chunk_images::<F>(&d, n);
+    let par = gemm_threads(n.div_ceil(per));
+    let chunks: Vec<_> = dx.chunks_mut(per * c * h * wi).enumerate().collect();
+    each(chunks, |(k, dxc)| {
+        let sub = sub_batch(g, dxc.len() / (c * h * wi));
+        let dc = conv_dims(&sub, groups, o);
+        let dyc = &dy[k * per * o * dc.sp..][..sub.x[0] * o * dc.sp];
+        let [ph, pw] = padded_extents(g);
+        F::scratch(dc.kk * dc.cols + dc.og * dc.cols + ph * pw, |s| {
+            let (col, rest) = s.split_at_mut(dc.kk * dc.cols);
+            let (rows, padded) = rest.split_at_mut(dc.og * dc.cols);
+            for gi in 0..groups {
+                gather_rows(&dc, o, gi, dyc, rows);
+                let wg = &w[gi * dc.og * dc.kk..(gi + 1) * dc.og * dc.kk];
+                // SAFETY: wg^T is kk x og (read with swapped strides), rows is og x cols, col kk x cols.
+                unsafe {
+                    gemm_oriented::<F>(
+                        dc.kk,
+                        dc.og,
+                        dc.cols,
+                        wg.as_ptr(),
+                        1,
+                        dc.kk as isize,
+                        rows.as_ptr(),
+                        dc.cols as isize,
+                        1,
+                        F::ZERO,
+                        col.as_mut_ptr(),
+                        dc.cols as isize,
+                        1,
+                        par,
+                        p,
+                    )
+                };
+                for i in 0..sub.x[0] {
+                    col2im(
+                        &sub,
+                        &col[i * dc.sp..],
+                        dc.cols,
+                        dc.cg,
+                        &mut dxc[(i * c + gi * dc.cg) * h * wi..(i * c + (gi + 1) * dc.cg) * h * wi],
+                        padded,
+                    );
+                }
+            }
+        })
+    });
+}
+
+/// Gradient of [`conv2d`] w.r.t. its filter: `[o, c/groups, kh, kw]`. Per chunk and group, one
+/// GEMM contracting over the chunk's pixels, `dy_g [og, m*oh*ow] @ col^T [m*oh*ow, kk]`; the
+/// chunks' partial sums are then added in chunk order (so the thread count changes nothing).
+///
+/// With few output channels the product is made transposed, as `[kk, og]`, and turned back
+/// while the chunks are added. The GEMM computes a row-major product as its transpose, packing
+/// its left operand and streaming its right one: `dw`'s own layout makes the column matrix the
+/// packed one, a strided gather of `kk * m*oh*ow` elements per chunk, as costly as the
+/// arithmetic when `og` is 64 (ResNet-18's stem and layer1: 0.71x and 0.78x the time, by
+/// `cargo bench --bench kernels`); `[kk, og]` packs the chunk's `dy` instead. With 128 output
+/// channels the arithmetic hides the packing and `dw`'s layout is faster (layer2: 1.19x the
+/// time transposed). `post` runs on the output in parts, as each is finished.
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize, dw: &mut [F], post: Post<F>, p: Products) {
+    if let Some(taps) = toeplitz::taps(g, groups, o) {
+        return toeplitz::filter_grad(g, &taps, dy, x, o, dw, post, p);
+    }
+    if let Some((small, at)) = cropped(g) {
+        // The cropped gradient, then written into its taps' places; the others are zero.
+        let (big, little) = (g.kernel[0] * g.kernel[1], small.kernel[0] * small.kernel[1]);
+        let planes = dw.len() / big;
+        return F::partials(planes * little, |part| {
+            conv2d_filter_grad(&small, groups, dy, x, o, part, None, p);
+            dw.fill(F::ZERO);
+            for r in 0..small.kernel[0] {
+                for c in 0..small.kernel[1] {
+                    let (from, to) = (r * small.kernel[1] + c, (at[0] + r) * g.kernel[1] + at[1] + c);
+                    for (d, s) in dw.chunks_exact_mut(big).zip(part.chunks_exact(little)) {
+                        d[to] = s[from];
+                    }
+                }
+            }
+            post_all(post, dw);
+        });
+    }
+    let d = conv_dims(g, groups, o);
+    let n = g.x[0];
+    let size = o * d.kk;
+    assert_eq!(dw.len(), size, "output extents");
+    let per = chunk_images::<F>(&d, n);
+    let chunks = n.div_ceil(per);
+    if chunks == 0 || size == 0 {
+        return dw.fill(F::ZERO);
+    }
+    if d.og > 64 || d.kk < d.og {
+        // In dw's layout: the first chunk's sum is made in dw itself, the others in
+        // thread-local memory.
+        return F::partials((chunks - 1) * size, |rest| {
+            let parts: Vec<_> = std::iter::once(&mut *dw).chain(rest.chunks_mut(size)).enumerate().collect();
+            filter_grad_chunks(g, groups, dy, x, o, per, false, parts, p);
+            for part in rest.chunks_exact(size) {
+                add_assign(dw, part);
+            }
+            post_all(post, dw);
+        });
+    }
+    F::partials(chunks * size, |parts| {
+        filter_grad_chunks(g, groups, dy, x, o, per, true, parts.chunks_mut(size).enumerate().collect(), p);
+        let parts = &*parts;
+        // Per group, dw_g [og, kk] = the sum of the chunks' [kk, og], in tiles that keep both
+        // sides' lines in L1.
+        const TILE: usize = 16;
+        for gi in 0..groups {
+            let at = gi * d.og * d.kk;
+            for o0 in (0..d.og).step_by(TILE) {
+                for t0 in (0..d.kk).step_by(TILE) {
+                    for oc in o0..(o0 + TILE).min(d.og) {
+                        for t in t0..(t0 + TILE).min(d.kk) {
+                            let i = at + t * d.og + oc;
+                            let mut sum = parts[i];
+                            for part in parts.chunks_exact(size).skip(1) {
+                                sum += part[i];
+                            }
+                            dw[at + oc * d.kk + t] = sum;
+                        }
+                    }
+                }
+                // These output channels' rows are done: `post` while they are in cache.
+                if let Some(post) = post {
+                    let rows = at + o0 * d.kk..at + (o0 + TILE).min(d.og) * d.kk;
+                    post(rows.start, &mut dw[rows]);
+                }
+            }
+        }
+    })
+}
+
+/// Chunk `k`'s filter gradient (images `k*per..`) into each `(k, part)`, per group `[og, kk]`,
+/// or `[kk, og]` if `transposed`.
+#[allow(clippy::too_many_arguments)]
+fn filter_grad_chunks<F: HostFloat>(
+    g: &Geometry,
+    groups: usize,
+    dy: &[F],
+    x: &[F],
+    o: usize,
+    per: usize,
+    transposed: bool,
+    parts: Vec<(usize, &mut [F])>,
+    p: Products,
+) {
+    let [n, c, h, wd] = g.x;
+    let par = gemm_threads(parts.len());
+    let chunks = parts;
+    each(chunks, |(k, part)| {
+        let sub = sub_batch(g, per.min(n - k * per));
+        let dc = conv_dims(&sub, groups, o);
+        let xc = &x[k * per * c * h * wd..][..sub.x[0] * c * h * wd];
+        let dyc = &dy[k * per * o * dc.sp..][..sub.x[0] * o * dc.sp];
+        let (rsc, csc) = if transposed { (1, dc.og as isize) } else { (dc.kk as isize, 1) };
+        F::scratch(dc.kk * dc.cols + dc.og * dc.cols, |s| {
+            let (col, rows) = s.split_at_mut(dc.kk * dc.cols);
+            for gi in 0..groups {
+                im2col_batch(&sub, &dc, gi, xc, col);
+                gather_rows(&dc, o, gi, dyc, rows);
+                let dwg = &mut part[gi * dc.og * dc.kk..(gi + 1) * dc.og * dc.kk];
+                // SAFETY: rows is og x cols, col^T is cols x kk (swapped strides), dwg is og x kk
+                // (row-major, or column-major as the row-major [kk, og]).
+                unsafe {
+                    gemm_oriented::<F>(
+                        dc.og,
+                        dc.cols,
+                        dc.kk,
+                        rows.as_ptr(),
+                        dc.cols as isize,
+                        1,
+                        col.as_ptr(),
+                        1,
+                        dc.cols as isize,
+                        F::ZERO,
+                        dwg.as_mut_ptr(),
+                        rsc,
+                        csc,
+                        par,
+                        p,
+                    )
+                };
+            }
+        })
+    });
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::host::float::tests::{data, new};
+    use crate::host::pool::{max_pool2d, max_pool2d_grad};
+    use crate::host::rows::sum_planes;
+
+    /// [`conv2d_filter_grad`] with an epilogue gives `dw` (its result without one) with the
+    /// epilogue applied to every element once, at its own offset.
+    pub(crate) fn assert_filter_grad_epilogue(g: &Geometry, groups: usize, dy: &[f32], x: &[f32], o: usize, dw: &[f32]) {
+        let post = |first: usize, part: &mut [f32]| part.iter_mut().enumerate().for_each(|(i, v)| *v = *v * 2.0 + (first + i) as f32);
+        let twice = new(dw.len(), |out| conv2d_filter_grad(g, groups, dy, x, o, out, Some(&post), Products::F32));
+        assert!(twice.iter().zip(dw).enumerate().all(|(i, (t, d))| t.to_bits() == (d * 2.0 + i as f32).to_bits()), "{g:?}: the epilogue");
+    }
+
+    /// Direct-loop convolution in f64: the reference for the chunked GEMM kernels.
+    pub(crate) fn conv_reference(g: &Geometry, groups: usize, x: &[f32], w: &[f32], o: usize) -> Vec<f64> {
+        let [n, c, h, wd] = g.x;
+        let (cg, og) = (c / groups, o / groups);
+        let mut y = vec![0.0; n * o * g.spatial()];
+        for i in 0..n {
+            for oc in 0..o {
+                for oy in 0..g.out[0] {
+                    for ox in 0..g.out[1] {
+                        let mut acc = 0.0f64;
+                        for ci in 0..cg {
+                            for ky in 0..g.kernel[0] {
+                                for kx in 0..g.kernel[1] {
+                                    let (Some(iy), Some(ix)) = (g.at(0, oy, ky), g.at(1, ox, kx)) else { continue };
+                                    let xc = (oc / og) * cg + ci;
+                                    acc += x[((i * c + xc) * h + iy) * wd + ix] as f64
+                                        * w[((oc * cg + ci) * g.kernel[0] + ky) * g.kernel[1] + kx] as f64;
+                                }
+                            }
+                        }
+                        y[((i * o + oc) * g.out[0] + oy) * g.out[1] + ox] = acc;
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    /// The chunked convolution matches direct loops on dense and on strided, padded, dilated,
+    /// grouped geometries, and its gradients are its adjoints: <conv(x), dy> equals both
+    /// <x, input_grad(dy)> and <w, filter_grad(dy)>.
+    #[test]
+    fn chunked_convolutions_match_direct_loops_and_their_adjoints() {
+        let cases = [
+            // LeNet's conv1 and conv2 (dense path, several chunks).
+            (Geometry { x: [32, 1, 32, 32], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [28, 28] }, 1, 6),
+            (Geometry { x: [9, 6, 14, 14], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [10, 10] }, 1, 16),
+            // Stride 2, padding 1, dilation 2, two groups.
+            (Geometry { x: [5, 4, 11, 9], kernel: [3, 2], stride: [2, 2], dilation: [2, 1], pad: [1, 1], out: [5, 5] }, 2, 6),
+            // 3x3 padded by 1 at stride 1 (through a padded plane): ResNet's 8x8 and 4x4 maps,
+            // and rows of 6 (copied as two overlapping fours).
+            (Geometry { x: [3, 5, 8, 8], kernel: [3, 3], stride: [1, 1], dilation: [1, 1], pad: [1, 1], out: [8, 8] }, 1, 7),
+            (Geometry { x: [3, 5, 4, 4], kernel: [3, 3], stride: [1, 1], dilation: [1, 1], pad: [1, 1], out: [4, 4] }, 1, 7),
+            (Geometry { x: [2, 3, 6, 6], kernel: [3, 3], stride: [1, 1], dilation: [1, 1], pad: [1, 1], out: [6, 6] }, 1, 4),
+            // Stride 2 down the rows and 1 along them, dilated along them, padded unevenly.
+            (Geometry { x: [2, 3, 7, 9], kernel: [2, 3], stride: [2, 1], dilation: [1, 2], pad: [1, 2], out: [4, 9] }, 1, 5),
+            // Stride 2 padded by 1 whose last input column no window reads (the padded plane
+            // holds only the part that is read).
+            (Geometry { x: [2, 3, 8, 7], kernel: [3, 3], stride: [2, 2], dilation: [1, 1], pad: [1, 1], out: [4, 3] }, 1, 5),
+            // More than 64 output channels, and more output channels than taps: the filter
+            // gradient made in its own layout (the cases above make it transposed).
+            (Geometry { x: [3, 4, 6, 6], kernel: [3, 3], stride: [1, 1], dilation: [1, 1], pad: [1, 1], out: [6, 6] }, 1, 72),
+            (Geometry { x: [4, 2, 5, 5], kernel: [1, 1], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [5, 5] }, 1, 8),
+        ];
+        for (g, groups, o) in cases {
+            let [n, c, h, wd] = g.x;
+            let (x, w, dy) = (data(n * c * h * wd, 1), data(o * c / groups * g.kernel[0] * g.kernel[1], 2), data(n * o * g.spatial(), 3));
+            let y = new(n * o * g.spatial(), |y| conv2d(&g, groups, &x, &w, o, y, None, Products::F32));
+            for (a, b) in y.iter().zip(conv_reference(&g, groups, &x, &w, o)) {
+                assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "{g:?}: {a} vs {b}");
+            }
+            let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>();
+            let dx = new(x.len(), |dx| conv2d_input_grad(&g, groups, &dy, &w, o, dx, Products::F32));
+            let dw = new(w.len(), |dw| conv2d_filter_grad(&g, groups, &dy, &x, o, dw, None, Products::F32));
+            assert_filter_grad_epilogue(&g, groups, &dy, &x, o, &dw);
+            let lhs = dot(&y, &dy);
+            for rhs in [dot(&x, &dx), dot(&w, &dw)] {
+                assert!((lhs - rhs).abs() <= 1e-4 * (1.0 + lhs.abs()), "{g:?}: {lhs} vs {rhs}");
+            }
+        }
+    }
+
+    /// A convolution's batch is cut into a power of two of equal chunks: ResNet-18's 3 x 3
+    /// convolutions on 8 x 8 maps (147 KiB of columns per image, 7 to the MiB) take 8 chunks
+    /// of 4 of a micro-batch of 32, not 5 of 7 (which left one of two threads idle a fifth of
+    /// the time); LeNet5's first layer on 32 images, 4 chunks of 8, not 3 of 11.
+    #[test]
+    fn convolution_chunks_come_in_powers_of_two() {
+        let g = |c: usize, hw: usize, k: usize, out: usize| Geometry {
+            x: [32, c, hw, hw],
+            kernel: [k, k],
+            stride: [1, 1],
+            dilation: [1, 1],
+            pad: [k / 2, k / 2],
+            out: [out, out],
+        };
+        let per = |g: Geometry, o: usize| chunk_images::<f32>(&conv_dims(&g, 1, o), 32);
+        assert_eq!(per(g(64, 8, 3, 8), 64), 4);
+        assert_eq!(per(g(128, 4, 3, 4), 128), 8);
+        let lenet = Geometry { x: [32, 1, 32, 32], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [28, 28] };
+        assert_eq!(per(lenet, 6), 8);
+        // An image over the MiB on a batch of 3: 3 chunks of one (4 would leave one empty).
+        assert_eq!(chunk_images::<f32>(&conv_dims(&Geometry { x: [3, 512, 16, 16], ..g(512, 16, 3, 16) }, 1, 512), 3), 1);
+    }
+
+    /// Chunks, pooling planes and sums run on rayon's threads, but the cut depends on the
+    /// shapes only: one thread and three give the same bits.
+    #[test]
+    fn results_do_not_depend_on_the_thread_count() {
+        let g = Geometry { x: [32, 6, 14, 14], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [10, 10] };
+        let (x, w, dy) = (data(32 * 6 * 196, 4), data(16 * 6 * 25, 5), data(32 * 16 * 100, 6));
+        let p = Geometry { x: [32, 6, 14, 14], kernel: [2, 2], stride: [2, 2], dilation: [1, 1], pad: [0, 0], out: [7, 7] };
+        let sums = data(300 * 1000, 7);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
+            pool.install(|| {
+                let mut at = vec![0; 32 * 6 * 49];
+                let y = new(at.len(), |y| max_pool2d(&p, &x, &mut at, y));
+                let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+                [
+                    bits(new(dy.len(), |y| conv2d(&g, 1, &x, &w, 16, y, None, Products::F32))),
+                    bits(new(x.len(), |dx| conv2d_input_grad(&g, 1, &dy, &w, 16, dx, Products::F32))),
+                    bits(new(w.len(), |dw| conv2d_filter_grad(&g, 1, &dy, &x, 16, dw, None, Products::F32))),
+                    bits(y),
+                    bits(new(x.len(), |dx| max_pool2d_grad(&p, &at, &x[..at.len()], dx, None))),
+                    // Sums over rows (shared out by 4 KiB of the output) and over planes.
+                    bits(new(3000, |out| sum_planes(&sums, 100, 1, None, out))),
+                    bits(new(128, |out| sum_planes(&sums[..64 * 128 * 20], 64, 20, Some(0.5), out))),
+                ]
+            })
+        };
+        let (one, three) = (run(1), run(3));
+        assert_eq!(one, three);
+        // Row by row onto zeros, column by column.
+        let want: Vec<u32> = (0..3000).map(|j| (0..100).fold(0.0f32, |s, i| s + sums[i * 3000 + j]).to_bits()).collect();
+        assert_eq!(one[5], want);
+    }
+}

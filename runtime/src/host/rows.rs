@@ -1,0 +1,148 @@
+//! Elementwise and row kernels on host slices: ReLU and its gradient, `acc += g`, sums over
+//! rows and over planes, row maxima and the causal mask, shared out by whole rows.
+
+use super::float::{each, row_shares, shares_of, vectorized, HostFloat, BLOCK};
+
+/// ReLU with one answer for NaN and -0 (+0): burn-ndarray's SIMD max gives +0 while its
+/// scalar path (short or strided tensors) keeps them, so the host plans run this instead.
+#[inline(always)]
+pub(super) fn relu1<F: HostFloat>(v: F) -> F {
+    if v > F::ZERO {
+        v
+    } else {
+        F::ZERO
+    }
+}
+
+pub fn relu<F: HostFloat>(x: &[F], y: &mut [F]) {
+    vectorized(
+        #[inline(always)]
+        || y.iter_mut().zip(x).for_each(|(y, &v)| *y = relu1(v)),
+    )
+}
+
+/// `dy` where `x > 0`, else zero.
+pub fn relu_grad<F: HostFloat>(dy: &[F], x: &[F], dx: &mut [F]) {
+    vectorized(
+        #[inline(always)]
+        || dx.iter_mut().zip(dy.iter().zip(x)).for_each(|(o, (&d, &v))| *o = if v > F::ZERO { d } else { F::ZERO }),
+    )
+}
+
+/// `acc += g`, elementwise (the bits of burn's `acc + g`).
+pub fn add_assign<F: HostFloat>(acc: &mut [F], g: &[F]) {
+    vectorized(
+        #[inline(always)]
+        || acc.iter_mut().zip(g).for_each(|(a, &b)| *a += b),
+    )
+}
+
+/// The sum over the rows of a row-major `[rows, cols]` matrix into `out` (`cols`), added
+/// row after row onto zeros: the order (and so the bits) of ndarray's `sum_axis(Axis(0))`,
+/// which burn-ndarray's `sum_dim` runs, for a matrix with more than one column.
+pub fn sum_rows<F: HostFloat>(x: &[F], out: &mut [F]) {
+    let rows = x.len().checked_div(out.len()).unwrap_or(0);
+    sum_planes(x, rows, 1, None, out)
+}
+
+/// The sum of `x` (`[outer, out.len(), inner]`) over its first and last axes, times `scale`:
+/// each run of `inner` summed on its own (ndarray's unrolled sum; in order when short), then
+/// the runs added into `out` in order of the first axis. Threads take shares of `out`, each
+/// element summed in that order whatever the cut.
+pub fn sum_planes<F: HostFloat>(x: &[F], outer: usize, inner: usize, scale: Option<F>, out: &mut [F]) {
+    let kept = out.len();
+    let x = &x[..outer * kept * inner];
+    // Sums over rows (`inner == 1`, a bias's gradient) share out `out` by 4 KiB: a thread
+    // adds every row into its part, and parts of 16 elements (8 shares of 128) made the
+    // threads take cache lines from each other once per row (`[1024, 128] -> [128]` took
+    // 3.3x as long on two threads as on one); shares of 256 still lost to one thread on the
+    // GPT's `[1024, 512] -> [512]`.
+    let unit = if inner == 1 { 4096 / std::mem::size_of::<F>() } else { 1 };
+    shares_of(out, unit, x.len(), |first, part| {
+        let (first, n) = (first * unit, part.len());
+        part.fill(F::ZERO);
+        for plane in x.chunks_exact(kept * inner) {
+            let runs = &plane[first * inner..(first + n) * inner];
+            if inner == 1 {
+                add_assign(part, runs);
+            } else {
+                for (o, run) in part.iter_mut().zip(runs.chunks_exact(inner)) {
+                    *o += if inner >= 16 { F::ndarray_sum(run) } else { run.iter().fold(F::ZERO, |s, &v| s + v) };
+                }
+            }
+        }
+        if let Some(s) = scale {
+            part.iter_mut().for_each(|v| *v = *v * s);
+        }
+    });
+}
+
+/// Causal masking of `[..., t, s]` scores: element `(i, j)` of each `t x s` matrix is `fill`
+/// where `j > i + s - t`, else `x`'s.
+pub fn causal_mask<F: HostFloat>(x: &[F], t: usize, s: usize, fill: F, y: &mut [F]) {
+    if s == 0 || t == 0 {
+        return;
+    }
+    row_shares(y, s, |first, part| {
+        for (k, yr) in part.chunks_exact_mut(s).enumerate() {
+            let (g, i) = (first + k, (first + k) % t);
+            // Keys 0..=i + s - t are visible.
+            let seen = (i + s).saturating_sub(t).saturating_add(1).min(s);
+            let xr = &x[g * s..(g + 1) * s];
+            yr[..seen].copy_from_slice(&xr[..seen]);
+            yr[seen..].fill(fill);
+        }
+    });
+}
+
+/// The maximum of each row of the row-major `[rows, cols]` `x` (a NaN in a row makes it NaN:
+/// the last one's bits, as the sequential fold `if b > a || b != b { b } else { a }`).
+pub fn max_rows<F: HostFloat>(x: &[F], cols: usize, y: &mut [F]) {
+    if cols == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads().min(x.len() / (16 * BLOCK)).min(y.len()).max(1);
+    let per = y.len().div_ceil(threads);
+    let shares: Vec<(&[F], &mut [F])> = x.chunks(per * cols).zip(y.chunks_mut(per)).collect();
+    each(shares, |(x, y)| vectorized(MaxRows { x, cols, y }));
+}
+
+/// [`max_rows`] over one share, as a struct so that its loop is compiled for the dispatched
+/// instruction set ([`vectorized`]).
+struct MaxRows<'a, F> {
+    x: &'a [F],
+    cols: usize,
+    y: &'a mut [F],
+}
+
+impl<F: HostFloat> pulp::WithSimd for MaxRows<'_, F> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        const LANES: usize = 16;
+        // `b != b`: `b` is NaN (`HostFloat` has no `is_nan`).
+        #[allow(clippy::eq_op)]
+        let fold = |row: &[F]| row[1..].iter().fold(row[0], |a, &b| if b > a || b != b { b } else { a });
+        for (row, m) in self.x.chunks_exact(self.cols).zip(self.y.iter_mut()) {
+            // Lane by lane, then across the lanes: the same maximum as the fold unless the row
+            // holds a NaN (which one is kept) or the maximum is zero (which sign is kept),
+            // where the fold itself decides.
+            let mut acc = [row[0]; LANES];
+            let mut nan = [false; LANES];
+            let chunks = row.chunks_exact(LANES);
+            let rest = chunks.remainder();
+            for c in chunks {
+                for j in 0..LANES {
+                    acc[j] = if c[j] > acc[j] { c[j] } else { acc[j] };
+                    nan[j] |= c[j].is_nan();
+                }
+            }
+            let mut v = acc[0];
+            for &b in acc[1..].iter().chain(rest) {
+                v = if b > v { b } else { v };
+            }
+            let odd = nan.iter().any(|&n| n) || rest.iter().any(|b| b.is_nan()) || v == F::ZERO;
+            *m = if odd { fold(row) } else { v };
+        }
+    }
+}
