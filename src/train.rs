@@ -680,7 +680,7 @@ struct SaveEachEpoch(Option<PathBuf>);
 impl<B: Backend> Callback<B> for SaveEachEpoch {
     fn epoch_end(&mut self, cx: &mut RunContext<B>) -> cellgraph::runtime::Result<()> {
         match &self.0 {
-            Some(path) => checkpoint::save(path, &cellgraph::runtime::model::snapshot_at(cx.accumulator, cx.position), &Default::default()),
+            Some(path) => checkpoint::save(path, &cellgraph::runtime::callback::snapshot_at(cx.accumulator, cx.position), &Default::default()),
             None => Ok(()),
         }
     }

@@ -13,7 +13,7 @@ use burn_backend::{Shape as BShape, TensorData};
 use burn_ndarray::{NdArray, NdArrayTensor};
 use cellgraph_compiler::TensorType;
 
-use crate::host::Arena;
+use crate::arena::Arena;
 use crate::kernel::{Native, UpdateKernel};
 
 /// A burn shape for IR extents (`[]` becomes `[1]`: burn has no rank-0 tensors).

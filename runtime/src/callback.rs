@@ -9,7 +9,23 @@ use crate::Backend;
 
 use crate::accumulate::Accumulator;
 use crate::error::{Result, RuntimeError};
-use crate::model::Position;
+use cellgraph_compiler::{HostData, HostTensor};
+
+/// Where training stands: epochs completed and batches done in the current epoch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Position {
+    pub epoch: usize,
+    pub step: usize,
+}
+
+/// The accumulator's snapshot plus the training position (`cellgraph.epoch`, `cellgraph.step`).
+pub fn snapshot_at<B: Backend>(acc: &Accumulator<B>, position: Position) -> crate::checkpoint::Tensors {
+    let mut t = acc.snapshot();
+    for (k, v) in [("cellgraph.epoch", position.epoch), ("cellgraph.step", position.step)] {
+        t.insert(k.into(), HostTensor { shape: vec![], data: HostData::I64(vec![v as i64]) });
+    }
+    t
+}
 
 /// What a callback sees.
 pub struct RunContext<'a, B: Backend> {
@@ -220,7 +236,7 @@ impl<B: Backend> Callback<B> for ModelCheckpoint {
         let path = self.directory.join(format!("{}-{}_{}.{}", self.prefix, cx.epoch, cx.step, self.config.format));
         // Every rank takes the snapshot (with hsdp it gathers the optimizer state); rank 0
         // writes it, since parameters are replicated.
-        let t = crate::model::snapshot_at(cx.accumulator, cx.position);
+        let t = snapshot_at(cx.accumulator, cx.position);
         if cx.accumulator.rank() != 0 {
             return Ok(());
         }

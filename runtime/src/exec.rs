@@ -21,9 +21,10 @@ use cellgraph_compiler::dump::DumpOptions;
 use cellgraph_compiler::passes::pipeline::{self, PipelineOptions};
 use cellgraph_compiler::{Graph, HostData, HostTensor, Op, TensorType};
 
+use crate::arena::Arena;
 use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
-use crate::host::{Arena, Kept};
+use crate::host::Kept;
 use crate::kernel::{ConvKind, Native};
 use crate::lower::{eval, Ctx};
 use crate::replay::{Graphs, ReplayCounts};
@@ -757,7 +758,7 @@ fn run_head<B: Backend>(
     match bound {
         Some(t) => {
             for (v, _) in args {
-                arena.reclaim(v);
+                v.give_back(arena);
             }
             Ok(Value::Float(t))
         }
@@ -1121,7 +1122,7 @@ impl<B: Backend> Session<B> {
             .map(|v| match &v {
                 Value::Float(t) => {
                     let c = B::device_copy(t).ok_or("this backend cannot copy an output out of its graph buffer")?;
-                    self.arena.reclaim(v);
+                    v.give_back(&mut self.arena);
                     Ok(Value::Float(c))
                 }
                 _ => Err("a replayed plan's outputs must be floats".to_string()),
@@ -1151,7 +1152,7 @@ impl<B: Backend> Session<B> {
     /// Gives a value a plan returned (and the caller no longer needs) back to the session's
     /// memory, for later runs to write into; dropped if anything else still holds it.
     pub fn give_back(&mut self, v: Value<B>) {
-        self.arena.reclaim(v);
+        v.give_back(&mut self.arena);
     }
 
     /// Sets a parameter to a device value (a view of a flat buffer, say).
@@ -1490,14 +1491,14 @@ impl<B: Backend> Session<B> {
                         };
                         if into {
                             for (v, _) in args {
-                                self.arena.reclaim(v);
+                                v.give_back(&mut self.arena);
                             }
                             acc.swap_remove(0).0
                         } else {
                             let g = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
                             match (acc.as_slice(), g) {
                                 ([(Value::Float(a), _)], Value::Float(g)) if B::assign_add_in_place(a, g.clone()) => {
-                                    self.arena.reclaim(Value::<B>::Float(g));
+                                    Value::<B>::Float(g).give_back(&mut self.arena);
                                     acc.swap_remove(0).0
                                 }
                                 (_, g) => eval(&cx, &Op::AssignAdd, acc.into_iter().chain([(g, &step.ty)]).collect(), &step.ty)?,
@@ -1510,7 +1511,7 @@ impl<B: Backend> Session<B> {
                                 // Operands at their last use give their memory back (a
                                 // device kernel only read them; later launches run after it).
                                 for (v, _) in args {
-                                    self.arena.reclaim(v);
+                                    v.give_back(&mut self.arena);
                                 }
                                 Value::Float(t)
                             }
@@ -1542,7 +1543,7 @@ impl<B: Backend> Session<B> {
                     record(&mut self.step_profile, kind, secs);
                     record(&mut self.profile, || op.label(), secs);
                     for h in held {
-                        self.arena.reclaim(h);
+                        h.give_back(&mut self.arena);
                     }
                     v
                 }
@@ -1552,7 +1553,7 @@ impl<B: Backend> Session<B> {
             }
             for slot in step.args.iter().filter(|(_, moved)| *moved).map(|(s, _)| *s).chain(step.frees.iter().copied()) {
                 if let Some(v) = slots[slot].take() {
-                    self.arena.reclaim(v);
+                    v.give_back(&mut self.arena);
                 }
             }
             slots[step.slot] = Some(v);
@@ -1572,7 +1573,7 @@ impl<B: Backend> Session<B> {
                 (_, v) => v,
             };
             if let Some(old) = self.put(name, v) {
-                self.arena.reclaim(old);
+                old.give_back(&mut self.arena);
             }
         }
         let outputs = exe
@@ -1581,7 +1582,7 @@ impl<B: Backend> Session<B> {
             .map(|&o| out(slots[o].as_ref().expect("outputs are pinned"), exe.graph.ty(cellgraph_compiler::NodeId(o as u32))))
             .collect();
         for v in slots.iter_mut().filter_map(Option::take) {
-            self.arena.reclaim(v);
+            v.give_back(&mut self.arena);
         }
         self.slots = slots;
         Ok(outputs)

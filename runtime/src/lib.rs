@@ -11,6 +11,7 @@
 //!   `launches`: counting the kernels a process launches on them.
 
 pub mod accumulate;
+pub mod arena;
 pub mod backend;
 pub mod callback;
 pub mod checkpoint;
@@ -34,12 +35,13 @@ pub use accumulate::{Accumulator, Counters, LoadReport, StepOutcome};
 pub use backend::Backend;
 /// burn's backend API, for code generic over [`Backend`] (`Device<B>`, tensor primitives).
 pub use burn_backend;
-pub use callback::{Callback, CheckpointConfig, LossLog, LossMonitor, ModelCheckpoint, ProgressBar, RunContext, TimeMonitor};
+pub use callback::{Callback, CheckpointConfig, LossLog, LossMonitor, ModelCheckpoint, Position, ProgressBar, RunContext, TimeMonitor};
 pub use cellgraph_compiler::passes::pipeline::PipelineOptions;
+pub use data::{Dataset, TensorDataset};
 pub use error::{Result, RuntimeError};
 pub use exec::{compile, compile_unfused, compile_with, compile_with_options, Bf16Products, Bf16Unit, DumpAt, Executable, Session};
 pub use host::join_thread_pool;
-pub use model::{Dataset, Metric, Model, Position, TensorDataset};
+pub use model::{Metric, Model};
 pub use value::Value;
 
 /// The CPU backend: burn's ndarray backend. A session computes in f32, or in f64 for

@@ -12,9 +12,9 @@ use cellgraph_compiler::infer::infer;
 use cellgraph_compiler::window::{self, Window};
 use cellgraph_compiler::{DType, HostData, Op, PadMode, Pool2dAttrs, ReduceAttrs, Reduction, TensorType};
 
+use crate::arena::Arena;
 use crate::backend::{bshape, Backend, HostVec};
 use crate::error::{Result, RuntimeError};
-use crate::host::Arena;
 use crate::kernel::Native;
 use crate::value::Value;
 

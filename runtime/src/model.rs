@@ -16,89 +16,15 @@ use std::time::Instant;
 use crate::Backend;
 use burn_backend::tensor::Device;
 use cellgraph_cells::{AutoParallel, Cell, GradAccumulation, Optimizer};
-use cellgraph_compiler::{HostData, HostTensor, TensorType};
+use cellgraph_compiler::{HostTensor, TensorType};
 
 use crate::accumulate::Accumulator;
-use crate::callback::{Callback, RunContext};
+use crate::callback::{snapshot_at, Callback, Position, RunContext};
 use crate::checkpoint;
 use crate::comm::Communicator;
+use crate::data::Dataset;
 use crate::error::{Result, RuntimeError};
 use crate::exec::{compile_with, DumpAt, Executable};
-
-/// A source of batches, epoch by epoch. `Model::train` draws an epoch's batches on a thread of
-/// their own, a few ahead of training (MindSpore's dataset pipeline and PyTorch's `DataLoader`
-/// workers do the same), so a dataset is `Sync` and its batches come from a `Send` iterator.
-pub trait Dataset: Sync {
-    /// Batches per epoch.
-    fn dataset_size(&self) -> usize;
-    /// The batches of epoch `epoch` (0-based), from batch `skip` on; each batch is the
-    /// network's inputs in order (`[data, label]`).
-    fn batches(&self, epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + Send + '_>;
-    /// Names of the inputs (for graph dumps).
-    fn column_names(&self) -> Vec<&'static str> {
-        vec!["data", "label"]
-    }
-    /// Items in each batch of an epoch, in order (by default: read off the batches).
-    fn batch_sizes(&self) -> Vec<usize> {
-        self.batches(0, 0).map(|b| b.first().and_then(|t| t.shape.first().copied()).unwrap_or(0)).collect()
-    }
-    /// The batch size asked for (the size of every batch but a short last one).
-    fn batch_size(&self) -> usize {
-        self.batch_sizes().first().copied().unwrap_or(0)
-    }
-    /// What the data is, for error messages (`MNIST train, shard 3 of 8: 1000 items`).
-    fn describe(&self) -> String {
-        "the dataset".into()
-    }
-}
-
-impl Dataset for crate::data::MnistDataset {
-    fn dataset_size(&self) -> usize {
-        self.get_dataset_size()
-    }
-    fn batches(&self, epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + Send + '_> {
-        Box::new(self.epoch(epoch, skip).map(|b| b.inputs().to_vec()))
-    }
-    fn batch_sizes(&self) -> Vec<usize> {
-        self.batch_lengths()
-    }
-    fn batch_size(&self) -> usize {
-        crate::data::MnistDataset::batch_size(self)
-    }
-    fn describe(&self) -> String {
-        crate::data::MnistDataset::describe(self)
-    }
-}
-
-/// In-memory columns batched in order (PyTorch's `TensorDataset` + `DataLoader`).
-#[derive(Clone, Debug)]
-pub struct TensorDataset {
-    pub columns: Vec<HostTensor>,
-    pub batch_size: usize,
-}
-
-impl Dataset for TensorDataset {
-    fn dataset_size(&self) -> usize {
-        self.columns.first().map_or(0, |c| c.shape[0].div_ceil(self.batch_size.max(1)))
-    }
-    fn batch_sizes(&self) -> Vec<usize> {
-        let n = self.columns.first().map_or(0, |c| c.shape[0]);
-        (0..self.dataset_size()).map(|k| ((k + 1) * self.batch_size).min(n) - k * self.batch_size).collect()
-    }
-    fn batch_size(&self) -> usize {
-        self.batch_size
-    }
-    fn describe(&self) -> String {
-        format!("a TensorDataset of {} items", self.columns.first().map_or(0, |c| c.shape[0]))
-    }
-    fn batches(&self, _epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + Send + '_> {
-        let n = self.columns.first().map_or(0, |c| c.shape[0]);
-        Box::new((skip..self.dataset_size()).map(move |k| {
-            let (a, b) = (k * self.batch_size, ((k + 1) * self.batch_size).min(n));
-            self.columns.iter().map(|c| crate::accumulate::slice_rows(c, a, b)).collect()
-        }))
-    }
-}
 
 /// Batches an epoch's data thread makes ahead of training.
 const PREFETCH: usize = 4;
@@ -113,22 +39,6 @@ pub enum Metric {
     /// counts, for a loss that counts them (`CrossEntropyLoss::tokens()`), else each batch's
     /// (mean) loss weighted by its size.
     Loss,
-}
-
-/// Where training stands: epochs completed and batches done in the current epoch.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Position {
-    pub epoch: usize,
-    pub step: usize,
-}
-
-/// The accumulator's snapshot plus the training position (`cellgraph.epoch`, `cellgraph.step`).
-pub fn snapshot_at<B: Backend>(acc: &Accumulator<B>, position: Position) -> checkpoint::Tensors {
-    let mut t = acc.snapshot();
-    for (k, v) in [("cellgraph.epoch", position.epoch), ("cellgraph.step", position.step)] {
-        t.insert(k.into(), HostTensor { shape: vec![], data: HostData::I64(vec![v as i64]) });
-    }
-    t
 }
 
 /// Trains and evaluates one network on one device.

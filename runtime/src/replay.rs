@@ -45,7 +45,7 @@ use std::collections::{BTreeSet, HashMap};
 use burn_backend::BackendGraph;
 use cellgraph_compiler::TensorType;
 
-use crate::host::Arena;
+use crate::arena::Arena;
 use crate::value::Value;
 use crate::Backend;
 

@@ -7,6 +7,8 @@ use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IntTensor};
 use burn_backend::{get_device_settings, Backend, DType, FloatDType, TensorData, TensorMetadata};
 use cellgraph_compiler::{HostData, HostTensor};
 
+use crate::arena::Arena;
+
 /// A tensor on a backend device.
 #[derive(Debug)]
 pub enum Value<B: Backend> {
@@ -142,4 +144,22 @@ pub fn settings<B: Backend>(device: &Device<B>, float: FloatDType) -> burn_backe
     let mut s = get_device_settings::<B>(device);
     s.float_dtype = float;
     s
+}
+
+impl<B: crate::Backend> Value<B> {
+    /// Gives the value's memory back to `arena` when nothing else holds it (the value is dropped
+    /// otherwise).
+    pub fn give_back(self, arena: &mut Arena) {
+        if let Value::Float(t) = self {
+            match <B as crate::Backend>::reclaim(t) {
+                Ok(crate::backend::HostVec::F32(v)) => arena.give(v),
+                Ok(crate::backend::HostVec::F64(v)) => arena.give(v),
+                Err(t) => {
+                    if let Some((len, t)) = <B as crate::Backend>::device_reusable(t) {
+                        arena.give_device(len, t);
+                    }
+                }
+            }
+        }
+    }
 }

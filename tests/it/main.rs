@@ -19,3 +19,4 @@ mod parallel;
 mod precision;
 mod programs;
 mod runtime;
+mod structure;

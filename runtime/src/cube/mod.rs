@@ -38,8 +38,8 @@ use cubecl::{calculate_cube_count_elemwise, CubeDim};
 use cubek::matmul::strategy::Strategy;
 use ew::{EStep, EVal, EwKernel};
 
+use crate::arena::Arena;
 use crate::backend::Backend;
-use crate::host::Arena;
 use crate::kernel::{ConvKind, KStep, KVal, Native, Tiling, UpdateKernel};
 use cellgraph_compiler::TensorType;
 

@@ -252,7 +252,7 @@ impl Cifar10Dataset {
     }
 }
 
-impl crate::model::Dataset for Cifar10Dataset {
+impl super::Dataset for Cifar10Dataset {
     fn dataset_size(&self) -> usize {
         self.get_dataset_size()
     }

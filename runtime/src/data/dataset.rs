@@ -386,3 +386,28 @@ fn float_ops(ops: &[ImageOp], mut x: Vec<f32>) -> Vec<f32> {
     }
     x
 }
+
+/// MindSpore's LeNet pipeline for one image, bit for bit: `Resize(32, 32)` on the uint8
+/// image, `Rescale(1/255, 0)`, `Rescale(1/0.3081, -0.1307/0.3081)` (each a fused
+/// multiply-add in f32, as OpenCV's `convertTo`), HWC2CHW (one channel: `[1, 32, 32]`).
+pub fn lenet_transform(pixels: &[u8], rows: usize, cols: usize) -> Vec<f32> {
+    apply_ops(&lenet_ops(), pixels, rows, cols)
+}
+
+impl super::Dataset for MnistDataset {
+    fn dataset_size(&self) -> usize {
+        self.get_dataset_size()
+    }
+    fn batches(&self, epoch: usize, skip: usize) -> Box<dyn Iterator<Item = Vec<HostTensor>> + Send + '_> {
+        Box::new(self.epoch(epoch, skip).map(|b| b.inputs().to_vec()))
+    }
+    fn batch_sizes(&self) -> Vec<usize> {
+        self.batch_lengths()
+    }
+    fn batch_size(&self) -> usize {
+        MnistDataset::batch_size(self)
+    }
+    fn describe(&self) -> String {
+        MnistDataset::describe(self)
+    }
+}

@@ -214,10 +214,3 @@ impl Resize {
         }
     }
 }
-
-/// MindSpore's LeNet pipeline for one image, bit for bit: `Resize(32, 32)` on the uint8
-/// image, `Rescale(1/255, 0)`, `Rescale(1/0.3081, -0.1307/0.3081)` (each a fused
-/// multiply-add in f32, as OpenCV's `convertTo`), HWC2CHW (one channel: `[1, 32, 32]`).
-pub fn lenet_transform(pixels: &[u8], rows: usize, cols: usize) -> Vec<f32> {
-    crate::data::dataset::apply_ops(&crate::data::dataset::lenet_ops(), pixels, rows, cols)
-}

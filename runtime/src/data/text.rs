@@ -219,7 +219,7 @@ impl CharDataset {
     }
 }
 
-impl crate::model::Dataset for CharDataset {
+impl super::Dataset for CharDataset {
     fn dataset_size(&self) -> usize {
         let n = self.sampling.dataset_size(self.items.len());
         self.limit.map_or(n, |l| l.min(n))

@@ -25,9 +25,9 @@ use burn_backend::tensor::{Device, FloatTensor, IntTensor};
 use burn_backend::FloatDType;
 use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
+use crate::arena::{Arena, Shelved};
 use crate::backend::{Backend, HostSlice, HostVec};
 use crate::kernel::{ConvKind, Geometry, Native, Products, UpdateKernel};
-use crate::value::Value;
 use float::HostFloat;
 use gemm::Mat;
 
@@ -44,15 +44,11 @@ pub fn join_thread_pool() {
 /// parameter's name (no parameter name holds it).
 pub const ROUNDED_BF16: &str = "round_to bf16 of ";
 
-/// Free buffers of one element type, by length.
-type Shelf<T> = BTreeMap<usize, Vec<Vec<T>>>;
-
 /// The element types the kernels run in, tied to their [`HostSlice`]/[`HostVec`] variants
-/// and to their shelf of the [`Arena`].
-trait Elem: HostFloat + direct::Lanes + Default {
+/// (and, as [`Shelved`], to their shelf of the [`Arena`]).
+trait Elem: HostFloat + direct::Lanes + Shelved {
     fn slice<'a>(s: &'a HostSlice<'_>) -> Option<&'a [Self]>;
     fn wrap(v: Vec<Self>) -> HostVec;
-    fn shelf(a: &mut Arena) -> &mut Shelf<Self>;
     fn kept(k: &mut Kept) -> &mut Typed<Self>;
 }
 
@@ -68,9 +64,6 @@ macro_rules! elem {
             fn wrap(v: Vec<$t>) -> HostVec {
                 HostVec::$variant(v)
             }
-            fn shelf(a: &mut Arena) -> &mut Shelf<$t> {
-                &mut a.$shelf
-            }
             fn kept(k: &mut Kept) -> &mut Typed<$t> {
                 &mut k.$shelf
             }
@@ -80,110 +73,6 @@ macro_rules! elem {
 
 elem!(f32, F32, F64, f32);
 elem!(f64, F64, F32, f64);
-
-/// The memory a session's plans write their values into: float buffers by length, in host
-/// memory for the host kernels, or device buffers for a device's own kernels. A plan says at
-/// compile time how many buffers of each length it holds at once
-/// ([`crate::Executable::arena`]); the arena keeps up to that many of each free, so once every
-/// length has been seen a run takes all its buffers from here, and each value's last use
-/// hands its buffer back ([`Self::reclaim`]) when nothing else holds it. Runs of one plan
-/// take and give in the same order, so each step writes into the same buffers every run.
-#[derive(Default)]
-pub struct Arena {
-    f32: Shelf<f32>,
-    f64: Shelf<f64>,
-    /// Free device buffers (a device backend's float tensors), by length.
-    device: BTreeMap<usize, Vec<Box<dyn std::any::Any + Send>>>,
-    /// A device kernel's scratch buffer of each length (taken and given back around a launch).
-    scratch: BTreeMap<usize, Box<dyn std::any::Any + Send>>,
-    /// Most free buffers kept per length: the most any plan run here holds at once.
-    cap: BTreeMap<usize, usize>,
-    /// Buffers allocated because none of their length was free.
-    fresh: u64,
-}
-
-impl Arena {
-    /// Makes room for a plan's buffers: `(elements, buffers)` pairs.
-    pub fn size_for(&mut self, plan: &[(usize, usize)]) {
-        for &(len, n) in plan {
-            let cap = self.cap.entry(len).or_default();
-            *cap = (*cap).max(n);
-        }
-    }
-
-    /// Buffers allocated so far because none of their length was free (a steady state adds none).
-    pub fn fresh(&self) -> u64 {
-        self.fresh
-    }
-
-    /// A buffer of `len` elements, contents unspecified.
-    fn take<F: Elem>(&mut self, len: usize) -> Vec<F> {
-        match F::shelf(self).get_mut(&len).and_then(Vec::pop) {
-            Some(v) => v,
-            None => {
-                self.fresh += 1;
-                vec![F::ZERO; len]
-            }
-        }
-    }
-
-    fn give<F: Elem>(&mut self, v: Vec<F>) {
-        let cap = self.cap.get(&v.len()).copied().unwrap_or(0);
-        let shelf = F::shelf(self).entry(v.len()).or_default();
-        if shelf.len() < cap {
-            shelf.push(v);
-        }
-    }
-
-    /// Takes a value's memory back when nothing else holds it (a value is dropped otherwise).
-    pub fn reclaim<B: Backend>(&mut self, v: Value<B>) {
-        if let Value::Float(t) = v {
-            match B::reclaim(t) {
-                Ok(HostVec::F32(v)) => self.give(v),
-                Ok(HostVec::F64(v)) => self.give(v),
-                Err(t) => {
-                    if let Some((len, t)) = B::device_reusable(t) {
-                        self.give_device(len, t);
-                    }
-                }
-            }
-        }
-    }
-
-    /// A free device buffer `T` of `len` elements, contents unspecified; `None` (counted as a
-    /// fresh buffer: the caller makes one) when none is free.
-    pub fn take_device<T: 'static>(&mut self, len: usize) -> Option<T> {
-        let t = self.device.get_mut(&len).and_then(Vec::pop).and_then(|b| b.downcast::<T>().ok()).map(|b| *b);
-        if t.is_none() {
-            self.fresh += 1;
-        }
-        t
-    }
-
-    /// The device scratch buffer `T` of `len` elements, `None` (counted as fresh) the first
-    /// time; give it back after the launches that use it ([`Self::give_scratch`]).
-    pub fn take_scratch<T: 'static>(&mut self, len: usize) -> Option<T> {
-        let t = self.scratch.remove(&len).and_then(|b| b.downcast::<T>().ok()).map(|b| *b);
-        if t.is_none() {
-            self.fresh += 1;
-        }
-        t
-    }
-
-    /// Keeps a device scratch buffer of `len` elements for the next launch that needs one.
-    pub fn give_scratch<T: Send + 'static>(&mut self, len: usize, t: T) {
-        self.scratch.insert(len, Box::new(t));
-    }
-
-    /// Gives a device buffer of `len` elements back, which nothing else may hold.
-    pub fn give_device<T: Send + 'static>(&mut self, len: usize, t: T) {
-        let cap = self.cap.get(&len).copied().unwrap_or(0);
-        let shelf = self.device.entry(len).or_default();
-        if shelf.len() < cap {
-            shelf.push(Box::new(t));
-        }
-    }
-}
 
 /// `v` copied into a buffer from the arena.
 fn copied<F: Elem>(arena: &mut Arena, v: &[F]) -> HostVec {
