@@ -75,7 +75,7 @@ fn imports(at: &str, src: &str, known: &BTreeSet<String>) -> BTreeSet<String> {
 }
 
 /// No two modules of the runtime import each other, directly or around a longer circle, at
-/// any depth of the module tree (`host` and `backend`; `host::conv` and `host::toeplitz`;
+/// any depth of the module tree (`host` and `backend`; `host::conv` and `host::toeplitz`,
 /// `data::dataset` and `data::mnist`). A module and its own parent or child may name each other.
 #[test]
 fn the_runtime_has_no_import_circles() {
