@@ -7,7 +7,9 @@
 //! - `inspect diff A B`: nodes added, removed and rewritten between two dumps;
 //! - `inspect render FILE -o OUT.svg`: a picture, through Graphviz's `dot`;
 //! - `inspect check FILE`: parse and verify a (hand-edited) dump; every error is
-//!   `FILE:LINE:COLUMN: message`, the verifier's at the offending node's equation.
+//!   `FILE:LINE:COLUMN: message`, the verifier's at the offending node's equation;
+//! - `inspect plan FILE [--unbound]`: the dump compiled into a plan, each step with what it
+//!   runs on the CPU (its bound kernel, or burn's ops and why).
 //!
 //! Every listing has a `--json` form for scripts.
 
@@ -62,6 +64,16 @@ enum InspectCmd {
     },
     /// Parses and verifies a dump; errors carry file, line and column.
     Check { file: PathBuf },
+    /// Compiles a dump into a plan and lists what each step runs on the CPU: its bound
+    /// kernel, or why it runs on burn's ops.
+    Plan {
+        file: PathBuf,
+        /// Only the steps that run on burn's ops, and the count.
+        #[arg(long)]
+        unbound: bool,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Runs `cellgraph inspect`.
@@ -70,6 +82,7 @@ pub fn run(args: InspectArgs) -> Res<()> {
         (Some(InspectCmd::Diff { a, b, json }), _) => diff(&load(&a)?, &load(&b)?, json),
         (Some(InspectCmd::Render { file, output }), _) => render(&load(&file)?, &output),
         (Some(InspectCmd::Check { file }), _) => check(&file),
+        (Some(InspectCmd::Plan { file, unbound, json }), _) => plan(&file, unbound, json),
         (None, Some(p)) if p.is_dir() => {
             if args.op.is_some() || args.scope.is_some() || args.stats {
                 return Err(format!("{}: --op, --scope and --stats apply to one .ir dump, not a directory", p.display()).into());
@@ -295,4 +308,41 @@ fn check(path: &Path) -> Res<()> {
         }
     }
     Err(format!("graph `{}` failed verification with {} error(s):\n{}", errs.graph, errs.errors.len(), out.join("\n")).into())
+}
+
+/// `inspect plan FILE`: compiles the dump (the same pipeline as training) and lists each step
+/// with what it runs on a host backend; a summary line counts them.
+fn plan(path: &Path, unbound: bool, json: bool) -> Res<()> {
+    use cellgraph::runtime::HostRun;
+    let g = load(path)?;
+    let exe = cellgraph::runtime::compile(g).map_err(|e| format!("{}: {e}", path.display()))?;
+    let steps = exe.host_steps();
+    let on_burn = steps.iter().filter(|s| matches!(s.run, HostRun::BurnOps(_))).count();
+    let kernels = steps.iter().filter(|s| matches!(s.run, HostRun::Kernel(_))).count();
+    let shown: Vec<_> = steps.iter().filter(|s| !unbound || matches!(s.run, HostRun::BurnOps(_))).collect();
+    if json {
+        let rows: Vec<serde_json::Value> = shown
+            .iter()
+            .map(|s| {
+                let (kind, detail) = match &s.run {
+                    HostRun::Kernel(k) => ("kernel", k.clone()),
+                    HostRun::BurnOps(why) => ("burn_ops", why.clone()),
+                    HostRun::Source => ("source", String::new()),
+                    HostRun::Reshape => ("reshape", String::new()),
+                    HostRun::AccumulateInPlace => ("assign_add_in_place", String::new()),
+                    HostRun::Collective => ("collective", String::new()),
+                    HostRun::Store => ("store", String::new()),
+                    HostRun::Identity => ("identity", String::new()),
+                };
+                json!({"node": s.node, "op": s.op, "type": s.ty.to_string(), "scope": s.scope, "runs": kind, "detail": detail})
+            })
+            .collect();
+        println!("{}", json!({"graph": exe.graph().name, "steps": steps.len(), "kernels": kernels, "burn_ops": on_burn, "list": rows}));
+        return Ok(());
+    }
+    for s in shown {
+        println!("{s}");
+    }
+    println!("{}: {} steps, {kernels} on host kernels, {on_burn} on burn's ops", exe.graph().name, steps.len());
+    Ok(())
 }

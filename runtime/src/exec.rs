@@ -263,7 +263,90 @@ impl std::fmt::Display for Bf16Products {
     }
 }
 
+/// How a plan step runs on a host backend (the CPU), decided when the plan was compiled: see
+/// [`Executable::host_steps`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HostRun {
+    /// Reads a parameter, an input or a constant: no arithmetic.
+    Source,
+    /// A reshape: its operand's memory at the operand's last use, else a copy.
+    Reshape,
+    /// `assign_add`: the sum written into the accumulator's memory.
+    AccumulateInPlace,
+    /// A collective between ranks (`all_reduce`).
+    Collective,
+    /// `assign`: the parameter's new value, moved (no arithmetic).
+    Store,
+    /// `stop_gradient`: its operand, unchanged.
+    Identity,
+    /// A bound host kernel, by name ([`Native::name`]).
+    Kernel(String),
+    /// burn's ops (the reference lowering), with the reason no host kernel binds.
+    BurnOps(String),
+}
+
+/// One step of a plan as [`Executable::host_steps`] lists it.
+#[derive(Clone, Debug)]
+pub struct HostStep {
+    /// The graph node the step computes.
+    pub node: usize,
+    /// The op's label (`matmul`, `fused`).
+    pub op: &'static str,
+    /// The op's scope (`net.fc1`, `Gradients/...`).
+    pub scope: String,
+    /// The step's result type.
+    pub ty: TensorType,
+    pub run: HostRun,
+}
+
+impl std::fmt::Display for HostStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let run = match &self.run {
+            HostRun::Source => "source".to_string(),
+            HostRun::Reshape => "reshape (a view at the operand's last use)".to_string(),
+            HostRun::AccumulateInPlace => "assign_add in place".to_string(),
+            HostRun::Collective => "collective".to_string(),
+            HostRun::Store => "store (the new value, moved)".to_string(),
+            HostRun::Identity => "identity (its operand)".to_string(),
+            HostRun::Kernel(k) => format!("kernel {k}"),
+            HostRun::BurnOps(why) => format!("burn ops: {why}"),
+        };
+        write!(f, "%{} {} {} [{}]: {run}", self.node, self.op, self.ty, self.scope)
+    }
+}
+
 impl Executable {
+    /// What each step of the plan runs on a host backend, in order: a bound kernel, a source,
+    /// a reshape, an accumulation in place, a collective, or burn's ops and why
+    /// (`cellgraph inspect plan`). Device backends run the same bound kernels on their own
+    /// kernels where they have them.
+    pub fn host_steps(&self) -> Vec<HostStep> {
+        self.steps
+            .iter()
+            .map(|st| {
+                let run = match (&st.op, &st.kernel) {
+                    (Op::Parameter { .. } | Op::Input { .. }, _) => HostRun::Source,
+                    (Op::Reshape { .. } | Op::Flatten, _) => HostRun::Reshape,
+                    (Op::AssignAdd, _) if st.args.first().is_some_and(|a| a.1) => HostRun::AccumulateInPlace,
+                    (Op::AllReduce, _) => HostRun::Collective,
+                    (Op::Assign, _) => HostRun::Store,
+                    (Op::StopGradient, _) => HostRun::Identity,
+                    (_, Some(_)) if !st.ty.dtype.is_float() => HostRun::BurnOps(format!("its result is {}: host kernels write floats", st.ty)),
+                    (_, Some(_)) if st.arg_types.iter().any(|t| t.dtype == cellgraph_compiler::DType::Bool) => {
+                        HostRun::BurnOps("a bool operand: host kernels read floats and ids".into())
+                    }
+                    (_, Some(k)) => HostRun::Kernel(k.name()),
+                    (op, None) => HostRun::BurnOps(format!(
+                        "no host kernel for `{}` on ({})",
+                        op.label(),
+                        st.arg_types.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", ")
+                    )),
+                };
+                HostStep { node: st.slot, op: st.op.label(), scope: st.scope.clone(), ty: st.ty.clone(), run }
+            })
+            .collect()
+    }
+
     /// The plan's products whose operands hold bf16 values (a plan compiled from a graph the
     /// precision pass rounded to bf16), and what each runs on on backend `B`; `None` when it
     /// has none.
@@ -750,7 +833,7 @@ fn run_head<B: Backend>(
     native: bool,
     kept: &mut Kept,
     arena: &mut Arena,
-) -> Result<Value<B>> {
+) -> Result<(Value<B>, Ran)> {
     let bound = match &step.kernel {
         Some(Native::Epilogue { head, .. }) if native => run_bound(head, &args, &step.ty, cx, kept, arena),
         _ => None,
@@ -760,10 +843,18 @@ fn run_head<B: Backend>(
             for (v, _) in args {
                 v.give_back(arena);
             }
-            Ok(Value::Float(t))
+            Ok((Value::Float(t), Ran::Kernel))
         }
-        None => eval(cx, head, args, &step.ty),
+        None => Ok((eval(cx, head, args, &step.ty)?, Ran::BurnOps)),
     }
+}
+
+/// Whether a step ran on its bound kernel or on burn's ops (counted in
+/// [`Session::burn_op_steps`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ran {
+    Kernel,
+    BurnOps,
 }
 
 /// Counts one call of `secs` under `key()` in a profile, when profiling is on (`key` is only
@@ -825,6 +916,9 @@ pub struct Session<B: Backend> {
     graphs: Graphs<B>,
     /// What each step's transfers are checked for (see [`Watch`]).
     watch: Watch,
+    /// Steps that computed on burn's ops (no bound kernel ran), by op: see
+    /// [`Self::burn_op_steps`].
+    burn_steps: BTreeMap<&'static str, u64>,
 }
 
 /// A capture's graph, the run's outputs, and why it cannot be replayed (if so).
@@ -862,6 +956,7 @@ impl<B: Backend> Session<B> {
             replay: false,
             graphs: Graphs::default(),
             watch: Watch::Off,
+            burn_steps: BTreeMap::new(),
         }
     }
 
@@ -918,6 +1013,13 @@ impl<B: Backend> Session<B> {
     /// and f32 plans ignore it.
     pub fn set_bf16_products(&mut self, on: bool) {
         self.bf16 = on;
+    }
+
+    /// The steps this session computed on burn's ops because no bound kernel ran them, by op
+    /// and count (reshapes, which move no values, are not counted): on host backends exactly
+    /// the plans' [`HostRun::BurnOps`] steps; on devices also the ops they have no kernel for.
+    pub fn burn_op_steps(&self) -> &BTreeMap<&'static str, u64> {
+        &self.burn_steps
     }
 
     /// Makes `assign_add` write into the accumulator's own memory where the backend can (its
@@ -1495,7 +1597,10 @@ impl<B: Backend> Session<B> {
                             }
                             acc.swap_remove(0).0
                         } else {
-                            let g = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
+                            let (g, ran) = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
+                            if ran == Ran::BurnOps {
+                                *self.burn_steps.entry(head.label()).or_default() += 1;
+                            }
                             match (acc.as_slice(), g) {
                                 ([(Value::Float(a), _)], Value::Float(g)) if B::assign_add_in_place(a, g.clone()) => {
                                     Value::<B>::Float(g).give_back(&mut self.arena);
@@ -1520,10 +1625,31 @@ impl<B: Backend> Session<B> {
                                 (Op::Epilogue { head, expr }, Some(Native::Epilogue { head_args, .. })) => {
                                     let mut args = args;
                                     let rest = args.split_off(*head_args);
-                                    let y = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
+                                    let (y, ran) = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
+                                    if ran == Ran::BurnOps {
+                                        *self.burn_steps.entry(head.label()).or_default() += 1;
+                                    }
                                     crate::lower::epilogue_program(&cx, y, expr, rest, &step.ty)?
                                 }
-                                _ => eval(&cx, op, args, &step.ty)?,
+                                // Its operand, unchanged.
+                                (Op::StopGradient, _) => {
+                                    let Ok([(v, _)]) = <[_; 1]>::try_from(args) else {
+                                        unreachable!("stop_gradient's arity is checked by the verifier")
+                                    };
+                                    v
+                                }
+                                // A parameter's new value: the second operand, moved.
+                                (Op::Assign, _) => {
+                                    let Ok([_, (v, _)]) = <[_; 2]>::try_from(args) else { unreachable!("assign's arity is checked by the verifier") };
+                                    v
+                                }
+                                _ => {
+                                    // A reshape moves no values (on devices a view of the buffer).
+                                    if !matches!(op, Op::Reshape { .. } | Op::Flatten) {
+                                        *self.burn_steps.entry(op.label()).or_default() += 1;
+                                    }
+                                    eval(&cx, op, args, &step.ty)?
+                                }
                             },
                         }
                     };

@@ -137,10 +137,45 @@ pub enum Native {
     /// A float `constant`: every element `value` (on host backends in the plan's arena, so a
     /// clear of the accumulators allocates nothing).
     Fill(f64),
+    /// `gather`: rows of a `[rows, width]` table picked by integer ids (an embedding). Host
+    /// backends only.
+    Gather { rows: usize, width: usize },
+    /// `scatter_add`: rows of width `width` added into `rows` zero rows at their ids, in order
+    /// (an embedding's gradient). Host backends only.
+    ScatterAdd { rows: usize, width: usize },
+    /// `dropout`: each row of `row` elements of item `items[i]` times its keyed factor (0 or
+    /// `1 / (1 - p)`, [`crate::lower::dropout_factor`]). Host backends only.
+    Dropout { p: f64, seed: u64, row: usize },
     /// An `epilogue` node: `head` on the first `head_args` operands, then `post` over its
     /// output in place (`post`'s operand 0 is the head's output, the others the node's operands
     /// after the head's).
     Epilogue { head: Box<Native>, head_args: usize, post: Arc<Elementwise> },
+}
+
+impl Native {
+    /// The kernel's name in plan listings: `matmul`, `matmul bf16`, `conv Forward im2col`,
+    /// `conv InputGrad dense taps`, `epilogue(matmul)`, `Fused`, ...
+    pub fn name(&self) -> String {
+        let bf16 = |p: &Products| if *p == Products::Bf16 { " bf16" } else { "" };
+        match self {
+            Native::MatMul { products, .. } => format!("matmul{}", bf16(products)),
+            Native::BatchMatMul { products, .. } => format!("batch_matmul{}", bf16(products)),
+            Native::Conv { kind, g, groups, out_channels, direct, products, .. } => {
+                // The host kernels' algorithm (see `host::conv::conv2d`).
+                let algo = match (direct, crate::host::dense_conv(g, *groups, *out_channels)) {
+                    (true, _) => "direct",
+                    (false, true) => "dense taps",
+                    (false, false) => "im2col",
+                };
+                format!("conv {kind:?} {algo}{}", bf16(products))
+            }
+            Native::Epilogue { head, .. } => format!("epilogue({})", head.name()),
+            other => {
+                let debug = format!("{other:?}");
+                debug.split(|c: char| !c.is_ascii_alphanumeric()).next().unwrap_or_default().to_string()
+            }
+        }
+    }
 }
 
 /// How a host backend multiplies a product's operands. Chosen when the plan is compiled
@@ -340,6 +375,16 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
         Op::MaxPool2d(p) => Some(Native::MaxPool { g: pool(p)?, keep: None }),
         Op::MaxPool2dGrad(p) => Some(Native::MaxPoolGrad { g: pool(p)?, kept: None }),
         Op::Constant { value } => Some(Native::Fill(*value)),
+        Op::ZerosLike if tys[0].dtype.is_float() => Some(Native::Fill(0.0)),
+        Op::Gather if tys[0].dtype.is_float() && tys[0].rank() >= 1 && d(0)[0] > 0 => {
+            Some(Native::Gather { rows: d(0)[0], width: tys[0].numel() / d(0)[0] })
+        }
+        Op::ScatterAdd { rows } if tys[1].dtype.is_float() && tys[0].numel() > 0 => {
+            Some(Native::ScatterAdd { rows: *rows, width: tys[1].numel() / tys[0].numel() })
+        }
+        Op::Dropout { p, seed } if tys[0].dtype.is_float() && tys[0].rank() >= 1 && d(0)[0] > 0 => {
+            Some(Native::Dropout { p: *p, seed: *seed, row: tys[0].numel() / d(0)[0] })
+        }
         Op::Relu => Some(Native::Relu),
         Op::ReluGrad if d(0) == d(1) => Some(Native::ReluGrad),
         Op::Fused { expr } => elementwise(expr, tys).map(Native::Fused),

@@ -39,7 +39,9 @@ pub use callback::{Callback, CheckpointConfig, LossLog, LossMonitor, ModelCheckp
 pub use cellgraph_compiler::passes::pipeline::PipelineOptions;
 pub use data::{Dataset, TensorDataset};
 pub use error::{Result, RuntimeError};
-pub use exec::{compile, compile_unfused, compile_with, compile_with_options, Bf16Products, Bf16Unit, DumpAt, Executable, Session};
+pub use exec::{
+    compile, compile_unfused, compile_with, compile_with_options, Bf16Products, Bf16Unit, DumpAt, Executable, HostRun, HostStep, Session,
+};
 pub use host::join_thread_pool;
 pub use model::{Metric, Model};
 pub use value::Value;

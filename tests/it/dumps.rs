@@ -146,6 +146,32 @@ fn inspect_lists_prints_filters_diffs_and_checks_dumps() {
     assert!(ok && out.contains("is valid (63 nodes)"), "{out}");
 }
 
+/// `inspect plan` compiles a dump and says what each step runs on the CPU: LeNet5's micro-step
+/// binds every step (its convolutions on the direct kernels, its 8 accumulators stored), and
+/// `--json` says the same.
+#[test]
+fn inspect_plan_lists_each_steps_kernel() {
+    let dir = tmp("plan");
+    dump_lenet(1, &dir);
+    let micro = dir.join("05_fuse_accumulation_micro_step.ir");
+    let micro = micro.to_str().unwrap();
+    let (ok, out) = inspect(&["plan", micro]);
+    assert!(ok, "{out}");
+    assert!(out.lines().any(|l| l.contains(" conv2d") && l.ends_with("kernel epilogue(conv Forward direct)")), "{out}");
+    // The accumulation is fused into the gradients' epilogues: each accumulator's new value is stored.
+    assert_eq!(out.lines().filter(|l| l.contains(" assign ") && l.ends_with("store (the new value, moved)")).count(), 8, "{out}");
+    let last = out.lines().last().unwrap_or_default();
+    assert!(last.starts_with("micro_step: ") && last.ends_with(", 0 on burn's ops"), "{last}");
+    let (ok, unbound) = inspect(&["plan", micro, "--unbound"]);
+    assert!(ok && unbound.lines().count() == 1, "{unbound}");
+    let (ok, out) = inspect(&["plan", micro, "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert!(ok && v["burn_ops"] == 0 && v["kernels"].as_u64().unwrap() > 20, "{v}");
+    assert!(v["list"].as_array().unwrap().iter().any(|r| r["runs"] == "kernel" && r["detail"] == "matmul"), "{v}");
+    let (ok, out) = inspect(&["plan", dir.join("nothing.ir").to_str().unwrap()]);
+    assert!(!ok && out.contains("nothing.ir"), "{out}");
+}
+
 #[test]
 fn inspect_rejects_bad_files_with_their_place() {
     let dir = tmp("bad");

@@ -4,6 +4,7 @@ mod common;
 
 mod accumulation;
 mod batchnorm;
+mod binding;
 mod cells;
 mod cifar;
 mod cli;

@@ -993,6 +993,8 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             }
             // burn's `full`: one launch either way.
             Native::Fill(_) | Native::MaxPool { .. } | Native::SumPlanes { .. } => return None,
+            // burn's ops (an embedding's rows, dropout's mask made on the host).
+            Native::Gather { .. } | Native::ScatterAdd { .. } | Native::Dropout { .. } => return None,
             // cubek's exact kernels over the batch (burn's matmul would take TF32 tensor cores).
             Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b, .. } => {
                 let (a, b) = (contiguous(args[0]), contiguous(args[1]));

@@ -74,6 +74,55 @@ macro_rules! elem {
 elem!(f32, F32, F64, f32);
 elem!(f64, F64, F32, f64);
 
+/// The kernels that read integer operands besides floats: `Some(y)` for them (`y` `None` when
+/// an id is out of range or the operands do not fit: the reference lowering then runs the
+/// step and reports it), `None` for every other kernel.
+#[allow(clippy::option_option)]
+fn with_ids<F: Elem>(k: &Native, a: &[&[F]], ints: &[&[i64]], len: usize, arena: &mut Arena) -> Option<Option<Vec<F>>> {
+    let fits = match (k, a, ints) {
+        (Native::Gather { rows, width }, [table], [ids]) => table.len() == rows * width && len == ids.len() * width,
+        (Native::ScatterAdd { rows, width }, [upd], [ids]) => upd.len() == ids.len() * width && len == rows * width,
+        (Native::Dropout { row, .. }, [x], [items, update]) => x.len() == len && len == items.len() * row && update.len() == 1,
+        (Native::Gather { .. } | Native::ScatterAdd { .. } | Native::Dropout { .. }, ..) => false,
+        _ => return None,
+    };
+    let in_range = |ids: &[i64], rows: usize| ids.iter().all(|&i| (0..rows as i64).contains(&i));
+    let ok = fits
+        && match (k, ints) {
+            (Native::Gather { rows, .. } | Native::ScatterAdd { rows, .. }, [ids]) => in_range(ids, *rows),
+            _ => true,
+        };
+    if !ok {
+        return Some(None);
+    }
+    let mut y = arena.take::<F>(len);
+    match (k, ints) {
+        (Native::Gather { width, .. }, [ids]) => {
+            for (out, &i) in y.chunks_exact_mut(*width).zip(ids.iter()) {
+                out.copy_from_slice(&a[0][i as usize * width..][..*width]);
+            }
+        }
+        // In the ids' order, as burn's `select_add` sums them.
+        (Native::ScatterAdd { width, .. }, [ids]) => {
+            y.fill(F::ZERO);
+            for (upd, &i) in a[0].chunks_exact(*width).zip(ids.iter()) {
+                rows::add_assign(&mut y[i as usize * width..][..*width], upd);
+            }
+        }
+        // The lowering's mask, converted to the float type, times `x`.
+        (Native::Dropout { p, seed, row }, [items, update]) => {
+            for ((out, x), &item) in y.chunks_exact_mut(*row).zip(a[0].chunks_exact(*row)).zip(items.iter()) {
+                let factor = crate::lower::dropout_factor(*seed, update[0], item, *p);
+                for (j, (o, &v)) in out.iter_mut().zip(x).enumerate() {
+                    *o = v * F::from_f64(factor(j));
+                }
+            }
+        }
+        _ => unreachable!("matched above"),
+    }
+    Some(Some(y))
+}
+
 /// `v` copied into a buffer from the arena.
 fn copied<F: Elem>(arena: &mut Arena, v: &[F]) -> HostVec {
     let mut b = arena.take::<F>(v.len());
@@ -307,6 +356,9 @@ fn run<F: Elem>(
         arena.give(y);
         return None;
     }
+    if let Some(y) = with_ids(k, &a, ints, len, arena) {
+        return y;
+    }
     if !ints.is_empty() {
         // The other kernels read float operands only.
         return None;
@@ -395,6 +447,8 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
             None => pool::max_pool2d(g, a[0], &mut vec![0; y.len()], y),
         },
         Native::Fill(v) => y.fill(F::from_f64(*v)),
+        // Their integer operands never reach here (see `with_ids`).
+        Native::Gather { .. } | Native::ScatterAdd { .. } | Native::Dropout { .. } => unreachable!("kernels with ids run in `with_ids`"),
         Native::Relu => rows::relu(a[0], y),
         Native::ReluGrad => rows::relu_grad(a[0], a[1], y),
         Native::Fused(e) => program::fused(e, a, y),

@@ -1,0 +1,189 @@
+//! What each plan step runs: every step of LeNet5, the seed-002 MLP, ResNet-18 and the GPT is
+//! bound when the plan is compiled, and on the CPU to a host kernel (or is a source, a
+//! reshape, an accumulation in place); a step that computes on burn's ops is listed with its
+//! reason ([`Executable::host_steps`], `cellgraph inspect plan`) and counted when it runs
+//! ([`Session::burn_op_steps`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::rc::Rc;
+
+use cellgraph::compiler::{Graph, HostData, Op, TensorType};
+use cellgraph::prelude::*;
+use cellgraph::runtime::burn_backend::tensor::Device;
+use cellgraph::runtime::{compile, Session};
+use cellgraph::runtime::{Accumulator, Backend, HostRun};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// A network and two micro-batches for it.
+pub(crate) type Case = (&'static str, fn() -> WithLossCell, Vec<Vec<HostTensor>>);
+
+fn images(rng: &mut StdRng, n: usize, shape: [usize; 3]) -> Vec<HostTensor> {
+    let x: Vec<f32> = (0..n * shape.iter().product::<usize>()).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let y: Vec<i32> = (0..n).map(|_| rng.random_range(0..10)).collect();
+    vec![HostTensor::f32(vec![n, shape[0], shape[1], shape[2]], x).unwrap(), HostTensor::i32(vec![n], y).unwrap()]
+}
+
+/// LeNet5, the seed-002 MLP, ResNet-18 and the GPT (with dropout), two micro-batches each.
+pub(crate) fn cases() -> Vec<Case> {
+    let mut rng = StdRng::seed_from_u64(5);
+    let resnet18 = || WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new());
+    vec![
+        ("lenet5", crate::common::lenet_with_loss as fn() -> WithLossCell, (0..2).map(|_| images(&mut rng, 4, [1, 32, 32])).collect()),
+        ("mlp", crate::common::mlp_with_loss, (0..2).map(|_| images(&mut rng, 4, [1, 28, 28])).collect()),
+        ("resnet18", resnet18, (0..2).map(|_| images(&mut rng, 2, [3, 32, 32])).collect()),
+        ("gpt", crate::gpt::dropped, (0..2).map(|_| crate::gpt::sequences(&mut rng, 3)).collect()),
+    ]
+}
+
+/// One window of `net` on `batches` on `device` (Momentum): every plan's listed steps that
+/// run on burn's ops (`op: reason`), and the steps the session ran on them, by op.
+pub(crate) fn window<B: Backend>(net: WithLossCell, batches: &[Vec<HostTensor>], device: Device<B>) -> (Vec<String>, BTreeMap<&'static str, u64>) {
+    let net = GradAccumulation::across_steps(net, batches.len());
+    let mut acc = Accumulator::<B>::new(Rc::new(net), Rc::new(Momentum::new(0.01, 0.9)), device, 3).unwrap();
+    for b in batches {
+        acc.step(b).unwrap();
+    }
+    acc.finish().unwrap();
+    assert_eq!(acc.updates(), 1);
+    let (optimizer, clear) = acc.boundary_plans();
+    let listed = acc
+        .micro_plans()
+        .chain([optimizer, clear])
+        .flat_map(|e| e.host_steps())
+        .filter_map(|s| match s.run {
+            HostRun::BurnOps(why) => Some(format!("{}: {why}", s.op)),
+            _ => None,
+        })
+        .collect();
+    (listed, acc.session.burn_op_steps().clone())
+}
+
+/// On the CPU every step of LeNet5's, the MLP's and ResNet-18's micro-steps and boundaries is
+/// bound to a host kernel (or is a source, a reshape, a store or an accumulation in place),
+/// and a window runs no step on burn's ops. The GPT's run on burn's ops only the steps on its
+/// labels' integers and masks and on scalars (its token-weighted loss's
+/// `select(equal(labels, ignored), ...)`, the token count, the loss's seed): every other step,
+/// the embedding's `gather`/`scatter_add` and dropout included, is bound. The steps the
+/// session counts on burn's ops are the ones the listing names. A new op without a host
+/// kernel, or a kernel that stops binding, fails here.
+#[test]
+fn every_step_binds_to_a_host_kernel_on_the_cpu() {
+    for (name, net, batches) in cases() {
+        let micro = compile_micro_step_listing(net);
+        let (listed, ran) = window::<Cpu>(net(), &batches, cpu());
+        eprintln!("{name}: {micro}");
+        let listed_ops: BTreeSet<&str> = listed.iter().map(|l| l.split(':').next().unwrap_or_default()).collect();
+        let want: BTreeSet<&str> = match name {
+            "gpt" => ["broadcast", "constant", "equal", "reduce_sum", "select"].into(),
+            _ => BTreeSet::new(),
+        };
+        let unique: BTreeSet<&String> = listed.iter().collect();
+        assert_eq!(listed_ops, want, "{name}: steps without a host kernel: {unique:#?}");
+        let ran_ops: BTreeSet<&str> = ran.keys().copied().collect();
+        assert_eq!(ran_ops, want, "{name}: steps that ran on burn's ops: {ran:?}");
+    }
+}
+
+/// A micro-step plan's kernels, counted by name (what `cellgraph inspect plan` lists).
+fn compile_micro_step_listing(net: fn() -> WithLossCell) -> String {
+    let (_, _, batches) = cases().into_iter().find(|c| c.1 as usize == net as usize).expect("a case");
+    let net = GradAccumulation::across_steps(net(), 2);
+    let mut acc = Accumulator::<Cpu>::new(Rc::new(net), Rc::new(Momentum::new(0.01, 0.9)), cpu(), 3).unwrap();
+    acc.step(&batches[0]).unwrap();
+    let mut kernels: BTreeMap<String, usize> = BTreeMap::new();
+    for s in acc.micro_plans().flat_map(|e| e.host_steps()) {
+        if let HostRun::Kernel(k) = s.run {
+            *kernels.entry(k).or_default() += 1;
+        }
+    }
+    kernels.iter().map(|(k, n)| format!("{k} {n}")).collect::<Vec<_>>().join(", ")
+}
+
+/// The host kernels that read integer operands (`gather`, `scatter_add`, `dropout`) give the
+/// bits of burn's ops in f32, ids repeated and in any order (`scatter_add` sums rows in the
+/// ids' order); an id out of range leaves the step to the lowering, which names it.
+#[test]
+fn the_kernels_with_ids_give_burns_bits() {
+    let i64s = HostTensor::new(vec![2], HostData::I64(vec![11, 3])).unwrap();
+    let step = HostTensor::new(vec![], HostData::I64(vec![4])).unwrap();
+    let mut g = Graph::new("ids");
+    let table = g.add_leaf(Op::Parameter { name: "table".into() }, TensorType::f32([7, 5]), "t").unwrap();
+    let ids = g.add_leaf(Op::Input { index: 0, name: "ids".into() }, TensorType::i32([2, 4]), "t").unwrap();
+    let items = g.add_leaf(Op::Input { index: 1, name: "items".into() }, i64s.ty(), "t").unwrap();
+    let update = g.add_leaf(Op::Input { index: 2, name: "update".into() }, step.ty(), "t").unwrap();
+    let rows = g.add(Op::Gather, &[table, ids], "t").unwrap();
+    let dropped = g.add(Op::Dropout { p: 0.3, seed: 9 }, &[rows, items, update], "t").unwrap();
+    let back = g.add(Op::ScatterAdd { rows: 7 }, &[ids, dropped], "t").unwrap();
+    g.set_outputs(vec![rows, dropped, back]);
+    let exe = compile(g).unwrap();
+    let kernels: Vec<String> = exe
+        .host_steps()
+        .into_iter()
+        .filter_map(|s| match s.run {
+            HostRun::Kernel(k) => Some(k),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(kernels, ["Gather", "Dropout", "ScatterAdd"]);
+    let mut rng = StdRng::seed_from_u64(2);
+    let t = HostTensor::f32(vec![7, 5], (0..35).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap();
+    let run = |native: bool, ids: Vec<i32>| {
+        let mut s = Session::<Cpu>::new(cpu());
+        s.set_native_kernels(native);
+        s.set_param("table", &t);
+        let inputs = [HostTensor::i32(vec![2, 4], ids).unwrap(), i64s.clone(), step.clone()];
+        let out = s.run(&exe, &inputs);
+        (out.map(|o| o.iter().map(|t| t.to_f32().iter().map(|v| v.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>()), s.burn_op_steps().clone())
+    };
+    let ids = vec![3, 0, 6, 3, 3, 1, 0, 5];
+    let ((host, host_burn), (burn, _)) = (run(true, ids.clone()), run(false, ids));
+    assert_eq!(host.unwrap(), burn.unwrap());
+    assert!(host_burn.is_empty(), "{host_burn:?}");
+    let (bad, _) = run(true, vec![3, 0, 7, 3, 3, 1, 0, 5]);
+    let err = bad.unwrap_err().to_string();
+    assert!(err.contains("7") && err.contains("gather"), "{err}");
+}
+
+/// On wgpu (lavapipe in CI) the steps that run on burn's ops rather than the device's own
+/// kernels, by network and op: named here, so a new one, or a device kernel that stops
+/// running, fails.
+#[cfg(feature = "wgpu")]
+#[test]
+fn the_steps_wgpu_runs_on_burns_ops_are_named() {
+    use cellgraph::runtime::cube::{Wgpu, WgpuDevice};
+    let mut seen = Vec::new();
+    for (name, net, batches) in cases() {
+        let (_, ran) = window::<Wgpu>(net(), &batches, WgpuDevice::DefaultDevice);
+        let ran: BTreeSet<&str> = ran.keys().copied().collect();
+        // Batch norm's statistics and the moving averages' updates (programs the device
+        // kernels do not take), and the GPT's embedding, masks, layout moves and dropout.
+        let want: BTreeSet<&str> = match name {
+            "resnet18" => ["assign_add", "fused", "reduce_mean", "reduce_sum"].into(),
+            "gpt" => [
+                "assign_add",
+                "broadcast",
+                "causal_mask",
+                "dropout",
+                "equal",
+                "gather",
+                "pad",
+                "reduce_max",
+                "reduce_mean",
+                "reduce_sum",
+                "scatter_add",
+                "select",
+                "slice",
+                "transpose",
+                "zeros_like",
+            ]
+            .into(),
+            _ => BTreeSet::new(),
+        };
+        eprintln!("{name}: {ran:?}");
+        seen.push((name, ran, want));
+    }
+    for (name, ran, want) in seen {
+        assert_eq!(ran, want, "{name}: the steps wgpu ran on burn's ops");
+    }
+}
