@@ -25,7 +25,7 @@ use crate::arena::Arena;
 use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
 use crate::host::Kept;
-use crate::kernel::{ConvKind, Native};
+use crate::kernel::{ConvKind, Native, Products};
 use crate::lower::{eval, Ctx};
 use crate::replay::{Graphs, ReplayCounts};
 use crate::value::{settings, Value};
@@ -153,7 +153,6 @@ fn program_holds_bf16(expr: &cellgraph_compiler::expr::Expr, arg: impl Fn(usize)
 
 /// `k` with bf16 products where it runs a GEMM (an epilogue's head included).
 fn choose_products(k: Native) -> Native {
-    use crate::kernel::Products;
     match k {
         Native::MatMul { m, k, n, transpose_a, transpose_b, tiling, .. } => {
             Native::MatMul { m, k, n, transpose_a, transpose_b, tiling, products: Products::Bf16 }
@@ -279,7 +278,7 @@ pub enum HostRun {
     Store,
     /// `stop_gradient`: its operand, unchanged.
     Identity,
-    /// A bound host kernel, by name ([`Native::name`]).
+    /// A bound host kernel, by name (`matmul`, `epilogue(conv Forward direct)`).
     Kernel(String),
     /// burn's ops (the reference lowering), with the reason no host kernel binds.
     BurnOps(String),
@@ -297,6 +296,30 @@ pub struct HostStep {
     /// The step's result type.
     pub ty: TensorType,
     pub run: HostRun,
+}
+
+/// A bound kernel's name in plan listings: `matmul`, `matmul bf16`, `conv Forward im2col`,
+/// `conv InputGrad dense taps`, `epilogue(matmul)`, `Fused`, ...
+fn kernel_name(k: &Native) -> String {
+    let bf16 = |p: &Products| if *p == Products::Bf16 { " bf16" } else { "" };
+    match k {
+        Native::MatMul { products, .. } => format!("matmul{}", bf16(products)),
+        Native::BatchMatMul { products, .. } => format!("batch_matmul{}", bf16(products)),
+        Native::Conv { kind, g, groups, out_channels, direct, products, .. } => {
+            // The host kernels' algorithm (see `host::conv::conv2d`).
+            let algo = match (direct, crate::host::dense_conv(g, *groups, *out_channels)) {
+                (true, _) => "direct",
+                (false, true) => "dense taps",
+                (false, false) => "im2col",
+            };
+            format!("conv {kind:?} {algo}{}", bf16(products))
+        }
+        Native::Epilogue { head, .. } => format!("epilogue({})", kernel_name(head)),
+        other => {
+            let debug = format!("{other:?}");
+            debug.split(|c: char| !c.is_ascii_alphanumeric()).next().unwrap_or_default().to_string()
+        }
+    }
 }
 
 impl std::fmt::Display for HostStep {
@@ -335,7 +358,7 @@ impl Executable {
                     (_, Some(_)) if st.arg_types.iter().any(|t| t.dtype == cellgraph_compiler::DType::Bool) => {
                         HostRun::BurnOps("a bool operand: host kernels read floats and ids".into())
                     }
-                    (_, Some(k)) => HostRun::Kernel(k.name()),
+                    (_, Some(k)) => HostRun::Kernel(kernel_name(k)),
                     (op, None) => HostRun::BurnOps(format!(
                         "no host kernel for `{}` on ({})",
                         op.label(),
@@ -351,7 +374,6 @@ impl Executable {
     /// precision pass rounded to bf16), and what each runs on on backend `B`; `None` when it
     /// has none.
     pub fn bf16_products<B: Backend>(&self) -> Option<Bf16Products> {
-        use crate::kernel::Products;
         let unit = if B::HOST { Bf16Unit::Avx512Pairs } else { Bf16Unit::Tf32TensorCores };
         let mut out = Bf16Products { unit, ..Default::default() };
         for st in self.steps.iter().filter(|st| st.bf16_operands) {

@@ -144,38 +144,12 @@ pub enum Native {
     /// (an embedding's gradient). Host backends only.
     ScatterAdd { rows: usize, width: usize },
     /// `dropout`: each row of `row` elements of item `items[i]` times its keyed factor (0 or
-    /// `1 / (1 - p)`, [`crate::lower::dropout_factor`]). Host backends only.
+    /// `1 / (1 - p)`, [`dropout_factor`]). Host backends only.
     Dropout { p: f64, seed: u64, row: usize },
     /// An `epilogue` node: `head` on the first `head_args` operands, then `post` over its
     /// output in place (`post`'s operand 0 is the head's output, the others the node's operands
     /// after the head's).
     Epilogue { head: Box<Native>, head_args: usize, post: Arc<Elementwise> },
-}
-
-impl Native {
-    /// The kernel's name in plan listings: `matmul`, `matmul bf16`, `conv Forward im2col`,
-    /// `conv InputGrad dense taps`, `epilogue(matmul)`, `Fused`, ...
-    pub fn name(&self) -> String {
-        let bf16 = |p: &Products| if *p == Products::Bf16 { " bf16" } else { "" };
-        match self {
-            Native::MatMul { products, .. } => format!("matmul{}", bf16(products)),
-            Native::BatchMatMul { products, .. } => format!("batch_matmul{}", bf16(products)),
-            Native::Conv { kind, g, groups, out_channels, direct, products, .. } => {
-                // The host kernels' algorithm (see `host::conv::conv2d`).
-                let algo = match (direct, crate::host::dense_conv(g, *groups, *out_channels)) {
-                    (true, _) => "direct",
-                    (false, true) => "dense taps",
-                    (false, false) => "im2col",
-                };
-                format!("conv {kind:?} {algo}{}", bf16(products))
-            }
-            Native::Epilogue { head, .. } => format!("epilogue({})", head.name()),
-            other => {
-                let debug = format!("{other:?}");
-                debug.split(|c: char| !c.is_ascii_alphanumeric()).next().unwrap_or_default().to_string()
-            }
-        }
-    }
 }
 
 /// How a host backend multiplies a product's operands. Chosen when the plan is compiled
@@ -492,6 +466,29 @@ impl UpdateKernel {
             });
         }
         Some((UpdateKernel { steps }, lits))
+    }
+}
+
+/// SplitMix64's finaliser.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Dropout's factor for element `j` of the row of global item `item` at update `update`: 0
+/// when a uniform draw keyed by `(seed, update, item, j)` falls below `p`, else `1 / (1 - p)`.
+pub fn dropout_factor(seed: u64, update: i64, item: i64, p: f64) -> impl Fn(usize) -> f64 {
+    let row = mix(mix(mix(seed) ^ update as u64) ^ item as u64);
+    let scale = 1.0 / (1.0 - p);
+    move |j| {
+        let u = (mix(row.wrapping_add(j as u64)) >> 11) as f64 / (1u64 << 53) as f64;
+        if u < p {
+            0.0
+        } else {
+            scale
+        }
     }
 }
 

@@ -15,7 +15,7 @@ use cellgraph_compiler::{DType, HostData, Op, PadMode, Pool2dAttrs, ReduceAttrs,
 use crate::arena::Arena;
 use crate::backend::{bshape, Backend, HostVec};
 use crate::error::{Result, RuntimeError};
-use crate::kernel::Native;
+use crate::kernel::{dropout_factor, Native};
 use crate::value::Value;
 
 /// What one evaluation needs besides its operands.
@@ -183,29 +183,6 @@ fn attention_probs<B: Backend>(cx: &Ctx<B>, q: FloatTensor<B>, k: FloatTensor<B>
     let e = B::float_exp(B::float_sub(s, m));
     let sum = B::float_expand(B::float_sum_dim(e.clone(), 3), bshape(&shape));
     B::float_div(e, sum)
-}
-
-/// SplitMix64's finaliser.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// Dropout's factor for element `j` of the row of global item `item` at update `update`: 0
-/// when a uniform draw keyed by `(seed, update, item, j)` falls below `p`, else `1 / (1 - p)`.
-pub fn dropout_factor(seed: u64, update: i64, item: i64, p: f64) -> impl Fn(usize) -> f64 {
-    let row = mix(mix(mix(seed) ^ update as u64) ^ item as u64);
-    let scale = 1.0 / (1.0 - p);
-    move |j| {
-        let u = (mix(row.wrapping_add(j as u64)) >> 11) as f64 / (1u64 << 53) as f64;
-        if u < p {
-            0.0
-        } else {
-            scale
-        }
-    }
 }
 
 fn slices(begin: &[usize], end: &[usize]) -> Vec<Slice> {

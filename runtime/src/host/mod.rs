@@ -112,7 +112,7 @@ fn with_ids<F: Elem>(k: &Native, a: &[&[F]], ints: &[&[i64]], len: usize, arena:
         // The lowering's mask, converted to the float type, times `x`.
         (Native::Dropout { p, seed, row }, [items, update]) => {
             for ((out, x), &item) in y.chunks_exact_mut(*row).zip(a[0].chunks_exact(*row)).zip(items.iter()) {
-                let factor = crate::lower::dropout_factor(*seed, update[0], item, *p);
+                let factor = crate::kernel::dropout_factor(*seed, update[0], item, *p);
                 for (j, (o, &v)) in out.iter_mut().zip(x).enumerate() {
                     *o = v * F::from_f64(factor(j));
                 }
