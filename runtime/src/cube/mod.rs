@@ -428,13 +428,22 @@ fn cubek_matmul<R: CubeRuntime>(
         cubek::matmul::launch::launch_ref(strategy, &y.client, operand(a, m, k, ta), operand(b, k, n, tb), out.clone().binding(), dtypes).is_ok()
     };
     if tf32 {
-        if launch(&tf32_strategy(), &mut dtypes.clone()) {
+        // A shape whose tensor-core kernel did not set up on this runtime is not tried again.
+        let key = (std::any::TypeId::of::<R>(), batch, [m, k, n], ta, tb);
+        let refused = || NO_TF32.lock().unwrap_or_else(|e| e.into_inner()).contains(&key);
+        if !refused() && launch(&tf32_strategy(), &mut dtypes.clone()) {
             return true;
         }
+        NO_TF32.lock().unwrap_or_else(|e| e.into_inner()).insert(key);
         TF32_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     launch(&exact_strategy(tiling), &mut dtypes)
 }
+
+/// The matmul shapes (per runtime, batch, `[m, k, n]`, transposes) whose tensor-core kernel did
+/// not set up: the exact kernel runs them without trying again.
+type Tf32Key = (std::any::TypeId, usize, [usize; 3], bool, bool);
+static NO_TF32: std::sync::Mutex<std::collections::BTreeSet<Tf32Key>> = std::sync::Mutex::new(std::collections::BTreeSet::new());
 
 /// Matmuls asked for tensor cores (TF32) that ran on cubek's exact-f32 kernel because its
 /// tensor-core kernel did not set up on the device (in this process).
