@@ -36,9 +36,17 @@ pub(crate) fn cases() -> Vec<Case> {
     ]
 }
 
-/// One window of `net` on `batches` on `device` (Momentum): every plan's listed steps that
-/// run on burn's ops (`op: reason`), and the steps the session ran on them, by op.
-pub(crate) fn window<B: Backend>(net: WithLossCell, batches: &[Vec<HostTensor>], device: Device<B>) -> (Vec<String>, BTreeMap<&'static str, u64>) {
+/// What [`window`] found: every plan's listed steps that run on burn's ops (`op: reason`),
+/// the steps the session ran on them (by op), and the micro-step plans' kernels counted by
+/// name (what `cellgraph inspect plan` lists).
+pub(crate) struct Window {
+    listed: Vec<String>,
+    ran: BTreeMap<&'static str, u64>,
+    kernels: BTreeMap<String, usize>,
+}
+
+/// One window of `net` on `batches` on `device` (Momentum), and what its plans ran.
+pub(crate) fn window<B: Backend>(net: WithLossCell, batches: &[Vec<HostTensor>], device: Device<B>) -> Window {
     let net = GradAccumulation::across_steps(net, batches.len());
     let mut acc = Accumulator::<B>::new(Rc::new(net), Rc::new(Momentum::new(0.01, 0.9)), device, 3).unwrap();
     for b in batches {
@@ -46,6 +54,12 @@ pub(crate) fn window<B: Backend>(net: WithLossCell, batches: &[Vec<HostTensor>],
     }
     acc.finish().unwrap();
     assert_eq!(acc.updates(), 1);
+    let mut kernels: BTreeMap<String, usize> = BTreeMap::new();
+    for s in acc.micro_plans().flat_map(|e| e.host_steps()) {
+        if let HostRun::Kernel(k) = s.run {
+            *kernels.entry(k).or_default() += 1;
+        }
+    }
     let (optimizer, clear) = acc.boundary_plans();
     let listed = acc
         .micro_plans()
@@ -56,7 +70,7 @@ pub(crate) fn window<B: Backend>(net: WithLossCell, batches: &[Vec<HostTensor>],
             _ => None,
         })
         .collect();
-    (listed, acc.session.burn_op_steps().clone())
+    Window { listed, ran: acc.session.burn_op_steps().clone(), kernels }
 }
 
 /// On the CPU every step of LeNet5's, the MLP's and ResNet-18's micro-steps and boundaries is
@@ -70,9 +84,8 @@ pub(crate) fn window<B: Backend>(net: WithLossCell, batches: &[Vec<HostTensor>],
 #[test]
 fn every_step_binds_to_a_host_kernel_on_the_cpu() {
     for (name, net, batches) in cases() {
-        let micro = compile_micro_step_listing(net);
-        let (listed, ran) = window::<Cpu>(net(), &batches, cpu());
-        eprintln!("{name}: {micro}");
+        let Window { listed, ran, kernels } = window::<Cpu>(net(), &batches, cpu());
+        eprintln!("{name}: {}", kernels.iter().map(|(k, n)| format!("{k} {n}")).collect::<Vec<_>>().join(", "));
         let listed_ops: BTreeSet<&str> = listed.iter().map(|l| l.split(':').next().unwrap_or_default()).collect();
         let want: BTreeSet<&str> = match name {
             "gpt" => ["broadcast", "constant", "equal", "reduce_sum", "select"].into(),
@@ -83,21 +96,6 @@ fn every_step_binds_to_a_host_kernel_on_the_cpu() {
         let ran_ops: BTreeSet<&str> = ran.keys().copied().collect();
         assert_eq!(ran_ops, want, "{name}: steps that ran on burn's ops: {ran:?}");
     }
-}
-
-/// A micro-step plan's kernels, counted by name (what `cellgraph inspect plan` lists).
-fn compile_micro_step_listing(net: fn() -> WithLossCell) -> String {
-    let (_, _, batches) = cases().into_iter().find(|c| c.1 as usize == net as usize).expect("a case");
-    let net = GradAccumulation::across_steps(net(), 2);
-    let mut acc = Accumulator::<Cpu>::new(Rc::new(net), Rc::new(Momentum::new(0.01, 0.9)), cpu(), 3).unwrap();
-    acc.step(&batches[0]).unwrap();
-    let mut kernels: BTreeMap<String, usize> = BTreeMap::new();
-    for s in acc.micro_plans().flat_map(|e| e.host_steps()) {
-        if let HostRun::Kernel(k) = s.run {
-            *kernels.entry(k).or_default() += 1;
-        }
-    }
-    kernels.iter().map(|(k, n)| format!("{k} {n}")).collect::<Vec<_>>().join(", ")
 }
 
 /// The host kernels that read integer operands (`gather`, `scatter_add`, `dropout`) give the
@@ -154,7 +152,7 @@ fn the_steps_wgpu_runs_on_burns_ops_are_named() {
     use cellgraph::runtime::cube::{Wgpu, WgpuDevice};
     let mut seen = Vec::new();
     for (name, net, batches) in cases() {
-        let (_, ran) = window::<Wgpu>(net(), &batches, WgpuDevice::DefaultDevice);
+        let ran = window::<Wgpu>(net(), &batches, WgpuDevice::DefaultDevice).ran;
         let ran: BTreeSet<&str> = ran.keys().copied().collect();
         // Batch norm's statistics and the moving averages' updates (programs the device
         // kernels do not take), and the GPT's embedding, masks, layout moves and dropout.

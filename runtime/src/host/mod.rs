@@ -1,7 +1,7 @@
 //! Bound kernels ([`crate::kernel::Native`]) on backends that keep tensors in host memory
-//! (burn-ndarray): the slice kernels, one module per family (below), what they keep between the steps of a
-//! run ([`Kept`]: a max pool's argmax for its gradient in the same plan), and the memory
-//! their outputs are written into ([`Arena`]).
+//! (burn-ndarray): the slice kernels, one module per family (below), what they keep between
+//! the steps of a run ([`Kept`]: a max pool's argmax for its gradient in the same plan), and
+//! the memory their outputs are written into ([`Arena`]).
 
 pub mod attention;
 pub mod bf16;
@@ -77,22 +77,16 @@ elem!(f64, F64, F32, f64);
 /// The kernels that read integer operands besides floats: `Some(y)` for them (`y` `None` when
 /// an id is out of range or the operands do not fit: the reference lowering then runs the
 /// step and reports it), `None` for every other kernel.
-#[allow(clippy::option_option)]
 fn with_ids<F: Elem>(k: &Native, a: &[&[F]], ints: &[&[i64]], len: usize, arena: &mut Arena) -> Option<Option<Vec<F>>> {
+    let in_range = |ids: &[i64], rows: usize| ids.iter().all(|&i| (0..rows as i64).contains(&i));
     let fits = match (k, a, ints) {
-        (Native::Gather { rows, width }, [table], [ids]) => table.len() == rows * width && len == ids.len() * width,
-        (Native::ScatterAdd { rows, width }, [upd], [ids]) => upd.len() == ids.len() * width && len == rows * width,
+        (Native::Gather { rows, width }, [table], [ids]) => table.len() == rows * width && len == ids.len() * width && in_range(ids, *rows),
+        (Native::ScatterAdd { rows, width }, [upd], [ids]) => upd.len() == ids.len() * width && len == rows * width && in_range(ids, *rows),
         (Native::Dropout { row, .. }, [x], [items, update]) => x.len() == len && len == items.len() * row && update.len() == 1,
         (Native::Gather { .. } | Native::ScatterAdd { .. } | Native::Dropout { .. }, ..) => false,
         _ => return None,
     };
-    let in_range = |ids: &[i64], rows: usize| ids.iter().all(|&i| (0..rows as i64).contains(&i));
-    let ok = fits
-        && match (k, ints) {
-            (Native::Gather { rows, .. } | Native::ScatterAdd { rows, .. }, [ids]) => in_range(ids, *rows),
-            _ => true,
-        };
-    if !ok {
+    if !fits {
         return Some(None);
     }
     let mut y = arena.take::<F>(len);
