@@ -9,8 +9,8 @@ use std::time::Instant;
 use cellgraph_runtime::host::gemm::{self, Mat};
 use cellgraph_runtime::host::{attention, direct};
 use cellgraph_runtime::host::{conv, pool, rows};
-use cellgraph_runtime::kernel::Geometry;
 use cellgraph_runtime::kernel::Products;
+use cellgraph_runtime::kernel::{ConvAlgo, Geometry};
 
 fn median_us(mut f: impl FnMut()) -> f64 {
     for _ in 0..5 {
@@ -55,15 +55,23 @@ fn main() {
         let g = Geometry { x: [n, c, hw, hw], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [oh, oh] };
         let (x, w, dy) = (data(n * c * hw * hw), data(o * c * 25), data(n * o * oh * oh));
         let flops = 2.0 * (n * o * oh * oh * c * 25) as f64;
-        row(&format!("{name} forward, im2col+GEMM"), || timed(dy.len(), |y| conv::conv2d(&g, 1, &x, &w, o, y, None, Products::F32)), flops);
+        row(
+            &format!("{name} forward, im2col+GEMM"),
+            || timed(dy.len(), |y| conv::conv2d(&ConvAlgo::gemm(&g, 1, o), &g, 1, &x, &w, o, y, None, Products::F32)),
+            flops,
+        );
         row(&format!("{name} forward, direct"), || timed(dy.len(), |y| direct::forward(&g, &x, &w, o, y, None)), flops);
         row(
             &format!("{name} filter grad, im2col+GEMM"),
-            || timed(w.len(), |dw| conv::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None, Products::F32)),
+            || timed(w.len(), |dw| conv::conv2d_filter_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &x, o, dw, None, Products::F32)),
             flops,
         );
         row(&format!("{name} filter grad, direct"), || timed(w.len(), |dw| direct::filter_grad(&g, &dy, &x, o, dw)), flops);
-        row(&format!("{name} input grad, im2col+GEMM"), || timed(x.len(), |dx| conv::conv2d_input_grad(&g, 1, &dy, &w, o, dx, Products::F32)), flops);
+        row(
+            &format!("{name} input grad, im2col+GEMM"),
+            || timed(x.len(), |dx| conv::conv2d_input_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &w, o, dx, Products::F32)),
+            flops,
+        );
         row(&format!("{name} input grad, direct"), || timed(x.len(), |dx| direct::input_grad(&g, &dy, &w, o, dx)), flops);
     }
     for (name, c, hw) in [("pool1 6x28x28", 6usize, 28usize), ("pool2 16x10x10", 16, 10)] {
@@ -163,8 +171,20 @@ fn resnet18(n: usize) {
         let along: usize = (0..oh).map(|o| (0..k).filter(|&t| (o * s + t).checked_sub(p).is_some_and(|i| i < hw)).count()).sum();
         let flops = 2.0 * (n * o * c * along * along) as f64;
         let (x, w, dy) = (data(n * c * hw * hw), data(o * c * k * k), data(n * o * oh * oh));
-        row(&format!("{name} forward"), || timed(dy.len(), |y| conv::conv2d(&g, 1, &x, &w, o, y, None, Products::F32)), flops);
-        row(&format!("{name} filter grad"), || timed(w.len(), |dw| conv::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None, Products::F32)), flops);
-        row(&format!("{name} input grad"), || timed(x.len(), |dx| conv::conv2d_input_grad(&g, 1, &dy, &w, o, dx, Products::F32)), flops);
+        row(
+            &format!("{name} forward"),
+            || timed(dy.len(), |y| conv::conv2d(&ConvAlgo::gemm(&g, 1, o), &g, 1, &x, &w, o, y, None, Products::F32)),
+            flops,
+        );
+        row(
+            &format!("{name} filter grad"),
+            || timed(w.len(), |dw| conv::conv2d_filter_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &x, o, dw, None, Products::F32)),
+            flops,
+        );
+        row(
+            &format!("{name} input grad"),
+            || timed(x.len(), |dx| conv::conv2d_input_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &w, o, dx, Products::F32)),
+            flops,
+        );
     }
 }

@@ -25,7 +25,7 @@ use crate::arena::Arena;
 use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
 use crate::host::Kept;
-use crate::kernel::{ConvKind, Native, Products};
+use crate::kernel::{ConvAlgo, ConvKind, Native, Products};
 use crate::lower::{eval, Ctx};
 use crate::replay::{Graphs, ReplayCounts};
 use crate::value::{settings, Value};
@@ -160,8 +160,8 @@ fn choose_products(k: Native) -> Native {
         Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b, .. } => {
             Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b, products: Products::Bf16 }
         }
-        Native::Conv { kind, g, groups, out_channels, direct: false, filter, .. } => {
-            Native::Conv { kind, g, groups, out_channels, direct: false, filter, products: Products::Bf16 }
+        Native::Conv { kind, g, groups, out_channels, algo, .. } if algo != ConvAlgo::Direct => {
+            Native::Conv { kind, g, groups, out_channels, algo, products: Products::Bf16 }
         }
         Native::Epilogue { head, head_args, post } => Native::Epilogue { head: Box::new(choose_products(*head)), head_args, post },
         k => k,
@@ -305,15 +305,7 @@ fn kernel_name(k: &Native) -> String {
     match k {
         Native::MatMul { products, .. } => format!("matmul{}", bf16(products)),
         Native::BatchMatMul { products, .. } => format!("batch_matmul{}", bf16(products)),
-        Native::Conv { kind, g, groups, out_channels, direct, products, .. } => {
-            // The host kernels' algorithm (see `host::conv::conv2d`).
-            let algo = match (direct, crate::host::dense_conv(g, *groups, *out_channels)) {
-                (true, _) => "direct",
-                (false, true) => "dense taps",
-                (false, false) => "im2col",
-            };
-            format!("conv {kind:?} {algo}{}", bf16(products))
-        }
+        Native::Conv { kind, algo, products, .. } => format!("conv {kind:?} {}{}", algo.name(), bf16(products)),
         Native::Epilogue { head, .. } => format!("epilogue({})", kernel_name(head)),
         other => {
             let debug = format!("{other:?}");
@@ -598,10 +590,10 @@ fn keep_for_gradients(steps: &mut [Step]) {
 /// heading an epilogue) reads as its filter (operand 1), so that host backends build its dense
 /// filter once per value of the parameter (see [`Native::Conv`]'s `filter`).
 fn name_dense_filters(steps: &mut [Step]) {
-    fn conv(k: &mut Native) -> Option<&mut Native> {
+    fn conv(k: &mut Native) -> Option<&mut Option<Arc<str>>> {
         match k {
             Native::Epilogue { head, .. } => conv(head),
-            k @ Native::Conv { kind: ConvKind::Forward | ConvKind::InputGrad, direct: false, .. } => Some(k),
+            Native::Conv { kind: ConvKind::Forward | ConvKind::InputGrad, algo: ConvAlgo::Dense { filter, .. }, .. } => Some(filter),
             _ => None,
         }
     }
@@ -626,10 +618,8 @@ fn name_dense_filters(steps: &mut [Step]) {
     params.extend(rounded);
     for st in steps.iter_mut() {
         let name = st.args.get(1).and_then(|(slot, _)| params.get(slot));
-        if let (Some(name), Some(Native::Conv { g, groups, out_channels, filter, .. })) = (name, st.kernel.as_mut().and_then(conv)) {
-            if crate::host::dense_conv(g, *groups, *out_channels) {
-                *filter = Some(name.clone());
-            }
+        if let (Some(name), Some(filter)) = (name, st.kernel.as_mut().and_then(conv)) {
+            *filter = Some(name.clone());
         }
     }
 }

@@ -72,14 +72,9 @@ pub enum Native {
     /// `products`: how host backends multiply.
     MatMul { m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool, tiling: Tiling, products: Products },
     /// Forward, input gradient, filter gradient; `out_channels` is the filter's first extent.
-    /// `direct`: on host backends, the direct kernels ([`crate::host::direct`]) rather than
-    /// im2col + GEMM (see [`direct_conv`]). `filter`: on host backends, for a forward or input
-    /// gradient on a map small enough to run as a dense layer (see [`crate::host::dense_conv`])
-    /// whose filter is a parameter read as it is, that parameter's name: its dense filter is
-    /// then built once per value of the parameter and kept between runs
-    /// ([`crate::host::Kept`]), rather than on every call. `products`: how the host's GEMMs
-    /// multiply (the direct kernels always in f32).
-    Conv { kind: ConvKind, g: Geometry, groups: usize, out_channels: usize, direct: bool, filter: Option<Arc<str>>, products: Products },
+    /// `algo`: how host backends run it ([`ConvAlgo::choose`]). `products`: how the host's
+    /// GEMMs multiply (the direct kernels always in f32).
+    Conv { kind: ConvKind, g: Geometry, groups: usize, out_channels: usize, algo: ConvAlgo, products: Products },
     /// Max pooling; `keep`: the [`crate::host::Kept`] slot its argmax goes to, when its gradient is later in
     /// the same plan.
     MaxPool { g: Geometry, keep: Option<usize> },
@@ -275,6 +270,154 @@ pub fn direct_conv(g: &Geometry, groups: usize) -> bool {
     g.is_dense() && groups == 1 && kk > 1 && g.x[1] * kk <= 512 && (g.out[0] - 1) * g.x[3] + g.out[1] >= DIRECT_BLOCK
 }
 
+/// How host backends run a convolution, in each of its three directions: chosen once, when
+/// the plan is built ([`ConvAlgo::choose`]), and stored in the step, so no kernel re-derives
+/// it per call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConvAlgo {
+    /// The direct kernels ([`crate::host::direct`]; where they apply: [`direct_conv`]).
+    Direct,
+    /// A map so small that the convolution is a dense layer ([`crate::host::toeplitz`]): the
+    /// dense filter's nonzeros. `filter`: for a forward or input gradient whose filter is a
+    /// parameter read as it is, that parameter's name: its dense filter is then built once per
+    /// value of the parameter and kept between runs ([`crate::host::Kept`]), rather than on
+    /// every call.
+    Dense { taps: Arc<[Tap]>, filter: Option<Arc<str>> },
+    /// im2col + GEMM ([`crate::host::conv`]).
+    Im2col(Im2col),
+}
+
+/// One nonzero of a dense small-map filter: output position `p` reads input pixel `q` through
+/// kernel tap `t` (flat indices).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tap {
+    pub p: u32,
+    pub q: u32,
+    pub t: u32,
+}
+
+/// An im2col convolution's resolved cut.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Im2col {
+    /// The geometry the GEMMs run on: the step's own, or, where some kernel taps never read an
+    /// input element (a 3 x 3 kernel padded by 1 on a 1 x 1 map reads its centre alone), the
+    /// convolution by the cropped kernel, which computes the same sums without the terms that
+    /// are always zero.
+    pub g: Geometry,
+    /// With a cropped kernel, the first tap kept on each axis.
+    pub crop: Option<[usize; 2]>,
+    /// Images per column matrix (a chunk; chunks run on the rayon pool's threads). The cut
+    /// depends on the shapes only, never on the thread count, so neither do the results; it is
+    /// sized for 4-byte elements, and f64 backends (the gradient checks) keep it.
+    pub chunk: usize,
+    /// The filter gradient is made transposed, as `[kk, og]` per group, and turned back while
+    /// the chunks are added (with few output channels packing the chunk's `dy` is cheaper than
+    /// gathering its column matrix; see [`crate::host::conv::filter_grad`]).
+    pub transposed: bool,
+}
+
+/// A chunk's column matrix stays within about this many bytes (a core's L2 cache; larger
+/// chunks give the GEMMs of small maps more columns).
+const CHUNK_BYTES: usize = 1 << 20;
+
+/// The dense filter's largest size in elements (16 MiB of f32).
+const MAX_DENSE: usize = 1 << 22;
+
+impl ConvAlgo {
+    /// The algorithm for a convolution of geometry `g`, `groups` groups and `o` output
+    /// channels: the direct kernels where [`direct_conv`] says so, else a dense layer where
+    /// [`dense_taps`] finds one, else im2col ([`ConvAlgo::im2col`]).
+    pub fn choose(g: &Geometry, groups: usize, o: usize) -> ConvAlgo {
+        if direct_conv(g, groups) {
+            return ConvAlgo::Direct;
+        }
+        ConvAlgo::gemm(g, groups, o)
+    }
+    /// A dense layer where [`dense_taps`] finds one, else im2col: the algorithms that run on
+    /// the GEMM, whether or not the direct kernels would apply.
+    pub fn gemm(g: &Geometry, groups: usize, o: usize) -> ConvAlgo {
+        match dense_taps(g, groups, o) {
+            Some(taps) => ConvAlgo::Dense { taps: taps.into(), filter: None },
+            None => ConvAlgo::im2col(g, groups, o),
+        }
+    }
+    /// im2col + GEMM for `g`, whatever else would apply (the benchmarks and tests compare the
+    /// algorithms on one shape).
+    pub fn im2col(g: &Geometry, groups: usize, o: usize) -> ConvAlgo {
+        let (run, crop) = match cropped(g) {
+            Some((small, at)) => (small, Some(at)),
+            None => (*g, None),
+        };
+        let (og, kk) = (o / groups.max(1), run.x[1] / groups.max(1) * run.kernel[0] * run.kernel[1]);
+        let per_image = (kk * run.spatial() * 4).max(1);
+        let n = g.x[0].max(1);
+        let most = (CHUNK_BYTES / per_image).clamp(1, n);
+        // As many chunks as that needs, rounded up to a power of two so that two or four threads
+        // share them evenly (five chunks on two threads left one idle for a fifth of the time),
+        // of sizes as equal as they can be.
+        let chunk = n.div_ceil(n.div_ceil(most).next_power_of_two().min(n));
+        // With 128 output channels the arithmetic hides the packing and `dw`'s layout wins.
+        let transposed = og <= 64 && kk >= og;
+        ConvAlgo::Im2col(Im2col { g: run, crop, chunk, transposed })
+    }
+    /// Its name in plan listings: `direct`, `dense taps`, `im2col`, `im2col cropped`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ConvAlgo::Direct => "direct",
+            ConvAlgo::Dense { .. } => "dense taps",
+            ConvAlgo::Im2col(Im2col { crop: None, .. }) => "im2col",
+            ConvAlgo::Im2col(Im2col { crop: Some(_), .. }) => "im2col cropped",
+        }
+    }
+}
+
+/// `g`'s taps when the convolution (one group, `o` output channels) is better done as a dense
+/// layer: the taps fill at least 9 in 10 of the (position, pixel) pairs of a map of at most
+/// 64 of each, and the dense filter stays within [`MAX_DENSE`] elements. `None` otherwise
+/// (im2col then wastes less), and for empty tensors (which the im2col path handles).
+pub fn dense_taps(g: &Geometry, groups: usize, o: usize) -> Option<Vec<Tap>> {
+    let [n, c, h, w] = g.x;
+    let (sp, hw) = (g.spatial(), h * w);
+    if groups != 1 || n * c * o * sp * hw == 0 || sp * hw > 64 || o * sp * c * hw > MAX_DENSE {
+        return None;
+    }
+    let live = |a: usize| -> usize { (0..g.out[a]).map(|o| (0..g.kernel[a]).filter(|&k| g.at(a, o, k).is_some()).count()).sum() };
+    if 10 * live(0) * live(1) < 9 * sp * hw {
+        return None;
+    }
+    let mut taps = Vec::with_capacity(sp * hw);
+    for oy in 0..g.out[0] {
+        for ox in 0..g.out[1] {
+            for ky in 0..g.kernel[0] {
+                for kx in 0..g.kernel[1] {
+                    let (Some(iy), Some(ix)) = (g.at(0, oy, ky), g.at(1, ox, kx)) else { continue };
+                    let (p, q, t) = (oy * g.out[1] + ox, iy * w + ix, ky * g.kernel[1] + kx);
+                    taps.push(Tap { p: p as u32, q: q as u32, t: t as u32 });
+                }
+            }
+        }
+    }
+    Some(taps)
+}
+
+/// The kernel taps that read an input element for some output, `[rows, cols]` of taps, when
+/// others never do: the geometry of the convolution by the cropped kernel, and the first tap
+/// kept on each axis.
+fn cropped(g: &Geometry) -> Option<(Geometry, [usize; 2])> {
+    let live = |a: usize| {
+        let read = |k: usize| (0..g.out[a]).any(|o| g.at(a, o, k).is_some());
+        let lo = (0..g.kernel[a]).find(|&k| read(k))?;
+        let hi = (0..g.kernel[a]).rev().find(|&k| read(k))? + 1;
+        Some((lo, hi))
+    };
+    let (r, c) = (live(0)?, live(1)?);
+    if (r.1 - r.0, c.1 - c.0) == (g.kernel[0], g.kernel[1]) {
+        return None;
+    }
+    let pad = [g.pad[0].checked_sub(r.0 * g.dilation[0])?, g.pad[1].checked_sub(c.0 * g.dilation[1])?];
+    Some((Geometry { kernel: [r.1 - r.0, c.1 - c.0], pad, ..*g }, [r.0, c.0]))
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ConvKind {
     Forward,
@@ -291,7 +434,8 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
     let conv = |kind, c: &cellgraph_compiler::op::Conv2dAttrs, x: &[usize], w: &[usize]| {
         let win = resolve(x, [w[2], w[3]], c.stride, c.dilation, c.pad_mode, c.pad)?;
         let g = geometry(x, [w[2], w[3]], c.stride, c.dilation, &win);
-        Some(Native::Conv { kind, g, groups: c.groups, out_channels: w[0], direct: direct_conv(&g, c.groups), filter: None, products: Products::F32 })
+        let algo = ConvAlgo::choose(&g, c.groups, w[0]);
+        Some(Native::Conv { kind, g, groups: c.groups, out_channels: w[0], algo, products: Products::F32 })
     };
     let pool = |p: &cellgraph_compiler::Pool2dAttrs| {
         let x = d(0);
@@ -508,6 +652,55 @@ mod tests {
         assert_eq!(read(&[2, 1, 4], &[2, 3, 4]), Read::Strided { out: vec![2, 3, 4], strides: vec![4, 0, 1] });
         assert_eq!(read(&[2, 1, 1, 5], &[2, 3, 4, 5]), Read::Strided { out: vec![2, 12, 5], strides: vec![5, 0, 1] });
         assert_eq!(read(&[1, 3, 4], &[2, 3, 4]), Read::Cycle(12));
+    }
+
+    /// A convolution's batch is cut into a power of two of equal chunks: ResNet-18's 3 x 3
+    /// convolutions on 8 x 8 maps (147 KiB of columns per image, 7 to the MiB) take 8 chunks
+    /// of 4 of a micro-batch of 32, not 5 of 7 (which left one of two threads idle a fifth of
+    /// the time); LeNet5's first layer on 32 images, 4 chunks of 8, not 3 of 11.
+    #[test]
+    fn convolution_chunks_come_in_powers_of_two() {
+        let g = |c: usize, hw: usize, k: usize, out: usize| Geometry {
+            x: [32, c, hw, hw],
+            kernel: [k, k],
+            stride: [1, 1],
+            dilation: [1, 1],
+            pad: [k / 2, k / 2],
+            out: [out, out],
+        };
+        let per = |g: Geometry, o: usize| match ConvAlgo::im2col(&g, 1, o) {
+            ConvAlgo::Im2col(c) => c.chunk,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(per(g(64, 8, 3, 8), 64), 4);
+        assert_eq!(per(g(128, 4, 3, 4), 128), 8);
+        let lenet = Geometry { x: [32, 1, 32, 32], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [28, 28] };
+        assert_eq!(per(lenet, 6), 8);
+        // An image over the MiB on a batch of 3: 3 chunks of one (4 would leave one empty).
+        assert_eq!(per(Geometry { x: [3, 512, 16, 16], ..g(512, 16, 3, 16) }, 512), 1);
+    }
+
+    /// Each convolution's algorithm is settled by its shape when the plan is built: LeNet5's
+    /// second layer runs direct, ResNet-18's 2 x 2 maps dense, a grouped 3 x 3 kernel padded by
+    /// 1 on a 1 x 1 map on im2col with its centre tap alone, and im2col's filter gradient is
+    /// made transposed up to 64 output channels.
+    #[test]
+    fn convolution_algorithms_are_chosen_by_shape() {
+        let geo = |n: usize, c: usize, hw: usize, k: usize, pad: usize, stride: usize| {
+            let out = (hw + 2 * pad - k) / stride + 1;
+            Geometry { x: [n, c, hw, hw], kernel: [k, k], stride: [stride; 2], dilation: [1, 1], pad: [pad; 2], out: [out, out] }
+        };
+        assert_eq!(ConvAlgo::choose(&geo(32, 6, 14, 5, 0, 1), 1, 16).name(), "direct");
+        assert!(matches!(ConvAlgo::choose(&geo(32, 256, 2, 3, 1, 1), 1, 256), ConvAlgo::Dense { ref taps, filter: None } if taps.len() == 16));
+        let centre = ConvAlgo::choose(&geo(32, 64, 1, 3, 1, 1), 2, 64);
+        let ConvAlgo::Im2col(c) = centre else { panic!("{centre:?}") };
+        assert_eq!((c.crop, c.g.kernel, c.g.pad), (Some([1, 1]), [1, 1], [0, 0]));
+        let transposed = |o: usize| match ConvAlgo::choose(&geo(32, 64, 8, 3, 1, 2), 1, o) {
+            ConvAlgo::Im2col(c) => c.transposed,
+            other => panic!("{other:?}"),
+        };
+        assert!(transposed(64) && !transposed(128));
+        assert_eq!(ConvAlgo::gemm(&geo(32, 6, 14, 5, 0, 1), 1, 16).name(), "im2col");
     }
 
     #[test]

@@ -4,16 +4,18 @@
 //! `[c/g*kh*kw, m*oh*ow]` (stride-1 rows are slice copies), the forward `w @ col`, the filter
 //! gradient `dy @ col^T` contracting over the chunk (chunk sums added in order), the input
 //! gradient `w^T @ dy` then col2im. Chunks run on the rayon pool's threads; the cut never
-//! depends on the thread count. Small maps go to [`super::toeplitz`]'s dense filters first.
+//! depends on the thread count. Which algorithm runs (this, the direct kernels or a dense filter)
+//! is decided once, when the plan is built ([`ConvAlgo::choose`]).
 //! Every kernel handles stride, dilation, asymmetric padding and groups, so the lowering needs
 //! no fallbacks on host backends. `benches/kernels.rs` times them on LeNet5's and ResNet-18's
 //! shapes.
 
+use super::direct::{self, Lanes};
 use super::float::{copy_row, each, post_all, vectorized, HostFloat, Post};
 use super::gemm::gemm_oriented;
 use super::rows::add_assign;
 use super::toeplitz;
-use crate::kernel::{Geometry, Products};
+use crate::kernel::{ConvAlgo, Geometry, Im2col, Products};
 
 /// Unfolds `channels` input planes (`x`, each `h*w`) into rows of `col`: row
 /// `c*kh*kw + ky*kw + kx` holds the `oh*ow` inputs that kernel offset `(ky, kx)` of channel `c`
@@ -262,30 +264,6 @@ fn conv_dims(g: &Geometry, groups: usize, o: usize) -> ConvDims {
     ConvDims { cg, og: o / groups, sp, kk: cg * g.kernel[0] * g.kernel[1], cols: g.x[0] * sp }
 }
 
-/// A chunk's column matrix stays within about this many bytes (a core's L2 cache; larger
-/// chunks give the GEMMs of small maps more columns: ResNet-18's epoch 0.91x the time of
-/// 256 KiB chunks on one thread).
-const CHUNK_BYTES: usize = 1 << 20;
-
-/// The kernel taps that read an input element for some output, `[rows, cols]` of taps, when
-/// others never do (a 3x3 convolution padded by 1 on a 1x1 map reads its centre alone): the
-/// geometry of the convolution by the cropped kernel, and the first tap kept on each axis.
-/// The cropped convolution computes the same sums without the terms that are always zero.
-fn cropped(g: &Geometry) -> Option<(Geometry, [usize; 2])> {
-    let live = |a: usize| {
-        let read = |k: usize| (0..g.out[a]).any(|o| g.at(a, o, k).is_some());
-        let lo = (0..g.kernel[a]).find(|&k| read(k))?;
-        let hi = (0..g.kernel[a]).rev().find(|&k| read(k))? + 1;
-        Some((lo, hi))
-    };
-    let (r, c) = (live(0)?, live(1)?);
-    if (r.1 - r.0, c.1 - c.0) == (g.kernel[0], g.kernel[1]) {
-        return None;
-    }
-    let pad = [g.pad[0].checked_sub(r.0 * g.dilation[0])?, g.pad[1].checked_sub(c.0 * g.dilation[1])?];
-    Some((Geometry { kernel: [r.1 - r.0, c.1 - c.0], pad, ..*g }, [r.0, c.0]))
-}
-
 /// `f` on the filter `w` (of `big`'s kernel) cropped to the taps `at..at + small.kernel` of
 /// every `[kh, kw]` plane, held in the calling thread's partials buffer.
 fn with_cropped_filter<F: HostFloat, R>(w: &[F], big: &Geometry, small: &Geometry, at: [usize; 2], f: impl FnOnce(&[F]) -> R) -> R {
@@ -298,19 +276,6 @@ fn with_cropped_filter<F: HostFloat, R>(w: &[F], big: &Geometry, small: &Geometr
         }
         f(out)
     })
-}
-
-/// Images per chunk of a convolution: the batch is cut into chunks whose column matrices
-/// fit in L2; chunks run on the rayon pool's threads. The cut depends on the shapes only,
-/// never on the thread count, so neither do the results.
-fn chunk_images<F>(d: &ConvDims, n: usize) -> usize {
-    let per_image = d.kk * d.sp * std::mem::size_of::<F>();
-    let n = n.max(1);
-    let most = (CHUNK_BYTES / per_image.max(1)).clamp(1, n);
-    // As many chunks as that needs, rounded up to a power of two so that two or four threads
-    // share them evenly (five chunks on two threads left one idle for a fifth of the time),
-    // of sizes as equal as they can be.
-    n.div_ceil(n.div_ceil(most).next_power_of_two().min(n))
 }
 
 /// The threads one chunk's GEMM may use: all of rayon's when the batch is one chunk (else
@@ -409,30 +374,93 @@ fn scatter_rows<F: HostFloat>(d: &ConvDims, o: usize, gi: usize, rows: &[F], nch
     }
 }
 
-/// Convolution: `x` `[n, c, h, w]`, `w` `[o, c/groups, kh, kw]` -> `[n, o, oh, ow]`. Per chunk
-/// of images and group, one GEMM: `w_g [og, kk] @ col [kk, m*oh*ow]`; `post` runs on each
-/// chunk's output.
+/// Convolution by `algo` (see [`ConvAlgo::choose`]): `x` `[n, c, h, w]`, `w`
+/// `[o, c/groups, kh, kw]` -> `[n, o, oh, ow]`; `post` runs on the output as it is finished.
 #[allow(clippy::too_many_arguments)]
-pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>, p: Products) {
-    if let Some(taps) = toeplitz::taps(g, groups, o) {
-        return toeplitz::forward(g, &taps, x, w, o, y, post, p);
+pub fn conv2d<F: Lanes>(algo: &ConvAlgo, g: &Geometry, groups: usize, x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>, p: Products) {
+    match algo {
+        ConvAlgo::Direct => direct::forward(g, x, w, o, y, post),
+        ConvAlgo::Dense { taps, .. } => toeplitz::forward(g, taps, x, w, o, y, post, p),
+        ConvAlgo::Im2col(c) => match c.crop {
+            Some(at) => with_cropped_filter(w, g, &c.g, at, |wc| forward(c, groups, x, wc, o, y, post, p)),
+            None => forward(c, groups, x, w, o, y, post, p),
+        },
     }
-    if let Some((small, at)) = cropped(g) {
-        return with_cropped_filter(w, g, &small, at, |wc| conv2d(&small, groups, x, wc, o, y, post, p));
+}
+
+/// Gradient of [`conv2d`] w.r.t. its input: `dy` `[n, o, oh, ow]` -> `[n, c, h, w]`.
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_input_grad<F: Lanes>(algo: &ConvAlgo, g: &Geometry, groups: usize, dy: &[F], w: &[F], o: usize, dx: &mut [F], p: Products) {
+    match algo {
+        ConvAlgo::Direct => direct::input_grad(g, dy, w, o, dx),
+        ConvAlgo::Dense { taps, .. } => toeplitz::input_grad(g, taps, dy, w, o, dx, p),
+        ConvAlgo::Im2col(c) => match c.crop {
+            Some(at) => with_cropped_filter(w, g, &c.g, at, |wc| input_grad(c, groups, dy, wc, o, dx, p)),
+            None => input_grad(c, groups, dy, w, o, dx, p),
+        },
     }
+}
+
+/// Gradient of [`conv2d`] w.r.t. its filter: `[o, c/groups, kh, kw]`; `post` runs on the
+/// output as it is finished.
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_filter_grad<F: Lanes>(
+    algo: &ConvAlgo,
+    g: &Geometry,
+    groups: usize,
+    dy: &[F],
+    x: &[F],
+    o: usize,
+    dw: &mut [F],
+    post: Post<F>,
+    p: Products,
+) {
+    let c = match algo {
+        ConvAlgo::Direct => {
+            direct::filter_grad(g, dy, x, o, dw);
+            return post_all(post, dw);
+        }
+        ConvAlgo::Dense { taps, .. } => return toeplitz::filter_grad(g, taps, dy, x, o, dw, post, p),
+        ConvAlgo::Im2col(c) => c,
+    };
+    let Some(at) = c.crop else { return filter_grad(c, groups, dy, x, o, dw, post, p) };
+    // The cropped gradient, then written into its taps' places; the others are zero.
+    let (big, small) = (g.kernel, c.g.kernel);
+    let (big, little, kw) = (big[0] * big[1], small[0] * small[1], big[1]);
+    let planes = dw.len() / big;
+    F::partials(planes * little, |part| {
+        filter_grad(c, groups, dy, x, o, part, None, p);
+        dw.fill(F::ZERO);
+        for r in 0..small[0] {
+            for col in 0..small[1] {
+                let (from, to) = (r * small[1] + col, (at[0] + r) * kw + at[1] + col);
+                for (d, s) in dw.chunks_exact_mut(big).zip(part.chunks_exact(little)) {
+                    d[to] = s[from];
+                }
+            }
+        }
+        post_all(post, dw);
+    })
+}
+
+/// The im2col forward on `c.g`: per chunk of images and group, one GEMM:
+/// `w_g [og, kk] @ col [kk, m*oh*ow]`; `post` runs on each chunk's output.
+#[allow(clippy::too_many_arguments)]
+fn forward<F: HostFloat>(c: &Im2col, groups: usize, x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>, p: Products) {
+    let g = &c.g;
     let d = conv_dims(g, groups, o);
-    let [n, c, h, wd] = g.x;
+    let [n, ch, h, wd] = g.x;
     assert_eq!(y.len(), n * o * d.sp, "output extents");
     if y.is_empty() {
         return;
     }
-    let per = chunk_images::<F>(&d, n);
+    let per = c.chunk;
     let par = gemm_threads(n.div_ceil(per));
     let chunks: Vec<_> = y.chunks_mut(per * o * d.sp).enumerate().collect();
     each(chunks, |(k, yc)| {
         let sub = sub_batch(g, yc.len() / (o * d.sp));
         let dc = conv_dims(&sub, groups, o);
-        let xc = &x[k * per * c * h * wd..][..sub.x[0] * c * h * wd];
+        let xc = &x[k * per * ch * h * wd..][..sub.x[0] * ch * h * wd];
         F::scratch(dc.kk * dc.cols + dc.og * dc.cols, |s| {
             let (col, rows) = s.split_at_mut(dc.kk * dc.cols);
             for gi in 0..groups {
@@ -467,15 +495,10 @@ pub fn conv2d<F: HostFloat>(g: &Geometry, groups: usize, x: &[F], w: &[F], o: us
     });
 }
 
-/// Gradient of [`conv2d`] w.r.t. its input: `dy` `[n, o, oh, ow]` -> `[n, c, h, w]`. Per chunk
-/// and group, `w_g^T [kk, og] @ dy_g [og, m*oh*ow]`, then col2im image by image.
-pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w: &[F], o: usize, dx: &mut [F], p: Products) {
-    if let Some(taps) = toeplitz::taps(g, groups, o) {
-        return toeplitz::input_grad(g, &taps, dy, w, o, dx, p);
-    }
-    if let Some((small, at)) = cropped(g) {
-        return with_cropped_filter(w, g, &small, at, |wc| conv2d_input_grad(&small, groups, dy, wc, o, dx, p));
-    }
+/// The im2col input gradient on `c.g`: per chunk and group,
+/// `w_g^T [kk, og] @ dy_g [og, m*oh*ow]`, then col2im image by image.
+fn input_grad<F: HostFloat>(algo: &Im2col, groups: usize, dy: &[F], w: &[F], o: usize, dx: &mut [F], p: Products) {
+    let g = &algo.g;
     let d = conv_dims(g, groups, o);
     let [n, c, h, wi] = g.x;
     assert_eq!(dx.len(), n * c * h * wi, "output extents");
@@ -483,7 +506,7 @@ pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w:
     if dx.is_empty() || d.sp == 0 {
         return;
     }
-    let per = chunk_images::<F>(&d, n);
+    let per = algo.chunk;
     let par = gemm_threads(n.div_ceil(per));
     let chunks: Vec<_> = dx.chunks_mut(per * c * h * wi).enumerate().collect();
     each(chunks, |(k, dxc)| {
@@ -532,51 +555,31 @@ pub fn conv2d_input_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], w:
     });
 }
 
-/// Gradient of [`conv2d`] w.r.t. its filter: `[o, c/groups, kh, kw]`. Per chunk and group, one
-/// GEMM contracting over the chunk's pixels, `dy_g [og, m*oh*ow] @ col^T [m*oh*ow, kk]`; the
-/// chunks' partial sums are then added in chunk order (so the thread count changes nothing).
+/// The im2col filter gradient on `c.g`. Per chunk and group, one GEMM contracting over the
+/// chunk's pixels, `dy_g [og, m*oh*ow] @ col^T [m*oh*ow, kk]`; the chunks' partial sums are
+/// then added in chunk order (so the thread count changes nothing).
 ///
-/// With few output channels the product is made transposed, as `[kk, og]`, and turned back
-/// while the chunks are added. The GEMM computes a row-major product as its transpose, packing
-/// its left operand and streaming its right one: `dw`'s own layout makes the column matrix the
-/// packed one, a strided gather of `kk * m*oh*ow` elements per chunk, as costly as the
-/// arithmetic when `og` is 64 (ResNet-18's stem and layer1: 0.71x and 0.78x the time, by
-/// `cargo bench --bench kernels`); `[kk, og]` packs the chunk's `dy` instead. With 128 output
-/// channels the arithmetic hides the packing and `dw`'s layout is faster (layer2: 1.19x the
-/// time transposed). `post` runs on the output in parts, as each is finished.
+/// With few output channels ([`Im2col::transposed`]) the product is made transposed, as
+/// `[kk, og]`, and turned back while the chunks are added. The GEMM computes a row-major
+/// product as its transpose, packing its left operand and streaming its right one: `dw`'s own
+/// layout makes the column matrix the packed one, a strided gather of `kk * m*oh*ow` elements
+/// per chunk, as costly as the arithmetic when `og` is 64 (ResNet-18's stem and layer1);
+/// `[kk, og]` packs the chunk's `dy` instead. With 128 output channels the arithmetic hides
+/// the packing and `dw`'s layout is faster. `post` runs on the output in parts, as each is
+/// finished.
 #[allow(clippy::too_many_arguments)]
-pub fn conv2d_filter_grad<F: HostFloat>(g: &Geometry, groups: usize, dy: &[F], x: &[F], o: usize, dw: &mut [F], post: Post<F>, p: Products) {
-    if let Some(taps) = toeplitz::taps(g, groups, o) {
-        return toeplitz::filter_grad(g, &taps, dy, x, o, dw, post, p);
-    }
-    if let Some((small, at)) = cropped(g) {
-        // The cropped gradient, then written into its taps' places; the others are zero.
-        let (big, little) = (g.kernel[0] * g.kernel[1], small.kernel[0] * small.kernel[1]);
-        let planes = dw.len() / big;
-        return F::partials(planes * little, |part| {
-            conv2d_filter_grad(&small, groups, dy, x, o, part, None, p);
-            dw.fill(F::ZERO);
-            for r in 0..small.kernel[0] {
-                for c in 0..small.kernel[1] {
-                    let (from, to) = (r * small.kernel[1] + c, (at[0] + r) * g.kernel[1] + at[1] + c);
-                    for (d, s) in dw.chunks_exact_mut(big).zip(part.chunks_exact(little)) {
-                        d[to] = s[from];
-                    }
-                }
-            }
-            post_all(post, dw);
-        });
-    }
+fn filter_grad<F: HostFloat>(c: &Im2col, groups: usize, dy: &[F], x: &[F], o: usize, dw: &mut [F], post: Post<F>, p: Products) {
+    let g = &c.g;
     let d = conv_dims(g, groups, o);
     let n = g.x[0];
     let size = o * d.kk;
     assert_eq!(dw.len(), size, "output extents");
-    let per = chunk_images::<F>(&d, n);
+    let per = c.chunk;
     let chunks = n.div_ceil(per);
     if chunks == 0 || size == 0 {
         return dw.fill(F::ZERO);
     }
-    if d.og > 64 || d.kk < d.og {
+    if !c.transposed {
         // In dw's layout: the first chunk's sum is made in dw itself, the others in
         // thread-local memory.
         return F::partials((chunks - 1) * size, |rest| {
@@ -685,7 +688,7 @@ pub(crate) mod tests {
     /// epilogue applied to every element once, at its own offset.
     pub(crate) fn assert_filter_grad_epilogue(g: &Geometry, groups: usize, dy: &[f32], x: &[f32], o: usize, dw: &[f32]) {
         let post = |first: usize, part: &mut [f32]| part.iter_mut().enumerate().for_each(|(i, v)| *v = *v * 2.0 + (first + i) as f32);
-        let twice = new(dw.len(), |out| conv2d_filter_grad(g, groups, dy, x, o, out, Some(&post), Products::F32));
+        let twice = new(dw.len(), |out| conv2d_filter_grad(&ConvAlgo::gemm(g, groups, o), g, groups, dy, x, o, out, Some(&post), Products::F32));
         assert!(twice.iter().zip(dw).enumerate().all(|(i, (t, d))| t.to_bits() == (d * 2.0 + i as f32).to_bits()), "{g:?}: the epilogue");
     }
 
@@ -746,42 +749,19 @@ pub(crate) mod tests {
         for (g, groups, o) in cases {
             let [n, c, h, wd] = g.x;
             let (x, w, dy) = (data(n * c * h * wd, 1), data(o * c / groups * g.kernel[0] * g.kernel[1], 2), data(n * o * g.spatial(), 3));
-            let y = new(n * o * g.spatial(), |y| conv2d(&g, groups, &x, &w, o, y, None, Products::F32));
+            let y = new(n * o * g.spatial(), |y| conv2d(&ConvAlgo::gemm(&g, groups, o), &g, groups, &x, &w, o, y, None, Products::F32));
             for (a, b) in y.iter().zip(conv_reference(&g, groups, &x, &w, o)) {
                 assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "{g:?}: {a} vs {b}");
             }
             let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>();
-            let dx = new(x.len(), |dx| conv2d_input_grad(&g, groups, &dy, &w, o, dx, Products::F32));
-            let dw = new(w.len(), |dw| conv2d_filter_grad(&g, groups, &dy, &x, o, dw, None, Products::F32));
+            let dx = new(x.len(), |dx| conv2d_input_grad(&ConvAlgo::gemm(&g, groups, o), &g, groups, &dy, &w, o, dx, Products::F32));
+            let dw = new(w.len(), |dw| conv2d_filter_grad(&ConvAlgo::gemm(&g, groups, o), &g, groups, &dy, &x, o, dw, None, Products::F32));
             assert_filter_grad_epilogue(&g, groups, &dy, &x, o, &dw);
             let lhs = dot(&y, &dy);
             for rhs in [dot(&x, &dx), dot(&w, &dw)] {
                 assert!((lhs - rhs).abs() <= 1e-4 * (1.0 + lhs.abs()), "{g:?}: {lhs} vs {rhs}");
             }
         }
-    }
-
-    /// A convolution's batch is cut into a power of two of equal chunks: ResNet-18's 3 x 3
-    /// convolutions on 8 x 8 maps (147 KiB of columns per image, 7 to the MiB) take 8 chunks
-    /// of 4 of a micro-batch of 32, not 5 of 7 (which left one of two threads idle a fifth of
-    /// the time); LeNet5's first layer on 32 images, 4 chunks of 8, not 3 of 11.
-    #[test]
-    fn convolution_chunks_come_in_powers_of_two() {
-        let g = |c: usize, hw: usize, k: usize, out: usize| Geometry {
-            x: [32, c, hw, hw],
-            kernel: [k, k],
-            stride: [1, 1],
-            dilation: [1, 1],
-            pad: [k / 2, k / 2],
-            out: [out, out],
-        };
-        let per = |g: Geometry, o: usize| chunk_images::<f32>(&conv_dims(&g, 1, o), 32);
-        assert_eq!(per(g(64, 8, 3, 8), 64), 4);
-        assert_eq!(per(g(128, 4, 3, 4), 128), 8);
-        let lenet = Geometry { x: [32, 1, 32, 32], kernel: [5, 5], stride: [1, 1], dilation: [1, 1], pad: [0, 0], out: [28, 28] };
-        assert_eq!(per(lenet, 6), 8);
-        // An image over the MiB on a batch of 3: 3 chunks of one (4 would leave one empty).
-        assert_eq!(chunk_images::<f32>(&conv_dims(&Geometry { x: [3, 512, 16, 16], ..g(512, 16, 3, 16) }, 1, 512), 3), 1);
     }
 
     /// Chunks, pooling planes and sums run on rayon's threads, but the cut depends on the
@@ -799,9 +779,9 @@ pub(crate) mod tests {
                 let y = new(at.len(), |y| max_pool2d(&p, &x, &mut at, y));
                 let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
                 [
-                    bits(new(dy.len(), |y| conv2d(&g, 1, &x, &w, 16, y, None, Products::F32))),
-                    bits(new(x.len(), |dx| conv2d_input_grad(&g, 1, &dy, &w, 16, dx, Products::F32))),
-                    bits(new(w.len(), |dw| conv2d_filter_grad(&g, 1, &dy, &x, 16, dw, None, Products::F32))),
+                    bits(new(dy.len(), |y| conv2d(&ConvAlgo::gemm(&g, 1, 16), &g, 1, &x, &w, 16, y, None, Products::F32))),
+                    bits(new(x.len(), |dx| conv2d_input_grad(&ConvAlgo::gemm(&g, 1, 16), &g, 1, &dy, &w, 16, dx, Products::F32))),
+                    bits(new(w.len(), |dw| conv2d_filter_grad(&ConvAlgo::gemm(&g, 1, 16), &g, 1, &dy, &x, 16, dw, None, Products::F32))),
                     bits(y),
                     bits(new(x.len(), |dx| max_pool2d_grad(&p, &at, &x[..at.len()], dx, None))),
                     // Sums over rows (shared out by 4 KiB of the output) and over planes.

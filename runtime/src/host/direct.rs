@@ -590,7 +590,7 @@ mod tests {
     use super::*;
     use crate::host::conv;
     use crate::host::float::tests::SCALAR;
-    use crate::kernel::{direct_conv, Products};
+    use crate::kernel::{direct_conv, ConvAlgo, Products};
 
     fn data(n: usize, salt: usize) -> Vec<f32> {
         (0..n).map(|i| (((i * 7919 + salt * 104729) % 2003) as f32 - 1001.0) / 1001.0).collect()
@@ -663,8 +663,8 @@ mod tests {
             for rhs in [dot(&x, &r.dx), dot(&w, &r.dw)] {
                 assert!((lhs - rhs).abs() <= 1e-4 * (1.0 + lhs.abs()), "{g:?}: {lhs} vs {rhs}");
             }
-            let gemm_dx = new(x.len(), |dx| conv::conv2d_input_grad(&g, 1, &dy, &w, o, dx, Products::F32));
-            let gemm_dw = new(w.len(), |dw| conv::conv2d_filter_grad(&g, 1, &dy, &x, o, dw, None, Products::F32));
+            let gemm_dx = new(x.len(), |dx| conv::conv2d_input_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &w, o, dx, Products::F32));
+            let gemm_dw = new(w.len(), |dw| conv::conv2d_filter_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &x, o, dw, None, Products::F32));
             for (a, b) in r.dx.iter().zip(&gemm_dx).chain(r.dw.iter().zip(&gemm_dw)) {
                 assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{g:?}: {a} vs {b}");
             }

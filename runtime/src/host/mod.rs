@@ -17,8 +17,6 @@ pub mod program;
 pub mod rows;
 mod toeplitz;
 
-pub use toeplitz::dense_conv;
-
 use std::collections::BTreeMap;
 
 use burn_backend::tensor::{Device, FloatTensor, IntTensor};
@@ -27,7 +25,7 @@ use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
 use crate::arena::{Arena, Shelved};
 use crate::backend::{Backend, HostSlice, HostVec};
-use crate::kernel::{ConvKind, Geometry, Native, Products, UpdateKernel};
+use crate::kernel::{ConvAlgo, ConvKind, Geometry, Native, Products, Tap, UpdateKernel};
 use float::HostFloat;
 use gemm::Mat;
 
@@ -271,17 +269,17 @@ impl Kept {
     }
     /// The dense filter of parameter `name` (value `w`) for geometry `g` (any batch) and `o`
     /// output channels: the one built since the parameter was last written, else built now.
-    fn dense_filter<F: Elem>(&mut self, name: &str, g: &Geometry, o: usize, w: &[F]) -> Option<&[F]> {
+    fn dense_filter<F: Elem>(&mut self, name: &str, g: &Geometry, taps: &[Tap], o: usize, w: &[F]) -> &[F] {
         let key = Geometry { x: [0, g.x[1], g.x[2], g.x[3]], ..*g };
         let entries = F::kept(self).dense.entry(name.to_string()).or_default();
         let at = match entries.iter().position(|(k, oc, _)| *k == key && *oc == o) {
             Some(at) => at,
             None => {
-                entries.push((key, o, toeplitz::dense(g, 1, o, w)?));
+                entries.push((key, o, toeplitz::dense(g, taps, o, w)));
                 entries.len() - 1
             }
         };
-        Some(&entries[at].2)
+        &entries[at].2
     }
     /// Starts a run: what earlier runs kept is stale from now on.
     pub fn begin_run(&mut self) {
@@ -398,20 +396,28 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         Native::MatMul { products, .. } | Native::BatchMatMul { products, .. } | Native::Conv { products, .. } if bf16 => *products,
         _ => Products::F32,
     };
-    if let Native::Conv { kind, g, out_channels: o, filter: Some(name), .. } = k {
-        if let Some(t) = kept.dense_filter(name, g, *o, a[1]) {
-            match kind {
-                ConvKind::Forward => return toeplitz::forward_dense(g, a[0], t, *o, y, post, products(k)),
-                ConvKind::InputGrad => toeplitz::input_grad_dense(g, a[0], t, *o, y, products(k)),
-                ConvKind::FilterGrad => unreachable!("only forwards and input gradients name their filter"),
-            }
-            return float::post_all(post, y);
-        }
-    }
     match k {
-        Native::Conv { kind: ConvKind::Forward, g, out_channels, direct: true, .. } => return direct::forward(g, a[0], a[1], *out_channels, y, post),
-        Native::Conv { kind: ConvKind::Forward, g, groups, out_channels, .. } => {
-            return conv::conv2d(g, *groups, a[0], a[1], *out_channels, y, post, products(k))
+        Native::Conv { kind, g, groups, out_channels: o, algo, .. } => {
+            let (o, p) = (*o, products(k));
+            return match (kind, algo) {
+                // A dense filter kept since its parameter was last written.
+                (ConvKind::Forward | ConvKind::InputGrad, ConvAlgo::Dense { taps, filter: Some(name) }) => {
+                    let t = kept.dense_filter(name, g, taps, o, a[1]);
+                    match kind {
+                        ConvKind::Forward => toeplitz::forward_dense(g, a[0], t, o, y, post, p),
+                        _ => {
+                            toeplitz::input_grad_dense(g, a[0], t, o, y, p);
+                            float::post_all(post, y)
+                        }
+                    }
+                }
+                (ConvKind::Forward, _) => conv::conv2d(algo, g, *groups, a[0], a[1], o, y, post, p),
+                (ConvKind::InputGrad, _) => {
+                    conv::conv2d_input_grad(algo, g, *groups, a[0], a[1], o, y, p);
+                    float::post_all(post, y)
+                }
+                (ConvKind::FilterGrad, _) => conv::conv2d_filter_grad(algo, g, *groups, a[0], a[1], o, y, post, p),
+            };
         }
         Native::MaxPoolGrad { g, kept: slot } => {
             let at_len = tys[1].numel();
@@ -427,14 +433,6 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         Native::MatMul { transpose_a, transpose_b, .. } => {
             let m = |i: usize, t: bool| Mat { data: a[i], rows: d(i)[0], cols: d(i)[1], transposed: t };
             gemm::matmul(m(0, *transpose_a), m(1, *transpose_b), y, products(k))
-        }
-        Native::Conv { kind: ConvKind::InputGrad, g, out_channels, direct: true, .. } => direct::input_grad(g, a[0], a[1], *out_channels, y),
-        Native::Conv { kind: ConvKind::FilterGrad, g, out_channels, direct: true, .. } => direct::filter_grad(g, a[0], a[1], *out_channels, y),
-        Native::Conv { kind: ConvKind::InputGrad, g, groups, out_channels, .. } => {
-            conv::conv2d_input_grad(g, *groups, a[0], a[1], *out_channels, y, products(k))
-        }
-        Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } => {
-            return conv::conv2d_filter_grad(g, *groups, a[0], a[1], *out_channels, y, post, products(k))
         }
         Native::MaxPool { g, keep } => match keep {
             Some(s) => pool::max_pool2d(g, a[0], kept.argmax(*s, y.len()), y),

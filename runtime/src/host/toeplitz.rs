@@ -15,62 +15,14 @@
 use super::float::{each, most_shares, post_all, HostFloat, Post};
 use super::gemm::gemm_oriented;
 use super::rows::add_assign;
-use crate::kernel::{Geometry, Products};
+use crate::kernel::{Geometry, Products, Tap};
 
-/// The dense filter's largest size in elements (16 MiB of f32).
-const MAX_DENSE: usize = 1 << 22;
-
-/// One nonzero of the dense filter: output position `p` reads input pixel `q` through kernel
-/// tap `t` (flat indices).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Tap {
-    p: u32,
-    q: u32,
-    t: u32,
-}
-
-/// `g`'s taps when the convolution (one group, `o` output channels) is better done dense: the
-/// taps fill at least 9 in 10 of the (position, pixel) pairs, and the dense filter stays
-/// within [`MAX_DENSE`] elements. `None` otherwise (im2col then wastes less), and for empty
-/// tensors (which the im2col path handles).
-pub(super) fn taps(g: &Geometry, groups: usize, o: usize) -> Option<Vec<Tap>> {
-    let [n, c, h, w] = g.x;
-    let (sp, hw) = (g.spatial(), h * w);
-    if groups != 1 || n * c * o * sp * hw == 0 || sp * hw > 64 || o * sp * c * hw > MAX_DENSE {
-        return None;
-    }
-    let live = |a: usize| -> usize { (0..g.out[a]).map(|o| (0..g.kernel[a]).filter(|&k| g.at(a, o, k).is_some()).count()).sum() };
-    if 10 * live(0) * live(1) < 9 * sp * hw {
-        return None;
-    }
-    let mut taps = Vec::with_capacity(sp * hw);
-    for oy in 0..g.out[0] {
-        for ox in 0..g.out[1] {
-            for ky in 0..g.kernel[0] {
-                for kx in 0..g.kernel[1] {
-                    let (Some(iy), Some(ix)) = (g.at(0, oy, ky), g.at(1, ox, kx)) else { continue };
-                    let (p, q, t) = (oy * g.out[1] + ox, iy * w + ix, ky * g.kernel[1] + kx);
-                    taps.push(Tap { p: p as u32, q: q as u32, t: t as u32 });
-                }
-            }
-        }
-    }
-    Some(taps)
-}
-
-/// Whether the host kernels run a convolution of geometry `g` (one of `groups` groups, `o`
-/// output channels) as a dense layer.
-pub fn dense_conv(g: &Geometry, groups: usize, o: usize) -> bool {
-    taps(g, groups, o).is_some()
-}
-
-/// The dense filter of `w` for `g`, in new memory, when the convolution goes dense.
-pub(super) fn dense<F: HostFloat>(g: &Geometry, groups: usize, o: usize, w: &[F]) -> Option<Vec<F>> {
-    let taps = taps(g, groups, o)?;
+/// The dense filter of `w` for `g` (with `taps`), in new memory.
+pub(super) fn dense<F: HostFloat>(g: &Geometry, taps: &[Tap], o: usize, w: &[F]) -> Vec<F> {
     let [_, c, h, wd] = g.x;
     let mut t = vec![F::ZERO; o * g.spatial() * c * h * wd];
-    dense_filter(g, &taps, w, o, &mut t);
-    Some(t)
+    dense_filter(g, taps, w, o, &mut t);
+    t
 }
 
 /// Threads for a GEMM of `m * k * n` multiply-adds (as [`super::gemm::matmul`] chooses).
@@ -280,6 +232,7 @@ mod tests {
     use super::*;
     use crate::host::conv::tests::{assert_filter_grad_epilogue, conv_reference};
     use crate::host::conv::{conv2d, conv2d_filter_grad, conv2d_input_grad};
+    use crate::kernel::{dense_taps as taps, ConvAlgo};
 
     fn data(n: usize, salt: usize) -> Vec<f32> {
         (0..n).map(|i| (((i * 7919 + salt * 104729) % 2003) as f32 - 1001.0) / 1001.0).collect()
@@ -329,7 +282,7 @@ mod tests {
             let kk = g.kernel[0] * g.kernel[1];
             let (x, w, dy) = (data(n * c * h * wd, 1), data(o * c * kk, 2), data(n * o * g.spatial(), 3));
             let mut y = vec![f32::NAN; dy.len()];
-            conv2d(&g, 1, &x, &w, o, &mut y, None, Products::F32);
+            conv2d(&ConvAlgo::gemm(&g, 1, o), &g, 1, &x, &w, o, &mut y, None, Products::F32);
             for (a, b) in y.iter().zip(conv_reference(&g, 1, &x, &w, o)) {
                 assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "{g:?}: {a} vs {b}");
             }
@@ -354,8 +307,8 @@ mod tests {
                 }
             }
             let (mut dx, mut dw) = (vec![f32::NAN; x.len()], vec![f32::NAN; w.len()]);
-            conv2d_input_grad(&g, 1, &dy, &w, o, &mut dx, Products::F32);
-            conv2d_filter_grad(&g, 1, &dy, &x, o, &mut dw, None, Products::F32);
+            conv2d_input_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &w, o, &mut dx, Products::F32);
+            conv2d_filter_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &x, o, &mut dw, None, Products::F32);
             assert_filter_grad_epilogue(&g, 1, &dy, &x, o, &dw);
             for (a, b) in dx.iter().zip(&dx_ref).chain(dw.iter().zip(&dw_ref)) {
                 assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "{g:?}: {a} vs {b}");
@@ -375,9 +328,9 @@ mod tests {
             let run = |threads: usize| {
                 rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool").install(|| {
                     let (mut y, mut dx, mut dw) = (vec![0.0; dy.len()], vec![0.0; x.len()], vec![0.0; w.len()]);
-                    conv2d(&g, 1, &x, &w, o, &mut y, None, Products::F32);
-                    conv2d_input_grad(&g, 1, &dy, &w, o, &mut dx, Products::F32);
-                    conv2d_filter_grad(&g, 1, &dy, &x, o, &mut dw, None, Products::F32);
+                    conv2d(&ConvAlgo::gemm(&g, 1, o), &g, 1, &x, &w, o, &mut y, None, Products::F32);
+                    conv2d_input_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &w, o, &mut dx, Products::F32);
+                    conv2d_filter_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &x, o, &mut dw, None, Products::F32);
                     [bits(y), bits(dx), bits(dw)]
                 })
             };
