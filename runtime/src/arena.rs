@@ -30,7 +30,7 @@ impl Shelved for f64 {
 /// compile time how many buffers of each length it holds at once
 /// ([`crate::Executable::arena`]); the arena keeps up to that many of each free, so once every
 /// length has been seen a run takes all its buffers from here, and each value's last use
-/// hands its buffer back ([`Self::reclaim`]) when nothing else holds it. Runs of one plan
+/// hands its buffer back ([`crate::Value::give_back`]) when nothing else holds it. Runs of one plan
 /// take and give in the same order, so each step writes into the same buffers every run.
 #[derive(Default)]
 pub struct Arena {

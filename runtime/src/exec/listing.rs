@@ -1,0 +1,191 @@
+//! What a plan says it runs: each step's kernel on a host backend
+//! ([`Executable::host_steps`], `cellgraph inspect plan`) and where its bf16 products run
+//! ([`Executable::bf16_products`]).
+
+use std::collections::BTreeMap;
+
+use cellgraph_compiler::{Op, TensorType};
+
+use super::plan::Executable;
+use crate::kernel::{Native, Products};
+use crate::Backend;
+
+/// How a plan multiplies the products whose operands hold bf16 values (see
+/// [`Executable::bf16_products`]): chosen when the plan was compiled.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Bf16Products {
+    /// Where the fast ones run: AVX-512 BF16 pairs on host backends, tensor cores on devices.
+    pub unit: Bf16Unit,
+    /// Products on that unit with f32 sums: [`crate::kernel::Products::Bf16`] on the host; on
+    /// a device, every matmul and batched matmul (and epilogue head) of bf16 values.
+    pub fast: usize,
+    /// Those that multiply in exact f32 (the emulation), by op: attention and direct
+    /// convolutions have no bf16 kernel on the host, convolutions and attention none on
+    /// devices; on a CPU without AVX-512 BF16, all of them.
+    pub in_f32: BTreeMap<&'static str, usize>,
+}
+
+/// The unit that multiplies a plan's fast bf16 products ([`Bf16Products`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Bf16Unit {
+    /// The CPU's `vdpbf16ps`: pairs of bf16 values multiplied, summed in f32.
+    #[default]
+    Avx512Pairs,
+    /// cubek's tensor-core matmul on TF32 operands with f32 sums. A bf16 value is a TF32 value
+    /// (8 significant bits of TF32's 11), so these are the products of bf16 tensor cores, not
+    /// a rounding of them; where the device has no tensor-core kernel cubek's exact-f32 kernel
+    /// runs them, counted ([`crate::cube::tf32_fallbacks`]).
+    Tf32TensorCores,
+}
+
+impl std::fmt::Display for Bf16Products {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let f32s: usize = self.in_f32.values().sum();
+        let unit = match self.unit {
+            Bf16Unit::Avx512Pairs => "AVX-512 BF16 pairs",
+            Bf16Unit::Tf32TensorCores => "tensor cores (TF32 operands, exact for bf16 values)",
+        };
+        write!(f, "bf16 products: {} on {unit}, {f32s} in f32", self.fast)?;
+        if self.unit == Bf16Unit::Avx512Pairs && !crate::host::bf16::available() {
+            write!(f, " (this CPU has no AVX-512 BF16: f32 emulation)")?;
+        } else if f32s > 0 {
+            let each: Vec<String> = self.in_f32.iter().map(|(op, n)| format!("{op} {n}")).collect();
+            write!(f, " ({})", each.join(", "))?;
+        }
+        Ok(())
+    }
+}
+
+/// How a plan step runs on a host backend (the CPU), decided when the plan was compiled: see
+/// [`Executable::host_steps`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HostRun {
+    /// Reads a parameter, an input or a constant: no arithmetic.
+    Source,
+    /// A reshape: its operand's memory at the operand's last use, else a copy.
+    Reshape,
+    /// `assign_add`: the sum written into the accumulator's memory.
+    AccumulateInPlace,
+    /// A collective between ranks (`all_reduce`).
+    Collective,
+    /// `assign`: the parameter's new value, moved (no arithmetic).
+    Store,
+    /// `stop_gradient`: its operand, unchanged.
+    Identity,
+    /// A bound host kernel, by name (`matmul`, `epilogue(conv Forward direct)`).
+    Kernel(String),
+    /// burn's ops (the reference lowering), with the reason no host kernel binds.
+    BurnOps(String),
+}
+
+/// One step of a plan as [`Executable::host_steps`] lists it.
+#[derive(Clone, Debug)]
+pub struct HostStep {
+    /// The graph node the step computes.
+    pub node: usize,
+    /// The op's label (`matmul`, `fused`).
+    pub op: &'static str,
+    /// The op's scope (`net.fc1`, `Gradients/...`).
+    pub scope: String,
+    /// The step's result type.
+    pub ty: TensorType,
+    pub run: HostRun,
+}
+
+/// A bound kernel's name in plan listings: `matmul`, `matmul bf16`, `conv Forward im2col`,
+/// `conv InputGrad dense taps`, `epilogue(matmul)`, `Fused`, ...
+fn kernel_name(k: &Native) -> String {
+    let bf16 = |p: &Products| if *p == Products::Bf16 { " bf16" } else { "" };
+    match k {
+        Native::MatMul { products, .. } => format!("matmul{}", bf16(products)),
+        Native::BatchMatMul { products, .. } => format!("batch_matmul{}", bf16(products)),
+        Native::Conv { kind, algo, products, .. } => format!("conv {kind:?} {}{}", algo.name(), bf16(products)),
+        Native::Epilogue { head, .. } => format!("epilogue({})", kernel_name(head)),
+        other => {
+            let debug = format!("{other:?}");
+            debug.split(|c: char| !c.is_ascii_alphanumeric()).next().unwrap_or_default().to_string()
+        }
+    }
+}
+
+impl std::fmt::Display for HostStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let run = match &self.run {
+            HostRun::Source => "source".to_string(),
+            HostRun::Reshape => "reshape (a view at the operand's last use)".to_string(),
+            HostRun::AccumulateInPlace => "assign_add in place".to_string(),
+            HostRun::Collective => "collective".to_string(),
+            HostRun::Store => "store (the new value, moved)".to_string(),
+            HostRun::Identity => "identity (its operand)".to_string(),
+            HostRun::Kernel(k) => format!("kernel {k}"),
+            HostRun::BurnOps(why) => format!("burn ops: {why}"),
+        };
+        write!(f, "%{} {} {} [{}]: {run}", self.node, self.op, self.ty, self.scope)
+    }
+}
+
+impl Executable {
+    /// What each step of the plan runs on a host backend, in order: a bound kernel, a source,
+    /// a reshape, an accumulation in place, a collective, or burn's ops and why
+    /// (`cellgraph inspect plan`). Device backends run the same bound kernels on their own
+    /// kernels where they have them.
+    pub fn host_steps(&self) -> Vec<HostStep> {
+        self.steps
+            .iter()
+            .map(|st| {
+                let run = match (&st.op, &st.kernel) {
+                    (Op::Parameter { .. } | Op::Input { .. }, _) => HostRun::Source,
+                    (Op::Reshape { .. } | Op::Flatten, _) => HostRun::Reshape,
+                    (Op::AssignAdd, _) if st.args.first().is_some_and(|a| a.1) => HostRun::AccumulateInPlace,
+                    (Op::AllReduce, _) => HostRun::Collective,
+                    (Op::Assign, _) => HostRun::Store,
+                    (Op::StopGradient, _) => HostRun::Identity,
+                    (_, Some(_)) if !st.ty.dtype.is_float() => HostRun::BurnOps(format!("its result is {}: host kernels write floats", st.ty)),
+                    (_, Some(_)) if st.arg_types.iter().any(|t| t.dtype == cellgraph_compiler::DType::Bool) => {
+                        HostRun::BurnOps("a bool operand: host kernels read floats and ids".into())
+                    }
+                    (_, Some(k)) => HostRun::Kernel(kernel_name(k)),
+                    (op, None) => HostRun::BurnOps(format!(
+                        "no host kernel for `{}` on ({})",
+                        op.label(),
+                        st.arg_types.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", ")
+                    )),
+                };
+                HostStep { node: st.slot, op: st.op.label(), scope: st.scope.clone(), ty: st.ty.clone(), run }
+            })
+            .collect()
+    }
+
+    /// The plan's products whose operands hold bf16 values (a plan compiled from a graph the
+    /// precision pass rounded to bf16), and what each runs on on backend `B`; `None` when it
+    /// has none.
+    pub fn bf16_products<B: Backend>(&self) -> Option<Bf16Products> {
+        let unit = if B::HOST { Bf16Unit::Avx512Pairs } else { Bf16Unit::Tf32TensorCores };
+        let mut out = Bf16Products { unit, ..Default::default() };
+        for st in self.steps.iter().filter(|st| st.bf16_operands) {
+            let head = match &st.kernel {
+                Some(Native::Epilogue { head, .. }) => Some(&**head),
+                k => k.as_ref(),
+            };
+            let fast = match head {
+                Some(Native::MatMul { .. } | Native::BatchMatMul { .. }) if !B::HOST => true,
+                Some(
+                    Native::MatMul { products: Products::Bf16, .. }
+                    | Native::BatchMatMul { products: Products::Bf16, .. }
+                    | Native::Conv { products: Products::Bf16, .. },
+                ) => B::HOST,
+                _ => false,
+            };
+            if fast {
+                out.fast += 1;
+            } else {
+                let op = match &st.op {
+                    Op::Epilogue { head, .. } => head.label(),
+                    op => op.label(),
+                };
+                *out.in_f32.entry(op).or_default() += 1;
+            }
+        }
+        (out.fast + out.in_f32.values().sum::<usize>() > 0).then_some(out)
+    }
+}

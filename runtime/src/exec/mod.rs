@@ -1,0 +1,752 @@
+//! Compiling a graph to an executable plan, and running it.
+//!
+//! [`compile`] runs the pass pipeline, verifies, and lowers the graph to a flat schedule of
+//! steps in topological order. Each step knows, for every operand, whether this is the
+//! operand's last use: then its slot is freed after the step (on device backends the value
+//! is moved into the op, so the backend can reuse its buffer in place; on host backends the
+//! op borrows it and its buffer goes back to the session's [`Arena`], which the next
+//! value of its length is written into). Results and parameter writes are kept to the end.
+//! The plan's memory is known when it is compiled: [`Executable::arena`] lists how many
+//! buffers of each length its values hold at once, so a steady-state run on a host backend
+//! allocates no tensor memory. A [`Session`] holds parameter values on one device and runs
+//! plans; `assign`/`assign_add` writes land when the plan finishes (on host backends an
+//! accumulator read only by its `assign_add` is added into in place).
+
+use std::collections::BTreeMap;
+
+use crate::Backend;
+use burn_backend::tensor::Device;
+use cellgraph_compiler::{HostTensor, Op, TensorType};
+
+mod capture;
+mod listing;
+mod plan;
+
+pub use listing::{Bf16Products, Bf16Unit, HostRun, HostStep};
+use plan::Step;
+pub use plan::{compile, compile_unfused, compile_with, compile_with_options, DumpAt, Executable};
+
+use crate::arena::Arena;
+use crate::comm::Communicator;
+use crate::error::{Result, RuntimeError};
+use crate::host::Kept;
+use crate::kernel::Native;
+use crate::lower::{eval, Ctx};
+use crate::replay::Graphs;
+use crate::value::{settings, Value};
+
+/// What [`Session::run_here`] checks each step's transfers for.
+#[derive(Debug, PartialEq, Eq)]
+enum Watch {
+    Off,
+    /// A replayed plan's first run: the first step that reads or uploads (its message).
+    Probe(Option<String>),
+    /// A capture: the first step that reads, uploads or allocates (its message).
+    Capture(Option<String>),
+}
+
+/// Runs a step's bound kernel: on the host kernels on a host backend, on the device's own
+/// kernels otherwise; `None` when it does not apply (a non-float operand, a dtype the kernels
+/// lack), and burn's ops run the step instead.
+fn run_bound<B: Backend>(
+    k: &Native,
+    args: &[(Value<B>, &TensorType)],
+    out: &TensorType,
+    cx: &Ctx<B>,
+    kept: &mut Kept,
+    arena: &mut Arena,
+) -> Option<burn_backend::tensor::FloatTensor<B>> {
+    let (mut floats, mut ints) = (Vec::new(), Vec::new());
+    for (v, _) in args {
+        match v {
+            Value::Float(t) => floats.push(t),
+            Value::Int(t) => ints.push(t),
+            Value::Bool(_) => return None,
+        }
+    }
+    let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
+    if B::HOST {
+        crate::host::run_host::<B>(k, &floats, &ints, &tys, out, (cx.device, cx.settings.float_dtype, cx.bf16), kept, arena)
+    } else if matches!(k, Native::SoftmaxCrossEntropy { .. }) && !cx.ids_checked {
+        // Class ids computed in the plan: the lowering reads and checks them.
+        None
+    } else {
+        match *k {
+            // The loss's gradient, made with the loss (below).
+            Native::SoftmaxCrossEntropy { grad: true, kept: Some(s), .. } => {
+                if let Some(g) = kept.take_device::<burn_backend::tensor::FloatTensor<B>>(s) {
+                    return Some(g);
+                }
+            }
+            Native::SoftmaxCrossEntropy { grad: false, kept: Some(s), seed: Some(seed), .. } => {
+                if let Some((loss, g)) = B::device_loss_with_grad(k, &floats, &ints, out, seed, arena) {
+                    kept.keep_device(s, g);
+                    return Some(loss);
+                }
+            }
+            _ => {}
+        }
+        B::device_kernel(k, &floats, &ints, out, cx.tf32, arena)
+    }
+}
+
+/// An epilogue step's head (`args`: its operands) on the head's bound kernel where the backend
+/// runs it (`native`), else on burn's ops.
+fn run_head<B: Backend>(
+    cx: &Ctx<B>,
+    head: &Op,
+    step: &Step,
+    args: Vec<(Value<B>, &TensorType)>,
+    native: bool,
+    kept: &mut Kept,
+    arena: &mut Arena,
+) -> Result<(Value<B>, Ran)> {
+    let bound = match &step.kernel {
+        Some(Native::Epilogue { head, .. }) if native => run_bound(head, &args, &step.ty, cx, kept, arena),
+        _ => None,
+    };
+    match bound {
+        Some(t) => {
+            for (v, _) in args {
+                v.give_back(arena);
+            }
+            Ok((Value::Float(t), Ran::Kernel))
+        }
+        None => Ok((eval(cx, head, args, &step.ty)?, Ran::BurnOps)),
+    }
+}
+
+/// Whether a step ran on its bound kernel or on burn's ops (counted in
+/// [`Session::burn_op_steps`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ran {
+    Kernel,
+    BurnOps,
+}
+
+/// Counts one call of `secs` under `key()` in a profile, when profiling is on (`key` is only
+/// made then).
+fn record<K: Ord>(profile: &mut Option<BTreeMap<K, (u64, f64)>>, key: impl FnOnce() -> K, secs: Option<f64>) {
+    if let (Some(p), Some(secs)) = (profile.as_mut(), secs) {
+        let e = p.entry(key()).or_insert((0, 0.0));
+        e.0 += 1;
+        e.1 += secs;
+    }
+}
+
+/// Seconds since `t0` (profiling on).
+fn since(t0: Option<std::time::Instant>) -> Option<f64> {
+    t0.map(|t| t.elapsed().as_secs_f64())
+}
+
+/// Parameter values on one device, and the plans that read and write them.
+pub struct Session<B: Backend> {
+    device: Device<B>,
+    params: BTreeMap<String, Value<B>>,
+    /// Per-op `(calls, seconds)` when profiling is on.
+    profile: Option<BTreeMap<&'static str, (u64, f64)>>,
+    /// The same per kind of step (op, output type and program): see [`Self::profile_steps`].
+    step_profile: Option<BTreeMap<String, (u64, f64)>>,
+    /// Profiling waits for the device after each op (see [`Self::set_device_profiling`]).
+    profile_sync: bool,
+    /// Run hot ops on the host kernels where the backend allows (see [`crate::host`]).
+    native: bool,
+    /// `assign_add` writes into the accumulator's memory (see [`Self::set_in_place_accumulation`]).
+    in_place: bool,
+    /// Device matmuls may use TF32 tensor cores (see [`Self::set_tf32`]).
+    tf32: bool,
+    /// Host products the plan chose to run on bf16 pairs do (see [`Self::set_bf16_products`]).
+    bf16: bool,
+    /// What the host kernels keep between the steps of a run (max pools' argmax).
+    kept: Kept,
+    /// The memory host kernels write values into (see [`Executable::arena`]).
+    arena: Arena,
+    /// A run's value slots, kept for the next run.
+    slots: Vec<Option<Value<B>>>,
+    /// On device backends, the constants plans share (`(value bits, type)`): made once, so a
+    /// step's constant (a loss's seed) is no launch after the first run. Held here, so burn's
+    /// ops never write into them in place.
+    constants: Vec<((u64, TensorType), Value<B>)>,
+    /// The float type values are made in: f32, or f64 for reference runs ([`Self::new_f64`]).
+    float: burn_backend::FloatDType,
+    /// [`Self::run_replayed`] captures and replays (see [`crate::replay`]).
+    replay: bool,
+    /// The captured plans.
+    graphs: Graphs<B>,
+    /// What each step's transfers are checked for (see [`Watch`]).
+    watch: Watch,
+    /// Steps that computed on burn's ops (no bound kernel ran), by op: see
+    /// [`Self::burn_op_steps`].
+    burn_steps: BTreeMap<&'static str, u64>,
+}
+
+/// A capture's graph, the run's outputs, and why it cannot be replayed (if so).
+type Captured<B> = (burn_backend::BackendGraph<B>, Vec<Value<B>>, Option<String>);
+
+impl<B: Backend> Session<B> {
+    /// An empty session on `device`.
+    pub fn new(device: Device<B>) -> Self {
+        Self::with_float(device, burn_backend::FloatDType::F32)
+    }
+
+    /// An empty session on `device` computing in f64 (host backends: reference runs and
+    /// gradient checks; its inputs and parameters are widened to f64 when they are bound).
+    pub fn new_f64(device: Device<B>) -> Self {
+        Self::with_float(device, burn_backend::FloatDType::F64)
+    }
+
+    /// An empty session on `device` making its float values as `float`.
+    pub fn with_float(device: Device<B>, float: burn_backend::FloatDType) -> Self {
+        Session {
+            device,
+            params: BTreeMap::new(),
+            profile: None,
+            step_profile: None,
+            profile_sync: false,
+            native: true,
+            in_place: false,
+            tf32: false,
+            bf16: true,
+            kept: Kept::default(),
+            arena: Arena::default(),
+            slots: Vec::new(),
+            constants: Vec::new(),
+            float,
+            replay: false,
+            graphs: Graphs::default(),
+            watch: Watch::Off,
+            burn_steps: BTreeMap::new(),
+        }
+    }
+
+    /// The float type the session computes in.
+    pub fn float(&self) -> burn_backend::FloatDType {
+        self.float
+    }
+
+    /// The dtypes the session's values are made in (see [`settings`]).
+    pub fn settings(&self) -> burn_backend::DeviceSettings {
+        settings::<B>(&self.device, self.float)
+    }
+
+    /// Buffers the session's arena has allocated because none of their length was free: after
+    /// a plan's first runs, a steady state adds none.
+    pub fn fresh_buffers(&self) -> u64 {
+        self.arena.fresh()
+    }
+
+    /// Turns per-op wall-clock profiling on or off (off by default; on CPU backends the times
+    /// are exact, on asynchronous backends they measure launch cost).
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profile = on.then(BTreeMap::new);
+        self.step_profile = on.then(BTreeMap::new);
+        self.profile_sync = false;
+    }
+
+    /// Per-op profiling that waits for the device after each op, so that on asynchronous
+    /// backends an op's time is its launch and its kernels' run (plus one wait each): where a
+    /// device step goes, at the cost of the overlap between host and device.
+    pub fn set_device_profiling(&mut self, on: bool) {
+        self.set_profiling(on);
+        self.profile_sync = on;
+    }
+
+    /// Chooses between the host kernels (the default, where the backend keeps tensors in host
+    /// memory) and burn's generic ops for every op; both give the same results to rounding.
+    pub fn set_native_kernels(&mut self, on: bool) {
+        self.native = on;
+    }
+
+    /// Lets device matmuls round their operands to TF32 and run on tensor cores (off by
+    /// default: every backend multiplies in exact f32). Like PyTorch's `allow_tf32`: about
+    /// 1e-3 relative error on a product (10 mantissa bits), so results no longer equal the
+    /// CPU's to 1e-5. Host backends ignore it.
+    pub fn set_tf32(&mut self, on: bool) {
+        self.tf32 = on;
+    }
+
+    /// Lets host products whose operands the precision pass rounded to bf16 multiply bf16
+    /// pairs with f32 sums on the CPU's AVX-512 BF16 instructions, where the plan chose them
+    /// ([`crate::kernel::Products::Bf16`]; on by default). Off, they run on the f32 GEMM: the
+    /// emulation of bf16 compute, the same products summed in another order. Device backends
+    /// and f32 plans ignore it.
+    pub fn set_bf16_products(&mut self, on: bool) {
+        self.bf16 = on;
+    }
+
+    /// The steps this session computed on burn's ops because no bound kernel ran them, by op
+    /// and count (reshapes, which move no values, are not counted): on host backends exactly
+    /// the plans' [`HostRun::BurnOps`] steps; on devices also the ops they have no kernel for.
+    pub fn burn_op_steps(&self) -> &BTreeMap<&'static str, u64> {
+        &self.burn_steps
+    }
+
+    /// Makes `assign_add` write into the accumulator's own memory where the backend can (its
+    /// accumulators are then views of one flat buffer; see [`Backend::flat_buffers`]).
+    pub fn set_in_place_accumulation(&mut self, on: bool) {
+        self.in_place = on;
+    }
+
+    /// Gives a value a plan returned (and the caller no longer needs) back to the session's
+    /// memory, for later runs to write into; dropped if anything else still holds it.
+    pub fn give_back(&mut self, v: Value<B>) {
+        v.give_back(&mut self.arena);
+    }
+
+    /// Sets a parameter to a device value (a view of a flat buffer, say).
+    pub fn set_value(&mut self, name: &str, value: Value<B>) {
+        self.graphs.forget(name);
+        self.put(name, value);
+    }
+
+    /// Takes a parameter's value out of the session (put it back with [`Self::set_value`]).
+    pub fn take_value(&mut self, name: &str) -> Option<Value<B>> {
+        self.graphs.forget(name);
+        self.pull(name)
+    }
+
+    /// Every write of a parameter goes through here or [`Self::pull`]: what the host kernels
+    /// derived from its old value ([`Kept::forget`]) is dropped with it.
+    fn put(&mut self, name: &str, value: Value<B>) -> Option<Value<B>> {
+        self.kept.forget(name);
+        self.params.insert(name.to_string(), value)
+    }
+
+    /// Takes a parameter out of the session (see [`Self::put`]).
+    fn pull(&mut self, name: &str) -> Option<Value<B>> {
+        self.kept.forget(name);
+        self.params.remove(name)
+    }
+
+    /// A parameter's device value.
+    pub fn value(&self, name: &str) -> Option<&Value<B>> {
+        self.params.get(name)
+    }
+
+    /// `(op, calls, seconds)` collected since profiling was switched on, slowest first.
+    pub fn profile(&self) -> Vec<(&'static str, u64, f64)> {
+        let mut v: Vec<_> = self.profile.iter().flatten().map(|(k, &(n, t))| (*k, n, t)).collect();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        v
+    }
+
+    /// [`Self::profile`] per kind of step: `("op type program", calls, seconds)`, slowest
+    /// first, e.g. `fused f32[8,128,512] $0 0.5 mul $1 mul` (the program for fused ops and
+    /// epilogues): which of the plan's steps the time goes to.
+    pub fn profile_steps(&self) -> Vec<(String, u64, f64)> {
+        let mut v: Vec<_> = self.step_profile.iter().flatten().map(|(k, &(n, t))| (k.clone(), n, t)).collect();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        v
+    }
+
+    /// The `top` slowest ops ([`Self::profile`]), then under "slowest kinds of step (op, output,
+    /// program):" the `top` slowest kinds of step ([`Self::profile_steps`]), one per line, as
+    /// the programs print them; empty when profiling is off.
+    pub fn profile_table(&self, top: usize) -> String {
+        let mut s = String::new();
+        for (op, calls, t) in self.profile().into_iter().take(top) {
+            s += &format!("{op:>28} {calls:>8} calls {:>10.1} ms\n", t * 1e3);
+        }
+        for (i, (step, calls, t)) in self.profile_steps().into_iter().take(top).enumerate() {
+            if i == 0 {
+                s += "slowest kinds of step (op, output, program):\n";
+            }
+            s += &format!("{:>10.1} ms {calls:>8} calls  {step}\n", t * 1e3);
+        }
+        s
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device<B> {
+        &self.device
+    }
+
+    /// Sets (or replaces) a parameter's value.
+    pub fn set_param(&mut self, name: &str, value: &HostTensor) {
+        let v = Value::from_host(value, &self.device, &self.settings());
+        self.graphs.forget(name);
+        self.put(name, v);
+    }
+
+    /// Draws every parameter's first value from `seed` (see `cellgraph_cells::materialize`).
+    pub fn init_params(&mut self, params: &[cellgraph_cells::Parameter], seed: u64) {
+        for p in params {
+            self.set_param(&p.name, &p.materialize(seed));
+        }
+    }
+
+    /// Sets optimizer state (or accumulators) to their initial constants.
+    pub fn init_state(&mut self, state: &[cellgraph_compiler::update::StateSpec]) {
+        for s in state {
+            self.set_param(&s.name, &HostTensor::full(&s.ty, s.init));
+        }
+    }
+
+    /// Drops a parameter's value.
+    pub fn remove_param(&mut self, name: &str) {
+        self.graphs.forget(name);
+        self.pull(name);
+    }
+
+    /// A parameter's extents (without copying it).
+    pub fn param_shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.params.get(name).map(|v| v.dims())
+    }
+
+    /// A parameter's value, copied to the host.
+    pub fn param(&self, name: &str) -> Option<HostTensor> {
+        self.params.get(name).map(|v| v.to_host())
+    }
+
+    /// Names of every parameter held, sorted.
+    pub fn param_names(&self) -> Vec<String> {
+        self.params.keys().cloned().collect()
+    }
+
+    /// Every parameter copied to the host, by name.
+    pub fn params_host(&self) -> BTreeMap<String, HostTensor> {
+        self.params.iter().map(|(k, v)| (k.clone(), v.to_host())).collect()
+    }
+
+    fn bind_param(&self, name: &str, ty: &TensorType) -> Result<Value<B>> {
+        let v = self.params.get(name).ok_or_else(|| RuntimeError::MissingParam(name.into()))?;
+        let dims = v.dims();
+        let want = crate::backend::bshape(ty.dims()).to_vec();
+        if dims != want {
+            return Err(RuntimeError::Mismatch {
+                what: format!("parameter `{name}`"),
+                expected: ty.to_string(),
+                got: format!("a value of shape {dims:?}"),
+            });
+        }
+        Ok(v.clone())
+    }
+
+    /// Runs a plan on host inputs (in input-index order) and returns its outputs on the host.
+    ///
+    /// On a host backend with several rayon threads the plan runs on one of rayon's threads:
+    /// its kernels cut their work into jobs for the pool, and a pool thread works through its
+    /// kernels' jobs itself while the others take what they can, where a thread outside the
+    /// pool would hand each kernel's jobs over and sleep until they were done.
+    pub fn run(&mut self, exe: &Executable, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+        self.run_over(exe, inputs, None)
+    }
+
+    /// [`Self::run`], with the plan's collectives (`all_reduce`) summing over `comm`'s ranks;
+    /// every rank must run the same plan together. Without a communicator ([`Self::run`]) a
+    /// collective sums over a world of one: it passes its operand on.
+    pub fn run_over(&mut self, exe: &Executable, inputs: &[HostTensor], comm: Option<&dyn Communicator>) -> Result<Vec<HostTensor>> {
+        self.run_mapped(exe, inputs, comm, &|v, ty| {
+            let mut h = v.to_host();
+            h.shape = ty.dims().to_vec();
+            h
+        })
+    }
+
+    /// [`Self::run`], leaving the outputs on the device: the run itself reads nothing back
+    /// (labels are checked on the host before they are uploaded; see
+    /// [`crate::value::device_reads`]).
+    pub fn run_device(&mut self, exe: &Executable, inputs: &[HostTensor]) -> Result<Vec<Value<B>>> {
+        self.run_device_over(exe, inputs, None)
+    }
+
+    /// [`Self::run_device`] with the plan's collectives over `comm` (see [`Self::run_over`]).
+    /// A collective reads its operand back to the host.
+    pub fn run_device_over(&mut self, exe: &Executable, inputs: &[HostTensor], comm: Option<&dyn Communicator>) -> Result<Vec<Value<B>>> {
+        self.run_mapped(exe, inputs, comm, &|v, _| v.clone())
+    }
+
+    fn run_mapped<T: Send>(
+        &mut self,
+        exe: &Executable,
+        inputs: &[HostTensor],
+        comm: Option<&dyn Communicator>,
+        out: &(dyn Fn(&Value<B>, &TensorType) -> T + Sync),
+    ) -> Result<Vec<T>> {
+        // Collectives are called from the thread that runs the plan: MPI wants the thread
+        // that initialised it, so a plan with collectives never moves to rayon's pool.
+        let comm = comm.filter(|c| c.size() > 1 && exe.collectives > 0);
+        if comm.is_none() && B::HOST && rayon::current_thread_index().is_none() && rayon::current_num_threads() > 1 {
+            return rayon::scope(|_| self.run_here(exe, inputs, None, None, out));
+        }
+        self.run_here(exe, inputs, None, comm, out)
+    }
+
+    /// Runs `exe` on this thread. `bound`: the inputs' device buffers (replay's), instead of
+    /// uploading `inputs` (whose types are still checked).
+    fn run_here<T>(
+        &mut self,
+        exe: &Executable,
+        inputs: &[HostTensor],
+        bound: Option<&[Value<B>]>,
+        comm: Option<&dyn Communicator>,
+        out: &dyn Fn(&Value<B>, &TensorType) -> T,
+    ) -> Result<Vec<T>> {
+        exe.check_inputs(inputs)?;
+        let mut slots = std::mem::take(&mut self.slots);
+        slots.clear();
+        slots.resize(exe.slots, None);
+        self.kept.begin_run();
+        self.arena.size_for(&exe.arena);
+        let s = self.settings();
+        // With graphs on, a parameter stays in the buffer it is in (a captured graph reads and
+        // writes that buffer): the buffers the plan's writes replace, held from the start.
+        let stay: Vec<Option<Value<B>>> = match self.replay && !B::HOST {
+            true => exe.writes.iter().map(|(n, _)| self.params.get(n).cloned()).collect(),
+            false => Vec::new(),
+        };
+        for step in &exe.steps {
+            let before = (self.watch != Watch::Off).then(|| (crate::value::device_reads(), crate::value::device_uploads(), self.arena.fresh()));
+            let v = match &step.op {
+                Op::Parameter { .. } if step.deferred => continue,
+                Op::Parameter { name } => self.bind_param(name, &step.ty)?,
+                Op::Input { index, name } => {
+                    let given = &inputs[*index];
+                    if given.ty() != step.ty {
+                        return Err(RuntimeError::Mismatch {
+                            what: format!("input {index} (`{name}`)"),
+                            expected: step.ty.to_string(),
+                            got: given.ty().to_string(),
+                        });
+                    }
+                    let copied = if B::HOST { crate::host::input::<B>(given, s.float_dtype, &mut self.arena, &self.device) } else { None };
+                    match (copied, bound) {
+                        (Some(t), _) => Value::Float(t),
+                        (None, Some(b)) => b[*index].clone(),
+                        (None, None) => Value::from_host(given, &self.device, &s),
+                    }
+                }
+                Op::Constant { value } if !B::HOST && step.shared_constant => {
+                    let key = (value.to_bits(), step.ty.clone());
+                    match self.constants.iter().find(|(k, _)| *k == key) {
+                        Some((_, v)) => v.clone(),
+                        None => {
+                            let cx = Ctx {
+                                device: &self.device,
+                                settings: s,
+                                scope: &step.scope,
+                                op: step.op.label(),
+                                in_place: self.in_place,
+                                ids_checked: false,
+                                tf32: self.tf32,
+                                bf16: self.bf16,
+                            };
+                            let v = eval(&cx, &step.op, Vec::new(), &step.ty)?;
+                            self.constants.push((key, v.clone()));
+                            v
+                        }
+                    }
+                }
+                Op::AllReduce if comm.is_some() => {
+                    let c = comm.expect("matched");
+                    let t0 = self.profile.is_some().then(std::time::Instant::now);
+                    let x = slots[step.args[0].0].as_ref().expect("operands are computed before use");
+                    let mut sum = x.to_host().to_f32();
+                    c.all_reduce_sum(&mut sum);
+                    let sum = HostTensor::f32(step.ty.dims().to_vec(), sum).expect("the operand's extents");
+                    record(&mut self.profile, || step.op.label(), since(t0));
+                    Value::from_host_owned(sum, &self.device, &s)
+                }
+                op => {
+                    if let Some(name) = &step.target {
+                        let target = step.args[0].0;
+                        if slots[target].is_none() {
+                            // A deferred read: check it, then take it out of the session.
+                            self.bind_param(name, &step.arg_types[0])?;
+                            slots[target] = self.pull(name);
+                        }
+                    }
+                    // On host backends an accumulator read only here is added into in place, and
+                    // a reshape keeps its operand's memory at the operand's last use (else copies
+                    // it into the arena).
+                    let reshape = matches!(op, Op::Reshape { .. } | Op::Flatten);
+                    let takes_first = B::HOST && self.native && (reshape || (matches!(op, Op::AssignAdd) && step.args[0].1));
+                    let args: Vec<_> = step
+                        .args
+                        .iter()
+                        .zip(&step.arg_types)
+                        .enumerate()
+                        .map(|(k, (&(slot, moved), ty))| {
+                            // Host backends lend an operand at its last use too, and take its
+                            // buffer back after the step (below).
+                            let take = moved && (!B::HOST || (takes_first && k == 0));
+                            let v = if take { slots[slot].take() } else { slots[slot].clone() };
+                            (v.expect("operands are computed before use"), ty)
+                        })
+                        .collect();
+                    // With graphs on, device operands at their last use that burn's ops may
+                    // consume (a burn op drops what it does not write into): held here and
+                    // given back to the arena after the step, so a run returns every buffer it
+                    // took and the next run takes none new (what a capture needs). Off, burn
+                    // may write into them in place, as before.
+                    let held: Vec<Value<B>> = match self.replay && !B::HOST {
+                        true => step.args.iter().zip(&args).filter(|((_, moved), _)| *moved).map(|(_, (v, _))| v.clone()).collect(),
+                        false => Vec::new(),
+                    };
+                    let cx = Ctx {
+                        device: &self.device,
+                        settings: s,
+                        scope: &step.scope,
+                        op: op.label(),
+                        in_place: self.in_place,
+                        ids_checked: step.ids_checked,
+                        // A device product of bf16 values on tensor cores: TF32 holds them exactly.
+                        tf32: self.tf32 || (self.bf16 && step.bf16_operands),
+                        bf16: self.bf16,
+                    };
+                    let t0 = self.profile.is_some().then(std::time::Instant::now);
+                    let v = if takes_first && reshape {
+                        let Ok([(x, ty)]) = <[_; 1]>::try_from(args) else { unreachable!("a reshape's arity is checked by the verifier") };
+                        match x {
+                            Value::Float(x) => match crate::host::reshape::<B>(x, &step.ty, &self.device, &mut self.arena) {
+                                Ok(t) => Value::Float(t),
+                                Err(x) => eval(&cx, op, vec![(Value::Float(x), ty)], &step.ty)?,
+                            },
+                            x => eval(&cx, op, vec![(x, ty)], &step.ty)?,
+                        }
+                    } else if takes_first {
+                        let Ok([(acc, _), (g, _)]) = <[_; 2]>::try_from(args) else { unreachable!("assign_add's arity is checked by the verifier") };
+                        let tys = (&step.arg_types[0], &step.arg_types[1]);
+                        match (acc, g) {
+                            (Value::Float(acc), Value::Float(g)) => match crate::host::assign_add::<B>(acc, &g, &step.ty, &self.device) {
+                                Ok(t) => Value::Float(t),
+                                Err(acc) => eval(&cx, op, vec![(Value::Float(acc), tys.0), (Value::Float(g), tys.1)], &step.ty)?,
+                            },
+                            (acc, g) => eval(&cx, op, vec![(acc, tys.0), (g, tys.1)], &step.ty)?,
+                        }
+                    } else if let (Some(n), Op::Epilogue { head, .. }) = (step.accumulator.filter(|_| !B::HOST && self.in_place), op) {
+                        // Accumulators that are views of one flat device buffer: the head adding
+                        // into the view's own memory where the device has such a kernel, else the
+                        // head, then `assign_add` into it.
+                        let mut args = args;
+                        let mut acc = args.split_off(n);
+                        let into = match (&step.kernel, acc.as_slice()) {
+                            (Some(Native::Epilogue { head: k, .. }), [(Value::Float(a), _)]) if self.native => {
+                                let floats: Option<Vec<_>> = args.iter().map(|(v, _)| if let Value::Float(t) = v { Some(t) } else { None }).collect();
+                                floats.is_some_and(|f| B::device_accumulate(k, &f, a, cx.tf32, &mut self.arena))
+                            }
+                            _ => false,
+                        };
+                        if into {
+                            for (v, _) in args {
+                                v.give_back(&mut self.arena);
+                            }
+                            acc.swap_remove(0).0
+                        } else {
+                            let (g, ran) = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
+                            if ran == Ran::BurnOps {
+                                *self.burn_steps.entry(head.label()).or_default() += 1;
+                            }
+                            match (acc.as_slice(), g) {
+                                ([(Value::Float(a), _)], Value::Float(g)) if B::assign_add_in_place(a, g.clone()) => {
+                                    Value::<B>::Float(g).give_back(&mut self.arena);
+                                    acc.swap_remove(0).0
+                                }
+                                (_, g) => eval(&cx, &Op::AssignAdd, acc.into_iter().chain([(g, &step.ty)]).collect(), &step.ty)?,
+                            }
+                        }
+                    } else {
+                        let kernel = step.kernel.as_ref().filter(|_| self.native);
+                        match kernel.and_then(|k| run_bound(k, &args, &step.ty, &cx, &mut self.kept, &mut self.arena)) {
+                            Some(t) => {
+                                // Operands at their last use give their memory back (a
+                                // device kernel only read them; later launches run after it).
+                                for (v, _) in args {
+                                    v.give_back(&mut self.arena);
+                                }
+                                Value::Float(t)
+                            }
+                            None => match (op, kernel) {
+                                // On device backends: the head on its bound kernel, the program on burn's ops.
+                                (Op::Epilogue { head, expr }, Some(Native::Epilogue { head_args, .. })) => {
+                                    let mut args = args;
+                                    let rest = args.split_off(*head_args);
+                                    let (y, ran) = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
+                                    if ran == Ran::BurnOps {
+                                        *self.burn_steps.entry(head.label()).or_default() += 1;
+                                    }
+                                    crate::lower::epilogue_program(&cx, y, expr, rest, &step.ty)?
+                                }
+                                // Its operand, unchanged.
+                                (Op::StopGradient, _) => {
+                                    let Ok([(v, _)]) = <[_; 1]>::try_from(args) else {
+                                        unreachable!("stop_gradient's arity is checked by the verifier")
+                                    };
+                                    v
+                                }
+                                // A parameter's new value: the second operand, moved.
+                                (Op::Assign, _) => {
+                                    let Ok([_, (v, _)]) = <[_; 2]>::try_from(args) else { unreachable!("assign's arity is checked by the verifier") };
+                                    v
+                                }
+                                _ => {
+                                    // A reshape moves no values (on devices a view of the buffer).
+                                    if !matches!(op, Op::Reshape { .. } | Op::Flatten) {
+                                        *self.burn_steps.entry(op.label()).or_default() += 1;
+                                    }
+                                    eval(&cx, op, args, &step.ty)?
+                                }
+                            },
+                        }
+                    };
+                    if t0.is_some() && self.profile_sync {
+                        B::sync(&self.device)
+                            .map_err(|e| RuntimeError::Device(format!("{}: {}: waiting for the device: {e:?}", step.scope, op.label())))?;
+                    }
+                    // The step's time, taken before its kind's name is formatted.
+                    let secs = since(t0);
+                    let kind = || {
+                        let program = match op {
+                            Op::Fused { expr } | Op::Epilogue { expr, .. } => format!(" {expr}"),
+                            _ => String::new(),
+                        };
+                        format!("{} {}{program}", op.label(), step.ty)
+                    };
+                    record(&mut self.step_profile, kind, secs);
+                    record(&mut self.profile, || op.label(), secs);
+                    for h in held {
+                        h.give_back(&mut self.arena);
+                    }
+                    v
+                }
+            };
+            if let Some(counts) = before {
+                self.check_capturable(step, counts);
+            }
+            for slot in step.args.iter().filter(|(_, moved)| *moved).map(|(s, _)| *s).chain(step.frees.iter().copied()) {
+                if let Some(v) = slots[slot].take() {
+                    v.give_back(&mut self.arena);
+                }
+            }
+            slots[step.slot] = Some(v);
+        }
+        let mut stay = stay.into_iter();
+        for (name, slot) in &exe.writes {
+            let v = slots[*slot].clone().expect("writes are pinned");
+            let v = match (stay.next().flatten(), v) {
+                // Copied into the buffer it had (a launch; captured into the graph during a
+                // capture); the new buffer goes back to the arena with the slots below.
+                (Some(Value::Float(old)), Value::Float(new)) if !B::same_buffer(&old, &new) => {
+                    if !B::copy_into(&old, &new) {
+                        return Err(RuntimeError::Device(format!("`{name}` is written into a new buffer and this backend cannot copy it back into its own (graph replay); run without graphs")));
+                    }
+                    Value::Float(old)
+                }
+                (_, v) => v,
+            };
+            if let Some(old) = self.put(name, v) {
+                old.give_back(&mut self.arena);
+            }
+        }
+        let outputs = exe
+            .outputs
+            .iter()
+            .map(|&o| out(slots[o].as_ref().expect("outputs are pinned"), exe.graph.ty(cellgraph_compiler::NodeId(o as u32))))
+            .collect();
+        for v in slots.iter_mut().filter_map(Option::take) {
+            v.give_back(&mut self.arena);
+        }
+        self.slots = slots;
+        Ok(outputs)
+    }
+}
