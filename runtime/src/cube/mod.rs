@@ -7,25 +7,36 @@
 //!   and the clearing of every accumulator, as one launch over flat parameter / accumulator /
 //!   state buffers; the optimizer's `Update` program (the one its graph comes from) is
 //!   unrolled into the kernel when it is compiled.
-//! - matmuls on cubek's exact-f32 tiled kernels (the strategy bound per shape, TF32 only when
-//!   the session allows it), and convolutions on [`conv2d_forward`], [`conv2d_input_grad`] and
-//!   the split [`conv2d_filter_grad`] + [`sum_rows`], their geometry compile-time constants.
+//! - [`gemm`]: matmuls on cubek's exact-f32 tiled kernels (the strategy bound per shape, TF32
+//!   only when the session allows it or the operands hold bf16 values).
+//! - [`conv`]: convolutions on [`conv2d_forward`], [`conv2d_input_grad`] and the split
+//!   [`conv2d_filter_grad`] + [`sum_rows`], their geometry compile-time constants.
 //! - [`ew`]: elementwise programs (fused nodes, epilogues over a head's output in place, ReLU
 //!   and its gradient) unrolled into one kernel each.
 //! - [`loss`]: softmax cross-entropy and its gradient, one launch each.
 //! - [`attention`]: multi-head self-attention over one projection's `qkv` and its gradient, a
 //!   unit per row and the scores never in memory (one launch forward, two backward).
 //! - [`pool`]: max pooling and its gradient on NCHW, without copies or a second forward.
-//! - [`sum_rows`]: a bias gradient (or a split filter gradient's slices), one unit per column.
+//! - [`sums`]: a bias gradient (or a split filter gradient's slices), one unit per column.
 //!
 //! The kernels are generic over cubecl runtimes: CUDA on an NVIDIA GPU (feature `cuda`), and
 //! wgpu (feature `wgpu`), which runs on Mesa's lavapipe CPU Vulkan driver in CI, where the
 //! tests check them against the CPU reference (the optimizer graphs run on burn-ndarray).
 
 pub mod attention;
+pub mod conv;
 pub mod ew;
+pub mod gemm;
 pub mod loss;
 pub mod pool;
+pub mod sums;
+
+use conv::filter_grad;
+pub use conv::{conv2d_filter_grad, conv2d_forward, conv2d_input_grad, ConvDims};
+use gemm::{cubek_matmul, split_matmul, NAIVE_MATMULS};
+pub use gemm::{matmul, naive_matmuls, tf32_fallbacks};
+use sums::column_sums;
+pub use sums::{sum_row_parts, sum_rows};
 
 use burn_backend::cubecl::dtype_to_storage_type;
 use burn_backend::{DType, Shape};
@@ -35,7 +46,6 @@ use cellgraph_compiler::expr::{Binary, Unary};
 use cellgraph_compiler::update::Target;
 use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeDim};
-use cubek::matmul::strategy::Strategy;
 use ew::{EStep, EVal, EwKernel};
 
 use crate::arena::Arena;
@@ -129,364 +139,6 @@ pub fn update_clear<F: Float>(p: &mut [F], acc: &mut [F], s0: &mut [F], s1: &mut
             }
         }
         acc[i] = F::new(0.0);
-    }
-}
-
-/// A convolution's geometry as its kernels' compile-time constants: one kernel per shape, so
-/// nothing is uploaded per call and the index arithmetic folds. `[pt, pl]`: top and left
-/// padding.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct ConvDims {
-    pub n: u32,
-    pub c: u32,
-    pub h: u32,
-    pub w: u32,
-    pub o: u32,
-    pub oh: u32,
-    pub ow: u32,
-    pub kh: u32,
-    pub kw: u32,
-    pub sh: u32,
-    pub sw: u32,
-    pub dh: u32,
-    pub dw: u32,
-    pub pt: u32,
-    pub pl: u32,
-    pub groups: u32,
-}
-
-impl ConvDims {
-    fn of(g: &crate::kernel::Geometry, groups: usize, out_channels: usize) -> ConvDims {
-        let u = |v: usize| v as u32;
-        ConvDims {
-            n: u(g.x[0]),
-            c: u(g.x[1]),
-            h: u(g.x[2]),
-            w: u(g.x[3]),
-            o: u(out_channels),
-            oh: u(g.out[0]),
-            ow: u(g.out[1]),
-            kh: u(g.kernel[0]),
-            kw: u(g.kernel[1]),
-            sh: u(g.stride[0]),
-            sw: u(g.stride[1]),
-            dh: u(g.dilation[0]),
-            dw: u(g.dilation[1]),
-            pt: u(g.pad[0]),
-            pl: u(g.pad[1]),
-            groups: u(groups),
-        }
-    }
-    /// `(kh, kw, sh, sw, dh, dw, pt, pl)`: the window's extents as indices, its stride,
-    /// dilation and top-left padding as signed offsets (what every window loop reads).
-    #[allow(clippy::type_complexity)]
-    pub(crate) fn window(&self) -> (usize, usize, i32, i32, i32, i32, i32, i32) {
-        let i = |v: u32| v as i32;
-        (self.kh as usize, self.kw as usize, i(self.sh), i(self.sw), i(self.dh), i(self.dw), i(self.pt), i(self.pl))
-    }
-    /// Elements of the filter (and of its gradient).
-    fn filter_len(&self) -> usize {
-        (self.o * (self.c / self.groups) * self.kh * self.kw) as usize
-    }
-    /// Output positions `n * oh * ow`: the filter gradient's inner extent.
-    fn positions(&self) -> usize {
-        (self.n * self.oh * self.ow) as usize
-    }
-}
-
-/// Direct convolution: one unit per output element `y[n, o, oh, ow]`, stored through the
-/// epilogue `post` (its operands after the first in `x1`..; [`EwKernel::identity`] for none).
-#[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments)]
-pub fn conv2d_forward<F: Float>(x: &[F], w: &[F], y: &mut [F], x1: &[F], x2: &[F], x3: &[F], #[comptime] g: ConvDims, #[comptime] post: EwKernel) {
-    let idx = ABSOLUTE_POS;
-    if idx < y.len() {
-        let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as i32, g.w as i32, g.o as usize, g.oh as usize, g.ow as usize));
-        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
-        let (cg, og) = comptime!(((g.c / g.groups) as usize, (g.o / g.groups) as usize));
-        let ox = idx % ow;
-        let oy = (idx / ow) % oh;
-        let co = (idx / (ow * oh)) % o;
-        let b = idx / (ow * oh * o);
-        let gi = co / og;
-        let mut acc = F::new(0.0);
-        for ci in 0..cg {
-            for ky in 0..kh {
-                let iy = oy as i32 * sh + ky as i32 * dh - pt;
-                if iy >= 0 && iy < h {
-                    for kx in 0..kw {
-                        let ix = ox as i32 * sw + kx as i32 * dw - pl;
-                        if ix >= 0 && ix < wi {
-                            let xv = x[((b * c + gi * cg + ci) * (h as usize) + iy as usize) * (wi as usize) + ix as usize];
-                            let wv = w[((co * cg + ci) * kh + ky) * kw + kx];
-                            acc += xv * wv;
-                        }
-                    }
-                }
-            }
-        }
-        y[idx] = ew::apply::<F>(acc, x1, x2, x3, idx, post);
-    }
-}
-
-/// Gradient w.r.t. the input: one unit per `dx[n, c, h, w]`.
-#[cube(launch_unchecked)]
-pub fn conv2d_input_grad<F: Float>(dy: &[F], w: &[F], dx: &mut [F], #[comptime] g: ConvDims) {
-    let idx = ABSOLUTE_POS;
-    if idx < dx.len() {
-        let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as usize, g.w as usize, g.o as usize, g.oh as i32, g.ow as i32));
-        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
-        let (cg, og) = comptime!(((g.c / g.groups) as usize, (g.o / g.groups) as usize));
-        let ix = idx % wi;
-        let iy = (idx / wi) % h;
-        let ci = (idx / (wi * h)) % c;
-        let b = idx / (wi * h * c);
-        let gi = ci / cg;
-        let cl = ci % cg;
-        let mut acc = F::new(0.0);
-        for q in 0..og {
-            let co = gi * og + q;
-            for ky in 0..kh {
-                let ty = iy as i32 + pt - ky as i32 * dh;
-                if ty >= 0 && ty % sh == 0 && ty / sh < oh {
-                    let oy = (ty / sh) as usize;
-                    for kx in 0..kw {
-                        let tx = ix as i32 + pl - kx as i32 * dw;
-                        if tx >= 0 && tx % sw == 0 && tx / sw < ow {
-                            let ox = (tx / sw) as usize;
-                            let gv = dy[((b * o + co) * (oh as usize) + oy) * (ow as usize) + ox];
-                            let wv = w[((co * cg + cl) * kh + ky) * kw + kx];
-                            acc += gv * wv;
-                        }
-                    }
-                }
-            }
-        }
-        dx[idx] = acc;
-    }
-}
-
-/// Gradient w.r.t. the filter, split over its inner extent (the `n * oh * ow` output
-/// positions): `part[s, e]` is filter element `e`'s sum over positions `s * per ..
-/// (s + 1) * per`. With one slice `part` is the gradient; otherwise [`sum_rows`] adds the
-/// slices in order (a fixed order: the same bits on every run).
-#[cube(launch_unchecked)]
-pub fn conv2d_filter_grad<F: Float>(x: &[F], dy: &[F], part: &mut [F], #[comptime] g: ConvDims, #[comptime] per: u32) {
-    let idx = ABSOLUTE_POS;
-    if idx < part.len() {
-        let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as i32, g.w as i32, g.o as usize, g.oh as usize, g.ow as usize));
-        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
-        let (cg, og, len, total, per) =
-            comptime!(((g.c / g.groups) as usize, (g.o / g.groups) as usize, g.filter_len(), g.positions(), per as usize));
-        let e = idx % len;
-        let s = idx / len;
-        let kx = e % kw;
-        let ky = (e / kw) % kh;
-        let cl = (e / (kw * kh)) % cg;
-        let co = e / (kw * kh * cg);
-        let ci = (co / og) * cg + cl;
-        let start = s * per;
-        let mut end = start + per;
-        if end > total {
-            end = total;
-        }
-        let mut acc = F::new(0.0);
-        for p in start..end {
-            let ox = p % ow;
-            let oy = (p / ow) % oh;
-            let b = p / (ow * oh);
-            let iy = oy as i32 * sh + ky as i32 * dh - pt;
-            let ix = ox as i32 * sw + kx as i32 * dw - pl;
-            if iy >= 0 && iy < h && ix >= 0 && ix < wi {
-                acc += x[((b * c + ci) * (h as usize) + iy as usize) * (wi as usize) + ix as usize] * dy[((b * o + co) * oh + oy) * ow + ox];
-            }
-        }
-        part[idx] = acc;
-    }
-}
-
-/// `y[j]` = the sum over the rows of a row-major `[rows, cols]` matrix of column `j`, added row
-/// after row onto zero (the host kernel's order): a bias gradient, or the slices of a split
-/// filter gradient (in slice order: the same bits on every run). `accumulate`: `y[j] += sum`
-/// instead (an accumulator's view, in `assign_add`'s order). `scale` (f32 bits): the sum times
-/// it (a `reduce_mean`).
-#[cube(launch_unchecked)]
-pub fn sum_rows<F: Float>(x: &[F], y: &mut [F], #[comptime] rows: u32, #[comptime] accumulate: bool, #[comptime] scale: Option<u32>) {
-    let j = ABSOLUTE_POS;
-    let cols = y.len();
-    if j < cols {
-        let mut acc = F::new(0.0);
-        for r in 0..comptime!(rows as usize) {
-            acc += x[r * cols + j];
-        }
-        if comptime!(scale.is_some()) {
-            acc *= F::new(comptime!(f32::from_bits(scale.unwrap_or(0))));
-        }
-        if comptime!(accumulate) {
-            y[j] += acc;
-        } else {
-            y[j] = acc;
-        }
-    }
-}
-
-/// Rows per part of [`sum_row_parts`], loaded [`PART_LANES`] at a time.
-const PART_ROWS: usize = 64;
-const PART_LANES: usize = 8;
-
-/// The column sums of consecutive parts of [`PART_ROWS`] rows of a row-major `[rows, cols]`
-/// matrix, part `s` into row `s` of `y` (`[parts, cols]`): a unit per `(part, column)`, its
-/// rows' loads issued [`PART_LANES`] at a time (a unit summing thousands of rows one load
-/// after another waits on each: a bias gradient over 8,192 rows took 230 us on an H200).
-#[cube(launch_unchecked)]
-pub fn sum_row_parts<F: Float>(x: &[F], y: &mut [F], #[comptime] rows: u32, #[comptime] cols: u32) {
-    let idx = ABSOLUTE_POS;
-    if idx < y.len() {
-        let (rows, cols) = comptime!((rows as usize, cols as usize));
-        let (s, j) = (idx / cols, idx % cols);
-        let mut lanes = Array::<F>::new(PART_LANES);
-        #[unroll]
-        for l in 0..PART_LANES {
-            lanes[l] = F::new(0.0);
-        }
-        let first = s * PART_ROWS;
-        for b in 0..comptime!(PART_ROWS / PART_LANES) {
-            #[unroll]
-            for l in 0..PART_LANES {
-                let r = first + b * PART_LANES + l;
-                if r < rows {
-                    lanes[l] += x[r * cols + j];
-                }
-            }
-        }
-        let mut acc = F::new(0.0);
-        #[unroll]
-        for l in 0..PART_LANES {
-            acc += lanes[l];
-        }
-        y[idx] = acc;
-    }
-}
-
-/// Slices of the filter gradient's inner extent and positions per slice: about 64K units in
-/// all, each summing at least 32 positions.
-fn filter_grad_split(g: &ConvDims) -> (usize, usize) {
-    let (len, total) = (g.filter_len().max(1), g.positions().max(1));
-    let slices = (65_536usize.div_ceil(len)).min(total.div_ceil(32)).max(1);
-    let per = total.div_ceil(slices);
-    (total.div_ceil(per), per)
-}
-
-/// cubek's exact-f32 kernel for a bound matmul's tiling.
-fn exact_strategy(tiling: Tiling) -> Strategy {
-    use cubek::matmul::multi_level::Strategy as Level;
-    Strategy::MultiLevel(match tiling {
-        Tiling::Simple => Level::SimpleUnit(Default::default()),
-        Tiling::Double => Level::DoubleUnit(Default::default()),
-    })
-}
-
-/// cubek's tensor-core kernel (CMMA), which rounds f32 operands to TF32: the `tf32` opt-in.
-fn tf32_strategy() -> Strategy {
-    Strategy::MultiLevel(cubek::matmul::multi_level::Strategy::SimpleCyclicCmma(Default::default()))
-}
-
-/// `y = op(a) @ op(b)` on cubek's kernel for `tiling` (with `tf32`, first its tensor-core
-/// kernel, which rounds f32 operands to TF32, where the device has one); `a` and `b`
-/// contiguous, row-major as stored (`k x m` when `ta`), `y` `m x n`; `batch` such products
-/// one after another in each buffer (attention's). False when cubek cannot set a kernel up
-/// on this device.
-#[allow(clippy::too_many_arguments)]
-fn cubek_matmul<R: CubeRuntime>(
-    a: &CubeTensor<R>,
-    b: &CubeTensor<R>,
-    y: &CubeTensor<R>,
-    batch: usize,
-    [m, k, n]: [usize; 3],
-    ta: bool,
-    tb: bool,
-    tiling: Tiling,
-    tf32: bool,
-) -> bool {
-    use burn_backend::DType;
-    use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
-    let dims = |rows: usize, cols: usize| if batch > 1 { vec![batch, rows, cols] } else { vec![rows, cols] };
-    // A transposed operand is its stored matrices with their strides swapped (no copy).
-    let operand = |t: &CubeTensor<R>, rows: usize, cols: usize, transposed: bool| {
-        let stored = if transposed { dims(cols, rows) } else { dims(rows, cols) };
-        let r = stored.len();
-        let mut v = CubeTensor::new_contiguous(t.client.clone(), t.device.clone(), Shape::from(stored), t.handle.clone(), DType::F32);
-        if transposed {
-            v.meta.swap(r - 2, r - 1);
-        }
-        cubek::std::InputBinding::new(v.binding(), dtype_to_storage_type(DType::F32))
-    };
-    let out = CubeTensor::new_contiguous(y.client.clone(), y.device.clone(), Shape::from(dims(m, n)), y.handle.clone(), DType::F32);
-    let f32s = dtype_to_storage_type(DType::F32);
-    let mut dtypes = MatmulElems::from_globals(&MatmulGlobalElems { lhs: f32s, rhs: f32s, out: f32s });
-    let launch = |strategy: &Strategy, dtypes: &mut MatmulElems| {
-        cubek::matmul::launch::launch_ref(strategy, &y.client, operand(a, m, k, ta), operand(b, k, n, tb), out.clone().binding(), dtypes).is_ok()
-    };
-    if tf32 {
-        // A shape whose tensor-core kernel did not set up on this runtime is not tried again.
-        let key = (std::any::TypeId::of::<R>(), batch, [m, k, n], ta, tb);
-        let refused = || NO_TF32.lock().unwrap_or_else(|e| e.into_inner()).contains(&key);
-        if !refused() && launch(&tf32_strategy(), &mut dtypes.clone()) {
-            return true;
-        }
-        NO_TF32.lock().unwrap_or_else(|e| e.into_inner()).insert(key);
-        TF32_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
-    launch(&exact_strategy(tiling), &mut dtypes)
-}
-
-/// The matmul shapes (per runtime, batch, `[m, k, n]`, transposes) whose tensor-core kernel did
-/// not set up: the exact kernel runs them without trying again.
-type Tf32Key = (std::any::TypeId, usize, [usize; 3], bool, bool);
-static NO_TF32: std::sync::Mutex<std::collections::BTreeSet<Tf32Key>> = std::sync::Mutex::new(std::collections::BTreeSet::new());
-
-/// Matmuls asked for tensor cores (TF32) that ran on cubek's exact-f32 kernel because its
-/// tensor-core kernel did not set up on the device (in this process).
-static TF32_FALLBACKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// How many matmuls asked for TF32 tensor cores ([`crate::Session::set_tf32`], or bf16 values'
-/// products, [`crate::Bf16Unit::Tf32TensorCores`]) ran in exact f32 instead in this process,
-/// because the device has no tensor-core kernel for them.
-pub fn tf32_fallbacks() -> u64 {
-    TF32_FALLBACKS.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// Matmuls that ran on [`matmul`] because cubek's kernel did not set up (in this process).
-static NAIVE_MATMULS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// How many matmuls fell back from cubek's tiled kernels to the one-unit-per-output kernel in
-/// this process (0 on wgpu and CUDA for every shape the tests run).
-pub fn naive_matmuls() -> u64 {
-    NAIVE_MATMULS.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// `c = op(a) @ op(b)` in exact f32, one unit per output element: where cubek's kernels do
-/// not set up on a device.
-#[cube(launch_unchecked)]
-pub fn matmul<F: Float>(a: &[F], b: &[F], c: &mut [F], #[comptime] mkn: [u32; 3], #[comptime] ta: bool, #[comptime] tb: bool) {
-    let idx = ABSOLUTE_POS;
-    if idx < c.len() {
-        let (mm, kk, nn) = comptime!((mkn[0] as usize, mkn[1] as usize, mkn[2] as usize));
-        let i = idx / nn;
-        let j = idx % nn;
-        let mut acc = F::new(0.0);
-        for p in 0..kk {
-            let mut ai = i * kk + p;
-            if ta {
-                ai = p * mm + i;
-            }
-            let mut bi = p * nn + j;
-            if tb {
-                bi = j * kk + p;
-            }
-            acc += a[ai] * b[bi];
-        }
-        c[idx] = acc;
     }
 }
 
@@ -602,112 +254,6 @@ pub fn launch_update<R: CubeRuntime>(
     let c = unsafe { BufferArg::from_raw_parts(c, consts.len().max(1)) };
     update_clear::launch::<f32, R>(client, count, dim, arr(p), arr(acc), arr(&s0), arr(&s1), c, scale, prog.clone());
     1
-}
-
-/// The filter gradient of `(dy, x)` into `y` (added into it with `accumulate`, in
-/// `assign_add`'s order): split over its output positions ([`filter_grad_split`]), the slices
-/// summed in order by [`sum_rows`]; one slice without accumulation is written straight to `y`.
-fn filter_grad<R: CubeRuntime>(dims: &ConvDims, dy: &CubeTensor<R>, x: &CubeTensor<R>, y: &CubeTensor<R>, accumulate: bool, arena: &mut Arena) {
-    let client = &y.client;
-    let numel = dims.filter_len();
-    let (slices, per) = filter_grad_split(dims);
-    let (count, dim) = grid(client, numel);
-    // SAFETY: as in `head_kernel`; `y` holds exactly the filter's elements.
-    unsafe {
-        if slices == 1 && !accumulate {
-            conv2d_filter_grad::launch_unchecked::<f32, R>(client, count, dim, arr(x), arr(dy), arr(y), *dims, per as u32);
-        } else {
-            // The slices in the arena's scratch buffer of their length (launches run in order,
-            // so the next user of the buffer writes it after the sum has read it).
-            let part = arena.take_scratch::<CubeTensor<R>>(slices * numel).unwrap_or_else(|| empty::<R>(client, &y.device, &[slices, numel]));
-            let (pc, pd) = grid(client, slices * numel);
-            conv2d_filter_grad::launch_unchecked::<f32, R>(client, pc, pd, arr(x), arr(dy), arr(&part), *dims, per as u32);
-            sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(&part), arr(y), slices as u32, accumulate, None);
-            arena.give_scratch(slices * numel, part);
-        }
-    }
-}
-
-/// `y = scale * column sums of x [rows, cols]` (or `y +=` with `accumulate`): one launch of
-/// [`sum_rows`] over a few rows; over many, their parts' sums ([`sum_row_parts`]) then the
-/// parts' sum, so that no unit walks thousands of rows.
-#[allow(clippy::too_many_arguments)]
-fn column_sums<R: CubeRuntime>(
-    x: &CubeTensor<R>,
-    y: &CubeTensor<R>,
-    rows: usize,
-    cols: usize,
-    scale: Option<f32>,
-    accumulate: bool,
-    arena: &mut Arena,
-) -> Option<()> {
-    let client = &y.client;
-    let (count, dim) = grid(client, cols);
-    let scale = scale.map(f32::to_bits);
-    let (rows32, cols32) = (u32::try_from(rows).ok()?, u32::try_from(cols).ok()?);
-    // SAFETY: a unit per element of its output (`cols`, or `parts * cols` of `part`), reading
-    // rows below `rows` (or `parts`) of `cols` elements.
-    unsafe {
-        if rows <= 4 * PART_ROWS {
-            sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(x), arr(y), rows32, accumulate, scale);
-        } else {
-            let parts = rows.div_ceil(PART_ROWS);
-            let len = parts * cols;
-            let part = arena.take_scratch::<CubeTensor<R>>(len).unwrap_or_else(|| empty::<R>(client, &y.device, &[parts, cols]));
-            let (pc, pd) = grid(client, len);
-            sum_row_parts::launch_unchecked::<f32, R>(client, pc, pd, arr(x), arr(&part), rows32, cols32);
-            sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(&part), arr(y), parts as u32, accumulate, scale);
-            arena.give_scratch(len, part);
-        }
-    }
-    Some(())
-}
-
-/// The parts a product `a^T b` of a long inner extent `k` is cut into (a weight gradient:
-/// `k` the batch's rows), when cutting pays: cubek's kernels spread a product over its
-/// outputs only, so a `128 x 128` output over `k = 8192` ran on a few hundred units, each
-/// walking all of `k` (1.5 ms on an H200). Parts of `k / parts >= 256` rows, a power of two
-/// dividing `k`, at most 64, and none when the output alone fills the device.
-fn split_parts(m: usize, k: usize, n: usize, ta: bool, tb: bool) -> Option<usize> {
-    // Only `a` stored `[k, m]` and `b` stored `[k, n]` make each part's operands consecutive
-    // rows (a batch of `[k / parts, m]` and `[k / parts, n]` matrices, no copy).
-    if !ta || tb || m * n > 512 * 512 || k < 1024 {
-        return None;
-    }
-    let parts = (k / 256).min(64);
-    let parts = (0..=parts.ilog2()).rev().map(|e| 1usize << e).find(|p| k.is_multiple_of(*p))?;
-    (parts > 1).then_some(parts)
-}
-
-/// `y = a^T b` (or `y += a^T b` with `accumulate`) for a long inner extent (see
-/// [`split_parts`]): the parts' products as one batched product into scratch, then their sum
-/// (in part order: the same bits on every run). False, having launched nothing, when the
-/// product is not cut or cubek's batched kernel does not set up.
-#[allow(clippy::too_many_arguments)]
-fn split_matmul<R: CubeRuntime>(
-    [m, k, n]: [usize; 3],
-    ta: bool,
-    tb: bool,
-    a: &CubeTensor<R>,
-    b: &CubeTensor<R>,
-    y: &CubeTensor<R>,
-    accumulate: bool,
-    tf32: bool,
-    arena: &mut Arena,
-) -> bool {
-    let Some(parts) = split_parts(m, k, n, ta, tb) else { return false };
-    let client = &y.client;
-    let len = parts * m * n;
-    let part = arena.take_scratch::<CubeTensor<R>>(len).unwrap_or_else(|| empty::<R>(client, &y.device, &[parts, m, n]));
-    let kc = k / parts;
-    let done = cubek_matmul(a, b, &part, parts, [m, kc, n], ta, tb, Tiling::for_extents(m, kc, n), tf32);
-    if done {
-        let (count, dim) = grid(client, m * n);
-        // SAFETY: one unit per element of `y` (`m * n`), reading `parts * m * n` of `part`.
-        unsafe { sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(&part), arr(y), parts as u32, accumulate, None) };
-    }
-    arena.give_scratch(len, part);
-    done
 }
 
 /// A two-operand head `(a, b)` (matmul, convolution, max pooling's gradient) into `y`

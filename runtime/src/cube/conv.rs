@@ -1,0 +1,225 @@
+//! Convolutions on the device: the direct forward with its epilogue, the input gradient, and
+//! the filter gradient split over its output positions, each with the geometry as
+//! compile-time constants ([`ConvDims`]).
+
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::prelude::*;
+
+use super::ew::{self, EwKernel};
+use super::sums::sum_rows;
+use super::{arr, empty, grid};
+use crate::arena::Arena;
+
+/// A convolution's geometry as its kernels' compile-time constants: one kernel per shape, so
+/// nothing is uploaded per call and the index arithmetic folds. `[pt, pl]`: top and left
+/// padding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConvDims {
+    pub n: u32,
+    pub c: u32,
+    pub h: u32,
+    pub w: u32,
+    pub o: u32,
+    pub oh: u32,
+    pub ow: u32,
+    pub kh: u32,
+    pub kw: u32,
+    pub sh: u32,
+    pub sw: u32,
+    pub dh: u32,
+    pub dw: u32,
+    pub pt: u32,
+    pub pl: u32,
+    pub groups: u32,
+}
+
+impl ConvDims {
+    pub(super) fn of(g: &crate::kernel::Geometry, groups: usize, out_channels: usize) -> ConvDims {
+        let u = |v: usize| v as u32;
+        ConvDims {
+            n: u(g.x[0]),
+            c: u(g.x[1]),
+            h: u(g.x[2]),
+            w: u(g.x[3]),
+            o: u(out_channels),
+            oh: u(g.out[0]),
+            ow: u(g.out[1]),
+            kh: u(g.kernel[0]),
+            kw: u(g.kernel[1]),
+            sh: u(g.stride[0]),
+            sw: u(g.stride[1]),
+            dh: u(g.dilation[0]),
+            dw: u(g.dilation[1]),
+            pt: u(g.pad[0]),
+            pl: u(g.pad[1]),
+            groups: u(groups),
+        }
+    }
+    /// `(kh, kw, sh, sw, dh, dw, pt, pl)`: the window's extents as indices, its stride,
+    /// dilation and top-left padding as signed offsets (what every window loop reads).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn window(&self) -> (usize, usize, i32, i32, i32, i32, i32, i32) {
+        let i = |v: u32| v as i32;
+        (self.kh as usize, self.kw as usize, i(self.sh), i(self.sw), i(self.dh), i(self.dw), i(self.pt), i(self.pl))
+    }
+    /// Elements of the filter (and of its gradient).
+    pub(super) fn filter_len(&self) -> usize {
+        (self.o * (self.c / self.groups) * self.kh * self.kw) as usize
+    }
+    /// Output positions `n * oh * ow`: the filter gradient's inner extent.
+    fn positions(&self) -> usize {
+        (self.n * self.oh * self.ow) as usize
+    }
+}
+
+/// Direct convolution: one unit per output element `y[n, o, oh, ow]`, stored through the
+/// epilogue `post` (its operands after the first in `x1`..; [`EwKernel::identity`] for none).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_forward<F: Float>(x: &[F], w: &[F], y: &mut [F], x1: &[F], x2: &[F], x3: &[F], #[comptime] g: ConvDims, #[comptime] post: EwKernel) {
+    let idx = ABSOLUTE_POS;
+    if idx < y.len() {
+        let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as i32, g.w as i32, g.o as usize, g.oh as usize, g.ow as usize));
+        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
+        let (cg, og) = comptime!(((g.c / g.groups) as usize, (g.o / g.groups) as usize));
+        let ox = idx % ow;
+        let oy = (idx / ow) % oh;
+        let co = (idx / (ow * oh)) % o;
+        let b = idx / (ow * oh * o);
+        let gi = co / og;
+        let mut acc = F::new(0.0);
+        for ci in 0..cg {
+            for ky in 0..kh {
+                let iy = oy as i32 * sh + ky as i32 * dh - pt;
+                if iy >= 0 && iy < h {
+                    for kx in 0..kw {
+                        let ix = ox as i32 * sw + kx as i32 * dw - pl;
+                        if ix >= 0 && ix < wi {
+                            let xv = x[((b * c + gi * cg + ci) * (h as usize) + iy as usize) * (wi as usize) + ix as usize];
+                            let wv = w[((co * cg + ci) * kh + ky) * kw + kx];
+                            acc += xv * wv;
+                        }
+                    }
+                }
+            }
+        }
+        y[idx] = ew::apply::<F>(acc, x1, x2, x3, idx, post);
+    }
+}
+
+/// Gradient w.r.t. the input: one unit per `dx[n, c, h, w]`.
+#[cube(launch_unchecked)]
+pub fn conv2d_input_grad<F: Float>(dy: &[F], w: &[F], dx: &mut [F], #[comptime] g: ConvDims) {
+    let idx = ABSOLUTE_POS;
+    if idx < dx.len() {
+        let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as usize, g.w as usize, g.o as usize, g.oh as i32, g.ow as i32));
+        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
+        let (cg, og) = comptime!(((g.c / g.groups) as usize, (g.o / g.groups) as usize));
+        let ix = idx % wi;
+        let iy = (idx / wi) % h;
+        let ci = (idx / (wi * h)) % c;
+        let b = idx / (wi * h * c);
+        let gi = ci / cg;
+        let cl = ci % cg;
+        let mut acc = F::new(0.0);
+        for q in 0..og {
+            let co = gi * og + q;
+            for ky in 0..kh {
+                let ty = iy as i32 + pt - ky as i32 * dh;
+                if ty >= 0 && ty % sh == 0 && ty / sh < oh {
+                    let oy = (ty / sh) as usize;
+                    for kx in 0..kw {
+                        let tx = ix as i32 + pl - kx as i32 * dw;
+                        if tx >= 0 && tx % sw == 0 && tx / sw < ow {
+                            let ox = (tx / sw) as usize;
+                            let gv = dy[((b * o + co) * (oh as usize) + oy) * (ow as usize) + ox];
+                            let wv = w[((co * cg + cl) * kh + ky) * kw + kx];
+                            acc += gv * wv;
+                        }
+                    }
+                }
+            }
+        }
+        dx[idx] = acc;
+    }
+}
+
+/// Gradient w.r.t. the filter, split over its inner extent (the `n * oh * ow` output
+/// positions): `part[s, e]` is filter element `e`'s sum over positions `s * per ..
+/// (s + 1) * per`. With one slice `part` is the gradient; otherwise [`sum_rows`] adds the
+/// slices in order (a fixed order: the same bits on every run).
+#[cube(launch_unchecked)]
+pub fn conv2d_filter_grad<F: Float>(x: &[F], dy: &[F], part: &mut [F], #[comptime] g: ConvDims, #[comptime] per: u32) {
+    let idx = ABSOLUTE_POS;
+    if idx < part.len() {
+        let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as i32, g.w as i32, g.o as usize, g.oh as usize, g.ow as usize));
+        let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
+        let (cg, og, len, total, per) =
+            comptime!(((g.c / g.groups) as usize, (g.o / g.groups) as usize, g.filter_len(), g.positions(), per as usize));
+        let e = idx % len;
+        let s = idx / len;
+        let kx = e % kw;
+        let ky = (e / kw) % kh;
+        let cl = (e / (kw * kh)) % cg;
+        let co = e / (kw * kh * cg);
+        let ci = (co / og) * cg + cl;
+        let start = s * per;
+        let mut end = start + per;
+        if end > total {
+            end = total;
+        }
+        let mut acc = F::new(0.0);
+        for p in start..end {
+            let ox = p % ow;
+            let oy = (p / ow) % oh;
+            let b = p / (ow * oh);
+            let iy = oy as i32 * sh + ky as i32 * dh - pt;
+            let ix = ox as i32 * sw + kx as i32 * dw - pl;
+            if iy >= 0 && iy < h && ix >= 0 && ix < wi {
+                acc += x[((b * c + ci) * (h as usize) + iy as usize) * (wi as usize) + ix as usize] * dy[((b * o + co) * oh + oy) * ow + ox];
+            }
+        }
+        part[idx] = acc;
+    }
+}
+
+/// Slices of the filter gradient's inner extent and positions per slice: about 64K units in
+/// all, each summing at least 32 positions.
+fn filter_grad_split(g: &ConvDims) -> (usize, usize) {
+    let (len, total) = (g.filter_len().max(1), g.positions().max(1));
+    let slices = (65_536usize.div_ceil(len)).min(total.div_ceil(32)).max(1);
+    let per = total.div_ceil(slices);
+    (total.div_ceil(per), per)
+}
+
+/// The filter gradient of `(dy, x)` into `y` (added into it with `accumulate`, in
+/// `assign_add`'s order): split over its output positions ([`filter_grad_split`]), the slices
+/// summed in order by [`sum_rows`]; one slice without accumulation is written straight to `y`.
+pub(super) fn filter_grad<R: CubeRuntime>(
+    dims: &ConvDims,
+    dy: &CubeTensor<R>,
+    x: &CubeTensor<R>,
+    y: &CubeTensor<R>,
+    accumulate: bool,
+    arena: &mut Arena,
+) {
+    let client = &y.client;
+    let numel = dims.filter_len();
+    let (slices, per) = filter_grad_split(dims);
+    let (count, dim) = grid(client, numel);
+    // SAFETY: as in `head_kernel`; `y` holds exactly the filter's elements.
+    unsafe {
+        if slices == 1 && !accumulate {
+            conv2d_filter_grad::launch_unchecked::<f32, R>(client, count, dim, arr(x), arr(dy), arr(y), *dims, per as u32);
+        } else {
+            // The slices in the arena's scratch buffer of their length (launches run in order,
+            // so the next user of the buffer writes it after the sum has read it).
+            let part = arena.take_scratch::<CubeTensor<R>>(slices * numel).unwrap_or_else(|| empty::<R>(client, &y.device, &[slices, numel]));
+            let (pc, pd) = grid(client, slices * numel);
+            conv2d_filter_grad::launch_unchecked::<f32, R>(client, pc, pd, arr(x), arr(dy), arr(&part), *dims, per as u32);
+            sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(&part), arr(y), slices as u32, accumulate, None);
+            arena.give_scratch(slices * numel, part);
+        }
+    }
+}

@@ -1,0 +1,107 @@
+//! Column sums on the device: bias gradients, batch-norm sums and the sums of split products'
+//! slices, in a fixed order (the same bits on every run).
+
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::prelude::*;
+
+use super::{arr, empty, grid};
+use crate::arena::Arena;
+
+/// `y[j]` = the sum over the rows of a row-major `[rows, cols]` matrix of column `j`, added row
+/// after row onto zero (the host kernel's order): a bias gradient, or the slices of a split
+/// filter gradient (in slice order: the same bits on every run). `accumulate`: `y[j] += sum`
+/// instead (an accumulator's view, in `assign_add`'s order). `scale` (f32 bits): the sum times
+/// it (a `reduce_mean`).
+#[cube(launch_unchecked)]
+pub fn sum_rows<F: Float>(x: &[F], y: &mut [F], #[comptime] rows: u32, #[comptime] accumulate: bool, #[comptime] scale: Option<u32>) {
+    let j = ABSOLUTE_POS;
+    let cols = y.len();
+    if j < cols {
+        let mut acc = F::new(0.0);
+        for r in 0..comptime!(rows as usize) {
+            acc += x[r * cols + j];
+        }
+        if comptime!(scale.is_some()) {
+            acc *= F::new(comptime!(f32::from_bits(scale.unwrap_or(0))));
+        }
+        if comptime!(accumulate) {
+            y[j] += acc;
+        } else {
+            y[j] = acc;
+        }
+    }
+}
+
+/// Rows per part of [`sum_row_parts`], loaded [`PART_LANES`] at a time.
+const PART_ROWS: usize = 64;
+const PART_LANES: usize = 8;
+
+/// The column sums of consecutive parts of [`PART_ROWS`] rows of a row-major `[rows, cols]`
+/// matrix, part `s` into row `s` of `y` (`[parts, cols]`): a unit per `(part, column)`, its
+/// rows' loads issued [`PART_LANES`] at a time (a unit summing thousands of rows one load
+/// after another waits on each: a bias gradient over 8,192 rows took 230 us on an H200).
+#[cube(launch_unchecked)]
+pub fn sum_row_parts<F: Float>(x: &[F], y: &mut [F], #[comptime] rows: u32, #[comptime] cols: u32) {
+    let idx = ABSOLUTE_POS;
+    if idx < y.len() {
+        let (rows, cols) = comptime!((rows as usize, cols as usize));
+        let (s, j) = (idx / cols, idx % cols);
+        let mut lanes = Array::<F>::new(PART_LANES);
+        #[unroll]
+        for l in 0..PART_LANES {
+            lanes[l] = F::new(0.0);
+        }
+        let first = s * PART_ROWS;
+        for b in 0..comptime!(PART_ROWS / PART_LANES) {
+            #[unroll]
+            for l in 0..PART_LANES {
+                let r = first + b * PART_LANES + l;
+                if r < rows {
+                    lanes[l] += x[r * cols + j];
+                }
+            }
+        }
+        let mut acc = F::new(0.0);
+        #[unroll]
+        for l in 0..PART_LANES {
+            acc += lanes[l];
+        }
+        y[idx] = acc;
+    }
+}
+
+/// `y = scale * column sums of x [rows, cols]` (or `y +=` with `accumulate`): one launch of
+/// [`sum_rows`] over a few rows; over many, their parts' sums ([`sum_row_parts`]) then the
+/// parts' sum, so that no unit walks thousands of rows.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn column_sums<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    y: &CubeTensor<R>,
+    rows: usize,
+    cols: usize,
+    scale: Option<f32>,
+    accumulate: bool,
+    arena: &mut Arena,
+) -> Option<()> {
+    let client = &y.client;
+    let (count, dim) = grid(client, cols);
+    let scale = scale.map(f32::to_bits);
+    let (rows32, cols32) = (u32::try_from(rows).ok()?, u32::try_from(cols).ok()?);
+    // SAFETY: a unit per element of its output (`cols`, or `parts * cols` of `part`), reading
+    // rows below `rows` (or `parts`) of `cols` elements.
+    unsafe {
+        if rows <= 4 * PART_ROWS {
+            sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(x), arr(y), rows32, accumulate, scale);
+        } else {
+            let parts = rows.div_ceil(PART_ROWS);
+            let len = parts * cols;
+            let part = arena.take_scratch::<CubeTensor<R>>(len).unwrap_or_else(|| empty::<R>(client, &y.device, &[parts, cols]));
+            let (pc, pd) = grid(client, len);
+            sum_row_parts::launch_unchecked::<f32, R>(client, pc, pd, arr(x), arr(&part), rows32, cols32);
+            sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(&part), arr(y), parts as u32, accumulate, scale);
+            arena.give_scratch(len, part);
+        }
+    }
+    Some(())
+}
