@@ -282,7 +282,16 @@ fn with_loss(net: Net, vocab: usize) -> Res<WithLossCell> {
         Net::Mlp => WithLossCell::new(Network::new(&Scope::root()), CrossEntropyLoss::new()),
         Net::Resnet18 => WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()),
         Net::Gpt => {
-            let config = GptConfig { vocab_size: vocab, context: GPT_CONTEXT, layers: 4, heads: 4, width: 128, layer_norm_eps: 1e-5, dropout: 0.0 };
+            let config = GptConfig {
+                vocab_size: vocab,
+                context: GPT_CONTEXT,
+                layers: 4,
+                heads: 4,
+                width: 128,
+                layer_norm_eps: 1e-5,
+                dropout: 0.0,
+                gelu_approximate: false,
+            };
             WithLossCell::new(GPT::new(&Scope::root(), config)?, CrossEntropyLoss::new().ignore_index(IGNORE_INDEX as i64).tokens())
         }
     })

@@ -303,8 +303,8 @@ impl Cell for CausalSelfAttention {
     }
 }
 
-/// GPT's feed-forward part: `c_fc` (`C -> 4C`), GELU (the exact form, as PyTorch's default),
-/// `c_proj` (`4C -> C`).
+/// GPT's feed-forward part: `c_fc` (`C -> 4C`), GELU (the exact form, as PyTorch's default;
+/// GPT-2's tanh form through [`Block::gelu`]), `c_proj` (`4C -> C`).
 pub struct Mlp {
     path: String,
     c_fc: Dense,
@@ -366,6 +366,14 @@ impl Block {
             ln_2: LayerNorm::new(&s.child("ln_2"), width).epsilon(eps),
             mlp: Mlp::new(&s.child("mlp"), width, proj, dropout),
         })
+    }
+}
+
+impl Block {
+    /// The MLP's GELU in its tanh form (`approximate`) or the exact erf form (the default).
+    pub fn gelu(mut self, approximate: bool) -> Self {
+        self.mlp.gelu = GELU::new(approximate);
+        self
     }
 }
 

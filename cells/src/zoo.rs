@@ -267,12 +267,15 @@ pub struct GptConfig {
     /// Dropout after the embeddings, on the attention probabilities and after each residual
     /// branch (nanoGPT's places); 0 for none.
     pub dropout: f64,
+    /// The MLP's GELU in its tanh form (GPT-2's `gelu_new`, what Hugging Face checkpoints
+    /// were trained with) rather than the exact erf form (nanoGPT's, PyTorch's default).
+    pub gelu_approximate: bool,
 }
 
 impl GptConfig {
     /// The small character model: 4 layers, 4 heads, width 128, context 128.
     pub fn small(vocab_size: usize) -> Self {
-        GptConfig { vocab_size, context: 128, layers: 4, heads: 4, width: 128, layer_norm_eps: 1e-5, dropout: 0.0 }
+        GptConfig { vocab_size, context: 128, layers: 4, heads: 4, width: 128, layer_norm_eps: 1e-5, dropout: 0.0, gelu_approximate: false }
     }
 }
 
@@ -299,7 +302,10 @@ impl GPT {
             wpe: Embedding::new(&s.child("wpe"), c.context, c.width).embedding_init(Initializer::normal(0.02)),
             drop: Dropout::new(&s.child("drop"), c.dropout),
             h: (0..c.layers)
-                .map(|i| Block::new(&s.child("h").child(&i.to_string()), c.width, c.heads, c.layers, c.layer_norm_eps, c.dropout))
+                .map(|i| {
+                    Block::new(&s.child("h").child(&i.to_string()), c.width, c.heads, c.layers, c.layer_norm_eps, c.dropout)
+                        .map(|b| b.gelu(c.gelu_approximate))
+                })
                 .collect::<Result<_>>()?,
             ln_f: LayerNorm::new(&s.child("ln_f"), c.width).epsilon(c.layer_norm_eps),
             config,

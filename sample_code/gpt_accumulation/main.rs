@@ -165,6 +165,7 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
         width: args.width,
         layer_norm_eps: 1e-5,
         dropout: args.dropout,
+        gelu_approximate: false,
     };
     let gpt = GPT::new(&Scope::root(), config)?;
     let loss = CrossEntropyLoss::new().ignore_index(IGNORE_INDEX as i64).tokens();

@@ -21,7 +21,11 @@ const VOCAB: usize = 11;
 const T: usize = 6;
 
 fn gpt() -> GPT {
-    GPT::new(&Scope::root(), GptConfig { vocab_size: VOCAB, context: T, layers: 1, heads: 2, width: 8, layer_norm_eps: 1e-5, dropout: 0.0 }).unwrap()
+    GPT::new(
+        &Scope::root(),
+        GptConfig { vocab_size: VOCAB, context: T, layers: 1, heads: 2, width: 8, layer_norm_eps: 1e-5, dropout: 0.0, gelu_approximate: false },
+    )
+    .unwrap()
 }
 
 /// The GPT under token-summed cross-entropy.
@@ -254,7 +258,7 @@ fn corrupt_text_is_an_error_at_its_offset() {
 
 /// A GPT with dropout 0.3 everywhere nanoGPT puts it.
 pub(crate) fn dropped() -> WithLossCell {
-    let cfg = GptConfig { vocab_size: VOCAB, context: T, layers: 1, heads: 2, width: 8, layer_norm_eps: 1e-5, dropout: 0.3 };
+    let cfg = GptConfig { vocab_size: VOCAB, context: T, layers: 1, heads: 2, width: 8, layer_norm_eps: 1e-5, dropout: 0.3, gelu_approximate: false };
     WithLossCell::new(GPT::new(&Scope::root(), cfg).unwrap(), CrossEntropyLoss::new().ignore_index(IGNORE_INDEX as i64).tokens())
 }
 

@@ -454,7 +454,7 @@ fn network_check_on(net: &dyn Cell, named: &[(&str, HostTensor)], seed: u64, t: 
 /// ignored (padding) labels, and the tanh GELU alone.
 #[test]
 fn gpt_gradients_match_finite_differences() {
-    let cfg = GptConfig { vocab_size: 7, context: 5, layers: 2, heads: 2, width: 8, layer_norm_eps: 1e-5, dropout: 0.0 };
+    let cfg = GptConfig { vocab_size: 7, context: 5, layers: 2, heads: 2, width: 8, layer_norm_eps: 1e-5, dropout: 0.0, gelu_approximate: false };
     let net = WithLossCell::new(GPT::new(&Scope::root(), cfg).unwrap(), CrossEntropyLoss::new().ignore_index(-100).tokens());
     let ids = HostTensor::i32(vec![2, 4], vec![1, 5, 5, 0, 6, 2, 3, 3]).unwrap();
     let labels = HostTensor::i32(vec![2, 4], vec![5, 5, 0, -100, 2, 3, 3, 4]).unwrap();

@@ -411,7 +411,8 @@ pub(crate) fn trained_adamw_on<B: cellgraph::runtime::Backend>(
 pub(crate) fn bf16_gpt_case(rng: &mut StdRng) -> (fn() -> WithLossCell, Vec<Vec<HostTensor>>) {
     let (vocab, t) = (40usize, 24);
     fn gpt() -> WithLossCell {
-        let config = GptConfig { vocab_size: 40, context: 24, layers: 2, heads: 2, width: 48, layer_norm_eps: 1e-5, dropout: 0.0 };
+        let config =
+            GptConfig { vocab_size: 40, context: 24, layers: 2, heads: 2, width: 48, layer_norm_eps: 1e-5, dropout: 0.0, gelu_approximate: false };
         WithLossCell::new(GPT::new(&Scope::root(), config).unwrap(), CrossEntropyLoss::new())
     }
     let text: Vec<Vec<HostTensor>> = (0..20)
