@@ -22,6 +22,7 @@ pub mod data;
 pub mod device;
 pub mod error;
 pub mod exec;
+pub mod hf;
 pub mod host;
 pub mod kernel;
 #[cfg(feature = "cube")]

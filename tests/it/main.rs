@@ -12,6 +12,7 @@ mod device;
 mod dumps;
 mod gpt;
 mod gradcheck;
+mod hf;
 mod ir;
 mod mnist;
 mod model;

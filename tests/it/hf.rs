@@ -1,0 +1,191 @@
+//! Hugging Face GPT-2 directories: the vendored tiny GPT-2 (`tests/assets/tiny-gpt2`, made by
+//! `scripts/make_tiny_gpt2.py` with `transformers`) loads into cellgraph's GPT and gives
+//! `transformers`' logits and loss (its `reference.json`), its tokenizer gives `tokenizers`'
+//! ids, what cellgraph saves loads back unchanged, and bad directories are clear errors.
+
+use std::path::{Path, PathBuf};
+
+use cellgraph::prelude::*;
+use cellgraph::runtime::hf::{self, LoadOptions, Tokenizer};
+use serde_json::Value as Json;
+
+const TINY: &str = "tests/assets/tiny-gpt2";
+
+fn reference() -> Json {
+    serde_json::from_str(&std::fs::read_to_string(Path::new(TINY).join("reference.json")).unwrap()).unwrap()
+}
+
+fn ids(j: &Json) -> Vec<i32> {
+    j.as_array().unwrap().iter().map(|v| v.as_i64().unwrap() as i32).collect()
+}
+
+/// `cell` traced for inference on `inputs`, run on a session holding `params`.
+fn run(cell: &dyn Cell, params: &cellgraph::runtime::checkpoint::Tensors, inputs: &[(&str, HostTensor)]) -> Vec<f64> {
+    let types: Vec<(&str, TensorType)> = inputs.iter().map(|(n, t)| (*n, t.ty())).collect();
+    let (g, _) = cellgraph::cells::cell::trace_inference(cell, "hf", &types).unwrap();
+    let exe = compile(g).unwrap();
+    let mut s = Session::<Cpu>::new(cpu());
+    for (name, t) in params {
+        s.set_param(name, t);
+    }
+    let values: Vec<HostTensor> = inputs.iter().map(|(_, t)| t.clone()).collect();
+    s.run(&exe, &values).unwrap().remove(0).to_f64()
+}
+
+/// Loaded into cellgraph, the tiny GPT-2's logits at three positions of a 64-token sequence and
+/// its mean loss over the 63 next-token predictions equal `transformers`' (float32, eval
+/// mode) within 1e-5, relative to the largest logit and to the loss.
+#[test]
+fn the_tiny_gpt2_gives_transformers_logits_and_loss() {
+    let r = reference();
+    let m = hf::load(Path::new(TINY), &LoadOptions { dropout: Some(0.0), ..Default::default() }).unwrap();
+    assert!(m.report.is_clean() && m.config.gelu_approximate, "{:?}", m.config);
+    assert_eq!((m.config.layers, m.config.heads, m.config.width, m.config.context, m.config.vocab_size), (2, 4, 64, 128, 1000));
+    let seq = ids(&r["sequence"]["ids"]);
+    assert_eq!(seq.len(), 64);
+    let gpt = GPT::new(&Scope::root(), m.config).unwrap();
+    let logits = run(&gpt, &m.params, &[("ids", HostTensor::i32(vec![1, 64], seq.clone()).unwrap())]);
+    let v = m.config.vocab_size;
+    let positions = r["sequence"]["logits_positions"].as_array().unwrap();
+    let mut worst = 0.0f64;
+    for (row, p) in r["sequence"]["logits"].as_array().unwrap().iter().zip(positions) {
+        let p = p.as_u64().unwrap() as usize;
+        let want: Vec<f64> = row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        let scale = want.iter().fold(0.0f64, |a, x| a.max(x.abs()));
+        for (got, want) in logits[p * v..(p + 1) * v].iter().zip(&want) {
+            worst = worst.max((got - want).abs() / scale);
+        }
+    }
+    eprintln!("logits: at most {worst:e} of the largest from transformers'");
+    assert!(worst <= 1e-5, "logits differ from transformers' by {worst:e} of the largest");
+    let with_loss = WithLossCell::new(GPT::new(&Scope::root(), m.config).unwrap(), CrossEntropyLoss::new());
+    let loss = run(
+        &with_loss,
+        &m.params,
+        &[("ids", HostTensor::i32(vec![1, 63], seq[..63].to_vec()).unwrap()), ("labels", HostTensor::i32(vec![1, 63], seq[1..].to_vec()).unwrap())],
+    )[0];
+    let want = r["sequence"]["loss"].as_f64().unwrap();
+    eprintln!("loss {loss} against transformers' {want}");
+    assert!((loss - want).abs() <= 1e-5 * want, "loss {loss} vs transformers' {want}");
+}
+
+/// The tokenizer gives `tokenizers`' ids on the reference text and on whitespace and
+/// non-ASCII strings, and decodes them back to the text.
+#[test]
+fn the_tokenizer_gives_the_python_tokenizers_ids() {
+    let r = reference();
+    let tok = Tokenizer::from_dir(Path::new(TINY)).unwrap();
+    assert_eq!(tok.vocab_size(), 1000);
+    assert_eq!(tok.token_id("<|endoftext|>"), Some(0));
+    let mut cases = vec![(r["text"].as_str().unwrap().to_string(), ids(&r["ids"]))];
+    for s in r["strings"].as_array().unwrap() {
+        cases.push((s["text"].as_str().unwrap().to_string(), ids(&s["ids"])));
+    }
+    assert!(cases.len() >= 3);
+    for (text, want) in cases {
+        let got = tok.encode(&text).unwrap();
+        assert_eq!(got.iter().map(|&i| i as i32).collect::<Vec<_>>(), want, "{text:?}");
+        assert_eq!(tok.decode(&got).unwrap(), text);
+    }
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("cellgraph-hf-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// What cellgraph saves is a model directory of the same format: loaded back, every parameter
+/// has the same bits, the config the same shape and keys, and the tokenizer files are there.
+#[test]
+fn a_saved_model_loads_back_bit_for_bit() {
+    let m = hf::load(Path::new(TINY), &LoadOptions::default()).unwrap();
+    // Kept after the test (`target/tmp/hf-saved-tiny-gpt2`): `benches/hf_gpt2_check.py` loads
+    // it with transformers.
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hf-saved-tiny-gpt2");
+    let _ = std::fs::remove_dir_all(&out);
+    hf::save(&out, &m.config, &m.hf_config, &m.params, Some(&m.dir)).unwrap();
+    let back = hf::load(&out, &LoadOptions::default()).unwrap();
+    assert_eq!(back.config, m.config);
+    assert_eq!(back.params.keys().collect::<Vec<_>>(), m.params.keys().collect::<Vec<_>>());
+    for (name, t) in &m.params {
+        assert_eq!(
+            back.params[name].to_f32().iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            t.to_f32().iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "{name}"
+        );
+    }
+    for key in m.hf_config.keys() {
+        assert!(back.hf_config.contains_key(key), "config.json lost `{key}`");
+    }
+    for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"] {
+        assert_eq!(std::fs::read(out.join(f)).unwrap(), std::fs::read(Path::new(TINY).join(f)).unwrap(), "{f}");
+    }
+    // The same tensor names as transformers wrote (the head tied, stored once).
+    let names = |dir: &Path| {
+        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let mut v: Vec<String> = safetensors::SafeTensors::deserialize(&bytes).unwrap().names().into_iter().map(String::from).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(&out), names(Path::new(TINY)));
+}
+
+/// Bad directories and configs that do not fit the weights are errors naming the file, the
+/// key or each tensor, with what to do; non-strict loading reports instead.
+#[test]
+fn bad_model_directories_are_clear_errors() {
+    let err = |dir: &Path, opts: &LoadOptions| hf::load(dir, opts).map(|_| ()).unwrap_err().to_string();
+    let e = err(Path::new("tests/assets/no-such-model"), &LoadOptions::default());
+    assert!(e.contains("no-such-model") && e.contains("is not a directory"), "{e}");
+    let dir = scratch("bad");
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(Path::new(TINY).join(f), dir.join(f)).unwrap();
+    }
+    let config: Json = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let write = |edit: &dyn Fn(&mut serde_json::Map<String, Json>)| {
+        let mut c = config.as_object().unwrap().clone();
+        edit(&mut c);
+        std::fs::write(dir.join("config.json"), serde_json::to_string(&c).unwrap()).unwrap();
+    };
+    // A config of another width: every tensor of the wrong shape is named.
+    write(&|c| {
+        c.insert("n_embd".into(), Json::from(32));
+    });
+    let e = err(&dir, &LoadOptions::default());
+    assert!(e.contains("does not match its config.json") && e.contains("wte.weight is [1000, 64], the config gives [1000, 32]"), "{e}");
+    let loose = hf::load(&dir, &LoadOptions { strict: false, ..Default::default() }).unwrap();
+    assert!(loose.report.missing.is_empty() && !loose.report.mismatched.is_empty() && loose.params.is_empty(), "{}", loose.report);
+    // More layers than the file has: the missing ones are named.
+    write(&|c| {
+        c.insert("n_layer".into(), Json::from(3));
+    });
+    let e = err(&dir, &LoadOptions::default());
+    assert!(e.contains("missing h.2.ln_1.gamma"), "{e}");
+    // Settings cellgraph's GPT does not have, named by key.
+    write(&|c| {
+        c.insert("model_type".into(), Json::from("llama"));
+    });
+    assert!(err(&dir, &LoadOptions::default()).contains("model_type is Some(\"llama\")"));
+    write(&|c| {
+        c.insert("attn_pdrop".into(), Json::from(0.0));
+    });
+    let e = err(&dir, &LoadOptions::default());
+    assert!(e.contains("attn_pdrop 0") && e.contains("--dropout"), "{e}");
+    assert!(hf::load(&dir, &LoadOptions { dropout: Some(0.0), ..Default::default() }).is_ok());
+    write(&|c| {
+        c.insert("n_inner".into(), Json::from(100));
+    });
+    assert!(err(&dir, &LoadOptions::default()).contains("n_inner is 100"));
+    // Weights missing, or not safetensors.
+    write(&|_| {});
+    std::fs::write(dir.join("model.safetensors"), b"not a safetensors file").unwrap();
+    assert!(err(&dir, &LoadOptions::default()).contains("not a safetensors file"));
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    assert!(err(&dir, &LoadOptions::default()).contains("model.safetensors: is missing"));
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    let e = Tokenizer::from_dir(&dir).map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("tokenizer.json: is missing"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
