@@ -10,7 +10,7 @@ pub mod text;
 pub use cifar::{Cifar10, Cifar10Dataset};
 pub use dataset::{create_dataset, create_eval_dataset, lenet_transform, Batch, ImageOp, MnistDataset, Sampling};
 pub use mnist::{read_idx, Idx, Mnist};
-pub use text::{CharDataset, Corpus, Items, IGNORE_INDEX};
+pub use text::{read_gzip_or_plain, CharDataset, Corpus, Items, TokenDataset, IGNORE_INDEX};
 
 use cellgraph_compiler::HostTensor;
 

@@ -1,8 +1,9 @@
-//! Character-level language-modelling data: a plain-text corpus (the vendored Shakespeare,
+//! Language-modelling data: a plain-text corpus (the vendored Shakespeare,
 //! `data/shakespeare/shakespeare.txt.gz`), its character vocabulary, a held-out split, and
-//! datasets of token ids with next-character labels.
+//! datasets of token ids with next-token labels ([`TokenDataset`]), of a corpus's characters
+//! ([`CharDataset`]) or of a tokenizer's ids (GPT-2 fine-tuning).
 //!
-//! Two kinds of items ([`CharDataset`]):
+//! Two kinds of items:
 //! - fixed-length windows (nanoGPT's): `context + 1` consecutive characters, ids the first
 //!   `context`, labels the last `context`; windows start every `context` characters, so one
 //!   epoch reads the text once;
@@ -36,20 +37,23 @@ fn data_err(path: &Path, offset: u64, detail: String) -> RuntimeError {
     RuntimeError::Data { path: path.display().to_string(), offset, detail }
 }
 
+/// A file's bytes, decompressed when it is gzip (its magic bytes), else as they are.
+pub fn read_gzip_or_plain(path: &Path) -> Result<Vec<u8>> {
+    let raw = std::fs::read(path).map_err(|source| RuntimeError::Io { path: path.display().to_string(), source })?;
+    if !raw.starts_with(&[0x1f, 0x8b]) {
+        return Ok(raw);
+    }
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(&raw[..])
+        .read_to_end(&mut out)
+        .map_err(|e| data_err(path, 0, format!("corrupt gzip stream ({e}); copy the file again")))?;
+    Ok(out)
+}
+
 impl Corpus {
     /// Reads a text file, gzip-compressed or plain.
     pub fn load(path: &Path) -> Result<Corpus> {
-        let raw = std::fs::read(path).map_err(|source| RuntimeError::Io { path: path.display().to_string(), source })?;
-        let bytes = if raw.starts_with(&[0x1f, 0x8b]) {
-            let mut out = Vec::new();
-            flate2::read::GzDecoder::new(&raw[..])
-                .read_to_end(&mut out)
-                .map_err(|e| data_err(path, 0, format!("corrupt gzip stream ({e}); copy the file again")))?;
-            out
-        } else {
-            raw
-        };
-        Corpus::parse(path, bytes)
+        Corpus::parse(path, read_gzip_or_plain(path)?)
     }
 
     /// A corpus from text bytes (`path` names it in errors): printable ASCII, tabs and
@@ -121,46 +125,99 @@ pub enum Items {
     Lines,
 }
 
-/// Token ids `[n, T]` and next-character labels `[n, T]` (both i32) from part of a corpus.
+/// Token ids `[n, T]` and next-token labels `[n, T]` (both i32) from a sequence of token ids:
+/// a character corpus's ([`CharDataset`], [`TokenDataset::new`]) or a tokenizer's
+/// ([`TokenDataset::windows`], [`TokenDataset::lines`]).
 #[derive(Clone, Debug)]
-pub struct CharDataset {
-    corpus: Arc<Corpus>,
-    /// `(start, length)` of each item in the text, ids and labels together.
+pub struct TokenDataset {
+    /// The token ids the items read.
+    tokens: Arc<[i32]>,
+    /// `(start, length)` of each item in `tokens`, ids and labels together.
     items: Vec<(usize, usize)>,
     kind: Items,
     context: usize,
     part: String,
+    /// What a token is, in messages (`characters`, `tokens`).
+    unit: &'static str,
     sampling: Sampling,
     /// At most this many batches per epoch.
     limit: Option<usize>,
 }
 
-impl CharDataset {
-    /// The items of `kind` in `range` of the corpus, for a model of `context` positions;
-    /// `part` names them in messages (`Shakespeare train`).
+/// A character corpus's dataset: the [`TokenDataset`] of its characters' ids.
+pub type CharDataset = TokenDataset;
+
+fn check_context(context: usize) -> Result<()> {
+    if context == 0 {
+        return Err(RuntimeError::Invalid { what: "context".into(), detail: "must be at least 1 token".into() });
+    }
+    Ok(())
+}
+
+/// Windows of `context + 1` tokens of a sequence of `len`, one every `context`.
+fn windows_of(len: usize, context: usize) -> Vec<(usize, usize)> {
+    (0..len.saturating_sub(context + 1) / context + usize::from(len > context)).map(|i| (i * context, context + 1)).collect()
+}
+
+impl TokenDataset {
+    /// The items of `kind` in `range` of a character corpus, for a model of `context`
+    /// positions; `part` names them in messages (`Shakespeare train`).
     pub fn new(corpus: Arc<Corpus>, range: Range<usize>, kind: Items, context: usize, part: &str) -> Result<Self> {
-        if context == 0 {
-            return Err(RuntimeError::Invalid { what: "context".into(), detail: "must be at least 1 token".into() });
-        }
+        check_context(context)?;
         let text = &corpus.text[range.clone()];
+        let tokens: Arc<[i32]> = text.iter().map(|&b| corpus.ids[b as usize]).collect();
         let items: Vec<(usize, usize)> = match kind {
-            Items::Windows => (0..text.len().saturating_sub(context + 1) / context + usize::from(text.len() > context))
-                .map(|i| (range.start + i * context, context + 1))
-                .collect(),
+            Items::Windows => windows_of(text.len(), context),
             Items::Lines => {
                 let mut v = Vec::new();
                 let mut start = 0;
                 for line in text.split_inclusive(|&b| b == b'\n') {
                     if line.len() >= 3 {
                         // The line with its newline: the model learns to end lines.
-                        v.push((range.start + start, line.len().min(context + 1)));
+                        v.push((start, line.len().min(context + 1)));
                     }
                     start += line.len();
                 }
                 v
             }
         };
-        Ok(CharDataset { corpus, items, kind, context, part: part.into(), sampling: Sampling::default(), limit: None })
+        Ok(TokenDataset { tokens, items, kind, context, part: part.into(), unit: "characters", sampling: Sampling::default(), limit: None })
+    }
+    /// Windows of `context + 1` consecutive tokens of `tokens` (a tokenized text), one every
+    /// `context`: GPT-2 fine-tuning's blocks.
+    pub fn windows(tokens: Vec<i32>, context: usize, part: &str) -> Result<Self> {
+        check_context(context)?;
+        let items = windows_of(tokens.len(), context);
+        Ok(TokenDataset {
+            tokens: tokens.into(),
+            items,
+            kind: Items::Windows,
+            context,
+            part: part.into(),
+            unit: "tokens",
+            sampling: Sampling::default(),
+            limit: None,
+        })
+    }
+    /// One item per line of at least two tokens (each line tokenized on its own), cut to
+    /// `context + 1` and padded per batch, padding labelled [`IGNORE_INDEX`].
+    pub fn lines(lines: Vec<Vec<i32>>, context: usize, part: &str) -> Result<Self> {
+        check_context(context)?;
+        let (mut tokens, mut items) = (Vec::new(), Vec::new());
+        for line in lines.into_iter().filter(|l| l.len() >= 2) {
+            items.push((tokens.len(), line.len().min(context + 1)));
+            tokens.extend(line);
+        }
+        Ok(TokenDataset {
+            tokens: tokens.into(),
+            items,
+            kind: Items::Lines,
+            context,
+            part: part.into(),
+            unit: "tokens",
+            sampling: Sampling::default(),
+            limit: None,
+        })
     }
     super::dataset::sampling_builders!();
     /// Ends each epoch after `n` batches (the first of its shuffled order): a corpus too long
@@ -177,18 +234,14 @@ impl CharDataset {
     pub fn is_empty(&self) -> bool {
         self.items.is_empty()
     }
-    /// The corpus.
-    pub fn corpus(&self) -> &Arc<Corpus> {
-        &self.corpus
-    }
     /// An error unless an epoch has a batch.
     pub fn check_batches(&self) -> Result<()> {
         self.sampling.check_batches(self.items.len(), || self.describe_items())
     }
     fn describe_items(&self) -> String {
         let kind = match self.kind {
-            Items::Windows => format!("windows of {} characters", self.context + 1),
-            Items::Lines => format!("lines of up to {} characters", self.context + 1),
+            Items::Windows => format!("windows of {} {}", self.context + 1, self.unit),
+            Items::Lines => format!("lines of up to {} {}", self.context + 1, self.unit),
         };
         format!("{} ({kind})", self.part)
     }
@@ -204,11 +257,9 @@ impl CharDataset {
         let mut labels = vec![IGNORE_INDEX; idx.len() * t];
         for (k, &i) in idx.iter().enumerate() {
             let (start, len) = self.items[i];
-            let text = &self.corpus.text[start..start + len];
-            for j in 0..len - 1 {
-                ids[k * t + j] = self.corpus.ids[text[j] as usize];
-                labels[k * t + j] = self.corpus.ids[text[j + 1] as usize];
-            }
+            let item = &self.tokens[start..start + len];
+            ids[k * t..k * t + len - 1].copy_from_slice(&item[..len - 1]);
+            labels[k * t..k * t + len - 1].copy_from_slice(&item[1..]);
         }
         let n = idx.len();
         [
@@ -219,7 +270,7 @@ impl CharDataset {
     }
 }
 
-impl super::Dataset for CharDataset {
+impl super::Dataset for TokenDataset {
     fn dataset_size(&self) -> usize {
         let n = self.sampling.dataset_size(self.items.len());
         self.limit.map_or(n, |l| l.min(n))
