@@ -151,8 +151,8 @@ impl UpdateRule for SGD {
 /// Adam. `decoupled = false` is MindSpore's `nn.Adam`: L2 weight decay added to the gradient,
 /// `p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)`. `decoupled = true` is
 /// AdamW (decoupled): `p -= lr * wd * p` besides the same step. `eps` is added to `sqrt(v)`
-/// before the bias correction, as in MindSpore. State `moment1.<param>`,
-/// `moment2.<param>`; the bias corrections are scalar inputs.
+/// before the bias correction, as in MindSpore, unless `pytorch_eps` ([`Adam::pytorch_eps`]).
+/// State `moment1.<param>`, `moment2.<param>`; the bias corrections are scalar inputs.
 #[derive(Clone, Debug)]
 pub struct Adam {
     pub learning_rate: LearningRate,
@@ -161,16 +161,26 @@ pub struct Adam {
     pub eps: f64,
     pub weight_decay: f64,
     pub decoupled: bool,
+    /// `eps` added after the bias correction, as `torch.optim.Adam`/`AdamW` (and so
+    /// transformers' Trainer) do: `p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)`.
+    /// The two forms differ where `sqrt(v)` is near `eps` (early updates, tiny gradients).
+    pub pytorch_eps: bool,
 }
 
 impl Adam {
     /// Adam with MindSpore's defaults (`beta1 0.9`, `beta2 0.999`, `eps 1e-8`).
     pub fn new(learning_rate: impl Into<LearningRate>) -> Self {
-        Adam { learning_rate: learning_rate.into(), beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false }
+        Adam { learning_rate: learning_rate.into(), beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false, pytorch_eps: false }
     }
     /// AdamW with decoupled weight decay `wd`.
     pub fn adamw(learning_rate: impl Into<LearningRate>, wd: f64) -> Self {
         Adam { weight_decay: wd, decoupled: true, ..Adam::new(learning_rate) }
+    }
+    /// `eps` added after the bias correction, as PyTorch's Adam and AdamW do (see
+    /// [`Adam::pytorch_eps`](struct.Adam.html#structfield.pytorch_eps)).
+    pub fn pytorch_eps(mut self) -> Self {
+        self.pytorch_eps = true;
+        self
     }
 }
 
@@ -221,11 +231,20 @@ impl UpdateRule for Adam {
         u.write(Target::State(0), m);
         u.write(Target::State(1), v);
         let sv = u.sqrt(v);
-        let denom = u.add(sv, Val::Lit(self.eps));
-        let ratio = u.div(m, denom);
-        let sb2 = u.sqrt(bc2);
-        let corr = u.div(sb2, bc1);
-        let step = u.mul(ratio, corr);
+        let step = if self.pytorch_eps {
+            // (m / bc1) / (sqrt(v) / sqrt(bc2) + eps), in PyTorch's order.
+            let sb2 = u.sqrt(bc2);
+            let vhat = u.div(sv, sb2);
+            let denom = u.add(vhat, Val::Lit(self.eps));
+            let mhat = u.div(m, bc1);
+            u.div(mhat, denom)
+        } else {
+            let denom = u.add(sv, Val::Lit(self.eps));
+            let ratio = u.div(m, denom);
+            let sb2 = u.sqrt(bc2);
+            let corr = u.div(sb2, bc1);
+            u.mul(ratio, corr)
+        };
         let step = if self.decoupled && self.weight_decay != 0.0 {
             let wd = u.scale(Val::Param, self.weight_decay);
             u.add(step, wd)
@@ -234,5 +253,84 @@ impl UpdateRule for Adam {
         };
         descend(&mut u, step);
         u
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cellgraph_compiler::expr::{Binary, Unary};
+    use cellgraph_compiler::update::Step;
+
+    /// One element's update by `u` in f64: the new parameter; `state` is updated in place.
+    fn run(u: &Update, p: f64, g: f64, state: &mut [f64], scalars: &[f64]) -> f64 {
+        let old = state.to_vec();
+        let (mut lets, mut new_p) = (Vec::new(), p);
+        for step in u.steps() {
+            let val = |v: &Val, lets: &[f64]| match *v {
+                Val::Param => p,
+                Val::Grad => g,
+                Val::State(i) => old[i],
+                Val::Scalar(i) => scalars[i],
+                Val::Lit(x) => x,
+                Val::Let(i) => lets[i],
+            };
+            let r = match step {
+                Step::Unary(Unary::Sqrt, a) => val(a, &lets).sqrt(),
+                Step::Unary(op, _) => panic!("{op:?} in an optimizer"),
+                Step::Binary(op, a, b) => {
+                    let (a, b) = (val(a, &lets), val(b, &lets));
+                    match op {
+                        Binary::Add => a + b,
+                        Binary::Sub => a - b,
+                        Binary::Mul => a * b,
+                        Binary::Div => a / b,
+                        Binary::ReluGrad => panic!("relu_grad in an optimizer"),
+                    }
+                }
+                Step::Write(t, v) => {
+                    let v = val(v, &lets);
+                    match t {
+                        Target::Param => new_p = v,
+                        Target::State(i) => state[*i] = v,
+                    }
+                    f64::NAN
+                }
+            };
+            lets.push(r);
+        }
+        new_p
+    }
+
+    /// AdamW with `pytorch_eps` takes `torch.optim.AdamW`'s steps (written out from its
+    /// documentation), and without it MindSpore's, on gradients near `eps` where the two differ.
+    #[test]
+    fn adamw_takes_pytorchs_or_mindspores_steps() {
+        let (lr, wd, eps, b1, b2) = (1e-3, 0.01, 1e-8, 0.9, 0.999);
+        for torch in [true, false] {
+            let opt = if torch { Adam::adamw(lr, wd).pytorch_eps() } else { Adam::adamw(lr, wd) };
+            let u = opt.update();
+            let (mut p, mut state) = (0.5, [0.0, 0.0]);
+            let (mut want_p, mut m, mut v) = (0.5f64, 0.0, 0.0);
+            for (t, g) in [3e-8, -1e-7, 2e-9, 5e-3].into_iter().enumerate() {
+                p = run(&u, p, g, &mut state, &opt.scalar_values(t as u64));
+                let t = (t + 1) as i32;
+                m = b1 * m + (1.0 - b1) * g;
+                v = b2 * v + (1.0 - b2) * g * g;
+                let (bc1, bc2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+                let step = if torch { (m / bc1) / ((v / bc2).sqrt() + eps) } else { m / (v.sqrt() + eps) * bc2.sqrt() / bc1 };
+                want_p = want_p - lr * wd * want_p - lr * step;
+                assert!((p - want_p).abs() <= 1e-15, "torch {torch}, update {t}: {p} vs {want_p}");
+                assert!((state[0] - m).abs() <= 1e-15 * m.abs() && (state[1] - v).abs() <= 1e-15 * v, "{state:?} vs {m} {v}");
+            }
+        }
+        // The forms differ on these gradients (the first steps' effective eps is 30x larger).
+        let ms = Adam::adamw(lr, wd);
+        let (mut a, mut b) = ([0.0; 2], [0.0; 2]);
+        let (pa, pb) = (
+            run(&ms.update(), 0.5, 3e-8, &mut a, &ms.scalar_values(0)),
+            run(&ms.clone().pytorch_eps().update(), 0.5, 3e-8, &mut b, &ms.scalar_values(0)),
+        );
+        assert!((pa - pb).abs() > 1e-4, "{pa} vs {pb}");
     }
 }

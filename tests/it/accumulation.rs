@@ -368,6 +368,7 @@ fn the_one_pass_host_boundary_equals_the_optimizer_and_clear_graphs_bit_for_bit(
         ("SGD momentum dampening nesterov wd", || Rc::new(SGD { dampening: 0.1, weight_decay: 0.01, nesterov: true, ..SGD::new(0.1).momentum(0.9) })),
         ("Adam", || Rc::new(Adam { weight_decay: 0.01, ..Adam::new(0.01) })),
         ("AdamW", || Rc::new(Adam::adamw(0.01, 0.05))),
+        ("AdamW, PyTorch's eps", || Rc::new(Adam::adamw(0.01, 0.05).pytorch_eps())),
     ];
     let mut rng = StdRng::seed_from_u64(31);
     let batches: Vec<Vec<HostTensor>> = (0..10).map(|_| data(&mut rng, 6)).collect();

@@ -490,6 +490,7 @@ mod wgpu {
             ),
             ("Adam", Rc::new(Adam { weight_decay: 0.01, ..Adam::new(0.01) })),
             ("AdamW", Rc::new(Adam::adamw(0.01, 0.05))),
+            ("AdamW, PyTorch's eps", Rc::new(Adam::adamw(0.01, 0.05).pytorch_eps())),
         ];
         let n = 1000;
         for (what, opt) in rules {
