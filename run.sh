@@ -11,6 +11,9 @@
 # `--net gpt` runs the character-level GPT on Shakespeare instead (sample_code/gpt_accumulation:
 # token-weighted accumulation; its own options follow, see
 # `./target/release/examples/gpt_accumulation --help`).
+# `--net gpt2` fine-tunes a Hugging Face GPT-2 (`--model DIR`, default the vendored
+# tests/assets/tiny-gpt2) on Shakespeare with `cellgraph finetune` (its options follow, see
+# `./target/release/cellgraph finetune --help`) and saves it to gpt2-finetuned/.
 # Rank 0 prints its progress; every rank writes log_output/worker_<rank>.log.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -20,10 +23,16 @@ export MATMUL_NUM_THREADS=1 RAYON_NUM_THREADS=1
 MPIRUN=(timeout "${TIMEOUT:-1800}" mpirun --allow-run-as-root --oversubscribe --mca btl self,vader -n "${RANKS:-8}")
 rest=()
 gpt=0
+gpt2=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --net=gpt) gpt=1 ;;
-        --net) if [ "${2:-}" = "gpt" ]; then gpt=1; shift; else rest+=("$1"); fi ;;
+        --net=gpt2) gpt2=1 ;;
+        --net) case "${2:-}" in
+                gpt) gpt=1; shift ;;
+                gpt2) gpt2=1; shift ;;
+                *) rest+=("$1") ;;
+            esac ;;
         *) rest+=("$1") ;;
     esac
     shift
@@ -34,6 +43,13 @@ if [ "$gpt" = 1 ]; then
     # 4 sequences per rank per update (micro-batches of 1): the 8 ranks' window of 32
     # sequences is the one-process default's. Later arguments override these.
     exec "${MPIRUN[@]}" ./target/release/examples/gpt_accumulation --batch-size 4 --micro-size 4 "$@"
+fi
+if [ "$gpt2" = 1 ]; then
+    cargo build --release --locked ${FEATURES:+--features "$FEATURES"} --bin cellgraph
+    # 1 sequence per rank per update: the 8 ranks' window of 8 sequences is the one-process
+    # default's (8 in 4 micro-batches). Later arguments override these.
+    exec "${MPIRUN[@]}" ./target/release/cellgraph finetune --model tests/assets/tiny-gpt2 \
+        --data data/shakespeare/shakespeare.txt.gz --out gpt2-finetuned --batch-size 1 --micro-size 1 --steps 40 "$@"
 fi
 cargo build --release --locked ${FEATURES:+--features "$FEATURES"} --bin distributed_gradient_accumulation
 mkdir -p log_output

@@ -3,6 +3,8 @@
 //!
 //! - `cellgraph train`: MNIST with LeNet5 or the seed-002 MLP under gradient accumulation
 //!   (`train.rs`);
+//! - `cellgraph finetune --model DIR --data FILE --out DIR`: a Hugging Face GPT-2 fine-tuned
+//!   and saved back (`finetune.rs`);
 //! - `cellgraph eval --ckpt PATH`: `{'Accuracy': ...}` on the test split;
 //! - `cellgraph plot LOG -o loss.svg`: the loss curve (`plot.rs`);
 //! - `cellgraph inspect`: graph dumps (`inspect.rs`);
@@ -14,6 +16,7 @@ use clap::{Parser, Subcommand};
 
 use cellgraph::prelude::*;
 
+mod finetune;
 mod inspect;
 mod plot;
 mod train;
@@ -29,6 +32,8 @@ struct Cli {
 enum Cmd {
     /// Train LeNet5 or the seed-002 MLP on MNIST with gradient accumulation.
     Train(train::TrainArgs),
+    /// Fine-tune a Hugging Face GPT-2 checkpoint on a text and save it back for transformers.
+    Finetune(finetune::FinetuneArgs),
     /// Score a checkpoint on the MNIST test split: prints {'Accuracy': ...}.
     Eval(train::EvalArgs),
     /// Draw the loss curve (and test accuracy) of `train --loss-log` logs as SVG.
@@ -51,9 +56,15 @@ fn graph(batch: usize) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn main() -> ExitCode {
+    let cmd = Cli::parse().cmd;
+    // Fine-tuning runs on `mpirun`'s ranks (a world of one without it).
+    if let Cmd::Finetune(args) = cmd {
+        return cellgraph::main_on_ranks(|comm| finetune::finetune(args, comm));
+    }
     cellgraph::runtime::join_thread_pool();
-    cellgraph::exit_with(match Cli::parse().cmd {
+    cellgraph::exit_with(match cmd {
         Cmd::Train(args) => train::train(args),
+        Cmd::Finetune(_) => unreachable!("run on its ranks above"),
         Cmd::Eval(args) => train::eval(args),
         Cmd::Plot(args) => plot::run(args),
         Cmd::Inspect(args) => inspect::run(args),

@@ -267,7 +267,7 @@ pub fn at_least_one(s: &str) -> Result<usize, String> {
     }
 }
 
-fn non_negative(s: &str) -> Result<f64, String> {
+pub fn non_negative(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
         Ok(x) => Err(format!("must be a finite number >= 0 (such as 0.01), got {x}")),
@@ -668,9 +668,9 @@ fn eval_on<B: Backend>(args: &EvalArgs, device: Device<B>) -> Res<()> {
 }
 
 /// Stops training after `limit` steps of this run (`--steps`).
-struct StopAfter {
-    steps: usize,
-    limit: usize,
+pub(crate) struct StopAfter {
+    pub(crate) steps: usize,
+    pub(crate) limit: usize,
 }
 
 impl<B: Backend> Callback<B> for StopAfter {
@@ -697,13 +697,13 @@ impl<B: Backend> Callback<B> for SaveEachEpoch {
 
 /// The run's JSON-lines log: `LossLog`'s step lines (`{"epoch", "step", "updates", "loss"}`)
 /// and, in the same file, the per-epoch accuracy lines; appended to when resuming.
-struct RunLog {
+pub(crate) struct RunLog {
     file: std::fs::File,
     path: PathBuf,
 }
 
 impl RunLog {
-    fn open(path: &Path, append: bool) -> Res<RunLog> {
+    pub(crate) fn open(path: &Path, append: bool) -> Res<RunLog> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| format!("--loss-log {}: {e}", path.display()))?;
         }
@@ -712,7 +712,7 @@ impl RunLog {
         Ok(RunLog { file, path: path.into() })
     }
 
-    fn write(&mut self, line: &serde_json::Value) -> cellgraph::runtime::Result<()> {
+    pub(crate) fn write(&mut self, line: &serde_json::Value) -> cellgraph::runtime::Result<()> {
         writeln!(self.file, "{line}").map_err(|source| cellgraph::runtime::RuntimeError::Io { path: self.path.display().to_string(), source })
     }
 }

@@ -9,6 +9,8 @@ use cellgraph::prelude::*;
 use cellgraph::runtime::hf::{self, LoadOptions, Tokenizer};
 use serde_json::Value as Json;
 
+use crate::common::TmpDir;
+
 const TINY: &str = "tests/assets/tiny-gpt2";
 
 fn reference() -> Json {
@@ -30,6 +32,15 @@ fn run(cell: &dyn Cell, params: &cellgraph::runtime::checkpoint::Tensors, inputs
     }
     let values: Vec<HostTensor> = inputs.iter().map(|(_, t)| t.clone()).collect();
     s.run(&exe, &values).unwrap().remove(0).to_f64()
+}
+
+/// The mean loss of a loaded model over the reference sequence's 63 next-token predictions.
+pub(crate) fn reference_loss(m: &hf::Loaded) -> f64 {
+    let seq = ids(&reference()["sequence"]["ids"]);
+    let with_loss = WithLossCell::new(GPT::new(&Scope::root(), m.config).unwrap(), CrossEntropyLoss::new());
+    let inputs =
+        [("ids", HostTensor::i32(vec![1, 63], seq[..63].to_vec()).unwrap()), ("labels", HostTensor::i32(vec![1, 63], seq[1..].to_vec()).unwrap())];
+    run(&with_loss, &m.params, &inputs)[0]
 }
 
 /// Loaded into cellgraph, the tiny GPT-2's logits at three positions of a 64-token sequence and
@@ -58,12 +69,7 @@ fn the_tiny_gpt2_gives_transformers_logits_and_loss() {
     }
     eprintln!("logits: at most {worst:e} of the largest from transformers'");
     assert!(worst <= 1e-5, "logits differ from transformers' by {worst:e} of the largest");
-    let with_loss = WithLossCell::new(GPT::new(&Scope::root(), m.config).unwrap(), CrossEntropyLoss::new());
-    let loss = run(
-        &with_loss,
-        &m.params,
-        &[("ids", HostTensor::i32(vec![1, 63], seq[..63].to_vec()).unwrap()), ("labels", HostTensor::i32(vec![1, 63], seq[1..].to_vec()).unwrap())],
-    )[0];
+    let loss = reference_loss(&m);
     let want = r["sequence"]["loss"].as_f64().unwrap();
     eprintln!("loss {loss} against transformers' {want}");
     assert!((loss - want).abs() <= 1e-5 * want, "loss {loss} vs transformers' {want}");
@@ -188,4 +194,97 @@ fn bad_model_directories_are_clear_errors() {
     let e = Tokenizer::from_dir(&dir).map(|_| ()).unwrap_err().to_string();
     assert!(e.contains("tokenizer.json: is missing"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+const CELLGRAPH: &str = env!("CARGO_BIN_EXE_cellgraph");
+
+fn cellgraph(args: &[&str]) -> (Option<i32>, String, String) {
+    let o = std::process::Command::new(CELLGRAPH).args(args).output().unwrap();
+    (o.status.code(), String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+/// The value after `key` in a line like `epoch: 1 {'Loss': 5.1, 'Perplexity': 164.0}`.
+fn field(line: &str, key: &str) -> f64 {
+    let rest = &line[line.find(key).unwrap() + key.len()..];
+    rest.trim_start_matches(['\'', ':', ' ']).split([',', '}']).next().unwrap().trim().parse().unwrap()
+}
+
+/// `cellgraph finetune` as a user runs it, on the tiny GPT-2 and 40,000 characters of
+/// Shakespeare: LossMonitor lines, the held-out loss and perplexity before and after (lower
+/// after), the loss log, a greedy sample, and a saved directory that loads back with the same
+/// shape and trained values.
+#[test]
+fn finetune_trains_the_tiny_gpt2_and_saves_it_back() {
+    let dir = TmpDir::created("hf-finetune");
+    let corpus = cellgraph::runtime::data::read_gzip_or_plain(Path::new("data/shakespeare/shakespeare.txt.gz")).unwrap();
+    let text = dir.join("text.txt");
+    std::fs::write(&text, &corpus[..40_000]).unwrap();
+    let (out, log) = (dir.join("tuned"), dir.join("ft.jsonl"));
+    let args = [
+        "finetune",
+        "--model",
+        TINY,
+        "--data",
+        text.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--steps",
+        "8",
+        "--block-size",
+        "32",
+        "--batch-size",
+        "8",
+        "--micro-size",
+        "4",
+        "--lr",
+        "3e-3",
+        "--print-every",
+        "2",
+        "--loss-log",
+        log.to_str().unwrap(),
+        "--sample-tokens",
+        "5",
+        "--device",
+        "cpu",
+    ];
+    let (code, stdout, stderr) = cellgraph(&args);
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    let line = |start: &str| stdout.lines().find(|l| l.starts_with(start)).unwrap_or_else(|| panic!("no `{start}` line in:\n{stdout}"));
+    let (before, after) = (line("before:"), line("epoch: 1 {"));
+    assert!(field(after, "'Loss'") < field(before, "'Loss'"), "{before} then {after}");
+    assert!((field(after, "'Perplexity'") - field(after, "'Loss'").exp()).abs() < 1e-3 * field(after, "'Perplexity'"), "{after}");
+    assert!(stdout.lines().filter(|l| l.contains("loss is")).count() >= 4, "{stdout}");
+    assert!(line("trained 8 updates").contains("tokens/s") && line("saved").contains("tuned") && line("sample:").contains("->"), "{stdout}");
+    assert_eq!(std::fs::read_to_string(&log).unwrap().lines().count(), 8 + 1, "a line per update and one for the epoch");
+    let (base, tuned) = (hf::load(Path::new(TINY), &LoadOptions::default()).unwrap(), hf::load(&out, &LoadOptions::default()).unwrap());
+    assert_eq!(tuned.config, base.config);
+    assert!(tuned.params.iter().all(|(n, t)| t.shape == base.params[n].shape && t.to_f32() != base.params[n].to_f32()), "every tensor trained");
+    assert!(out.join("tokenizer.json").is_file());
+}
+
+/// Bad settings are refused with a sentence before anything trains.
+#[test]
+fn finetune_refuses_bad_settings() {
+    let refused = |extra: &[&str], want: &str| {
+        let mut args = vec![
+            "finetune",
+            "--model",
+            TINY,
+            "--data",
+            "data/shakespeare/shakespeare.txt.gz",
+            "--out",
+            "/tmp/cellgraph-never-written",
+            "--device",
+            "cpu",
+        ];
+        args.extend_from_slice(extra);
+        let (code, out, err) = cellgraph(&args);
+        assert!(code.is_some_and(|c| c != 0) && err.contains("error: ") && err.contains(want), "{args:?}:\n{out}\n{err}");
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(!Path::new("/tmp/cellgraph-never-written").exists());
+    };
+    refused(&["--batch-size", "6", "--micro-size", "4"], "--batch-size 6 is not a multiple of --micro-size 4");
+    refused(&["--block-size", "500"], "--block-size 500 exceeds the model's n_positions 128");
+    refused(&["--model", "tests/assets/no-such-model"], "is not a directory");
+    refused(&["--data", "no-such-text.txt"], "no-such-text.txt");
 }
