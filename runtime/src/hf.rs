@@ -145,26 +145,11 @@ fn names(layers: usize) -> Vec<Name> {
     v
 }
 
-/// The parameter shapes of `c`, by cellgraph's names (matrices as cellgraph stores them).
-fn shapes(c: &GptConfig) -> BTreeMap<String, Vec<usize>> {
-    let w = c.width;
-    let mut m = BTreeMap::new();
-    for n in names(c.layers) {
-        let shape = match n.ours.rsplit('.').next().unwrap_or_default() {
-            "embedding_table" if n.ours.starts_with("wte") => vec![c.vocab_size, w],
-            "embedding_table" => vec![c.context, w],
-            "gamma" | "beta" => vec![w],
-            "weight" if n.ours.ends_with("c_attn.weight") => vec![3 * w, w],
-            "weight" if n.ours.ends_with("mlp.c_fc.weight") => vec![4 * w, w],
-            "weight" if n.ours.ends_with("mlp.c_proj.weight") => vec![w, 4 * w],
-            "weight" => vec![w, w],
-            _ if n.ours.ends_with("c_attn.bias") => vec![3 * w],
-            _ if n.ours.ends_with("mlp.c_fc.bias") => vec![4 * w],
-            _ => vec![w],
-        };
-        m.insert(n.ours, shape);
-    }
-    m
+/// The parameter shapes of `c`, by cellgraph's names (matrices as cellgraph stores them): the
+/// GPT's own parameters, so the two cannot drift apart.
+fn shapes(c: &GptConfig) -> Result<BTreeMap<String, Vec<usize>>> {
+    let gpt = cellgraph_cells::GPT::new(&cellgraph_cells::Scope::root(), *c)?;
+    Ok(cellgraph_cells::Cell::parameters(&gpt).into_iter().map(|p| (p.name, p.ty.dims().to_vec())).collect())
 }
 
 /// `[rows, cols]` row-major -> `[cols, rows]`.
@@ -326,7 +311,7 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Loaded> {
             stored.insert(short, t);
         }
     }
-    let shapes = shapes(&config);
+    let shapes = shapes(&config)?;
     let mut report = LoadReport::default();
     let mut params = Tensors::new();
     let known: std::collections::BTreeSet<String> = names(config.layers).into_iter().map(|n| n.hf).collect();
@@ -370,7 +355,7 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Loaded> {
 /// the tokenizer files of `tokenizer_from` (a model directory) copied. Each file is written
 /// atomically; a missing parameter is an error before anything is written.
 pub fn save(dir: &Path, config: &GptConfig, hf_config: &Map<String, Json>, params: &Tensors, tokenizer_from: Option<&Path>) -> Result<()> {
-    let shapes = shapes(config);
+    let shapes = shapes(config)?;
     let mut tensors = Vec::new();
     for n in names(config.layers) {
         let t = params.get(&n.ours).ok_or_else(|| invalid(format!("saving {}", dir.display()), format!("parameter `{}` has no value", n.ours)))?;
@@ -476,13 +461,15 @@ impl Tokenizer {
 mod tests {
     use super::*;
 
-    /// The names cover every parameter of cellgraph's GPT, with its shapes.
+    /// The names cover every parameter of cellgraph's GPT, once each.
     #[test]
     fn every_gpt_parameter_has_a_hugging_face_name() {
         let c = GptConfig { vocab_size: 11, context: 7, layers: 2, heads: 2, width: 8, layer_norm_eps: 1e-5, dropout: 0.0, gelu_approximate: true };
-        let gpt = cellgraph_cells::GPT::new(&cellgraph_cells::Scope::root(), c).unwrap();
-        let ours: BTreeMap<String, Vec<usize>> =
-            cellgraph_cells::Cell::parameters(&gpt).into_iter().map(|p| (p.name, p.ty.dims().to_vec())).collect();
-        assert_eq!(ours, shapes(&c));
+        let ours: Vec<String> = names(c.layers).into_iter().map(|n| n.ours).collect();
+        let mut sorted = ours.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), ours.len(), "a name twice");
+        assert_eq!(sorted, shapes(&c).unwrap().into_keys().collect::<Vec<_>>());
     }
 }
