@@ -20,7 +20,7 @@ use clap::{Args, ValueEnum};
 use cellgraph::prelude::*;
 use cellgraph::runtime::burn_backend::tensor::Device;
 use cellgraph::runtime::callback::py_float;
-use cellgraph::runtime::comm::Communicator;
+use cellgraph::runtime::comm::{self, Communicator};
 use cellgraph::runtime::data::{TokenDataset, IGNORE_INDEX};
 use cellgraph::runtime::device::{self, OnDevice};
 use cellgraph::runtime::hf::{self, LoadOptions, Tokenizer};
@@ -126,6 +126,9 @@ pub struct FinetuneArgs {
     /// `cpu`, `cuda`, `cuda:N`, `wgpu` or `auto`.
     #[arg(long, default_value = "auto")]
     device: String,
+    /// Print the time spent per op at the end (rank 0's).
+    #[arg(long)]
+    profile: bool,
 }
 
 const FINETUNE_EXAMPLES: &str = "\
@@ -196,11 +199,37 @@ fn as_ids(v: Vec<u32>) -> Vec<i32> {
     v.into_iter().map(|i| i as i32).collect()
 }
 
-/// The items of `part` (`name` in messages) for blocks of `block` tokens.
-fn items(tok: &Tokenizer, part: &str, split: Split, block: usize, name: &str) -> Res<TokenDataset> {
+/// The token lists of `part` (one for `Split::Blocks`, one per line for `Split::Lines`),
+/// tokenized by rank 0 and handed to the other ranks.
+fn token_lists(tok: &Tokenizer, part: &str, split: Split, comm: &dyn Communicator) -> Res<Vec<Vec<i32>>> {
+    let mine = (comm.rank() == 0)
+        .then(|| match split {
+            Split::Blocks => tok.encode(part).map(|ids| vec![ids]),
+            Split::Lines => part.split_inclusive('\n').map(|l| tok.encode(l)).collect(),
+        })
+        .transpose()?;
+    // [lists, each list's length..., the ids...] as little-endian u32s.
+    let bytes = mine.map(|lists| {
+        let heads: Vec<u32> = std::iter::once(lists.len() as u32).chain(lists.iter().map(|l| l.len() as u32)).collect();
+        heads.into_iter().chain(lists.into_iter().flatten()).flat_map(u32::to_le_bytes).collect()
+    });
+    let words: Vec<u32> = comm::share(comm, 0, bytes, "token ids")?.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let n = words[0] as usize;
+    let mut at = 1 + n;
+    Ok(words[1..=n]
+        .iter()
+        .map(|&len| {
+            at += len as usize;
+            as_ids(words[at - len as usize..at].to_vec())
+        })
+        .collect())
+}
+
+/// The items of the token lists (`name` in messages) for blocks of `block` tokens.
+fn items(lists: Vec<Vec<i32>>, split: Split, block: usize, name: &str) -> Res<TokenDataset> {
     Ok(match split {
-        Split::Blocks => TokenDataset::windows(as_ids(tok.encode(part)?), block, name)?,
-        Split::Lines => TokenDataset::lines(part.split_inclusive('\n').map(|l| tok.encode(l).map(as_ids)).collect::<Result<_, _>>()?, block, name)?,
+        Split::Blocks => TokenDataset::windows(lists.into_iter().flatten().collect(), block, name)?,
+        Split::Lines => TokenDataset::lines(lists, block, name)?,
     })
 }
 
@@ -230,7 +259,7 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     let text = read_text(&args.data)?;
     let (train_text, val_text) = split_text(&text, args.val_fraction);
     let t0 = Instant::now();
-    let mut train = items(&tok, train_text, args.split, block, "train")?;
+    let mut train = items(token_lists(&tok, train_text, args.split, &*comm)?, args.split, block, "train")?;
     if !args.no_shuffle {
         train = train.shuffle(args.seed);
     }
@@ -239,7 +268,7 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     let val = if val_text.is_empty() {
         None
     } else {
-        let v = items(&tok, val_text, args.split, block, "held-out")?;
+        let v = items(token_lists(&tok, val_text, args.split, &*comm)?, args.split, block, "held-out")?;
         let n = v.len().min(args.eval_items);
         match n {
             0 => {
@@ -278,6 +307,7 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     };
     let mut model = model.with_metrics(&[Metric::Loss]);
     let _ = model.restore_with(&loaded.params, !args.non_strict)?;
+    model.accumulator_mut().session.set_profiling(args.profile);
     let mut log = args.loss_log.as_deref().filter(|_| rank == 0).map(|p| RunLog::open(p, false)).transpose()?;
     let out: Box<dyn std::io::Write> = if rank == 0 { Box::new(std::io::stdout()) } else { Box::new(std::io::sink()) };
     let mut loss_monitor = LossMonitor::to_writer(args.print_every, out);
@@ -319,6 +349,9 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     let tokens = stop.steps * args.batch_size * block * size;
     let ranks = if size > 1 { format!(" on {size} ranks") } else { String::new() };
     say!("trained {} updates{ranks} in {secs:.2} s ({:.0} tokens/s)", model.accumulator().updates(), tokens as f64 / secs);
+    if rank == 0 {
+        print!("{}", model.accumulator().session.profile_table(20));
+    }
     let snapshot = model.snapshot();
     if rank > 0 {
         return Ok(());

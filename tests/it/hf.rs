@@ -246,6 +246,7 @@ fn finetune_trains_the_tiny_gpt2_and_saves_it_back() {
         "5",
         "--device",
         "cpu",
+        "--profile",
     ];
     let (code, stdout, stderr) = cellgraph(&args);
     assert_eq!(code, Some(0), "{stdout}\n{stderr}");
@@ -256,6 +257,8 @@ fn finetune_trains_the_tiny_gpt2_and_saves_it_back() {
     assert!(stdout.lines().filter(|l| l.contains("loss is")).count() >= 4, "{stdout}");
     assert!(line("trained 8 updates").contains("tokens/s") && line("saved").contains("tuned") && line("sample:").contains("->"), "{stdout}");
     assert_eq!(std::fs::read_to_string(&log).unwrap().lines().count(), 8 + 1, "a line per update and one for the epoch");
+    // --profile: the time per op, the attention among them.
+    assert!(stdout.lines().any(|l| l.trim_start().starts_with("attention ") && l.contains(" calls ")), "{stdout}");
     let (base, tuned) = (hf::load(Path::new(TINY), &LoadOptions::default()).unwrap(), hf::load(&out, &LoadOptions::default()).unwrap());
     assert_eq!(tuned.config, base.config);
     assert!(tuned.params.iter().all(|(n, t)| t.shape == base.params[n].shape && t.to_f32() != base.params[n].to_f32()), "every tensor trained");

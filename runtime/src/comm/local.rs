@@ -72,10 +72,42 @@ impl Communicator for LocalGroup {
         let mine = buf.to_vec();
         self.exchange(&self.shared.floats, &mine, |all| buf.copy_from_slice(&all[root]));
     }
+    fn broadcast_bytes(&self, buf: &mut [u8], root: usize) {
+        let mine = buf.to_vec();
+        self.exchange(&self.shared.bytes, &mine, |all| buf.copy_from_slice(&all[root]));
+    }
     fn barrier(&self) {
         self.shared.barrier.wait();
     }
     fn abort(&self, code: i32) -> ! {
         panic!("rank {} aborted the group with status {code}", self.rank)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LocalGroup;
+    use crate::comm::share;
+
+    #[test]
+    fn share_hands_the_roots_bytes_to_every_rank_or_an_error_to_all() {
+        let run = |root_has: bool| -> Vec<Result<Vec<u8>, String>> {
+            let ranks = LocalGroup::new(3);
+            std::thread::scope(|s| {
+                let handles: Vec<_> = ranks
+                    .into_iter()
+                    .map(|c| {
+                        s.spawn(move || {
+                            let mine = (c.rank == 1 && root_has).then(|| b"tokens".to_vec());
+                            share(&c, 1, mine, "token ids").map_err(|e| e.to_string())
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            })
+        };
+        assert!(run(true).iter().all(|r| r.as_deref() == Ok(&b"tokens"[..])));
+        let failed = run(false);
+        assert!(failed.iter().all(|r| r.as_ref().is_err_and(|e| e.contains("rank 1 could not make the token ids"))), "{failed:?}");
     }
 }

@@ -39,6 +39,8 @@ pub trait Communicator {
     fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]);
     /// Copies `root`'s `buf` into every rank's `buf`.
     fn broadcast(&self, buf: &mut [f32], root: usize);
+    /// Copies `root`'s bytes `buf` into every rank's `buf`.
+    fn broadcast_bytes(&self, buf: &mut [u8], root: usize);
     /// Waits until every rank arrives.
     fn barrier(&self);
     /// Ends every rank of the job with exit status `code`.
@@ -67,6 +69,7 @@ impl Communicator for Solo {
         recv.copy_from_slice(send);
     }
     fn broadcast(&self, _buf: &mut [f32], _root: usize) {}
+    fn broadcast_bytes(&self, _buf: &mut [u8], _root: usize) {}
     fn barrier(&self) {}
     fn abort(&self, code: i32) -> ! {
         std::process::exit(code)
@@ -117,4 +120,20 @@ pub fn agree(comm: &dyn Communicator, what: &str, bytes: &[u8]) -> Result<()> {
 /// FNV-1a, 64 bits: a stable hash for comparing configurations across processes.
 pub fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Hands `root`'s bytes to every rank: the length first, then the bytes. The root passes
+/// `Some` (the others' argument is ignored), or `None` when it could not make them: every
+/// rank then returns an error instead of waiting for bytes that never come.
+pub fn share(comm: &dyn Communicator, root: usize, mine: Option<Vec<u8>>, what: &str) -> Result<Vec<u8>> {
+    let mine = if comm.rank() == root { mine } else { None };
+    let mut len = mine.as_ref().map_or(u64::MAX, |b| b.len() as u64).to_le_bytes();
+    comm.broadcast_bytes(&mut len, root);
+    let len = u64::from_le_bytes(len);
+    if len == u64::MAX {
+        return Err(RuntimeError::Comm(format!("rank {}: rank {root} could not make the {what}", comm.rank())));
+    }
+    let mut buf = mine.unwrap_or_else(|| vec![0; len as usize]);
+    comm.broadcast_bytes(&mut buf, root);
+    Ok(buf)
 }

@@ -68,6 +68,9 @@ impl Communicator for Mpi {
     fn broadcast(&self, buf: &mut [f32], root: usize) {
         self.world.process_at_rank(root as i32).broadcast_into(buf);
     }
+    fn broadcast_bytes(&self, buf: &mut [u8], root: usize) {
+        self.world.process_at_rank(root as i32).broadcast_into(buf);
+    }
     fn barrier(&self) {
         self.world.barrier();
     }
