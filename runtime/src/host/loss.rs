@@ -1,7 +1,7 @@
 //! Softmax cross-entropy and its gradient on host slices, row by row, in the order of the
 //! reference lowering's burn ops.
 
-use super::float::HostFloat;
+use super::float::{row_shares, HostFloat};
 use cellgraph_compiler::Reduction;
 
 /// One row's log-softmax in `z` (`[c]` logits in, `logit - max - ln(sum(exp(logit - max)))`
@@ -33,30 +33,42 @@ pub fn softmax_cross_entropy<F: HostFloat>(
     c: usize,
     reduction: Reduction,
     out: &mut [F],
-    mut keep: Option<&mut [F]>,
+    keep: Option<&mut [F]>,
 ) -> bool {
     let n = labels.len();
     // Every label first: a bad one leaves nothing kept for a gradient.
     if (0..n).any(|i| class(labels, i, c).is_none()) {
         return false;
     }
+    let reduce = |items: &[F], out: &mut [F]| match reduction {
+        Reduction::None => out.copy_from_slice(items),
+        Reduction::Sum => out[0] = F::ndarray_sum(items),
+        Reduction::Mean => out[0] = F::ndarray_sum(items) * F::from_f64(1.0 / n as f64),
+    };
+    if let Some(keep) = keep {
+        // The rows' log-softmax across the threads (each row the same whatever the cut), then
+        // the items from it.
+        row_shares(&mut keep[..n * c], c, |first, part| {
+            F::scratch(c, |e| {
+                for (i, z) in part.chunks_exact_mut(c).enumerate() {
+                    let at = (first + i) * c;
+                    log_softmax_row(&logits[at..at + c], z, e);
+                }
+            })
+        });
+        let items: Vec<F> = (0..n).map(|i| keep[i * c + class(labels, i, c).expect("checked")] * F::from_f64(-1.0)).collect();
+        reduce(&items, out);
+        return true;
+    }
     F::scratch(2 * c + n, |s| {
         let (z, rest) = s.split_at_mut(c);
         let (e, items) = rest.split_at_mut(c);
         for (i, row) in logits.chunks_exact(c).enumerate().take(n) {
-            let Some(l) = class(labels, i, c) else { return false };
-            let z = match keep.as_deref_mut() {
-                Some(k) => &mut k[i * c..(i + 1) * c],
-                None => &mut *z,
-            };
+            let l = class(labels, i, c).expect("checked");
             log_softmax_row(row, z, e);
             items[i] = z[l] * F::from_f64(-1.0);
         }
-        match reduction {
-            Reduction::None => out.copy_from_slice(items),
-            Reduction::Sum => out[0] = F::ndarray_sum(items),
-            Reduction::Mean => out[0] = F::ndarray_sum(items) * F::from_f64(1.0 / n as f64),
-        }
+        reduce(items, out);
         true
     })
 }
@@ -75,23 +87,65 @@ pub fn softmax_cross_entropy_grad<F: HostFloat>(
     dx: &mut [F],
 ) -> bool {
     let n = labels.len();
-    F::scratch(c, |e| {
-        for (i, (row, d)) in logits.chunks_exact(c).zip(dx.chunks_exact_mut(c)).enumerate().take(n) {
-            let Some(l) = class(labels, i, c) else { return false };
-            let scale = match reduction {
-                Reduction::None => dl[i],
-                Reduction::Sum => dl[0],
-                Reduction::Mean => dl[0] * F::from_f64(1.0 / n as f64),
-            };
-            match kept {
-                Some(k) => d.copy_from_slice(&k[i * c..(i + 1) * c]),
-                None => log_softmax_row(row, d, e),
+    if (0..n).any(|i| class(labels, i, c).is_none()) {
+        return false;
+    }
+    // Rows across the threads; each row is computed the same whatever the cut.
+    row_shares(&mut dx[..n * c], c, |first, part| {
+        F::scratch(c, |e| {
+            for (r, d) in part.chunks_exact_mut(c).enumerate() {
+                let i = first + r;
+                let l = class(labels, i, c).expect("checked");
+                let scale = match reduction {
+                    Reduction::None => dl[i],
+                    Reduction::Sum => dl[0],
+                    Reduction::Mean => dl[0] * F::from_f64(1.0 / n as f64),
+                };
+                match kept {
+                    Some(k) => d.copy_from_slice(&k[i * c..(i + 1) * c]),
+                    None => log_softmax_row(&logits[i * c..(i + 1) * c], d, e),
+                }
+                for (j, d) in d.iter_mut().enumerate() {
+                    let target = if j == l { F::from_f64(1.0) } else { F::ZERO };
+                    *d = (d.exp() - target) * scale;
+                }
             }
-            for (j, d) in d.iter_mut().enumerate() {
-                let target = if j == l { F::from_f64(1.0) } else { F::ZERO };
-                *d = (d.exp() - target) * scale;
-            }
-        }
-        true
-    })
+        })
+    });
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::float::tests::data;
+
+    /// The rows spread over the threads give the bits of one thread, kept or recomputed.
+    #[test]
+    fn the_loss_and_its_gradient_are_the_same_on_any_number_of_threads() {
+        let (n, c) = (64, 1000);
+        let logits: Vec<f32> = data(n * c, 3).iter().map(|x| 8.0 * x).collect();
+        let labels: Vec<i64> = (0..n as i64).map(|i| (i * 37) % c as i64).collect();
+        let run = |threads: usize| {
+            rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool").install(|| {
+                let (mut loss, mut keep) = ([0f32], vec![0f32; n * c]);
+                assert!(softmax_cross_entropy(&logits, &labels, c, Reduction::Sum, &mut loss, Some(&mut keep)));
+                let mut alone = [0f32];
+                assert!(softmax_cross_entropy(&logits, &labels, c, Reduction::Sum, &mut alone, None));
+                assert_eq!(loss[0].to_bits(), alone[0].to_bits(), "kept or not, the same loss");
+                let (mut dx, mut dx_again) = (vec![0f32; n * c], vec![0f32; n * c]);
+                assert!(softmax_cross_entropy_grad(&logits, Some(&keep), &labels, &[0.5], c, Reduction::Mean, &mut dx));
+                assert!(softmax_cross_entropy_grad(&logits, None, &labels, &[0.5], c, Reduction::Mean, &mut dx_again));
+                assert_eq!(dx, dx_again, "kept or recomputed, the same gradient");
+                (loss[0].to_bits(), keep.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), dx.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+            })
+        };
+        let one = run(1);
+        assert_eq!(one, run(3));
+        // A label out of range writes nothing and says so.
+        let mut bad = labels.clone();
+        bad[5] = c as i64;
+        assert!(!softmax_cross_entropy(&logits, &bad, c, Reduction::Sum, &mut [0f32], None));
+        assert!(!softmax_cross_entropy_grad(&logits, None, &bad, &[1.0], c, Reduction::Sum, &mut vec![0f32; n * c]));
+    }
 }
