@@ -11,7 +11,8 @@
 //! denormals), within `k` f32 roundings of the sum of the magnitudes.
 //!
 //! Layout: the `k` extent is cut into blocks of [`KC`] values and the columns into blocks of
-//! [`NC`]; each block of `B` is packed as panels of [`NR`] columns holding, for each pair of
+//! [`NC`]; `A`'s rows are packed once per block of `k` (for every block of columns), and each
+//! block of `B` is packed as panels of [`NR`] columns holding, for each pair of
 //! rows `2q, 2q + 1`, the 32-bit pair of each column's two values (the instruction's operand);
 //! each row of `A`'s block is packed as its consecutive pairs. The micro-kernel holds an
 //! [`MR`] x [`NR`] tile of `C` in 16 registers and broadcasts one pair of each of its rows
@@ -87,14 +88,14 @@ pub unsafe fn gemm(
         return;
     }
     let (mut pa, mut pb) = PACKED.take();
-    for j0 in (0..n).step_by(NC) {
-        let nc = NC.min(n - j0);
-        for k0 in (0..k).step_by(KC) {
-            let kc = KC.min(k - k0);
-            let kp = kc.div_ceil(2);
+    for k0 in (0..k).step_by(KC) {
+        let kc = KC.min(k - k0);
+        let kp = kc.div_ceil(2);
+        let (si, sq) = pack_a(m, kc, a.offset(k0 as isize * csa), rsa, csa, &mut pa);
+        let add = k0 > 0 || beta != 0.0;
+        for j0 in (0..n).step_by(NC) {
+            let nc = NC.min(n - j0);
             pack_b(kc, nc, b.offset(k0 as isize * rsb + j0 as isize * csb), rsb, csb, &mut pb);
-            let (si, sq) = pack_a(m, kc, a.offset(k0 as isize * csa), rsa, csa, &mut pa);
-            let add = k0 > 0 || beta != 0.0;
             for jp in 0..nc.div_ceil(NR) {
                 let cols = NR.min(nc - jp * NR);
                 let panel = pb.as_ptr().add(jp * kp * NR);
