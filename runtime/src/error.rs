@@ -45,3 +45,10 @@ pub enum RuntimeError {
 
 /// Result with [`RuntimeError`].
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
+
+/// Up to eight names of a list, and how many more: `a, b, c` or `a, ..., h and 4 more`.
+pub(crate) fn listed(v: &[String]) -> String {
+    let shown: Vec<&str> = v.iter().take(8).map(String::as_str).collect();
+    let more = if v.len() > 8 { format!(" and {} more", v.len() - 8) } else { String::new() };
+    format!("{}{more}", shown.join(", "))
+}

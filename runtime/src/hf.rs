@@ -21,7 +21,7 @@ use cellgraph_compiler::HostTensor;
 use serde_json::{Map, Value as Json};
 
 use crate::checkpoint::{write_atomic, Tensors};
-use crate::error::{Result, RuntimeError};
+use crate::error::{listed, Result, RuntimeError};
 
 /// The files of a model directory besides the weights that [`save`] copies from the directory
 /// the model was loaded from (the tokenizer's, the generation defaults).
@@ -81,15 +81,6 @@ impl std::fmt::Display for LoadReport {
         } else {
             write!(f, "{}", parts.join("; "))
         }
-    }
-}
-
-/// Up to eight items of a list, and how many more.
-fn listed(v: &[String]) -> String {
-    let shown: Vec<&str> = v.iter().take(8).map(String::as_str).collect();
-    match v.len() {
-        n if n > 8 => format!("{} (and {} more)", shown.join(", "), n - 8),
-        _ => shown.join(", "),
     }
 }
 

@@ -9,7 +9,7 @@ use cellgraph_compiler::{HostData, HostTensor};
 
 use super::sync::SHARD;
 use super::Accumulator;
-use crate::error::{Result, RuntimeError};
+use crate::error::{listed, Result, RuntimeError};
 use crate::Backend;
 
 /// What a checkpoint load did (MindSpore's `load_param_into_net` returns the first two).
@@ -25,13 +25,6 @@ pub struct LoadReport {
 
 /// Names MindSpore's checkpoints carry besides the network's tensors; never an error.
 const MINDSPORE_EXTRAS: [&str; 4] = ["global_step", "learning_rate", "epoch_num", "step_num"];
-
-/// Up to eight names of a list, and how many more.
-fn listed(v: &[String]) -> String {
-    let shown: Vec<&str> = v.iter().take(8).map(String::as_str).collect();
-    let more = if v.len() > 8 { format!(" and {} more", v.len() - 8) } else { String::new() };
-    format!("{}{more}", shown.join(", "))
-}
 
 /// The loss scale and its clean-window count, as `cellgraph.<name>` scalars.
 const LOSS_SCALE: &str = "loss_scale";
