@@ -3,7 +3,9 @@
 Hugging Face user writes with Accelerate (`accelerator.accumulate(model)`, AdamW, clipping,
 token-weighted loss), alternating (cellgraph, PyTorch, ...), pinned with taskset. Issue 45's
 speed bar: `--updates` updates of 4 micro-batches of 2 sequences of 256 tokens (8 x 256 tokens
-per update), on 1 and 2 threads.
+per update), on 1 and 2 threads. `--precision bf16` runs cellgraph's bf16 products against
+PyTorch's CPU autocast (`torch.autocast("cpu", dtype=torch.bfloat16)` around the forward and
+the loss).
 
 The model directory is made here (not vendored): transformers' GPT2LMHeadModel with the
 tiny GPT-2's tokenizer (1,000 tokens, within the 50,257 ids), written to --dir once.
@@ -37,6 +39,8 @@ ap.add_argument("--block", type=int, default=256)
 ap.add_argument("--batch", type=int, default=8)
 ap.add_argument("--k", type=int, default=4)
 ap.add_argument("--dir", default="/tmp/cellgraph-gpt2-small")
+ap.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+                help="bf16: cellgraph --precision bf16 against torch.autocast('cpu', torch.bfloat16)")
 ap.add_argument("--cellgraph", default=str(root / "target/release/cellgraph"))
 ap.add_argument("--pytorch-only", action="store_true", help=argparse.SUPPRESS)
 a = ap.parse_args()
@@ -76,14 +80,16 @@ def pytorch_side():
     opt = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.0)
     model, opt = acc.prepare(model, opt)
     model.train()
+    cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.precision == "bf16")
     t0 = time.perf_counter()
     for u in range(a.updates):
         window = micro[u * a.k : (u + 1) * a.k]
         tokens = sum(int(b[:, 1:].numel()) for b in window)
         for b in window:
             with acc.accumulate(model):
-                logits = model(b[:, :-1]).logits
-                loss = F.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten(), reduction="sum") / tokens * a.k
+                with cast:
+                    logits = model(b[:, :-1]).logits
+                    loss = F.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten(), reduction="sum") / tokens * a.k
                 acc.backward(loss)
                 if acc.sync_gradients:
                     acc.clip_grad_norm_(model.parameters(), 1.0)
@@ -104,9 +110,9 @@ env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads), MATMUL_NUM_THREADS=str(
 out = tempfile.mkdtemp(prefix="cellgraph-gpt2-out-")
 cg = ["taskset", "-c", cpus, a.cellgraph, "finetune", "--model", a.dir, "--data", str(text_path), "--out", out, "--steps", str(a.updates),
       "--block-size", str(a.block), "--batch-size", str(a.batch), "--micro-size", str(a.k), "--dropout", "0", "--val-fraction", "0",
-      "--no-shuffle", "--sample-tokens", "0", "--print-every", "0", "--device", "cpu"]
+      "--no-shuffle", "--sample-tokens", "0", "--print-every", "0", "--device", "cpu", "--precision", a.precision]
 pt = ["taskset", "-c", cpus, sys.executable, __file__, "--pytorch-only", "--threads", str(a.threads), "--updates", str(a.updates),
-      "--block", str(a.block), "--batch", str(a.batch), "--k", str(a.k), "--dir", a.dir]
+      "--block", str(a.block), "--batch", str(a.batch), "--k", str(a.k), "--dir", a.dir, "--precision", a.precision]
 print("cellgraph:", " ".join(cg))
 print("pytorch:  ", " ".join(pt))
 ratios = []
@@ -121,4 +127,4 @@ for p in range(a.pairs):
     ptt = float(re.search(r"pytorch: ([0-9.]+) tokens/s", t.stdout).group(1))
     ratios.append(cgt / ptt)
     print(f"pair {p + 1}: cellgraph {cgt:.1f} tokens/s, pytorch+accelerate {ptt:.1f} tokens/s, ratio {cgt / ptt:.3f}")
-print(f"{a.threads} thread(s): median ratio {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}) over {a.pairs} pairs")
+print(f"{a.threads} thread(s), {a.precision}: median ratio {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}) over {a.pairs} pairs")
