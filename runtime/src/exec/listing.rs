@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use cellgraph_compiler::{Op, TensorType};
 
+use super::bind::HostRun;
 use super::plan::Executable;
 use crate::kernel::{Native, Products};
 use crate::Backend;
@@ -56,28 +57,6 @@ impl std::fmt::Display for Bf16Products {
     }
 }
 
-/// How a plan step runs on a host backend (the CPU), decided when the plan was compiled: see
-/// [`Executable::host_steps`].
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum HostRun {
-    /// Reads a parameter, an input or a constant: no arithmetic.
-    Source,
-    /// A reshape: its operand's memory at the operand's last use, else a copy.
-    Reshape,
-    /// `assign_add`: the sum written into the accumulator's memory.
-    AccumulateInPlace,
-    /// A collective between ranks (`all_reduce`).
-    Collective,
-    /// `assign`: the parameter's new value, moved (no arithmetic).
-    Store,
-    /// `stop_gradient`: its operand, unchanged.
-    Identity,
-    /// A bound host kernel, by name (`matmul`, `epilogue(conv Forward direct)`).
-    Kernel(String),
-    /// burn's ops (the reference lowering), with the reason no host kernel binds.
-    BurnOps(String),
-}
-
 /// One step of a plan as [`Executable::host_steps`] lists it.
 #[derive(Clone, Debug)]
 pub struct HostStep {
@@ -90,22 +69,6 @@ pub struct HostStep {
     /// The step's result type.
     pub ty: TensorType,
     pub run: HostRun,
-}
-
-/// A bound kernel's name in plan listings: `matmul`, `matmul bf16`, `conv Forward im2col`,
-/// `conv InputGrad dense taps`, `epilogue(matmul)`, `Fused`, ...
-fn kernel_name(k: &Native) -> String {
-    let bf16 = |p: &Products| if *p == Products::Bf16 { " bf16" } else { "" };
-    match k {
-        Native::MatMul { products, .. } => format!("matmul{}", bf16(products)),
-        Native::BatchMatMul { products, .. } => format!("batch_matmul{}", bf16(products)),
-        Native::Conv { kind, algo, products, .. } => format!("conv {kind:?} {}{}", algo.name(), bf16(products)),
-        Native::Epilogue { head, .. } => format!("epilogue({})", kernel_name(head)),
-        other => {
-            let debug = format!("{other:?}");
-            debug.split(|c: char| !c.is_ascii_alphanumeric()).next().unwrap_or_default().to_string()
-        }
-    }
 }
 
 impl std::fmt::Display for HostStep {
@@ -133,24 +96,7 @@ impl Executable {
         self.steps
             .iter()
             .map(|st| {
-                let run = match (&st.op, &st.kernel) {
-                    (Op::Parameter { .. } | Op::Input { .. }, _) => HostRun::Source,
-                    (Op::Reshape { .. } | Op::Flatten, _) => HostRun::Reshape,
-                    (Op::AssignAdd, _) if st.args.first().is_some_and(|a| a.1) => HostRun::AccumulateInPlace,
-                    (Op::AllReduce, _) => HostRun::Collective,
-                    (Op::Assign, _) => HostRun::Store,
-                    (Op::StopGradient, _) => HostRun::Identity,
-                    (_, Some(_)) if !st.ty.dtype.is_float() => HostRun::BurnOps(format!("its result is {}: host kernels write floats", st.ty)),
-                    (_, Some(_)) if st.arg_types.iter().any(|t| t.dtype == cellgraph_compiler::DType::Bool) => {
-                        HostRun::BurnOps("a bool operand: host kernels read floats and ids".into())
-                    }
-                    (_, Some(k)) => HostRun::Kernel(kernel_name(k)),
-                    (op, None) => HostRun::BurnOps(format!(
-                        "no host kernel for `{}` on ({})",
-                        op.label(),
-                        st.arg_types.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", ")
-                    )),
-                };
+                let run = super::bind::host_run(st);
                 HostStep { node: st.slot, op: st.op.label(), scope: st.scope.clone(), ty: st.ty.clone(), run }
             })
             .collect()

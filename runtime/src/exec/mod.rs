@@ -18,11 +18,14 @@ use crate::Backend;
 use burn_backend::tensor::Device;
 use cellgraph_compiler::{HostTensor, Op, TensorType};
 
+mod bind;
 mod capture;
 mod listing;
 mod plan;
 
-pub use listing::{Bf16Products, Bf16Unit, HostRun, HostStep};
+use bind::Exec;
+pub use bind::HostRun;
+pub use listing::{Bf16Products, Bf16Unit, HostStep};
 use plan::Step;
 pub use plan::{compile, compile_unfused, compile_with, compile_with_options, DumpAt, Executable};
 
@@ -124,6 +127,21 @@ enum Ran {
     BurnOps,
 }
 
+/// A step on burn's ops (the reference lowering), counted in [`Session::burn_op_steps`]
+/// unless it is a reshape (which moves no values; on devices a view of the buffer).
+fn burn_op<B: Backend>(
+    cx: &Ctx<B>,
+    op: &Op,
+    args: Vec<(Value<B>, &TensorType)>,
+    ty: &TensorType,
+    burn_steps: &mut BTreeMap<&'static str, u64>,
+) -> Result<Value<B>> {
+    if !matches!(op, Op::Reshape { .. } | Op::Flatten) {
+        *burn_steps.entry(op.label()).or_default() += 1;
+    }
+    eval(cx, op, args, ty)
+}
+
 /// Counts one call of `secs` under `key()` in a profile, when profiling is on (`key` is only
 /// made then).
 fn record<K: Ord>(profile: &mut Option<BTreeMap<K, (u64, f64)>>, key: impl FnOnce() -> K, secs: Option<f64>) {
@@ -178,6 +196,9 @@ pub struct Session<B: Backend> {
     /// Steps that computed on burn's ops (no bound kernel ran), by op: see
     /// [`Self::burn_op_steps`].
     burn_steps: BTreeMap<&'static str, u64>,
+    /// How each step of a plan runs, by plan and by the settings it depends on (`native`,
+    /// `in_place`): decided at a plan's first run (see [`bind`]).
+    execs: BTreeMap<(u64, bool, bool), std::sync::Arc<[Exec]>>,
 }
 
 /// A capture's graph, the run's outputs, and why it cannot be replayed (if so).
@@ -216,6 +237,7 @@ impl<B: Backend> Session<B> {
             graphs: Graphs::default(),
             watch: Watch::Off,
             burn_steps: BTreeMap::new(),
+            execs: BTreeMap::new(),
         }
     }
 
@@ -474,6 +496,17 @@ impl<B: Backend> Session<B> {
 
     /// Runs `exe` on this thread. `bound`: the inputs' device buffers (replay's), instead of
     /// uploading `inputs` (whose types are still checked).
+    /// How each step of `exe` runs with the session's settings, decided at the plan's first
+    /// run with them (a session holds the decisions of its last 256 plans).
+    fn execs(&mut self, exe: &Executable) -> std::sync::Arc<[Exec]> {
+        let key = (exe.id, self.native, self.in_place);
+        if !self.execs.contains_key(&key) && self.execs.len() >= 256 {
+            self.execs.clear();
+        }
+        let (native, in_place) = (self.native, self.in_place);
+        self.execs.entry(key).or_insert_with(|| exe.steps.iter().map(|st| bind::exec_of(st, B::HOST, native, in_place)).collect()).clone()
+    }
+
     fn run_here<T>(
         &mut self,
         exe: &Executable,
@@ -495,12 +528,13 @@ impl<B: Backend> Session<B> {
             true => exe.writes.iter().map(|(n, _)| self.params.get(n).cloned()).collect(),
             false => Vec::new(),
         };
-        for step in &exe.steps {
+        let execs = self.execs(exe);
+        for (step, &exec) in exe.steps.iter().zip(execs.iter()) {
             let before = (self.watch != Watch::Off).then(|| (crate::value::device_reads(), crate::value::device_uploads(), self.arena.fresh()));
-            let v = match &step.op {
-                Op::Parameter { .. } if step.deferred => continue,
-                Op::Parameter { name } => self.bind_param(name, &step.ty)?,
-                Op::Input { index, name } => {
+            let v = match (exec, &step.op) {
+                (Exec::Deferred, _) => continue,
+                (Exec::Param, Op::Parameter { name }) => self.bind_param(name, &step.ty)?,
+                (Exec::Input, Op::Input { index, name }) => {
                     let given = &inputs[*index];
                     if given.ty() != step.ty {
                         return Err(RuntimeError::Mismatch {
@@ -516,7 +550,7 @@ impl<B: Backend> Session<B> {
                         (None, None) => Value::from_host(given, &self.device, &s),
                     }
                 }
-                Op::Constant { value } if !B::HOST && step.shared_constant => {
+                (Exec::SharedConstant, Op::Constant { value }) => {
                     let key = (value.to_bits(), step.ty.clone());
                     match self.constants.iter().find(|(k, _)| *k == key) {
                         Some((_, v)) => v.clone(),
@@ -537,7 +571,7 @@ impl<B: Backend> Session<B> {
                         }
                     }
                 }
-                Op::AllReduce if comm.is_some() => {
+                (Exec::Collective, _) if comm.is_some() => {
                     let c = comm.expect("matched");
                     let t0 = self.profile.is_some().then(std::time::Instant::now);
                     let x = slots[step.args[0].0].as_ref().expect("operands are computed before use");
@@ -547,7 +581,7 @@ impl<B: Backend> Session<B> {
                     record(&mut self.profile, || step.op.label(), since(t0));
                     Value::from_host_owned(sum, &self.device, &s)
                 }
-                op => {
+                (exec, op) => {
                     if let Some(name) = &step.target {
                         let target = step.args[0].0;
                         if slots[target].is_none() {
@@ -556,19 +590,16 @@ impl<B: Backend> Session<B> {
                             slots[target] = self.pull(name);
                         }
                     }
-                    // On host backends an accumulator read only here is added into in place, and
-                    // a reshape keeps its operand's memory at the operand's last use (else copies
-                    // it into the arena).
-                    let reshape = matches!(op, Op::Reshape { .. } | Op::Flatten);
-                    let takes_first = B::HOST && self.native && (reshape || (matches!(op, Op::AssignAdd) && step.args[0].1));
+                    // On host backends a step done in its first operand's memory takes that
+                    // operand at its last use; the others are lent and their buffers taken back
+                    // after the step (below). Device ops take operands at their last use.
+                    let takes_first = matches!(exec, Exec::ReshapeInPlace | Exec::AddInPlace);
                     let args: Vec<_> = step
                         .args
                         .iter()
                         .zip(&step.arg_types)
                         .enumerate()
                         .map(|(k, (&(slot, moved), ty))| {
-                            // Host backends lend an operand at its last use too, and take its
-                            // buffer back after the step (below).
                             let take = moved && (!B::HOST || (takes_first && k == 0));
                             let v = if take { slots[slot].take() } else { slots[slot].clone() };
                             (v.expect("operands are computed before use"), ty)
@@ -595,98 +626,98 @@ impl<B: Backend> Session<B> {
                         bf16: self.bf16,
                     };
                     let t0 = self.profile.is_some().then(std::time::Instant::now);
-                    let v = if takes_first && reshape {
-                        let Ok([(x, ty)]) = <[_; 1]>::try_from(args) else { unreachable!("a reshape's arity is checked by the verifier") };
-                        match x {
-                            Value::Float(x) => match crate::host::reshape::<B>(x, &step.ty, &self.device, &mut self.arena) {
-                                Ok(t) => Value::Float(t),
-                                Err(x) => eval(&cx, op, vec![(Value::Float(x), ty)], &step.ty)?,
-                            },
-                            x => eval(&cx, op, vec![(x, ty)], &step.ty)?,
+                    let v = match exec {
+                        Exec::ReshapeInPlace => {
+                            let Ok([(x, ty)]) = <[_; 1]>::try_from(args) else { unreachable!("a reshape's arity is checked by the verifier") };
+                            match x {
+                                Value::Float(x) => match crate::host::reshape::<B>(x, &step.ty, &self.device, &mut self.arena) {
+                                    Ok(t) => Value::Float(t),
+                                    Err(x) => eval(&cx, op, vec![(Value::Float(x), ty)], &step.ty)?,
+                                },
+                                x => eval(&cx, op, vec![(x, ty)], &step.ty)?,
+                            }
                         }
-                    } else if takes_first {
-                        let Ok([(acc, _), (g, _)]) = <[_; 2]>::try_from(args) else { unreachable!("assign_add's arity is checked by the verifier") };
-                        let tys = (&step.arg_types[0], &step.arg_types[1]);
-                        match (acc, g) {
-                            (Value::Float(acc), Value::Float(g)) => match crate::host::assign_add::<B>(acc, &g, &step.ty, &self.device) {
-                                Ok(t) => Value::Float(t),
-                                Err(acc) => eval(&cx, op, vec![(Value::Float(acc), tys.0), (Value::Float(g), tys.1)], &step.ty)?,
-                            },
-                            (acc, g) => eval(&cx, op, vec![(acc, tys.0), (g, tys.1)], &step.ty)?,
+                        Exec::AddInPlace => {
+                            let Ok([(acc, _), (g, _)]) = <[_; 2]>::try_from(args) else {
+                                unreachable!("assign_add's arity is checked by the verifier")
+                            };
+                            let tys = (&step.arg_types[0], &step.arg_types[1]);
+                            match (acc, g) {
+                                (Value::Float(acc), Value::Float(g)) => match crate::host::assign_add::<B>(acc, &g, &step.ty, &self.device) {
+                                    Ok(t) => Value::Float(t),
+                                    Err(acc) => eval(&cx, op, vec![(Value::Float(acc), tys.0), (Value::Float(g), tys.1)], &step.ty)?,
+                                },
+                                (acc, g) => eval(&cx, op, vec![(acc, tys.0), (g, tys.1)], &step.ty)?,
+                            }
                         }
-                    } else if let (Some(n), Op::Epilogue { head, .. }) = (step.accumulator.filter(|_| !B::HOST && self.in_place), op) {
-                        // Accumulators that are views of one flat device buffer: the head adding
-                        // into the view's own memory where the device has such a kernel, else the
-                        // head, then `assign_add` into it.
-                        let mut args = args;
-                        let mut acc = args.split_off(n);
-                        let into = match (&step.kernel, acc.as_slice()) {
-                            (Some(Native::Epilogue { head: k, .. }), [(Value::Float(a), _)]) if self.native => {
-                                let floats: Option<Vec<_>> = args.iter().map(|(v, _)| if let Value::Float(t) = v { Some(t) } else { None }).collect();
-                                floats.is_some_and(|f| B::device_accumulate(k, &f, a, cx.tf32, &mut self.arena))
-                            }
-                            _ => false,
-                        };
-                        if into {
-                            for (v, _) in args {
-                                v.give_back(&mut self.arena);
-                            }
-                            acc.swap_remove(0).0
-                        } else {
-                            let (g, ran) = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
-                            if ran == Ran::BurnOps {
-                                *self.burn_steps.entry(head.label()).or_default() += 1;
-                            }
-                            match (acc.as_slice(), g) {
-                                ([(Value::Float(a), _)], Value::Float(g)) if B::assign_add_in_place(a, g.clone()) => {
-                                    Value::<B>::Float(g).give_back(&mut self.arena);
-                                    acc.swap_remove(0).0
+                        Exec::AccumulateInto(n) => {
+                            // Accumulators that are views of one flat device buffer: the head
+                            // adding into the view's own memory where the device has such a
+                            // kernel, else the head, then `assign_add` into it.
+                            let Op::Epilogue { head, .. } = op else { unreachable!("bound to epilogues only") };
+                            let mut args = args;
+                            let mut acc = args.split_off(n);
+                            let into = match (&step.kernel, acc.as_slice()) {
+                                (Some(Native::Epilogue { head: k, .. }), [(Value::Float(a), _)]) if self.native => {
+                                    let floats: Option<Vec<_>> =
+                                        args.iter().map(|(v, _)| if let Value::Float(t) = v { Some(t) } else { None }).collect();
+                                    floats.is_some_and(|f| B::device_accumulate(k, &f, a, cx.tf32, &mut self.arena))
                                 }
-                                (_, g) => eval(&cx, &Op::AssignAdd, acc.into_iter().chain([(g, &step.ty)]).collect(), &step.ty)?,
-                            }
-                        }
-                    } else {
-                        let kernel = step.kernel.as_ref().filter(|_| self.native);
-                        match kernel.and_then(|k| run_bound(k, &args, &step.ty, &cx, &mut self.kept, &mut self.arena)) {
-                            Some(t) => {
-                                // Operands at their last use give their memory back (a
-                                // device kernel only read them; later launches run after it).
+                                _ => false,
+                            };
+                            if into {
                                 for (v, _) in args {
                                     v.give_back(&mut self.arena);
                                 }
-                                Value::Float(t)
+                                acc.swap_remove(0).0
+                            } else {
+                                let (g, ran) = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
+                                if ran == Ran::BurnOps {
+                                    *self.burn_steps.entry(head.label()).or_default() += 1;
+                                }
+                                match (acc.as_slice(), g) {
+                                    ([(Value::Float(a), _)], Value::Float(g)) if B::assign_add_in_place(a, g.clone()) => {
+                                        Value::<B>::Float(g).give_back(&mut self.arena);
+                                        acc.swap_remove(0).0
+                                    }
+                                    (_, g) => eval(&cx, &Op::AssignAdd, acc.into_iter().chain([(g, &step.ty)]).collect(), &step.ty)?,
+                                }
                             }
-                            None => match (op, kernel) {
-                                // On device backends: the head on its bound kernel, the program on burn's ops.
-                                (Op::Epilogue { head, expr }, Some(Native::Epilogue { head_args, .. })) => {
-                                    let mut args = args;
-                                    let rest = args.split_off(*head_args);
-                                    let (y, ran) = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
-                                    if ran == Ran::BurnOps {
-                                        *self.burn_steps.entry(head.label()).or_default() += 1;
+                        }
+                        Exec::Kernel => {
+                            let k = step.kernel.as_ref().expect("bound to steps with a kernel");
+                            match run_bound(k, &args, &step.ty, &cx, &mut self.kept, &mut self.arena) {
+                                Some(t) => {
+                                    // Operands at their last use give their memory back (a
+                                    // device kernel only read them; later launches run after it).
+                                    for (v, _) in args {
+                                        v.give_back(&mut self.arena);
                                     }
-                                    crate::lower::epilogue_program(&cx, y, expr, rest, &step.ty)?
+                                    Value::Float(t)
                                 }
-                                // Its operand, unchanged.
-                                (Op::StopGradient, _) => {
-                                    let Ok([(v, _)]) = <[_; 1]>::try_from(args) else {
-                                        unreachable!("stop_gradient's arity is checked by the verifier")
-                                    };
-                                    v
-                                }
-                                // A parameter's new value: the second operand, moved.
-                                (Op::Assign, _) => {
-                                    let Ok([_, (v, _)]) = <[_; 2]>::try_from(args) else { unreachable!("assign's arity is checked by the verifier") };
-                                    v
-                                }
-                                _ => {
-                                    // A reshape moves no values (on devices a view of the buffer).
-                                    if !matches!(op, Op::Reshape { .. } | Op::Flatten) {
-                                        *self.burn_steps.entry(op.label()).or_default() += 1;
+                                // Declined at run time (a dtype the device kernels lack): an
+                                // epilogue's head on its kernel and its program on burn's ops,
+                                // else the whole step on burn's ops, counted.
+                                None => match (op, k) {
+                                    (Op::Epilogue { head, expr }, Native::Epilogue { head_args, .. }) => {
+                                        let mut args = args;
+                                        let rest = args.split_off(*head_args);
+                                        let (y, ran) = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
+                                        if ran == Ran::BurnOps {
+                                            *self.burn_steps.entry(head.label()).or_default() += 1;
+                                        }
+                                        crate::lower::epilogue_program(&cx, y, expr, rest, &step.ty)?
                                     }
-                                    eval(&cx, op, args, &step.ty)?
-                                }
-                            },
+                                    (Op::StopGradient, _) => args.into_iter().next().expect("one operand").0,
+                                    (Op::Assign, _) => args.into_iter().nth(1).expect("two operands").0,
+                                    _ => burn_op(&cx, op, args, &step.ty, &mut self.burn_steps)?,
+                                },
+                            }
+                        }
+                        Exec::Pass(i) => args.into_iter().nth(i).expect("the verifier checks the arity").0,
+                        Exec::Collective | Exec::Burn => burn_op(&cx, op, args, &step.ty, &mut self.burn_steps)?,
+                        Exec::Deferred | Exec::Param | Exec::Input | Exec::SharedConstant => {
+                            unreachable!("sources are matched above")
                         }
                     };
                     if t0.is_some() && self.profile_sync {
