@@ -126,7 +126,8 @@ pub struct FinetuneArgs {
     /// `cpu`, `cuda`, `cuda:N`, `wgpu` or `auto`.
     #[arg(long, default_value = "auto")]
     device: String,
-    /// Print the time spent per op at the end (rank 0's).
+    /// Print the time spent per op and per kind of step at the end (rank 0's, the held-out
+    /// scoring included).
     #[arg(long)]
     profile: bool,
 }
