@@ -119,10 +119,10 @@ pub(super) fn exec_of(st: &Step, host: bool, native: bool, in_place: bool) -> Ex
         }
     }
     match (&st.op, st.accumulator) {
-        (Op::Epilogue { .. }, Some(n)) if !host && in_place => Exec::AccumulateInto(n),
-        _ if native && st.kernel.is_some() => Exec::Kernel,
         (Op::StopGradient, _) => Exec::Pass(0),
         (Op::Assign, _) => Exec::Pass(1),
+        (Op::Epilogue { .. }, Some(n)) if !host && in_place => Exec::AccumulateInto(n),
+        _ if native && st.kernel.is_some() => Exec::Kernel,
         _ => Exec::Burn,
     }
 }

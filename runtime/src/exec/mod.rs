@@ -494,8 +494,6 @@ impl<B: Backend> Session<B> {
         self.run_here(exe, inputs, None, comm, out)
     }
 
-    /// Runs `exe` on this thread. `bound`: the inputs' device buffers (replay's), instead of
-    /// uploading `inputs` (whose types are still checked).
     /// How each step of `exe` runs with the session's settings, decided at the plan's first
     /// run with them (a session holds the decisions of its last 256 plans).
     fn execs(&mut self, exe: &Executable) -> std::sync::Arc<[Exec]> {
@@ -507,6 +505,8 @@ impl<B: Backend> Session<B> {
         self.execs.entry(key).or_insert_with(|| exe.steps.iter().map(|st| bind::exec_of(st, B::HOST, native, in_place)).collect()).clone()
     }
 
+    /// Runs `exe` on this thread. `bound`: the inputs' device buffers (replay's), instead of
+    /// uploading `inputs` (whose types are still checked).
     fn run_here<T>(
         &mut self,
         exe: &Executable,
@@ -708,8 +708,6 @@ impl<B: Backend> Session<B> {
                                         }
                                         crate::lower::epilogue_program(&cx, y, expr, rest, &step.ty)?
                                     }
-                                    (Op::StopGradient, _) => args.into_iter().next().expect("one operand").0,
-                                    (Op::Assign, _) => args.into_iter().nth(1).expect("two operands").0,
                                     _ => burn_op(&cx, op, args, &step.ty, &mut self.burn_steps)?,
                                 },
                             }
