@@ -24,6 +24,10 @@ pub mod error;
 pub mod exec;
 pub mod hf;
 pub mod host;
+// Not in release builds (no sharing there) nor in this crate's unit tests (nothing links them).
+#[cfg(all(debug_assertions, not(test)))]
+#[doc(hidden)]
+pub mod instances;
 pub mod kernel;
 #[cfg(feature = "cube")]
 pub mod launches;
