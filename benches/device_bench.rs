@@ -17,6 +17,7 @@ use cellgraph::cells::Optimizer;
 use cellgraph::prelude::*;
 use cellgraph::runtime::burn_backend::tensor::Device;
 use cellgraph::runtime::device::{self, OnDevice};
+use cellgraph::runtime::Place;
 use cellgraph::runtime::{Accumulator, Backend};
 use rand::{Rng, SeedableRng};
 
@@ -134,17 +135,17 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     let micro_graph = net.micro_step_graph(&types)?;
     let flops_per_item = cellgraph::compiler::cost::flops(&micro_graph) as f64 / b as f64;
     let mut acc = Accumulator::<B>::new(Rc::new(net), opt, device, 1)?;
-    acc.session.set_tf32(args.tf32);
-    acc.session.set_bf16_products(!args.f32_products);
+    acc.options().set_tf32(args.tf32);
+    acc.options().set_bf16_products(!args.f32_products);
     let graphs = args.graphs;
-    acc.session.set_graphs(graphs)?;
+    acc.options().set_graphs(graphs)?;
     let mut i = 0;
     let mut run = |acc: &mut Accumulator<B>, updates: usize| -> Result<f64, Box<dyn std::error::Error>> {
         let mut loss = 0.0;
         for _ in 0..updates * k {
             // The loss is read once per update (PyTorch's script does the same), so the
             // micro-steps of a window queue on the device without waiting for it.
-            if acc.advance(&batches[i % batches.len()])? {
+            if acc.step(&batches[i % batches.len()], Place::Regular)? {
                 loss = acc.step_loss();
             }
             i += 1;
@@ -156,7 +157,7 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     let t = Instant::now();
     let loss = run(&mut acc, args.updates)?;
     // Reading the parameters back waits for every queued kernel.
-    let _ = acc.session.params_host();
+    let _ = acc.session().params_host();
     let secs = t.elapsed().as_secs_f64();
     let updates = (acc.updates() - updates0) as f64;
     let images = updates * (b * k) as f64;
@@ -191,7 +192,7 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         eprintln!("tensor-core matmuls run in exact f32 (no tensor-core kernel here): {}", cellgraph::runtime::cube::tf32_fallbacks());
     }
     if graphs {
-        let r = acc.session.replay_counts();
+        let r = acc.session().replay_counts();
         eprintln!(
             "graph replay: {} warm-ups, {} captures, {} replays, {} forgotten, {} op by op ({} with collectives)",
             r.warmups,
@@ -201,7 +202,7 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
             r.uncaptured,
             acc.counters().uncaptured_steps
         );
-        for why in acc.session.replay_blockers() {
+        for why in acc.session().replay_blockers() {
             eprintln!("  not captured: {why}");
         }
     }
@@ -213,11 +214,12 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         let c0 = launches::settled();
         let before: std::collections::BTreeMap<String, u64> = launches::by_name().into_iter().collect();
         for _ in 0..k - 1 {
-            acc.step(&batches[0])?;
+            acc.step(&batches[0], Place::Regular)?;
+            acc.step_loss();
         }
         let c1 = launches::settled();
-        acc.step(&batches[0])?;
-        let _ = acc.session.params_host();
+        acc.step(&batches[0], Place::Regular)?;
+        let _ = acc.session().params_host();
         let c2 = launches::settled();
         let micro = (c1 - c0) as f64 / (k - 1) as f64;
         eprintln!("kernel launches: {micro:.1} per micro-step, {:.1} at the boundary, {} per window", (c2 - c1) as f64 - micro, c2 - c0);
@@ -231,28 +233,28 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         use cellgraph::runtime::value::{device_reads, device_uploads};
         let (r0, u0) = (device_reads(), device_uploads());
         for _ in 0..k {
-            acc.advance(&batches[0])?;
+            acc.step(&batches[0], Place::Regular)?;
         }
         let (reads, uploads) = (device_reads() - r0, device_uploads() - u0);
         eprintln!("transfers per window of {k} micro-steps, loss not read: {reads} device-to-host reads, {uploads} host-to-device copies");
     }
     if args.profile {
         // Per-op times need the ops run one by one.
-        acc.session.set_graphs(false)?;
-        acc.session.set_device_profiling(true);
+        acc.options().set_graphs(false)?;
+        acc.options().set_device_profiling(true);
         let t = Instant::now();
         for _ in 0..k {
-            acc.step(&batches[0])?;
+            acc.step(&batches[0], Place::Regular)?;
         }
-        let _ = acc.session.params_host();
-        let total: f64 = acc.session.profile().iter().map(|p| p.2).sum();
+        let _ = acc.session().params_host();
+        let total: f64 = acc.session().profile().iter().map(|p| p.2).sum();
         eprintln!(
             "one window of {k} micro-steps, waiting for the device after each op: {:.1} ms, {:.1} ms of it in ops\n{}",
             t.elapsed().as_secs_f64() * 1e3,
             total * 1e3,
-            acc.session.profile_table(25)
+            acc.session().profile_table(25)
         );
-        acc.session.set_device_profiling(false);
+        acc.options().set_device_profiling(false);
     }
     Ok(())
 }

@@ -308,7 +308,7 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     };
     let mut model = model.with_metrics(&[Metric::Loss]);
     let _ = model.restore_with(&loaded.params, !args.non_strict)?;
-    model.accumulator_mut().session.set_profiling(args.profile);
+    model.accumulator_mut().options().set_profiling(args.profile);
     let mut log = args.loss_log.as_deref().filter(|_| rank == 0).map(|p| RunLog::open(p, false)).transpose()?;
     let out: Box<dyn std::io::Write> = if rank == 0 { Box::new(std::io::stdout()) } else { Box::new(std::io::sink()) };
     let mut loss_monitor = LossMonitor::to_writer(args.print_every, out);
@@ -351,7 +351,7 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     let ranks = if size > 1 { format!(" on {size} ranks") } else { String::new() };
     say!("trained {} updates{ranks} in {secs:.2} s ({:.0} tokens/s)", model.accumulator().updates(), tokens as f64 / secs);
     if rank == 0 {
-        print!("{}", model.accumulator().session.profile_table(20));
+        print!("{}", model.accumulator().session().profile_table(20));
     }
     let snapshot = model.snapshot();
     if rank > 0 {
@@ -382,7 +382,7 @@ fn greedy<B: Backend>(model: &mut Model<B>, prompt: &[i32], context: usize, voca
         let window = &ids[ids.len().saturating_sub(context)..];
         let mut input = window.to_vec();
         input.resize(context, 0);
-        let logits = model.accumulator_mut().session.run(&exe, &[HostTensor::i32(vec![1, context], input)?])?.remove(0).to_f32();
+        let logits = model.accumulator_mut().run(&exe, &[HostTensor::i32(vec![1, context], input)?])?.remove(0).to_f32();
         let row = &logits[(window.len() - 1) * vocab..window.len() * vocab];
         let next = row.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &l)| if l > best.1 { (i, l) } else { best }).0;
         ids.push(next as i32);

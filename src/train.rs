@@ -541,12 +541,12 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
         checkpoint::check_writable(path)?;
     }
     let mut log = args.loss_log.as_deref().map(|p| RunLog::open(p, args.resume.is_some())).transpose()?;
-    model.accumulator_mut().session.set_profiling(args.profile);
-    model.accumulator_mut().session.set_tf32(args.tf32);
+    model.accumulator_mut().options().set_profiling(args.profile);
+    model.accumulator_mut().options().set_tf32(args.tf32);
     if args.graphs && args.profile {
         eprintln!("--graphs: off under --profile (it times each op)");
     } else if args.graphs {
-        model.accumulator_mut().session.set_graphs(true)?;
+        model.accumulator_mut().options().set_graphs(true)?;
     }
     let updates_before = model.accumulator().updates();
     let t0 = Instant::now();
@@ -560,7 +560,7 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     if let Some(p) = model.accumulator().micro_plans().find_map(|e| e.bf16_products::<B>()) {
         println!("{p}");
     }
-    let session = &model.accumulator().session;
+    let session = model.accumulator().session();
     if session.graphs() {
         // Whether replay did what `--graphs` asked, and why not where it did not.
         let r = session.replay_counts();
@@ -576,7 +576,7 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
         model.save_checkpoint(path)?;
         println!("saved {} {} ({} updates)", path.display(), place(p), model.accumulator().updates());
     }
-    for (op, calls, t) in model.accumulator().session.profile() {
+    for (op, calls, t) in model.accumulator().session().profile() {
         println!("{op:>28} {calls:>8} calls {:>10.1} ms", t * 1e3);
     }
     Ok(())

@@ -36,7 +36,7 @@ pub mod model;
 pub mod replay;
 pub mod value;
 
-pub use accumulate::{Accumulator, Counters, LoadReport, StepOutcome};
+pub use accumulate::{Accumulator, Counters, LoadReport, Place, SessionOptions};
 pub use backend::Backend;
 /// burn's backend API, for code generic over [`Backend`] (`Device<B>`, tensor primitives).
 pub use burn_backend;

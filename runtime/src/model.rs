@@ -18,7 +18,7 @@ use burn_backend::tensor::Device;
 use cellgraph_cells::{AutoParallel, Cell, GradAccumulation, Optimizer};
 use cellgraph_compiler::{HostTensor, TensorType};
 
-use crate::accumulate::Accumulator;
+use crate::accumulate::{Accumulator, Place};
 use crate::callback::{snapshot_at, Callback, Position, RunContext};
 use crate::checkpoint;
 use crate::comm::Communicator;
@@ -158,7 +158,7 @@ impl<B: Backend> Model<B> {
                     // A short last batch may be sliced into unequal micro-batches.
                     let last = self.position.step + 1 == steps_per_epoch && sizes[self.position.step] < sizes[0];
                     // The loss stays on a device until a callback asks for it (`RunContext::loss`).
-                    let applied = if last { self.acc.advance_last(&batch)? } else { self.acc.advance(&batch)? };
+                    let applied = self.acc.step(&batch, if last { Place::LastOfEpoch } else { Place::Regular })?;
                     self.position.step += 1;
                     let mut cx = RunContext::new(epoch + 1, epochs, steps_per_epoch, &self.acc);
                     cx.step = self.position.step;
@@ -342,7 +342,7 @@ impl<B: Backend> Model<B> {
             let dump = self.acc.dump_options().map(|opts| DumpAt { opts, first: 0, input: "trace" });
             self.eval_plans.insert(key.clone(), compile_with(g, dump)?);
         }
-        self.acc.session.run(&self.eval_plans[&key], inputs)
+        self.acc.run(&self.eval_plans[&key], inputs)
     }
 
     /// Everything needed to resume: the accumulator's snapshot and the position.

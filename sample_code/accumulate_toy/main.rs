@@ -7,6 +7,7 @@
 use std::rc::Rc;
 
 use cellgraph::prelude::*;
+use cellgraph::runtime::Place;
 use cellgraph::runtime::{Accumulator, TensorDataset};
 
 fn model() -> WithLossCell {
@@ -31,15 +32,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut accumulated = Accumulator::<Cpu>::new(Rc::new(acc), Rc::new(SGD::new(0.02)), cpu(), 0)?;
     let mut clone = Model::<Cpu>::plain(model(), SGD::new(0.02), cpu(), 0)?;
     let weight = |s: &Session<Cpu>| s.param("weight").expect("the model has a weight").scalar();
-    println!("initial model weight is {:.5}", weight(&accumulated.session));
-    println!("initial model weight is {:.5}", weight(&clone.accumulator().session));
+    println!("initial model weight is {:.5}", weight(accumulated.session()));
+    println!("initial model weight is {:.5}", weight(clone.accumulator().session()));
     for (i, batch) in dataloader.batches(0, 0).enumerate() {
         println!("{i} {:?}", batch[0].to_f32());
-        accumulated.step(&batch)?;
+        accumulated.step(&batch, Place::Regular)?;
     }
     accumulated.finish()?;
     clone.train(1, &TensorDataset { columns, batch_size: 8 }, &mut [])?;
-    println!("w/ accumulation, the final model weight is {:.5}", weight(&accumulated.session));
-    println!("w/o accumulation, the final model weight is {:.5}", weight(&clone.accumulator().session));
+    println!("w/ accumulation, the final model weight is {:.5}", weight(accumulated.session()));
+    println!("w/o accumulation, the final model weight is {:.5}", weight(clone.accumulator().session()));
     Ok(())
 }

@@ -11,6 +11,7 @@ use std::rc::Rc;
 use cellgraph::prelude::*;
 use cellgraph::runtime::data::create_dataset;
 use cellgraph::runtime::Accumulator;
+use cellgraph::runtime::Place;
 
 const GRADIENT_ACCUMULATION: usize = 4;
 const BATCH_SIZE: usize = 32;
@@ -30,8 +31,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut booster = Accumulator::<Cpu>::new(Rc::new(net), Rc::new(optimizer), cpu(), 0)?;
     let mut param_by_iter = Vec::new();
     for (idx, batch) in train_dataloader.epoch(0, 0).take(GRADIENT_ACCUMULATION).enumerate() {
-        booster.step(&batch.inputs())?;
-        let param = booster.session.param("conv1.weight").expect("LeNet5 has conv1").to_f32();
+        booster.step(&batch.inputs(), Place::Regular)?;
+        let param = booster.session().param("conv1.weight").expect("LeNet5 has conv1").to_f32();
         println!("iteration {idx}, first 10 elements of param: {:?}", &param[..10]);
         param_by_iter.push(param);
     }

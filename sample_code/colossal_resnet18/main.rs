@@ -30,6 +30,7 @@ use clap::Parser;
 use cellgraph::prelude::*;
 use cellgraph::runtime::comm::Communicator;
 use cellgraph::runtime::data::{Cifar10, Cifar10Dataset};
+use cellgraph::runtime::Place;
 use cellgraph::runtime::{Accumulator, Dataset};
 
 const GRADIENT_ACCUMULATION: usize = 4;
@@ -127,8 +128,8 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
     }
     let mut param_by_iter = Vec::new();
     for (idx, batch) in train_dataset.epoch(0, 0).take(GRADIENT_ACCUMULATION).enumerate() {
-        booster.step(&batch)?;
-        let param = booster.session.param("conv1.weight").expect("ResNet-18 has conv1").to_f32();
+        booster.step(&batch, Place::Regular)?;
+        let param = booster.session().param("conv1.weight").expect("ResNet-18 has conv1").to_f32();
         if rank == 0 {
             println!("iteration {idx}, first 10 elements of param: {:?}", &param[..10]);
         }
@@ -171,7 +172,7 @@ fn train(
     } else {
         Model::<Cpu>::new(net, optimizer, cpu(), args.seed)?
     };
-    model.accumulator_mut().session.set_profiling(args.profile);
+    model.accumulator_mut().options().set_profiling(args.profile);
     // MindSpore's save_graphs: CELLGRAPH_SAVE_GRAPHS=1..3, CELLGRAPH_SAVE_GRAPHS_PATH=dir.
     if let Some(opts) = cellgraph::compiler::dump::DumpOptions::from_env()? {
         model.save_graphs(opts)?;
@@ -195,7 +196,7 @@ fn train(
         let images = ds.dataset_size() * args.batch_size * args.epochs * size;
         println!("ranks: {size}, updates: {}, {}", acc.updates(), collectives(acc.counters()));
         println!("training: {secs:.1} s, {:.1} images/s across ranks", images as f64 / secs);
-        print!("{}", acc.session.profile_table(20));
+        print!("{}", acc.session().profile_table(20));
         let test = Cifar10Dataset::new(data(args, "test", rank)?).batch(args.batch_size, false)?;
         println!("test accuracy: {:.4}", model.eval(&test)?["Accuracy"]);
         cellgraph::runtime::checkpoint::save(&args.ckpt, &snapshot, &Default::default())?;

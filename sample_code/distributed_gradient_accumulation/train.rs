@@ -184,7 +184,7 @@ fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>
     };
     let mut model = model;
     if args.graphs {
-        model.accumulator_mut().session.set_graphs(true)?;
+        model.accumulator_mut().options().set_graphs(true)?;
     }
     // MindSpore's MS_DEV_SAVE_GRAPHS, read once here: CELLGRAPH_SAVE_GRAPHS=1..3 and
     // CELLGRAPH_SAVE_GRAPHS_PATH write every graph after every pass (under rank_<id>/).
@@ -206,7 +206,8 @@ fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>
     // Trained parameters agree across ranks; batch norm's moving statistics are per rank (as DDP's
     // running statistics on each rank; rank 0's go into the checkpoint), unless synchronised.
     let trained = if args.sync_bn { acc.network().parameters() } else { acc.network().trainable_params() };
-    let params: Vec<u8> = trained.iter().filter_map(|p| acc.session.param(&p.name)).flat_map(|t| t.to_f32()).flat_map(|v| v.to_le_bytes()).collect();
+    let params: Vec<u8> =
+        trained.iter().filter_map(|p| acc.session().param(&p.name)).flat_map(|t| t.to_f32()).flat_map(|v| v.to_le_bytes()).collect();
     comm::agree(comm.as_ref(), "final parameters", &params)?;
     // Every rank takes the snapshot (with hsdp it gathers the optimizer state); rank 0 saves.
     let snapshot = model.snapshot();

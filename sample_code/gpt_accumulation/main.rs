@@ -194,8 +194,8 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
         Model::<Cpu>::new(net, optimizer, cpu(), args.seed)?
     };
     model = model.with_metrics(&[Metric::Loss]);
-    model.accumulator_mut().session.set_profiling(args.profile);
-    model.accumulator_mut().session.set_bf16_products(!args.f32_products);
+    model.accumulator_mut().options().set_profiling(args.profile);
+    model.accumulator_mut().options().set_bf16_products(!args.f32_products);
     // MindSpore's save_graphs: CELLGRAPH_SAVE_GRAPHS=1..3, CELLGRAPH_SAVE_GRAPHS_PATH=dir.
     if let Some(opts) = cellgraph::compiler::dump::DumpOptions::from_env()? {
         model.save_graphs(opts)?;
@@ -247,7 +247,7 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
         if matches!(args.items, ItemKind::Windows) {
             println!("training: {secs:.2} s, {:.1} tokens/s across ranks", tokens as f64 / secs);
         }
-        print!("{}", model.accumulator().session.profile_table(20));
+        print!("{}", model.accumulator().session().profile_table(20));
         if args.sample > 0 {
             println!("sample:\n{}", sample(&mut model, &corpus, args.context, args.sample, args.seed)?);
         }
@@ -272,7 +272,7 @@ fn sample(model: &mut Model<Cpu>, corpus: &Corpus, context: usize, n: usize, see
         let window = &ids[start..];
         let mut input = window.to_vec();
         input.resize(context, 0);
-        let logits = model.accumulator_mut().session.run(&exe, &[HostTensor::i32(vec![1, context], input)?])?.remove(0).to_f32();
+        let logits = model.accumulator_mut().run(&exe, &[HostTensor::i32(vec![1, context], input)?])?.remove(0).to_f32();
         let v = corpus.vocab_size();
         let row = &logits[(window.len() - 1) * v..window.len() * v];
         let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));

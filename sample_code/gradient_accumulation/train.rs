@@ -18,6 +18,7 @@ use cellgraph::cells::accumulate::{GradAccumulation, Normalization};
 use cellgraph::prelude::*;
 use cellgraph::runtime::data::create_dataset;
 use cellgraph::runtime::Accumulator;
+use cellgraph::runtime::Place;
 
 #[derive(Parser)]
 #[command(about = "cellgraph Grad Cumulative Example (MindSpore r1.6 tutorial)")]
@@ -81,10 +82,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     for i in 0..args.epochs {
         let mut step = 0;
         for batch in ds_train.epoch(i, 0) {
-            let out = acc.step(&batch.inputs())?;
-            if out.applied {
+            if acc.step(&batch.inputs(), Place::Regular)? {
                 step += 1;
-                println!("epoch: {} step: {} loss is {}", i + 1, step, out.loss as f32);
+                println!("epoch: {} step: {} loss is {}", i + 1, step, acc.step_loss() as f32);
             }
         }
         acc.finish()?;
@@ -94,7 +94,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     eprintln!("trained {} updates in {secs:.1} s ({:.0} images/s)", acc.updates(), images / secs);
     // The tutorial saves TrainForwardBackward's parameters: the network's and grad_sum's.
     let tensors: cellgraph::runtime::checkpoint::Tensors =
-        acc.session.params_host().into_iter().filter(|(k, _)| !k.starts_with("moments.")).collect();
+        acc.session().params_host().into_iter().filter(|(k, _)| !k.starts_with("moments.")).collect();
     cellgraph::runtime::checkpoint::save(&args.ckpt, &tensors, &Default::default())?;
     println!("saved {}", args.ckpt.display());
     Ok(())

@@ -10,6 +10,7 @@ use cellgraph::cells::Optimizer;
 use cellgraph::compiler::NodeId;
 use cellgraph::prelude::*;
 use cellgraph::runtime::accumulate::slice_rows;
+use cellgraph::runtime::Place;
 use cellgraph::runtime::{Accumulator, Counters};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -147,16 +148,16 @@ fn compare(acc: GradAccumulation, sizes: &[usize], updates: usize, loss_factor: 
         let micro: Vec<Vec<HostTensor>> = sizes.iter().map(|&n| data(&mut rng, n)).collect();
         let big = concat(&micro);
         if in_step {
-            assert!(a.step(&big).unwrap().applied);
+            assert!(a.step(&big, Place::Regular).unwrap());
         } else {
             for (i, m) in micro.iter().enumerate() {
-                assert_eq!(a.step(m).unwrap().applied, i + 1 == sizes.len());
+                assert_eq!(a.step(m, Place::Regular).unwrap(), i + 1 == sizes.len());
             }
         }
         r.step(&big);
     }
     assert_eq!(a.updates(), updates as u64);
-    rel_diff(&params_of(&a.session), &params_of(&r.session))
+    rel_diff(&params_of(a.session()), &params_of(&r.session))
 }
 
 #[test]
@@ -189,18 +190,18 @@ fn parameters_change_only_at_the_boundary_and_each_graph_runs_once_per_window() 
     let mut rng = StdRng::seed_from_u64(1);
     let acc_name = "accu_grads.fc1.weight";
     for window in 1..=3u64 {
-        let before = params_of(&a.session);
+        let before = params_of(a.session());
         for i in 1..=4 {
-            let out = a.step(&data(&mut rng, 8)).unwrap();
-            let now = params_of(&a.session);
+            let applied = a.step(&data(&mut rng, 8), Place::Regular).unwrap();
+            let now = params_of(a.session());
             if i < 4 {
-                assert!(!out.applied);
+                assert!(!applied);
                 assert_eq!(now, before, "window {window}: parameters changed at micro-step {i}");
-                assert!(a.session.param(acc_name).unwrap().to_f32().iter().any(|&v| v != 0.0));
+                assert!(a.session().param(acc_name).unwrap().to_f32().iter().any(|&v| v != 0.0));
             } else {
-                assert!(out.applied);
+                assert!(applied);
                 assert_ne!(now, before, "window {window}: parameters did not change at the boundary");
-                assert!(a.session.param(acc_name).unwrap().to_f32().iter().all(|&v| v == 0.0), "accumulators cleared");
+                assert!(a.session().param(acc_name).unwrap().to_f32().iter().all(|&v| v == 0.0), "accumulators cleared");
             }
         }
         assert_eq!(
@@ -231,8 +232,9 @@ fn in_step_loss_is_the_sum_of_micro_losses_and_bad_batch_sizes_are_refused() {
     let expected: f64 = (0..4)
         .map(|i| probe.run(&fwd, &[slice_rows(&batch[0], 4 * i, 4 * i + 4), slice_rows(&batch[1], 4 * i, 4 * i + 4)]).unwrap()[0].scalar())
         .sum();
-    let out = a.step(&batch).unwrap();
-    assert!((out.loss - expected).abs() < 1e-5, "{} vs {expected}", out.loss);
+    a.step(&batch, Place::Regular).unwrap();
+    let loss = a.step_loss();
+    assert!((loss - expected).abs() < 1e-5, "{loss} vs {expected}");
     assert_eq!(
         a.counters(),
         Counters {
@@ -248,9 +250,9 @@ fn in_step_loss_is_the_sum_of_micro_losses_and_bad_batch_sizes_are_refused() {
     );
 
     let mut bad = Accumulator::<Cpu>::new(Rc::new(GradAccumulation::new(net(), 3)), momentum(), cpu(), 3).unwrap();
-    let e = bad.step(&data(&mut rng, 16)).unwrap_err().to_string();
+    let e = bad.step(&data(&mut rng, 16), Place::Regular).unwrap_err().to_string();
     assert!(e.contains("(16) must be divided by micro_size (3)"), "{e}");
-    let e = a.step(&data(&mut rng, 10)).unwrap_err().to_string();
+    let e = a.step(&data(&mut rng, 10), Place::Regular).unwrap_err().to_string();
     assert!(e.contains("(10) must be divided by micro_size (4)"), "{e}");
 }
 
@@ -262,14 +264,14 @@ fn incomplete_last_window_steps_with_its_true_count_or_is_dropped() {
     let acc = GradAccumulation::across_steps(net(), 4).normalization(Normalization::Mean);
     let mut a = Accumulator::<Cpu>::new(Rc::new(acc), momentum(), cpu(), 1).unwrap();
     micro.iter().for_each(|m| {
-        a.step(m).unwrap();
+        a.step(m, Place::Regular).unwrap();
     });
     assert_eq!((a.updates(), a.window_len()), (1, 2));
     assert!(a.finish().unwrap());
     let mut r = Reference::new(momentum(), 1.0);
     r.step(&concat(&micro[..4]));
     r.step(&concat(&micro[4..]));
-    let d = rel_diff(&params_of(&a.session), &params_of(&r.session));
+    let d = rel_diff(&params_of(a.session()), &params_of(&r.session));
     assert!(d <= 1e-6, "true-count last window: {d:e}");
     assert_eq!(
         a.counters(),
@@ -288,15 +290,15 @@ fn incomplete_last_window_steps_with_its_true_count_or_is_dropped() {
     let acc = GradAccumulation::across_steps(net(), 4).normalization(Normalization::Mean).drop_incomplete_window();
     let mut a = Accumulator::<Cpu>::new(Rc::new(acc), momentum(), cpu(), 1).unwrap();
     micro[..4].iter().for_each(|m| {
-        a.step(m).unwrap();
+        a.step(m, Place::Regular).unwrap();
     });
-    let after_first = params_of(&a.session);
+    let after_first = params_of(a.session());
     micro[4..].iter().for_each(|m| {
-        a.step(m).unwrap();
+        a.step(m, Place::Regular).unwrap();
     });
     assert!(!a.finish().unwrap());
-    assert_eq!(params_of(&a.session), after_first);
-    assert!(a.session.param("accu_grads.fc2.bias").unwrap().to_f32().iter().all(|&v| v == 0.0));
+    assert_eq!(params_of(a.session()), after_first);
+    assert!(a.session().param("accu_grads.fc2.bias").unwrap().to_f32().iter().all(|&v| v == 0.0));
     assert_eq!(
         a.counters(),
         Counters {
@@ -317,12 +319,12 @@ fn clipping_happens_once_per_window_on_the_accumulated_gradient() {
     let max_norm = 1e-3;
     let acc = GradAccumulation::across_steps(net(), 3).normalization(Normalization::Mean).clip_global_norm(max_norm);
     let mut a = Accumulator::<Cpu>::new(Rc::new(acc), Rc::new(SGD::new(1.0)), cpu(), 1).unwrap();
-    let before = params_of(&a.session);
+    let before = params_of(a.session());
     let mut rng = StdRng::seed_from_u64(5);
     for _ in 0..3 {
-        a.step(&data(&mut rng, 8)).unwrap();
+        a.step(&data(&mut rng, 8), Place::Regular).unwrap();
     }
-    let after = params_of(&a.session);
+    let after = params_of(a.session());
     let norm: f64 = before.iter().flat_map(|(k, v)| v.iter().zip(&after[k]).map(|(x, y)| ((x - y) as f64).powi(2))).sum::<f64>().sqrt();
     assert!((norm - max_norm).abs() < 1e-3 * max_norm, "update norm {norm:e} should be the clip norm {max_norm:e}");
 }
@@ -338,11 +340,11 @@ fn the_learning_rate_schedule_advances_once_per_applied_update() {
     for _ in 0..3 {
         let micro: Vec<Vec<HostTensor>> = (0..2).map(|_| data(&mut rng, 8)).collect();
         micro.iter().for_each(|m| {
-            a.step(m).unwrap();
+            a.step(m, Place::Regular).unwrap();
         });
         r.step(&concat(&micro));
     }
-    let d = rel_diff(&params_of(&a.session), &params_of(&r.session));
+    let d = rel_diff(&params_of(a.session()), &params_of(&r.session));
     assert!(d <= 1e-6, "schedule indexed by updates: {d:e}");
 }
 
@@ -350,7 +352,7 @@ fn the_learning_rate_schedule_advances_once_per_applied_update() {
 fn a_loss_that_is_not_a_scalar_is_a_clear_error() {
     let per_item = WithLossCell::new(Small::new(), SoftmaxCrossEntropyWithLogits::new(true, Reduction::None));
     let mut m = Model::<Cpu>::new(GradAccumulation::new(per_item, 2), Momentum::new(0.1, 0.9), cpu(), 1).unwrap();
-    let err = m.accumulator_mut().step(&data(&mut StdRng::seed_from_u64(1), 4)).unwrap_err().to_string();
+    let err = m.accumulator_mut().step(&data(&mut StdRng::seed_from_u64(1), 4), Place::Regular).unwrap_err().to_string();
     assert!(err.contains("GradAccumulation needs a scalar loss, got f32[2]"), "{err}");
 }
 
@@ -378,9 +380,9 @@ fn the_one_pass_host_boundary_equals_the_optimizer_and_clear_graphs_bit_for_bit(
             let net = if clip { net.clip_global_norm(1e30) } else { net };
             let mut acc = Accumulator::<Cpu>::new(Rc::new(net), opt(), cpu(), 3).unwrap();
             batches.iter().for_each(|b| {
-                acc.step(b).unwrap();
+                acc.step(b, Place::Regular).unwrap();
             });
-            acc.session.params_host().into_iter().map(|(n, t)| (n, t.to_f32())).collect::<BTreeMap<_, _>>()
+            acc.session().params_host().into_iter().map(|(n, t)| (n, t.to_f32())).collect::<BTreeMap<_, _>>()
         };
         let (one_pass, graphs) = (run(false), run(true));
         assert_eq!(one_pass.keys().collect::<Vec<_>>(), graphs.keys().collect::<Vec<_>>());

@@ -15,6 +15,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::accumulation::rel_diff;
+use cellgraph::runtime::Place;
 
 fn wave(n: usize, f: impl Fn(f64) -> f64) -> Vec<f32> {
     (0..n).map(|i| f(i as f64) as f32).collect()
@@ -236,7 +237,7 @@ pub(crate) fn images(rng: &mut StdRng, n: usize) -> Vec<HostTensor> {
 }
 
 fn params_of(acc: &Accumulator<Cpu>, net: &dyn Cell) -> std::collections::BTreeMap<String, Vec<f32>> {
-    net.parameters().iter().map(|p| (p.name.clone(), acc.session.param(&p.name).unwrap().to_f32())).collect()
+    net.parameters().iter().map(|p| (p.name.clone(), acc.session().param(&p.name).unwrap().to_f32())).collect()
 }
 
 /// The default semantics, declared: K micro-batches of b equal ghost batch normalisation of
@@ -250,7 +251,13 @@ fn micro_batches_normalise_as_ghost_batches_of_the_window() {
     let opt = || -> Rc<dyn cellgraph::cells::Optimizer> { Rc::new(Momentum::new(0.05, 0.9)) };
     let run = |net: GradAccumulation| {
         let mut acc = Accumulator::<Cpu>::new(Rc::new(net), opt(), cpu(), 3).unwrap();
-        let losses: Vec<f64> = batches.iter().map(|batch| acc.step(batch).unwrap().loss).collect();
+        let losses: Vec<f64> = batches
+            .iter()
+            .map(|batch| {
+                acc.step(batch, Place::Regular).unwrap();
+                acc.step_loss()
+            })
+            .collect();
         (acc, losses)
     };
     let with_loss = |ghost| WithLossCell::new(BnNet::new(ghost), CrossEntropyLoss::new());
@@ -282,26 +289,26 @@ fn moving_statistics_update_per_micro_step_and_never_by_the_optimizer() {
     let micro: Vec<Vec<HostTensor>> = (0..k).map(|_| images(&mut rng, 4)).collect();
     let net = || WithLossCell::new(BnNet::new(None), CrossEntropyLoss::new());
     let mut acc = Accumulator::<Cpu>::new(Rc::new(GradAccumulation::across_steps(net(), k)), Rc::new(Momentum::new(0.1, 0.9)), cpu(), 1).unwrap();
-    assert_eq!(acc.session.param("bn.moving_variance").unwrap().to_f32(), vec![1.0; 4]);
+    assert_eq!(acc.session().param("bn.moving_variance").unwrap().to_f32(), vec![1.0; 4]);
     // The expected moving mean: the conv's output channel means, batch by batch, with the
     // parameters fixed inside the window.
     let (conv_g, _) = trace(&Conv2d::new(&Scope::root().child("conv"), 3, 4, 3), "conv", &[("x", TensorType::f32([4, 3, 6, 6]))]).unwrap();
     let conv_exe = compile(conv_g).unwrap();
     let mut want = vec![0.0f64; 4];
     for (i, m) in micro.iter().enumerate() {
-        let y = acc.session.run(&conv_exe, &m[..1]).unwrap()[0].to_f64();
+        let y = acc.run(&conv_exe, &m[..1]).unwrap()[0].to_f64();
         let per = y.len() / 4 / 4;
         for (c, w) in want.iter_mut().enumerate() {
             let mean = (0..4).flat_map(|n| y[(n * 4 + c) * per..(n * 4 + c + 1) * per].iter()).sum::<f64>() / (4 * per) as f64;
             *w = 0.9 * *w + 0.1 * mean;
         }
-        let applied = acc.step(m).unwrap().applied;
+        let applied = acc.step(m, Place::Regular).unwrap();
         assert_eq!(applied, i == k - 1);
-        let mm: Vec<f64> = acc.session.param("bn.moving_mean").unwrap().to_f64();
+        let mm: Vec<f64> = acc.session().param("bn.moving_mean").unwrap().to_f64();
         assert!(mm.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5 * b.abs().max(1e-3)), "after micro-step {i}: {mm:?} vs {want:?}");
     }
     assert!(
-        !acc.session.param_names().iter().any(|n| n.contains("moving_mean") && n != "bn.moving_mean"),
+        !acc.session().param_names().iter().any(|n| n.contains("moving_mean") && n != "bn.moving_mean"),
         "no accumulator or optimizer state for the statistics"
     );
 }
@@ -316,21 +323,21 @@ fn a_mid_window_checkpoint_keeps_the_moving_statistics_and_resumes_bit_identical
     let opt = || -> Rc<dyn cellgraph::cells::Optimizer> { Rc::new(Momentum::new(0.1, 0.9)) };
     let mut straight = Accumulator::<Cpu>::new(net(), opt(), cpu(), 1).unwrap();
     for b in &data {
-        straight.step(b).unwrap();
+        straight.step(b, Place::Regular).unwrap();
     }
     let mut first = Accumulator::<Cpu>::new(net(), opt(), cpu(), 1).unwrap();
     for b in &data[..4] {
-        first.step(b).unwrap();
+        first.step(b, Place::Regular).unwrap();
     }
     let snap = first.snapshot();
     assert!(snap.contains_key("bn.moving_mean") && snap.contains_key("bn.moving_variance"));
     let mut resumed = Accumulator::<Cpu>::new(net(), opt(), cpu(), 99).unwrap();
     resumed.restore(&snap).unwrap();
     for b in &data[4..] {
-        resumed.step(b).unwrap();
+        resumed.step(b, Place::Regular).unwrap();
     }
-    for name in straight.session.param_names() {
-        let (a, b) = (straight.session.param(&name).unwrap().to_f32(), resumed.session.param(&name).unwrap().to_f32());
+    for name in straight.session().param_names() {
+        let (a, b) = (straight.session().param(&name).unwrap().to_f32(), resumed.session().param(&name).unwrap().to_f32());
         assert!(a.iter().map(|x| x.to_bits()).eq(b.iter().map(|x| x.to_bits())), "{name} differs after resuming");
     }
     // A network checkpoint without its statistics is refused (strict), naming them.
@@ -393,7 +400,7 @@ fn ranks_with_batch_norm_equal_one_process_on_the_gathered_batches() {
             BnNet::new(None)
                 .parameters()
                 .iter()
-                .map(|p| (p.name.clone(), m.accumulator().session.param(&p.name).unwrap().to_f32()))
+                .map(|p| (p.name.clone(), m.accumulator().session().param(&p.name).unwrap().to_f32()))
                 .collect::<std::collections::BTreeMap<_, _>>()
         };
         let ranks: Vec<_> = train_ranks(w, k, b, &global, || BnNet::new(None)).into_iter().map(|(p, _)| p).collect();
@@ -429,18 +436,18 @@ fn window_statistics_update_the_moving_statistics_once_per_window() {
     assert!(names.windows(4).any(|w| w == ["bn.beta", "bn.window_count", "bn.window_mean", "bn.window_m2"]), "after MindSpore's four: {names:?}");
     let (conv_g, _) = trace(&Conv2d::new(&Scope::root().child("conv"), 3, 4, 3), "conv", &[("x", TensorType::f32([b, 3, 6, 6]))]).unwrap();
     let conv_exe = compile(conv_g).unwrap();
-    let stat = |acc: &Accumulator<Cpu>, n: &str| acc.session.param(n).unwrap().to_f64();
+    let stat = |acc: &Accumulator<Cpu>, n: &str| acc.session().param(n).unwrap().to_f64();
     for window in data.chunks(k) {
         let (old_mean, old_var) = (stat(&acc, "bn.moving_mean"), stat(&acc, "bn.moving_variance"));
         // The conv outputs of the whole window, with the window's (fixed) weights.
-        let ys: Vec<Vec<f64>> = window.iter().map(|m| acc.session.run(&conv_exe, &m[..1]).unwrap()[0].to_f64()).collect();
+        let ys: Vec<Vec<f64>> = window.iter().map(|m| acc.run(&conv_exe, &m[..1]).unwrap()[0].to_f64()).collect();
         let per = ys[0].len() / b / 4;
         let channel = |c: usize| -> Vec<f64> {
             ys.iter().flat_map(|y| (0..b).flat_map(move |n| y[(n * 4 + c) * per..(n * 4 + c + 1) * per].iter().copied())).collect()
         };
         for (i, m) in window.iter().enumerate() {
-            let applied = acc.step(m).unwrap().applied;
-            plain.step(m).unwrap();
+            let applied = acc.step(m, Place::Regular).unwrap();
+            plain.step(m, Place::Regular).unwrap();
             assert_eq!(applied, i == k - 1);
             if !applied {
                 assert_eq!(stat(&acc, "bn.moving_mean"), old_mean, "micro-step {i} leaves the moving mean");
@@ -462,20 +469,20 @@ fn window_statistics_update_the_moving_statistics_once_per_window() {
         }
     }
     for p in BnNet::new(None).trainable_params() {
-        let (a, b) = (acc.session.param(&p.name).unwrap().to_f32(), plain.session.param(&p.name).unwrap().to_f32());
+        let (a, b) = (acc.session().param(&p.name).unwrap().to_f32(), plain.session().param(&p.name).unwrap().to_f32());
         assert!(a.iter().map(|x| x.to_bits()).eq(b.iter().map(|x| x.to_bits())), "{} trains as with per-micro statistics", p.name);
     }
     // Mid-window: the window state is in the checkpoint, and resuming gives the same bits.
     let mut first = Accumulator::<Cpu>::new(accumulate(BnNet::windowed()), opt(), cpu(), 1).unwrap();
     for m in &data[..k + 1] {
-        first.step(m).unwrap();
+        first.step(m, Place::Regular).unwrap();
     }
     let snap = first.snapshot();
     assert!(snap.contains_key("bn.window_m2"));
     let mut resumed = Accumulator::<Cpu>::new(accumulate(BnNet::windowed()), opt(), cpu(), 7).unwrap();
     resumed.restore(&snap).unwrap();
     for m in &data[k + 1..] {
-        resumed.step(m).unwrap();
+        resumed.step(m, Place::Regular).unwrap();
     }
     for n in ["bn.moving_mean", "bn.moving_variance", "conv.weight"] {
         assert_eq!(stat(&resumed, n), stat(&acc, n), "{n} after resuming mid-window");
@@ -513,7 +520,7 @@ fn sync_batch_norm_on_w_ranks_equals_one_process_on_the_joined_micro_batches() {
         let single = {
             let plain = if windowed { BnNet::windowed() } else { BnNet::new(None) };
             let mut acc = Accumulator::<Cpu>::new(Rc::new(accumulate(plain)), Rc::new(opt()), cpu(), 1).unwrap();
-            joined.iter().for_each(|batch| assert!(acc.step(batch).unwrap().applied));
+            joined.iter().for_each(|batch| assert!(acc.step(batch, Place::Regular).unwrap()));
             all(&acc, windowed)
         };
         let ranks = train_ranks(w, k, b, &global, move || BnNet::synced(windowed));
@@ -531,7 +538,7 @@ fn sync_batch_norm_on_w_ranks_equals_one_process_on_the_joined_micro_batches() {
     let run = |net: BnNet| {
         let mut acc = Accumulator::<Cpu>::new(Rc::new(accumulate(net)), Rc::new(opt()), cpu(), 1).unwrap();
         data.iter().for_each(|batch| {
-            acc.step(batch).unwrap();
+            acc.step(batch, Place::Regular).unwrap();
         });
         (all(&acc, false), acc.counters().step_collectives)
     };

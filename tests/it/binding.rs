@@ -10,6 +10,7 @@ use std::rc::Rc;
 use cellgraph::compiler::{Graph, HostData, Op, TensorType};
 use cellgraph::prelude::*;
 use cellgraph::runtime::burn_backend::tensor::Device;
+use cellgraph::runtime::Place;
 use cellgraph::runtime::{compile, Session};
 use cellgraph::runtime::{Accumulator, Backend, HostRun};
 use rand::rngs::StdRng;
@@ -50,7 +51,7 @@ pub(crate) fn window<B: Backend>(net: WithLossCell, batches: &[Vec<HostTensor>],
     let net = GradAccumulation::across_steps(net, batches.len());
     let mut acc = Accumulator::<B>::new(Rc::new(net), Rc::new(Momentum::new(0.01, 0.9)), device, 3).unwrap();
     for b in batches {
-        acc.step(b).unwrap();
+        acc.step(b, Place::Regular).unwrap();
     }
     acc.finish().unwrap();
     assert_eq!(acc.updates(), 1);
@@ -70,7 +71,7 @@ pub(crate) fn window<B: Backend>(net: WithLossCell, batches: &[Vec<HostTensor>],
             _ => None,
         })
         .collect();
-    Window { listed, ran: acc.session.burn_op_steps().clone(), kernels }
+    Window { listed, ran: acc.session().burn_op_steps().clone(), kernels }
 }
 
 /// On the CPU every step of LeNet5's, the MLP's and ResNet-18's micro-steps and boundaries is

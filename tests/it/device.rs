@@ -17,6 +17,7 @@ use cellgraph::runtime::burn_backend::tensor::Device;
 use cellgraph::runtime::{Accumulator, Backend};
 
 use super::accumulation::rel_diff;
+use cellgraph::runtime::Place;
 
 thread_local! {
     /// Whether [`train`] replays device micro-steps as captured graphs (see [`with_graphs`]).
@@ -45,17 +46,17 @@ fn train<B: Backend>(
     let names: Vec<String> = net.parameters().iter().map(|p| p.name.clone()).collect();
     let mut acc = Accumulator::<B>::new(Rc::new(net), opt, device, 1).unwrap();
     if !B::HOST && GRAPHS.get() {
-        acc.session.set_graphs(true).unwrap();
+        acc.options().set_graphs(true).unwrap();
     }
     for b in batches {
-        acc.step(b).unwrap();
+        acc.step(b, Place::Regular).unwrap();
     }
     acc.finish().unwrap();
-    if acc.session.graphs() {
-        let r = acc.session.replay_counts();
-        eprintln!("graph replay: {r:?}, not captured: {:?}", acc.session.replay_blockers());
+    if acc.session().graphs() {
+        let r = acc.session().replay_counts();
+        eprintln!("graph replay: {r:?}, not captured: {:?}", acc.session().replay_blockers());
     }
-    let params = names.iter().map(|n| (n.clone(), acc.session.param(n).unwrap().to_f32())).collect();
+    let params = names.iter().map(|n| (n.clone(), acc.session().param(n).unwrap().to_f32())).collect();
     (params, acc.counters().fused_launches, acc.updates())
 }
 
@@ -310,9 +311,9 @@ fn f16_overflow_skips_the_window_on_the_device<B: Backend>(device: Device<B>) {
         let names: Vec<String> = mk().trainable_params().iter().map(|p| p.name.clone()).collect();
         let mut a = Accumulator::<B2>::new(Rc::new(mk()), Rc::new(Momentum::new(0.1, 0.9)), device, 1).unwrap();
         batches.iter().for_each(|b| {
-            a.step(b).unwrap();
+            a.step(b, Place::Regular).unwrap();
         });
-        (names.iter().map(|n| (n.clone(), a.session.param(n).unwrap().to_f32())).collect(), a.counters().skipped_updates, a.loss_scale().unwrap())
+        (names.iter().map(|n| (n.clone(), a.session().param(n).unwrap().to_f32())).collect(), a.counters().skipped_updates, a.loss_scale().unwrap())
     }
     let (cpu_p, cpu_skipped, cpu_scale) = run::<Cpu>(cpu(), &batches);
     let (dev_p, dev_skipped, dev_scale) = run::<B>(device, &batches);
@@ -348,38 +349,38 @@ fn replay_matches_op_by_op<B: Backend>(device: Device<B>) {
     let mk = |graphs: bool| {
         let net = GradAccumulation::across_steps(crate::common::lenet_with_loss(), 3);
         let mut acc = Accumulator::<B>::new(Rc::new(net), opt.clone(), device.clone(), 1).unwrap();
-        acc.session.set_graphs(graphs).unwrap();
+        acc.options().set_graphs(graphs).unwrap();
         acc
     };
-    let params = |acc: &Accumulator<B>| acc.session.params_host();
+    let params = |acc: &Accumulator<B>| acc.session().params_host();
     let (mut eager, mut replayed) = (mk(false), mk(true));
     for (i, b) in batches.iter().enumerate() {
-        eager.step(b).unwrap();
-        replayed.step(b).unwrap();
+        eager.step(b, Place::Regular).unwrap();
+        replayed.step(b, Place::Regular).unwrap();
         assert_eq!(eager.step_loss().to_bits(), replayed.step_loss().to_bits(), "micro-step {i}: the loss");
     }
     assert!(eager.finish().unwrap() && replayed.finish().unwrap());
     assert_eq!(params(&eager), params(&replayed), "parameters after 4 windows, the last partial");
-    let r = replayed.session.replay_counts();
+    let r = replayed.session().replay_counts();
     // The 8-image plan: op by op twice (captured at the second), then replayed seven times;
     // the 5-image plan ran once, op by op.
     assert_replayed(r, 3, 10, "LeNet5");
-    assert_eq!(eager.session.replay_counts().replays, 0);
+    assert_eq!(eager.session().replay_counts().replays, 0);
     // A replayed micro-step still checks its labels on the host, before anything is uploaded.
     let mut bad = batches[0].clone();
     bad[1] = HostTensor::i32(vec![8], vec![10; 8]).unwrap();
-    let err = replayed.step(&bad).unwrap_err().to_string();
+    let err = replayed.step(&bad, Place::Regular).unwrap_err().to_string();
     assert!(err.contains("label 10"), "{err}");
 
     // Mid-window resume, replaying.
     let mut first = mk(true);
     for b in &batches[..4] {
-        first.step(b).unwrap();
+        first.step(b, Place::Regular).unwrap();
     }
     let mut resumed = mk(true);
     resumed.restore(&first.snapshot()).unwrap();
     for b in &batches[4..] {
-        resumed.step(b).unwrap();
+        resumed.step(b, Place::Regular).unwrap();
     }
     assert!(resumed.finish().unwrap());
     assert_eq!(params(&eager), params(&resumed), "resumed mid-window with graphs");
@@ -421,7 +422,7 @@ fn replay_captures_resnet18_and_the_gpt<B: Backend>(device: Device<B>) {
         let mk = |graphs: bool| {
             let opt: Rc<dyn Optimizer> = Rc::new(SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(0.05) });
             let mut acc = Accumulator::<B>::new(Rc::new(net()), opt, device.clone(), 1).unwrap();
-            acc.session.set_graphs(graphs).unwrap();
+            acc.options().set_graphs(graphs).unwrap();
             acc
         };
         // A throwaway run first, so that cubecl has tuned every kernel the two compared runs
@@ -430,21 +431,21 @@ fn replay_captures_resnet18_and_the_gpt<B: Backend>(device: Device<B>) {
         // (once, under load: layer4's batch-norm statistics differed).
         let mut warm = mk(false);
         for b in batches.iter() {
-            warm.step(b).unwrap();
+            warm.step(b, Place::Regular).unwrap();
         }
         let (mut eager, mut replayed) = (mk(false), mk(true));
         for (i, b) in batches.iter().enumerate() {
-            eager.step(b).unwrap();
-            replayed.step(b).unwrap();
+            eager.step(b, Place::Regular).unwrap();
+            replayed.step(b, Place::Regular).unwrap();
             assert_eq!(eager.step_loss().to_bits(), replayed.step_loss().to_bits(), "{what}, micro-step {i}: the loss");
         }
         assert_eq!((eager.updates(), replayed.updates()), (3, 3), "{what}");
-        let (e, r) = (eager.session.params_host(), replayed.session.params_host());
+        let (e, r) = (eager.session().params_host(), replayed.session().params_host());
         let bits = |t: &HostTensor| t.to_f32().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let differ: Vec<&String> = e.keys().filter(|n| r.get(*n).map(bits) != Some(bits(&e[*n]))).collect();
         assert!(differ.is_empty() && e.len() == r.len(), "{what}: parameters differ after 3 windows: {differ:?}");
-        let r = replayed.session.replay_counts();
-        let why = replayed.session.replay_blockers();
+        let r = replayed.session().replay_counts();
+        let why = replayed.session().replay_blockers();
         match captured {
             true => assert_replayed(r, 2, 6, what),
             false => assert_eq!((r.warmups, r.captures, r.replays, r.uncaptured), (1, 0, 0, 5), "{what}: {r:?}"),
@@ -670,32 +671,38 @@ mod wgpu {
         let mut dev_acc = Accumulator::<Wgpu>::new(mk(), opt(), dev(), 1).unwrap();
         let mut cpu_acc = Accumulator::<Cpu>::new(mk(), opt(), cpu(), 1).unwrap();
         for b in &batches[..2] {
-            dev_acc.step(b).unwrap();
-            cpu_acc.step(b).unwrap();
+            dev_acc.step(b, Place::Regular).unwrap();
+            cpu_acc.step(b, Place::Regular).unwrap();
         }
         let before = device_reads();
-        assert!(!dev_acc.advance(&batches[2]).unwrap());
+        assert!(!dev_acc.step(&batches[2], Place::Regular).unwrap());
         assert_eq!(device_reads() - before, 0, "a micro-step reads nothing back");
-        let (got, want) = (dev_acc.step_loss(), cpu_acc.step(&batches[2]).unwrap().loss);
+        let (got, want) = (dev_acc.step_loss(), {
+            cpu_acc.step(&batches[2], Place::Regular).unwrap();
+            cpu_acc.step_loss()
+        });
         assert_eq!(device_reads() - before, 1, "the step's loss per token: its loss and token count in one read");
         assert!(((got - want) / want).abs() < 1e-5, "loss per token on wgpu {got}, on the CPU {want}");
         let before = device_reads();
-        assert!(dev_acc.advance(&batches[3]).unwrap());
+        assert!(dev_acc.step(&batches[3], Place::Regular).unwrap());
         assert_eq!(device_reads() - before, 1, "the boundary reads the window's token counts once");
-        let (got, want) = (dev_acc.step_loss(), cpu_acc.step(&batches[3]).unwrap().loss);
+        let (got, want) = (dev_acc.step_loss(), {
+            cpu_acc.step(&batches[3], Place::Regular).unwrap();
+            cpu_acc.step_loss()
+        });
         assert!(((got - want) / want).abs() < 1e-5, "loss per token on wgpu {got}, on the CPU {want}");
         let names: Vec<String> = crate::gpt::counted().parameters().iter().map(|p| p.name.clone()).collect();
         let params = |s: &dyn Fn(&str) -> Vec<f32>| -> BTreeMap<String, Vec<f32>> { names.iter().map(|n| (n.clone(), s(n))).collect() };
-        let d = rel_diff(&params(&|n| dev_acc.session.param(n).unwrap().to_f32()), &params(&|n| cpu_acc.session.param(n).unwrap().to_f32()));
+        let d = rel_diff(&params(&|n| dev_acc.session().param(n).unwrap().to_f32()), &params(&|n| cpu_acc.session().param(n).unwrap().to_f32()));
         assert!(d < 1e-5, "two windows on wgpu differ from the CPU by {d:e} relative");
         let before = device_reads();
         let mut bad = batches[0].clone();
         bad[1] = HostTensor::i32(vec![3, 6], (0..18).map(|i| if i == 4 { 11 } else { 1 }).collect()).unwrap();
-        let err = dev_acc.advance(&bad).unwrap_err().to_string();
+        let err = dev_acc.step(&bad, Place::Regular).unwrap_err().to_string();
         assert!(err.contains("label 11 at batch position 4") && err.contains("11 classes"), "{err}");
         bad = batches[0].clone();
         bad[0] = HostTensor::i32(vec![3, 6], (0..18).map(|i| if i == 7 { 11 } else { 1 }).collect()).unwrap();
-        let err = dev_acc.advance(&bad).unwrap_err().to_string();
+        let err = dev_acc.step(&bad, Place::Regular).unwrap_err().to_string();
         assert!(err.contains("id 11 at position 7") && err.contains("table of 11 rows"), "{err}");
         assert_eq!(device_reads() - before, 0, "bad ids and labels are found on the host");
     }
@@ -710,16 +717,16 @@ mod wgpu {
         let mut acc =
             Accumulator::<Wgpu>::new(Rc::new(GradAccumulation::across_steps(lenet(), 4)), Rc::new(Momentum::new(0.01, 0.9)), dev(), 1).unwrap();
         for b in &batches {
-            acc.step(b).unwrap();
+            acc.step(b, Place::Regular).unwrap();
         }
-        let warm = acc.session.fresh_buffers();
+        let warm = acc.session().fresh_buffers();
         assert!(warm > 0, "the first window makes the arena's buffers");
         for b in &batches {
-            acc.step(b).unwrap();
+            acc.step(b, Place::Regular).unwrap();
         }
-        assert_eq!(acc.session.fresh_buffers(), warm, "buffers made in a steady window");
+        assert_eq!(acc.session().fresh_buffers(), warm, "buffers made in a steady window");
         let names: Vec<String> = lenet().parameters().iter().map(|p| p.name.clone()).collect();
-        let dev_p: BTreeMap<String, Vec<f32>> = names.iter().map(|n| (n.clone(), acc.session.param(n).unwrap().to_f32())).collect();
+        let dev_p: BTreeMap<String, Vec<f32>> = names.iter().map(|n| (n.clone(), acc.session().param(n).unwrap().to_f32())).collect();
         let (cpu_p, _, _) =
             train::<Cpu>(GradAccumulation::across_steps(lenet(), 4), Rc::new(Momentum::new(0.01, 0.9)), cpu(), &[batches.clone(), batches].concat());
         let d = rel_diff(&dev_p, &cpu_p);
@@ -736,9 +743,9 @@ mod wgpu {
         let opt = || -> Rc<dyn Optimizer> { Rc::new(Momentum::new(0.01, 0.9)) };
         let batches = lenet_batches(2, 8, 7);
         let mut acc = Accumulator::<Wgpu>::new(Rc::new(GradAccumulation::across_steps(lenet(), 4)), opt(), dev(), 1).unwrap();
-        acc.step(&batches[0]).unwrap();
+        acc.step(&batches[0], Place::Regular).unwrap();
         let (before, uploads) = (device_reads(), device_uploads());
-        let applied: Vec<bool> = (0..3).map(|i| acc.advance(&batches[i % 2]).unwrap()).collect();
+        let applied: Vec<bool> = (0..3).map(|i| acc.step(&batches[i % 2], Place::Regular).unwrap()).collect();
         assert_eq!(applied, [false, false, true]);
         assert_eq!(device_reads() - before, 0, "three micro-steps and a boundary read nothing back");
         assert_eq!(device_uploads() - uploads, 3 * 2 + 1, "each micro-step uploads its images and labels, the boundary its constants");
@@ -749,14 +756,20 @@ mod wgpu {
         let big = &lenet_batches(1, 16, 8)[0];
         let mut dev_acc = Accumulator::<Wgpu>::new(Rc::new(GradAccumulation::new(lenet(), 4)), opt(), dev(), 1).unwrap();
         let mut cpu_acc = Accumulator::<Cpu>::new(Rc::new(GradAccumulation::new(lenet(), 4)), opt(), cpu(), 1).unwrap();
-        dev_acc.step(big).unwrap();
-        let want = cpu_acc.step(big).unwrap().loss;
+        dev_acc.step(big, Place::Regular).unwrap();
+        let want = {
+            cpu_acc.step(big, Place::Regular).unwrap();
+            cpu_acc.step_loss()
+        };
         let before = device_reads();
-        assert!(dev_acc.advance(big).unwrap());
+        assert!(dev_acc.step(big, Place::Regular).unwrap());
         assert_eq!(device_reads() - before, 0, "four micro-batches and their update read nothing back");
         let got = dev_acc.step_loss();
         assert_eq!(device_reads() - before, 1, "four micro-batch losses in one read");
-        let want2 = cpu_acc.step(big).unwrap().loss;
+        let want2 = {
+            cpu_acc.step(big, Place::Regular).unwrap();
+            cpu_acc.step_loss()
+        };
         assert!(((got - want2) / want2).abs() < 1e-5 && want2 != want, "loss on wgpu {got}, on the CPU {want2}");
     }
 
@@ -793,19 +806,21 @@ mod wgpu {
         // A first window compiles the kernels; count the second. cubecl registers a launch
         // when its queue reaches the device, so each count follows a read (a sync).
         for _ in 0..k {
-            acc.step(batch).unwrap();
+            acc.step(batch, Place::Regular).unwrap();
         }
-        let _ = acc.session.params_host();
+        let _ = acc.session().params_host();
         let c0 = launches::settled();
         let mut micro = Vec::new();
         for _ in 0..k - 1 {
             let c = launches::settled();
-            acc.step(batch).unwrap();
+            acc.step(batch, Place::Regular).unwrap();
+            // Reading the loss waits for the device, so the count has every launch.
+            acc.step_loss();
             micro.push(launches::settled() - c);
         }
         let c1 = launches::settled();
-        acc.step(batch).unwrap();
-        let _ = acc.session.params_host();
+        acc.step(batch, Place::Regular).unwrap();
+        let _ = acc.session().params_host();
         let window = launches::settled() - c0;
         let boundary = window - (c1 - c0) - micro[0];
         println!("launches per micro-step {micro:?}, at the boundary {boundary}, per window {window}");
@@ -848,12 +863,12 @@ mod wgpu {
         let net = GradAccumulation::across_steps(crate::gpt::counted(), 2).normalization(Normalization::Tokens);
         let mut acc = Accumulator::<Wgpu>::new(Rc::new(net), Rc::new(Momentum::new(0.1, 0.9)), dev(), 1).unwrap();
         for _ in 0..2 {
-            acc.step(&batch).unwrap();
+            acc.step(&batch, Place::Regular).unwrap();
         }
-        let _ = acc.session.params_host();
+        let _ = acc.session().params_host();
         let c0 = launches::settled();
-        acc.advance(&batch).unwrap();
-        let _ = acc.session.params_host();
+        acc.step(&batch, Place::Regular).unwrap();
+        let _ = acc.session().params_host();
         let micro = launches::settled() - c0;
         let names = launches::by_name();
         println!("launches per GPT micro-step {micro}");
@@ -933,9 +948,9 @@ mod wgpu {
                         let comm: Arc<dyn Communicator> = Arc::new(c);
                         acc.set_parallel(comm, true, false).unwrap();
                         batches.iter().for_each(|b| {
-                            acc.step(b).unwrap();
+                            acc.step(b, Place::Regular).unwrap();
                         });
-                        (names.iter().map(|n| (n.clone(), acc.session.param(n).unwrap().to_f32())).collect(), acc.counters().step_collectives)
+                        (names.iter().map(|n| (n.clone(), acc.session().param(n).unwrap().to_f32())).collect(), acc.counters().step_collectives)
                     })
                 })
                 .collect();
@@ -1022,29 +1037,29 @@ mod wgpu {
         let mut whole = Accumulator::<Wgpu>::new(mk(), opt.clone(), dev(), 1).unwrap();
         let mut first = Accumulator::<Wgpu>::new(mk(), opt.clone(), dev(), 1).unwrap();
         for b in &batches[..4] {
-            whole.step(b).unwrap();
-            first.step(b).unwrap();
+            whole.step(b, Place::Regular).unwrap();
+            first.step(b, Place::Regular).unwrap();
         }
         let snap = first.snapshot();
         let mut resumed = Accumulator::<Wgpu>::new(mk(), opt.clone(), dev(), 2).unwrap();
         resumed.restore(&snap).unwrap();
         for b in &batches[4..] {
-            whole.step(b).unwrap();
-            resumed.step(b).unwrap();
+            whole.step(b, Place::Regular).unwrap();
+            resumed.step(b, Place::Regular).unwrap();
         }
-        for name in whole.session.param_names() {
-            assert_eq!(whole.session.param(&name), resumed.session.param(&name), "`{name}` after resuming");
+        for name in whole.session().param_names() {
+            assert_eq!(whole.session().param(&name), resumed.session().param(&name), "`{name}` after resuming");
         }
         // 8 micro-batches, windows of 3: the last 2 are dropped and the accumulators zeroed.
         let mk_drop = || Rc::new(GradAccumulation::across_steps(net(), 3).drop_incomplete_window());
         let mut dropped = Accumulator::<Wgpu>::new(mk_drop(), opt, dev(), 1).unwrap();
         for b in &batches {
-            dropped.step(b).unwrap();
+            dropped.step(b, Place::Regular).unwrap();
         }
         assert!(!dropped.finish().unwrap());
         assert_eq!(dropped.updates(), 2);
-        for name in dropped.session.param_names().iter().filter(|n| n.starts_with("accu_grads.")) {
-            assert!(dropped.session.param(name).unwrap().to_f32().iter().all(|&v| v == 0.0), "`{name}` cleared");
+        for name in dropped.session().param_names().iter().filter(|n| n.starts_with("accu_grads.")) {
+            assert!(dropped.session().param(name).unwrap().to_f32().iter().all(|&v| v == 0.0), "`{name}` cleared");
         }
     }
 }

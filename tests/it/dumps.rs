@@ -9,6 +9,7 @@ use cellgraph::compiler::dump::DumpOptions;
 use cellgraph::prelude::*;
 
 use crate::common::{golden, lenet_with_loss, TmpDir};
+use cellgraph::runtime::Place;
 
 const CELLGRAPH: &str = env!("CARGO_BIN_EXE_cellgraph");
 
@@ -24,7 +25,7 @@ fn dump_lenet(level: u8, dir: &Path) -> Vec<String> {
     let batch =
         [HostTensor::f32(vec![32, 1, 32, 32], vec![0.5; 32 * 1024]).unwrap(), HostTensor::i32(vec![32], (0..32).map(|i| i % 10).collect()).unwrap()];
     model.accumulator_mut().set_input_names(&["data", "label"]);
-    model.accumulator_mut().step(&batch).unwrap();
+    model.accumulator_mut().step(&batch, Place::Regular).unwrap();
     let mut names: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
     names

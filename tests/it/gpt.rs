@@ -16,6 +16,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::accumulation::{concat, rel_diff};
 use crate::parallel::run_ranks;
+use cellgraph::runtime::Place;
 
 const VOCAB: usize = 11;
 const T: usize = 6;
@@ -61,7 +62,7 @@ fn adamw() -> Adam {
 // 20 AdamW updates. (The gradients cross ranks in f32.)
 
 fn params<B: cellgraph::runtime::Backend>(m: &Model<B>) -> BTreeMap<String, Vec<f32>> {
-    gpt().parameters().iter().map(|p| (p.name.clone(), m.accumulator().session.param(&p.name).unwrap().to_f32())).collect()
+    gpt().parameters().iter().map(|p| (p.name.clone(), m.accumulator().session().param(&p.name).unwrap().to_f32())).collect()
 }
 
 fn trained(net: GradAccumulation, batches: &[Vec<HostTensor>]) -> Model<Cpu> {
@@ -137,18 +138,18 @@ fn a_window_without_a_token_applies_no_update() {
     empty[1] = HostTensor::i32(vec![4, T], vec![IGNORE_INDEX; 4 * T]).unwrap();
     let net = GradAccumulation::new(counted(), 2).normalization(Normalization::Tokens);
     let mut acc = cellgraph::runtime::Accumulator::<Cpu>::new(std::rc::Rc::new(net), std::rc::Rc::new(adamw()), cpu(), 3).unwrap();
-    acc.step(&first).unwrap();
+    acc.step(&first, Place::Regular).unwrap();
     let snapshot = |a: &cellgraph::runtime::Accumulator<Cpu>| -> BTreeMap<String, Vec<u32>> {
-        a.session.param_names().iter().map(|n| (n.clone(), a.session.param(n).unwrap().to_f32().iter().map(|v| v.to_bits()).collect())).collect()
+        a.session().param_names().iter().map(|n| (n.clone(), a.session().param(n).unwrap().to_f32().iter().map(|v| v.to_bits()).collect())).collect()
     };
     let before = snapshot(&acc);
-    let out = acc.step(&empty).unwrap();
-    assert_eq!(out.loss, 0.0, "the loss over no token");
+    acc.step(&empty, Place::Regular).unwrap();
+    assert_eq!(acc.step_loss(), 0.0, "the loss over no token");
     assert_eq!(snapshot(&acc), before, "parameters, moments and accumulators");
     assert_eq!((acc.updates(), acc.counters().skipped_updates, acc.counters().optimizer_runs), (1, 1, 1));
-    let out = acc.step(&first).unwrap();
-    assert!(out.loss.is_finite() && out.applied && acc.updates() == 2);
-    assert!(acc.session.param("wte.embedding_table").unwrap().to_f32().iter().all(|v| v.is_finite()));
+    let applied = acc.step(&first, Place::Regular).unwrap();
+    assert!(acc.step_loss().is_finite() && applied && acc.updates() == 2);
+    assert!(acc.session().param("wte.embedding_table").unwrap().to_f32().iter().all(|v| v.is_finite()));
 }
 
 #[test]
@@ -200,7 +201,7 @@ fn the_validation_loss_is_the_mean_over_tokens() {
     let exe = compile(g).unwrap();
     let labels = data[1].to_f64();
     let safe = HostTensor::i32(vec![6, T], labels.iter().map(|&l| l.max(0.0) as i32).collect()).unwrap();
-    let losses = m.accumulator_mut().session.run(&exe, &[data[0].clone(), safe]).unwrap().remove(0).to_f64();
+    let losses = m.accumulator_mut().run(&exe, &[data[0].clone(), safe]).unwrap().remove(0).to_f64();
     let (sum, n) = labels.iter().zip(&losses).filter(|(l, _)| **l >= 0.0).fold((0.0, 0.0), |(s, n), (_, x)| (s + x, n + 1.0));
     assert!((got["Loss"] - sum / n).abs() < 1e-5, "eval {} vs {}", got["Loss"], sum / n);
     assert!((0.0..=1.0).contains(&got["Accuracy"]));
@@ -289,7 +290,7 @@ fn accumulator_in<B: cellgraph::runtime::Backend>(
 }
 
 fn params_in<B: cellgraph::runtime::Backend>(a: &cellgraph::runtime::Accumulator<B>) -> BTreeMap<String, Vec<f32>> {
-    gpt().parameters().iter().map(|p| (p.name.clone(), a.session.param(&p.name).unwrap().to_f32())).collect()
+    gpt().parameters().iter().map(|p| (p.name.clone(), a.session().param(&p.name).unwrap().to_f32())).collect()
 }
 
 /// Dropout's masks follow the items, not where they land: 4 micro-batches equal one large
@@ -304,7 +305,7 @@ fn dropout_masks_follow_items_across_micro_batches_and_ranks() {
     let run = |net: WithLossCell, k: usize| {
         let mut a = accumulator_in::<Cpu>(net, k, adamw(), true);
         for b in &batches {
-            a.step(b).unwrap();
+            a.step(b, Place::Regular).unwrap();
         }
         params_in(&a)
     };
@@ -328,13 +329,13 @@ fn dropout_masks_follow_items_across_micro_batches_and_ranks() {
             a.set_parallel(comm, false, false).unwrap();
             for b in &halves[r] {
                 let b = if keyed { b.clone() } else { b[..2].to_vec() };
-                a.step(&b).unwrap();
+                a.step(&b, Place::Regular).unwrap();
             }
             params_in(&a)
         });
         let mut one = accumulator::<Cpu>(dropped(), 1, Momentum::new(0.1, 0.9));
         for b in &batches {
-            one.step(b).unwrap();
+            one.step(b, Place::Regular).unwrap();
         }
         let d = rel_diff(&ranks[0], &params_in(&one));
         if keyed {

@@ -12,6 +12,7 @@ use cellgraph::cells::accumulate::{GradAccumulation, Normalization};
 use cellgraph::prelude::*;
 use cellgraph::runtime::checkpoint::{self, from_ckpt_bytes, to_ckpt_bytes, Tensors};
 use cellgraph::runtime::data::{create_dataset, create_eval_dataset, ImageOp, MnistDataset};
+use cellgraph::runtime::Place;
 use cellgraph::runtime::{Callback, CheckpointConfig, LossMonitor, ModelCheckpoint, RunContext, TensorDataset};
 
 fn tmpdir(name: &str) -> TmpDir {
@@ -141,7 +142,7 @@ fn accelerate_toy_reaches_2_04_with_and_without_accumulation_and_loss_monitor_pr
     let acc = GradAccumulation::across_steps(toy_net(), 4).normalization(Normalization::Mean);
     let mut m = Model::<Cpu>::new(acc, SGD::new(0.02), cpu(), 0).unwrap();
     m.train(1, &toy(2), &mut [&mut monitor]).unwrap();
-    let w = m.accumulator().session.param("weight").unwrap().scalar();
+    let w = m.accumulator().session().param("weight").unwrap().scalar();
     assert!((w - 2.04).abs() < 1e-6, "{w}");
     let text = String::from_utf8(buf.0.borrow().clone()).unwrap();
     let lines: Vec<&str> = text.lines().collect();
@@ -150,7 +151,7 @@ fn accelerate_toy_reaches_2_04_with_and_without_accumulation_and_loss_monitor_pr
 
     let mut plain = Model::<Cpu>::plain(toy_net(), SGD::new(0.02), cpu(), 0).unwrap();
     plain.train(1, &toy(8), &mut []).unwrap();
-    assert!((plain.accumulator().session.param("weight").unwrap().scalar() - 2.04).abs() < 1e-6);
+    assert!((plain.accumulator().session().param("weight").unwrap().scalar() - 2.04).abs() < 1e-6);
 }
 
 #[test]
@@ -169,11 +170,25 @@ fn a_non_finite_loss_stops_training_with_a_clear_error() {
 fn eval_reports_accuracy_of_the_backbone() {
     let net = WithLossCell::new(Dense::new(&Scope::root(), 2, 2).without_bias(), CrossEntropyLoss::new());
     let mut m = Model::<Cpu>::plain(net, SGD::new(0.0), cpu(), 0).unwrap();
-    m.accumulator_mut().session.set_param("weight", &HostTensor::f32(vec![2, 2], vec![1.0, 0.0, 0.0, 1.0]).unwrap());
+    m.accumulator_mut().set_param("weight", &HostTensor::f32(vec![2, 2], vec![1.0, 0.0, 0.0, 1.0]).unwrap()).unwrap();
     let x = HostTensor::f32(vec![3, 2], vec![1.0, 0.0, 0.0, 1.0, 1.0, 0.0]).unwrap();
     let y = HostTensor::i32(vec![3], vec![0, 1, 1]).unwrap();
     let r = m.eval(&TensorDataset { columns: vec![x, y], batch_size: 2 }).unwrap();
     assert!((r["Accuracy"] - 2.0 / 3.0).abs() < 1e-12, "{r:?}");
+}
+
+/// Setting a parameter that does not exist, or with another shape, is an error naming it, and
+/// changes nothing.
+#[test]
+fn setting_an_unknown_or_misshapen_parameter_is_an_error() {
+    let net = WithLossCell::new(Dense::new(&Scope::root(), 2, 2).without_bias(), CrossEntropyLoss::new());
+    let mut m = Model::<Cpu>::plain(net, SGD::new(0.0), cpu(), 0).unwrap();
+    let before = m.accumulator().session().param("weight").unwrap().to_f32();
+    let e = m.accumulator_mut().set_param("wieght", &HostTensor::f32(vec![2, 2], vec![0.0; 4]).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("`wieght`") && e.contains("weight"), "{e}");
+    let e = m.accumulator_mut().set_param("weight", &HostTensor::f32(vec![4], vec![0.0; 4]).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("parameter `weight`") && e.contains("[2, 2]") && e.contains("[4]"), "{e}");
+    assert_eq!(m.accumulator().session().param("weight").unwrap().to_f32(), before);
 }
 
 struct StopAfter(usize);
@@ -229,7 +244,7 @@ fn resume_from_a_mid_window_checkpoint_is_bit_identical() {
         let mut resumed = resume_model();
         resumed.load_checkpoint(&path).unwrap();
         resumed.train(3, &data, &mut []).unwrap();
-        assert_eq!(resumed.accumulator().session.params_host(), straight.accumulator().session.params_host(), "{name}");
+        assert_eq!(resumed.accumulator().session().params_host(), straight.accumulator().session().params_host(), "{name}");
         assert_eq!(resumed.accumulator().counters(), straight.accumulator().counters(), "{name}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
@@ -306,7 +321,7 @@ fn a_short_last_batch_is_sliced_into_near_equal_micro_batches() {
     // The same batch given as a full step is MindSpore's error, naming the fix.
     let mut a = Model::<Cpu>::new(GradAccumulation::new(small_net(), 4), Momentum::new(0.01, 0.9), cpu(), 1).unwrap();
     let ten = TensorDataset { batch_size: 10, ..data };
-    let e = a.accumulator_mut().step(&ten.batches(0, 0).next().unwrap()).unwrap_err().to_string();
+    let e = a.accumulator_mut().step(&ten.batches(0, 0).next().unwrap(), Place::Regular).unwrap_err().to_string();
     assert!(e.contains("must be divided by micro_size (4)"), "{e}");
 }
 
@@ -381,13 +396,13 @@ fn checkpoints_that_are_empty_damaged_or_incomplete_do_not_load() {
     let partial = dir.join("partial.safetensors");
     checkpoint::save(&partial, &t, &BTreeMap::new()).unwrap();
     let mut fresh = resume_model();
-    let before = fresh.accumulator().session.params_host();
+    let before = fresh.accumulator().session().params_host();
     let e = fresh.load_checkpoint(&partial).unwrap_err().to_string();
     assert!(e.contains("partial.safetensors") && e.contains("lacks 1 of the network's 4 parameters: dense_relu_sequential.3.bias"), "{e}");
-    assert_eq!(fresh.accumulator().session.params_host(), before, "a refused checkpoint changes nothing");
+    assert_eq!(fresh.accumulator().session().params_host(), before, "a refused checkpoint changes nothing");
     let report = fresh.load_checkpoint_with(&partial, false).unwrap();
     assert_eq!(report.missing, ["dense_relu_sequential.3.bias"]);
-    assert_eq!(fresh.accumulator().session.param("dense_relu_sequential.3.bias"), before.get("dense_relu_sequential.3.bias").cloned());
+    assert_eq!(fresh.accumulator().session().param("dense_relu_sequential.3.bias"), before.get("dense_relu_sequential.3.bias").cloned());
     // Only some of the optimizer state: refused too.
     t.insert("dense_relu_sequential.3.bias".into(), before["dense_relu_sequential.3.bias"].clone());
     t.remove("moment1.dense_relu_sequential.1.weight");

@@ -78,7 +78,7 @@ fn train_parallel(w: usize, hsdp: bool, mean: bool) -> Vec<(std::collections::BT
         let ds = TensorDataset { columns: rank_columns(&global, r), batch_size: B };
         m.train(1, &ds, &mut []).unwrap();
         let a = m.accumulator();
-        (params_of(&a.session), a.counters(), a.updates())
+        (params_of(a.session()), a.counters(), a.updates())
     })
 }
 
@@ -90,7 +90,7 @@ fn train_single(w: usize, mean: bool) -> std::collections::BTreeMap<String, Vec<
     let mut m = Model::<Cpu>::new(n, Momentum::new(0.1, 0.9), cpu(), 1).unwrap();
     let ds = TensorDataset { columns: concat(&global), batch_size: w * B };
     m.train(1, &ds, &mut []).unwrap();
-    params_of(&m.accumulator().session)
+    params_of(m.accumulator().session())
 }
 
 #[test]
@@ -163,7 +163,7 @@ fn hsdp_resumes_from_its_own_checkpoint() {
         let mut resumed = parallel_model(comm, &s).unwrap();
         resumed.restore(&snap).unwrap();
         resumed.train(2, &ds, &mut []).unwrap();
-        (params_of(&m.accumulator().session), params_of(&resumed.accumulator().session))
+        (params_of(m.accumulator().session()), params_of(resumed.accumulator().session()))
     });
     for (a, b) in out {
         assert_eq!(a, b, "resumed hsdp run is bit-identical");
@@ -220,7 +220,7 @@ fn uneven_shards_take_the_same_steps_on_every_rank() {
             ds.get_dataset_size(),
             a.updates(),
             a.counters().grad_collectives,
-            names.iter().map(|n| a.session.param(n).unwrap().to_f32()).collect::<Vec<_>>(),
+            names.iter().map(|n| a.session().param(n).unwrap().to_f32()).collect::<Vec<_>>(),
         )
     });
     for (batches, updates, collectives, params) in &out {
@@ -241,13 +241,13 @@ fn item_weighted_normalisation_counts_items_on_every_rank() {
         let net = GradAccumulation::new(net(), K).normalization(Normalization::ItemWeighted);
         let mut m = Model::<Cpu>::parallel(AutoParallel::new(net), Momentum::new(0.1, 0.9), cpu(), 1, comm).unwrap();
         m.train(1, &TensorDataset { columns: per_rank[r].clone(), batch_size: sizes[r] }, &mut []).unwrap();
-        params_of(&m.accumulator().session)
+        params_of(m.accumulator().session())
     });
     let gathered = concat(&steps.iter().map(|s| concat(s)).collect::<Vec<_>>());
     let single = GradAccumulation::new(net(), 4).normalization(Normalization::ItemWeighted);
     let mut m = Model::<Cpu>::new(single, Momentum::new(0.1, 0.9), cpu(), 1).unwrap();
     m.train(1, &TensorDataset { columns: gathered, batch_size: 12 }, &mut []).unwrap();
-    let reference = params_of(&m.accumulator().session);
+    let reference = params_of(m.accumulator().session());
     for (r, p) in ranks.iter().enumerate() {
         let d = rel_diff(p, &reference);
         assert!(d < 1e-6, "rank {r}: relative difference {d}");

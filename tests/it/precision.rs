@@ -19,6 +19,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::accumulation::{data, net};
 use crate::parallel::run_ranks;
+use cellgraph::runtime::Place;
 
 /// Values around every case of the two conversions: ties to even, the largest finite values
 /// and past them, f16's subnormals and what underflows to zero, negative zero, infinities.
@@ -117,14 +118,14 @@ fn the_micro_step_rounds_what_it_stores_and_accumulates_in_f32() {
 
 /// The trained parameters of the test network ([`net`]).
 fn params(acc: &Accumulator<Cpu>) -> BTreeMap<String, Vec<f32>> {
-    net().trainable_params().iter().map(|p| (p.name.clone(), acc.session.param(&p.name).unwrap().to_f32())).collect()
+    net().trainable_params().iter().map(|p| (p.name.clone(), acc.session().param(&p.name).unwrap().to_f32())).collect()
 }
 
 /// Trains `net` over `batches` (one micro-batch each) and returns the trained parameters.
 fn trained(net: GradAccumulation, opt: Rc<dyn Optimizer>, batches: &[Vec<HostTensor>]) -> BTreeMap<String, Vec<f32>> {
     let mut acc = Accumulator::<Cpu>::new(Rc::new(net), opt, cpu(), 1).unwrap();
     for b in batches {
-        acc.step(b).unwrap();
+        acc.step(b, Place::Regular).unwrap();
     }
     params(&acc)
 }
@@ -162,7 +163,7 @@ fn accumulated(p: Precision, batches: &[Vec<HostTensor>]) -> BTreeMap<String, Ve
     let net = GradAccumulation::across_steps(net(), batches.len() + 1).precision(p);
     let mut acc = Accumulator::<Cpu>::new(Rc::new(net), Rc::new(Momentum::new(0.1, 0.9)), cpu(), 1).unwrap();
     for b in batches {
-        acc.step(b).unwrap();
+        acc.step(b, Place::Regular).unwrap();
     }
     acc.snapshot().into_iter().filter(|(n, _)| n.starts_with("accu_grads.")).map(|(n, t)| (n, t.to_f64())).collect()
 }
@@ -286,7 +287,7 @@ fn an_overflow_on_one_rank_skips_the_window_on_every_rank() {
                         let HostData::F32(x) = &mut b[0].data else { unreachable!() };
                         x[5] = f32::INFINITY;
                     }
-                    acc.step(&b).unwrap();
+                    acc.step(&b, Place::Regular).unwrap();
                 }
                 if window == 5 {
                     after = state(&acc);
@@ -324,7 +325,7 @@ fn without_loss_scaling_an_inf_reaches_the_parameters() {
             let HostData::F32(x) = &mut b[0].data else { unreachable!() };
             x[5] = f32::INFINITY;
         }
-        acc.step(&b).unwrap();
+        acc.step(&b, Place::Regular).unwrap();
     }
     assert_eq!(acc.counters().skipped_updates, 0);
     assert!(params(&acc).values().flatten().any(|v| !v.is_finite()));
@@ -344,7 +345,7 @@ fn the_scale_grows_and_resumes_mid_window_bit_identically() {
     let mut whole = Accumulator::<Cpu>::new(Rc::new(mk()), opt(), cpu(), 7).unwrap();
     let mut scales = Vec::new();
     for b in &batches {
-        if whole.step(b).unwrap().applied {
+        if whole.step(b, Place::Regular).unwrap() {
             scales.push(whole.loss_scale().unwrap());
         }
     }
@@ -354,14 +355,14 @@ fn the_scale_grows_and_resumes_mid_window_bit_identically() {
 
     let mut first = Accumulator::<Cpu>::new(Rc::new(mk()), opt(), cpu(), 7).unwrap();
     for b in &batches[..7] {
-        first.step(b).unwrap();
+        first.step(b, Place::Regular).unwrap();
     }
     let snap = first.snapshot();
     assert_eq!(snap["cellgraph.loss_scale"].scalar(), 256.0);
     let mut resumed = Accumulator::<Cpu>::new(Rc::new(mk()), opt(), cpu(), 99).unwrap();
     resumed.restore(&snap).unwrap();
     for b in &batches[7..] {
-        resumed.step(b).unwrap();
+        resumed.step(b, Place::Regular).unwrap();
     }
     assert_eq!(resumed.loss_scale(), whole.loss_scale());
     assert!(resumed.snapshot() == whole.snapshot(), "resumed mid-window, the run differs from the uninterrupted one");
@@ -399,9 +400,15 @@ pub(crate) fn trained_adamw_on<B: cellgraph::runtime::Backend>(
     let mut net = GradAccumulation::across_steps(net, 4);
     net.precision = precision;
     let mut acc = Accumulator::<B>::new(Rc::new(net), Rc::new(Adam::adamw(LearningRate::Constant(3e-3), 0.01)), device, 5).unwrap();
-    acc.session.set_bf16_products(fast);
-    let losses = batches.iter().map(|b| acc.step(b).unwrap().loss as f32).collect();
-    let params = names.iter().map(|n| (n.clone(), acc.session.param(n).unwrap().to_f32())).collect();
+    acc.options().set_bf16_products(fast);
+    let losses = batches
+        .iter()
+        .map(|b| {
+            acc.step(b, Place::Regular).unwrap();
+            acc.step_loss()
+        } as f32)
+        .collect();
+    let params = names.iter().map(|n| (n.clone(), acc.session().param(n).unwrap().to_f32())).collect();
     let products = acc.micro_plans().find_map(|e| e.bf16_products::<B>());
     (params, losses, products)
 }

@@ -11,9 +11,12 @@
 //!   one table of those a checkpoint stores), the normalisation scale and clipping;
 //! - [`store`]: the trained parameters' buffers by typed slot, flat host copies of them, and
 //!   the flat device buffers behind them;
-//! - [`sync`]: data parallelism across ranks, replicated or sharded (hsdp);
+//! - [`sync`]: how a window's gradients come together ([`sync::GradSync`]): this process alone,
+//!   or across ranks, replicated or sharded (hsdp);
+//! - [`readback`]: the step's losses and token counts, read back from a device when asked;
 //! - [`snapshot`]: checkpoints, saved and restored.
 
+mod readback;
 mod snapshot;
 mod store;
 mod sync;
@@ -26,7 +29,7 @@ use std::sync::Arc;
 
 use burn_backend::tensor::Device;
 use cellgraph_cells::cell::{ITEM_INDEX, UPDATE};
-use cellgraph_cells::{Cell, GradAccumulation, Normalization, Optimizer, Slicing};
+use cellgraph_cells::{Cell, GradAccumulation, Optimizer, Slicing};
 use cellgraph_compiler::autodiff::SENS;
 use cellgraph_compiler::dump::DumpOptions;
 use cellgraph_compiler::passes::grad_accumulation::ACCUMULATOR_PREFIX;
@@ -35,26 +38,30 @@ use cellgraph_compiler::{HostData, HostTensor, TensorType};
 use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
 use crate::exec::{compile, compile_with, DumpAt, Executable, Session};
-use crate::value::Value;
 use crate::Backend;
 
 use cellgraph_compiler::passes::grad_accumulation::accumulator_name;
+use readback::Readback;
 pub use snapshot::LoadReport;
 pub use sync::SHARD;
 pub use window::Counters;
-use window::{finite, Ended, Scaler};
+use window::{Ended, Scaler};
 
-use store::{Kind, Store};
-use sync::Parallel;
-use window::{scale, Progress};
+use store::Store;
+use sync::{Boundary, GradSync, Local};
+use window::Progress;
 
-/// What one call to [`Accumulator::step`] did.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct StepOutcome {
-    /// The step's loss: the sum of its micro losses (in-step slicing) or the micro loss.
-    pub loss: f64,
-    /// True when this step ended a window and the optimizer ran.
-    pub applied: bool,
+/// Where a training batch sits in its epoch ([`Accumulator::step`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// Any batch but an epoch's last: under in-step slicing its size must be a multiple of
+    /// `micro_size` (an error otherwise, as in MindSpore).
+    Regular,
+    /// An epoch's last batch, which may be shorter than the others (a dataset without
+    /// `drop_remainder`, or a wrapped shard): under in-step slicing a size that `micro_size`
+    /// does not divide is split into `min(micro_size, items)` micro-batches whose sizes differ
+    /// by at most one, larger first (11 items, `micro_size` 4: 3, 3, 3, 2).
+    LastOfEpoch,
 }
 
 /// The compiled graphs, and how they are named and dumped.
@@ -72,56 +79,54 @@ struct Plans {
     dump: Option<DumpOptions>,
 }
 
+/// How an accumulator's session runs its plans ([`Accumulator::options`]); each setter is the
+/// [`Session`]'s of the same name.
+pub struct SessionOptions<'a, B: Backend>(&'a mut Session<B>);
+
+impl<B: Backend> SessionOptions<'_, B> {
+    /// Per-op wall-clock profiling ([`Session::set_profiling`]).
+    pub fn set_profiling(&mut self, on: bool) {
+        self.0.set_profiling(on);
+    }
+
+    /// Per-op profiling that waits for the device after each op ([`Session::set_device_profiling`]).
+    pub fn set_device_profiling(&mut self, on: bool) {
+        self.0.set_device_profiling(on);
+    }
+
+    /// TF32 tensor cores for device matmuls ([`Session::set_tf32`]).
+    pub fn set_tf32(&mut self, on: bool) {
+        self.0.set_tf32(on);
+    }
+
+    /// The CPU's bf16 products where the plan chose them ([`Session::set_bf16_products`]).
+    pub fn set_bf16_products(&mut self, on: bool) {
+        self.0.set_bf16_products(on);
+    }
+
+    /// Captured graphs replayed on a device ([`Session::set_graphs`]); an error on the CPU.
+    pub fn set_graphs(&mut self, on: bool) -> Result<()> {
+        self.0.set_graphs(on)
+    }
+}
+
 /// Drives one GradAccumulation network on one device.
 pub struct Accumulator<B: Backend> {
     net: Rc<GradAccumulation>,
     opt: Rc<dyn Optimizer>,
     plans: Plans,
     /// Parameters, accumulators and optimizer state.
-    pub session: Session<B>,
+    session: Session<B>,
     progress: Progress,
     store: Store<B>,
-    parallel: Option<Parallel>,
-    /// The last step's micro-batch losses, left on the device until read ([`Self::step_loss`]),
-    /// and their sum once read.
-    losses: Vec<Loss<B>>,
-    loss: std::cell::Cell<Option<f64>>,
-    /// Under token-weighted normalisation, the last step's token count (its loss is the mean
-    /// over them), as far as it has been read ([`Self::counts`] holds the rest).
-    tokens: f64,
-    /// Token counts of micro-steps run on a device, not yet read back (each a sync): read
-    /// together at the window's boundary, or with the step's loss. `true`: of the last step.
-    counts: Vec<(Value<B>, bool)>,
+    /// How the window's gradients come together (this process alone, or across ranks).
+    sync: Box<dyn GradSync<B>>,
+    /// The last step's losses and the window's token counts, read back when asked.
+    readback: Readback<B>,
     /// Items this process has trained on: dropout's item keys when the data gives none.
     items_seen: u64,
     /// Dynamic loss scaling, when the precision policy asks for it.
     scaler: Option<Scaler>,
-}
-
-/// A micro-batch's loss: read (host backends read it at once, at no cost), or on the device.
-enum Loss<B: Backend> {
-    Read(f64),
-    Device(Value<B>),
-}
-
-/// The optimizer graph's inputs: the gradient scale, then the rule's host scalars.
-fn optimizer_inputs(scale: f64, scalars: &[f64]) -> Vec<HostTensor> {
-    std::iter::once(scale).chain(scalars.iter().copied()).map(HostTensor::scalar_f32).collect()
-}
-
-/// Device scalars (losses, token counts) as f64, in one read: gathered on the device first.
-fn read_scalars<B: Backend>(vals: Vec<Value<B>>) -> Vec<f64> {
-    match vals.len() {
-        0 => Vec::new(),
-        1 => vals[0].to_host().to_f64(),
-        _ => {
-            let floats: Option<Vec<_>> = vals.iter().map(|v| if let Value::Float(t) = v { Some(t.clone()) } else { None }).collect();
-            match floats {
-                Some(ts) => Value::<B>::Float(B::float_cat(ts, 0)).to_host().to_f64(),
-                None => vals.iter().flat_map(|v| v.to_host().to_f64()).collect(),
-            }
-        }
-    }
 }
 
 /// The position of the [`ITEM_INDEX`] column among a dataset's column `names`, if any.
@@ -199,11 +204,8 @@ impl<B: Backend> Accumulator<B> {
             session,
             progress: Progress::default(),
             store,
-            parallel: None,
-            losses: Vec::new(),
-            loss: std::cell::Cell::new(None),
-            tokens: 0.0,
-            counts: Vec::new(),
+            sync: Box::new(Local),
+            readback: Readback::new(),
             items_seen: 0,
             scaler: None,
         };
@@ -227,14 +229,14 @@ impl<B: Backend> Accumulator<B> {
     /// data-parallel over several ranks): the optimizer and clear graphs at once, each
     /// micro-step graph (with the traced forward graph it came from) when it is compiled.
     pub fn save_graphs(&mut self, opts: DumpOptions) -> Result<()> {
-        let opts = match &self.parallel {
-            Some(p) if p.comm.size() > 1 => opts.for_rank(p.comm.rank()),
+        let opts = match self.sync.comm() {
+            Some(c) if c.size() > 1 => opts.for_rank(c.rank()),
             _ => opts,
         };
         let at = DumpAt { opts: &opts, first: 1, input: "grad_accumulation" };
         self.plans.clear = compile_with(self.plans.clear.source().clone(), Some(at))?;
         // The optimizer graph that runs: this rank's shard under hsdp, else the whole one.
-        match self.parallel.as_mut().and_then(|p| p.shard.as_mut()) {
+        match self.sync.shard_mut() {
             Some(sh) => sh.optimizer = compile_with(sh.optimizer.source().clone(), Some(at))?,
             None => self.plans.optimizer = compile_with(self.plans.optimizer.source().clone(), Some(at))?,
         }
@@ -250,12 +252,12 @@ impl<B: Backend> Accumulator<B> {
 
     /// The communicator, when training data-parallel.
     pub fn communicator(&self) -> Option<&Arc<dyn Communicator>> {
-        self.parallel.as_ref().map(|p| &p.comm)
+        self.sync.comm()
     }
 
     /// This process's rank (0 without data parallelism).
     pub fn rank(&self) -> usize {
-        self.parallel.as_ref().map_or(0, |p| p.comm.rank())
+        self.sync.comm().map_or(0, |c| c.rank())
     }
 
     /// Elements of the optimizer state this rank holds (all of it, unless hsdp).
@@ -294,82 +296,23 @@ impl<B: Backend> Accumulator<B> {
         (&self.plans.optimizer, &self.plans.clear)
     }
 
-    /// One training step. In-step slicing: the batch is split into `micro_size` equal
-    /// micro-batches (a size `micro_size` does not divide is an error, as in MindSpore) and the
-    /// window applied; the loss is their sum. Across steps: the batch is one micro-batch, and
-    /// the window is applied when it is full.
-    pub fn step(&mut self, batch: &[HostTensor]) -> Result<StepOutcome> {
-        let applied = self.advance(batch)?;
-        Ok(StepOutcome { loss: self.step_loss(), applied })
-    }
-
-    /// [`Self::step`] without reading the loss back: on a device backend nothing waits for the
-    /// device, which runs the step while the host prepares the next one. The step's loss stays
-    /// where it was computed until [`Self::step_loss`] asks for it. Returns whether the step
-    /// ended a window.
-    pub fn advance(&mut self, batch: &[HostTensor]) -> Result<bool> {
+    /// One training step, the one way to train: with in-step slicing the batch is split into
+    /// `micro_size` micro-batches and the window applied; across steps the batch is one
+    /// micro-batch and the window is applied when it is full. `place` says whether this is the
+    /// epoch's last batch, which may be shorter ([`Place`]). Returns whether the step ended a
+    /// window (the optimizer ran). Nothing waits for a device: the step's loss stays where it
+    /// was computed until [`Self::step_loss`] asks for it, so the device runs the step while
+    /// the host prepares the next one.
+    pub fn step(&mut self, batch: &[HostTensor], place: Place) -> Result<bool> {
         let b = batch.first().and_then(|t| t.shape.first().copied()).unwrap_or(0);
-        if self.net.slicing == Slicing::InStep {
+        if self.net.slicing == Slicing::InStep && place == Place::Regular {
             self.net.check_batch(b)?;
         }
-        self.step_split(batch, b)
-    }
-
-    /// The last step's loss: the sum of its micro-batches' losses (each as the network computed
-    /// it, added in f64), NaN before the first step; under token-weighted normalisation, that
-    /// sum divided by the step's tokens (the mean loss per token; 0, the empty sum, without a
-    /// token). On a device backend the first call after a
-    /// step reads the losses back (one read: the device finishes the step's work first).
-    pub fn step_loss(&self) -> f64 {
-        if let Some(l) = self.loss.get() {
-            return l;
-        }
-        let on_device: Vec<_> =
-            self.losses.iter().filter_map(|l| if let Loss::Device(Value::Float(t)) = l { Some(t.clone()) } else { None }).collect();
-        let losses = on_device.len();
-        // One read for all of the step's device losses and unread token counts.
-        let counts = self.counts.iter().filter(|c| c.1).map(|c| c.0.clone());
-        let mut read = read_scalars::<B>(on_device.into_iter().map(Value::Float).chain(counts).collect()).into_iter();
-        let tokens = self.tokens + read.clone().skip(losses).sum::<f64>();
-        let l = if self.losses.is_empty() {
-            f64::NAN
-        } else {
-            self.losses
-                .iter()
-                .map(|l| match l {
-                    Loss::Read(v) => *v,
-                    Loss::Device(Value::Float(_)) => read.next().unwrap_or(f64::NAN),
-                    Loss::Device(v) => v.to_host().scalar(),
-                })
-                .sum()
-        };
-        let l = if self.net.normalization == Normalization::Tokens && tokens > 0.0 { l / tokens } else { l };
-        self.loss.set(Some(l));
-        l
-    }
-
-    /// The last batch of an epoch, which may be shorter than the others (a dataset without
-    /// `drop_remainder`, or a wrapped shard). With in-step slicing a size that `micro_size`
-    /// does not divide is split into `min(micro_size, items)` micro-batches whose sizes differ
-    /// by at most one, larger first (11 items, `micro_size` 4: 3, 3, 3, 2); the normalisation
-    /// counts the micro-batches and items the window really had. Otherwise as [`Self::step`].
-    pub fn step_last(&mut self, batch: &[HostTensor]) -> Result<StepOutcome> {
-        let applied = self.advance_last(batch)?;
-        Ok(StepOutcome { loss: self.step_loss(), applied })
-    }
-
-    /// [`Self::step_last`] without reading the loss back (see [`Self::advance`]).
-    pub fn advance_last(&mut self, batch: &[HostTensor]) -> Result<bool> {
-        let b = batch.first().and_then(|t| t.shape.first().copied()).unwrap_or(0);
-        self.step_split(batch, b)
-    }
-
-    fn step_split(&mut self, batch: &[HostTensor], b: usize) -> Result<bool> {
         let k = self.net.micro_size;
         if b == 0 {
             return Err(RuntimeError::Mismatch { what: "training batch".into(), expected: "at least one item".into(), got: "an empty batch".into() });
         }
-        self.forget_losses();
+        self.readback.forget(&mut self.session);
         match self.net.slicing {
             Slicing::InStep => {
                 for (start, end) in micro_ranges(b, k) {
@@ -390,6 +333,15 @@ impl<B: Backend> Accumulator<B> {
         }
     }
 
+    /// The last step's loss: the sum of its micro-batches' losses (each as the network computed
+    /// it, added in f64), NaN before the first step; under token-weighted normalisation, that
+    /// sum divided by the step's tokens (the mean loss per token; 0, the empty sum, without a
+    /// token). On a device backend the first call after a step reads the losses back (one
+    /// read: the device finishes the step's work first).
+    pub fn step_loss(&self) -> f64 {
+        self.readback.step_loss(self.net.normalization)
+    }
+
     /// At the end of the data: an incomplete window is applied with its true counts, or
     /// dropped (accumulators cleared, no update) when the network asks for that. Returns
     /// whether an update was applied.
@@ -405,46 +357,52 @@ impl<B: Backend> Accumulator<B> {
         Ok(true)
     }
 
-    /// Runs one micro-batch: forward, backward, gradients added into the accumulators.
-    /// Returns its loss (read back: see [`Self::advance`] for steps that do not wait for it).
-    pub fn micro_step(&mut self, inputs: &[HostTensor]) -> Result<f64> {
-        self.forget_losses();
-        self.run_micro(inputs)?;
-        Ok(self.step_loss())
+    /// The session holding the parameters, accumulators and optimizer state, to read (values,
+    /// profiles, replay counts).
+    pub fn session(&self) -> &Session<B> {
+        &self.session
     }
 
-    /// Drops the last step's losses; those on the device give their memory back to the
-    /// session (the next step's losses are written there).
-    fn forget_losses(&mut self) {
-        for l in self.losses.drain(..) {
-            if let Loss::Device(v) = l {
-                self.session.give_back(v);
+    /// Runs another graph over the trained parameters (an evaluation, a sampling step): its
+    /// parameter inputs read the session's values, `inputs` fill the rest.
+    pub fn run(&mut self, exe: &Executable, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+        self.session.run(exe, inputs)
+    }
+
+    /// Sets a trained parameter's value; an error naming the parameter when the network has
+    /// none of that name or its shape differs.
+    pub fn set_param(&mut self, name: &str, value: &HostTensor) -> Result<()> {
+        match self.session.param_shape(name) {
+            Some(shape) if shape == value.shape => {
+                self.session.set_param(name, value);
+                // Flat device buffers are packed again from the session's values.
+                if self.store.is_flat() {
+                    self.store.enter_flat(&mut self.session, self.opt.as_ref())?;
+                }
+                Ok(())
             }
-        }
-        self.loss.set(None);
-        self.tokens = 0.0;
-        for c in &mut self.counts {
-            c.1 = false;
+            Some(shape) => Err(RuntimeError::Mismatch {
+                what: format!("parameter `{name}`"),
+                expected: format!("shape {shape:?}"),
+                got: format!("shape {:?}", value.shape),
+            }),
+            None => Err(RuntimeError::Mismatch {
+                what: "parameter name".into(),
+                expected: format!("a parameter of the network ({})", self.store.params().collect::<Vec<_>>().join(", ")),
+                got: format!("`{name}`"),
+            }),
         }
     }
 
-    /// Reads the micro-steps' unread token counts ([`Self::counts`]) in one read, adding them to
-    /// the window's items (and the last step's tokens).
-    fn settle_counts(&mut self) {
-        let counts = std::mem::take(&mut self.counts);
-        let read = read_scalars::<B>(counts.iter().map(|c| c.0.clone()).collect());
-        for ((_, last), c) in counts.into_iter().zip(read) {
-            self.progress.items += c as u64;
-            if last {
-                self.tokens += c;
-            }
-        }
+    /// How the session runs its plans: profiling, TF32, bf16 products, captured graphs.
+    pub fn options(&mut self) -> SessionOptions<'_, B> {
+        SessionOptions(&mut self.session)
     }
 
     /// The window's progress with its unread token counts read (a snapshot's copy).
     fn settled_progress(&self) -> window::Progress {
         let mut p = self.progress;
-        p.items += read_scalars::<B>(self.counts.iter().map(|c| c.0.clone()).collect()).into_iter().map(|c| c as u64).sum::<u64>();
+        p.items += self.readback.unread_items();
         p
     }
 
@@ -520,12 +478,14 @@ impl<B: Backend> Accumulator<B> {
         let inputs: Cow<[HostTensor]> = if keys.is_empty() { inputs } else { Cow::Owned(inputs.iter().cloned().chain(keys).collect()) };
         let inputs = &inputs[..];
         // Collectives inside the step (SyncBatchNorm's statistics) sum over the ranks.
-        let comm = self.parallel.as_ref().map(|p| p.comm.as_ref()).filter(|c| c.size() > 1);
+        let comm = self.sync.comm().map(|c| c.as_ref()).filter(|c| c.size() > 1);
         // Under token-weighted normalisation the step's second output is its token count: on
         // a device left there until the window's boundary (or the step's loss) needs it.
-        let (loss, count) = if B::HOST {
+        let count = if B::HOST {
             let out = self.session.run_over(exe, inputs, comm)?;
-            (Loss::Read(out[0].scalar()), out.get(1).map(|c| c.scalar()))
+            let count = out.get(1).map(|c| c.scalar());
+            self.readback.push_read(out[0].scalar(), count);
+            count
         } else {
             // A plan without collectives replays its captured graph when the session's graphs
             // are on; one with them runs op by op (they read the device), counted.
@@ -538,23 +498,15 @@ impl<B: Backend> Accumulator<B> {
                 self.session.run_device_over(exe, inputs, comm)?
             };
             let count = out.get(1).cloned();
-            let loss = Loss::Device(out.swap_remove(0));
             let counted = count.is_some();
-            self.counts.extend(count.map(|c| (c, true)));
-            // Counted as 0 tokens until `settle_counts` reads them and adds them.
-            (loss, counted.then_some(0.0))
+            self.readback.push_device(out.swap_remove(0), count);
+            // Counted as 0 tokens until the boundary reads them (`Readback::settle`).
+            counted.then_some(0.0)
         };
         if comm.is_some() {
             self.progress.counters.step_collectives += exe.collectives() as u64;
         }
-        self.losses.push(loss);
-        let items = match count {
-            Some(c) => {
-                self.tokens += c;
-                c as usize
-            }
-            None => rows,
-        };
+        let items = count.map_or(rows, |c| c as usize);
         self.items_seen += rows as u64;
         self.progress.micro_step(items);
         Ok(())
@@ -562,26 +514,22 @@ impl<B: Backend> Accumulator<B> {
 
     /// Ends the open window: the optimizer once (normalised by the window's true counts),
     /// then clear once. Does nothing on an empty window.
-    pub fn apply(&mut self) -> Result<()> {
-        self.settle_counts();
+    fn apply(&mut self) -> Result<()> {
+        self.progress.items += self.readback.settle();
         if self.progress.micro == 0 {
             return Ok(());
         }
         let scalars = self.opt.scalar_values(self.progress.updates);
-        let ended = match self.parallel.as_ref().map(|p| p.shard.is_some()) {
-            None => {
-                let items = self.progress.items as f64;
-                let overflow = if self.scaler.is_some() { !finite(&self.store.gather(&self.session, Kind::Accu)?) } else { false };
-                match self.skipped(items, overflow) {
-                    Some(e) => e,
-                    None => Ended::Applied(
-                        self.run_optimizer(self.unscaled(scale(self.net.normalization, self.progress.micro, items, 1, false)), &scalars)?,
-                    ),
-                }
-            }
-            Some(false) => self.apply_replicated(&scalars)?,
-            Some(true) => self.apply_sharded(&scalars)?,
+        let mut boundary = Boundary {
+            net: &self.net,
+            session: &mut self.session,
+            store: &mut self.store,
+            progress: &mut self.progress,
+            optimizer: &self.plans.optimizer,
+            loss_scale: self.scaler.map(|s| s.scale),
+            scalars: &scalars,
         };
+        let ended = self.sync.end_window(&mut boundary)?;
         if let Some(s) = &mut self.scaler {
             match ended {
                 Ended::Applied(_) => s.window(false),
@@ -602,42 +550,9 @@ impl<B: Backend> Accumulator<B> {
         }
     }
 
-    /// Whether a window of `items` items (over every rank), with or without a non-finite
-    /// gradient on some rank, skips its update, and why: a token-weighted window without a
-    /// token (whose gradient is 0/0) and, under loss scaling, an overflow. `None`: it applies.
-    fn skipped(&self, items: f64, overflow: bool) -> Option<Ended> {
-        if self.net.normalization == Normalization::Tokens && items <= 0.0 {
-            Some(Ended::Empty)
-        } else if overflow && self.scaler.is_some() {
-            Some(Ended::Overflow)
-        } else {
-            None
-        }
-    }
-
-    /// The optimizer's gradient factor with the loss scale divided out.
-    fn unscaled(&self, scale: f64) -> f64 {
-        scale / self.loss_scale().unwrap_or(1.0)
-    }
-
     /// The scale the micro-steps seed the backward pass with, under dynamic loss scaling.
     pub fn loss_scale(&self) -> Option<f64> {
         self.scaler.map(|s| s.scale)
-    }
-
-    /// The optimizer over every parameter: one fused kernel on flat device buffers, one pass
-    /// per parameter on a host backend (without clipping, whose norm the graph computes),
-    /// else the graph. Returns whether the accumulators were zeroed with it.
-    fn run_optimizer(&mut self, scale: f64, scalars: &[f64]) -> Result<bool> {
-        if let Some(launches) = self.store.fused_update(scale, self.net.clip_global_norm, scalars) {
-            self.progress.counters.fused_launches += launches? as u64;
-            return Ok(true);
-        }
-        if self.net.clip_global_norm.is_none() && self.store.host_update(&mut self.session, scale, scalars) {
-            return Ok(true);
-        }
-        self.session.run(&self.plans.optimizer, &optimizer_inputs(scale, scalars))?;
-        Ok(false)
     }
 
     /// Zeroes the accumulators (unless the update already did: `cleared`), folds once-per-

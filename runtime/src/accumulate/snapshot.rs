@@ -40,7 +40,7 @@ impl<B: Backend> Accumulator<B> {
     pub fn snapshot(&self) -> crate::checkpoint::Tensors {
         let mut t = self.session.params_host();
         let gathered = self.gathered_state(&t);
-        if let Some(shard) = self.parallel.as_ref().and_then(|p| p.shard.as_ref()) {
+        if let Some(shard) = self.sync.shard() {
             t.remove(SHARD);
             t.remove(&super::accumulator_name(SHARD));
             for spec in &shard.state {
