@@ -94,7 +94,8 @@ fn run_bound<B: Backend>(
 }
 
 /// An epilogue step's head (`args`: its operands) on the head's bound kernel where the backend
-/// runs it (`native`), else on burn's ops.
+/// runs it (`native`), else on burn's ops, counted in `burn_steps` under the head's name.
+#[allow(clippy::too_many_arguments)]
 fn run_head<B: Backend>(
     cx: &Ctx<B>,
     head: &Op,
@@ -103,7 +104,8 @@ fn run_head<B: Backend>(
     native: bool,
     kept: &mut Kept,
     arena: &mut Arena,
-) -> Result<(Value<B>, Ran)> {
+    burn_steps: &mut BTreeMap<&'static str, u64>,
+) -> Result<Value<B>> {
     let bound = match &step.kernel {
         Some(Native::Epilogue { head, .. }) if native => run_bound(head, &args, &step.ty, cx, kept, arena),
         _ => None,
@@ -113,18 +115,13 @@ fn run_head<B: Backend>(
             for (v, _) in args {
                 v.give_back(arena);
             }
-            Ok((Value::Float(t), Ran::Kernel))
+            Ok(Value::Float(t))
         }
-        None => Ok((eval(cx, head, args, &step.ty)?, Ran::BurnOps)),
+        None => {
+            *burn_steps.entry(head.label()).or_default() += 1;
+            eval(cx, head, args, &step.ty)
+        }
     }
-}
-
-/// Whether a step ran on its bound kernel or on burn's ops (counted in
-/// [`Session::burn_op_steps`]).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Ran {
-    Kernel,
-    BurnOps,
 }
 
 /// A step on burn's ops (the reference lowering), counted in [`Session::burn_op_steps`]
@@ -671,10 +668,7 @@ impl<B: Backend> Session<B> {
                                 }
                                 acc.swap_remove(0).0
                             } else {
-                                let (g, ran) = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
-                                if ran == Ran::BurnOps {
-                                    *self.burn_steps.entry(head.label()).or_default() += 1;
-                                }
+                                let g = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena, &mut self.burn_steps)?;
                                 match (acc.as_slice(), g) {
                                     ([(Value::Float(a), _)], Value::Float(g)) if B::assign_add_in_place(a, g.clone()) => {
                                         Value::<B>::Float(g).give_back(&mut self.arena);
@@ -702,10 +696,7 @@ impl<B: Backend> Session<B> {
                                     (Op::Epilogue { head, expr }, Native::Epilogue { head_args, .. }) => {
                                         let mut args = args;
                                         let rest = args.split_off(*head_args);
-                                        let (y, ran) = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena)?;
-                                        if ran == Ran::BurnOps {
-                                            *self.burn_steps.entry(head.label()).or_default() += 1;
-                                        }
+                                        let y = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena, &mut self.burn_steps)?;
                                         crate::lower::epilogue_program(&cx, y, expr, rest, &step.ty)?
                                     }
                                     _ => burn_op(&cx, op, args, &step.ty, &mut self.burn_steps)?,

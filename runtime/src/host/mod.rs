@@ -355,6 +355,8 @@ fn run<F: Elem>(
         // The other kernels read float operands only.
         return None;
     }
+    // The extents were fixed when the kernel was bound (`kernel::bind`) from the same types the
+    // plan's verifier checked: a mismatch here is a binding bug, not a user's mistake.
     let fits = match k {
         Native::Fused(e) | Native::Epilogue { post: e, .. } => e.len == len,
         Native::SumRows { cols } => *cols == len && a[0].len().is_multiple_of(*cols),
@@ -369,7 +371,8 @@ fn run<F: Elem>(
         Native::MaxRows { cols } => a[0].len() == len * cols,
         _ => true,
     };
-    if len == 0 || !fits {
+    debug_assert!(fits, "{k:?} bound for other extents than its operands' ({:?} -> {len})", a.iter().map(|x| x.len()).collect::<Vec<_>>());
+    if len == 0 {
         return None;
     }
     let mut y = arena.take::<F>(len);
