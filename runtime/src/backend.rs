@@ -94,6 +94,16 @@ pub trait Backend: burn_backend::Backend {
         None
     }
 
+    /// Why the backend's own kernels will not run the bound kernel `op` on operands of types
+    /// `args` into `out`, decided once when a session binds a plan (the step then runs on
+    /// burn's ops, counted in [`crate::Session::burn_op_steps`]): a kernel family it has no
+    /// kernel for, extents its kernels do not take, class ids computed in the plan
+    /// (`!ids_checked`: the lowering reads and checks them). `None`: [`Self::device_kernel`]
+    /// runs it. Host backends run every bound kernel.
+    fn device_declines(_op: &Native, _args: &[TensorType], _out: &TensorType, _ids_checked: bool, _device: &Device<Self>) -> Option<String> {
+        None
+    }
+
     /// Runs a bound kernel (see [`crate::kernel::bind`]) on the backend's own kernels, when it
     /// has them: `args` the float operands in order, `ints` the integer ones (class labels,
     /// already checked on the host). Device backends: matmuls in exact f32, where burn's would

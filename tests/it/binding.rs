@@ -43,6 +43,9 @@ pub(crate) fn cases() -> Vec<Case> {
 pub(crate) struct Window {
     listed: Vec<String>,
     ran: BTreeMap<&'static str, u64>,
+    /// The micro-steps' steps the session bound to burn's ops because the device's kernels
+    /// decline them.
+    declined: Vec<(&'static str, String)>,
     kernels: BTreeMap<String, usize>,
 }
 
@@ -71,7 +74,9 @@ pub(crate) fn window<B: Backend>(net: WithLossCell, batches: &[Vec<HostTensor>],
             _ => None,
         })
         .collect();
-    Window { listed, ran: acc.session().burn_op_steps().clone(), kernels }
+    // The micro-steps' (on a device the boundary runs the fused update, not its plans).
+    let declined = acc.micro_plans().flat_map(|e| acc.session().declined_steps(e)).collect();
+    Window { listed, ran: acc.session().burn_op_steps().clone(), kernels, declined }
 }
 
 /// On the CPU every step of LeNet5's, the MLP's and ResNet-18's micro-steps and boundaries is
@@ -85,7 +90,8 @@ pub(crate) fn window<B: Backend>(net: WithLossCell, batches: &[Vec<HostTensor>],
 #[test]
 fn every_step_binds_to_a_host_kernel_on_the_cpu() {
     for (name, net, batches) in cases() {
-        let Window { listed, ran, kernels } = window::<Cpu>(net(), &batches, cpu());
+        let Window { listed, ran, kernels, declined } = window::<Cpu>(net(), &batches, cpu());
+        assert!(declined.is_empty(), "{name}: the CPU runs every bound kernel: {declined:?}");
         eprintln!("{name}: {}", kernels.iter().map(|(k, n)| format!("{k} {n}")).collect::<Vec<_>>().join(", "));
         let listed_ops: BTreeSet<&str> = listed.iter().map(|l| l.split(':').next().unwrap_or_default()).collect();
         let want: BTreeSet<&str> = match name {
@@ -153,8 +159,21 @@ fn the_steps_wgpu_runs_on_burns_ops_are_named() {
     use cellgraph::runtime::cube::{Wgpu, WgpuDevice};
     let mut seen = Vec::new();
     for (name, net, batches) in cases() {
-        let ran = window::<Wgpu>(net(), &batches, WgpuDevice::DefaultDevice).ran;
+        let Window { ran, declined, .. } = window::<Wgpu>(net(), &batches, WgpuDevice::DefaultDevice);
         let ran: BTreeSet<&str> = ran.keys().copied().collect();
+        // What the session declined when it bound the plans runs on burn's ops, each with its
+        // reason; the rest of `ran` had no kernel bound (or, counted, declined at launch).
+        let declined_ops: BTreeSet<&str> = declined.iter().map(|d| d.0).collect();
+        assert!(declined_ops.is_subset(&ran), "{name}: declined at bind but not run on burn's ops: {declined:?}");
+        let want_declined: BTreeSet<&str> = match name {
+            // Batch norm's statistics (sums over other than the leading axes) and programs
+            // the elementwise kernel does not take.
+            "resnet18" => ["fused", "reduce_mean", "reduce_sum"].into(),
+            "gpt" => ["dropout", "gather", "pad", "reduce_mean", "reduce_sum", "scatter_add", "slice", "transpose", "zeros_like"].into(),
+            _ => BTreeSet::new(),
+        };
+        assert_eq!(declined_ops, want_declined, "{name}: declined at bind: {declined:?}");
+        assert!(declined.iter().all(|d| !d.1.is_empty()), "{name}: each with its reason: {declined:?}");
         // Batch norm's statistics and the moving averages' updates (programs the device
         // kernels do not take), and the GPT's embedding, masks, layout moves and dropout.
         let want: BTreeSet<&str> = match name {

@@ -418,6 +418,40 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         true
     }
 
+    fn device_declines(op: &Native, args: &[TensorType], _out: &TensorType, ids_checked: bool, device: &R::Device) -> Option<String> {
+        match op {
+            // The head's kernel and a program the elementwise kernel cannot take on burn's ops
+            // are decided when it runs (`device_kernel`, and the run loop's epilogue path).
+            Native::Epilogue { .. } => None,
+            Native::Fused(e) => EwKernel::new(e, false).is_none().then(|| "a program the elementwise kernel does not take".into()),
+            Native::Fill(_) => Some("a fill (burn's `full`: one launch either way)".into()),
+            Native::MaxPool { g, .. } if g.has_empty_window() => Some("a pooling window that reads no input".into()),
+            Native::SumPlanes { inner, .. } if *inner != 1 => Some("sums over other than the leading axes".into()),
+            Native::Gather { .. }
+            | Native::ScatterAdd { .. }
+            | Native::Dropout { .. }
+            | Native::Permute { .. }
+            | Native::Slice { .. }
+            | Native::Pad { .. } => Some("no device kernel for it".into()),
+            Native::SoftmaxCrossEntropy { .. } if !ids_checked => Some("class ids computed in the plan (the lowering reads and checks them)".into()),
+            Native::SoftmaxCrossEntropy { c, reduction, .. } => {
+                let n = args.iter().find(|t| !t.dtype.is_float()).map_or(0, |t| t.numel());
+                loss::LossDims::new(n, *c, *reduction).is_none().then(|| "more rows or classes than the loss kernel indexes".into())
+            }
+            &Native::Attention { b, t, heads, d, causal, .. } => {
+                let max_shared = R::client(device).properties().hardware.max_shared_memory_size;
+                if attention::AttnDims::new(t, heads, d, causal).is_none() || b * heads * t == 0 {
+                    Some(format!("attention extents the kernel does not take (head size {d})"))
+                } else if attention::shared_bytes(d, core::mem::size_of::<f32>()) > max_shared {
+                    Some(format!("head size {d} needs more shared memory than the device's {max_shared} bytes"))
+                } else {
+                    None
+                }
+            }
+            _ => None,
+        }
+    }
+
     fn device_kernel(
         op: &Native,
         args: &[&CubeTensor<R>],

@@ -67,9 +67,11 @@ pub(super) enum Exec {
     /// An epilogue whose accumulator (operand `n` on) is a view of one flat device buffer:
     /// the head adds into it.
     AccumulateInto(usize),
-    /// The step's bound kernel (the host's, or the device's own). Where the backend declines
-    /// it at run time (a device kernel for a dtype it lacks), the step runs on burn's ops and
-    /// is counted ([`super::Session::burn_op_steps`]).
+    /// The step's bound kernel (the host's, or the device's own). Steps the device's kernels
+    /// do not take are bound to [`Exec::Burn`] instead ([`crate::Backend::device_declines`]);
+    /// what only a launch can tell (a tensor of another dtype than the plan's, a cubek
+    /// kernel that does not set up) still runs on burn's ops when it happens, counted
+    /// ([`super::Session::burn_op_steps`]).
     Kernel,
     /// Operand `i`, unchanged: `stop_gradient` (0), `assign`'s new value (1).
     Pass(usize),
@@ -101,8 +103,9 @@ pub(super) fn host_run(st: &Step) -> HostRun {
 }
 
 /// How `st` runs on a host (`host`) or device backend, with bound kernels on (`native`) or
-/// off, and device accumulators as views of one buffer (`in_place`) or not.
-pub(super) fn exec_of(st: &Step, host: bool, native: bool, in_place: bool) -> Exec {
+/// off, and device accumulators as views of one buffer (`in_place`) or not; `declined`: the
+/// device's kernels do not take the step's kernel ([`crate::Backend::device_declines`]).
+pub(super) fn exec_of(st: &Step, host: bool, native: bool, in_place: bool, declined: bool) -> Exec {
     match &st.op {
         Op::Parameter { .. } if st.deferred => return Exec::Deferred,
         Op::Parameter { .. } => return Exec::Param,
@@ -122,7 +125,7 @@ pub(super) fn exec_of(st: &Step, host: bool, native: bool, in_place: bool) -> Ex
         (Op::StopGradient, _) => Exec::Pass(0),
         (Op::Assign, _) => Exec::Pass(1),
         (Op::Epilogue { .. }, Some(n)) if !host && in_place => Exec::AccumulateInto(n),
-        _ if native && st.kernel.is_some() => Exec::Kernel,
+        _ if native && st.kernel.is_some() && !declined => Exec::Kernel,
         _ => Exec::Burn,
     }
 }
@@ -188,10 +191,18 @@ mod tests {
             (&accumulate, [Exec::Kernel, Exec::Burn, Exec::Kernel, Exec::AccumulateInto(2)]),
         ];
         for (st, want) in cases {
-            let got =
-                [exec_of(st, true, true, false), exec_of(st, true, false, false), exec_of(st, false, true, false), exec_of(st, false, true, true)];
+            let got = [
+                exec_of(st, true, true, false, false),
+                exec_of(st, true, false, false, false),
+                exec_of(st, false, true, false, false),
+                exec_of(st, false, true, true, false),
+            ];
             assert_eq!(got, want, "{}", st.op.label());
         }
+        // A kernel the device declines runs on burn's ops, bound so; an accumulating epilogue
+        // keeps adding into its accumulator's memory (its head's fallback is its own).
+        assert_eq!(exec_of(&matmul(), false, true, false, true), Exec::Burn);
+        assert_eq!(exec_of(&accumulate, false, true, true, true), Exec::AccumulateInto(2));
         assert_eq!(host_run(&matmul()), HostRun::Kernel("matmul".into()));
         assert!(matches!(host_run(&add_shared), HostRun::BurnOps(why) if why.contains("assign_add")));
     }

@@ -491,6 +491,23 @@ impl<B: Backend> Session<B> {
         self.run_here(exe, inputs, None, comm, out)
     }
 
+    /// The steps of `exe` this session runs on burn's ops although the plan bound a kernel for
+    /// them, because the device's kernels do not take it, by op and why
+    /// ([`Backend::device_declines`], decided when the session binds the plan); empty on host
+    /// backends, which run every bound kernel.
+    pub fn declined_steps(&self, exe: &Executable) -> Vec<(&'static str, String)> {
+        if B::HOST {
+            return Vec::new();
+        }
+        // Steps that would run their kernel (not sources, shared constants, accumulations...).
+        let runs_kernel = |st: &Step| bind::exec_of(st, false, self.native, self.in_place, false) == Exec::Kernel;
+        exe.steps
+            .iter()
+            .filter(|st| runs_kernel(st))
+            .filter_map(|st| Some((st.op.label(), B::device_declines(st.kernel.as_ref()?, &st.arg_types, &st.ty, st.ids_checked, &self.device)?)))
+            .collect()
+    }
+
     /// How each step of `exe` runs with the session's settings, decided at the plan's first
     /// run with them (a session holds the decisions of its last 256 plans).
     fn execs(&mut self, exe: &Executable) -> std::sync::Arc<[Exec]> {
@@ -499,7 +516,14 @@ impl<B: Backend> Session<B> {
             self.execs.clear();
         }
         let (native, in_place) = (self.native, self.in_place);
-        self.execs.entry(key).or_insert_with(|| exe.steps.iter().map(|st| bind::exec_of(st, B::HOST, native, in_place)).collect()).clone()
+        let device = &self.device;
+        let declined = |st: &Step| {
+            !B::HOST && st.kernel.as_ref().is_some_and(|k| B::device_declines(k, &st.arg_types, &st.ty, st.ids_checked, device).is_some())
+        };
+        self.execs
+            .entry(key)
+            .or_insert_with(|| exe.steps.iter().map(|st| bind::exec_of(st, B::HOST, native, in_place, declined(st))).collect())
+            .clone()
     }
 
     /// Runs `exe` on this thread. `bound`: the inputs' device buffers (replay's), instead of
