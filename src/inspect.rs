@@ -73,6 +73,10 @@ enum InspectCmd {
         unbound: bool,
         #[arg(long)]
         json: bool,
+        /// The backend to bind the plan for: `cpu` (the host kernels), `wgpu`, `cuda`,
+        /// `cuda:N` or `auto`, as `cellgraph train --device`.
+        #[arg(long, default_value = "cpu")]
+        device: String,
     },
 }
 
@@ -82,7 +86,7 @@ pub fn run(args: InspectArgs) -> Res<()> {
         (Some(InspectCmd::Diff { a, b, json }), _) => diff(&load(&a)?, &load(&b)?, json),
         (Some(InspectCmd::Render { file, output }), _) => render(&load(&file)?, &output),
         (Some(InspectCmd::Check { file }), _) => check(&file),
-        (Some(InspectCmd::Plan { file, unbound, json }), _) => plan(&file, unbound, json),
+        (Some(InspectCmd::Plan { file, unbound, json, device }), _) => plan(&file, unbound, json, &device),
         (None, Some(p)) if p.is_dir() => {
             if args.op.is_some() || args.scope.is_some() || args.stats {
                 return Err(format!("{}: --op, --scope and --stats apply to one .ir dump, not a directory", p.display()).into());
@@ -310,13 +314,28 @@ fn check(path: &Path) -> Res<()> {
     Err(format!("graph `{}` failed verification with {} error(s):\n{}", errs.graph, errs.errors.len(), out.join("\n")).into())
 }
 
+/// What a session on a device binds each step of a plan to.
+struct Steps<'a>(&'a cellgraph::runtime::Executable);
+
+impl cellgraph::runtime::device::OnDevice for Steps<'_> {
+    type Output = Vec<cellgraph::runtime::HostStep>;
+    fn run<B: cellgraph::runtime::Backend>(self, device: cellgraph::runtime::burn_backend::tensor::Device<B>) -> Self::Output {
+        cellgraph::runtime::Session::<B>::new(device).steps(self.0)
+    }
+}
+
 /// `inspect plan FILE`: compiles the dump (the same pipeline as training) and lists each step
-/// with what it runs on a host backend; a summary line counts them.
-fn plan(path: &Path, unbound: bool, json: bool) -> Res<()> {
+/// with what it runs on `device`'s backend; a summary line counts them.
+fn plan(path: &Path, unbound: bool, json: bool, device: &str) -> Res<()> {
     use cellgraph::runtime::HostRun;
     let g = load(path)?;
     let exe = cellgraph::runtime::compile(g).map_err(|e| format!("{}: {e}", path.display()))?;
-    let steps = exe.host_steps();
+    let (spec, msg) = cellgraph::runtime::device::choose(device, 0)?;
+    if spec != cellgraph::runtime::device::DeviceSpec::Cpu {
+        eprintln!("{msg}");
+    }
+    let on = if spec == cellgraph::runtime::device::DeviceSpec::Cpu { "host kernels" } else { "the device's kernels" };
+    let steps = cellgraph::runtime::device::dispatch(spec, Steps(&exe))?;
     let on_burn = steps.iter().filter(|s| matches!(s.run, HostRun::BurnOps(_))).count();
     let kernels = steps.iter().filter(|s| matches!(s.run, HostRun::Kernel(_))).count();
     let shown: Vec<_> = steps.iter().filter(|s| !unbound || matches!(s.run, HostRun::BurnOps(_))).collect();
@@ -343,6 +362,6 @@ fn plan(path: &Path, unbound: bool, json: bool) -> Res<()> {
     for s in shown {
         println!("{s}");
     }
-    println!("{}: {} steps, {kernels} on host kernels, {on_burn} on burn's ops", exe.graph().name, steps.len());
+    println!("{}: {} steps, {kernels} on {on}, {on_burn} on burn's ops", exe.graph().name, steps.len());
     Ok(())
 }

@@ -75,7 +75,14 @@ pub(crate) fn window<B: Backend>(net: WithLossCell, batches: &[Vec<HostTensor>],
         })
         .collect();
     // The micro-steps' (on a device the boundary runs the fused update, not its plans).
-    let declined = acc.micro_plans().flat_map(|e| acc.session().declined_steps(e)).collect();
+    let declined = acc
+        .micro_plans()
+        .flat_map(|e| acc.session().steps(e))
+        .filter_map(|s| match s.run {
+            HostRun::BurnOps(why) if why.starts_with("the device's kernels decline it") => Some((s.op, why)),
+            _ => None,
+        })
+        .collect();
     Window { listed, ran: acc.session().burn_op_steps().clone(), kernels, declined }
 }
 

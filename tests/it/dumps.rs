@@ -171,6 +171,37 @@ fn inspect_plan_lists_each_steps_kernel() {
     assert!(v["list"].as_array().unwrap().iter().any(|r| r["runs"] == "kernel" && r["detail"] == "matmul"), "{v}");
     let (ok, out) = inspect(&["plan", dir.join("nothing.ir").to_str().unwrap()]);
     assert!(!ok && out.contains("nothing.ir"), "{out}");
+    let (ok, out) = inspect(&["plan", micro, "--device", "tpu"]);
+    assert!(!ok && out.contains("tpu"), "{out}");
+}
+
+/// `inspect plan --device wgpu` binds the plan as a wgpu session does: the GPT's micro-step
+/// lists the embedding's `gather` as declined by the device's kernels, with the reason, and
+/// LeNet5's binds every step.
+#[cfg(feature = "wgpu")]
+#[test]
+fn inspect_plan_on_wgpu_names_what_the_device_declines() {
+    let dir = tmp("plan_wgpu");
+    dump_lenet(1, &dir);
+    let micro = dir.join("05_fuse_accumulation_micro_step.ir");
+    let (ok, out) = inspect(&["plan", micro.to_str().unwrap(), "--device", "wgpu"]);
+    let summary = out.lines().find(|l| l.starts_with("micro_step: ")).unwrap_or_default();
+    assert!(ok && summary.ends_with("on the device's kernels, 0 on burn's ops") && out.contains("device: wgpu"), "{out}");
+    use rand::SeedableRng;
+    let gpt = tmp("plan_wgpu_gpt");
+    let net = GradAccumulation::across_steps(crate::gpt::counted(), 2).normalization(Normalization::Tokens);
+    let mut model = Model::<Cpu>::new(net, Momentum::new(0.1, 0.9), cpu(), 1).unwrap();
+    model.save_graphs(DumpOptions { level: 1, dir: gpt.to_path_buf() }).unwrap();
+    let batch = crate::gpt::sequences(&mut rand::rngs::StdRng::seed_from_u64(5), 3);
+    model.accumulator_mut().step(&batch, Place::Regular).unwrap();
+    let file = std::fs::read_dir(&gpt)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with("micro_step.ir"))
+        .max()
+        .expect("a micro-step dump");
+    let (ok, out) = inspect(&["plan", file.to_str().unwrap(), "--device", "wgpu", "--unbound"]);
+    assert!(ok && out.lines().any(|l| l.contains(" gather ") && l.contains("the device's kernels decline it: no device kernel")), "{out}");
 }
 
 #[test]

@@ -491,20 +491,43 @@ impl<B: Backend> Session<B> {
         self.run_here(exe, inputs, None, comm, out)
     }
 
-    /// The steps of `exe` this session runs on burn's ops although the plan bound a kernel for
-    /// them, because the device's kernels do not take it, by op and why
-    /// ([`Backend::device_declines`], decided when the session binds the plan); empty on host
-    /// backends, which run every bound kernel.
-    pub fn declined_steps(&self, exe: &Executable) -> Vec<(&'static str, String)> {
-        if B::HOST {
-            return Vec::new();
+    /// What each step of `exe` runs in this session, in order (`cellgraph inspect plan
+    /// --device`): on a host backend [`Executable::host_steps`]; on a device the same kinds, as
+    /// the session binds them: a kernel (the device's own), a source, a collective, or burn's
+    /// ops and why (no kernel bound for the op, or one the device's kernels decline:
+    /// [`Backend::device_declines`]).
+    pub fn steps(&self, exe: &Executable) -> Vec<HostStep> {
+        if B::HOST && self.native {
+            return exe.host_steps();
         }
-        // Steps that would run their kernel (not sources, shared constants, accumulations...).
-        let runs_kernel = |st: &Step| bind::exec_of(st, false, self.native, self.in_place, false) == Exec::Kernel;
+        let declines = |st: &Step| -> Option<String> {
+            (!B::HOST).then(|| B::device_declines(st.kernel.as_ref()?, &st.arg_types, &st.ty, st.ids_checked, &self.device)).flatten()
+        };
         exe.steps
             .iter()
-            .filter(|st| runs_kernel(st))
-            .filter_map(|st| Some((st.op.label(), B::device_declines(st.kernel.as_ref()?, &st.arg_types, &st.ty, st.ids_checked, &self.device)?)))
+            .map(|st| {
+                let why = declines(st);
+                let run = match bind::exec_of(st, B::HOST, self.native, self.in_place, why.is_some()) {
+                    Exec::Deferred | Exec::Param | Exec::Input | Exec::SharedConstant => HostRun::Source,
+                    Exec::Collective => HostRun::Collective,
+                    Exec::ReshapeInPlace => HostRun::Reshape,
+                    Exec::AddInPlace => HostRun::AccumulateInPlace,
+                    Exec::Pass(0) => HostRun::Identity,
+                    Exec::Pass(_) => HostRun::Store,
+                    Exec::Kernel | Exec::AccumulateInto(_) => match &st.kernel {
+                        Some(k) => HostRun::Kernel(bind::kernel_name(k)),
+                        None => HostRun::BurnOps(format!("no kernel for `{}`", st.op.label())),
+                    },
+                    // A reshape moves no values (on a device, a view of its operand's buffer).
+                    Exec::Burn if matches!(st.op, Op::Reshape { .. } | Op::Flatten) => HostRun::Reshape,
+                    Exec::Burn => HostRun::BurnOps(match (why, &st.kernel) {
+                        (Some(why), _) => format!("the device's kernels decline it: {why}"),
+                        (None, Some(_)) => "bound kernels are off in this session".into(),
+                        (None, None) => format!("no kernel for `{}`", st.op.label()),
+                    }),
+                };
+                HostStep { node: st.slot, op: st.op.label(), scope: st.scope.clone(), ty: st.ty.clone(), run }
+            })
             .collect()
     }
 
