@@ -212,3 +212,33 @@ fn the_steps_wgpu_runs_on_burns_ops_are_named() {
         assert_eq!(ran, want, "{name}: the steps wgpu ran on burn's ops");
     }
 }
+
+/// An epilogue whose program reads more operands than the device's elementwise kernel takes
+/// (a product plus five more tensors) runs its head on the device's matmul and its program on
+/// burn's ops: the result is the CPU's, and the program is counted (`epilogue`), not silent.
+#[cfg(feature = "wgpu")]
+#[test]
+fn an_epilogue_program_the_device_cannot_take_is_counted() {
+    use cellgraph::runtime::cube::{Wgpu, WgpuDevice};
+    let mut text = String::from("graph g {\n  %0: f32[4,3] = input {index=0, name=\"x\"}\n  %1: f32[2,3] = input {index=1, name=\"w\"}\n");
+    text += "  %2: f32[4,2] = matmul(%0, %1) {transpose_a=false, transpose_b=true}\n";
+    for k in 0..5 {
+        text += &format!("  %{}: f32[4,2] = input {{index={}, name=\"e{k}\"}}\n", 3 + 2 * k, 2 + k);
+        text += &format!("  %{}: f32[4,2] = add(%{}, %{})\n", 4 + 2 * k, 2 + 2 * k, 3 + 2 * k);
+    }
+    text += "  return %12\n}\n";
+    let exe = compile(cellgraph::compiler::parse(&text).unwrap()).unwrap();
+    assert!(exe.host_steps().iter().any(|s| s.op == "matmul+epilogue"), "the adds fuse into the product's epilogue");
+    let mut rng = StdRng::seed_from_u64(4);
+    let mut inputs = vec![HostTensor::f32(vec![4, 3], (0..12).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap()];
+    inputs.push(HostTensor::f32(vec![2, 3], (0..6).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap());
+    for _ in 0..5 {
+        inputs.push(HostTensor::f32(vec![4, 2], (0..8).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap());
+    }
+    let want = Session::<Cpu>::new(cpu()).run(&exe, &inputs).unwrap()[0].to_f32();
+    let mut dev = Session::<Wgpu>::new(WgpuDevice::DefaultDevice);
+    let got = dev.run(&exe, &inputs).unwrap()[0].to_f32();
+    assert!(got.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5), "{got:?} vs {want:?}");
+    assert_eq!(dev.burn_op_steps().get("epilogue"), Some(&1), "{:?}", dev.burn_op_steps());
+    assert!(!dev.burn_op_steps().contains_key("matmul+epilogue"), "the head ran on its kernel: {:?}", dev.burn_op_steps());
+}

@@ -295,7 +295,8 @@ impl<B: Backend> Session<B> {
 
     /// The steps this session computed on burn's ops because no bound kernel ran them, by op
     /// and count (reshapes, which move no values, are not counted): on host backends exactly
-    /// the plans' [`HostRun::BurnOps`] steps; on devices also the ops they have no kernel for.
+    /// the plans' [`HostRun::BurnOps`] steps; on devices also the ops they have no kernel for,
+    /// and as `epilogue` an epilogue's program run on burn's ops after its head's kernel.
     pub fn burn_op_steps(&self) -> &BTreeMap<&'static str, u64> {
         &self.burn_steps
     }
@@ -736,14 +737,16 @@ impl<B: Backend> Session<B> {
                                     }
                                     Value::Float(t)
                                 }
-                                // Declined at run time (a dtype the device kernels lack): an
-                                // epilogue's head on its kernel and its program on burn's ops,
-                                // else the whole step on burn's ops, counted.
+                                // Declined at run time (a dtype the device kernels lack, a program
+                                // the elementwise kernel does not take): an epilogue's head on its
+                                // kernel and its program on burn's ops, else the whole step on
+                                // burn's ops, counted (the program as `epilogue`).
                                 None => match (op, k) {
                                     (Op::Epilogue { head, expr }, Native::Epilogue { head_args, .. }) => {
                                         let mut args = args;
                                         let rest = args.split_off(*head_args);
                                         let y = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena, &mut self.burn_steps)?;
+                                        *self.burn_steps.entry("epilogue").or_default() += 1;
                                         crate::lower::epilogue_program(&cx, y, expr, rest, &step.ty)?
                                     }
                                     _ => burn_op(&cx, op, args, &step.ty, &mut self.burn_steps)?,
