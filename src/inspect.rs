@@ -331,10 +331,11 @@ fn plan(path: &Path, unbound: bool, json: bool, device: &str) -> Res<()> {
     let g = load(path)?;
     let exe = cellgraph::runtime::compile(g).map_err(|e| format!("{}: {e}", path.display()))?;
     let (spec, msg) = cellgraph::runtime::device::choose(device, 0)?;
-    if spec != cellgraph::runtime::device::DeviceSpec::Cpu {
+    let host = spec == cellgraph::runtime::device::DeviceSpec::Cpu;
+    if !host {
         eprintln!("{msg}");
     }
-    let on = if spec == cellgraph::runtime::device::DeviceSpec::Cpu { "host kernels" } else { "the device's kernels" };
+    let on = if host { "host kernels" } else { "the device's kernels" };
     let steps = cellgraph::runtime::device::dispatch(spec, Steps(&exe))?;
     let on_burn = steps.iter().filter(|s| matches!(s.run, HostRun::BurnOps(_))).count();
     let kernels = steps.iter().filter(|s| matches!(s.run, HostRun::Kernel(_))).count();

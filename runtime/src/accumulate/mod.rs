@@ -520,13 +520,14 @@ impl<B: Backend> Accumulator<B> {
             return Ok(());
         }
         let scalars = self.opt.scalar_values(self.progress.updates);
+        let loss_scale = self.loss_scale();
         let mut boundary = Boundary {
             net: &self.net,
             session: &mut self.session,
             store: &mut self.store,
             progress: &mut self.progress,
             optimizer: &self.plans.optimizer,
-            loss_scale: self.scaler.map(|s| s.scale),
+            loss_scale,
             scalars: &scalars,
         };
         let ended = self.sync.end_window(&mut boundary)?;

@@ -501,13 +501,10 @@ impl<B: Backend> Session<B> {
         if B::HOST && self.native {
             return exe.host_steps();
         }
-        let declines = |st: &Step| -> Option<String> {
-            (!B::HOST).then(|| B::device_declines(st.kernel.as_ref()?, &st.arg_types, &st.ty, st.ids_checked, &self.device)).flatten()
-        };
         exe.steps
             .iter()
             .map(|st| {
-                let why = declines(st);
+                let why = self.declines(st);
                 let run = match bind::exec_of(st, B::HOST, self.native, self.in_place, why.is_some()) {
                     Exec::Deferred | Exec::Param | Exec::Input | Exec::SharedConstant => HostRun::Source,
                     Exec::Collective => HostRun::Collective,
@@ -532,22 +529,29 @@ impl<B: Backend> Session<B> {
             .collect()
     }
 
+    /// Why the device's kernels will not run `st`'s bound kernel ([`Backend::device_declines`]);
+    /// `None` on host backends, for steps without a kernel, and where the device runs it.
+    fn declines(&self, st: &Step) -> Option<String> {
+        if B::HOST {
+            return None;
+        }
+        B::device_declines(st.kernel.as_ref()?, &st.arg_types, &st.ty, st.ids_checked, &self.device)
+    }
+
     /// How each step of `exe` runs with the session's settings, decided at the plan's first
     /// run with them (a session holds the decisions of its last 256 plans).
     fn execs(&mut self, exe: &Executable) -> std::sync::Arc<[Exec]> {
         let key = (exe.id, self.native, self.in_place);
-        if !self.execs.contains_key(&key) && self.execs.len() >= 256 {
+        if let Some(execs) = self.execs.get(&key) {
+            return execs.clone();
+        }
+        if self.execs.len() >= 256 {
             self.execs.clear();
         }
-        let (native, in_place) = (self.native, self.in_place);
-        let device = &self.device;
-        let declined = |st: &Step| {
-            !B::HOST && st.kernel.as_ref().is_some_and(|k| B::device_declines(k, &st.arg_types, &st.ty, st.ids_checked, device).is_some())
-        };
-        self.execs
-            .entry(key)
-            .or_insert_with(|| exe.steps.iter().map(|st| bind::exec_of(st, B::HOST, native, in_place, declined(st))).collect())
-            .clone()
+        let execs: std::sync::Arc<[Exec]> =
+            exe.steps.iter().map(|st| bind::exec_of(st, B::HOST, self.native, self.in_place, self.declines(st).is_some())).collect();
+        self.execs.insert(key, execs.clone());
+        execs
     }
 
     /// Runs `exe` on this thread. `bound`: the inputs' device buffers (replay's), instead of
