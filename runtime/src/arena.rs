@@ -105,6 +105,12 @@ impl Arena {
         self.scratch.insert(len, Box::new(t));
     }
 
+    /// Every device buffer the arena holds (free buffers and scratch buffers) that is a `T`.
+    pub fn device_buffers<T: 'static>(&self) -> impl Iterator<Item = &T> {
+        let free = self.device.values().flatten();
+        free.chain(self.scratch.values()).filter_map(|b| b.downcast_ref::<T>())
+    }
+
     /// Gives a device buffer of `len` elements back, which nothing else may hold.
     pub fn give_device<T: Send + 'static>(&mut self, len: usize, t: T) {
         let cap = self.cap.get(&len).copied().unwrap_or(0);

@@ -198,6 +198,14 @@ pub trait Backend: burn_backend::Backend {
         None
     }
 
+    /// Keeps the tensor's memory from going back to the device's pool while the returned pin
+    /// lives, without holding the tensor (so whether it may be written in place, and whether
+    /// it goes back to an arena, is unchanged); `None` on host backends. A captured graph pins
+    /// the buffers its arena held when it was recorded (see [`crate::replay`]).
+    fn device_pin(_t: &FloatTensor<Self>) -> Option<Box<dyn std::any::Any + Send>> {
+        None
+    }
+
     /// A float tensor of extents `shape` holding `data`: of `data`'s own type on host
     /// backends, f32 on device backends (their plans compute in f32).
     fn from_host_vec(data: HostVec, shape: &[usize], device: &Device<Self>) -> FloatTensor<Self> {

@@ -21,6 +21,14 @@
 //! - **Each plan shape has its own arena** ([`Entry::arena`]): its intermediates (and so the
 //!   graph's) are never lent to another plan, whose values (a loss, a parameter) could
 //!   outlive the next replay, which would write over them.
+//! - **A graph's buffers stay out of the device's pool while it lives**: cubecl pins what it
+//!   allocated inside the capture; the entry pins every buffer its arena held when the capture
+//!   began ([`Entry::pins`]), which is every other buffer the capture run could write (it may
+//!   take no new one). A run lets some values go instead of giving them back to the arena
+//!   (another value still held the buffer, or the arena held its count of that length);
+//!   without the pins such a buffer went back to the pool, was handed to another owner, and
+//!   every replay wrote over it (another session's batch-norm moving statistics came out
+//!   wrong that way, by timing).
 //! - **While graphs are on, a parameter stays in its buffer**: a plan that computes a
 //!   parameter's new value into another buffer copies it into the parameter's own (a launch,
 //!   captured into the graph with the rest), whichever plan runs (a captured one, a short last
@@ -74,6 +82,12 @@ pub(crate) struct Entry<B: Backend> {
     /// The captured graph and the buffers it leaves its outputs in; `None` after the first
     /// run (captured at the second).
     pub graph: Option<(BackendGraph<B>, Vec<Value<B>>)>,
+    /// Pins on every buffer the plan's arena held when the graph was recorded (the capture
+    /// run took all its buffers from there; what cubecl allocated inside the capture, it pins
+    /// itself): kept while the graph lives, so that none of them goes back to the device's pool
+    /// when its value is let go (given back while something else still held it, or beyond the
+    /// arena's count), where another owner would be handed memory every replay writes.
+    pub pins: Vec<Box<dyn std::any::Any + Send>>,
     /// Why the plan cannot be captured, found by the first run (a step that reads the device
     /// or uploads): every later run is op by op, counted.
     pub blocker: Option<String>,

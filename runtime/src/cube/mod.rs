@@ -407,6 +407,12 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         (t.dtype == DType::F32 && t.is_contiguous() && exact && h.can_mut()).then_some((n, t))
     }
 
+    fn device_pin(t: &CubeTensor<R>) -> Option<Box<dyn std::any::Any + Send>> {
+        // A binding holds the memory's descriptor, as a launch not yet run does: the pool does
+        // not hand the memory out again, and the handle count `can_mut` reads is unchanged.
+        Some(Box::new(t.handle.clone().binding()))
+    }
+
     fn assign_add_in_place(acc: &CubeTensor<R>, g: CubeTensor<R>) -> bool {
         if !acc.is_contiguous() || acc.meta.num_elements() != g.meta.num_elements() || acc.dtype != DType::F32 || g.dtype != DType::F32 {
             return false;

@@ -125,9 +125,10 @@ impl<B: Backend> Session<B> {
             })
             .chain(exe.writes.iter().map(|(n, _)| n.clone()))
             .collect();
-        self.graphs
-            .entries
-            .insert(key.clone(), crate::replay::Entry { inputs: fixed, names, graph: None, blocker: None, tries: 0, arena: Arena::default() });
+        self.graphs.entries.insert(
+            key.clone(),
+            crate::replay::Entry { inputs: fixed, names, graph: None, pins: Vec::new(), blocker: None, tries: 0, arena: Arena::default() },
+        );
         self.graphs.counts.warmups += 1;
         self.watch = Watch::Probe(None);
         let outs = self.in_own_arena(&key, |s, fixed| s.run_here(exe, inputs, Some(fixed), None, &|v, _| v.clone()));
@@ -156,12 +157,14 @@ impl<B: Backend> Session<B> {
         let failed = if steady {
             // A prepare must be followed by a capture on the stream, even after a failed run.
             match self.in_own_arena(key, |s, fixed| s.capture(exe, inputs, fixed)) {
-                Ok((graph, outs, None)) => {
-                    self.graphs.entries.get_mut(key).expect("made at the first run").graph = Some((graph, outs));
+                Ok((graph, outs, pins, None)) => {
+                    let entry = self.graphs.entries.get_mut(key).expect("made at the first run");
+                    entry.graph = Some((graph, outs));
+                    entry.pins = pins;
                     self.graphs.counts.captures += 1;
                     None
                 }
-                Ok((_, _, Some(why))) => Some(why),
+                Ok((_, _, _, Some(why))) => Some(why),
                 Err(RuntimeError::Device(d)) => return Err(replay_error(exe, d)),
                 Err(e) => return Err(e),
             }
@@ -193,10 +196,12 @@ impl<B: Backend> Session<B> {
     }
 
     /// Records `exe`'s launches reading the input buffers `fixed`; returns the graph, the
-    /// buffers its outputs land in, and the first step it could not record, if any (that
+    /// buffers its outputs land in, pins on the buffers the arena held (see
+    /// [`crate::replay::Entry::pins`]), and the first step it could not record, if any (that
     /// graph must not be replayed). A parameter the plan writes into a new buffer is copied
     /// into its own inside the graph (see [`Self::run_here`]).
     fn capture(&mut self, exe: &Executable, inputs: &[HostTensor], fixed: &[Value<B>]) -> Result<Captured<B>> {
+        let pins = self.arena.device_buffers::<burn_backend::tensor::FloatTensor<B>>().filter_map(B::device_pin).collect();
         B::graph_start_capture(&self.device).map_err(|e| RuntimeError::Device(format!("starting the capture: {e:?}")))?;
         self.watch = Watch::Capture(None);
         let outs = self.run_here(exe, inputs, Some(fixed), None, &|v, _| v.clone());
@@ -206,7 +211,7 @@ impl<B: Backend> Session<B> {
         let graph = graph.map_err(|e| {
             RuntimeError::Device(format!("capture failed (an allocation or a host copy inside the plan, outside the runtime's checks): {e:?}"))
         })?;
-        Ok((graph, outs, why))
+        Ok((graph, outs, pins, why))
     }
 
     /// Copies of a run's outputs (their buffers are written again by the next run), the

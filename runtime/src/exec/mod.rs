@@ -198,8 +198,9 @@ pub struct Session<B: Backend> {
     execs: BTreeMap<(u64, bool, bool), std::sync::Arc<[Exec]>>,
 }
 
-/// A capture's graph, the run's outputs, and why it cannot be replayed (if so).
-type Captured<B> = (burn_backend::BackendGraph<B>, Vec<Value<B>>, Option<String>);
+/// A capture's graph, the run's outputs, the pins on the buffers its arena held, and why it
+/// cannot be replayed (if so).
+type Captured<B> = (burn_backend::BackendGraph<B>, Vec<Value<B>>, Vec<Box<dyn std::any::Any + Send>>, Option<String>);
 
 impl<B: Backend> Session<B> {
     /// An empty session on `device`.
