@@ -577,13 +577,23 @@ fn long_cases() -> Vec<Case> {
         // parts taking several keys), with and without the mask.
         case!("attention_causal_long", [[2, 70, 48]], |e, p, x| e.op(Op::Attention { heads: 2, causal: true }, &[p[0]]).unwrap()),
         case!("attention_long", [[2, 70, 48]], |e, p, x| e.op(Op::Attention { heads: 2, causal: false }, &[p[0]]).unwrap()),
+        // Batch norm's statistics: a mean over N, H and W (1,615 values a channel, more than
+        // a plane-sum cube's 256 units, not a multiple of them); a sum over a long last axis
+        // (a layer norm's).
+        case!("reduce_mean_batch_norm_axes", [[5, 3, 17, 19]], |e, p, x| e
+            .op(Op::ReduceMean(ReduceAttrs { axes: vec![0, 2, 3], keep_dims: true }), &[p[0]])
+            .unwrap()),
+        case!("reduce_sum_last_axis_700", [[3, 2, 700]], |e, p, x| e
+            .op(Op::ReduceSum(ReduceAttrs { axes: vec![2], keep_dims: false }), &[p[0]])
+            .unwrap()),
     ]
 }
 
 /// The device kernels (wgpu here; the same `#[cube]` and cubek code runs on CUDA) for every
 /// case, forward and gradients, compiled with the fusion passes, against the CPU's host
 /// kernels in f32: matmuls and convolutions, the elementwise programs and epilogues, pooling,
-/// the loss and its gradient, bias gradients; matmuls again with TF32 allowed (on lavapipe,
+/// the loss and its gradient, bias gradients, sums and means keeping any axes (none of them
+/// on burn's ops); matmuls again with TF32 allowed (on lavapipe,
 /// without tensor cores, cubek's default runs a unit kernel). No matmul falls back from
 /// cubek's kernels to the one-unit-per-output one.
 #[cfg(feature = "wgpu")]
@@ -631,6 +641,12 @@ fn device_kernels_match_the_host_kernels() {
         let a = cpu_s.run(&exe, &inputs).unwrap();
         for (tf32, s) in &mut devs {
             let b = s.run(&exe, &inputs).unwrap();
+            // Every sum and mean that keeps an axis runs on the device's own kernels (column or
+            // plane sums); one over every axis (the case's loss) stays on burn's (one launch).
+            let burn = s.burn_op_steps();
+            let full = 1 + u64::from(case.name == "reduce_sum_all");
+            let on_burn = (burn.get("reduce_sum").copied().unwrap_or(0), burn.get("reduce_mean").copied().unwrap_or(0));
+            assert!(on_burn.0 <= full && on_burn.1 == 0, "{}: reductions on burn's ops: {burn:?}", case.name);
             // TF32 keeps 10 mantissa bits: PyTorch's allow_tf32 tolerance.
             let tol = if *tf32 { 1e-3 } else { 1e-5 };
             for (i, (x, y)) in a.iter().zip(&b).enumerate() {

@@ -424,7 +424,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         true
     }
 
-    fn device_declines(op: &Native, args: &[TensorType], _out: &TensorType, ids_checked: bool, device: &R::Device) -> Option<String> {
+    fn device_declines(op: &Native, args: &[TensorType], out: &TensorType, ids_checked: bool, device: &R::Device) -> Option<String> {
         match op {
             // The head's kernel and a program the elementwise kernel cannot take on burn's ops
             // are decided when it runs (`device_kernel`, and the run loop's epilogue path).
@@ -432,7 +432,9 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             Native::Fused(e) => EwKernel::new(e, false).is_none().then(|| "a program the elementwise kernel does not take".into()),
             Native::Fill(_) => Some("a fill (burn's `full`: one launch either way)".into()),
             Native::MaxPool { g, .. } if g.has_empty_window() => Some("a pooling window that reads no input".into()),
-            Native::SumPlanes { inner, .. } if *inner != 1 => Some("sums over other than the leading axes".into()),
+            &Native::SumPlanes { outer, inner, .. } if inner != 1 && !sums::plane_sums_fit(outer, out.numel(), inner) => {
+                Some("a reduction whose extents the plane-sum kernel cannot index in 32 bits".into())
+            }
             Native::Gather { .. }
             | Native::ScatterAdd { .. }
             | Native::Dropout { .. }
@@ -587,7 +589,15 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 y
             }
             // burn's `full`: one launch either way.
-            Native::Fill(_) | Native::MaxPool { .. } | Native::SumPlanes { .. } => return None,
+            // Over leading and trailing axes (batch norm's statistics, a layer norm's): a cube
+            // per kept value.
+            &Native::SumPlanes { outer, inner, scale } => {
+                let x = contiguous(args[0]);
+                let y = output::<R>(arena, &client, &device, out.dims());
+                sums::plane_sums::<R>(&x, &y, outer, inner, scale.map(|s| s as f32));
+                y
+            }
+            Native::Fill(_) | Native::MaxPool { .. } => return None,
             // burn's ops (an embedding's rows, dropout's mask made on the host).
             Native::Gather { .. } | Native::ScatterAdd { .. } | Native::Dropout { .. } => return None,
             // cubek's exact kernels over the batch (burn's matmul would take TF32 tensor cores).

@@ -3,6 +3,7 @@
 
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
 use super::{arr, empty, grid};
@@ -104,4 +105,72 @@ pub(super) fn column_sums<R: CubeRuntime>(
         }
     }
     Some(())
+}
+
+/// Units of a cube of [`sum_planes`].
+const PLANE_UNITS: u32 = 256;
+
+/// `y[c]` = the sum of the elements of kept index `c` of `x`, whose extents are `[outer, kept,
+/// inner]` (`kept = y.len()`; batch norm's statistics over N, H and W, a layer norm's over its
+/// last axis), times `scale` (f32 bits) when given (a `reduce_mean`): a cube per `c`, its unit
+/// `u` adding elements `u, u + 256, ...` of the channel's `outer * inner` in order, then a tree
+/// sum in shared memory: a fixed order, the same bits on every run. Cubes past `kept` (a count
+/// spread over two dimensions) write nothing.
+#[cube(launch_unchecked)]
+pub fn sum_planes<F: Float>(x: &[F], y: &mut [F], #[comptime] outer: u32, #[comptime] inner: u32, #[comptime] scale: Option<u32>) {
+    let c = CUBE_POS;
+    let u = UNIT_POS as usize;
+    let kept = y.len();
+    let units = comptime!(PLANE_UNITS as usize);
+    let inner = comptime!(inner as usize);
+    let total = comptime!(outer as usize * inner);
+    let mut acc = F::new(0.0);
+    if c < kept {
+        for j in 0..comptime!(total.div_ceil(units)) {
+            let k = j * units + u;
+            if k < total {
+                let (n, i) = (k / inner, k % inner);
+                acc += x[(n * kept + c) * inner + i];
+            }
+        }
+    }
+    let mut shared = Shared::<[F]>::new_slice(units);
+    shared[u] = acc;
+    sync_cube();
+    #[unroll]
+    for r in 0..comptime!(PLANE_UNITS.trailing_zeros() as usize) {
+        let half = comptime!(units >> (r + 1));
+        if u < half {
+            shared[u] = shared[u] + shared[u + half];
+        }
+        sync_cube();
+    }
+    if u == 0 && c < kept {
+        let mut s = shared[0];
+        if comptime!(scale.is_some()) {
+            s *= F::new(comptime!(f32::from_bits(scale.unwrap_or(0))));
+        }
+        y[c] = s;
+    }
+}
+
+/// Whether [`plane_sums`] takes a reduction over `outer` leading and `inner` trailing elements
+/// into `kept` values: the extents its kernel compiles in fit 32 bits.
+pub(super) fn plane_sums_fit(outer: usize, kept: usize, inner: usize) -> bool {
+    let fits = |n: Option<usize>| n.is_some_and(|n| u32::try_from(n).is_ok());
+    fits(outer.checked_mul(inner)) && fits(kept.checked_mul(PLANE_UNITS as usize))
+}
+
+/// `y [kept] = scale * sums of x [outer, kept, inner]` over its first and last axes in one
+/// launch of [`sum_planes`] (the extents must fit: [`plane_sums_fit`], checked at binding).
+pub(super) fn plane_sums<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>, outer: usize, inner: usize, scale: Option<f32>) {
+    let client = &y.client;
+    let kept = y.meta.num_elements();
+    let dim = CubeDim::new_1d(PLANE_UNITS);
+    let count = calculate_cube_count_elemwise(client, kept * PLANE_UNITS as usize, dim);
+    // SAFETY: a cube per element of `y` (those past it write nothing), reading `x` within
+    // `outer * kept * inner` elements, which the bound op's extents give it.
+    unsafe {
+        sum_planes::launch_unchecked::<f32, R>(client, count, dim, arr(x), arr(y), outer as u32, inner as u32, scale.map(f32::to_bits));
+    }
 }
