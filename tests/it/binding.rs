@@ -173,18 +173,18 @@ fn the_steps_wgpu_runs_on_burns_ops_are_named() {
         let declined_ops: BTreeSet<&str> = declined.iter().map(|d| d.0).collect();
         assert!(declined_ops.is_subset(&ran), "{name}: declined at bind but not run on burn's ops: {declined:?}");
         let want_declined: BTreeSet<&str> = match name {
-            // Programs the elementwise kernel does not take (batch norm's statistics, sums
-            // over leading and trailing axes, run on the device's plane sums).
-            "resnet18" => ["fused"].into(),
+            // Batch norm's statistics run on the device's plane sums, and its residual joins
+            // (six operands) on its elementwise kernel.
+            "resnet18" => BTreeSet::new(),
             "gpt" => ["dropout", "gather", "pad", "scatter_add", "slice", "transpose", "zeros_like"].into(),
             _ => BTreeSet::new(),
         };
         assert_eq!(declined_ops, want_declined, "{name}: declined at bind: {declined:?}");
         assert!(declined.iter().all(|d| !d.1.is_empty()), "{name}: each with its reason: {declined:?}");
-        // The moving averages' updates (programs the device kernels do not take), and the
-        // GPT's embedding, masks, layout moves and dropout.
+        // ResNet-18's batch-norm scale and shift gradients added into their accumulators, and
+        // the GPT's embedding, masks, layout moves and dropout.
         let want: BTreeSet<&str> = match name {
-            "resnet18" => ["assign_add", "fused"].into(),
+            "resnet18" => ["assign_add"].into(),
             "gpt" => [
                 "assign_add",
                 "broadcast",
@@ -214,31 +214,41 @@ fn the_steps_wgpu_runs_on_burns_ops_are_named() {
 }
 
 /// An epilogue whose program reads more operands than the device's elementwise kernel takes
-/// (a product plus five more tensors) runs its head on the device's matmul and its program on
-/// burn's ops: the result is the CPU's, and the program is counted (`epilogue`), not silent.
+/// (a product plus six more tensors: seven) runs its head on the device's matmul and its
+/// program on burn's ops: the result is the CPU's, and the program is counted (`epilogue`),
+/// not silent. With five more (six, a residual join's count) the whole step runs on the
+/// device's kernels.
 #[cfg(feature = "wgpu")]
 #[test]
 fn an_epilogue_program_the_device_cannot_take_is_counted() {
     use cellgraph::runtime::cube::{Wgpu, WgpuDevice};
-    let mut text = String::from("graph g {\n  %0: f32[4,3] = input {index=0, name=\"x\"}\n  %1: f32[2,3] = input {index=1, name=\"w\"}\n");
-    text += "  %2: f32[4,2] = matmul(%0, %1) {transpose_a=false, transpose_b=true}\n";
-    for k in 0..5 {
-        text += &format!("  %{}: f32[4,2] = input {{index={}, name=\"e{k}\"}}\n", 3 + 2 * k, 2 + k);
-        text += &format!("  %{}: f32[4,2] = add(%{}, %{})\n", 4 + 2 * k, 2 + 2 * k, 3 + 2 * k);
+    for extra in [5, 6] {
+        let mut text = String::from("graph g {\n  %0: f32[4,3] = input {index=0, name=\"x\"}\n  %1: f32[2,3] = input {index=1, name=\"w\"}\n");
+        text += "  %2: f32[4,2] = matmul(%0, %1) {transpose_a=false, transpose_b=true}\n";
+        for k in 0..extra {
+            text += &format!("  %{}: f32[4,2] = input {{index={}, name=\"e{k}\"}}\n", 3 + 2 * k, 2 + k);
+            text += &format!("  %{}: f32[4,2] = add(%{}, %{})\n", 4 + 2 * k, 2 + 2 * k, 3 + 2 * k);
+        }
+        text += &format!("  return %{}\n}}\n", 2 + 2 * extra);
+        let exe = compile(cellgraph::compiler::parse(&text).unwrap()).unwrap();
+        assert!(exe.host_steps().iter().any(|s| s.op == "matmul+epilogue"), "the adds fuse into the product's epilogue");
+        let mut rng = StdRng::seed_from_u64(4);
+        let mut inputs = vec![HostTensor::f32(vec![4, 3], (0..12).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap()];
+        inputs.push(HostTensor::f32(vec![2, 3], (0..6).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap());
+        for _ in 0..extra {
+            inputs.push(HostTensor::f32(vec![4, 2], (0..8).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap());
+        }
+        let want = Session::<Cpu>::new(cpu()).run(&exe, &inputs).unwrap()[0].to_f32();
+        let mut dev = Session::<Wgpu>::new(WgpuDevice::DefaultDevice);
+        let got = dev.run(&exe, &inputs).unwrap()[0].to_f32();
+        assert!(got.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5), "{extra} more: {got:?} vs {want:?}");
+        let burn = dev.burn_op_steps();
+        match extra {
+            5 => assert!(burn.is_empty(), "six operands run on the device's kernels: {burn:?}"),
+            _ => {
+                assert_eq!(burn.get("epilogue"), Some(&1), "{burn:?}");
+                assert!(!burn.contains_key("matmul+epilogue"), "the head ran on its kernel: {burn:?}");
+            }
+        }
     }
-    text += "  return %12\n}\n";
-    let exe = compile(cellgraph::compiler::parse(&text).unwrap()).unwrap();
-    assert!(exe.host_steps().iter().any(|s| s.op == "matmul+epilogue"), "the adds fuse into the product's epilogue");
-    let mut rng = StdRng::seed_from_u64(4);
-    let mut inputs = vec![HostTensor::f32(vec![4, 3], (0..12).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap()];
-    inputs.push(HostTensor::f32(vec![2, 3], (0..6).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap());
-    for _ in 0..5 {
-        inputs.push(HostTensor::f32(vec![4, 2], (0..8).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap());
-    }
-    let want = Session::<Cpu>::new(cpu()).run(&exe, &inputs).unwrap()[0].to_f32();
-    let mut dev = Session::<Wgpu>::new(WgpuDevice::DefaultDevice);
-    let got = dev.run(&exe, &inputs).unwrap()[0].to_f32();
-    assert!(got.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5), "{got:?} vs {want:?}");
-    assert_eq!(dev.burn_op_steps().get("epilogue"), Some(&1), "{:?}", dev.burn_op_steps());
-    assert!(!dev.burn_op_steps().contains_key("matmul+epilogue"), "the head ran on its kernel: {:?}", dev.burn_op_steps());
 }

@@ -8,8 +8,14 @@ use cubecl::prelude::*;
 
 use crate::kernel::{Elementwise, Read};
 
-/// Operands an [`elementwise`] kernel reads (more fall back to burn's ops).
-pub const MAX_OPERANDS: usize = 4;
+/// Operands an [`elementwise`] kernel reads (more fall back to burn's ops): six, a residual
+/// join's two batch norms and ReLU (`relu(x * a + b + z * c + d)`), with the output seven
+/// storage buffers, within WebGPU's default eight a shader stage may bind.
+pub const MAX_OPERANDS: usize = 6;
+
+/// Operands a program run inside a head kernel reads ([`apply`]: the head's result and three
+/// more); a longer epilogue runs as its own [`elementwise`] launch after the head.
+pub const HEAD_OPERANDS: usize = 4;
 
 /// Output axes a strided read may span (more fall back to burn's ops).
 pub const MAX_AXES: usize = 4;
@@ -214,75 +220,77 @@ fn read_at(i: usize, #[comptime] r: KRead) -> usize {
 }
 
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn value<F: Float>(a0: F, a1: F, a2: F, a3: F, lets: &Sequence<F>, #[comptime] v: EVal) -> F {
+fn value<F: Float>(args: &Sequence<F>, lets: &Sequence<F>, #[comptime] v: EVal) -> F {
     match comptime!(v) {
-        EVal::Arg(k) => {
-            if comptime!(k == 0) {
-                a0
-            } else if comptime!(k == 1) {
-                a1
-            } else if comptime!(k == 2) {
-                a2
-            } else {
-                a3
-            }
-        }
+        EVal::Arg(k) => *args.index(k as usize),
         EVal::Lit(bits) => F::new(comptime!(f32::from_bits(bits))),
         EVal::Let(k) => *lets.index(k as usize),
     }
 }
 
-/// The program at output element `i`, operand 0 being `a0` (already read) and operands 1..
-/// read from `x1`.. (slots the program does not use are never read): what [`elementwise`]
-/// stores, and what a head kernel stores when its epilogue runs inside it.
+/// Operand `k` at output element `i`, read from `x` as the program says, onto `args`; nothing
+/// when the program has no operand `k` (its slot is never read).
 #[cube]
-pub fn apply<F: Float>(a0: F, x1: &[F], x2: &[F], x3: &[F], i: usize, #[comptime] p: EwKernel) -> F {
-    let n = comptime!(p.reads.len());
-    let mut a1 = F::new(0.0);
-    let mut a2 = F::new(0.0);
-    let mut a3 = F::new(0.0);
-    if comptime!(n > 1) {
-        a1 = x1[read_at(i, comptime!(p.reads[1]))];
+fn push_read<F: Float>(args: &mut Sequence<F>, x: &[F], i: usize, #[comptime] k: usize, #[comptime] p: &EwKernel) {
+    if comptime!(p.reads.len() > k) {
+        args.push(x[read_at(i, comptime!(p.reads[k]))]);
     }
-    if comptime!(n > 2) {
-        a2 = x2[read_at(i, comptime!(p.reads[2]))];
-    }
-    if comptime!(n > 3) {
-        a3 = x3[read_at(i, comptime!(p.reads[3]))];
-    }
+}
+
+/// The program over its operands' values `args` (operand `k` is `args[k]`).
+#[cube]
+fn program<F: Float>(args: &Sequence<F>, #[comptime] p: &EwKernel) -> F {
     let mut lets = Sequence::<F>::new();
     #[unroll]
     for k in 0..comptime!(p.steps.len()) {
         let step = comptime!(p.steps[k]);
         match comptime!(step) {
             EStep::Unary(op, x) => {
-                let x = value::<F>(a0, a1, a2, a3, &lets, x);
+                let x = value::<F>(args, &lets, x);
                 lets.push(unary::<F>(x, op));
             }
             EStep::Binary(op, a, b) => {
-                let a = value::<F>(a0, a1, a2, a3, &lets, a);
-                let b = value::<F>(a0, a1, a2, a3, &lets, b);
+                let a = value::<F>(args, &lets, a);
+                let b = value::<F>(args, &lets, b);
                 lets.push(binary::<F>(a, b, op));
             }
         }
     }
-    value::<F>(a0, a1, a2, a3, &lets, comptime!(p.result))
+    value::<F>(args, &lets, comptime!(p.result))
+}
+
+/// The program at output element `i`, operand 0 being `a0` (already read) and operands 1..
+/// read from `x1`.. (at most [`HEAD_OPERANDS`]; slots the program does not use are never
+/// read): what a head kernel stores when its epilogue runs inside it.
+#[cube]
+pub fn apply<F: Float>(a0: F, x1: &[F], x2: &[F], x3: &[F], i: usize, #[comptime] p: EwKernel) -> F {
+    let mut args = Sequence::<F>::new();
+    args.push(a0);
+    push_read::<F>(&mut args, x1, i, 1usize, &p);
+    push_read::<F>(&mut args, x2, i, 2usize, &p);
+    push_read::<F>(&mut args, x3, i, 3usize, &p);
+    program::<F>(&args, &p)
 }
 
 /// `y[i]` = the program over the operands at `i` (operand 0 is `y[i]` itself when the program
 /// is in place; unused operand slots are never read).
 #[cube(launch_unchecked)]
-pub fn elementwise<F: Float>(y: &mut [F], x0: &[F], x1: &[F], x2: &[F], x3: &[F], #[comptime] p: EwKernel) {
+#[allow(clippy::too_many_arguments)]
+pub fn elementwise<F: Float>(y: &mut [F], x0: &[F], x1: &[F], x2: &[F], x3: &[F], x4: &[F], x5: &[F], #[comptime] p: EwKernel) {
     let i = ABSOLUTE_POS;
     if i < y.len() {
-        let mut a0 = F::new(0.0);
+        let mut args = Sequence::<F>::new();
         if comptime!(p.in_place) {
-            a0 = y[i];
-        } else if comptime!(!p.reads.is_empty()) {
-            a0 = x0[read_at(i, comptime!(p.reads[0]))];
+            args.push(y[i]);
+        } else {
+            push_read::<F>(&mut args, x0, i, 0usize, &p);
         }
-        y[i] = apply::<F>(a0, x1, x2, x3, i, p);
+        push_read::<F>(&mut args, x1, i, 1usize, &p);
+        push_read::<F>(&mut args, x2, i, 2usize, &p);
+        push_read::<F>(&mut args, x3, i, 3usize, &p);
+        push_read::<F>(&mut args, x4, i, 4usize, &p);
+        push_read::<F>(&mut args, x5, i, 5usize, &p);
+        y[i] = program::<F>(&args, &p);
     }
 }
 
@@ -307,10 +315,11 @@ mod tests {
             ]
         );
         assert_eq!((k.result, k.reads.clone()), (V::Let(2), vec![KRead::Same, KRead::Cycle(4)]));
-        // In place needs operand 0 at the output's extents; five operands do not fit.
+        // In place needs operand 0 at the output's extents; seven operands do not fit.
         assert!(EwKernel::new(&Elementwise { reads: vec![Read::Cycle(4), Read::Same], ..e }, true).is_none());
-        let five = Elementwise { terms: vec![Term::Arg(0)], depth: 1, reads: vec![Read::Same; 5], len: 1 };
-        assert!(EwKernel::new(&five, false).is_none());
+        let seven = Elementwise { terms: vec![Term::Arg(0)], depth: 1, reads: vec![Read::Same; 7], len: 1 };
+        assert!(EwKernel::new(&seven, false).is_none());
+        assert!(EwKernel::new(&Elementwise { reads: vec![Read::Same; 6], ..seven }, false).is_some());
     }
 
     #[test]

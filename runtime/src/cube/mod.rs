@@ -331,7 +331,9 @@ fn launch_elementwise<R: CubeRuntime>(p: &EwKernel, y: &CubeTensor<R>, xs: &[Cub
     let slot = |k: usize| arr(k.checked_sub(skip).and_then(|k| xs.get(k)).unwrap_or(&spare));
     // SAFETY: each unit checks its position against `y`'s length, and reads each operand at
     // an index its bound read keeps below the operand's extents.
-    unsafe { ew::elementwise::launch_unchecked::<f32, R>(client, count, dim, arr(y), slot(0), slot(1), slot(2), slot(3), p.clone()) }
+    unsafe {
+        ew::elementwise::launch_unchecked::<f32, R>(client, count, dim, arr(y), slot(0), slot(1), slot(2), slot(3), slot(4), slot(5), p.clone())
+    }
 }
 
 /// burn's default integer type on `device`: the type it makes class labels in, the only one
@@ -491,7 +493,8 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             Native::Epilogue { head, head_args, post } => {
                 let prog = EwKernel::new(post, true)?;
                 let rest: Vec<_> = args.get(*head_args..)?.iter().map(|t| contiguous(t)).collect();
-                if matches!(**head, Native::Conv { kind: ConvKind::Forward, .. } | Native::MaxPoolGrad { .. }) && *head_args == 2 {
+                let inside = matches!(**head, Native::Conv { kind: ConvKind::Forward, .. } | Native::MaxPoolGrad { .. }) && *head_args == 2;
+                if inside && prog.reads.len() <= ew::HEAD_OPERANDS {
                     // The program inside the head's kernel, on its result before it is stored.
                     let (a, b) = (contiguous(args[0]), contiguous(args[1]));
                     let y = output::<R>(arena, &client, &device, out.dims());
