@@ -104,6 +104,15 @@ pub trait Backend: burn_backend::Backend {
         None
     }
 
+    /// Why the backend's own kernels will not run an epilogue's program `post` after its
+    /// head's kernel, decided once when a session binds a plan: the head then runs on its
+    /// kernel and the program on burn's ops, counted (`epilogue` in
+    /// [`crate::Session::burn_op_steps`]). `None`: the program runs on the device too. Host
+    /// backends run every program.
+    fn device_declines_program(_post: &crate::kernel::Elementwise) -> Option<String> {
+        None
+    }
+
     /// Runs a bound kernel (see [`crate::kernel::bind`]) on the backend's own kernels, when it
     /// has them: `args` the float operands in order, `ints` the integer ones (class labels,
     /// already checked on the host). Device backends: matmuls in exact f32, where burn's would

@@ -216,8 +216,9 @@ fn the_steps_wgpu_runs_on_burns_ops_are_named() {
 /// An epilogue whose program reads more operands than the device's elementwise kernel takes
 /// (a product plus six more tensors: seven) runs its head on the device's matmul and its
 /// program on burn's ops: the result is the CPU's, and the program is counted (`epilogue`),
-/// not silent. With five more (six, a residual join's count) the whole step runs on the
-/// device's kernels.
+/// not silent; decided when the session binds the plan, which `Session::steps` lists. With five
+/// more (six, a residual join's count) the whole step runs on the device's kernels. An f64
+/// session on the device binds every step to burn's ops (the device's kernels are f32).
 #[cfg(feature = "wgpu")]
 #[test]
 fn an_epilogue_program_the_device_cannot_take_is_counted() {
@@ -240,6 +241,17 @@ fn an_epilogue_program_the_device_cannot_take_is_counted() {
         }
         let want = Session::<Cpu>::new(cpu()).run(&exe, &inputs).unwrap()[0].to_f32();
         let mut dev = Session::<Wgpu>::new(WgpuDevice::DefaultDevice);
+        let listed: Vec<String> = dev.steps(&exe).into_iter().filter(|s| s.op == "matmul+epilogue").map(|s| format!("{:?}", s.run)).collect();
+        match extra {
+            5 => assert_eq!(listed, ["Kernel(\"epilogue(matmul)\")"]),
+            _ => assert!(
+                listed.len() == 1 && listed[0].contains("matmul, then its program on burn's ops") && listed[0].contains("7 operands"),
+                "{listed:?}"
+            ),
+        }
+        let f64s = Session::<Wgpu>::new_f64(WgpuDevice::DefaultDevice).steps(&exe);
+        let f64_why = |r: &HostRun| matches!(r, HostRun::BurnOps(why) if why.contains("an f64 session"));
+        assert!(f64s.iter().any(|s| f64_why(&s.run)) && !f64s.iter().any(|s| matches!(s.run, HostRun::Kernel(_))), "{f64s:?}");
         let got = dev.run(&exe, &inputs).unwrap()[0].to_f32();
         assert!(got.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5), "{extra} more: {got:?} vs {want:?}");
         let burn = dev.burn_op_steps();

@@ -426,11 +426,24 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         true
     }
 
+    fn device_declines_program(post: &crate::kernel::Elementwise) -> Option<String> {
+        EwKernel::new(post, true).is_none().then(|| {
+            let n = post.reads.len();
+            format!("a program reading {n} operands (the elementwise kernel reads up to {}) or along more axes than it indexes", ew::MAX_OPERANDS)
+        })
+    }
+
     fn device_declines(op: &Native, args: &[TensorType], out: &TensorType, ids_checked: bool, device: &R::Device) -> Option<String> {
+        let rows_fit = |rows: usize, cols: usize| u32::try_from(rows).is_ok() && u32::try_from(cols).is_ok();
         match op {
-            // The head's kernel and a program the elementwise kernel cannot take on burn's ops
-            // are decided when it runs (`device_kernel`, and the run loop's epilogue path).
-            Native::Epilogue { .. } => None,
+            // The head's kernel decides (its program: `device_declines_program`).
+            Native::Epilogue { head, head_args, .. } => Self::device_declines(head, args.get(..*head_args)?, out, ids_checked, device),
+            &Native::SumRows { cols } if !rows_fit(args.first()?.numel() / cols.max(1), cols) => {
+                Some("more rows or columns than the column-sum kernel indexes".into())
+            }
+            &Native::SumPlanes { outer, inner: 1, .. } if !rows_fit(outer, out.numel()) => {
+                Some("more rows or columns than the column-sum kernel indexes".into())
+            }
             Native::Fused(e) => EwKernel::new(e, false).is_none().then(|| "a program the elementwise kernel does not take".into()),
             Native::Fill(_) => Some("a fill (burn's `full`: one launch either way)".into()),
             Native::MaxPool { g, .. } if g.has_empty_window() => Some("a pooling window that reads no input".into()),

@@ -69,10 +69,13 @@ pub(super) enum Exec {
     AccumulateInto(usize),
     /// The step's bound kernel (the host's, or the device's own). Steps the device's kernels
     /// do not take are bound to [`Exec::Burn`] instead ([`crate::Backend::device_declines`]);
-    /// what only a launch can tell (a tensor of another dtype than the plan's, a cubek
-    /// kernel that does not set up) still runs on burn's ops when it happens, counted
-    /// ([`super::Session::burn_op_steps`]).
+    /// what only a launch can tell (a cubek kernel that does not set up) still runs on burn's
+    /// ops when it happens, counted ([`super::Session::burn_op_steps`]).
     Kernel,
+    /// An epilogue whose program the device's kernels decline
+    /// ([`crate::Backend::device_declines_program`]): its head on the head's kernel, then the
+    /// program on burn's ops, counted (`epilogue`).
+    HeadKernel,
     /// Operand `i`, unchanged: `stop_gradient` (0), `assign`'s new value (1).
     Pass(usize),
     /// burn's ops (the reference lowering), counted unless it is a reshape.
@@ -102,10 +105,21 @@ pub(super) fn host_run(st: &Step) -> HostRun {
     }
 }
 
+/// What a device's kernels decline of a step ([`crate::Backend::device_declines`] and
+/// [`crate::Backend::device_declines_program`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Declined {
+    Nothing,
+    /// The whole step: it runs on burn's ops.
+    Step,
+    /// An epilogue's program: its head runs on the head's kernel.
+    Program,
+}
+
 /// How `st` runs on a host (`host`) or device backend, with bound kernels on (`native`) or
-/// off, and device accumulators as views of one buffer (`in_place`) or not; `declined`: the
-/// device's kernels do not take the step's kernel ([`crate::Backend::device_declines`]).
-pub(super) fn exec_of(st: &Step, host: bool, native: bool, in_place: bool, declined: bool) -> Exec {
+/// off, and device accumulators as views of one buffer (`in_place`) or not; `declined`: what
+/// the device's kernels do not take of it.
+pub(super) fn exec_of(st: &Step, host: bool, native: bool, in_place: bool, declined: Declined) -> Exec {
     match &st.op {
         Op::Parameter { .. } if st.deferred => return Exec::Deferred,
         Op::Parameter { .. } => return Exec::Param,
@@ -125,8 +139,9 @@ pub(super) fn exec_of(st: &Step, host: bool, native: bool, in_place: bool, decli
         (Op::StopGradient, _) => Exec::Pass(0),
         (Op::Assign, _) => Exec::Pass(1),
         (Op::Epilogue { .. }, Some(n)) if !host && in_place => Exec::AccumulateInto(n),
-        _ if native && st.kernel.is_some() && !declined => Exec::Kernel,
-        _ => Exec::Burn,
+        _ if !native || st.kernel.is_none() || declined == Declined::Step => Exec::Burn,
+        (Op::Epilogue { .. }, _) if declined == Declined::Program => Exec::HeadKernel,
+        _ => Exec::Kernel,
     }
 }
 
@@ -192,17 +207,20 @@ mod tests {
         ];
         for (st, want) in cases {
             let got = [
-                exec_of(st, true, true, false, false),
-                exec_of(st, true, false, false, false),
-                exec_of(st, false, true, false, false),
-                exec_of(st, false, true, true, false),
+                exec_of(st, true, true, false, Declined::Nothing),
+                exec_of(st, true, false, false, Declined::Nothing),
+                exec_of(st, false, true, false, Declined::Nothing),
+                exec_of(st, false, true, true, Declined::Nothing),
             ];
             assert_eq!(got, want, "{}", st.op.label());
         }
         // A kernel the device declines runs on burn's ops, bound so; an accumulating epilogue
         // keeps adding into its accumulator's memory (its head's fallback is its own).
-        assert_eq!(exec_of(&matmul(), false, true, false, true), Exec::Burn);
-        assert_eq!(exec_of(&accumulate, false, true, true, true), Exec::AccumulateInto(2));
+        assert_eq!(exec_of(&matmul(), false, true, false, Declined::Step), Exec::Burn);
+        assert_eq!(exec_of(&accumulate, false, true, true, Declined::Step), Exec::AccumulateInto(2));
+        // An epilogue whose program the device declines runs its head on the head's kernel.
+        assert_eq!(exec_of(&accumulate, false, true, false, Declined::Program), Exec::HeadKernel);
+        assert_eq!(exec_of(&accumulate, false, false, false, Declined::Program), Exec::Burn);
         assert_eq!(host_run(&matmul()), HostRun::Kernel("matmul".into()));
         assert!(matches!(host_run(&add_shared), HostRun::BurnOps(why) if why.contains("assign_add")));
     }

@@ -23,8 +23,8 @@ mod capture;
 mod listing;
 mod plan;
 
-use bind::Exec;
 pub use bind::HostRun;
+use bind::{Declined, Exec};
 pub use listing::{Bf16Products, Bf16Unit, HostStep};
 use plan::Step;
 pub use plan::{compile, compile_unfused, compile_with, compile_with_options, DumpAt, Executable};
@@ -505,8 +505,8 @@ impl<B: Backend> Session<B> {
         exe.steps
             .iter()
             .map(|st| {
-                let why = self.declines(st);
-                let run = match bind::exec_of(st, B::HOST, self.native, self.in_place, why.is_some()) {
+                let (declined, why) = self.declines(st);
+                let run = match bind::exec_of(st, B::HOST, self.native, self.in_place, declined) {
                     Exec::Deferred | Exec::Param | Exec::Input | Exec::SharedConstant => HostRun::Source,
                     Exec::Collective => HostRun::Collective,
                     Exec::ReshapeInPlace => HostRun::Reshape,
@@ -516,6 +516,14 @@ impl<B: Backend> Session<B> {
                     Exec::Kernel | Exec::AccumulateInto(_) => match &st.kernel {
                         Some(k) => HostRun::Kernel(bind::kernel_name(k)),
                         None => HostRun::BurnOps(format!("no kernel for `{}`", st.op.label())),
+                    },
+                    Exec::HeadKernel => match &st.kernel {
+                        Some(Native::Epilogue { head, .. }) => HostRun::Kernel(format!(
+                            "{}, then its program on burn's ops: the device's kernels decline it: {}",
+                            bind::kernel_name(head),
+                            why.unwrap_or_default()
+                        )),
+                        _ => unreachable!("bound to epilogues only"),
                     },
                     // A reshape moves no values (on a device, a view of its operand's buffer).
                     Exec::Burn if matches!(st.op, Op::Reshape { .. } | Op::Flatten) => HostRun::Reshape,
@@ -530,13 +538,27 @@ impl<B: Backend> Session<B> {
             .collect()
     }
 
-    /// Why the device's kernels will not run `st`'s bound kernel ([`Backend::device_declines`]);
-    /// `None` on host backends, for steps without a kernel, and where the device runs it.
-    fn declines(&self, st: &Step) -> Option<String> {
-        if B::HOST {
-            return None;
+    /// What the device's kernels will not run of `st`'s bound kernel, and why: the whole step
+    /// ([`Backend::device_declines`]; every step of an f64 session, the device's kernels being
+    /// f32), or an epilogue's program ([`Backend::device_declines_program`]). Nothing on host
+    /// backends, for steps without a kernel, and where the device runs it all.
+    fn declines(&self, st: &Step) -> (Declined, Option<String>) {
+        let Some(k) = st.kernel.as_ref().filter(|_| !B::HOST) else {
+            return (Declined::Nothing, None);
+        };
+        if self.float != burn_backend::FloatDType::F32 {
+            return (Declined::Step, Some("an f64 session: the device's kernels compute in f32".into()));
         }
-        B::device_declines(st.kernel.as_ref()?, &st.arg_types, &st.ty, st.ids_checked, &self.device)
+        if let Some(why) = B::device_declines(k, &st.arg_types, &st.ty, st.ids_checked, &self.device) {
+            return (Declined::Step, Some(why));
+        }
+        match k {
+            Native::Epilogue { post, .. } => match B::device_declines_program(post) {
+                Some(why) => (Declined::Program, Some(why)),
+                None => (Declined::Nothing, None),
+            },
+            _ => (Declined::Nothing, None),
+        }
     }
 
     /// How each step of `exe` runs with the session's settings, decided at the plan's first
@@ -550,7 +572,7 @@ impl<B: Backend> Session<B> {
             self.execs.clear();
         }
         let execs: std::sync::Arc<[Exec]> =
-            exe.steps.iter().map(|st| bind::exec_of(st, B::HOST, self.native, self.in_place, self.declines(st).is_some())).collect();
+            exe.steps.iter().map(|st| bind::exec_of(st, B::HOST, self.native, self.in_place, self.declines(st).0)).collect();
         self.execs.insert(key, execs.clone());
         execs
     }
@@ -757,6 +779,18 @@ impl<B: Backend> Session<B> {
                                     _ => burn_op(&cx, op, args, &step.ty, &mut self.burn_steps)?,
                                 },
                             }
+                        }
+                        Exec::HeadKernel => {
+                            // The head on its kernel, the program the device declines on burn's
+                            // ops (decided at binding), counted.
+                            let (Op::Epilogue { head, expr }, Some(Native::Epilogue { head_args, .. })) = (op, &step.kernel) else {
+                                unreachable!("bound to epilogues only")
+                            };
+                            let mut args = args;
+                            let rest = args.split_off(*head_args);
+                            let y = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena, &mut self.burn_steps)?;
+                            *self.burn_steps.entry("epilogue").or_default() += 1;
+                            crate::lower::epilogue_program(&cx, y, expr, rest, &step.ty)?
                         }
                         Exec::Pass(i) => args.into_iter().nth(i).expect("the verifier checks the arity").0,
                         Exec::Collective | Exec::Burn => burn_op(&cx, op, args, &step.ty, &mut self.burn_steps)?,
