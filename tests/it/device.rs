@@ -74,6 +74,20 @@ fn lenet_batches(n: usize, b: usize, seed: u64) -> Vec<Vec<HostTensor>> {
         .collect()
 }
 
+/// `n` micro-batches of `b` random 3 x 32 x 32 images and labels (ResNet-18's input).
+#[allow(dead_code)]
+fn image_batches(n: usize, b: usize, seed: u64) -> Vec<Vec<HostTensor>> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| {
+            let x: Vec<f32> = (0..b * 3 * 32 * 32).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let y: Vec<i32> = (0..b).map(|_| rng.random_range(0..10)).collect();
+            vec![HostTensor::f32(vec![b, 3, 32, 32], x).unwrap(), HostTensor::i32(vec![b], y).unwrap()]
+        })
+        .collect()
+}
+
 /// ResNet-18 for one window of two micro-batches of eight 32x32 images on the device equals the
 /// CPU, moving statistics included: batch norm in training mode (on 1x1 maps in layer4;
 /// with two images there it normalises two values per channel, which amplifies the last
@@ -83,14 +97,7 @@ fn lenet_batches(n: usize, b: usize, seed: u64) -> Vec<Vec<HostTensor>> {
 /// once-per-window statistics over two windows.
 #[allow(dead_code)]
 fn resnet18_window_matches_cpu<B: Backend>(device: Device<B>) {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand::rngs::StdRng::seed_from_u64(4);
-    let images = |rng: &mut rand::rngs::StdRng, n: usize| {
-        let x: Vec<f32> = (0..n * 3 * 32 * 32).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let y: Vec<i32> = (0..n).map(|_| rng.random_range(0..10)).collect();
-        vec![HostTensor::f32(vec![n, 3, 32, 32], x).unwrap(), HostTensor::i32(vec![n], y).unwrap()]
-    };
-    let batches: Vec<_> = (0..2).map(|_| images(&mut rng, 8)).collect();
+    let batches = image_batches(2, 8, 4);
     let mk = || {
         GradAccumulation::across_steps(WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()), 2)
             .normalization(Normalization::Mean)
@@ -119,7 +126,7 @@ fn resnet18_window_matches_cpu<B: Backend>(device: Device<B>) {
     assert!(d < 1e-5, "ResNet-18's moving statistics on the device differ from the CPU's by {d:e}");
     assert_ne!(dev_p["bn1.moving_mean"], vec![0.0; 64], "the moving statistics moved");
 
-    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(5);
     let batches: Vec<_> = (0..4).map(|_| crate::batchnorm::images(&mut rng, 4)).collect();
     let mk = || GradAccumulation::across_steps(WithLossCell::new(crate::batchnorm::BnNet::windowed(), CrossEntropyLoss::new()), 2);
     let opt: Rc<dyn Optimizer> = Rc::new(Momentum::new(0.1, 0.9));
@@ -396,15 +403,7 @@ fn replay_matches_op_by_op<B: Backend>(device: Device<B>) {
 #[allow(dead_code)]
 fn a_graph_writes_only_buffers_its_session_holds<B: Backend>(device: Device<B>) {
     use cellgraph::runtime::burn_backend::{FloatDType, Scalar, Shape as BShape};
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand::rngs::StdRng::seed_from_u64(41);
-    let images: Vec<Vec<HostTensor>> = (0..4)
-        .map(|_| {
-            let x: Vec<f32> = (0..4 * 3 * 32 * 32).map(|_| rng.random_range(-1.0..1.0)).collect();
-            let y: Vec<i32> = (0..4).map(|_| rng.random_range(0..10)).collect();
-            vec![HostTensor::f32(vec![4, 3, 32, 32], x).unwrap(), HostTensor::i32(vec![4], y).unwrap()]
-        })
-        .collect();
+    let images = image_batches(4, 4, 41);
     let cases: [(&str, WithLossCell, Vec<Vec<HostTensor>>); 2] = [
         ("LeNet5", crate::common::lenet_with_loss(), lenet_batches(4, 8, 41)),
         ("ResNet-18", WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()), images),
@@ -461,14 +460,9 @@ fn max_rel(a: &[f32], b: &[f32]) -> f64 {
 /// named: its masks are made on the host from keys read back.
 #[allow(dead_code)]
 fn replay_captures_resnet18_and_the_gpt<B: Backend>(device: Device<B>) {
-    use rand::{Rng, SeedableRng};
+    use rand::SeedableRng;
     let mut rng = rand::rngs::StdRng::seed_from_u64(21);
-    let images = |rng: &mut rand::rngs::StdRng| {
-        let x: Vec<f32> = (0..4 * 3 * 32 * 32).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let y: Vec<i32> = (0..4).map(|_| rng.random_range(0..10)).collect();
-        vec![HostTensor::f32(vec![4, 3, 32, 32], x).unwrap(), HostTensor::i32(vec![4], y).unwrap()]
-    };
-    let resnet: Vec<_> = (0..6).map(|_| images(&mut rng)).collect();
+    let resnet = image_batches(6, 4, 21);
     let text: Vec<_> = (0..6).map(|_| crate::gpt::sequences(&mut rng, 3)).collect();
     let resnet18 = || GradAccumulation::across_steps(WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()), 2);
     let gpt = |net: fn() -> WithLossCell| move || GradAccumulation::across_steps(net(), 2).normalization(Normalization::Tokens);
