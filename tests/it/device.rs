@@ -940,8 +940,9 @@ mod wgpu {
             "the loss and its gradient on the loss kernels: {names:?}"
         );
         assert_eq!(count("CopyKernel"), 0, "no operand is copied to make it contiguous: {names:?}");
-        // Measured 125 for this one-layer GPT; the count may only go down.
-        assert!(micro <= 125, "launches per GPT micro-step: {micro}");
+        // Measured 113 for this one-layer GPT (125 while its layer norms' statistics ran on
+        // burn's reductions); the count may only go down.
+        assert!(micro <= 113, "launches per GPT micro-step: {micro}");
     }
 
     #[test]
