@@ -105,21 +105,31 @@ pub(super) fn host_run(st: &Step) -> HostRun {
     }
 }
 
-/// What a device's kernels decline of a step ([`crate::Backend::device_declines`] and
+/// What a device's kernels decline of a step, and why ([`crate::Backend::device_declines`] and
 /// [`crate::Backend::device_declines_program`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) enum Declined {
     Nothing,
     /// The whole step: it runs on burn's ops.
-    Step,
+    Step(String),
     /// An epilogue's program: its head runs on the head's kernel.
-    Program,
+    Program(String),
+}
+
+impl Declined {
+    /// Why, when something is declined.
+    pub(super) fn why(&self) -> Option<&str> {
+        match self {
+            Declined::Nothing => None,
+            Declined::Step(why) | Declined::Program(why) => Some(why),
+        }
+    }
 }
 
 /// How `st` runs on a host (`host`) or device backend, with bound kernels on (`native`) or
 /// off, and device accumulators as views of one buffer (`in_place`) or not; `declined`: what
 /// the device's kernels do not take of it.
-pub(super) fn exec_of(st: &Step, host: bool, native: bool, in_place: bool, declined: Declined) -> Exec {
+pub(super) fn exec_of(st: &Step, host: bool, native: bool, in_place: bool, declined: &Declined) -> Exec {
     match &st.op {
         Op::Parameter { .. } if st.deferred => return Exec::Deferred,
         Op::Parameter { .. } => return Exec::Param,
@@ -139,8 +149,8 @@ pub(super) fn exec_of(st: &Step, host: bool, native: bool, in_place: bool, decli
         (Op::StopGradient, _) => Exec::Pass(0),
         (Op::Assign, _) => Exec::Pass(1),
         (Op::Epilogue { .. }, Some(n)) if !host && in_place => Exec::AccumulateInto(n),
-        _ if !native || st.kernel.is_none() || declined == Declined::Step => Exec::Burn,
-        (Op::Epilogue { .. }, _) if declined == Declined::Program => Exec::HeadKernel,
+        _ if !native || st.kernel.is_none() || matches!(declined, Declined::Step(_)) => Exec::Burn,
+        (Op::Epilogue { .. }, _) if matches!(declined, Declined::Program(_)) => Exec::HeadKernel,
         _ => Exec::Kernel,
     }
 }
@@ -207,20 +217,20 @@ mod tests {
         ];
         for (st, want) in cases {
             let got = [
-                exec_of(st, true, true, false, Declined::Nothing),
-                exec_of(st, true, false, false, Declined::Nothing),
-                exec_of(st, false, true, false, Declined::Nothing),
-                exec_of(st, false, true, true, Declined::Nothing),
+                exec_of(st, true, true, false, &Declined::Nothing),
+                exec_of(st, true, false, false, &Declined::Nothing),
+                exec_of(st, false, true, false, &Declined::Nothing),
+                exec_of(st, false, true, true, &Declined::Nothing),
             ];
             assert_eq!(got, want, "{}", st.op.label());
         }
         // A kernel the device declines runs on burn's ops, bound so; an accumulating epilogue
         // keeps adding into its accumulator's memory (its head's fallback is its own).
-        assert_eq!(exec_of(&matmul(), false, true, false, Declined::Step), Exec::Burn);
-        assert_eq!(exec_of(&accumulate, false, true, true, Declined::Step), Exec::AccumulateInto(2));
+        assert_eq!(exec_of(&matmul(), false, true, false, &Declined::Step(String::new())), Exec::Burn);
+        assert_eq!(exec_of(&accumulate, false, true, true, &Declined::Step(String::new())), Exec::AccumulateInto(2));
         // An epilogue whose program the device declines runs its head on the head's kernel.
-        assert_eq!(exec_of(&accumulate, false, true, false, Declined::Program), Exec::HeadKernel);
-        assert_eq!(exec_of(&accumulate, false, false, false, Declined::Program), Exec::Burn);
+        assert_eq!(exec_of(&accumulate, false, true, false, &Declined::Program(String::new())), Exec::HeadKernel);
+        assert_eq!(exec_of(&accumulate, false, false, false, &Declined::Program(String::new())), Exec::Burn);
         assert_eq!(host_run(&matmul()), HostRun::Kernel("matmul".into()));
         assert!(matches!(host_run(&add_shared), HostRun::BurnOps(why) if why.contains("assign_add")));
     }

@@ -124,6 +124,28 @@ fn run_head<B: Backend>(
     }
 }
 
+/// An epilogue step's head on its kernel where the backend runs it ([`run_head`]), then its
+/// program on burn's ops, counted as `epilogue`: a program the device's kernels decline (at
+/// binding, [`Exec::HeadKernel`], or at the launch).
+#[allow(clippy::too_many_arguments)]
+fn head_then_program<B: Backend>(
+    cx: &Ctx<B>,
+    step: &Step,
+    mut args: Vec<(Value<B>, &TensorType)>,
+    native: bool,
+    kept: &mut Kept,
+    arena: &mut Arena,
+    burn_steps: &mut BTreeMap<&'static str, u64>,
+) -> Result<Value<B>> {
+    let (Op::Epilogue { head, expr }, Some(Native::Epilogue { head_args, .. })) = (&step.op, &step.kernel) else {
+        unreachable!("an epilogue step bound to an epilogue kernel")
+    };
+    let rest = args.split_off(*head_args);
+    let y = run_head(cx, head, step, args, native, kept, arena, burn_steps)?;
+    *burn_steps.entry("epilogue").or_default() += 1;
+    crate::lower::epilogue_program(cx, y, expr, rest, &step.ty)
+}
+
 /// A step on burn's ops (the reference lowering), counted in [`Session::burn_op_steps`]
 /// unless it is a reshape (which moves no values; on devices a view of the buffer).
 fn burn_op<B: Backend>(
@@ -505,8 +527,9 @@ impl<B: Backend> Session<B> {
         exe.steps
             .iter()
             .map(|st| {
-                let (declined, why) = self.declines(st);
-                let run = match bind::exec_of(st, B::HOST, self.native, self.in_place, declined) {
+                let declined = self.declines(st);
+                let why = declined.why();
+                let run = match bind::exec_of(st, B::HOST, self.native, self.in_place, &declined) {
                     Exec::Deferred | Exec::Param | Exec::Input | Exec::SharedConstant => HostRun::Source,
                     Exec::Collective => HostRun::Collective,
                     Exec::ReshapeInPlace => HostRun::Reshape,
@@ -542,22 +565,19 @@ impl<B: Backend> Session<B> {
     /// ([`Backend::device_declines`]; every step of an f64 session, the device's kernels being
     /// f32), or an epilogue's program ([`Backend::device_declines_program`]). Nothing on host
     /// backends, for steps without a kernel, and where the device runs it all.
-    fn declines(&self, st: &Step) -> (Declined, Option<String>) {
+    fn declines(&self, st: &Step) -> Declined {
         let Some(k) = st.kernel.as_ref().filter(|_| !B::HOST) else {
-            return (Declined::Nothing, None);
+            return Declined::Nothing;
         };
         if self.float != burn_backend::FloatDType::F32 {
-            return (Declined::Step, Some("an f64 session: the device's kernels compute in f32".into()));
+            return Declined::Step("an f64 session: the device's kernels compute in f32".into());
         }
         if let Some(why) = B::device_declines(k, &st.arg_types, &st.ty, st.ids_checked, &self.device) {
-            return (Declined::Step, Some(why));
+            return Declined::Step(why);
         }
         match k {
-            Native::Epilogue { post, .. } => match B::device_declines_program(post) {
-                Some(why) => (Declined::Program, Some(why)),
-                None => (Declined::Nothing, None),
-            },
-            _ => (Declined::Nothing, None),
+            Native::Epilogue { post, .. } => B::device_declines_program(post).map_or(Declined::Nothing, Declined::Program),
+            _ => Declined::Nothing,
         }
     }
 
@@ -572,7 +592,7 @@ impl<B: Backend> Session<B> {
             self.execs.clear();
         }
         let execs: std::sync::Arc<[Exec]> =
-            exe.steps.iter().map(|st| bind::exec_of(st, B::HOST, self.native, self.in_place, self.declines(st).0)).collect();
+            exe.steps.iter().map(|st| bind::exec_of(st, B::HOST, self.native, self.in_place, &self.declines(st))).collect();
         self.execs.insert(key, execs.clone());
         execs
     }
@@ -764,34 +784,18 @@ impl<B: Backend> Session<B> {
                                     }
                                     Value::Float(t)
                                 }
-                                // Declined at run time (a dtype the device kernels lack, a program
-                                // the elementwise kernel does not take): an epilogue's head on its
-                                // kernel and its program on burn's ops, else the whole step on
-                                // burn's ops, counted (the program as `epilogue`).
-                                None => match (op, k) {
-                                    (Op::Epilogue { head, expr }, Native::Epilogue { head_args, .. }) => {
-                                        let mut args = args;
-                                        let rest = args.split_off(*head_args);
-                                        let y = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena, &mut self.burn_steps)?;
-                                        *self.burn_steps.entry("epilogue").or_default() += 1;
-                                        crate::lower::epilogue_program(&cx, y, expr, rest, &step.ty)?
-                                    }
-                                    _ => burn_op(&cx, op, args, &step.ty, &mut self.burn_steps)?,
-                                },
+                                // Declined at the launch (what only a launch can tell: a cubek
+                                // kernel that does not set up): an epilogue's head on its kernel
+                                // and its program on burn's ops, else the whole step on burn's
+                                // ops, counted (the program as `epilogue`).
+                                None if matches!(k, Native::Epilogue { .. }) => {
+                                    head_then_program(&cx, step, args, self.native, &mut self.kept, &mut self.arena, &mut self.burn_steps)?
+                                }
+                                None => burn_op(&cx, op, args, &step.ty, &mut self.burn_steps)?,
                             }
                         }
-                        Exec::HeadKernel => {
-                            // The head on its kernel, the program the device declines on burn's
-                            // ops (decided at binding), counted.
-                            let (Op::Epilogue { head, expr }, Some(Native::Epilogue { head_args, .. })) = (op, &step.kernel) else {
-                                unreachable!("bound to epilogues only")
-                            };
-                            let mut args = args;
-                            let rest = args.split_off(*head_args);
-                            let y = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena, &mut self.burn_steps)?;
-                            *self.burn_steps.entry("epilogue").or_default() += 1;
-                            crate::lower::epilogue_program(&cx, y, expr, rest, &step.ty)?
-                        }
+                        // The program the device declines, decided at binding.
+                        Exec::HeadKernel => head_then_program(&cx, step, args, self.native, &mut self.kept, &mut self.arena, &mut self.burn_steps)?,
                         Exec::Pass(i) => args.into_iter().nth(i).expect("the verifier checks the arity").0,
                         Exec::Collective | Exec::Burn => burn_op(&cx, op, args, &step.ty, &mut self.burn_steps)?,
                         Exec::Deferred | Exec::Param | Exec::Input | Exec::SharedConstant => {
