@@ -41,7 +41,7 @@ struct Args {
     /// Print the table header first.
     #[arg(long)]
     header: bool,
-    /// Let matmuls use TF32 tensor cores (default: exact f32).
+    /// Let matmuls and convolutions use TF32 tensor cores (default: exact f32).
     #[arg(long)]
     tf32: bool,
     /// After timing, count the kernels one window launches (cubecl's execution log): per
@@ -189,7 +189,8 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     }
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     if !B::HOST && cellgraph::runtime::cube::tf32_fallbacks() > 0 {
-        eprintln!("tensor-core matmuls run in exact f32 (no tensor-core kernel here): {}", cellgraph::runtime::cube::tf32_fallbacks());
+        let (all, convs) = (cellgraph::runtime::cube::tf32_fallbacks(), cellgraph::runtime::cube::conv_tf32_fallbacks());
+        eprintln!("tensor-core products run in exact f32 (no tensor-core kernel here): {all} ({convs} of them convolutions)");
     }
     if graphs {
         let r = acc.session().replay_counts();

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The one device call of a GPU check, from the binaries scripts/gpu_prepare.sh left in
 # target/gpu: run it on the GPU machine with `target/gpu` carried, e.g.
-#   bash scripts/gpu_call.sh            (about 3 minutes on an H100)
+#   bash scripts/gpu_call.sh            (about 4 minutes on an H100)
 # 1. the CUDA tests (`it device::cuda`), replay included: `checks_with_graphs_on_cuda_match_cpu`
 #    is the gate for making replay the default on CUDA;
 # 2. the launches one LeNet5 window makes, op by op and replayed;
 # 3. the benchmark beside PyTorch (eager and CUDA graphs), each case op by op and replayed,
 #    alternating (scripts/gpu_check.sh with GRAPHS=1). CASES, UPDATES and WARMUP as there;
-# 4. bf16 (BF16_CASES, default the GPT 64 x 4): bf16 compute with its matmuls on tensor cores,
-#    the emulation (--f32-products), and PyTorch's autocast (bf16, TF32 on), alternating.
+# 4. bf16 (BF16_CASES, default the GPT 64 x 4 and ResNet-18 32 x 4): bf16 compute with its
+#    matmuls and convolutions on tensor cores, the emulation (--f32-products), and PyTorch's
+#    autocast (bf16, TF32 on), alternating.
 # Logs go to $OUT (the device tool brings them back).
 set -u
 cd "$(dirname "$0")/.."
@@ -34,7 +35,7 @@ echo "## benchmark"
 OUT=$OUT GRAPHS=1 PARTS=bench CASES="${CASES:-lenet 32 4;mlp 256 4;resnet18 32 4;gpt 64 4}" UPDATES=${UPDATES:-20} WARMUP=${WARMUP:-3} \
     CASE_TIMEOUT=${CASE_TIMEOUT:-60} bash scripts/gpu_check.sh $G 2>&1 | tee "$OUT/bench.log" | grep -E "^\| |replay|not captured|rror"
 echo "## bf16"
-IFS=';' read -ra bf16_cases <<<"${BF16_CASES:-gpt 64 4}"
+IFS=';' read -ra bf16_cases <<<"${BF16_CASES:-gpt 64 4;resnet18 32 4}"
 for cfg in "${bf16_cases[@]}"; do
     set -- $cfg
     for pass in 1 2; do

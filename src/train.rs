@@ -216,7 +216,7 @@ pub struct TrainArgs {
     /// Print the time spent per op at the end.
     #[arg(long)]
     profile: bool,
-    /// Let device matmuls round f32 operands to TF32 on tensor cores (faster on GPUs that have
+    /// Let device matmuls and convolutions round f32 operands to TF32 on tensor cores (faster on GPUs that have
     /// them; about 1e-3 relative error per product, like PyTorch's `allow_tf32`). Off: every
     /// backend multiplies in exact f32. The CPU ignores it.
     #[arg(long)]

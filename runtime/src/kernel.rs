@@ -14,7 +14,7 @@ use cellgraph_compiler::update::{Step, Target, Update, Val};
 use cellgraph_compiler::{window, Op, Reduction, TensorType};
 
 /// The geometry of one 2-D convolution (or pooling window) over NCHW input.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Geometry {
     /// `[n, c, h, w]` of the input.
     pub x: [usize; 4],
@@ -52,6 +52,27 @@ impl Geometry {
     pub(crate) fn at(&self, a: usize, o: usize, k: usize) -> Option<usize> {
         let i = (o * self.stride[a] + k * self.dilation[a]).checked_sub(self.pad[a])?;
         (i < self.x[2 + a]).then_some(i)
+    }
+    /// Why cubek's implicit-GEMM convolution (tensor cores, through burn-cubecl) does not
+    /// take a convolution of this geometry in direction `kind` with `groups` groups; `None`
+    /// when it does. Its routines take one group, pad both ends of an axis alike (so the
+    /// windows must be the ones a symmetric padding of `pad` gives: the same outputs), and
+    /// compute the input gradient at stride 1 only.
+    pub fn implicit_gemm_declines(&self, kind: ConvKind, groups: usize) -> Option<&'static str> {
+        let symmetric = (0..2).all(|a| {
+            let span = self.dilation[a] * self.kernel[a].saturating_sub(1) + 1;
+            let padded = self.x[2 + a] + 2 * self.pad[a];
+            padded >= span && (padded - span) / self.stride[a] + 1 == self.out[a]
+        });
+        if groups != 1 {
+            Some("grouped")
+        } else if !symmetric {
+            Some("asymmetric padding")
+        } else if kind == ConvKind::InputGrad && self.stride != [1, 1] {
+            Some("input gradient at stride > 1")
+        } else {
+            None
+        }
     }
     /// Output columns `[lo, hi)` whose input column at kernel offset `kx` lies inside.
     pub(crate) fn valid_cols(&self, kx: usize) -> (usize, usize) {
@@ -418,7 +439,7 @@ fn cropped(g: &Geometry) -> Option<(Geometry, [usize; 2])> {
     Some((Geometry { kernel: [r.1 - r.0, c.1 - c.0], pad, ..*g }, [r.0, c.0]))
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ConvKind {
     Forward,
     InputGrad,
@@ -701,6 +722,33 @@ mod tests {
         };
         assert!(transposed(64) && !transposed(128));
         assert_eq!(ConvAlgo::gemm(&geo(32, 6, 14, 5, 0, 1), 1, 16).name(), "im2col");
+    }
+
+    /// cubek's implicit GEMM takes a convolution when symmetric padding gives its windows:
+    /// ResNet's padded 3 x 3 and strided 1 x 1 layers, LeNet5's valid 5 x 5; not a `same`
+    /// window padded more at the bottom than the top, not two groups, and an input gradient
+    /// only at stride 1.
+    #[test]
+    fn implicit_gemm_takes_symmetric_ungrouped_convolutions() {
+        use cellgraph_compiler::op::PadMode;
+        let geo = |hw: usize, k: usize, stride: usize, mode: PadMode, pad: usize| {
+            let w = window::resolve([hw, hw], [k, k], [stride; 2], [1, 1], mode, [pad; 4]).unwrap();
+            geometry(&[8, 16, hw, hw], [k, k], [stride; 2], [1, 1], &w)
+        };
+        let (fwd, dx, dw) = (ConvKind::Forward, ConvKind::InputGrad, ConvKind::FilterGrad);
+        let resnet = geo(16, 3, 2, PadMode::Pad, 1);
+        assert_eq!(resnet.out, [8, 8]);
+        assert_eq!((resnet.implicit_gemm_declines(fwd, 1), resnet.implicit_gemm_declines(dw, 1)), (None, None));
+        assert_eq!(resnet.implicit_gemm_declines(dx, 1), Some("input gradient at stride > 1"));
+        assert_eq!(geo(16, 3, 1, PadMode::Pad, 1).implicit_gemm_declines(dx, 1), None);
+        assert_eq!(geo(16, 1, 2, PadMode::Pad, 0).implicit_gemm_declines(fwd, 1), None);
+        assert_eq!(geo(32, 5, 1, PadMode::Valid, 0).implicit_gemm_declines(fwd, 1), None);
+        // `same` over 16 at stride 2 pads 0 at the top and 1 at the bottom.
+        let same = geo(16, 3, 2, PadMode::Same, 0);
+        assert_eq!((same.pad, same.out), ([0, 0], [8, 8]));
+        assert_eq!(same.implicit_gemm_declines(fwd, 1), Some("asymmetric padding"));
+        assert_eq!(geo(16, 3, 1, PadMode::Same, 0).implicit_gemm_declines(fwd, 1), None);
+        assert_eq!(resnet.implicit_gemm_declines(fwd, 2), Some("grouped"));
     }
 
     #[test]

@@ -298,6 +298,44 @@ fn bf16_products_on_the_device_match_the_emulation<B: Backend>(device: Device<B>
     assert!(loss_gap < 1e-2, "losses {tc_losses:?} against {emulated_losses:?}");
 }
 
+/// Under bf16 compute a device runs the convolutions of bf16 values (forward, input and
+/// filter gradients, the filter gradients summed into their accumulators) on cubek's
+/// implicit-GEMM tensor-core routine with TF32 operands, which hold bf16 values exactly:
+/// every convolution of LeNet5 and of a ResNet block with batch norm is on tensor cores in
+/// the plan's account, and after 5 AdamW updates of 4 micro-batches each run is within bf16's
+/// rounding of the CPU's emulation. Where the routine does not set up (lavapipe), the exact
+/// kernels run them, counted: a run bit-equal to the products off with no convolution
+/// fallback counted fails.
+#[allow(dead_code)]
+fn bf16_convolutions_on_the_device_match_the_emulation<B: Backend>(device: Device<B>) {
+    use cellgraph::cells::accumulate::Precision;
+    use cellgraph::runtime::cube;
+    use rand::SeedableRng;
+    let bf16 = Some(Precision::bf16());
+    for (name, net, batches) in crate::precision::bf16_conv_cases(&mut rand::rngs::StdRng::seed_from_u64(31)) {
+        let before = cube::conv_tf32_fallbacks();
+        let (tc, tc_losses, plan) = crate::precision::trained_adamw_on::<B>(device.clone(), net(), &batches, bf16, true);
+        let fallbacks = cube::conv_tf32_fallbacks() - before;
+        let (exact, _, _) = crate::precision::trained_adamw_on::<B>(device.clone(), net(), &batches, bf16, false);
+        let (emulated, emulated_losses, _) = crate::precision::trained_adamw_on::<Cpu>(cpu(), net(), &batches, bf16, false);
+        let (f32_run, _, _) = crate::precision::trained_adamw_on::<Cpu>(cpu(), net(), &batches, None, false);
+        let plan = plan.expect("a bf16 plan has products of bf16 values");
+        eprintln!("{name}: {plan}; tensor-core convolutions run in exact f32 here: {fallbacks}");
+        assert!(plan.in_f32.is_empty(), "{name}: products of bf16 values left in f32: {plan}");
+        if tc == exact {
+            assert!(fallbacks > 0, "{name}: tensor-core convolutions gave the exact kernels' bits and no fallback was counted");
+        }
+        let init: BTreeMap<String, Vec<f32>> =
+            cellgraph::cells::materialize(&net().parameters(), 5).into_iter().map(|(n, t)| (n, t.to_f32())).collect();
+        let distance = crate::precision::distance;
+        let (near, far) = (distance(&tc, &emulated, &init), distance(&emulated, &f32_run, &init));
+        let loss_gap = tc_losses.iter().zip(&emulated_losses).map(|(a, b)| ((a - b) / b).abs()).fold(0f32, f32::max);
+        eprintln!("{name}: tensor cores {near:.3e} from the CPU's emulation, the emulation {far:.3e} from f32; losses within {loss_gap:.2e}");
+        assert!(near < 0.3 * far && near < 0.05, "{name}: tensor cores {near:e} from the emulation, the emulation {far:e} from f32");
+        assert!(loss_gap < 1e-2, "{name}: losses {tc_losses:?} against {emulated_losses:?}");
+    }
+}
+
 /// f16 with loss scaling on the device: an inf in the second window's first micro-step
 /// skips that window (the overflow read from the device's accumulators), halves the scale,
 /// and the run stays within f16's rounding of the CPU's.
@@ -976,6 +1014,11 @@ mod wgpu {
     }
 
     #[test]
+    fn bf16_convolutions_on_wgpu_match_the_emulation() {
+        super::bf16_convolutions_on_the_device_match_the_emulation::<Wgpu>(dev());
+    }
+
+    #[test]
     fn f16_overflow_skips_the_window_on_wgpu() {
         super::f16_overflow_skips_the_window_on_the_device::<Wgpu>(dev());
     }
@@ -1231,6 +1274,12 @@ mod cuda {
     fn bf16_products_on_cuda_match_the_emulation() {
         let Some(device) = gpu() else { return };
         super::bf16_products_on_the_device_match_the_emulation::<Cuda>(device);
+    }
+
+    #[test]
+    fn bf16_convolutions_on_cuda_match_the_emulation() {
+        let Some(device) = gpu() else { return };
+        super::bf16_convolutions_on_the_device_match_the_emulation::<Cuda>(device);
     }
 
     #[test]

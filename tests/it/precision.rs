@@ -432,6 +432,28 @@ pub(crate) fn bf16_gpt_case(rng: &mut StdRng) -> (fn() -> WithLossCell, Vec<Vec<
     (gpt, text)
 }
 
+/// The convolutional cases of the bf16 tests: LeNet5 on 20 micro-batches of 5 images 1 x 32 x
+/// 32, and a ResNet basic block with batch norm (3 -> 4 channels, stride 2, a 1 x 1
+/// downsampling) on 20 of 5 images 3 x 16 x 16, labels at random.
+#[allow(clippy::type_complexity)]
+pub(crate) fn bf16_conv_cases(rng: &mut StdRng) -> [(&'static str, fn() -> WithLossCell, Vec<Vec<HostTensor>>); 2] {
+    let mut images = |c: usize, side: usize| -> Vec<Vec<HostTensor>> {
+        (0..20)
+            .map(|_| {
+                let x: Vec<f32> = (0..5 * c * side * side).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let y: Vec<i32> = (0..5).map(|_| rng.random_range(0..10)).collect();
+                vec![HostTensor::f32(vec![5, c, side, side], x).unwrap(), HostTensor::i32(vec![5], y).unwrap()]
+            })
+            .collect()
+    };
+    fn block() -> WithLossCell {
+        WithLossCell::new(crate::batchnorm::BlockNet::new(), CrossEntropyLoss::new())
+    }
+    let lenet = images(1, 32);
+    let colour = images(3, 16);
+    [("lenet5", crate::common::lenet_with_loss, lenet), ("resnet block", block, colour)]
+}
+
 /// On a CPU with AVX-512 BF16, bf16 compute multiplies the GPT's and LeNet5's products of bf16
 /// values as bf16 pairs (every matmul and every im2col/dense convolution; attention and the
 /// direct convolutions stay f32, named), and after 5 AdamW updates of 4 micro-batches the
@@ -444,22 +466,7 @@ pub(crate) fn bf16_gpt_case(rng: &mut StdRng) -> (fn() -> WithLossCell, Vec<Vec<
 fn bf16_products_on_the_cpu_match_the_emulation() {
     let mut rng = StdRng::seed_from_u64(31);
     let (gpt, text) = bf16_gpt_case(&mut rng);
-    let lenet = || crate::common::lenet_with_loss();
-    let images: Vec<Vec<HostTensor>> = (0..20)
-        .map(|_| {
-            let x: Vec<f32> = (0..5 * 32 * 32).map(|_| rng.random_range(-1.0..1.0)).collect();
-            let y: Vec<i32> = (0..5).map(|_| rng.random_range(0..10)).collect();
-            vec![HostTensor::f32(vec![5, 1, 32, 32], x).unwrap(), HostTensor::i32(vec![5], y).unwrap()]
-        })
-        .collect();
-    let block = || WithLossCell::new(crate::batchnorm::BlockNet::new(), CrossEntropyLoss::new());
-    let colour: Vec<Vec<HostTensor>> = (0..20)
-        .map(|_| {
-            let x: Vec<f32> = (0..5 * 3 * 16 * 16).map(|_| rng.random_range(-1.0..1.0)).collect();
-            let y: Vec<i32> = (0..5).map(|_| rng.random_range(0..10)).collect();
-            vec![HostTensor::f32(vec![5, 3, 16, 16], x).unwrap(), HostTensor::i32(vec![5], y).unwrap()]
-        })
-        .collect();
+    let [(_, lenet, images), (_, block, colour)] = bf16_conv_cases(&mut rng);
     type Case<'a> = (&'a str, &'a dyn Fn() -> WithLossCell, &'a [Vec<HostTensor>]);
     let cases: [Case; 3] = [("gpt", &gpt, &text), ("lenet5", &lenet, &images), ("resnet block", &block, &colour)];
     for (name, net, batches) in cases {

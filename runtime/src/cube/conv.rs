@@ -10,6 +10,7 @@ use super::ew::{self, EwKernel};
 use super::sums::sum_rows;
 use super::{arr, empty, grid};
 use crate::arena::Arena;
+use crate::kernel::{ConvKind, Geometry};
 
 /// A convolution's geometry as its kernels' compile-time constants: one kernel per shape, so
 /// nothing is uploaded per call and the index arithmetic folds. `[pt, pl]`: top and left
@@ -220,6 +221,87 @@ pub(super) fn filter_grad<R: CubeRuntime>(
             conv2d_filter_grad::launch_unchecked::<f32, R>(client, pc, pd, arr(x), arr(dy), arr(&part), *dims, per as u32);
             sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(&part), arr(y), slices as u32, accumulate, None);
             arena.give_scratch(slices * numel, part);
+        }
+    }
+}
+
+/// The convolutions (per runtime, direction, geometry and output channels) whose tensor-core
+/// routine did not set up: the exact kernels run them without trying again.
+type TcKey = (std::any::TypeId, ConvKind, Geometry, usize);
+static NO_TENSOR_CORES: std::sync::Mutex<Option<std::collections::HashSet<TcKey>>> = std::sync::Mutex::new(None);
+
+/// Convolutions asked for tensor cores that ran on the exact kernels (see [`conv_tf32_fallbacks`]).
+static CONV_FALLBACKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many convolutions asked for tensor cores ([`crate::Session::set_tf32`], or bf16
+/// values' products) whose geometry cubek's implicit GEMM takes ran on the exact kernels in
+/// this process, because its routine does not set up on the device (part of
+/// [`super::tf32_fallbacks`]).
+pub fn conv_tf32_fallbacks() -> u64 {
+    CONV_FALLBACKS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+fn refused(key: &TcKey) -> bool {
+    NO_TENSOR_CORES.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|s| s.contains(key))
+}
+
+/// True when a convolution asked for tensor cores (`tf32`) runs on [`tensor_core_conv`]: cubek's
+/// implicit GEMM takes its geometry ([`Geometry::implicit_gemm_declines`]) and its routine has
+/// not failed to set up for it on this runtime (such a refusal is counted here: the caller
+/// runs the exact kernels).
+pub(super) fn on_tensor_cores<R: CubeRuntime>(kind: ConvKind, g: &Geometry, groups: usize, out_channels: usize, tf32: bool) -> bool {
+    if !tf32 || g.implicit_gemm_declines(kind, groups).is_some() {
+        return false;
+    }
+    let refused = refused(&(std::any::TypeId::of::<R>(), kind, *g, out_channels));
+    if refused {
+        CONV_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    !refused
+}
+
+/// A convolution in direction `kind` on cubek's implicit-GEMM routine (through burn-cubecl:
+/// NHWC views of the NCHW operands, the routine's CMMA tiles on TF32 operands with f32 sums),
+/// its result contiguous NCHW: the forward of `(x, w)`, the input gradient of `(dy, w)`, the
+/// filter gradient of `(dy, x)`. A bf16 value is a TF32 value, so for operands the precision
+/// pass rounded to bf16 these are bf16 tensor cores' products. `None`, having launched
+/// nothing, where the routine does not set up on this device (lavapipe has no tensor cores):
+/// counted in [`conv_tf32_fallbacks`], and not tried again (the exact kernels run it). The
+/// caller checked [`on_tensor_cores`].
+pub(super) fn tensor_core_conv<R: CubeRuntime>(
+    kind: ConvKind,
+    g: &Geometry,
+    out_channels: usize,
+    a: &CubeTensor<R>,
+    b: &CubeTensor<R>,
+) -> Option<CubeTensor<R>> {
+    use burn_backend::ops::ConvOptions;
+    use burn_backend::{DType, Shape};
+    use burn_cubecl::kernel::conv::{conv_data_backward, conv_forward, conv_weight_backward, ConvStrategy};
+    let key = (std::any::TypeId::of::<R>(), kind, *g, out_channels);
+    let options = ConvOptions::new(g.stride, g.pad, g.dilation, 1);
+    let [n, c, h, w] = g.x;
+    let [oh, ow] = g.out;
+    let filter = [out_channels, c, g.kernel[0], g.kernel[1]];
+    let as4 = |t: &CubeTensor<R>, dims: [usize; 4]| {
+        CubeTensor::new_contiguous(t.client.clone(), t.device.clone(), Shape::from(dims.to_vec()), t.handle.clone(), DType::F32)
+    };
+    let dy = [n, out_channels, oh, ow];
+    let done = match kind {
+        ConvKind::Forward => conv_forward::<R, 2>(as4(a, g.x), as4(b, filter), None, options, ConvStrategy::ImplicitGemm),
+        ConvKind::InputGrad => {
+            conv_data_backward::<R, 2>(as4(a, dy), as4(b, filter), Shape::from(vec![n, c, h, w]), options, ConvStrategy::ImplicitGemm)
+        }
+        ConvKind::FilterGrad => {
+            conv_weight_backward::<R, 2>(as4(b, g.x), as4(a, dy), Shape::from(filter.to_vec()), options, ConvStrategy::ImplicitGemm)
+        }
+    };
+    match done {
+        Ok(t) => Some(burn_cubecl::kernel::into_contiguous(t)),
+        Err(_) => {
+            NO_TENSOR_CORES.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(Default::default).insert(key);
+            CONV_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            None
         }
     }
 }

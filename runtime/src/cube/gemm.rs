@@ -87,11 +87,12 @@ static NO_TF32: std::sync::Mutex<std::collections::BTreeSet<Tf32Key>> = std::syn
 /// tensor-core kernel did not set up on the device (in this process).
 static TF32_FALLBACKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// How many matmuls asked for TF32 tensor cores ([`crate::Session::set_tf32`], or bf16 values'
-/// products, [`crate::Bf16Unit::Tf32TensorCores`]) ran in exact f32 instead in this process,
-/// because the device has no tensor-core kernel for them.
+/// How many matmuls and convolutions asked for TF32 tensor cores
+/// ([`crate::Session::set_tf32`], or bf16 values' products,
+/// [`crate::Bf16Unit::Tf32TensorCores`]) ran in exact f32 instead in this process, because
+/// the device has no tensor-core kernel for them.
 pub fn tf32_fallbacks() -> u64 {
-    TF32_FALLBACKS.load(std::sync::atomic::Ordering::Relaxed)
+    TF32_FALLBACKS.load(std::sync::atomic::Ordering::Relaxed) + super::conv::conv_tf32_fallbacks()
 }
 
 /// Matmuls that ran on [`matmul`] because cubek's kernel did not set up (in this process).

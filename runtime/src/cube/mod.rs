@@ -10,7 +10,8 @@
 //! - [`gemm`]: matmuls on cubek's exact-f32 tiled kernels (the strategy bound per shape, TF32
 //!   only when the session allows it or the operands hold bf16 values).
 //! - [`conv`]: convolutions on [`conv2d_forward`], [`conv2d_input_grad`] and the split
-//!   [`conv2d_filter_grad`] + [`sum_rows`], their geometry compile-time constants.
+//!   [`conv2d_filter_grad`] + [`sum_rows`], their geometry compile-time constants; where
+//!   tensor cores are asked for (TF32, or bf16 values' products), on cubek's implicit GEMM.
 //! - [`ew`]: elementwise programs (fused nodes, epilogues over a head's output in place, ReLU
 //!   and its gradient) unrolled into one kernel each.
 //! - [`loss`]: softmax cross-entropy and its gradient, one launch each.
@@ -32,7 +33,7 @@ pub mod pool;
 pub mod sums;
 
 use conv::filter_grad;
-pub use conv::{conv2d_filter_grad, conv2d_forward, conv2d_input_grad, ConvDims};
+pub use conv::{conv2d_filter_grad, conv2d_forward, conv2d_input_grad, conv_tf32_fallbacks, ConvDims};
 use gemm::{cubek_matmul, split_matmul, NAIVE_MATMULS};
 pub use gemm::{matmul, naive_matmuls, tf32_fallbacks};
 use sums::column_sums;
@@ -320,6 +321,14 @@ fn head_kernel<R: CubeRuntime>(
     }
 }
 
+/// A convolution `op` on cubek's tensor-core routine ([`conv::tensor_core_conv`]) where `tf32`
+/// asks for tensor cores and the routine takes its geometry; `None` otherwise (and where the
+/// routine does not set up, counted): the exact kernels run it.
+fn conv_on_tensor_cores<R: CubeRuntime>(op: &Native, a: &CubeTensor<R>, b: &CubeTensor<R>, tf32: bool) -> Option<CubeTensor<R>> {
+    let Native::Conv { kind, g, groups, out_channels, .. } = *op else { return None };
+    conv::on_tensor_cores::<R>(kind, &g, groups, out_channels, tf32).then(|| conv::tensor_core_conv::<R>(kind, &g, out_channels, a, b)).flatten()
+}
+
 /// Launches the elementwise program `p` writing `y`: operand `k` is `xs[k]`, or with `p` in
 /// place, operand 0 is `y` and operand `k` is `xs[k - 1]`. Slots the program does not read get
 /// another operand (or a one-element buffer): never `y`, which the kernel writes.
@@ -499,6 +508,9 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         let y = match op {
             Native::MatMul { .. } | Native::Conv { .. } => {
                 let (a, b) = (contiguous(args[0]), contiguous(args[1]));
+                if let Some(y) = conv_on_tensor_cores::<R>(op, &a, &b, tf32) {
+                    return Some(y);
+                }
                 let y = output::<R>(arena, &client, &device, out.dims());
                 head_kernel::<R>(op, &a, &b, &y, numel, tf32, &EwKernel::identity(), &[], arena);
                 y
@@ -506,7 +518,12 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             Native::Epilogue { head, head_args, post } => {
                 let prog = EwKernel::new(post, true)?;
                 let rest: Vec<_> = args.get(*head_args..)?.iter().map(|t| contiguous(t)).collect();
-                let inside = matches!(**head, Native::Conv { kind: ConvKind::Forward, .. } | Native::MaxPoolGrad { .. }) && *head_args == 2;
+                let tensor_cores = match **head {
+                    Native::Conv { kind, g, groups, out_channels, .. } => conv::on_tensor_cores::<R>(kind, &g, groups, out_channels, tf32),
+                    _ => false,
+                };
+                let inside =
+                    matches!(**head, Native::Conv { kind: ConvKind::Forward, .. } | Native::MaxPoolGrad { .. }) && *head_args == 2 && !tensor_cores;
                 if inside && prog.reads.len() <= ew::HEAD_OPERANDS {
                     // The program inside the head's kernel, on its result before it is stored.
                     let (a, b) = (contiguous(args[0]), contiguous(args[1]));
@@ -734,6 +751,10 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             // A filter gradient: its slices summed straight into the accumulator (one launch
             // fewer than the gradient and an `assign_add`). The op's operands are (dy, x).
             Native::Conv { kind: ConvKind::FilterGrad, g, groups, out_channels, .. } => {
+                // On tensor cores the gradient is made apart, then added.
+                if conv::on_tensor_cores::<R>(ConvKind::FilterGrad, &g, groups, out_channels, tf32) {
+                    return false;
+                }
                 let dims = ConvDims::of(&g, groups, out_channels);
                 if args.len() != 2 || acc.meta.num_elements() != dims.filter_len() {
                     return false;

@@ -18,11 +18,13 @@ pub struct Bf16Products {
     /// Where the fast ones run: AVX-512 BF16 pairs on host backends, tensor cores on devices.
     pub unit: Bf16Unit,
     /// Products on that unit with f32 sums: [`crate::kernel::Products::Bf16`] on the host; on
-    /// a device, every matmul and batched matmul (and epilogue head) of bf16 values.
+    /// a device, every matmul and batched matmul (and epilogue head) of bf16 values, and every
+    /// convolution cubek's implicit GEMM takes ([`crate::kernel::Geometry::implicit_gemm_declines`]).
     pub fast: usize,
     /// Those that multiply in exact f32 (the emulation), by op: attention and direct
-    /// convolutions have no bf16 kernel on the host, convolutions and attention none on
-    /// devices; on a CPU without AVX-512 BF16, all of them.
+    /// convolutions have no bf16 kernel on the host; attention, grouped convolutions and
+    /// convolutions the implicit GEMM does not take (asymmetric padding, an input gradient
+    /// at stride > 1) none on devices; on a CPU without AVX-512 BF16, all of them.
     pub in_f32: BTreeMap<&'static str, usize>,
 }
 
@@ -32,10 +34,11 @@ pub enum Bf16Unit {
     /// The CPU's `vdpbf16ps`: pairs of bf16 values multiplied, summed in f32.
     #[default]
     Avx512Pairs,
-    /// cubek's tensor-core matmul on TF32 operands with f32 sums. A bf16 value is a TF32 value
-    /// (8 significant bits of TF32's 11), so these are the products of bf16 tensor cores, not
-    /// a rounding of them; where the device has no tensor-core kernel cubek's exact-f32 kernel
-    /// runs them, counted ([`crate::cube::tf32_fallbacks`]).
+    /// cubek's tensor-core matmul and implicit-GEMM convolution on TF32 operands with f32
+    /// sums. A bf16 value is a TF32 value (8 significant bits of TF32's 11), so these are the
+    /// products of bf16 tensor cores, not a rounding of them; where the device has no
+    /// tensor-core kernel the exact-f32 kernels run them, counted
+    /// ([`crate::cube::tf32_fallbacks`]).
     Tf32TensorCores,
 }
 
@@ -115,6 +118,7 @@ impl Executable {
             };
             let fast = match head {
                 Some(Native::MatMul { .. } | Native::BatchMatMul { .. }) if !B::HOST => true,
+                Some(Native::Conv { kind, g, groups, .. }) if !B::HOST => g.implicit_gemm_declines(*kind, *groups).is_none(),
                 Some(
                     Native::MatMul { products: Products::Bf16, .. }
                     | Native::BatchMatMul { products: Products::Bf16, .. }

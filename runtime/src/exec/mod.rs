@@ -190,7 +190,7 @@ pub struct Session<B: Backend> {
     native: bool,
     /// `assign_add` writes into the accumulator's memory (see [`Self::set_in_place_accumulation`]).
     in_place: bool,
-    /// Device matmuls may use TF32 tensor cores (see [`Self::set_tf32`]).
+    /// Device matmuls and convolutions may use TF32 tensor cores (see [`Self::set_tf32`]).
     tf32: bool,
     /// Host products the plan chose to run on bf16 pairs do (see [`Self::set_bf16_products`]).
     bf16: bool,
@@ -299,8 +299,8 @@ impl<B: Backend> Session<B> {
         self.native = on;
     }
 
-    /// Lets device matmuls round their operands to TF32 and run on tensor cores (off by
-    /// default: every backend multiplies in exact f32). Like PyTorch's `allow_tf32`: about
+    /// Lets device matmuls and convolutions round their operands to TF32 and run on tensor
+    /// cores (off by default: every backend multiplies in exact f32). Like PyTorch's `allow_tf32`: about
     /// 1e-3 relative error on a product (10 mantissa bits), so results no longer equal the
     /// CPU's to 1e-5. Host backends ignore it.
     pub fn set_tf32(&mut self, on: bool) {
