@@ -57,7 +57,8 @@ impl Geometry {
     /// take a convolution of this geometry in direction `kind` with `groups` groups; `None`
     /// when it does. Its routines take one group, pad both ends of an axis alike (so the
     /// windows must be the ones a symmetric padding of `pad` gives: the same outputs), and
-    /// compute the input gradient at stride 1 only.
+    /// compute the input gradient at stride 1 only: at a larger stride it is the forward
+    /// convolution of [`Self::upsampled`], where padding does not pass the dilated window.
     pub fn implicit_gemm_declines(&self, kind: ConvKind, groups: usize) -> Option<&'static str> {
         let symmetric = (0..2).all(|a| {
             let span = self.dilation[a] * self.kernel[a].saturating_sub(1) + 1;
@@ -68,11 +69,40 @@ impl Geometry {
             Some("grouped")
         } else if !symmetric {
             Some("asymmetric padding")
-        } else if kind == ConvKind::InputGrad && self.stride != [1, 1] {
-            Some("input gradient at stride > 1")
+        } else if kind == ConvKind::InputGrad && self.stride != [1, 1] && self.upsampled(1).is_none() {
+            Some("strided input gradient padded past its window")
         } else {
             None
         }
+    }
+    /// The stride-1 forward convolution whose result is the input gradient of a strided
+    /// convolution of this geometry (see `cube::conv::input_grad_by_upsampling`): over `dy`
+    /// spread out by the stride (zeros between its elements and after the last, `[n, o, uh,
+    /// uw]`), the filter
+    /// flipped with its channel axes swapped, padding `(k - 1) * dilation - pad` on every side
+    /// (its windows are symmetric), and the input's extents as output. `None` where the padding
+    /// exceeds the dilated window (the gradient then has no such form).
+    pub fn upsampled(&self, out_channels: usize) -> Option<Geometry> {
+        let g = self;
+        let mut spread = [0; 2];
+        let mut pad = [0; 2];
+        for a in 0..2 {
+            let reach = g.dilation[a] * g.kernel[a].checked_sub(1)?;
+            pad[a] = reach.checked_sub(g.pad[a])?;
+            // `x + 2p - reach`: `dy`'s last element lands at `(out - 1) * stride` in it.
+            spread[a] = (g.x[2 + a] + 2 * g.pad[a]).checked_sub(reach)?;
+            if spread[a] < (g.out[a].checked_sub(1)?) * g.stride[a] + 1 {
+                return None;
+            }
+        }
+        Some(Geometry {
+            x: [g.x[0], out_channels, spread[0], spread[1]],
+            kernel: g.kernel,
+            stride: [1, 1],
+            dilation: g.dilation,
+            pad,
+            out: [g.x[2], g.x[3]],
+        })
     }
     /// Output columns `[lo, hi)` whose input column at kernel offset `kx` lies inside.
     pub(crate) fn valid_cols(&self, kx: usize) -> (usize, usize) {
@@ -739,7 +769,11 @@ mod tests {
         let resnet = geo(16, 3, 2, PadMode::Pad, 1);
         assert_eq!(resnet.out, [8, 8]);
         assert_eq!((resnet.implicit_gemm_declines(fwd, 1), resnet.implicit_gemm_declines(dw, 1)), (None, None));
-        assert_eq!(resnet.implicit_gemm_declines(dx, 1), Some("input gradient at stride > 1"));
+        assert_eq!(resnet.implicit_gemm_declines(dx, 1), None);
+        // The gradient of a 1 x 1 window padded by 1 at stride 2 has no upsampled form.
+        assert_eq!(geo(16, 1, 2, PadMode::Pad, 1).implicit_gemm_declines(dx, 1), Some("strided input gradient padded past its window"));
+        let up = resnet.upsampled(32).unwrap();
+        assert_eq!((up.x, up.stride, up.pad, up.out), ([8, 32, 16, 16], [1, 1], [1, 1], [16, 16]));
         assert_eq!(geo(16, 3, 1, PadMode::Pad, 1).implicit_gemm_declines(dx, 1), None);
         assert_eq!(geo(16, 1, 2, PadMode::Pad, 0).implicit_gemm_declines(fwd, 1), None);
         assert_eq!(geo(32, 5, 1, PadMode::Valid, 0).implicit_gemm_declines(fwd, 1), None);

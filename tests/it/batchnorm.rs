@@ -195,8 +195,11 @@ impl Cell for BnNet {
 }
 
 /// A ResNet `BasicBlock` (3 -> 4 channels, stride 2, so with its 1x1 downsample) -> global
-/// average pooling -> Dense(4 -> 10).
+/// average pooling -> Dense(4 -> 10); [`BlockNet::with_stem`] puts a 3 x 3 convolution
+/// (3 -> 3, padded by 1) before the block, so the block's stride-2 convolutions have input
+/// gradients too.
 pub(crate) struct BlockNet {
+    stem: Option<cellgraph::cells::Conv2d>,
     block: cellgraph::cells::zoo::BasicBlock,
     fc: Dense,
 }
@@ -209,21 +212,36 @@ impl BlockNet {
     pub(crate) fn with_norm(norm: cellgraph::cells::zoo::NormOption) -> Self {
         let s = Scope::root();
         BlockNet {
+            stem: None,
             block: cellgraph::cells::zoo::BasicBlock::with_norm(&s.child("block"), 3, 4, 2, norm).unwrap(),
             fc: Dense::new(&s.child("fc"), 4, 10),
         }
+    }
+
+    pub(crate) fn with_stem() -> Self {
+        let stem = cellgraph::cells::Conv2d::new(&Scope::root().child("stem"), 3, 3, 3).padding([1; 4]);
+        BlockNet { stem: Some(stem), ..Self::new() }
     }
 }
 
 impl Cell for BlockNet {
     fn construct(&self, t: &mut Tracer, xs: &[NodeId]) -> cellgraph::cells::Result<NodeId> {
+        let stemmed;
+        let xs = match &self.stem {
+            Some(stem) => {
+                stemmed = [t.call(stem, xs)?];
+                &stemmed[..]
+            }
+            None => xs,
+        };
         let x = t.call(&self.block, xs)?;
         let x = t.call(&AdaptiveAvgPool2d::new((1, 1)), &[x])?;
         let x = t.op(Op::Flatten, &[x])?;
         t.call(&self.fc, &[x])
     }
     fn parameters(&self) -> Vec<Parameter> {
-        [self.block.parameters(), self.fc.parameters()].concat()
+        let stem = self.stem.as_ref().map(|s| s.parameters()).unwrap_or_default();
+        [stem, self.block.parameters(), self.fc.parameters()].concat()
     }
     fn kind(&self) -> &'static str {
         "BlockNet"

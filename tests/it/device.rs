@@ -1013,6 +1013,60 @@ mod wgpu {
         super::bf16_products_on_the_device_match_the_emulation::<Wgpu>(dev());
     }
 
+    /// A strided convolution's input gradient made as a stride-1 forward convolution over the
+    /// gradient spread out by the stride, with the filter flipped and its channel axes swapped
+    /// (how it runs on tensor cores: cubek's own input-gradient routine takes stride 1 only),
+    /// equals the sums of its definition: ResNet's 3 x 3 and 1 x 1 stride-2 layers, an odd map,
+    /// a dilated 5 x 5 at stride 3, and a 3 x 2 window at strides 2 and 3. The forward here is
+    /// the exact kernel, so this checks the construction; CUDA runs it on tensor cores.
+    #[test]
+    fn strided_input_gradients_by_upsampling_match_their_definition() {
+        use cellgraph::runtime::cube::conv::input_grad_by_upsampling;
+        use cellgraph::runtime::kernel::Geometry;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        // (n, c, [h, w], o, [kh, kw], stride, dilation, pad)
+        type Case = (usize, usize, [usize; 2], usize, [usize; 2], [usize; 2], [usize; 2], [usize; 2]);
+        let cases: [Case; 5] = [
+            (2, 3, [16, 16], 4, [3, 3], [2, 2], [1, 1], [1, 1]),
+            (2, 3, [16, 16], 4, [1, 1], [2, 2], [1, 1], [0, 0]),
+            (1, 2, [15, 15], 3, [3, 3], [2, 2], [1, 1], [1, 1]),
+            (1, 2, [20, 20], 2, [5, 5], [3, 3], [2, 2], [4, 4]),
+            (2, 2, [11, 13], 3, [3, 2], [2, 3], [1, 1], [1, 0]),
+        ];
+        for (n, c, [h, w], o, kernel, stride, dilation, pad) in cases {
+            let out = |a: usize| ([h, w][a] + 2 * pad[a] - dilation[a] * (kernel[a] - 1) - 1) / stride[a] + 1;
+            let g = Geometry { x: [n, c, h, w], kernel, stride, dilation, pad, out: [out(0), out(1)] };
+            let [oh, ow] = g.out;
+            let dy: Vec<f32> = (0..n * o * oh * ow).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let f: Vec<f32> = (0..o * c * kernel[0] * kernel[1]).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut want = vec![0f64; n * c * h * w];
+            for (b, co, oy, ox) in grid4(n, o, oh, ow) {
+                for ci in 0..c {
+                    for ky in 0..kernel[0] {
+                        for kx in 0..kernel[1] {
+                            let iy = (oy * stride[0] + ky * dilation[0]).checked_sub(pad[0]).filter(|&i| i < h);
+                            let ix = (ox * stride[1] + kx * dilation[1]).checked_sub(pad[1]).filter(|&i| i < w);
+                            if let (Some(iy), Some(ix)) = (iy, ix) {
+                                want[((b * c + ci) * h + iy) * w + ix] +=
+                                    dy[((b * o + co) * oh + oy) * ow + ox] as f64 * f[((co * c + ci) * kernel[0] + ky) * kernel[1] + kx] as f64;
+                            }
+                        }
+                    }
+                }
+            }
+            let got = input_grad_by_upsampling(&g, o, &upload(&dy), &upload(&f), false).expect("these geometries have an upsampled form");
+            let got = host(&got);
+            assert_eq!(got.len(), want.len(), "{g:?}");
+            let err = got.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0f64, f64::max);
+            assert!(err < 1e-5, "{g:?}: {err:e} from the definition");
+        }
+    }
+
+    /// Every `(b, o, oy, ox)` of an `[n, o, oh, ow]` grid, in row-major order.
+    fn grid4(n: usize, o: usize, oh: usize, ow: usize) -> impl Iterator<Item = (usize, usize, usize, usize)> {
+        (0..n).flat_map(move |b| (0..o).flat_map(move |co| (0..oh).flat_map(move |y| (0..ow).map(move |x| (b, co, y, x)))))
+    }
+
     #[test]
     fn bf16_convolutions_on_wgpu_match_the_emulation() {
         super::bf16_convolutions_on_the_device_match_the_emulation::<Wgpu>(dev());

@@ -433,8 +433,9 @@ pub(crate) fn bf16_gpt_case(rng: &mut StdRng) -> (fn() -> WithLossCell, Vec<Vec<
 }
 
 /// The convolutional cases of the bf16 tests: LeNet5 on 20 micro-batches of 5 images 1 x 32 x
-/// 32, and a ResNet basic block with batch norm (3 -> 4 channels, stride 2, a 1 x 1
-/// downsampling) on 20 of 5 images 3 x 16 x 16, labels at random.
+/// 32, and a 3 x 3 convolution then a ResNet basic block with batch norm (3 -> 4 channels,
+/// stride 2, a 1 x 1 downsampling: strided input gradients) on 20 of 5 images 3 x 16 x 16,
+/// labels at random.
 #[allow(clippy::type_complexity)]
 pub(crate) fn bf16_conv_cases(rng: &mut StdRng) -> [(&'static str, fn() -> WithLossCell, Vec<Vec<HostTensor>>); 2] {
     let mut images = |c: usize, side: usize| -> Vec<Vec<HostTensor>> {
@@ -447,7 +448,7 @@ pub(crate) fn bf16_conv_cases(rng: &mut StdRng) -> [(&'static str, fn() -> WithL
             .collect()
     };
     fn block() -> WithLossCell {
-        WithLossCell::new(crate::batchnorm::BlockNet::new(), CrossEntropyLoss::new())
+        WithLossCell::new(crate::batchnorm::BlockNet::with_stem(), CrossEntropyLoss::new())
     }
     let lenet = images(1, 32);
     let colour = images(3, 16);

@@ -262,12 +262,12 @@ pub(super) fn on_tensor_cores<R: CubeRuntime>(kind: ConvKind, g: &Geometry, grou
 
 /// A convolution in direction `kind` on cubek's implicit-GEMM routine (through burn-cubecl:
 /// NHWC views of the NCHW operands, the routine's CMMA tiles on TF32 operands with f32 sums),
-/// its result contiguous NCHW: the forward of `(x, w)`, the input gradient of `(dy, w)`, the
-/// filter gradient of `(dy, x)`. A bf16 value is a TF32 value, so for operands the precision
-/// pass rounded to bf16 these are bf16 tensor cores' products. `None`, having launched
-/// nothing, where the routine does not set up on this device (lavapipe has no tensor cores):
-/// counted in [`conv_tf32_fallbacks`], and not tried again (the exact kernels run it). The
-/// caller checked [`on_tensor_cores`].
+/// its result contiguous NCHW: the forward of `(x, w)`, the input gradient of `(dy, w)` (at
+/// stride > 1 as [`input_grad_by_upsampling`]), the filter gradient of `(dy, x)`. A bf16
+/// value is a TF32 value, so for operands the precision pass rounded to bf16 these are bf16
+/// tensor cores' products. `None` where the routine does not set up on this device (lavapipe
+/// has no tensor cores): counted in [`conv_tf32_fallbacks`], and not tried again (the exact
+/// kernels run it). The caller checked [`on_tensor_cores`].
 pub(super) fn tensor_core_conv<R: CubeRuntime>(
     kind: ConvKind,
     g: &Geometry,
@@ -275,10 +275,28 @@ pub(super) fn tensor_core_conv<R: CubeRuntime>(
     a: &CubeTensor<R>,
     b: &CubeTensor<R>,
 ) -> Option<CubeTensor<R>> {
+    let done = match kind {
+        ConvKind::InputGrad if g.stride != [1, 1] => input_grad_by_upsampling::<R>(g, out_channels, a, b, true),
+        _ => implicit_gemm::<R>(kind, g, out_channels, a, b),
+    };
+    if done.is_none() {
+        NO_TENSOR_CORES.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(Default::default).insert((
+            std::any::TypeId::of::<R>(),
+            kind,
+            *g,
+            out_channels,
+        ));
+        CONV_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    done
+}
+
+/// [`tensor_core_conv`] on burn-cubecl's implicit-GEMM entry points, neither counting nor
+/// remembering a routine that does not set up (`None`, having launched nothing).
+fn implicit_gemm<R: CubeRuntime>(kind: ConvKind, g: &Geometry, out_channels: usize, a: &CubeTensor<R>, b: &CubeTensor<R>) -> Option<CubeTensor<R>> {
     use burn_backend::ops::ConvOptions;
     use burn_backend::{DType, Shape};
     use burn_cubecl::kernel::conv::{conv_data_backward, conv_forward, conv_weight_backward, ConvStrategy};
-    let key = (std::any::TypeId::of::<R>(), kind, *g, out_channels);
     let options = ConvOptions::new(g.stride, g.pad, g.dilation, 1);
     let [n, c, h, w] = g.x;
     let [oh, ow] = g.out;
@@ -296,12 +314,93 @@ pub(super) fn tensor_core_conv<R: CubeRuntime>(
             conv_weight_backward::<R, 2>(as4(b, g.x), as4(a, dy), Shape::from(filter.to_vec()), options, ConvStrategy::ImplicitGemm)
         }
     };
-    match done {
-        Ok(t) => Some(burn_cubecl::kernel::into_contiguous(t)),
-        Err(_) => {
-            NO_TENSOR_CORES.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(Default::default).insert(key);
-            CONV_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            None
+    done.ok().map(burn_cubecl::kernel::into_contiguous)
+}
+
+/// `u[n, o, a, b]`: `dy[n, o, a / sh, b / sw]` where both divide, else 0 (`u` of
+/// [`Geometry::upsampled`]'s input extents).
+#[cube(launch_unchecked)]
+pub fn spread_by_stride<F: Float>(dy: &[F], u: &mut [F], #[comptime] g: ConvDims, #[comptime] spread: [u32; 2]) {
+    let idx = ABSOLUTE_POS;
+    if idx < u.len() {
+        let (oh, ow, sh, sw, uh, uw) =
+            comptime!((g.oh as usize, g.ow as usize, g.sh as usize, g.sw as usize, spread[0] as usize, spread[1] as usize));
+        let b = idx % uw;
+        let a = (idx / uw) % uh;
+        let plane = idx / (uw * uh);
+        let mut v = F::new(0.0);
+        if a % sh == 0 && b % sw == 0 && a / sh < oh && b / sw < ow {
+            v = dy[(plane * oh + a / sh) * ow + b / sw];
         }
+        u[idx] = v;
     }
+}
+
+/// `w2[c, o, ky, kx] = w[o, c, kh - 1 - ky, kw - 1 - kx]`: a filter of one group flipped, its
+/// channel axes swapped.
+#[cube(launch_unchecked)]
+pub fn flip_filter<F: Float>(w: &[F], w2: &mut [F], #[comptime] g: ConvDims) {
+    let idx = ABSOLUTE_POS;
+    if idx < w2.len() {
+        let (c, o, kh, kw) = comptime!((g.c as usize, g.o as usize, g.kh as usize, g.kw as usize));
+        let kx = idx % kw;
+        let ky = (idx / kw) % kh;
+        let oi = (idx / (kw * kh)) % o;
+        let ci = idx / (kw * kh * o);
+        w2[idx] = w[((oi * c + ci) * kh + (kh - 1 - ky)) * kw + (kw - 1 - kx)];
+    }
+}
+
+/// The input gradient of a convolution of one group and geometry `g` (stride > 1: cubek's
+/// input-gradient routine takes stride 1 only) from `(dy, w)`, as the stride-1 forward
+/// convolution of [`Geometry::upsampled`] (a launch spreading `dy`, one flipping the filter,
+/// then the forward): on cubek's implicit GEMM with `tensor_cores` (three quarters of its
+/// products are of zeros at stride 2, on units many times the exact kernels' rate), else on
+/// [`conv2d_forward`] (what the tests check the construction with). `None` when the
+/// geometry has no such form (having launched nothing) or, with `tensor_cores`, the routine
+/// does not set up.
+pub fn input_grad_by_upsampling<R: CubeRuntime>(
+    g: &Geometry,
+    out_channels: usize,
+    dy: &CubeTensor<R>,
+    w: &CubeTensor<R>,
+    tensor_cores: bool,
+) -> Option<CubeTensor<R>> {
+    let up = g.upsampled(out_channels)?;
+    let (client, device) = (&dy.client, &dy.device);
+    let dims = ConvDims::of(g, 1, out_channels);
+    let u = empty::<R>(client, device, &up.x);
+    let w2 = empty::<R>(client, device, &[g.x[1], out_channels, g.kernel[0], g.kernel[1]]);
+    let spread = [up.x[2] as u32, up.x[3] as u32];
+    // SAFETY: one unit per element of `u` and of `w2`, reading `dy` and `w` inside their
+    // extents (`a / sh < oh`, `b / sw < ow`; the filter's own indices).
+    unsafe {
+        let (count, dim) = grid(client, u.meta.num_elements());
+        spread_by_stride::launch_unchecked::<f32, R>(client, count, dim, arr(dy), arr(&u), dims, spread);
+        let (count, dim) = grid(client, w2.meta.num_elements());
+        flip_filter::launch_unchecked::<f32, R>(client, count, dim, arr(w), arr(&w2), dims);
+    }
+    if tensor_cores {
+        return implicit_gemm::<R>(ConvKind::Forward, &up, g.x[1], &u, &w2);
+    }
+    let dx = empty::<R>(client, device, &g.x);
+    let (count, dim) = grid(client, dx.meta.num_elements());
+    let id = EwKernel::identity();
+    // SAFETY: as in `head_kernel`: one unit per element of `dx`, the forward's geometry `up`.
+    unsafe {
+        conv2d_forward::launch_unchecked::<f32, R>(
+            client,
+            count,
+            dim,
+            arr(&u),
+            arr(&w2),
+            arr(&dx),
+            arr(&u),
+            arr(&u),
+            arr(&u),
+            ConvDims::of(&up, 1, g.x[1]),
+            id,
+        )
+    };
+    Some(dx)
 }
