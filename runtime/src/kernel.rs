@@ -169,7 +169,7 @@ pub enum Native {
     /// Zero padding written out row-major: input extents `dims`, `lo`/`hi` elements around each
     /// axis. Host backends only.
     Pad { dims: Vec<usize>, lo: Vec<usize>, hi: Vec<usize> },
-    /// Causal masking of `[..., t, s]` scores (see `Op::CausalMask`). Host backends only.
+    /// Causal masking of `[..., t, s]` scores (see `Op::CausalMask`).
     CausalMask { t: usize, s: usize, fill: f64 },
     /// Multi-head self-attention over `qkv [b, t, 3 * heads * d]` (see `Op::Attention`), or
     /// (`grad`) its gradient w.r.t. `qkv` from `(qkv, dy)`. Host kernels and `#[cube]` ones.
@@ -190,7 +190,7 @@ pub enum Native {
     /// (an embedding's gradient). Host backends only.
     ScatterAdd { rows: usize, width: usize },
     /// `dropout`: each row of `row` elements of item `items[i]` times its keyed factor (0 or
-    /// `1 / (1 - p)`, [`dropout_factor`]). Host backends only.
+    /// `1 / (1 - p)`, [`dropout_factor`]), drawn in the kernel on devices too.
     Dropout { p: f64, seed: u64, row: usize },
     /// An `epilogue` node: `head` on the first `head_args` operands, then `post` over its
     /// output in place (`post`'s operand 0 is the head's output, the others the node's operands

@@ -36,8 +36,8 @@
 //!   holds. (Without it, ResNet-18's moving statistics came out wrong: the buffer a graph
 //!   wrote them into had gone back to the device's pool.)
 //!
-//! A plan whose first run had a step read the device or upload (dropout's masks, made on the
-//! host from keys read back; a loss checking labels the plan computed) is never captured: its
+//! A plan whose first run had a step read the device or upload (a loss checking labels the
+//! plan computed; dropout's factors are drawn on the device, not read) is never captured: its
 //! runs stay op by op, counted ([`ReplayCounts::uncaptured`]) and named
 //! ([`crate::Session::replay_blockers`]).
 //!

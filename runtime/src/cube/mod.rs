@@ -15,6 +15,8 @@
 //! - [`ew`]: elementwise programs (fused nodes, epilogues over a head's output in place, ReLU
 //!   and its gradient) unrolled into one kernel each.
 //! - [`loss`]: softmax cross-entropy and its gradient, one launch each.
+//! - [`dropout`]: dropout's factors drawn in the kernel from the host's hash, and causal
+//!   masking (nothing read back or uploaded: a plan with them can be captured).
 //! - [`attention`]: multi-head self-attention over one projection's `qkv` and its gradient, a
 //!   unit per row and the scores never in memory (one launch forward, two backward).
 //! - [`pool`]: max pooling and its gradient on NCHW, without copies or a second forward.
@@ -26,6 +28,7 @@
 
 pub mod attention;
 pub mod conv;
+pub mod dropout;
 pub mod ew;
 pub mod gemm;
 pub mod loss;
@@ -459,12 +462,15 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             &Native::SumPlanes { outer, inner, .. } if inner != 1 && !sums::plane_sums_fit(outer, out.numel(), inner) => {
                 Some("a reduction whose extents the plane-sum kernel cannot index in 32 bits".into())
             }
-            Native::Gather { .. }
-            | Native::ScatterAdd { .. }
-            | Native::Dropout { .. }
-            | Native::Permute { .. }
-            | Native::Slice { .. }
-            | Native::Pad { .. } => Some("no device kernel for it".into()),
+            &Native::Dropout { p, seed, row } if dropout::DropoutKey::new(p, seed, row).is_none() => {
+                Some("rows longer than the dropout kernel indexes".into())
+            }
+            &Native::CausalMask { t, s, .. } if u32::try_from(t).is_err() || u32::try_from(s).is_err() => {
+                Some("a mask wider than the causal-mask kernel indexes".into())
+            }
+            Native::Gather { .. } | Native::ScatterAdd { .. } | Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } => {
+                Some("no device kernel for it".into())
+            }
             Native::SoftmaxCrossEntropy { .. } if !ids_checked => Some("class ids computed in the plan (the lowering reads and checks them)".into()),
             Native::SoftmaxCrossEntropy { c, reduction, .. } => {
                 let n = args.iter().find(|t| !t.dtype.is_float()).map_or(0, |t| t.numel());
@@ -631,8 +637,31 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 y
             }
             Native::Fill(_) | Native::MaxPool { .. } => return None,
-            // burn's ops (an embedding's rows, dropout's mask made on the host).
-            Native::Gather { .. } | Native::ScatterAdd { .. } | Native::Dropout { .. } => return None,
+            // The factors drawn in the kernel from the host's hash: nothing read back.
+            &Native::Dropout { p, seed, row } => {
+                let k = dropout::DropoutKey::new(p, seed, row)?;
+                let [items, update] = ints else { return None };
+                let (x, items, update) = (contiguous(args[0]), contiguous(items), contiguous(update));
+                let y = output::<R>(arena, &client, &device, out.dims());
+                // SAFETY: one unit per element of `y` (`x`'s extents), reading item `i / row`
+                // of `items` (a row per item, as the bound op's types fix) and `update[0]`.
+                unsafe {
+                    dropout::dropout::launch_unchecked::<f32, R>(
+                        &client,
+                        count,
+                        dim,
+                        arr(&x),
+                        arr(&items),
+                        arr(&update),
+                        arr(&y),
+                        k,
+                        dtype_to_storage_type(int),
+                    )
+                };
+                y
+            }
+            // burn's ops (an embedding's rows).
+            Native::Gather { .. } | Native::ScatterAdd { .. } => return None,
             // cubek's exact kernels over the batch (burn's matmul would take TF32 tensor cores).
             Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b, .. } => {
                 let (a, b) = (contiguous(args[0]), contiguous(args[1]));
@@ -691,7 +720,25 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 }
                 y
             }
-            Native::CausalMask { .. } | Native::MaxRows { .. } => return None,
+            &Native::CausalMask { t, s, fill } => {
+                let x = contiguous(args[0]);
+                let y = output::<R>(arena, &client, &device, out.dims());
+                // SAFETY: one unit per element of `y` (`x`'s extents).
+                unsafe {
+                    dropout::causal_mask::launch_unchecked::<f32, R>(
+                        &client,
+                        count,
+                        dim,
+                        arr(&x),
+                        arr(&y),
+                        t as u32,
+                        s as u32,
+                        (fill as f32).to_bits(),
+                    )
+                };
+                y
+            }
+            Native::MaxRows { .. } => return None,
         };
         Some(y)
     }
