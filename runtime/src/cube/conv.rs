@@ -320,6 +320,7 @@ fn implicit_gemm<R: CubeRuntime>(kind: ConvKind, g: &Geometry, out_channels: usi
 /// `u[n, o, a, b]`: `dy[n, o, a / sh, b / sw]` where both divide, else 0 (`u` of
 /// [`Geometry::upsampled`]'s input extents).
 #[cube(launch_unchecked)]
+#[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` has no kernel expansion
 pub fn spread_by_stride<F: Float>(dy: &[F], u: &mut [F], #[comptime] g: ConvDims, #[comptime] spread: [u32; 2]) {
     let idx = ABSOLUTE_POS;
     if idx < u.len() {
