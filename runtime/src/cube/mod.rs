@@ -416,9 +416,28 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         let n = t.meta.num_elements();
         let h = &t.handle;
         // Exactly its elements (cubecl may pad a buffer at its end); a memory nothing else
-        // holds, so never a view of a flat buffer that is still alive.
+        // holds, so never a view of a flat buffer that is still alive. A permuted view of its
+        // whole buffer (burn's transposes) gives the buffer back too, as a plain one: what it
+        // holds is written again before it is read.
         let exact = h.size_in_used() == (n * core::mem::size_of::<f32>()) as u64;
-        (t.dtype == DType::F32 && t.is_contiguous() && exact && h.can_mut()).then_some((n, t))
+        if t.dtype != DType::F32 || !exact || !h.can_mut() {
+            return None;
+        }
+        if t.is_contiguous() {
+            return Some((n, t));
+        }
+        let permuted = {
+            let mut dims: Vec<(usize, usize)> = t.meta.strides().iter().copied().zip(t.meta.shape().iter().copied()).collect();
+            dims.sort_unstable();
+            // Sorted by stride, each stride the product of the extents below it: a permutation.
+            let mut want = 1;
+            dims.iter().all(|&(stride, extent)| {
+                let ok = stride == want || extent == 1;
+                want *= extent;
+                ok
+            })
+        };
+        permuted.then(|| (n, CubeTensor::new_contiguous(t.client.clone(), t.device.clone(), Shape::from(vec![n]), t.handle.clone(), DType::F32)))
     }
 
     fn device_pin(t: &CubeTensor<R>) -> Option<Box<dyn std::any::Any + Send>> {
