@@ -560,6 +560,12 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     if let Some(p) = model.accumulator().micro_plans().find_map(|e| e.bf16_products::<B>()) {
         println!("{p}");
     }
+    // Products asked for tensor cores (`--tf32`, bf16 values') that ran in exact f32 here.
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    if !B::HOST && cellgraph::runtime::cube::tf32_fallbacks() > 0 {
+        let (all, convs) = (cellgraph::runtime::cube::tf32_fallbacks(), cellgraph::runtime::cube::conv_tf32_fallbacks());
+        println!("tensor-core products run in exact f32 (no tensor-core kernel on this device): {all} ({convs} of them convolutions)");
+    }
     let session = model.accumulator().session();
     if session.graphs() {
         // Whether replay did what `--graphs` asked, and why not where it did not.

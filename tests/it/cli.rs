@@ -164,6 +164,23 @@ fn graphs_replay_the_micro_step_with_the_same_losses() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--precision bf16` on a device says where its products ran: every product of LeNet5's
+/// micro-step (its convolutions included) on tensor cores, none in f32, and, on lavapipe,
+/// which has no tensor-core kernel, how many ran in exact f32 instead.
+#[cfg(feature = "wgpu")]
+#[test]
+fn bf16_on_a_device_says_where_its_products_run() {
+    let dir = tmp("bf16_device");
+    small_mnist(&dir, 256, 64);
+    let data = dir.to_str().unwrap();
+    let out = ok(&["train", "--data-path", data, "--device", "wgpu", "--precision", "bf16", "--micro-size", "2", "--steps", "2"]);
+    let line = out.lines().find(|l| l.starts_with("bf16 products: ")).unwrap_or_else(|| panic!("{out}"));
+    assert!(line.contains(" on tensor cores (TF32 operands, exact for bf16 values), 0 in f32"), "{line}");
+    let fallbacks = out.lines().find(|l| l.starts_with("tensor-core products run in exact f32")).unwrap_or_else(|| panic!("{out}"));
+    assert!(fallbacks.contains("of them convolutions"), "{fallbacks}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn plot_draws_the_loss_curve_and_accuracy_as_svg() {
     let dir = tmp("plot");
