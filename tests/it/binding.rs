@@ -159,7 +159,7 @@ fn the_kernels_with_ids_give_burns_bits() {
 
 /// Dropout on the device draws its factors in the kernel from the host's hash: over 128 rows
 /// of 48 (items near the top of `i32`; p = 0.3, and p = 0.5 with a seed past `i64`) it gives
-/// the host kernel's bits (and so does the device's causal mask),
+/// the host kernel's bits (and so do the device's causal mask and row maxima),
 /// runs on its own kernel (not burn's ops) and reads nothing back, so a plan with dropout can
 /// be captured.
 #[cfg(feature = "wgpu")]
@@ -216,6 +216,24 @@ fn dropout_and_causal_masks_on_wgpu_give_the_hosts_bits() {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&dev), bits(&host), "the device's causal mask differs from the host's");
     assert_eq!(host.iter().filter(|v| v.is_infinite()).count(), 6 * (4 + 3 + 2 + 1), "masked entries");
+    // Row maxima (softmax's, op by op) too, a row with a NaN and one with -0 and +0 among them.
+    let mut v: Vec<f32> = (0..6 * 35).map(|_| rng.random_range(-1.0..1.0)).collect();
+    v[40] = f32::NAN;
+    v[70..105].fill(0.0);
+    v[80] = -0.0;
+    let rows = HostTensor::f32(vec![6, 35], v).unwrap();
+    let mut g = Graph::new("max");
+    let xs = g.add_leaf(Op::Input { index: 0, name: "rows".into() }, rows.ty(), "t").unwrap();
+    let y = g.add(Op::ReduceMax(cellgraph::compiler::ReduceAttrs { axes: vec![1], keep_dims: true }), &[xs], "t").unwrap();
+    g.set_outputs(vec![y]);
+    let exe = compile(g).unwrap();
+    let inputs = [rows];
+    let host = Session::<Cpu>::new(cpu()).run(&exe, &inputs).unwrap()[0].to_f32();
+    let mut s = Session::<Wgpu>::new(WgpuDevice::DefaultDevice);
+    let dev = s.run(&exe, &inputs).unwrap()[0].to_f32();
+    assert!(s.burn_op_steps().is_empty(), "row maxima: {:?}", s.burn_op_steps());
+    assert_eq!(bits(&dev), bits(&host), "the device's row maxima differ from the host's");
+    assert!(host[1].is_nan(), "{host:?}");
 }
 
 /// On wgpu (lavapipe in CI) the steps that run on burn's ops rather than the device's own
@@ -252,7 +270,6 @@ fn the_steps_wgpu_runs_on_burns_ops_are_named() {
                 "equal",
                 "gather",
                 "pad",
-                "reduce_max",
                 // Over every axis (no kernel is bound for a sum that keeps none).
                 "reduce_sum",
                 "scatter_add",

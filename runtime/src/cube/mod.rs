@@ -487,6 +487,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             &Native::CausalMask { t, s, .. } if u32::try_from(t).is_err() || u32::try_from(s).is_err() => {
                 Some("a mask wider than the causal-mask kernel indexes".into())
             }
+            &Native::MaxRows { cols } if u32::try_from(cols).is_err() => Some("rows longer than the row-maximum kernel indexes".into()),
             Native::Gather { .. } | Native::ScatterAdd { .. } | Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } => {
                 Some("no device kernel for it".into())
             }
@@ -757,7 +758,13 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 };
                 y
             }
-            Native::MaxRows { .. } => return None,
+            &Native::MaxRows { cols } => {
+                let x = contiguous(args[0]);
+                let y = output::<R>(arena, &client, &device, out.dims());
+                // SAFETY: one unit per row of `x` (`y`'s elements), reading its `cols` values.
+                unsafe { sums::max_rows::launch_unchecked::<f32, R>(&client, count, dim, arr(&x), arr(&y), cols as u32) };
+                y
+            }
         };
         Some(y)
     }

@@ -174,3 +174,24 @@ pub(super) fn plane_sums<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>, o
         sum_planes::launch_unchecked::<f32, R>(client, count, dim, arr(x), arr(y), outer as u32, inner as u32, scale.map(f32::to_bits));
     }
 }
+
+/// The maximum of each row of the row-major `[rows, cols]` `x` (f32), a unit per row folding
+/// it in order as the host's `rows::max_rows` does (`b` replaces `a` when greater or NaN: a NaN
+/// in a row makes it NaN, the last one's bits), so the bits are the host's. NaN is found on
+/// the bits: a shader compiler may fold `b != b` to false.
+#[cube(launch_unchecked)]
+pub fn max_rows<F: Float>(x: &[F], y: &mut [F], #[comptime] cols: u32) {
+    let r = ABSOLUTE_POS;
+    if r < y.len() {
+        let cols = comptime!(cols as usize);
+        let mut a = x[r * cols];
+        for j in 1..cols {
+            let b = x[r * cols + j];
+            let nan = (u32::reinterpret(b) & 0x7fff_ffffu32) > 0x7f80_0000u32;
+            if b > a || nan {
+                a = b;
+            }
+        }
+        y[r] = a;
+    }
+}
