@@ -14,7 +14,7 @@ use cellgraph_compiler::update::{Step, Target, Update, Val};
 use cellgraph_compiler::{window, Op, Reduction, TensorType};
 
 /// The geometry of one 2-D convolution (or pooling window) over NCHW input.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Geometry {
     /// `[n, c, h, w]` of the input.
     pub x: [usize; 4],
@@ -78,10 +78,9 @@ impl Geometry {
     /// The stride-1 forward convolution whose result is the input gradient of a strided
     /// convolution of this geometry (see `cube::conv::input_grad_by_upsampling`): over `dy`
     /// spread out by the stride (zeros between its elements and after the last, `[n, o, uh,
-    /// uw]`), the filter
-    /// flipped with its channel axes swapped, padding `(k - 1) * dilation - pad` on every side
-    /// (its windows are symmetric), and the input's extents as output. `None` where the padding
-    /// exceeds the dilated window (the gradient then has no such form).
+    /// uw]`), the filter flipped with its channel axes swapped, padding `(k - 1) * dilation -
+    /// pad` on every side (its windows are symmetric), and the input's extents as output.
+    /// `None` where the padding exceeds the dilated window (the gradient then has no such form).
     pub fn upsampled(&self, out_channels: usize) -> Option<Geometry> {
         let g = self;
         let mut spread = [0; 2];
@@ -469,7 +468,7 @@ fn cropped(g: &Geometry) -> Option<(Geometry, [usize; 2])> {
     Some((Geometry { kernel: [r.1 - r.0, c.1 - c.0], pad, ..*g }, [r.0, c.0]))
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum ConvKind {
     Forward,
     InputGrad,

@@ -166,74 +166,67 @@ fn the_kernels_with_ids_give_burns_bits() {
 #[test]
 fn dropout_and_causal_masks_on_wgpu_give_the_hosts_bits() {
     use cellgraph::runtime::cube::{Wgpu, WgpuDevice};
+    use cellgraph::runtime::Executable;
+    /// A plan of `op` over inputs of `inputs`' types.
+    fn one_op(op: Op, inputs: &[HostTensor]) -> Executable {
+        let mut g = Graph::new("one op");
+        let xs: Vec<_> =
+            inputs.iter().enumerate().map(|(i, t)| g.add_leaf(Op::Input { index: i, name: format!("x{i}") }, t.ty(), "t").unwrap()).collect();
+        let y = g.add(op, &xs, "t").unwrap();
+        g.set_outputs(vec![y]);
+        compile(g).unwrap()
+    }
+    /// The plan's output bits on the CPU and on wgpu, and the device reads the wgpu run made;
+    /// the wgpu run must put no step on burn's ops.
+    fn host_and_wgpu(exe: &Executable, inputs: &[HostTensor], what: &str) -> (Vec<u32>, Vec<u32>, u64) {
+        let bits = |t: &HostTensor| t.to_f32().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let host = bits(&Session::<Cpu>::new(cpu()).run(exe, inputs).unwrap()[0]);
+        let mut s = Session::<Wgpu>::new(WgpuDevice::DefaultDevice);
+        let reads = cellgraph::runtime::value::device_reads();
+        let dev = bits(&s.run(exe, inputs).unwrap()[0]);
+        let reads = cellgraph::runtime::value::device_reads() - reads;
+        assert!(s.burn_op_steps().is_empty(), "{what}: {:?}", s.burn_op_steps());
+        (host, dev, reads)
+    }
     let mut rng = StdRng::seed_from_u64(4);
     let x = HostTensor::f32(vec![128, 48], (0..128 * 48).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap();
     let items = HostTensor::new(vec![128], HostData::I64((0..128).map(|i| 2_000_000_000 + 7 * i).collect())).unwrap();
     let step = HostTensor::new(vec![], HostData::I64(vec![4])).unwrap();
     for (p, seed) in [(0.3, 9), (0.5, 0xf00d_cafe_dead_beef)] {
-        let mut g = Graph::new("dropout");
-        let xs = g.add_leaf(Op::Input { index: 0, name: "x".into() }, x.ty(), "t").unwrap();
-        let it = g.add_leaf(Op::Input { index: 1, name: "items".into() }, items.ty(), "t").unwrap();
-        let up = g.add_leaf(Op::Input { index: 2, name: "update".into() }, step.ty(), "t").unwrap();
-        let y = g.add(Op::Dropout { p, seed }, &[xs, it, up], "t").unwrap();
-        g.set_outputs(vec![y]);
-        let exe = compile(g).unwrap();
         let inputs = [x.clone(), items.clone(), step.clone()];
-        let host = Session::<Cpu>::new(cpu()).run(&exe, &inputs).unwrap()[0].to_f32();
-        let mut s = Session::<Wgpu>::new(WgpuDevice::DefaultDevice);
-        let reads = cellgraph::runtime::value::device_reads();
-        let dev = s.run(&exe, &inputs).unwrap()[0].to_f32();
+        let exe = one_op(Op::Dropout { p, seed }, &inputs);
+        let (host, dev, reads) = host_and_wgpu(&exe, &inputs, &format!("dropout {p}"));
         // The output's own read back is the one read.
-        assert_eq!(cellgraph::runtime::value::device_reads() - reads, 1, "p {p}: dropout read the device back");
-        assert!(s.burn_op_steps().is_empty(), "p {p}: {:?}", s.burn_op_steps());
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&dev), bits(&host), "p {p}: the device's factors differ from the host's");
-        let dropped = host.iter().filter(|v| **v == 0.0).count() as f64 / host.len() as f64;
+        assert_eq!(reads, 1, "p {p}: dropout read the device back");
+        assert_eq!(dev, host, "p {p}: the device's factors differ from the host's");
+        let dropped = host.iter().filter(|v| f32::from_bits(**v) == 0.0).count() as f64 / host.len() as f64;
         assert!((dropped - p).abs() < 0.03, "p {p}: dropped {dropped}");
         // Captured at its second run, replayed at the third: the same bits.
         let mut s = Session::<Wgpu>::new(WgpuDevice::DefaultDevice);
         s.set_graphs(true).unwrap();
         for run in 0..3 {
-            let out = s.run_replayed(&exe, &inputs).unwrap()[0].to_host().to_f32();
-            assert_eq!(bits(&out), bits(&host), "p {p}, run {run} with graphs on");
+            let out: Vec<u32> = s.run_replayed(&exe, &inputs).unwrap()[0].to_host().to_f32().iter().map(|x| x.to_bits()).collect();
+            assert_eq!(out, host, "p {p}, run {run} with graphs on");
         }
         let r = s.replay_counts();
         assert_eq!((r.captures, r.replays), (1, 1), "p {p}: {r:?} {:?}", s.replay_blockers());
     }
     // Causal masking, made on the device too: queries 5 over keys 7 (the last 5 keys align
     // with the queries), filled with -inf.
-    let scores = HostTensor::f32(vec![2, 3, 5, 7], (0..210).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap();
-    let mut g = Graph::new("mask");
-    let xs = g.add_leaf(Op::Input { index: 0, name: "scores".into() }, scores.ty(), "t").unwrap();
-    let y = g.add(Op::CausalMask { fill: f64::NEG_INFINITY }, &[xs], "t").unwrap();
-    g.set_outputs(vec![y]);
-    let exe = compile(g).unwrap();
-    let inputs = [scores];
-    let host = Session::<Cpu>::new(cpu()).run(&exe, &inputs).unwrap()[0].to_f32();
-    let mut s = Session::<Wgpu>::new(WgpuDevice::DefaultDevice);
-    let dev = s.run(&exe, &inputs).unwrap()[0].to_f32();
-    assert!(s.burn_op_steps().is_empty(), "causal mask: {:?}", s.burn_op_steps());
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&dev), bits(&host), "the device's causal mask differs from the host's");
-    assert_eq!(host.iter().filter(|v| v.is_infinite()).count(), 6 * (4 + 3 + 2 + 1), "masked entries");
+    let scores = [HostTensor::f32(vec![2, 3, 5, 7], (0..210).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap()];
+    let (host, dev, _) = host_and_wgpu(&one_op(Op::CausalMask { fill: f64::NEG_INFINITY }, &scores), &scores, "causal mask");
+    assert_eq!(dev, host, "the device's causal mask differs from the host's");
+    assert_eq!(host.iter().filter(|v| f32::from_bits(**v).is_infinite()).count(), 6 * (4 + 3 + 2 + 1), "masked entries");
     // Row maxima (softmax's, op by op) too, a row with a NaN and one with -0 and +0 among them.
     let mut v: Vec<f32> = (0..6 * 35).map(|_| rng.random_range(-1.0..1.0)).collect();
     v[40] = f32::NAN;
     v[70..105].fill(0.0);
     v[80] = -0.0;
-    let rows = HostTensor::f32(vec![6, 35], v).unwrap();
-    let mut g = Graph::new("max");
-    let xs = g.add_leaf(Op::Input { index: 0, name: "rows".into() }, rows.ty(), "t").unwrap();
-    let y = g.add(Op::ReduceMax(cellgraph::compiler::ReduceAttrs { axes: vec![1], keep_dims: true }), &[xs], "t").unwrap();
-    g.set_outputs(vec![y]);
-    let exe = compile(g).unwrap();
-    let inputs = [rows];
-    let host = Session::<Cpu>::new(cpu()).run(&exe, &inputs).unwrap()[0].to_f32();
-    let mut s = Session::<Wgpu>::new(WgpuDevice::DefaultDevice);
-    let dev = s.run(&exe, &inputs).unwrap()[0].to_f32();
-    assert!(s.burn_op_steps().is_empty(), "row maxima: {:?}", s.burn_op_steps());
-    assert_eq!(bits(&dev), bits(&host), "the device's row maxima differ from the host's");
-    assert!(host[1].is_nan(), "{host:?}");
+    let rows = [HostTensor::f32(vec![6, 35], v).unwrap()];
+    let max = Op::ReduceMax(cellgraph::compiler::ReduceAttrs { axes: vec![1], keep_dims: true });
+    let (host, dev, _) = host_and_wgpu(&one_op(max, &rows), &rows, "row maxima");
+    assert_eq!(dev, host, "the device's row maxima differ from the host's");
+    assert!(f32::from_bits(host[1]).is_nan(), "{host:?}");
 }
 
 /// On wgpu (lavapipe in CI) the steps that run on burn's ops rather than the device's own

@@ -226,9 +226,14 @@ pub(super) fn filter_grad<R: CubeRuntime>(
 }
 
 /// The convolutions (per runtime, direction, geometry and output channels) whose tensor-core
-/// routine did not set up: the exact kernels run them without trying again.
+/// routine did not set up: the exact kernels run them without trying again (as `gemm`'s
+/// `NO_TF32` does for matmuls).
 type TcKey = (std::any::TypeId, ConvKind, Geometry, usize);
-static NO_TENSOR_CORES: std::sync::Mutex<Option<std::collections::HashSet<TcKey>>> = std::sync::Mutex::new(None);
+static NO_TENSOR_CORES: std::sync::Mutex<std::collections::BTreeSet<TcKey>> = std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+fn key<R: CubeRuntime>(kind: ConvKind, g: &Geometry, out_channels: usize) -> TcKey {
+    (std::any::TypeId::of::<R>(), kind, *g, out_channels)
+}
 
 /// Convolutions asked for tensor cores that ran on the exact kernels (see [`conv_tf32_fallbacks`]).
 static CONV_FALLBACKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -241,10 +246,6 @@ pub fn conv_tf32_fallbacks() -> u64 {
     CONV_FALLBACKS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-fn refused(key: &TcKey) -> bool {
-    NO_TENSOR_CORES.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|s| s.contains(key))
-}
-
 /// True when a convolution asked for tensor cores (`tf32`) runs on [`tensor_core_conv`]: cubek's
 /// implicit GEMM takes its geometry ([`Geometry::implicit_gemm_declines`]) and its routine has
 /// not failed to set up for it on this runtime (such a refusal is counted here: the caller
@@ -253,7 +254,7 @@ pub(super) fn on_tensor_cores<R: CubeRuntime>(kind: ConvKind, g: &Geometry, grou
     if !tf32 || g.implicit_gemm_declines(kind, groups).is_some() {
         return false;
     }
-    let refused = refused(&(std::any::TypeId::of::<R>(), kind, *g, out_channels));
+    let refused = NO_TENSOR_CORES.lock().unwrap_or_else(|e| e.into_inner()).contains(&key::<R>(kind, g, out_channels));
     if refused {
         CONV_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
@@ -280,12 +281,7 @@ pub(super) fn tensor_core_conv<R: CubeRuntime>(
         _ => implicit_gemm::<R>(kind, g, out_channels, a, b),
     };
     if done.is_none() {
-        NO_TENSOR_CORES.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(Default::default).insert((
-            std::any::TypeId::of::<R>(),
-            kind,
-            *g,
-            out_channels,
-        ));
+        NO_TENSOR_CORES.lock().unwrap_or_else(|e| e.into_inner()).insert(key::<R>(kind, g, out_channels));
         CONV_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     done
