@@ -2,7 +2,7 @@
 //! the learning rate (and anything else that depends on the update count) is a scalar input
 //! fed per update from the host, so a schedule advances exactly once per applied update.
 
-use cellgraph_compiler::update::{StateSpec, Target, Update, UpdateRule, Val};
+use cellgraph_compiler::update::{Program, StateSpec, Target, UpdateRule, Val};
 use cellgraph_compiler::TensorType;
 
 use crate::schedule::{non_negative, LearningRate};
@@ -15,19 +15,19 @@ fn state(prefix: &str, param: &str, ty: &TensorType, init: f64) -> StateSpec {
 }
 
 /// `g + p * wd`, or `g` when `wd` is zero.
-fn decayed(u: &mut Update, g: Val, wd: f64) -> Val {
+fn decayed(u: &mut Program, g: Val, wd: f64) -> Val {
     if wd == 0.0 {
         return g;
     }
-    let d = u.scale(Val::Param, wd);
+    let d = u.scale(Val::PARAM, wd);
     u.add(g, d)
 }
 
 /// `p - step * lr`, written to `p` (the learning rate is scalar input 0).
-fn descend(u: &mut Update, step: Val) {
+fn descend(u: &mut Program, step: Val) {
     let s = u.mul(step, Val::Scalar(0));
-    let new = u.sub(Val::Param, s);
-    u.write(Target::Param, new);
+    let new = u.sub(Val::PARAM, s);
+    u.assign(Target::Param, new);
 }
 
 /// MindSpore's `nn.Momentum`: `v = v * momentum + g; p -= lr * v` (Nesterov:
@@ -62,12 +62,12 @@ impl UpdateRule for Momentum {
         non_negative("momentum", self.momentum)?;
         non_negative("weight_decay", self.weight_decay)
     }
-    fn update(&self) -> Update {
-        let mut u = Update::new();
-        let g = decayed(&mut u, Val::Grad, self.weight_decay);
-        let vm = u.scale(Val::State(0), self.momentum);
+    fn update(&self) -> Program {
+        let mut u = Program::new();
+        let g = decayed(&mut u, Val::GRAD, self.weight_decay);
+        let vm = u.scale(Val::state(0), self.momentum);
         let v = u.add(vm, g);
-        u.write(Target::State(0), v);
+        u.assign(Target::State(0), v);
         let step = if self.use_nesterov {
             let mv = u.scale(v, self.momentum);
             u.add(g, mv)
@@ -119,14 +119,14 @@ impl UpdateRule for SGD {
         non_negative("dampening", self.dampening)?;
         non_negative("weight_decay", self.weight_decay)
     }
-    fn update(&self) -> Update {
-        let mut u = Update::new();
-        let g = decayed(&mut u, Val::Grad, self.weight_decay);
+    fn update(&self) -> Program {
+        let mut u = Program::new();
+        let g = decayed(&mut u, Val::GRAD, self.weight_decay);
         if self.momentum == 0.0 {
             descend(&mut u, g);
             return u;
         }
-        let (v, stat) = (Val::State(0), Val::State(1));
+        let (v, stat) = (Val::state(0), Val::state(1));
         // v' = stat * g + (1 - stat) * (momentum * v + (1 - dampening) * g)
         let vm = u.scale(v, self.momentum);
         let gd = u.scale(g, 1.0 - self.dampening);
@@ -135,8 +135,8 @@ impl UpdateRule for SGD {
         let stat_later = u.mul(stat, later);
         let not_first = u.sub(later, stat_later);
         let v_new = u.add(first, not_first);
-        u.write(Target::State(0), v_new);
-        u.write(Target::State(1), Val::Lit(0.0));
+        u.assign(Target::State(0), v_new);
+        u.assign(Target::State(1), Val::lit(0.0));
         let step = if self.nesterov {
             let mv = u.scale(v_new, self.momentum);
             u.add(g, mv)
@@ -217,36 +217,36 @@ impl UpdateRule for Adam {
         let t = (update + 1) as i32;
         vec![self.learning_rate(update), 1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t)]
     }
-    fn update(&self) -> Update {
-        let mut u = Update::new();
+    fn update(&self) -> Program {
+        let mut u = Program::new();
         let (bc1, bc2) = (Val::Scalar(1), Val::Scalar(2));
-        let g = if self.decoupled { Val::Grad } else { decayed(&mut u, Val::Grad, self.weight_decay) };
-        let m_old = u.scale(Val::State(0), self.beta1);
+        let g = if self.decoupled { Val::GRAD } else { decayed(&mut u, Val::GRAD, self.weight_decay) };
+        let m_old = u.scale(Val::state(0), self.beta1);
         let g1 = u.scale(g, 1.0 - self.beta1);
         let m = u.add(m_old, g1);
-        let v_old = u.scale(Val::State(1), self.beta2);
+        let v_old = u.scale(Val::state(1), self.beta2);
         let gg = u.mul(g, g);
         let g2 = u.scale(gg, 1.0 - self.beta2);
         let v = u.add(v_old, g2);
-        u.write(Target::State(0), m);
-        u.write(Target::State(1), v);
+        u.assign(Target::State(0), m);
+        u.assign(Target::State(1), v);
         let sv = u.sqrt(v);
         let step = if self.pytorch_eps {
             // (m / bc1) / (sqrt(v) / sqrt(bc2) + eps), in PyTorch's order.
             let sb2 = u.sqrt(bc2);
             let vhat = u.div(sv, sb2);
-            let denom = u.add(vhat, Val::Lit(self.eps));
+            let denom = u.add(vhat, Val::lit(self.eps));
             let mhat = u.div(m, bc1);
             u.div(mhat, denom)
         } else {
-            let denom = u.add(sv, Val::Lit(self.eps));
+            let denom = u.add(sv, Val::lit(self.eps));
             let ratio = u.div(m, denom);
             let sb2 = u.sqrt(bc2);
             let corr = u.div(sb2, bc1);
             u.mul(ratio, corr)
         };
         let step = if self.decoupled && self.weight_decay != 0.0 {
-            let wd = u.scale(Val::Param, self.weight_decay);
+            let wd = u.scale(Val::PARAM, self.weight_decay);
             u.add(step, wd)
         } else {
             step
@@ -259,23 +259,23 @@ impl UpdateRule for Adam {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cellgraph_compiler::expr::{Binary, Unary};
+    use cellgraph_compiler::program::{Binary, Unary};
     use cellgraph_compiler::update::Step;
 
     /// One element's update by `u` in f64: the new parameter; `state` is updated in place.
-    fn run(u: &Update, p: f64, g: f64, state: &mut [f64], scalars: &[f64]) -> f64 {
+    fn run(u: &Program, p: f64, g: f64, state: &mut [f64], scalars: &[f64]) -> f64 {
         let old = state.to_vec();
         let (mut lets, mut new_p) = (Vec::new(), p);
         for step in u.steps() {
-            let val = |v: &Val, lets: &[f64]| match *v {
-                Val::Param => p,
-                Val::Grad => g,
-                Val::State(i) => old[i],
-                Val::Scalar(i) => scalars[i],
-                Val::Lit(x) => x,
-                Val::Let(i) => lets[i],
+            let val = |v: Val, lets: &[f64]| match v {
+                Val::Arg(0) => p,
+                Val::Arg(1) => g,
+                Val::Arg(k) => old[k as usize - 2],
+                Val::Scalar(i) => scalars[i as usize],
+                Val::Lit(_) => v.literal().expect("a literal"),
+                Val::Let(i) => lets[i as usize],
             };
-            let r = match step {
+            let r = match *step {
                 Step::Unary(Unary::Sqrt, a) => val(a, &lets).sqrt(),
                 Step::Unary(op, _) => panic!("{op:?} in an optimizer"),
                 Step::Binary(op, a, b) => {
@@ -288,11 +288,11 @@ mod tests {
                         Binary::ReluGrad => panic!("relu_grad in an optimizer"),
                     }
                 }
-                Step::Write(t, v) => {
+                Step::Write(o, v) => {
                     let v = val(v, &lets);
-                    match t {
+                    match Target::of(o) {
                         Target::Param => new_p = v,
-                        Target::State(i) => state[*i] = v,
+                        Target::State(i) => state[i as usize] = v,
                     }
                     f64::NAN
                 }

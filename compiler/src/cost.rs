@@ -1,9 +1,9 @@
 //! Cost estimates per node: floating-point operations (a multiply-add counts 2) and the
 //! bytes of parameters a graph reads. `cellgraph inspect` reports them.
 
-use crate::expr::{Expr, Term, Unary};
 use crate::graph::{Graph, NodeId};
 use crate::op::Op;
+use crate::program::{ElementOp, Program, Unary};
 use crate::types::TensorType;
 
 /// Estimated floating-point operations of one node.
@@ -18,14 +18,13 @@ fn op_flops(op: &Op, out_ty: &TensorType, args: &[&TensorType]) -> u64 {
     let arg = |i: usize| args[i];
     // Multiply-adds of a convolution producing `y` from `x`-shaped input with `w`'s window.
     let conv = |y: &[usize], w: &[usize]| 2 * y.iter().product::<usize>() as u64 * (w[1] * w[2] * w[3]) as u64;
-    let program = |expr: &Expr| {
-        let weight = |t: &Term| match t {
-            Term::Unary(Unary::Exp | Unary::Log) => 4,
-            Term::Unary(Unary::Tanh | Unary::Erf) => 8,
-            Term::Unary(_) | Term::Binary(_) => 1,
-            Term::Arg(_) | Term::Lit(_) => 0,
+    let program = |expr: &Program| {
+        let weight = |op: ElementOp| match op {
+            ElementOp::Unary(Unary::Exp | Unary::Log) => 4,
+            ElementOp::Unary(Unary::Tanh | Unary::Erf) => 8,
+            ElementOp::Unary(_) | ElementOp::Binary(_) => 1,
         };
-        out * expr.terms().iter().map(weight).sum::<u64>()
+        out * expr.steps().iter().filter_map(|s| s.op()).map(weight).sum::<u64>()
     };
     match op {
         Op::Parameter { .. } | Op::Input { .. } | Op::Constant { .. } => 0,

@@ -7,7 +7,7 @@
 //! - [`verify`]: the verifier and its invariants.
 //! - [`print`] and [`parse`]: the round-trip text format.
 //! - [`autodiff`]: graph-mode reverse-mode differentiation; [`emit`]: the node builder.
-//! - [`expr`]: the postfix body of a `fused` elementwise node.
+//! - [`program`]: elementwise programs, the one format of fused nodes, epilogues and optimizer updates.
 //! - [`passes`]: named rewrites run by one pipeline that verifies after each.
 //! - [`dump`]: per-pass graph dumps (`.ir`, `.json`, `.dot`).
 #![warn(missing_docs)]
@@ -18,13 +18,13 @@ pub mod cost;
 pub mod dump;
 pub mod emit;
 pub mod error;
-pub mod expr;
 pub mod graph;
 pub mod infer;
 pub mod op;
 pub mod parse;
 pub mod passes;
 pub mod print;
+pub mod program;
 pub mod tensor;
 pub mod types;
 pub mod update;

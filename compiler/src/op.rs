@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::expr::Expr;
+use crate::program::Program;
 use crate::types::{DType, Shape};
 
 /// How a convolution or pooling window pads its input (MindSpore's `pad_mode`).
@@ -237,7 +237,7 @@ pub enum Op {
     /// Elementwise ops fused into one node by [`crate::passes::fuse`]: `expr` runs per output
     /// element over the operands (broadcast numpy-style). Formed after differentiation.
     Fused {
-        expr: Expr,
+        expr: Program,
     },
     /// An op with elementwise ops fused onto its output, by [`crate::passes::epilogue`]: `head`
     /// runs on the first operands (as many as it takes), then `expr` per output element, `$0`
@@ -246,7 +246,7 @@ pub enum Op {
     /// head finishes it, while it is still in cache. Formed after differentiation.
     Epilogue {
         head: Box<Op>,
-        expr: Expr,
+        expr: Program,
     },
 }
 

@@ -1,24 +1,24 @@
-//! Optimizer update rules, each written once as an [`Update`] program.
+//! Optimizer update rules, each written once as a [`Program`].
 //!
 //! An [`UpdateRule`] declares its state parameters (MindSpore names such as
 //! `moments.fc1.weight`), the scalar inputs it reads (learning rate first; anything that
 //! depends on the update count, such as Adam's bias corrections, is a scalar input computed
-//! on the host), and its per-element update as an [`Update`]: a straight-line program over
-//! the parameter, its gradient, its state and the scalars. Everything that runs an update
-//! comes from that one program:
-//! - the graph ([`Update::emit`]): `assign` nodes that write the new parameter and state,
-//!   for a plain training step and the GradAccumulation optimizer graph (which the fusion
-//!   pass turns into the host's fused kernels);
-//! - the device's boundary kernel, which interprets the same program at kernel-compile time
-//!   over flat buffers (`runtime::cube::update_clear`).
+//! on the host), and its per-element update as a [`Program`] over the parameter
+//! ([`Val::PARAM`]), its gradient ([`Val::GRAD`]), its state ([`Val::state`]) and the scalars
+//! ([`Val::Scalar`]), writing the parameter and the state ([`Target`]). Everything that runs
+//! an update comes from that one program:
+//! - the graph ([`emit`]): `assign` nodes that write the new parameter and state, for a plain
+//!   training step and the GradAccumulation optimizer graph;
+//! - the host's and the devices' boundary kernels (`runtime::host::program::update_clear`,
+//!   `runtime::cube::update_clear`), which run the same program over flat buffers.
 //!
-//! Both compute the same ops in the same order and precision, so they agree to the bit.
+//! All compute the same ops in the same order and precision, so they agree to the bit.
 
 use crate::emit::Emit;
 use crate::error::{IrError, Result};
-use crate::expr::{Binary, Unary};
 use crate::graph::{Graph, NodeId};
 use crate::op::Op;
+pub use crate::program::{Program, Step, Val};
 use crate::types::{Shape, TensorType};
 
 /// A state parameter an optimizer keeps per trained parameter.
@@ -30,194 +30,152 @@ pub struct StateSpec {
     pub init: f64,
 }
 
-/// A value an [`Update`] reads. `Param` and `State` are the values before the update.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Val {
-    Param,
-    Grad,
-    State(usize),
-    /// The `i`-th scalar input ([`UpdateRule::scalar_inputs`]).
-    Scalar(usize),
-    /// A literal, rounded to the parameter's dtype (as a `constant` node is).
-    Lit(f64),
-    /// The result of step `i`.
-    Let(usize),
+/// The operands of an update: the parameter and its gradient, then the state.
+impl Val {
+    /// The parameter, as it was before the update.
+    pub const PARAM: Val = Val::Arg(0);
+    /// The gradient.
+    pub const GRAD: Val = Val::Arg(1);
+    /// State `k`, as it was before the update.
+    pub const fn state(k: u8) -> Val {
+        Val::Arg(2 + k)
+    }
 }
 
-/// Where an [`Update`] writes.
+/// Where an update writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Target {
     Param,
-    State(usize),
+    State(u8),
 }
 
-/// One step of an [`Update`].
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Step {
-    Unary(Unary, Val),
-    Binary(Binary, Val, Val),
-    /// Writes a value; later steps may no longer read the target.
-    Write(Target, Val),
-}
-
-/// An optimizer's per-element update as a straight-line program, built with its methods:
-///
-/// ```
-/// use cellgraph_compiler::update::{Target, Update, Val};
-/// // p -= lr * g
-/// let mut u = Update::new();
-/// let s = u.mul(Val::Grad, Val::Scalar(0));
-/// let p = u.sub(Val::Param, s);
-/// u.write(Target::Param, p);
-/// assert_eq!(u.steps().len(), 3);
-/// ```
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Update {
-    steps: Vec<Step>,
-}
-
-impl Update {
-    /// An empty program.
-    pub fn new() -> Update {
-        Update::default()
-    }
-    /// The steps, in order.
-    pub fn steps(&self) -> &[Step] {
-        &self.steps
-    }
-    fn push(&mut self, s: Step) -> Val {
-        self.steps.push(s);
-        Val::Let(self.steps.len() - 1)
-    }
-    pub fn unary(&mut self, op: Unary, x: Val) -> Val {
-        self.push(Step::Unary(op, x))
-    }
-    pub fn binary(&mut self, op: Binary, a: Val, b: Val) -> Val {
-        self.push(Step::Binary(op, a, b))
-    }
-    pub fn add(&mut self, a: Val, b: Val) -> Val {
-        self.binary(Binary::Add, a, b)
-    }
-    pub fn sub(&mut self, a: Val, b: Val) -> Val {
-        self.binary(Binary::Sub, a, b)
-    }
-    pub fn mul(&mut self, a: Val, b: Val) -> Val {
-        self.binary(Binary::Mul, a, b)
-    }
-    pub fn div(&mut self, a: Val, b: Val) -> Val {
-        self.binary(Binary::Div, a, b)
-    }
-    pub fn sqrt(&mut self, x: Val) -> Val {
-        self.unary(Unary::Sqrt, x)
-    }
-    /// `x * c`.
-    pub fn scale(&mut self, x: Val, c: f64) -> Val {
-        self.mul(x, Val::Lit(c))
-    }
-    /// Writes `v` to `t`.
-    pub fn write(&mut self, t: Target, v: Val) {
-        self.steps.push(Step::Write(t, v));
-    }
-
-    /// Every value step `s` reads, in order.
-    fn reads(s: &Step) -> Vec<Val> {
-        match *s {
-            Step::Unary(_, x) | Step::Write(_, x) => vec![x],
-            Step::Binary(_, a, b) => vec![a, b],
+impl Target {
+    /// The program's output it is.
+    pub fn out(self) -> u8 {
+        match self {
+            Target::Param => 0,
+            Target::State(k) => 1 + k,
         }
     }
 
-    /// Checks the program against a rule with `states` state buffers and `scalars` scalar
-    /// inputs: every value exists and is read before its target is written, a step's result
-    /// is a value (not a write), each target is written at most once, the parameter exactly
-    /// once.
-    pub fn check(&self, states: usize, scalars: usize) -> std::result::Result<(), String> {
-        let mut written: Vec<Target> = Vec::new();
-        for (i, s) in self.steps.iter().enumerate() {
-            for v in Update::reads(s) {
-                let target = match v {
-                    Val::Param => Some(Target::Param),
-                    Val::State(k) if k >= states => return Err(format!("step {i} reads state {k}; the rule keeps {states}")),
-                    Val::State(k) => Some(Target::State(k)),
-                    Val::Scalar(k) if k >= scalars => return Err(format!("step {i} reads scalar input {k}; the rule has {scalars}")),
-                    Val::Let(k) if k >= i || matches!(self.steps[k], Step::Write(..)) => {
-                        return Err(format!("step {i} reads step {k}, which is not an earlier value"))
-                    }
-                    Val::Grad | Val::Scalar(_) | Val::Lit(_) | Val::Let(_) => None,
+    /// The target of output `o`.
+    pub fn of(o: u8) -> Target {
+        match o {
+            0 => Target::Param,
+            k => Target::State(k - 1),
+        }
+    }
+
+    /// The operand that reads the target's value before the update.
+    pub fn before(self) -> Val {
+        match self {
+            Target::Param => Val::PARAM,
+            Target::State(k) => Val::state(k),
+        }
+    }
+}
+
+impl Program {
+    /// Writes `v` to the update's target `t`.
+    pub fn assign(&mut self, t: Target, v: Val) {
+        self.write(t.out(), v)
+    }
+}
+
+/// Checks an update against a rule with `states` state buffers and `scalars` scalar inputs:
+/// every value exists and is read before its target is written, each target is written at
+/// most once, the parameter exactly once.
+pub fn check(u: &Program, states: usize, scalars: usize) -> std::result::Result<(), String> {
+    let mut written: Vec<Target> = Vec::new();
+    for (i, s) in u.steps().iter().enumerate() {
+        for v in s.reads() {
+            let target = match v {
+                Val::Arg(1) => None,
+                Val::Arg(0) => Some(Target::Param),
+                Val::Arg(a) if (a - 2) as usize >= states => return Err(format!("step {i} reads state {}; the rule keeps {states}", a - 2)),
+                Val::Arg(a) => Some(Target::State(a - 2)),
+                Val::Scalar(k) if k as usize >= scalars => return Err(format!("step {i} reads scalar input {k}; the rule has {scalars}")),
+                Val::Let(k) if k as usize >= i || matches!(u.steps()[k as usize], Step::Write(..)) => {
+                    return Err(format!("step {i} reads step {k}, which is not an earlier value"))
+                }
+                Val::Scalar(_) | Val::Lit(_) | Val::Let(_) => None,
+            };
+            if let Some(t) = target.filter(|t| written.contains(t)) {
+                return Err(format!("step {i} reads {t:?} after it was written"));
+            }
+        }
+        if let Step::Write(o, _) = *s {
+            let t = Target::of(o);
+            if let Target::State(k) = t {
+                if k as usize >= states {
+                    return Err(format!("step {i} writes state {k}; the rule keeps {states}"));
+                }
+            }
+            if written.contains(&t) {
+                return Err(format!("step {i} writes {t:?} a second time"));
+            }
+            written.push(t);
+        }
+    }
+    if !written.contains(&Target::Param) {
+        return Err("the update never writes the parameter".into());
+    }
+    Ok(())
+}
+
+/// Emits the update `u` of one parameter into the graph: `assign` nodes that write `param`
+/// and `state` (literals become scalar constants of the parameter's dtype, made where they
+/// are read).
+pub fn emit(u: &Program, e: &mut Emit, param: NodeId, grad: NodeId, state: &[NodeId], scalars: &[NodeId]) -> Result<()> {
+    let mut lets: Vec<Option<NodeId>> = Vec::with_capacity(u.steps().len());
+    let arg = |a: u8| match a {
+        0 => param,
+        1 => grad,
+        k => state[k as usize - 2],
+    };
+    for s in u.steps() {
+        let node = |v: Val, e: &mut Emit| -> Result<NodeId> {
+            Ok(match v {
+                Val::Arg(a) => arg(a),
+                Val::Scalar(k) => scalars[k as usize],
+                Val::Lit(_) => e.scalar_like(v.literal().expect("a literal"), param)?,
+                Val::Let(k) => lets[k as usize].expect("checked: a step reads earlier values"),
+            })
+        };
+        let out = match *s {
+            Step::Unary(op, x) => {
+                let x = node(x, e)?;
+                Some(e.op(op.op(), &[x])?)
+            }
+            Step::Binary(op, a, b) => {
+                let a = node(a, e)?;
+                let b = node(b, e)?;
+                Some(e.op(op.op(), &[a, b])?)
+            }
+            Step::Write(o, v) => {
+                let dst = match Target::of(o) {
+                    Target::Param => param,
+                    Target::State(k) => state[k as usize],
                 };
-                if let Some(t) = target.filter(|t| written.contains(t)) {
-                    return Err(format!("step {i} reads {t:?} after it was written"));
-                }
-            }
-            if let Step::Write(t, _) = *s {
-                if let Target::State(k) = t {
-                    if k >= states {
-                        return Err(format!("step {i} writes state {k}; the rule keeps {states}"));
-                    }
-                }
-                if written.contains(&t) {
-                    return Err(format!("step {i} writes {t:?} a second time"));
-                }
-                written.push(t);
-            }
-        }
-        if !written.contains(&Target::Param) {
-            return Err("the update never writes the parameter".into());
-        }
-        Ok(())
-    }
-
-    /// Emits the update of one parameter into the graph: `assign` nodes that write `param`
-    /// and `state` (literals become scalar constants of the parameter's dtype, made where
-    /// they are read).
-    pub fn emit(&self, e: &mut Emit, param: NodeId, grad: NodeId, state: &[NodeId], scalars: &[NodeId]) -> Result<()> {
-        let mut lets: Vec<Option<NodeId>> = Vec::with_capacity(self.steps.len());
-        for s in &self.steps {
-            let node = |v: Val, e: &mut Emit| -> Result<NodeId> {
-                Ok(match v {
-                    Val::Param => param,
-                    Val::Grad => grad,
-                    Val::State(k) => state[k],
-                    Val::Scalar(k) => scalars[k],
-                    Val::Lit(c) => e.scalar_like(c, param)?,
-                    Val::Let(k) => lets[k].expect("checked: a step reads earlier values"),
-                })
-            };
-            let out = match *s {
-                Step::Unary(op, x) => {
-                    let x = node(x, e)?;
-                    Some(e.op(op.op(), &[x])?)
-                }
-                Step::Binary(op, a, b) => {
-                    let a = node(a, e)?;
-                    let b = node(b, e)?;
-                    Some(e.op(op.op(), &[a, b])?)
-                }
-                Step::Write(t, v) => {
-                    let dst = match t {
-                        Target::Param => param,
-                        Target::State(k) => state[k],
-                    };
-                    let src = match v {
-                        Val::Lit(c) => {
-                            let zeros = e.op(Op::ZerosLike, &[dst])?;
-                            if c == 0.0 {
-                                zeros
-                            } else {
-                                let c = e.scalar_like(c, dst)?;
-                                e.add(zeros, c)?
-                            }
+                let src = match v.literal() {
+                    Some(c) => {
+                        let zeros = e.op(Op::ZerosLike, &[dst])?;
+                        if c == 0.0 {
+                            zeros
+                        } else {
+                            let c = e.scalar_like(c, dst)?;
+                            e.add(zeros, c)?
                         }
-                        v => node(v, e)?,
-                    };
-                    e.op(Op::Assign, &[dst, src])?;
-                    None
-                }
-            };
-            lets.push(out);
-        }
-        Ok(())
+                    }
+                    None => node(v, e)?,
+                };
+                e.op(Op::Assign, &[dst, src])?;
+                None
+            }
+        };
+        lets.push(out);
     }
+    Ok(())
 }
 
 /// An optimizer's per-parameter update.
@@ -242,7 +200,7 @@ pub trait UpdateRule {
         vec![self.learning_rate(update)]
     }
     /// The update of one element: the one definition the graph and the kernels come from.
-    fn update(&self) -> Update;
+    fn update(&self) -> Program;
 }
 
 /// Adds `rule`'s update of every `(name, param node, grad node)` to `g`: its scalar inputs
@@ -261,9 +219,9 @@ pub fn emit_updates(g: &mut Graph, rule: &dyn UpdateRule, params: &[(String, Nod
     let mut all_state = Vec::new();
     for (name, p, d) in params {
         let specs = rule.state(name, g.ty(*p));
-        update.check(specs.len(), names.len()).map_err(|detail| IrError::Misuse { scope: scope.clone(), op: "update", detail })?;
+        check(&update, specs.len(), names.len()).map_err(|detail| IrError::Misuse { scope: scope.clone(), op: "update", detail })?;
         let state = specs.iter().map(|s| g.add_leaf(Op::Parameter { name: s.name.clone() }, s.ty.clone(), &scope)).collect::<Result<Vec<_>>>()?;
-        update.emit(&mut Emit::new(g, scope.clone()), *p, *d, &state, &scalars)?;
+        emit(&update, &mut Emit::new(g, scope.clone()), *p, *d, &state, &scalars)?;
         all_state.extend(specs);
     }
     Ok(all_state)
@@ -273,30 +231,33 @@ pub fn emit_updates(g: &mut Graph, rule: &dyn UpdateRule, params: &[(String, Nod
 mod tests {
     use super::*;
 
-    fn sgd() -> Update {
-        let mut u = Update::new();
-        let s = u.mul(Val::Grad, Val::Scalar(0));
-        let p = u.sub(Val::Param, s);
-        u.write(Target::Param, p);
+    fn sgd() -> Program {
+        let mut u = Program::new();
+        let s = u.mul(Val::GRAD, Val::Scalar(0));
+        let p = u.sub(Val::PARAM, s);
+        u.assign(Target::Param, p);
         u
     }
 
     #[test]
     fn check_refuses_programs_that_read_what_they_cannot() {
-        assert_eq!(sgd().check(0, 1), Ok(()));
-        assert!(sgd().check(0, 0).unwrap_err().contains("scalar input 0"));
+        assert_eq!(check(&sgd(), 0, 1), Ok(()));
+        assert!(check(&sgd(), 0, 0).unwrap_err().contains("scalar input 0"));
         let mut u = sgd();
-        u.add(Val::Param, Val::Grad);
-        assert!(u.check(0, 1).unwrap_err().contains("after it was written"));
-        let mut u = Update::new();
-        u.write(Target::State(0), Val::Lit(0.0));
-        assert!(u.check(1, 0).unwrap_err().contains("never writes the parameter"));
-        assert!(u.check(0, 0).unwrap_err().contains("writes state 0"));
+        u.add(Val::PARAM, Val::GRAD);
+        assert!(check(&u, 0, 1).unwrap_err().contains("after it was written"));
+        let mut u = Program::new();
+        u.assign(Target::State(0), Val::lit(0.0));
+        assert!(check(&u, 1, 0).unwrap_err().contains("never writes the parameter"));
+        assert!(check(&u, 0, 0).unwrap_err().contains("writes state 0"));
         let mut u = sgd();
-        u.write(Target::Param, Val::Grad);
-        assert!(u.check(0, 1).unwrap_err().contains("second time"));
-        let mut u = Update::new();
-        u.write(Target::Param, Val::Let(0));
-        assert!(u.check(0, 0).unwrap_err().contains("not an earlier value"));
+        u.assign(Target::Param, Val::GRAD);
+        assert!(check(&u, 0, 1).unwrap_err().contains("second time"));
+        let mut u = Program::new();
+        u.assign(Target::Param, Val::Let(0));
+        assert!(check(&u, 0, 0).unwrap_err().contains("not an earlier value"));
+        let mut u = Program::new();
+        u.assign(Target::Param, Val::state(1));
+        assert!(check(&u, 1, 0).unwrap_err().contains("reads state 1"));
     }
 }

@@ -14,7 +14,8 @@ use burn_ndarray::{NdArray, NdArrayTensor};
 use cellgraph_compiler::TensorType;
 
 use crate::arena::Arena;
-use crate::kernel::{Native, UpdateKernel};
+use crate::kernel::Native;
+use cellgraph_compiler::program::Program;
 
 /// A burn shape for IR extents (`[]` becomes `[1]`: burn has no rank-0 tensors).
 pub fn bshape(dims: &[usize]) -> BShape {
@@ -80,16 +81,15 @@ pub trait Backend: burn_backend::Backend {
     }
 
     /// One kernel over flat buffers: the optimizer update `prog` of every parameter from
-    /// `acc * scale`, then `acc = 0`; `consts` holds the rule's scalar inputs, then the
-    /// program's literals. Returns the kernels launched, or `None` when the backend has no
-    /// such kernel.
+    /// `acc * scale`, then `acc = 0`; `scalars` holds the rule's scalar inputs. Returns the
+    /// kernels launched, or `None` when the backend has no such kernel.
     fn fused_update(
-        _prog: &UpdateKernel,
+        _prog: &Program,
         _params: &FloatTensor<Self>,
         _acc: &FloatTensor<Self>,
         _state: &[FloatTensor<Self>],
         _scale: f32,
-        _consts: &[f32],
+        _scalars: &[f32],
     ) -> Option<usize> {
         None
     }

@@ -8,9 +8,8 @@
 
 use std::sync::Arc;
 
-use cellgraph_compiler::expr::{Binary, Expr, Term, Unary};
 use cellgraph_compiler::infer::{broadcast_shapes, infer};
-use cellgraph_compiler::update::{Step, Target, Update, Val};
+use cellgraph_compiler::program::{Program, Step, Val};
 use cellgraph_compiler::{window, Op, Reduction, TensorType};
 
 /// The geometry of one 2-D convolution (or pooling window) over NCHW input.
@@ -237,11 +236,11 @@ impl Tiling {
     }
 }
 
-/// A fused elementwise program bound to its operands' extents.
+/// An elementwise program (a `fused` node's, an epilogue's) bound to its operands' extents.
 #[derive(Debug)]
 pub struct Elementwise {
-    pub terms: Vec<Term>,
-    /// Stack slots the program needs.
+    pub prog: Program,
+    /// Values the program holds at once, run as a stack machine ([`Program::depth`]).
     pub depth: usize,
     /// How output element `i` reads each operand.
     pub reads: Vec<Read>,
@@ -302,10 +301,11 @@ impl Read {
     }
 }
 
-fn elementwise(e: &Expr, tys: &[&TensorType]) -> Option<Arc<Elementwise>> {
+fn elementwise(e: &Program, tys: &[&TensorType]) -> Option<Arc<Elementwise>> {
+    e.check_elementwise().ok()?;
     let out = tys.iter().try_fold(Vec::new(), |s, t| broadcast_shapes(&s, t.dims()))?;
     let reads = tys.iter().map(|t| Read::of(t.dims(), &out)).collect();
-    Some(Arc::new(Elementwise { terms: e.terms().to_vec(), depth: e.depth(), reads, len: out.iter().product() }))
+    Some(Arc::new(Elementwise { prog: e.clone(), depth: e.depth(), reads, len: out.iter().product() }))
 }
 
 /// Grid positions a direct convolution kernel holds in registers at a time, per channel.
@@ -556,13 +556,11 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
         Op::Relu => Some(Native::Relu),
         Op::ReluGrad if d(0) == d(1) => Some(Native::ReluGrad),
         Op::Fused { expr } => elementwise(expr, tys).map(Native::Fused),
-        // One op as a one-term program: on host backends its output then comes from the
+        // One op as a one-step program: on host backends its output then comes from the
         // plan's arena, and exp, erf and tanh alone compute what they compute in a program
         // (log and sqrt alone stay on burn's ops, whose bits a program's are).
         Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::RoundTo { .. } | Op::Exp | Op::Erf | Op::Tanh => {
-            let mut terms: Vec<Term> = (0..tys.len()).map(Term::Arg).collect();
-            terms.push(Term::of(op)?);
-            elementwise(&Expr::new(terms).ok()?, tys).map(Native::Fused)
+            elementwise(&Program::of_op(op, tys.len())?, tys).map(Native::Fused)
         }
         Op::ReduceSum(r) if r.axes == [0] && tys[0].rank() == 2 && d(0)[1] > 1 => Some(Native::SumRows { cols: d(0)[1] }),
         Op::ReduceSum(r) | Op::ReduceMean(r) => {
@@ -603,64 +601,16 @@ fn geometry(x: &[usize], kernel: [usize; 2], stride: [usize; 2], dilation: [usiz
     Geometry { x: [x[0], x[1], x[2], x[3]], kernel, stride, dilation, pad: [w.pad[0], w.pad[2]], out: w.out }
 }
 
-/// A value an [`UpdateKernel`] step reads: `Const(i)` is element `i` of the constants buffer
-/// (the scalar inputs, then the literals in reading order).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KVal {
-    Param,
-    Grad,
-    State(u8),
-    Const(u16),
-    Let(u16),
-}
+/// State buffers the devices' boundary kernel binds (`cube::update_clear`).
+pub const BOUNDARY_STATES: u8 = 2;
 
-/// One step of an [`UpdateKernel`] (see [`Step`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KStep {
-    Unary(Unary, KVal),
-    Binary(Binary, KVal, KVal),
-    Write(Target, KVal),
-}
-
-/// An optimizer's [`Update`] as the program of a device's boundary kernel (`cube::update_clear`),
-/// which unrolls it when the kernel is compiled. Literals move to a constants buffer after the
-/// scalar inputs (a kernel's compile-time values must hash; floats do not).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct UpdateKernel {
-    pub steps: Vec<KStep>,
-}
-
-impl UpdateKernel {
-    /// The kernel program of `u` for a rule with `scalars` scalar inputs, and the literals to
-    /// put after the scalars in the constants buffer. `None` when the program does not fit
-    /// (more than two state buffers or 65,535 steps or constants).
-    pub fn new(u: &Update, scalars: usize) -> Option<(UpdateKernel, Vec<f64>)> {
-        let mut lits = Vec::new();
-        let mut val = |v: Val| -> Option<KVal> {
-            Some(match v {
-                Val::Param => KVal::Param,
-                Val::Grad => KVal::Grad,
-                Val::State(k) if k < 2 => KVal::State(k as u8),
-                Val::State(_) => return None,
-                Val::Scalar(k) => KVal::Const(u16::try_from(k).ok()?),
-                Val::Lit(c) => {
-                    lits.push(c);
-                    KVal::Const(u16::try_from(scalars + lits.len() - 1).ok()?)
-                }
-                Val::Let(k) => KVal::Let(u16::try_from(k).ok()?),
-            })
-        };
-        let mut steps = Vec::new();
-        for s in u.steps() {
-            steps.push(match *s {
-                Step::Unary(op, x) => KStep::Unary(op, val(x)?),
-                Step::Binary(op, a, b) => KStep::Binary(op, val(a)?, val(b)?),
-                Step::Write(Target::State(k), _) if k >= 2 => return None,
-                Step::Write(t, x) => KStep::Write(t, val(x)?),
-            });
-        }
-        Some((UpdateKernel { steps }, lits))
-    }
+/// Whether the devices' boundary kernel runs the optimizer update `u`: it reads and writes at
+/// most [`BOUNDARY_STATES`] state buffers (every built-in optimizer does).
+pub fn boundary_kernel_takes(u: &Program) -> bool {
+    u.steps().iter().all(|s| match *s {
+        Step::Write(o, _) => o <= BOUNDARY_STATES,
+        s => s.reads().all(|v| !matches!(v, Val::Arg(a) if a >= 2 + BOUNDARY_STATES)),
+    })
 }
 
 /// SplitMix64's finaliser.
@@ -782,30 +732,5 @@ mod tests {
         assert_eq!(same.implicit_gemm_declines(fwd, 1), Some("asymmetric padding"));
         assert_eq!(geo(16, 3, 1, PadMode::Same, 0).implicit_gemm_declines(fwd, 1), None);
         assert_eq!(resnet.implicit_gemm_declines(fwd, 2), Some("grouped"));
-    }
-
-    #[test]
-    fn update_kernels_read_literals_after_the_scalars_in_reading_order() {
-        let mut u = Update::new();
-        let a = u.scale(Val::Grad, 0.5);
-        let b = u.add(Val::Lit(2.0), a);
-        u.write(Target::State(0), Val::Lit(0.0));
-        u.write(Target::Param, b);
-        let (k, lits) = UpdateKernel::new(&u, 1).expect("fits");
-        assert_eq!(lits, vec![0.5, 2.0, 0.0]);
-        use {KStep as S, KVal as V};
-        assert_eq!(
-            k.steps,
-            vec![
-                S::Binary(Binary::Mul, V::Grad, V::Const(1)),
-                S::Binary(Binary::Add, V::Const(2), V::Let(0)),
-                S::Write(Target::State(0), V::Const(3)),
-                S::Write(Target::Param, V::Let(1)),
-            ]
-        );
-        let mut u = Update::new();
-        let s = u.add(Val::State(2), Val::Grad);
-        u.write(Target::Param, s);
-        assert!(UpdateKernel::new(&u, 0).is_none(), "a third state buffer does not fit the kernel");
     }
 }

@@ -7,8 +7,8 @@
 use burn_backend::ops::{ConvOptions, ConvTransposeOptions};
 use burn_backend::tensor::{Device, FloatTensor, IntTensor};
 use burn_backend::{DeviceSettings, FloatDType, Scalar, Slice, TensorData};
-use cellgraph_compiler::expr::Term;
 use cellgraph_compiler::infer::infer;
+use cellgraph_compiler::program::{Step, Val};
 use cellgraph_compiler::window::{self, Window};
 use cellgraph_compiler::{DType, HostData, Op, PadMode, Pool2dAttrs, ReduceAttrs, Reduction, TensorType};
 
@@ -548,26 +548,35 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
             }
         }
         Op::Fused { expr } => {
-            // The reference lowering: the unfused ops, one term at a time.
+            // The reference lowering: the unfused ops, one step at a time.
             let xs: Vec<(Value<B>, TensorType)> = tys.iter().map(|t| (next(), (*t).clone())).collect();
-            let mut stack: Vec<(Value<B>, TensorType)> = Vec::with_capacity(expr.depth());
-            for t in expr.terms() {
-                match *t {
-                    Term::Arg(i) => stack.push(xs[i].clone()),
-                    Term::Lit(value) => {
+            let mut lets: Vec<(Value<B>, TensorType)> = Vec::with_capacity(expr.steps().len());
+            let value = |v: Val, lets: &[(Value<B>, TensorType)]| -> Result<(Value<B>, TensorType)> {
+                Ok(match v {
+                    Val::Arg(i) => xs[i as usize].clone(),
+                    Val::Let(k) => lets[k as usize].clone(),
+                    _ => {
+                        let Some(value) = v.literal() else { return cx.bad(format!("{v:?} in an elementwise program")) };
                         let ty = TensorType::new(out.dtype, cellgraph_compiler::Shape::scalar());
-                        stack.push((eval(cx, &Op::Constant { value }, vec![], &ty)?, ty));
+                        (eval(cx, &Op::Constant { value }, vec![], &ty)?, ty)
                     }
-                    term => {
-                        let op = term.op().expect("an op term");
-                        let args = stack.split_off(stack.len() - if matches!(term, Term::Binary(_)) { 2 } else { 1 });
+                })
+            };
+            for s in expr.steps() {
+                let v = match (s.op(), *s) {
+                    (Some(op), _) => {
+                        let op = op.op();
+                        let args = s.reads().map(|x| value(x, &lets)).collect::<Result<Vec<_>>>()?;
                         let ty = infer(&op, &args.iter().map(|(_, t)| t).collect::<Vec<_>>()).or_else(|e| cx.bad(e))?;
                         let v = eval(cx, &op, args.iter().map(|(v, t)| (v.clone(), t)).collect(), &ty)?;
-                        stack.push((v, ty));
+                        (v, ty)
                     }
-                }
+                    (None, Step::Write(_, x)) => value(x, &lets)?,
+                    (None, _) => unreachable!("a step without an op is a write"),
+                };
+                lets.push(v);
             }
-            stack.pop().expect("a program leaves one value").0
+            lets.pop().expect("a program ends with its write").0
         }
         Op::Epilogue { head, expr } => {
             // The reference lowering: the head, then its program.
@@ -585,7 +594,7 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>
 pub fn epilogue_program<B: Backend>(
     cx: &Ctx<B>,
     y: Value<B>,
-    expr: &cellgraph_compiler::expr::Expr,
+    expr: &cellgraph_compiler::program::Program,
     rest: Vec<(Value<B>, &TensorType)>,
     out: &TensorType,
 ) -> Result<Value<B>> {

@@ -17,9 +17,9 @@
 //! `acc + g` are the same bits. A plan whose accumulators are views of one flat device buffer
 //! runs [such an epilogue](accumulator) as the head and then `assign_add` into the view.
 
-use crate::expr::{Binary, Expr, Term};
 use crate::graph::{Graph, NodeId};
 use crate::op::Op;
+use crate::program::{Program, Val};
 
 use super::fuse::{absorbable, body};
 
@@ -28,25 +28,25 @@ pub fn fuse_epilogues(g: &mut Graph) -> usize {
     let order = g.topo_order().expect("the pipeline verifies before every pass");
     let mut made = 0;
     for id in order {
-        let Some((terms, xs)) = body(g, id) else { continue };
+        let Some((prog, xs)) = body(g, id) else { continue };
         let Some(&head) = xs.iter().find(|&&x| g.node(x).op.takes_epilogue() && absorbable(g, x, id, &xs)) else { continue };
         // `$0` is the head's result; the other operands follow the head's, once each.
+        // (Numbered in postfix order, the order the operands are first read in.)
         let mut extras = Vec::new();
-        let terms: Vec<Term> = terms
-            .into_iter()
-            .map(|t| match t {
-                Term::Arg(i) if xs[i] == head => Term::Arg(0),
-                Term::Arg(i) => {
-                    let k = extras.iter().position(|&o| o == xs[i]).unwrap_or_else(|| {
-                        extras.push(xs[i]);
-                        extras.len() - 1
-                    });
-                    Term::Arg(1 + k)
-                }
-                t => t,
-            })
-            .collect();
-        let expr = Expr::new(terms).expect("renumbering keeps a program well-formed");
+        let mut out = Program::new();
+        let v = prog.rebuild(prog.result(), &mut out, &mut |i, _| {
+            let x = xs[i as usize];
+            if x == head {
+                return Val::Arg(0);
+            }
+            let k = extras.iter().position(|&o| o == x).unwrap_or_else(|| {
+                extras.push(x);
+                extras.len() - 1
+            });
+            Val::Arg(1 + k as u8)
+        });
+        out.write(0, v);
+        let expr = out;
         let mut operands = g.operands(head);
         operands.extend(extras);
         let (op, ty, scope) = (Op::Epilogue { head: Box::new(g.node(head).op.clone()), expr }, g.ty(id).clone(), g.node(head).scope.clone());
@@ -60,8 +60,8 @@ pub fn fuse_epilogues(g: &mut Graph) -> usize {
 }
 
 /// The program of an accumulating epilogue: the head's result plus the accumulator.
-fn accumulating() -> Expr {
-    Expr::new(vec![Term::Arg(0), Term::Arg(1), Term::Binary(Binary::Add)]).expect("a well-formed program")
+fn accumulating() -> Program {
+    "$0 $1 add".parse().expect("a well-formed program")
 }
 
 /// Moves each `assign_add(acc, head(...))` whose value is a head's result, read by it alone,

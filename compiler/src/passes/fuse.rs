@@ -17,23 +17,20 @@
 //! scope, and the producers it took in are removed. The ops and their order are unchanged, so
 //! the fused plan computes the same bits as the unfused one (`compile` can run either).
 
-use crate::expr::{Binary, Expr, Term, Unary};
 use crate::graph::{Graph, NodeId};
 use crate::op::Op;
+use crate::program::{Binary, ElementOp, Program, Unary, Val};
 
-/// A node as a program over its own operands: its body when fused, one term when elementwise.
-pub(super) fn body(g: &Graph, id: NodeId) -> Option<(Vec<Term>, Vec<NodeId>)> {
+/// A node as a program over its own operands: its body when fused, one step when elementwise.
+pub(super) fn body(g: &Graph, id: NodeId) -> Option<(Program, Vec<NodeId>)> {
     let n = g.node(id);
     if !n.ty.dtype.is_float() {
         return None;
     }
     let xs = g.operands(id);
     match &n.op {
-        Op::Fused { expr } => Some((expr.terms().to_vec(), xs)),
-        op => {
-            let t = Term::of(op)?;
-            Some(((0..xs.len()).map(Term::Arg).chain([t]).collect(), xs))
-        }
+        Op::Fused { expr } => Some((expr.clone(), xs)),
+        op => Some((Program::of_op(op, xs.len())?, xs)),
     }
 }
 
@@ -51,7 +48,7 @@ pub(super) fn absorbable(g: &Graph, x: NodeId, consumer: NodeId, xs: &[NodeId]) 
     g.ty(x) == g.ty(consumer) && !g.outputs().contains(&x) && g.users(x).iter().all(|&u| u == consumer) && xs.iter().filter(|&&o| o == x).count() == 1
 }
 
-/// The longest program that computing cheap operands again may make.
+/// The longest program (in postfix terms) that computing cheap operands again may make.
 const MAX_COPYING_TERMS: usize = 48;
 
 /// True when each reader of `x`, a cheap elementwise node several read (or one reads twice),
@@ -64,28 +61,22 @@ const MAX_COPYING_TERMS: usize = 48;
 /// which its gradient reads too). The readers compute the same op on the same values: the
 /// bits do not change.
 fn duplicable(g: &Graph, x: NodeId) -> bool {
-    let Some((terms, ys)) = body(g, x) else { return false };
-    let cheap = |t: &Term| {
-        matches!(
-            t,
-            Term::Arg(_)
-                | Term::Lit(_)
-                | Term::Unary(Unary::Neg | Unary::Relu)
-                | Term::Binary(Binary::Add | Binary::Sub | Binary::Mul | Binary::ReluGrad)
-        )
+    let Some((prog, ys)) = body(g, x) else { return false };
+    let cheap = |op: ElementOp| {
+        matches!(op, ElementOp::Unary(Unary::Neg | Unary::Relu) | ElementOp::Binary(Binary::Add | Binary::Sub | Binary::Mul | Binary::ReluGrad))
     };
     let ty = g.ty(x);
     let large = ys.iter().filter(|&&y| literal(g, y).is_none() && g.ty(y).numel() >= ty.numel()).count();
     !matches!(g.node(x).op, Op::Fused { .. })
-        && terms.iter().all(cheap)
+        && prog.steps().iter().filter_map(|s| s.op()).all(cheap)
         && large <= 1
         && !g.outputs().contains(&x)
         && g.users(x).iter().all(|&u| g.ty(u) == ty && body(g, u).is_some())
 }
 
-/// Builds programs as terms over a growing operand list, one slot per distinct operand.
+/// Builds programs over a growing operand list, one slot per distinct operand.
 struct Builder {
-    terms: Vec<Term>,
+    prog: Program,
     operands: Vec<NodeId>,
     /// Read a broadcast's operand in its place.
     through: bool,
@@ -94,9 +85,10 @@ struct Builder {
 }
 
 impl Builder {
-    fn read(&mut self, g: &Graph, x: NodeId) {
+    /// The value reading node `x`: a literal, or an operand.
+    fn read(&mut self, g: &Graph, x: NodeId) -> Val {
         if let Some(v) = literal(g, x) {
-            return self.terms.push(Term::Lit(v));
+            return Val::lit(v);
         }
         let x = match (self.through, &g.node(x).op) {
             (true, Op::Broadcast { .. }) => {
@@ -109,7 +101,7 @@ impl Builder {
             self.operands.push(x);
             self.operands.len() - 1
         });
-        self.terms.push(Term::Arg(i));
+        Val::Arg(u8::try_from(i).expect("a fused node of at most 256 operands"))
     }
 }
 
@@ -132,7 +124,7 @@ fn fuse_round(g: &mut Graph) -> usize {
     let order = g.topo_order().expect("the pipeline verifies before every pass");
     let mut made = 0;
     for id in order {
-        let Some((terms, xs)) = body(g, id) else { continue };
+        let Some((prog, xs)) = body(g, id) else { continue };
         let scope = g.node(id).scope.clone();
         let ty = g.ty(id).clone();
         // With broadcasts read through first; without, when that changes the type. Cheap
@@ -140,11 +132,11 @@ fn fuse_round(g: &mut Graph) -> usize {
         // would double it at every link).
         let attempts = [(true, true), (false, true), (true, false), (false, false)];
         let built = attempts.into_iter().find_map(|(through, copy)| {
-            let (b, taken) = splice(g, id, &terms, &xs, through, copy);
-            if copy && !taken.1.is_empty() && b.terms.len() > MAX_COPYING_TERMS {
+            let (b, taken) = splice(g, id, &prog, &xs, through, copy);
+            if copy && !taken.1.is_empty() && b.prog.terms() > MAX_COPYING_TERMS {
                 return None;
             }
-            let expr = Expr::new(b.terms.clone()).expect("splicing well-formed programs");
+            let expr = b.prog.clone();
             let changed = expr.ops() >= 2 || !b.broadcasts.is_empty();
             if !changed || b.operands.is_empty() || matches!(&g.node(id).op, Op::Fused { expr: e } if *e == expr) {
                 return None;
@@ -183,33 +175,27 @@ fn fuse_round(g: &mut Graph) -> usize {
 
 /// `id`'s program with its absorbable elementwise operands spliced in, and those operands:
 /// the ones it alone reads, and the cheap ones it computes again ([`duplicable`]).
-fn splice(g: &Graph, id: NodeId, terms: &[Term], xs: &[NodeId], through: bool, copy: bool) -> (Builder, (Vec<NodeId>, Vec<NodeId>)) {
-    let mut b = Builder { terms: Vec::with_capacity(terms.len()), operands: Vec::new(), through, broadcasts: Vec::new() };
+fn splice(g: &Graph, id: NodeId, prog: &Program, xs: &[NodeId], through: bool, copy: bool) -> (Builder, (Vec<NodeId>, Vec<NodeId>)) {
+    let mut b = Builder { prog: Program::new(), operands: Vec::new(), through, broadcasts: Vec::new() };
     let (mut taken, mut copied) = (Vec::new(), Vec::new());
-    for &t in terms {
-        let Term::Arg(i) = t else {
-            b.terms.push(t);
-            continue;
-        };
-        let x = xs[i];
+    let mut out = Program::new();
+    let v = prog.rebuild(prog.result(), &mut out, &mut |i, out| {
+        let x = xs[i as usize];
         let alone = absorbable(g, x, id, xs);
         match body(g, x).filter(|_| alone || (copy && duplicable(g, x))) {
             Some((inner, ys)) => {
-                for u in inner {
-                    match u {
-                        Term::Arg(j) => b.read(g, ys[j]),
-                        other => b.terms.push(other),
-                    }
-                }
                 if alone {
                     taken.push(x);
                 } else if !copied.contains(&x) {
                     copied.push(x);
                 }
+                inner.rebuild(inner.result(), out, &mut |j, _| b.read(g, ys[j as usize]))
             }
             None => b.read(g, x),
         }
-    }
+    });
+    out.write(0, v);
+    b.prog = out;
     (b, (taken, copied))
 }
 

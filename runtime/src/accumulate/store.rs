@@ -10,9 +10,9 @@ use cellgraph_compiler::{HostData, HostTensor, TensorType};
 use crate::backend::{HostSlice, HostVec, FLAT_ALIGN};
 use crate::error::{Result, RuntimeError};
 use crate::exec::Session;
-use crate::kernel::UpdateKernel;
 use crate::value::Value;
 use crate::Backend;
+use cellgraph_compiler::program::Program;
 
 /// Which of a trained parameter's buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,9 +52,8 @@ struct Trained {
 /// accumulator and each of its optimizer states is a view of one buffer per kind, at an
 /// aligned offset, so a boundary is one fused kernel launch and a collective moves one buffer.
 struct Flat<B: Backend> {
-    /// The optimizer's update as the boundary kernel's program, and its literals.
-    prog: UpdateKernel,
-    literals: Vec<f32>,
+    /// The optimizer's update, the boundary kernel's program.
+    prog: Program,
     /// Each trained parameter's offset, in flat-buffer order.
     offsets: Vec<usize>,
     len: usize,
@@ -70,9 +69,9 @@ pub(crate) struct Store<B: Backend> {
     /// Each kind's initial value (what pads its flat buffer).
     inits: Vec<f32>,
     flat: Option<Flat<B>>,
-    /// On host backends: the optimizer's update as a one-pass boundary program, with its
-    /// literals (see [`Self::host_update`]).
-    host: Option<(UpdateKernel, Vec<f32>)>,
+    /// On host backends: the optimizer's update, run as a one-pass boundary program (see
+    /// [`Self::host_update`]).
+    host: Option<Program>,
 }
 
 impl<B: Backend> Store<B> {
@@ -86,10 +85,7 @@ impl<B: Backend> Store<B> {
         let mut inits = vec![0.0, 0.0];
         inits.extend(specs.first().into_iter().flatten().map(|s| s.init as f32));
         let params = params.iter().map(|(name, ty)| Trained { name: name.clone(), shape: ty.dims().to_vec(), len: ty.numel() }).collect();
-        let host = B::HOST
-            .then(|| UpdateKernel::new(&opt.update(), opt.scalar_inputs().len()))
-            .flatten()
-            .map(|(k, lits)| (k, lits.iter().map(|&c| c as f32).collect()));
+        let host = B::HOST.then(|| opt.update());
         Store { params, names, inits, flat: None, host }
     }
 
@@ -194,10 +190,10 @@ impl<B: Backend> Store<B> {
         if !B::flat_buffers() || self.params.is_empty() {
             return Ok(());
         }
-        let Some((prog, literals)) = UpdateKernel::new(&opt.update(), opt.scalar_inputs().len()) else {
+        let prog = opt.update();
+        if !crate::kernel::boundary_kernel_takes(&prog) {
             return Ok(());
-        };
-        let literals = literals.iter().map(|&c| c as f32).collect();
+        }
         let mut offsets = Vec::new();
         let mut len = 0;
         for p in &self.params {
@@ -214,7 +210,7 @@ impl<B: Backend> Store<B> {
             }
             buffers.push(B::from_host_vec(HostVec::F32(v), &[len], session.device()));
         }
-        self.flat = Some(Flat { prog, literals, offsets, len, buffers });
+        self.flat = Some(Flat { prog, offsets, len, buffers });
         for kind in self.kinds() {
             self.bind_views(session, kind);
         }
@@ -274,7 +270,7 @@ impl<B: Backend> Store<B> {
     /// changes nothing) where it does not apply: a device backend, a program that does not
     /// fit, values that are not f32.
     pub fn host_update(&self, session: &mut Session<B>, scale: f64, scalars: &[f64]) -> bool {
-        let Some((prog, literals)) = &self.host else { return false };
+        let Some(prog) = &self.host else { return false };
         // Every buffer an f32 host value of its parameter's length, before any is changed.
         let host_f32 = |kind, i: usize, t: &Trained| match session.value(self.name(Slot { kind, param: i })) {
             Some(Value::Float(v)) => crate::host::is_host_f32::<B>(v, t.len),
@@ -283,7 +279,7 @@ impl<B: Backend> Store<B> {
         if !self.params.iter().enumerate().all(|(i, t)| self.kinds().all(|k| host_f32(k, i, t))) {
             return false;
         }
-        let consts: Vec<f32> = scalars.iter().map(|&v| v as f32).chain(literals.iter().copied()).collect();
+        let scalars: Vec<f32> = scalars.iter().map(|&v| v as f32).collect();
         let device = session.device().clone();
         for (i, t) in self.params.iter().enumerate() {
             let names: Vec<&str> = self.kinds().map(|kind| self.name(Slot { kind, param: i })).collect();
@@ -294,7 +290,7 @@ impl<B: Backend> Store<B> {
                     _ => unreachable!("checked above"),
                 })
                 .collect();
-            let Ok(out) = crate::host::update_clear::<B>(prog, bufs, &t.shape, &consts, scale as f32, &device) else {
+            let Ok(out) = crate::host::update_clear::<B>(prog, bufs, &t.shape, &scalars, scale as f32, &device) else {
                 unreachable!("f32 host values of one length, checked above")
             };
             for (n, b) in names.iter().zip(out) {
@@ -315,9 +311,9 @@ impl<B: Backend> Store<B> {
             let sq = B::float_sum(B::float_mul(accu.clone(), accu.clone()));
             scale = super::window::clipped(scale, Value::<B>::Float(sq).to_host().scalar(), clip);
         }
-        let consts: Vec<f32> = scalars.iter().map(|&v| v as f32).chain(f.literals.iter().copied()).collect();
+        let scalars: Vec<f32> = scalars.iter().map(|&v| v as f32).collect();
         Some(
-            B::fused_update(&f.prog, params, accu, state, scale as f32, &consts)
+            B::fused_update(&f.prog, params, accu, state, scale as f32, &scalars)
                 .ok_or_else(|| RuntimeError::Device("the backend keeps flat buffers but has no fused update kernel".into())),
         )
     }

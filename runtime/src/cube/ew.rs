@@ -1,9 +1,10 @@
 //! Elementwise programs as device kernels: a bound [`Elementwise`] (a `fused` node's program,
 //! an epilogue's, ReLU and its gradient alone) becomes an [`EwKernel`] that [`elementwise`]
 //! unrolls when it is compiled, so the whole program is one launch with its operands read
-//! once and no intermediate in memory.
+//! once and no intermediate in memory. The optimizer's boundary kernel
+//! ([`super::update_clear`]) runs its [`Program`] through the same [`step`]s.
 
-use cellgraph_compiler::expr::{Binary, Term, Unary};
+use cellgraph_compiler::program::{Binary, Program, Step, Unary, Val};
 use cubecl::prelude::*;
 
 use crate::kernel::{Elementwise, Read};
@@ -56,72 +57,41 @@ impl KRead {
     }
 }
 
-/// A value a program step reads: an operand, a literal (its f32 bits: a kernel's compile-time
-/// values must hash), or an earlier step's result.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum EVal {
-    Arg(u8),
-    Lit(u32),
-    Let(u16),
-}
+/// Where a kernel's program finds scalar input `k`: its values after `SCALARS` operands
+/// (the boundary kernel's parameter, gradient and two states; elementwise programs have none).
+pub const SCALARS: usize = 4;
 
-/// One step: an op on earlier values, its result the next `Let`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum EStep {
-    Unary(Unary, EVal),
-    Binary(Binary, EVal, EVal),
-}
-
-/// A postfix [`Elementwise`] program in single-assignment form, with how each operand is read.
-/// `in_place`: operand 0 is the output buffer itself, read and overwritten element by element
-/// (an epilogue's program over its head's output).
+/// An elementwise [`Program`] with how each of its operands is read. `in_place`: operand 0 is
+/// the output buffer itself, read and overwritten element by element (an epilogue's program
+/// over its head's output).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct EwKernel {
-    pub steps: Vec<EStep>,
-    pub result: EVal,
+    pub prog: Program,
     pub reads: Vec<KRead>,
     pub in_place: bool,
 }
 
 impl EwKernel {
-    /// The kernel program of `e`; `None` when it does not fit (more than [`MAX_OPERANDS`]
-    /// operands, a read over more than [`MAX_AXES`] axes, extents past `u32`).
+    /// The kernel of `e`; `None` when it does not fit (more than [`MAX_OPERANDS`] operands, a
+    /// read over more than [`MAX_AXES`] axes, extents past `u32`).
     pub fn new(e: &Elementwise, in_place: bool) -> Option<EwKernel> {
         if e.reads.len() > MAX_OPERANDS || (in_place && e.reads.first() != Some(&Read::Same)) {
             return None;
         }
         let reads = e.reads.iter().map(KRead::of).collect::<Option<Vec<_>>>()?;
-        let (mut stack, mut steps) = (Vec::new(), Vec::new());
-        for t in &e.terms {
-            let v = match *t {
-                Term::Arg(i) => EVal::Arg(u8::try_from(i).ok()?),
-                Term::Lit(c) => EVal::Lit((c as f32).to_bits()),
-                Term::Unary(op) => {
-                    let x = stack.pop()?;
-                    steps.push(EStep::Unary(op, x));
-                    EVal::Let(u16::try_from(steps.len() - 1).ok()?)
-                }
-                Term::Binary(op) => {
-                    let b = stack.pop()?;
-                    let a = stack.pop()?;
-                    steps.push(EStep::Binary(op, a, b));
-                    EVal::Let(u16::try_from(steps.len() - 1).ok()?)
-                }
-            };
-            stack.push(v);
-        }
-        let result = stack.pop()?;
-        stack.is_empty().then_some(EwKernel { steps, result, reads, in_place })
+        Some(EwKernel { prog: e.prog.clone(), reads, in_place })
     }
 
     /// The program that leaves operand 0 as it is (a head kernel without an epilogue).
     pub fn identity() -> EwKernel {
-        EwKernel { steps: Vec::new(), result: EVal::Arg(0), reads: vec![KRead::Same], in_place: true }
+        let mut prog = Program::new();
+        prog.write(0, Val::Arg(0));
+        EwKernel { prog, reads: vec![KRead::Same], in_place: true }
     }
 
-    /// `op` over operands of the output's extents (ReLU, its gradient).
-    pub fn same(arity: usize, step: EStep) -> EwKernel {
-        EwKernel { steps: vec![step], result: EVal::Let(0), reads: vec![KRead::Same; arity], in_place: false }
+    /// `prog` over `arity` operands of the output's extents (ReLU, its gradient).
+    pub fn same(arity: usize, prog: Program) -> EwKernel {
+        EwKernel { prog, reads: vec![KRead::Same; arity], in_place: false }
     }
 }
 
@@ -219,12 +189,25 @@ fn read_at(i: usize, #[comptime] r: KRead) -> usize {
     j
 }
 
+/// The value `v`: operand `k` is `args[k]`, scalar input `k` is `args[SCALARS + k]`, step
+/// `k`'s result is `lets[k]`.
 #[cube]
-fn value<F: Float>(args: &Sequence<F>, lets: &Sequence<F>, #[comptime] v: EVal) -> F {
+fn value<F: Float>(args: &Sequence<F>, lets: &Sequence<F>, #[comptime] v: Val) -> F {
     match comptime!(v) {
-        EVal::Arg(k) => *args.index(k as usize),
-        EVal::Lit(bits) => F::new(comptime!(f32::from_bits(bits))),
-        EVal::Let(k) => *lets.index(k as usize),
+        Val::Arg(k) => *args.index(k as usize),
+        Val::Scalar(k) => *args.index(comptime!(SCALARS + k as usize)),
+        Val::Lit(bits) => F::new(comptime!(f64::from_bits(bits) as f32)),
+        Val::Let(k) => *lets.index(k as usize),
+    }
+}
+
+/// Step `s`'s value: its op's result, or the value a write stores (the caller stores it).
+#[cube]
+pub fn step<F: Float>(args: &Sequence<F>, lets: &Sequence<F>, #[comptime] s: Step) -> F {
+    match comptime!(s) {
+        Step::Unary(op, x) => unary::<F>(value::<F>(args, lets, x), op),
+        Step::Binary(op, a, b) => binary::<F>(value::<F>(args, lets, a), value::<F>(args, lets, b), op),
+        Step::Write(_, x) => value::<F>(args, lets, x),
     }
 }
 
@@ -237,26 +220,16 @@ fn push_read<F: Float>(args: &mut Sequence<F>, x: &[F], i: usize, #[comptime] k:
     }
 }
 
-/// The program over its operands' values `args` (operand `k` is `args[k]`).
+/// The program over its operands' values `args` (operand `k` is `args[k]`): every step's
+/// value in order, the last (its write) the result.
 #[cube]
 fn program<F: Float>(args: &Sequence<F>, #[comptime] p: &EwKernel) -> F {
     let mut lets = Sequence::<F>::new();
     #[unroll]
-    for k in 0..comptime!(p.steps.len()) {
-        let step = comptime!(p.steps[k]);
-        match comptime!(step) {
-            EStep::Unary(op, x) => {
-                let x = value::<F>(args, &lets, x);
-                lets.push(unary::<F>(x, op));
-            }
-            EStep::Binary(op, a, b) => {
-                let a = value::<F>(args, &lets, a);
-                let b = value::<F>(args, &lets, b);
-                lets.push(binary::<F>(a, b, op));
-            }
-        }
+    for k in 0..comptime!(p.prog.steps().len()) {
+        lets.push(step::<F>(args, &lets, comptime!(p.prog.steps()[k])));
     }
-    value::<F>(args, &lets, comptime!(p.result))
+    *lets.index(comptime!(p.prog.steps().len() - 1))
 }
 
 /// The program at output element `i`, operand 0 being `a0` (already read) and operands 1..
@@ -297,29 +270,21 @@ pub fn elementwise<F: Float>(y: &mut [F], x0: &[F], x1: &[F], x2: &[F], x3: &[F]
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cellgraph_compiler::expr::Expr;
 
     #[test]
-    fn postfix_programs_become_single_assignment_steps() {
+    fn kernels_take_their_programs_with_device_reads() {
         // $0 $1 add 2.5 mul relu, the bias read cyclically.
-        let terms = vec![Term::Arg(0), Term::Arg(1), Term::Binary(Binary::Add), Term::Lit(2.5), Term::Binary(Binary::Mul), Term::Unary(Unary::Relu)];
-        let e = Elementwise { terms: Expr::new(terms).unwrap().terms().to_vec(), depth: 2, reads: vec![Read::Same, Read::Cycle(4)], len: 12 };
+        let prog: Program = "$0 $1 add 2.5 mul relu".parse().unwrap();
+        let e = Elementwise { depth: prog.depth(), prog: prog.clone(), reads: vec![Read::Same, Read::Cycle(4)], len: 12 };
         let k = EwKernel::new(&e, true).unwrap();
-        use {EStep as S, EVal as V};
-        assert_eq!(
-            k.steps,
-            vec![
-                S::Binary(Binary::Add, V::Arg(0), V::Arg(1)),
-                S::Binary(Binary::Mul, V::Let(0), V::Lit(2.5f32.to_bits())),
-                S::Unary(Unary::Relu, V::Let(1))
-            ]
-        );
-        assert_eq!((k.result, k.reads.clone()), (V::Let(2), vec![KRead::Same, KRead::Cycle(4)]));
+        assert_eq!((k.prog, k.reads.clone()), (prog, vec![KRead::Same, KRead::Cycle(4)]));
         // In place needs operand 0 at the output's extents; seven operands do not fit.
         assert!(EwKernel::new(&Elementwise { reads: vec![Read::Cycle(4), Read::Same], ..e }, true).is_none());
-        let seven = Elementwise { terms: vec![Term::Arg(0)], depth: 1, reads: vec![Read::Same; 7], len: 1 };
+        let one: Program = "$0".parse().unwrap();
+        let seven = Elementwise { prog: one.clone(), depth: 1, reads: vec![Read::Same; 7], len: 1 };
         assert!(EwKernel::new(&seven, false).is_none());
         assert!(EwKernel::new(&Elementwise { reads: vec![Read::Same; 6], ..seven }, false).is_some());
+        assert_eq!(EwKernel::identity().prog, one);
     }
 
     #[test]

@@ -46,15 +46,14 @@ use burn_backend::cubecl::dtype_to_storage_type;
 use burn_backend::{DType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime};
-use cellgraph_compiler::expr::{Binary, Unary};
-use cellgraph_compiler::update::Target;
+use cellgraph_compiler::program::{Program, Step, Val};
 use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeDim};
-use ew::{EStep, EVal, EwKernel};
+use ew::EwKernel;
 
 use crate::arena::Arena;
 use crate::backend::Backend;
-use crate::kernel::{ConvKind, KStep, KVal, Native, Tiling, UpdateKernel};
+use crate::kernel::{ConvKind, Native, Tiling};
 use cellgraph_compiler::TensorType;
 
 /// burn's CUDA backend (no fusion): the executor's tensors are cubecl buffers.
@@ -81,69 +80,66 @@ pub fn assign_add<F: Float>(acc: &mut [F], g: &[F]) {
     }
 }
 
-/// The value `v` at element `i`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn kval<F: Float>(w: F, g: F, s0: &[F], s1: &[F], consts: &[F], lets: &Sequence<F>, i: usize, #[comptime] v: KVal) -> F {
-    match comptime!(v) {
-        KVal::Param => w,
-        KVal::Grad => g,
-        KVal::State(k) => {
-            if comptime!(k == 0) {
-                s0[i]
-            } else {
-                s1[i]
-            }
-        }
-        KVal::Const(k) => consts[k as usize],
-        KVal::Let(k) => *lets.index(k as usize),
-    }
+/// Whether an update program reads operand `k`.
+fn reads_operand(prog: &Program, k: u8) -> bool {
+    prog.steps().iter().any(|s| s.reads().any(|v| v == Val::Arg(k)))
 }
 
-/// One optimizer's `Update` over flat buffers, interpreted when the kernel is compiled
-/// (every step becomes straight-line code), then `acc = 0`: `g = acc * scale` and the
-/// program's steps in order. `s0`, `s1` are the state buffers the program uses (any buffer
-/// where it keeps fewer); `consts` the scalar inputs, then the literals.
+/// One optimizer's update [`Program`] over flat buffers, unrolled when the kernel is compiled
+/// (every step becomes straight-line code, [`ew::step`]), then `acc = 0`: `g = acc * scale`
+/// and the program's steps in order. Its operands are the parameter, `g` and the state
+/// buffers `s0`, `s1` (any buffer where it keeps fewer; read only where the program reads
+/// them), each read before anything is written; `scalars` are its scalar inputs.
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-pub fn update_clear<F: Float>(p: &mut [F], acc: &mut [F], s0: &mut [F], s1: &mut [F], consts: &[F], scale: f32, #[comptime] prog: UpdateKernel) {
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // an unrolled loop reads the scalars
+pub fn update_clear<F: Float>(p: &mut [F], acc: &mut [F], s0: &mut [F], s1: &mut [F], scalars: &[F], scale: f32, #[comptime] prog: Program) {
     let i = ABSOLUTE_POS;
     if i < p.len() {
-        let w = p[i];
-        let g = acc[i] * F::cast_from(scale);
+        let mut args = Sequence::<F>::new();
+        args.push(p[i]);
+        args.push(acc[i] * F::cast_from(scale));
+        // Slots of states the program does not read hold a value it never reads.
+        if comptime!(reads_operand(&prog, 2)) {
+            args.push(s0[i]);
+        } else {
+            args.push(F::new(0.0));
+        }
+        if comptime!(reads_operand(&prog, 3)) {
+            args.push(s1[i]);
+        } else {
+            args.push(F::new(0.0));
+        }
+        #[unroll]
+        for k in 0..comptime!(scalars_read(&prog)) {
+            args.push(scalars[k]);
+        }
         let mut lets = Sequence::<F>::new();
-        let n = comptime!(prog.steps.len());
+        let n = comptime!(prog.steps().len());
         #[unroll]
         for k in 0..n {
-            let step = comptime!(prog.steps[k]);
-            match comptime!(step) {
-                KStep::Unary(op, x) => {
-                    let x = kval(w, g, &*s0, &*s1, consts, &lets, i, x);
-                    lets.push(ew::unary::<F>(x, op));
-                }
-                KStep::Binary(op, a, b) => {
-                    let a = kval(w, g, &*s0, &*s1, consts, &lets, i, a);
-                    let b = kval(w, g, &*s0, &*s1, consts, &lets, i, b);
-                    lets.push(ew::binary::<F>(a, b, op));
-                }
-                KStep::Write(t, x) => {
-                    let x = kval(w, g, &*s0, &*s1, consts, &lets, i, x);
-                    match comptime!(t) {
-                        Target::Param => p[i] = x,
-                        Target::State(k) => {
-                            if comptime!(k == 0) {
-                                s0[i] = x;
-                            } else {
-                                s1[i] = x;
-                            }
-                        }
-                    }
-                    lets.push(F::new(0.0));
-                }
+            let s = comptime!(prog.steps()[k]);
+            let x = ew::step::<F>(&args, &lets, s);
+            // A write's output, counted from 1 (0: the step is an op).
+            let out = comptime!(match s {
+                Step::Write(o, _) => o as u32 + 1,
+                _ => 0,
+            });
+            if comptime!(out == 1) {
+                p[i] = x;
+            } else if comptime!(out == 2) {
+                s0[i] = x;
+            } else if comptime!(out == 3) {
+                s1[i] = x;
             }
+            lets.push(x);
         }
         acc[i] = F::new(0.0);
     }
+}
+
+/// Scalar inputs an update program reads: one past the highest.
+fn scalars_read(prog: &Program) -> usize {
+    prog.steps().iter().flat_map(|s| s.reads()).filter_map(|v| if let Val::Scalar(k) = v { Some(k as usize + 1) } else { None }).max().unwrap_or(0)
 }
 
 /// Launch geometry for `n` elements.
@@ -235,15 +231,14 @@ fn write<R: CubeRuntime>(t: &CubeTensor<R>, data: burn_backend::TensorData) -> b
 
 /// Launches one optimizer-and-clear kernel ([`update_clear`]) over flat buffers of equal
 /// length: `p` parameters, `acc` accumulators, `state` the rule's state buffers in its order,
-/// `consts` its scalar inputs (learning rate first) then its program's literals. Returns the
-/// kernels launched (1).
+/// `scalars` its scalar inputs (learning rate first). Returns the kernels launched (1).
 pub fn launch_update<R: CubeRuntime>(
-    prog: &UpdateKernel,
+    prog: &Program,
     p: &CubeTensor<R>,
     acc: &CubeTensor<R>,
     state: &[CubeTensor<R>],
     scale: f32,
-    consts: &[f32],
+    scalars: &[f32],
 ) -> usize {
     let n = p.meta.num_elements();
     let client = &p.client;
@@ -252,10 +247,10 @@ pub fn launch_update<R: CubeRuntime>(
     let spare = || empty::<R>(client, &p.device, &[1]);
     let s0 = state.first().cloned().unwrap_or_else(spare);
     let s1 = state.get(1).cloned().unwrap_or_else(spare);
-    let c = client.create_from_slice(f32::as_bytes(consts));
+    let c = client.create_from_slice(f32::as_bytes(if scalars.is_empty() { &[0.0] } else { scalars }));
     crate::value::count_upload();
-    // SAFETY: `consts.len()` f32 in the handle.
-    let c = unsafe { BufferArg::from_raw_parts(c, consts.len().max(1)) };
+    // SAFETY: `scalars.len()` f32 in the handle (one where there are none).
+    let c = unsafe { BufferArg::from_raw_parts(c, scalars.len().max(1)) };
     update_clear::launch::<f32, R>(client, count, dim, arr(p), arr(acc), arr(&s0), arr(&s1), c, scale, prog.clone());
     1
 }
@@ -572,8 +567,8 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             }
             Native::Relu | Native::ReluGrad => {
                 let prog = match op {
-                    Native::Relu => EwKernel::same(1, EStep::Unary(Unary::Relu, EVal::Arg(0))),
-                    _ => EwKernel::same(2, EStep::Binary(Binary::ReluGrad, EVal::Arg(0), EVal::Arg(1))),
+                    Native::Relu => EwKernel::same(1, Program::of_op(&cellgraph_compiler::Op::Relu, 1)?),
+                    _ => EwKernel::same(2, Program::of_op(&cellgraph_compiler::Op::ReluGrad, 2)?),
                 };
                 let xs: Vec<_> = args.iter().map(|t| contiguous(t)).collect();
                 let y = output::<R>(arena, &client, &device, out.dims());
@@ -852,15 +847,8 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         }
     }
 
-    fn fused_update(
-        prog: &UpdateKernel,
-        p: &CubeTensor<R>,
-        acc: &CubeTensor<R>,
-        state: &[CubeTensor<R>],
-        scale: f32,
-        consts: &[f32],
-    ) -> Option<usize> {
+    fn fused_update(prog: &Program, p: &CubeTensor<R>, acc: &CubeTensor<R>, state: &[CubeTensor<R>], scale: f32, scalars: &[f32]) -> Option<usize> {
         let f32s = [p, acc].into_iter().chain(state).all(|t| t.dtype == DType::F32);
-        f32s.then(|| launch_update::<R>(prog, p, acc, state, scale, consts))
+        f32s.then(|| launch_update::<R>(prog, p, acc, state, scale, scalars))
     }
 }

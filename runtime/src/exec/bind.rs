@@ -159,7 +159,6 @@ pub(super) fn exec_of(st: &Step, host: bool, native: bool, in_place: bool, decli
 mod tests {
     use super::*;
     use crate::kernel::Tiling;
-    use cellgraph_compiler::expr::{Binary, Expr, Term};
     use cellgraph_compiler::TensorType;
 
     fn step(op: Op, kernel: Option<Native>, args: &[(usize, bool)]) -> Step {
@@ -198,7 +197,7 @@ mod tests {
         deferred.deferred = true;
         let mut constant = step(Op::Constant { value: 1.0 }, Some(Native::Fill(1.0)), &[]);
         constant.shared_constant = true;
-        let expr = Expr::new(vec![Term::Arg(0), Term::Arg(1), Term::Binary(Binary::Add)]).expect("a program");
+        let expr = "$0 $1 add".parse().expect("a program");
         let mut accumulate = step(Op::Epilogue { head: Box::new(Op::MatMul { transpose_a: false, transpose_b: false }), expr }, None, &[]);
         accumulate.kernel = matmul().kernel;
         accumulate.accumulator = Some(2);

@@ -90,37 +90,32 @@ fn holds_bf16(g: &Graph, id: cellgraph_compiler::NodeId, depth: usize) -> bool {
 }
 
 /// Whether a program's result holds only bf16 values, given which of its operands do.
-fn program_holds_bf16(expr: &cellgraph_compiler::expr::Expr, arg: impl Fn(usize) -> bool) -> bool {
-    use cellgraph_compiler::expr::{Binary, Term, Unary};
+fn program_holds_bf16(expr: &cellgraph_compiler::program::Program, arg: impl Fn(usize) -> bool) -> bool {
+    use cellgraph_compiler::program::{Binary, Step, Unary, Val};
     use cellgraph_compiler::types::DType;
-    let mut stack: Vec<bool> = Vec::new();
-    for t in expr.terms() {
-        let v = match *t {
-            Term::Arg(i) => arg(i),
-            Term::Lit(v) => cellgraph_compiler::passes::precision::round_f64(v, DType::BF16) == v,
-            Term::Unary(Unary::RoundBf16) => {
-                stack.pop();
-                true
-            }
-            Term::Unary(Unary::Neg | Unary::Relu) => stack.pop().unwrap_or(false),
-            Term::Unary(_) => {
-                stack.pop();
-                false
-            }
+    let mut lets: Vec<bool> = Vec::with_capacity(expr.steps().len());
+    let holds = |v: Val, lets: &[bool]| match v {
+        Val::Arg(i) => arg(i as usize),
+        Val::Lit(_) => {
+            let c = v.literal().expect("a literal");
+            cellgraph_compiler::passes::precision::round_f64(c, DType::BF16) == c
+        }
+        Val::Let(k) => lets[k as usize],
+        Val::Scalar(_) => false,
+    };
+    for s in expr.steps() {
+        let v = match *s {
+            Step::Unary(Unary::RoundBf16, _) => true,
+            Step::Unary(Unary::Neg | Unary::Relu, x) => holds(x, &lets),
+            Step::Unary(..) => false,
             // `dy * (y > 0)`: `dy`'s values or zeros.
-            Term::Binary(Binary::ReluGrad) => {
-                stack.pop();
-                stack.pop().unwrap_or(false)
-            }
-            Term::Binary(_) => {
-                stack.pop();
-                stack.pop();
-                false
-            }
+            Step::Binary(Binary::ReluGrad, dy, _) => holds(dy, &lets),
+            Step::Binary(..) => false,
+            Step::Write(_, x) => holds(x, &lets),
         };
-        stack.push(v);
+        lets.push(v);
     }
-    stack.pop().unwrap_or(false)
+    lets.last().copied().unwrap_or(false)
 }
 
 /// `k` with bf16 products where it runs a GEMM (an epilogue's head included).

@@ -25,7 +25,8 @@ use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
 use crate::arena::{Arena, Shelved};
 use crate::backend::{Backend, HostSlice, HostVec};
-use crate::kernel::{ConvAlgo, ConvKind, Geometry, Native, Products, Tap, UpdateKernel};
+use crate::kernel::{ConvAlgo, ConvKind, Geometry, Native, Products, Tap};
+use cellgraph_compiler::program::Program;
 use float::HostFloat;
 use gemm::Mat;
 
@@ -181,10 +182,10 @@ pub fn is_host_f32<B: Backend>(t: &FloatTensor<B>, len: usize) -> bool {
 /// states, in place where nothing else holds them (else copied), returned updated (the
 /// accumulator zeroed). `Err(bufs)` when they are not all f32 host values of one length.
 pub fn update_clear<B: Backend>(
-    prog: &UpdateKernel,
+    prog: &Program,
     bufs: Vec<FloatTensor<B>>,
     dims: &[usize],
-    consts: &[f32],
+    scalars: &[f32],
     scale: f32,
     device: &Device<B>,
 ) -> Result<Vec<FloatTensor<B>>, Vec<FloatTensor<B>>> {
@@ -205,7 +206,7 @@ pub fn update_clear<B: Backend>(
         .collect();
     let (pa, states) = vecs.split_at_mut(2);
     let [p, acc] = pa else { unreachable!("two") };
-    program::update_clear(prog, p, acc, states, consts, scale);
+    program::update_clear(prog, p, acc, states, scalars, scale);
     Ok(vecs.into_iter().map(|v| B::from_host_vec(HostVec::F32(v), dims, device)).collect())
 }
 

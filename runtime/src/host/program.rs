@@ -5,9 +5,8 @@
 
 use super::float::{each, post_all, vectorized, HostFloat, BLOCK};
 use super::rows::relu1;
-use crate::kernel::{Elementwise, KStep, KVal, Read, UpdateKernel};
-use cellgraph_compiler::expr::{Binary, Term, Unary};
-use cellgraph_compiler::update::Target;
+use crate::kernel::{Elementwise, Read};
+use cellgraph_compiler::program::{Binary, Program, Step, Unary, Val};
 
 /// Where a program's operands are: all in slices, or (an epilogue) operand 0 in the output
 /// itself and operand `i` > 0 in slice `i - 1`.
@@ -63,7 +62,7 @@ fn period(r: &Read, len: usize) -> Option<usize> {
 /// place: operand 0 is the head's output (the part itself), operand `i` > 0 is `extras[i - 1]`;
 /// `first` is the part's first element's index in the whole output.
 pub fn epilogue<F: HostFloat>(e: &Elementwise, extras: &[&[F]], first: usize, part: &mut [F]) {
-    if let ([Term::Arg(0), Term::Arg(1), Term::Binary(op)], [_, Read::Same]) = (&e.terms[..], &e.reads[..]) {
+    if let ([Step::Binary(op, Val::Arg(0), Val::Arg(1)), Step::Write(0, Val::Let(0))], [_, Read::Same]) = (e.prog.steps(), &e.reads[..]) {
         // One op with an operand of the output's extents (an accumulator, say): in one pass.
         let x = &extras[0][first..first + part.len()];
         return vectorized(
@@ -137,38 +136,33 @@ fn unary<F: HostFloat>(op: Unary, x: &mut [F]) {
     }
 }
 
-/// A window's boundary for one parameter in one pass: its optimizer's update
-/// ([`UpdateKernel`], the program its graph comes from) and the clearing of its accumulator,
-/// block by block: `g = acc * scale`, the program's steps in order, `acc = 0`. Reads of the
-/// parameter and of the states see their values before the update (the optimizer graph's
-/// writes land when it finishes), and each op rounds to `F` as the graph's ops do, so the
-/// results are the optimizer graph's bits. `consts`: the scalar inputs, then the literals.
-pub fn update_clear<F: HostFloat>(prog: &UpdateKernel, p: &mut [F], acc: &mut [F], states: &mut [Vec<F>], consts: &[F], scale: F) {
+/// A window's boundary for one parameter in one pass: its optimizer's update (the
+/// [`Program`] its graph comes from, [`cellgraph_compiler::update`]) and the clearing of its
+/// accumulator, block by block: `g = acc * scale`, the program's steps in order, `acc = 0`.
+/// Reads of the parameter and of the states see their values before the update (the optimizer
+/// graph's writes land when it finishes), and each op rounds to `F` as the graph's ops do, so
+/// the results are the optimizer graph's bits. `scalars`: the rule's scalar inputs.
+pub fn update_clear<F: HostFloat>(prog: &Program, p: &mut [F], acc: &mut [F], states: &mut [Vec<F>], scalars: &[F], scale: F) {
     let n = p.len();
     assert!(acc.len() == n && states.iter().all(|s| s.len() == n), "one length for a parameter's buffers");
     // A value per step (`Let(i)` is step `i`'s; a write's is never read).
-    let lets = prog.steps.len();
-    // The buffers the program reads after writing them: those are read from copies.
+    let lets = prog.steps().len();
+    // The buffers the program reads after writing them: those are read from copies. Buffer
+    // 0 is the parameter (operand 0, output 0), buffer `1 + k` state `k` (operand `2 + k`,
+    // output `1 + k`).
     let mut kept = vec![false; 1 + states.len()];
-    let slot = |v: KVal| match v {
-        KVal::Param => Some(0),
-        KVal::State(j) => Some(1 + j as usize),
+    let buffer = |v: Val| match v {
+        Val::Arg(0) => Some(0),
+        Val::Arg(a) if a >= 2 => Some(a as usize - 1),
         _ => None,
     };
     let mut written = vec![false; 1 + states.len()];
-    for step in &prog.steps {
-        let reads: &[KVal] = match step {
-            KStep::Unary(_, x) | KStep::Write(_, x) => std::slice::from_ref(x),
-            KStep::Binary(_, a, b) => &[*a, *b][..],
-        };
-        for i in reads.iter().filter_map(|&v| slot(v)) {
+    for step in prog.steps() {
+        for i in step.reads().filter_map(buffer) {
             kept[i] |= written[i];
         }
-        if let KStep::Write(t, _) = step {
-            written[match t {
-                Target::Param => 0,
-                Target::State(j) => 1 + j,
-            }] = true;
+        if let Step::Write(o, _) = *step {
+            written[o as usize] = true;
         }
     }
     let threads = rayon::current_num_threads().min(n / (16 * BLOCK)).max(1);
@@ -179,7 +173,9 @@ pub fn update_clear<F: HostFloat>(prog: &UpdateKernel, p: &mut [F], acc: &mut [F
         p.chunks_mut(per).zip(acc.chunks_mut(per)).map(|(p, a)| (p, a, parts.iter_mut().map(|v| v.remove(0)).collect::<Vec<_>>())).collect();
     each(shares, |(p, acc, mut st)| {
         // Scratch: the gradient, the parameter and the states as they were, the steps' values.
-        F::scratch((2 + st.len() + lets) * BLOCK, |scratch| vectorized(Update { prog, kept: &kept, consts, scale, p, acc, states: &mut st, scratch }))
+        F::scratch((2 + st.len() + lets) * BLOCK, |scratch| {
+            vectorized(Update { prog, kept: &kept, scalars, scale, p, acc, states: &mut st, scratch })
+        })
     });
 }
 
@@ -224,9 +220,9 @@ fn binary_into<F: HostFloat>(op: Binary, dst: &mut [F], a: Src<F>, b: Src<F>) {
 /// [`update_clear`]'s loop over one share's blocks, as a [`vectorized`] op (too large for a
 /// closure, which ran on SSE2: see there).
 struct Update<'a, 'b, F> {
-    prog: &'a UpdateKernel,
+    prog: &'a Program,
     kept: &'a [bool],
-    consts: &'a [F],
+    scalars: &'a [F],
     scale: F,
     p: &'a mut [F],
     acc: &'a mut [F],
@@ -238,10 +234,10 @@ impl<F: HostFloat> pulp::WithSimd for Update<'_, '_, F> {
     type Output = ();
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, _: S) {
-        let Update { prog, kept, consts, scale, p, acc, states, scratch } = self;
+        let Update { prog, kept, scalars, scale, p, acc, states, scratch } = self;
         for start in (0..p.len()).step_by(BLOCK) {
             let m = BLOCK.min(p.len() - start);
-            update_block(prog, kept, consts, scale, &mut p[start..start + m], &mut acc[start..start + m], states, start, scratch);
+            update_block(prog, kept, scalars, scale, &mut p[start..start + m], &mut acc[start..start + m], states, start, scratch);
         }
     }
 }
@@ -253,9 +249,9 @@ impl<F: HostFloat> pulp::WithSimd for Update<'_, '_, F> {
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn update_block<F: HostFloat>(
-    prog: &UpdateKernel,
+    prog: &Program,
     kept: &[bool],
-    consts: &[F],
+    scalars: &[F],
     scale: F,
     p: &mut [F],
     acc: &mut [F],
@@ -275,53 +271,51 @@ fn update_block<F: HostFloat>(
     for (j, s) in states.iter().enumerate().filter(|(j, _)| kept[1 + j]) {
         old[j * BLOCK..][..m].copy_from_slice(&s[start..start + m]);
     }
-    for (next, step) in prog.steps.iter().enumerate() {
+    let leaf = |v: Val| match v {
+        Val::Scalar(i) => scalars[i as usize],
+        _ => F::from_f64(v.literal().expect("a scalar input or a literal")),
+    };
+    for (next, step) in prog.steps().iter().enumerate() {
         let (done, rest) = lets.split_at_mut(next * BLOCK);
         let dst = &mut rest[..m];
         // A write of a step's value or a constant lands straight in its target.
         let direct = match *step {
-            KStep::Write(t, KVal::Let(i)) => Some((t, Src::Block(&done[i as usize * BLOCK..][..m]))),
-            KStep::Write(t, KVal::Const(i)) => Some((t, Src::Splat(consts[i as usize]))),
+            Step::Write(o, Val::Let(i)) => Some((o, Src::Block(&done[i as usize * BLOCK..][..m]))),
+            Step::Write(o, v @ (Val::Scalar(_) | Val::Lit(_))) => Some((o, Src::Splat(leaf(v)))),
             _ => None,
         };
-        if let Some((t, x)) = direct {
-            let to: &mut [F] = match t {
-                Target::Param => &mut *p,
-                Target::State(j) => &mut states[j][start..start + m],
-            };
+        if let Some((o, x)) = direct {
+            let to: &mut [F] = if o == 0 { &mut *p } else { &mut states[o as usize - 1][start..start + m] };
             x.copy_to(to);
             continue;
         }
-        let val = |v: KVal| match v {
-            KVal::Param if kept[0] => Src::Block(&w[..m]),
-            KVal::Param => Src::Block(&*p),
-            KVal::Grad => Src::Block(&g[..m]),
-            KVal::State(j) if kept[1 + j as usize] => Src::Block(&old[j as usize * BLOCK..][..m]),
-            KVal::State(j) => Src::Block(&states[j as usize][start..start + m]),
-            KVal::Const(i) => Src::Splat(consts[i as usize]),
-            KVal::Let(i) => Src::Block(&done[i as usize * BLOCK..][..m]),
+        let val = |v: Val| match v {
+            Val::Arg(0) if kept[0] => Src::Block(&w[..m]),
+            Val::Arg(0) => Src::Block(&*p),
+            Val::Arg(1) => Src::Block(&g[..m]),
+            Val::Arg(a) if kept[a as usize - 1] => Src::Block(&old[(a as usize - 2) * BLOCK..][..m]),
+            Val::Arg(a) => Src::Block(&states[a as usize - 2][start..start + m]),
+            Val::Scalar(_) | Val::Lit(_) => Src::Splat(leaf(v)),
+            Val::Let(i) => Src::Block(&done[i as usize * BLOCK..][..m]),
         };
         let write = match *step {
-            KStep::Unary(op, x) => {
+            Step::Unary(op, x) => {
                 val(x).copy_to(dst);
                 unary(op, dst);
                 None
             }
-            KStep::Binary(op, a, b) => {
+            Step::Binary(op, a, b) => {
                 binary_into(op, dst, val(a), val(b));
                 None
             }
             // The parameter or a state written as it is: through this step's slot.
-            KStep::Write(t, x) => {
+            Step::Write(o, x) => {
                 val(x).copy_to(dst);
-                Some(t)
+                Some(o)
             }
         };
-        if let Some(t) = write {
-            let to: &mut [F] = match t {
-                Target::Param => &mut *p,
-                Target::State(j) => &mut states[j][start..start + m],
-            };
+        if let Some(o) = write {
+            let to: &mut [F] = if o == 0 { &mut *p } else { &mut states[o as usize - 1][start..start + m] };
             to.copy_from_slice(dst);
         }
     }
@@ -331,11 +325,12 @@ fn update_block<F: HostFloat>(
 /// `e` over `part` (output elements from `first` on), its operands read as `reads` say
 /// (`e.reads`, or [`fused`]'s with written-out periods).
 fn program<F: HostFloat>(e: &Elementwise, reads: &[Read], args: Operands<F>, first: usize, part: &mut [F]) {
-    F::scratch(e.depth.max(1) * BLOCK, |stack| vectorized(Program { e, reads, args, first, stack, part }))
+    // A block for an epilogue's saved operand 0, then one per value beyond the first.
+    F::scratch((e.depth + 1) * BLOCK, |stack| vectorized(Blocks { e, reads, args, first, stack, part }))
 }
 
 /// [`program`]'s loop over blocks, as a [`vectorized`] op (too large for a closure: see there).
-struct Program<'a, F> {
+struct Blocks<'a, F> {
     e: &'a Elementwise,
     reads: &'a [Read],
     args: Operands<'a, F>,
@@ -344,7 +339,7 @@ struct Program<'a, F> {
     part: &'a mut [F],
 }
 
-impl<F: HostFloat> pulp::WithSimd for Program<'_, F> {
+impl<F: HostFloat> pulp::WithSimd for Blocks<'_, F> {
     type Output = ();
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, _: S) {
@@ -354,118 +349,173 @@ impl<F: HostFloat> pulp::WithSimd for Program<'_, F> {
     }
 }
 
-/// One block of a program: output elements `[start, start + dst.len())`. The stack's bottom
-/// slot is `dst` itself (the program's value ends there), the others are `stack`'s. An
-/// operand followed by a binary op is applied to the top of the stack straight from its
-/// memory, piece by piece ([`Runs`]), and the first operand with the op after it is computed
-/// into `dst` in one pass; only operands read in short pieces are gathered into a slot first.
-/// Every op is the same op on the same values as in the unfused plan, in the same order.
+/// Slots `t` and `t + 1` of a block's values: slot 0 is `dst`, slot `t > 0` is `stack`'s
+/// `t - 1`-th block.
+#[inline(always)]
+fn slots<'a, F>(dst: &'a mut [F], stack: &'a mut [F], t: usize) -> (&'a mut [F], &'a mut [F]) {
+    let n = dst.len();
+    if t == 0 {
+        return (dst, &mut stack[..n]);
+    }
+    let (lo, hi) = stack.split_at_mut(t * BLOCK);
+    (&mut lo[(t - 1) * BLOCK..][..n], &mut hi[..n])
+}
+
+/// `a = a op b`, or (`rev`) `a = b op a`, element by element.
+#[inline(always)]
+fn assign<F: HostFloat>(op: Binary, a: &mut [F], b: Src<F>, rev: bool) {
+    if !rev {
+        return binary_assign(op, a, b);
+    }
+    with_binary!(op, |f| match b {
+        Src::Block(b) => a.iter_mut().zip(b).for_each(|(x, &y)| *x = f(y, *x)),
+        Src::Splat(y) => a.iter_mut().for_each(|x| *x = f(y, *x)),
+    })
+}
+
+/// One block of a program: output elements `[start, start + dst.len())`. The program is a
+/// tree in postfix order, so the values it holds form a stack: slot 0 is `dst` itself (the
+/// program's value ends there), the others are `stack`'s. An op on the value on top and an
+/// operand reads the operand straight from its memory, piece by piece ([`Runs`]), into the
+/// top slot; an op on two operands whose blocks are whole is computed into a new slot in one
+/// pass; only operands read in short pieces are gathered into a slot first. Every op is the
+/// same op on the same values as in the unfused plan, so the bits are the unfused plan's.
 #[inline(always)]
 fn fused_block<F: HostFloat>(e: &Elementwise, reads: &[Read], args: Operands<F>, start: usize, stack: &mut [F], dst: &mut [F]) {
-    static SAME: Read = Read::Same;
     let n = dst.len();
+    let steps = e.prog.steps();
     // An epilogue's operand 0 is `dst` as the head left it, overwritten by the program from
-    // its first op on: any read of it after the first term is of a copy, taken now.
+    // its first op on: a first step whose first operand it is computes in place, and any
+    // other read of it is of a copy, taken now.
     let (saved, stack) = stack.split_at_mut(BLOCK);
     let head = matches!(args, Operands::Head(_));
-    if head && e.terms.iter().enumerate().any(|(k, t)| k > 0 && *t == Term::Arg(0)) {
+    let in_place = head && matches!(steps.first(), Some(Step::Unary(_, Val::Arg(0)) | Step::Binary(_, Val::Arg(0), _) | Step::Write(_, Val::Arg(0))));
+    let reads0 = steps.iter().flat_map(|s| s.reads()).filter(|&v| v == Val::Arg(0)).count();
+    if head && reads0 > usize::from(in_place) {
         saved[..n].copy_from_slice(dst);
     }
-    let saved = &saved[..n];
-    // Operand `i`: how the block reads it, its memory, and the index of the block's first
-    // element in that memory's frame.
-    let operand = |i: usize| -> (&Read, &[F], usize) {
-        match args {
-            Operands::All(a) => (&reads[i], a[i], start),
-            Operands::Head(_) if i == 0 => (&SAME, saved, 0),
-            Operands::Head(a) => (&reads[i], a[i - 1], start),
-        }
-    };
-    let terms = &e.terms[..];
+    let leaves = Leaves { reads, args, saved: &saved[..n], start, n };
     let mut sp = 0;
-    let mut k = 0;
-    while k < terms.len() {
-        let next = match terms.get(k + 1) {
-            Some(&Term::Binary(op)) => Some(op),
-            _ => None,
-        };
-        // An operand or a literal, then a binary op: applied to the top of the stack.
-        if let (Some(op), true) = (next, sp >= 1) {
-            let top = if sp == 1 { &mut *dst } else { &mut stack[(sp - 2) * BLOCK..][..n] };
-            let done = match terms[k] {
-                Term::Lit(v) => {
-                    binary_assign(op, top, Src::Splat(F::from_f64(v)));
-                    true
-                }
-                Term::Arg(i) => {
-                    let (r, x, at) = operand(i);
-                    // A `for` loop: a closure this large would be called, not inlined (see
-                    // [`vectorized`]).
-                    match Runs::new(r, x, at, n) {
-                        Some(runs) => {
-                            for (o, len, b) in runs {
-                                binary_assign(op, &mut top[o..o + len], b);
-                            }
-                            true
-                        }
-                        None => false,
+    for (k, step) in steps.iter().enumerate() {
+        // The first step's operand 0 of an epilogue is already in slot 0.
+        let ready = in_place && k == 0;
+        match *step {
+            Step::Unary(op, x) => {
+                if x.is_leaf() {
+                    if !ready {
+                        leaves.load(x, slots(dst, stack, sp).0);
                     }
+                    sp += 1;
                 }
-                _ => false,
-            };
-            if done {
-                k += 2;
-                continue;
+                unary(op, slots(dst, stack, sp - 1).0);
+            }
+            Step::Binary(op, a, b) => match (a.is_leaf(), b.is_leaf()) {
+                (false, false) => {
+                    let (lo, hi) = slots(dst, stack, sp - 2);
+                    binary(op, lo, hi);
+                    sp -= 1;
+                }
+                (false, true) => {
+                    let (top, spare) = slots(dst, stack, sp - 1);
+                    leaves.apply(op, top, b, false, spare);
+                }
+                (true, false) => {
+                    let (top, spare) = slots(dst, stack, sp - 1);
+                    leaves.apply(op, top, a, true, spare);
+                }
+                (true, true) => {
+                    let (top, spare) = slots(dst, stack, sp);
+                    if ready {
+                        leaves.apply(op, top, b, false, spare);
+                    } else if let (Some(x), Some(y)) = (leaves.whole(a), leaves.whole(b)) {
+                        binary_into(op, top, x, y);
+                    } else {
+                        leaves.load(a, top);
+                        leaves.apply(op, top, b, false, spare);
+                    }
+                    sp += 1;
+                }
+            },
+            Step::Write(_, v) => {
+                if v.is_leaf() && !ready {
+                    leaves.load(v, dst);
+                }
             }
         }
-        // The first operand, an operand or a literal, and a binary op: into `dst` in one pass.
-        if let (0, Term::Arg(i), Some(&Term::Binary(op))) = (sp, terms[k], terms.get(k + 2)) {
-            let (r, x, at) = operand(i);
-            let first = if head && i == 0 && k == 0 { None } else { Runs::new(r, x, at, n).and_then(Runs::whole) };
-            let second = match terms[k + 1] {
-                Term::Lit(v) => Some(Src::Splat(F::from_f64(v))),
-                Term::Arg(j) => {
-                    let (r, x, at) = operand(j);
-                    Runs::new(r, x, at, n).and_then(Runs::whole)
-                }
-                _ => None,
-            };
-            if let (Some(a), Some(b)) = (first, second) {
-                binary_into(op, dst, a, b);
-                sp = 1;
-                k += 3;
-                continue;
-            }
-        }
-        match terms[k] {
-            Term::Arg(i) => {
-                let slot = if sp == 0 { &mut *dst } else { &mut stack[(sp - 1) * BLOCK..][..n] };
-                // An epilogue's output read first is already where it belongs.
-                if !(head && i == 0 && k == 0) {
-                    let (r, x, at) = operand(i);
-                    gather(r, x, at, slot);
-                }
-                sp += 1;
-            }
-            Term::Lit(v) => {
-                let slot = if sp == 0 { &mut *dst } else { &mut stack[(sp - 1) * BLOCK..][..n] };
-                slot.fill(F::from_f64(v));
-                sp += 1;
-            }
-            Term::Unary(u) => unary(u, if sp == 1 { &mut *dst } else { &mut stack[(sp - 2) * BLOCK..][..n] }),
-            Term::Binary(op) => {
-                if sp == 2 {
-                    binary(op, dst, &stack[..n]);
-                } else {
-                    let (lo, hi) = stack.split_at_mut((sp - 2) * BLOCK);
-                    binary(op, &mut lo[(sp - 3) * BLOCK..][..n], &hi[..n]);
-                }
-                sp -= 1;
-            }
-        }
-        k += 1;
     }
-    debug_assert_eq!(sp, 1, "a program leaves one value");
+}
+
+/// How [`fused_block`] reads a program's leaves (operands and literals) for one block.
+struct Leaves<'a, F> {
+    reads: &'a [Read],
+    args: Operands<'a, F>,
+    /// An epilogue's operand 0 as the head left it (where the program reads it again).
+    saved: &'a [F],
+    /// The block's first output element, and its length.
+    start: usize,
+    n: usize,
+}
+
+impl<'a, F: HostFloat> Leaves<'a, F> {
+    /// Operand `i`: how the block reads it, its memory, and the index of the block's first
+    /// element in that memory's frame.
+    #[inline(always)]
+    fn operand(&self, i: u8) -> (&'a Read, &'a [F], usize) {
+        static SAME: Read = Read::Same;
+        match self.args {
+            Operands::All(a) => (&self.reads[i as usize], a[i as usize], self.start),
+            Operands::Head(_) if i == 0 => (&SAME, self.saved, 0),
+            Operands::Head(a) => (&self.reads[i as usize], a[i as usize - 1], self.start),
+        }
+    }
+
+    #[inline(always)]
+    fn literal(v: Val) -> F {
+        F::from_f64(v.literal().expect("an elementwise program's leaves are operands and literals"))
+    }
+
+    /// A leaf's values for the block in one piece, where they are.
+    #[inline(always)]
+    fn whole(&self, v: Val) -> Option<Src<'a, F>> {
+        match v {
+            Val::Arg(i) => {
+                let (r, x, at) = self.operand(i);
+                Runs::new(r, x, at, self.n).and_then(Runs::whole)
+            }
+            _ => Some(Src::Splat(Self::literal(v))),
+        }
+    }
+
+    /// A leaf's values into `slot`.
+    #[inline(always)]
+    fn load(&self, v: Val, slot: &mut [F]) {
+        match v {
+            Val::Arg(i) => {
+                let (r, x, at) = self.operand(i);
+                gather(r, x, at, slot);
+            }
+            _ => slot.fill(Self::literal(v)),
+        }
+    }
+
+    /// `top = top op v` (`rev`: `v op top`), the leaf `v` read piece by piece where it can be,
+    /// else gathered into `spare` first.
+    #[inline(always)]
+    fn apply(&self, op: Binary, top: &mut [F], v: Val, rev: bool, spare: &mut [F]) {
+        let Val::Arg(i) = v else { return assign(op, top, Src::Splat(Self::literal(v)), rev) };
+        let (r, x, at) = self.operand(i);
+        match Runs::new(r, x, at, self.n) {
+            Some(runs) => {
+                for (o, len, b) in runs {
+                    assign(op, &mut top[o..o + len], b, rev);
+                }
+            }
+            None => {
+                gather(r, x, at, spare);
+                assign(op, top, Src::Block(spare), rev);
+            }
+        }
+    }
 }
 
 /// An operand's values for a block of output elements, piece by piece: `(offset in the
@@ -659,7 +709,7 @@ mod tests {
     #[test]
     fn fused_programs_read_every_broadcast_and_round_as_the_ops_do() {
         use cellgraph_compiler::{Op, TensorType};
-        let expr: cellgraph_compiler::expr::Expr =
+        let expr: cellgraph_compiler::program::Program =
             "$0 $1 mul $2 add $3 sub relu $4 div $0 relu_grad 0.5 add exp log sqrt neg tanh erf".parse().unwrap();
         let dims: [&[usize]; 5] = [&[4, 100, 100], &[], &[100], &[100, 1], &[4, 1, 100]];
         let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.to_vec())).collect();
@@ -690,7 +740,7 @@ mod tests {
     #[test]
     fn short_periodic_reads_are_written_out_once_with_the_same_values() {
         use cellgraph_compiler::{Op, TensorType};
-        let expr: cellgraph_compiler::expr::Expr = "$0 $1 sub $2 div $0 mul".parse().unwrap();
+        let expr: cellgraph_compiler::program::Program = "$0 $1 sub $2 div $0 mul".parse().unwrap();
         let dims: [&[usize]; 3] = [&[40, 64, 2, 2], &[1, 64, 1, 1], &[64, 1, 1]];
         let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.to_vec())).collect();
         let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else {
@@ -718,7 +768,7 @@ mod tests {
     #[test]
     fn epilogue_programs_read_the_heads_output_as_it_was() {
         use cellgraph_compiler::{Op, TensorType};
-        let expr: cellgraph_compiler::expr::Expr = "$0 $1 add $0 mul $2 sub 2.0 $0 mul $3 mul add".parse().unwrap();
+        let expr: cellgraph_compiler::program::Program = "$0 $1 add $0 mul $2 sub 2.0 $0 mul $3 mul add".parse().unwrap();
         let dims: [&[usize]; 4] = [&[4, 100, 100], &[100], &[4, 100, 1], &[4, 1, 100]];
         let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.to_vec())).collect();
         let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else {
