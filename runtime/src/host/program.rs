@@ -325,8 +325,15 @@ fn update_block<F: HostFloat>(
 /// `e` over `part` (output elements from `first` on), its operands read as `reads` say
 /// (`e.reads`, or [`fused`]'s with written-out periods).
 fn program<F: HostFloat>(e: &Elementwise, reads: &[Read], args: Operands<F>, first: usize, part: &mut [F]) {
-    // A block for an epilogue's saved operand 0, then one per value beyond the first.
-    F::scratch((e.depth + 1) * BLOCK, |stack| vectorized(Blocks { e, reads, args, first, stack, part }))
+    // An epilogue's operand 0 is the output as the head left it, overwritten by the program
+    // from its first op on: a first step whose first operand it is computes in place, and
+    // any other read of it is of a copy, taken per block.
+    let steps = e.prog.steps();
+    let head = matches!(args, Operands::Head(_));
+    let in_place = head && matches!(steps.first(), Some(Step::Unary(_, Val::Arg(0)) | Step::Binary(_, Val::Arg(0), _) | Step::Write(_, Val::Arg(0))));
+    let save = head && steps.iter().flat_map(|s| s.reads()).filter(|&v| v == Val::Arg(0)).count() > usize::from(in_place);
+    // A block for the saved operand 0, then one per value beyond the first.
+    F::scratch((e.depth + 1) * BLOCK, |stack| vectorized(Blocks { e, reads, args, in_place, save, first, stack, part }))
 }
 
 /// [`program`]'s loop over blocks, as a [`vectorized`] op (too large for a closure: see there).
@@ -334,6 +341,8 @@ struct Blocks<'a, F> {
     e: &'a Elementwise,
     reads: &'a [Read],
     args: Operands<'a, F>,
+    in_place: bool,
+    save: bool,
     first: usize,
     stack: &'a mut [F],
     part: &'a mut [F],
@@ -343,10 +352,19 @@ impl<F: HostFloat> pulp::WithSimd for Blocks<'_, F> {
     type Output = ();
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, _: S) {
+        let at = Head { in_place: self.in_place, save: self.save };
         for (b, dst) in self.part.chunks_mut(BLOCK).enumerate() {
-            fused_block(self.e, self.reads, self.args, self.first + b * BLOCK, self.stack, dst);
+            fused_block(self.e, self.reads, self.args, at, self.first + b * BLOCK, self.stack, dst);
         }
     }
+}
+
+/// Where an epilogue's operand 0 is ([`program`]): in the output block for the first step
+/// (`in_place`), and copied first for reads after it (`save`).
+#[derive(Clone, Copy)]
+struct Head {
+    in_place: bool,
+    save: bool,
 }
 
 /// Slots `t` and `t + 1` of a block's values: slot 0 is `dst`, slot `t > 0` is `stack`'s
@@ -381,17 +399,13 @@ fn assign<F: HostFloat>(op: Binary, a: &mut [F], b: Src<F>, rev: bool) {
 /// pass; only operands read in short pieces are gathered into a slot first. Every op is the
 /// same op on the same values as in the unfused plan, so the bits are the unfused plan's.
 #[inline(always)]
-fn fused_block<F: HostFloat>(e: &Elementwise, reads: &[Read], args: Operands<F>, start: usize, stack: &mut [F], dst: &mut [F]) {
+#[allow(clippy::too_many_arguments)]
+fn fused_block<F: HostFloat>(e: &Elementwise, reads: &[Read], args: Operands<F>, at: Head, start: usize, stack: &mut [F], dst: &mut [F]) {
     let n = dst.len();
     let steps = e.prog.steps();
-    // An epilogue's operand 0 is `dst` as the head left it, overwritten by the program from
-    // its first op on: a first step whose first operand it is computes in place, and any
-    // other read of it is of a copy, taken now.
+    let Head { in_place, save } = at;
     let (saved, stack) = stack.split_at_mut(BLOCK);
-    let head = matches!(args, Operands::Head(_));
-    let in_place = head && matches!(steps.first(), Some(Step::Unary(_, Val::Arg(0)) | Step::Binary(_, Val::Arg(0), _) | Step::Write(_, Val::Arg(0))));
-    let reads0 = steps.iter().flat_map(|s| s.reads()).filter(|&v| v == Val::Arg(0)).count();
-    if head && reads0 > usize::from(in_place) {
+    if save {
         saved[..n].copy_from_slice(dst);
     }
     let leaves = Leaves { reads, args, saved: &saved[..n], start, n };
@@ -477,12 +491,11 @@ impl<'a, F: HostFloat> Leaves<'a, F> {
     /// A leaf's values for the block in one piece, where they are.
     #[inline(always)]
     fn whole(&self, v: Val) -> Option<Src<'a, F>> {
-        match v {
-            Val::Arg(i) => {
-                let (r, x, at) = self.operand(i);
-                Runs::new(r, x, at, self.n).and_then(Runs::whole)
-            }
-            _ => Some(Src::Splat(Self::literal(v))),
+        let Val::Arg(i) = v else { return Some(Src::Splat(Self::literal(v))) };
+        match self.operand(i) {
+            (Read::Same, x, at) => Some(Src::Block(&x[at..at + self.n])),
+            (Read::Splat, x, _) => Some(Src::Splat(x[0])),
+            _ => None,
         }
     }
 
@@ -559,16 +572,6 @@ impl<'a, F: Copy> Runs<'a, F> {
             _ => return None,
         };
         Some(Runs { x, kind, k: 0, n, od })
-    }
-
-    /// The block's values as one piece, when they are.
-    #[inline(always)]
-    fn whole(self) -> Option<Src<'a, F>> {
-        match self.kind {
-            RunKind::Same => Some(Src::Block(&self.x[self.od.at..self.od.at + self.n])),
-            RunKind::Splat => Some(Src::Splat(self.x[0])),
-            _ => None,
-        }
     }
 }
 
@@ -732,6 +735,34 @@ mod tests {
             use crate::host::math::{erf, exp, tanh};
             let want = erf(tanh(-(exp(v + 0.5f32).ln().sqrt())));
             assert_eq!(g.to_bits(), want.to_bits(), "element {i}: {g} vs {want}");
+        }
+    }
+
+    /// An operand on the left of a value already computed is applied to it in place, read
+    /// piece by piece where its runs are long (a whole operand, one element, a bias, strided
+    /// rows of 20) and gathered first where they are short (rows of 5): `$4 - $3 * ($2 / ($1 -
+    /// $0 * $0)) + $0`, against the ops written out per element.
+    #[test]
+    fn operands_before_a_computed_value_are_read_in_every_way() {
+        use cellgraph_compiler::{Op, TensorType};
+        let expr: cellgraph_compiler::program::Program = "$0 $4 $3 $2 $1 $0 $0 mul sub div mul sub add".parse().unwrap();
+        for [a, b, c] in [[4, 30, 20], [6, 7, 5]] {
+            let dims: [Vec<usize>; 5] = [vec![a, b, c], vec![], vec![c], vec![b, 1], vec![a, 1, c]];
+            let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.clone())).collect();
+            let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr: expr.clone() }, &tys.iter().collect::<Vec<_>>())
+            else {
+                panic!("fused binds")
+            };
+            let xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i)).collect();
+            let args: Vec<&[f32]> = xs.iter().map(|v| &v[..]).collect();
+            let got = new(e.len, |out| fused(&e, &args, out));
+            for (i, &g) in got.iter().enumerate() {
+                let (n, r, col) = (i / (b * c), i / c % b, i % c);
+                let x0 = xs[0][i];
+                let v = xs[2][col] / (xs[1][0] - x0 * x0);
+                let want = x0 + (xs[4][n * c + col] - xs[3][r] * v);
+                assert_eq!(g.to_bits(), want.to_bits(), "{a}x{b}x{c}, element {i}: {g} vs {want}");
+            }
         }
     }
 
