@@ -249,7 +249,30 @@ pub fn to_safetensors_bytes(tensors: &Tensors, meta: &BTreeMap<String, String>) 
     meta.insert("cellgraph.crc32".into(), format!("{:08x}", crc_of(tensors)));
     meta.insert("format".into(), "cellgraph-1".into());
     let meta: std::collections::HashMap<String, String> = meta.into_iter().collect();
-    safetensors::tensor::serialize(views, Some(meta)).map_err(|e| err(Path::new("<memory>"), 0, e.to_string()))
+    let bytes = safetensors::tensor::serialize(views, Some(meta)).map_err(|e| err(Path::new("<memory>"), 0, e.to_string()))?;
+    Ok(sorted_metadata(bytes))
+}
+
+/// The same safetensors bytes with the header's `__metadata__` in key order: safetensors
+/// writes it from a `HashMap`, in an order that differs from one save to the next, and a
+/// checkpoint of the same values should be the same bytes. The header keeps its padding to
+/// 8 bytes with spaces, as safetensors pads it.
+fn sorted_metadata(bytes: Vec<u8>) -> Vec<u8> {
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes of header length")) as usize;
+    let mut header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).expect("safetensors writes a JSON object as its header");
+    let Some(serde_json::Value::Object(meta)) = header.remove("__metadata__") else { return bytes };
+    let meta: BTreeMap<String, serde_json::Value> = meta.into_iter().collect();
+    let mut sorted = serde_json::Map::new();
+    sorted.insert("__metadata__".into(), serde_json::Value::Object(meta.into_iter().collect()));
+    sorted.extend(header);
+    let mut text = serde_json::to_vec(&sorted).expect("a JSON object serializes");
+    text.resize(text.len().div_ceil(8) * 8, b' ');
+    let mut out = Vec::with_capacity(8 + text.len() + bytes.len() - 8 - n);
+    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&bytes[8 + n..]);
+    out
 }
 
 /// Decodes native safetensors and checks the checksum; returns tensors and metadata.

@@ -81,6 +81,28 @@ fn mindspore_ckpt_is_byte_for_byte_what_mindspore_writes_with_its_crc() {
     assert_eq!(from_ckpt_bytes(path, &reference[..reference.len() - 17]).unwrap(), t);
 }
 
+/// The same values saved again are the same bytes: safetensors writes its metadata from a
+/// hash map, in an order of its own each time; the header is rewritten in key order (eight
+/// saves of four keys would all agree by chance once in 24^7).
+#[test]
+fn checkpoints_of_the_same_values_are_the_same_bytes() {
+    let mut t = Tensors::new();
+    t.insert("fc.weight".into(), HostTensor::f32(vec![2, 3], (0..6).map(|i| i as f32).collect()).unwrap());
+    t.insert("cellgraph.updates".into(), HostTensor { shape: vec![], data: HostData::I64(vec![3]) });
+    let meta: BTreeMap<String, String> = [("net", "lenet"), ("epoch", "2")].into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let first = checkpoint::to_safetensors_bytes(&t, &meta).unwrap();
+    for _ in 0..7 {
+        assert_eq!(checkpoint::to_safetensors_bytes(&t, &meta).unwrap(), first);
+    }
+    let n = u64::from_le_bytes(first[..8].try_into().unwrap()) as usize;
+    assert_eq!(n % 8, 0, "the header is padded to 8 bytes");
+    let header = std::str::from_utf8(&first[8..8 + n]).unwrap();
+    let at = |k: &str| header.find(&format!("\"{k}\"")).unwrap_or_else(|| panic!("{k} in {header}"));
+    assert!(at("cellgraph.crc32") < at("epoch") && at("epoch") < at("format") && at("format") < at("net"), "{header}");
+    let (back, m) = checkpoint::from_safetensors_bytes(std::path::Path::new("mem"), &first).unwrap();
+    assert_eq!((back, m.get("net").map(String::as_str)), (t, Some("lenet")));
+}
+
 #[test]
 fn checkpoints_round_trip_atomically_and_corruption_is_an_error() {
     let dir = tmpdir("ckpt");
