@@ -1,4 +1,5 @@
-//! The runtime's structure, read from its source: no import circles between its modules.
+//! The runtime's structure, read from its source: no import circles between its modules, no
+//! file over 800 lines.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -98,4 +99,27 @@ fn the_runtime_has_no_import_circles() {
         let circles: Vec<Vec<&String>> = tarjan_scc(&g).into_iter().filter(|c| c.len() > 1).map(|c| c.into_iter().map(|n| &g[n]).collect()).collect();
         assert!(circles.is_empty(), "modules importing each other (depth {depth}): {circles:?}");
     }
+}
+
+/// No file of the runtime is a drawer: each holds one kernel family or one part of running
+/// plans, at most 800 lines with its unit tests (a longer one is split by family, as
+/// `host/reads.rs` from `host/program.rs`, `cube/update.rs` from `cube/mod.rs`).
+#[test]
+fn no_runtime_file_is_over_800_lines() {
+    fn walk(dir: &Path, out: &mut Vec<(String, usize)>) {
+        for e in std::fs::read_dir(dir).expect("runtime/src is readable") {
+            let p = e.expect("a directory entry").path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                let lines = std::fs::read_to_string(&p).expect("a readable source file").lines().count();
+                out.push((p.display().to_string(), lines));
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(&Path::new(env!("CARGO_MANIFEST_DIR")).join("runtime/src"), &mut files);
+    assert!(files.len() > 40, "runtime files: {files:?}");
+    let long: Vec<&(String, usize)> = files.iter().filter(|(_, n)| *n > 800).collect();
+    assert!(long.is_empty(), "files over 800 lines: {long:?}");
 }

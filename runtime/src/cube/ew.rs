@@ -2,7 +2,7 @@
 //! an epilogue's, ReLU and its gradient alone) becomes an [`EwKernel`] that [`elementwise`]
 //! unrolls when it is compiled, so the whole program is one launch with its operands read
 //! once and no intermediate in memory. The optimizer's boundary kernel
-//! ([`super::update_clear`]) runs its [`Program`] through the same [`step`]s.
+//! ([`super::update::update_clear`]) runs its [`Program`] through the same [`step`]s.
 
 use cellgraph_compiler::program::{Binary, Program, Step, Unary, Val};
 use cubecl::prelude::*;

@@ -14,6 +14,7 @@ pub mod loss;
 pub mod math;
 pub mod pool;
 pub mod program;
+mod reads;
 pub mod rows;
 mod toeplitz;
 
