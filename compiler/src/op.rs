@@ -441,13 +441,14 @@ impl Op {
 
     /// True for the ops an [`Op::Epilogue`] may have as its head: ops of a fixed arity whose
     /// host kernels hand their output over in parts (matrix products, convolutions, max
-    /// pooling's gradient), or produce a weight's gradient (a convolution's filter gradient
-    /// and a sum over the leading axis, a bias's gradient, whose epilogues add them into their
-    /// accumulators).
+    /// pooling's gradient), or produce a weight's gradient (a convolution's filter gradient,
+    /// and sums that drop their axes: a bias's gradient over the batch, a batch norm's or
+    /// layer norm's scale and shift gradients over the other axes), whose epilogues add them
+    /// into their accumulators.
     pub fn takes_epilogue(&self) -> bool {
         match self {
             Op::MatMul { .. } | Op::Conv2d(_) | Op::MaxPool2dGrad(_) | Op::Conv2dBackpropFilter { .. } => true,
-            Op::ReduceSum(r) => r.axes == [0] && !r.keep_dims,
+            Op::ReduceSum(r) => !r.keep_dims,
             _ => false,
         }
     }

@@ -167,11 +167,14 @@ mod tests {
         let s = g.add(Op::Add, &[m, c], "t").unwrap();
         let v = leaf(&mut g, "v", vec![4]);
         let n = g.add(Op::MatMul { transpose_a: false, transpose_b: false }, &[a, b], "t").unwrap();
-        // A sum over the last axis is no head (a sum over the first, a bias's gradient, is).
+        // A product summed over its rows is no head of the sum (which is the head of `* v`).
         let n1 = g.add(Op::ReduceSum(crate::op::ReduceAttrs { axes: vec![1], keep_dims: false }), &[n], "t").unwrap();
         let e = g.add(Op::Mul, &[n1, v], "t").unwrap();
         g.set_outputs(vec![r, s, e]);
-        assert_eq!(fuse_epilogues(&mut g), 0, "m has two users; n feeds a reduction over its rows");
+        assert_eq!(fuse_epilogues(&mut g), 1, "m has two users; n feeds a reduction over its rows");
+        let e = g.outputs()[2];
+        assert_eq!(epilogue(&g, e), ("reduce_sum".into(), "$0 $1 mul".into()));
+        assert_eq!(g.operands(e), vec![n, v]);
         let mut g = Graph::new("g");
         let (a, b, c) = (leaf(&mut g, "a", vec![1, 3]), leaf(&mut g, "b", vec![3, 5]), leaf(&mut g, "c", vec![4, 5]));
         let m = g.add(Op::MatMul { transpose_a: false, transpose_b: false }, &[a, b], "t").unwrap();
@@ -239,6 +242,9 @@ mod tests {
         assert_eq!(accumulator(&g, sum), None);
     }
 
+    /// A bias's gradient (a sum over the batch) and a sum over other axes that drops them (a
+    /// batch norm's or layer norm's scale gradient) take their accumulation; a sum that keeps
+    /// its axes does not.
     #[test]
     fn a_bias_gradient_summed_over_the_batch_takes_its_accumulation() {
         let mut g = Graph::new("g");
@@ -247,7 +253,7 @@ mod tests {
         let db = g.add(sum(vec![0], false), &[dy], "grad.fc").unwrap();
         let acc = leaf(&mut g, "accu_grads.fc.bias", vec![4]);
         g.add(Op::AssignAdd, &[acc, db], "accumulate.fc.bias").unwrap();
-        // Kept dims (a `[1, 4]` accumulator) or another axis: not a bias's gradient.
+        // Kept dims (a `[1, 4]` accumulator): no head; a sum over another axis: a head.
         let kept = g.add(sum(vec![0], true), &[dy], "grad.other").unwrap();
         let acc2 = leaf(&mut g, "accu_grads.other", vec![1, 4]);
         g.add(Op::AssignAdd, &[acc2, kept], "accumulate.other").unwrap();
@@ -255,12 +261,16 @@ mod tests {
         let acc3 = leaf(&mut g, "accu_grads.rows", vec![8]);
         g.add(Op::AssignAdd, &[acc3, rows], "accumulate.rows").unwrap();
         g.set_outputs(vec![dy]);
-        assert_eq!(fuse_accumulation(&mut g), 1);
+        assert_eq!(fuse_accumulation(&mut g), 2);
         crate::verify::verify(&g).unwrap();
-        let write = g.effects().into_iter().find(|&e| matches!(g.node(e).op, Op::Assign)).unwrap();
-        let made = g.operands(write)[1];
-        assert_eq!(epilogue(&g, made), ("reduce_sum".into(), "$0 $1 add".into()));
-        assert_eq!(g.node(made).op.label(), "reduce_sum+epilogue");
-        assert_eq!((g.operands(made), accumulator(&g, made)), (vec![dy, acc], Some(1)));
+        let writes: Vec<NodeId> = g.effects().into_iter().filter(|&e| matches!(g.node(e).op, Op::Assign)).collect();
+        let made: Vec<NodeId> = writes.iter().map(|&w| g.operands(w)[1]).collect();
+        for &m in &made {
+            assert_eq!(epilogue(&g, m), ("reduce_sum".into(), "$0 $1 add".into()));
+            assert_eq!(g.node(m).op.label(), "reduce_sum+epilogue");
+        }
+        let by_acc: Vec<(Vec<NodeId>, Option<usize>)> = made.iter().map(|&m| (g.operands(m), accumulator(&g, m))).collect();
+        assert!(by_acc.contains(&(vec![dy, acc], Some(1))) && by_acc.contains(&(vec![dy, acc3], Some(1))), "{by_acc:?}");
+        assert!(g.effects().into_iter().any(|e| matches!(g.node(e).op, Op::AssignAdd) && g.operands(e) == [acc2, kept]));
     }
 }

@@ -562,7 +562,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             &Native::SumPlanes { outer, inner, scale } => {
                 let x = contiguous(args[0]);
                 let y = output::<R>(arena, &client, &device, out.dims());
-                sums::plane_sums::<R>(&x, &y, outer, inner, scale.map(|s| s as f32));
+                sums::plane_sums::<R>(&x, &y, outer, inner, scale.map(|s| s as f32), false);
                 y
             }
             Native::Fill(_) | Native::MaxPool { .. } => return None,
@@ -756,6 +756,17 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 let [x] = args else { return false };
                 let x = contiguous(x);
                 acc.meta.num_elements() == cols && column_sums::<R>(&x, acc, x.meta.num_elements() / cols, cols, None, true, arena).is_some()
+            }
+            // A batch norm's or layer norm's parameter gradient: the plane sums added into
+            // the accumulator (one launch fewer than the sums and an `assign_add`).
+            Native::SumPlanes { outer, inner, scale } => {
+                let [x] = args else { return false };
+                let kept = acc.meta.num_elements();
+                if x.meta.num_elements() != outer * kept * inner || !sums::plane_sums_fit(outer, kept, inner) {
+                    return false;
+                }
+                sums::plane_sums::<R>(&contiguous(x), acc, outer, inner, scale.map(|s| s as f32), true);
+                true
             }
             _ => false,
         }

@@ -114,10 +114,19 @@ const PLANE_UNITS: u32 = 256;
 /// inner]` (`kept = y.len()`; batch norm's statistics over N, H and W, a layer norm's over its
 /// last axis), times `scale` (f32 bits) when given (a `reduce_mean`): a cube per `c`, its unit
 /// `u` adding elements `u, u + 256, ...` of the channel's `outer * inner` in order, then a tree
-/// sum in shared memory: a fixed order, the same bits on every run. Cubes past `kept` (a count
-/// spread over two dimensions) write nothing.
+/// sum in shared memory: a fixed order, the same bits on every run. `accumulate`: `y[c] +=`
+/// the value (a batch norm's or layer norm's parameter gradient into its accumulator: the
+/// bits of the sum, then `assign_add`). Cubes past `kept` (a count spread over two
+/// dimensions) write nothing.
 #[cube(launch_unchecked)]
-pub fn sum_planes<F: Float>(x: &[F], y: &mut [F], #[comptime] outer: u32, #[comptime] inner: u32, #[comptime] scale: Option<u32>) {
+pub fn sum_planes<F: Float>(
+    x: &[F],
+    y: &mut [F],
+    #[comptime] outer: u32,
+    #[comptime] inner: u32,
+    #[comptime] scale: Option<u32>,
+    #[comptime] accumulate: bool,
+) {
     let c = CUBE_POS;
     let u = UNIT_POS as usize;
     let kept = y.len();
@@ -150,7 +159,11 @@ pub fn sum_planes<F: Float>(x: &[F], y: &mut [F], #[comptime] outer: u32, #[comp
         if comptime!(scale.is_some()) {
             s *= F::new(comptime!(f32::from_bits(scale.unwrap_or(0))));
         }
-        y[c] = s;
+        if comptime!(accumulate) {
+            y[c] += s;
+        } else {
+            y[c] = s;
+        }
     }
 }
 
@@ -161,9 +174,10 @@ pub(super) fn plane_sums_fit(outer: usize, kept: usize, inner: usize) -> bool {
     fits(outer.checked_mul(inner)) && fits(kept.checked_mul(PLANE_UNITS as usize))
 }
 
-/// `y [kept] = scale * sums of x [outer, kept, inner]` over its first and last axes in one
-/// launch of [`sum_planes`] (the extents must fit: [`plane_sums_fit`], checked at binding).
-pub(super) fn plane_sums<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>, outer: usize, inner: usize, scale: Option<f32>) {
+/// `y [kept] = scale * sums of x [outer, kept, inner]` over its first and last axes (or `y +=`
+/// with `accumulate`) in one launch of [`sum_planes`] (the extents must fit:
+/// [`plane_sums_fit`], checked at binding).
+pub(super) fn plane_sums<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>, outer: usize, inner: usize, scale: Option<f32>, accumulate: bool) {
     let client = &y.client;
     let kept = y.meta.num_elements();
     let dim = CubeDim::new_1d(PLANE_UNITS);
@@ -171,7 +185,7 @@ pub(super) fn plane_sums<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>, o
     // SAFETY: a cube per element of `y` (those past it write nothing), reading `x` within
     // `outer * kept * inner` elements, which the bound op's extents give it.
     unsafe {
-        sum_planes::launch_unchecked::<f32, R>(client, count, dim, arr(x), arr(y), outer as u32, inner as u32, scale.map(f32::to_bits));
+        sum_planes::launch_unchecked::<f32, R>(client, count, dim, arr(x), arr(y), outer as u32, inner as u32, scale.map(f32::to_bits), accumulate);
     }
 }
 
