@@ -757,15 +757,23 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 let x = contiguous(x);
                 acc.meta.num_elements() == cols && column_sums::<R>(&x, acc, x.meta.num_elements() / cols, cols, None, true, arena).is_some()
             }
-            // A batch norm's or layer norm's parameter gradient: the plane sums added into
+            // A layer norm's or batch norm's parameter gradient: its sums, on the kernel the
+            // sum alone runs on (column sums over leading axes, else plane sums), added into
             // the accumulator (one launch fewer than the sums and an `assign_add`).
             Native::SumPlanes { outer, inner, scale } => {
                 let [x] = args else { return false };
                 let kept = acc.meta.num_elements();
-                if x.meta.num_elements() != outer * kept * inner || !sums::plane_sums_fit(outer, kept, inner) {
+                if x.meta.num_elements() != outer * kept * inner {
                     return false;
                 }
-                sums::plane_sums::<R>(&contiguous(x), acc, outer, inner, scale.map(|s| s as f32), true);
+                let scale = scale.map(|s| s as f32);
+                if inner == 1 {
+                    return column_sums::<R>(&contiguous(x), acc, outer, kept, scale, true, arena).is_some();
+                }
+                if !sums::plane_sums_fit(outer, kept, inner) {
+                    return false;
+                }
+                sums::plane_sums::<R>(&contiguous(x), acc, outer, inner, scale, true);
                 true
             }
             _ => false,
