@@ -75,6 +75,7 @@ pub fn fuse_accumulation(g: &mut Graph) -> usize {
             continue;
         }
         let [acc, head] = g.operands(id)[..] else { continue };
+        let head = drop_kept_axes(g, head);
         if acc == head || !g.node(head).op.takes_epilogue() || !absorbable(g, head, id, &[head]) {
             continue;
         }
@@ -95,6 +96,32 @@ pub fn fuse_accumulation(g: &mut Graph) -> usize {
         made += 1;
     }
     made
+}
+
+/// `reshape(reduce_sum(x) {keep_dims=true})` that only drops the kept axes of one (a batch
+/// norm's scale and shift gradients, summed over N, H and W to `[1, C, 1, 1]`, then `[C]`),
+/// each read by the next alone: replaced by the sum dropping its axes, which heads an
+/// accumulating epilogue (a reshape moves no values: the same bits). Returns the node that
+/// now gives `x`'s value.
+fn drop_kept_axes(g: &mut Graph, x: NodeId) -> NodeId {
+    let Op::Reshape { .. } = g.node(x).op else { return x };
+    let [s] = g.operands(x)[..] else { return x };
+    let Op::ReduceSum(r) = &g.node(s).op else { return x };
+    if !r.keep_dims || g.users(s) != [x] || g.outputs().contains(&s) || g.outputs().contains(&x) {
+        return x;
+    }
+    let op = Op::ReduceSum(crate::op::ReduceAttrs { axes: r.axes.clone(), keep_dims: false });
+    let operands = g.operands(s);
+    let tys: Vec<&crate::types::TensorType> = operands.iter().map(|&o| g.ty(o)).collect();
+    if crate::infer::infer(&op, &tys).as_ref() != Ok(g.ty(x)) {
+        return x;
+    }
+    let (ty, scope) = (g.ty(x).clone(), g.node(s).scope.clone());
+    let sum = g.add_unchecked(op, &operands, ty, &scope);
+    g.replace_uses(x, sum);
+    g.remove(x);
+    g.remove(s);
+    sum
 }
 
 /// For an epilogue [`fuse_accumulation`] made, whose sum only its `assign` reads and whose
@@ -240,6 +267,37 @@ mod tests {
         // Read by anything but its write, the accumulator may not be added into in place.
         g.set_outputs(vec![dy, acc]);
         assert_eq!(accumulator(&g, sum), None);
+    }
+
+    /// A batch norm's scale gradient, summed keeping its axes and reshaped to `[C]`, becomes
+    /// the sum dropping them, which takes its accumulation; one whose sum something else reads
+    /// stays as it is.
+    #[test]
+    fn a_reshaped_sum_over_kept_axes_takes_its_accumulation() {
+        let mut g = Graph::new("g");
+        let x = leaf(&mut g, "x", vec![2, 3, 4, 4]);
+        let kept = crate::op::ReduceAttrs { axes: vec![0, 2, 3], keep_dims: true };
+        let bn = |g: &mut Graph, name: &str| {
+            let s = g.add(Op::ReduceSum(kept.clone()), &[x], "Gradients/net.bn").unwrap();
+            let r = g.add(Op::Reshape { shape: crate::types::Shape(vec![3]) }, &[s], "Gradients/net.bn").unwrap();
+            let acc = leaf(g, name, vec![3]);
+            g.add(Op::AssignAdd, &[acc, r], "accumulate").unwrap();
+            (s, acc)
+        };
+        let (_, acc) = bn(&mut g, "accu_grads.bn.gamma");
+        let (s2, _) = bn(&mut g, "accu_grads.bn.beta");
+        let other = g.add(Op::Neg, &[s2], "t").unwrap();
+        g.set_outputs(vec![other]);
+        assert_eq!(fuse_accumulation(&mut g), 1);
+        crate::verify::verify(&g).unwrap();
+        let write = g.effects().into_iter().find(|&e| matches!(g.node(e).op, Op::Assign)).unwrap();
+        let made = g.operands(write)[1];
+        assert_eq!(epilogue(&g, made), ("reduce_sum".into(), "$0 $1 add".into()));
+        assert!(
+            matches!(&g.node(made).op, Op::Epilogue { head, .. } if **head == Op::ReduceSum(crate::op::ReduceAttrs { axes: vec![0, 2, 3], keep_dims: false }))
+        );
+        assert_eq!((g.operands(made), accumulator(&g, made)), (vec![x, acc], Some(1)));
+        assert!(g.contains(s2) && matches!(g.node(s2).op, Op::ReduceSum(ref r) if r.keep_dims), "a sum read twice keeps its axes");
     }
 
     /// A bias's gradient (a sum over the batch) and a sum over other axes that drops them (a
