@@ -319,24 +319,6 @@ impl Program {
         depth
     }
 
-    /// The same program with operand `i` read as `map(i)` (an operand or a literal).
-    pub fn map_args(&self, map: impl Fn(u8) -> Val) -> Program {
-        let val = |v: Val| match v {
-            Val::Arg(i) => map(i),
-            v => v,
-        };
-        let steps = self
-            .steps
-            .iter()
-            .map(|s| match *s {
-                Step::Unary(op, x) => Step::Unary(op, val(x)),
-                Step::Binary(op, a, b) => Step::Binary(op, val(a), val(b)),
-                Step::Write(o, x) => Step::Write(o, val(x)),
-            })
-            .collect();
-        Program { steps }
-    }
-
     /// Appends the steps computing value `v` of `self` to `out`, its operands read through
     /// `arg` (which may append steps of its own), in postfix order; returns `v`'s value in
     /// `out`. A step read twice is computed twice.
@@ -361,7 +343,7 @@ impl Program {
 
     /// Checks the form every program has: each step reads results of earlier op steps, and
     /// each output is written at most once.
-    fn check_form(&self) -> Result<(), String> {
+    pub fn check_form(&self) -> Result<(), String> {
         let mut written = Vec::new();
         for (i, s) in self.steps.iter().enumerate() {
             for v in s.reads() {
@@ -612,6 +594,5 @@ mod tests {
         out.write(0, v);
         assert_eq!(out.to_string(), "$2 $0 2.0 mul sub relu");
         assert_eq!(out, "$2 $0 2.0 mul sub relu".parse().unwrap());
-        assert_eq!(outer.map_args(|i| Val::Arg(1 - i)).to_string(), "$1 $0 sub relu");
     }
 }

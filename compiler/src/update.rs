@@ -83,9 +83,11 @@ impl Program {
 }
 
 /// Checks an update against a rule with `states` state buffers and `scalars` scalar inputs:
-/// every value exists and is read before its target is written, each target is written at
-/// most once, the parameter exactly once.
+/// the form of every program ([`Program::check_form`]: earlier values read, each output
+/// written at most once), every operand exists and is read before its target is written,
+/// and the parameter is written.
 pub fn check(u: &Program, states: usize, scalars: usize) -> std::result::Result<(), String> {
+    u.check_form()?;
     let mut written: Vec<Target> = Vec::new();
     for (i, s) in u.steps().iter().enumerate() {
         for v in s.reads() {
@@ -95,9 +97,6 @@ pub fn check(u: &Program, states: usize, scalars: usize) -> std::result::Result<
                 Val::Arg(a) if (a - 2) as usize >= states => return Err(format!("step {i} reads state {}; the rule keeps {states}", a - 2)),
                 Val::Arg(a) => Some(Target::State(a - 2)),
                 Val::Scalar(k) if k as usize >= scalars => return Err(format!("step {i} reads scalar input {k}; the rule has {scalars}")),
-                Val::Let(k) if k as usize >= i || matches!(u.steps()[k as usize], Step::Write(..)) => {
-                    return Err(format!("step {i} reads step {k}, which is not an earlier value"))
-                }
                 Val::Scalar(_) | Val::Lit(_) | Val::Let(_) => None,
             };
             if let Some(t) = target.filter(|t| written.contains(t)) {
@@ -110,9 +109,6 @@ pub fn check(u: &Program, states: usize, scalars: usize) -> std::result::Result<
                 if k as usize >= states {
                     return Err(format!("step {i} writes state {k}; the rule keeps {states}"));
                 }
-            }
-            if written.contains(&t) {
-                return Err(format!("step {i} writes {t:?} a second time"));
             }
             written.push(t);
         }

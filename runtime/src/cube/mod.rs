@@ -495,11 +495,13 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 column_sums::<R>(&x, &y, x.meta.num_elements() / cols, *cols, None, false, arena)?;
                 y
             }
-            // Over the leading axes (a layer norm's parameter gradients): column sums.
-            &Native::SumPlanes { outer, inner: 1, scale } => {
+            // Over the leading axes (a layer norm's parameter gradients): column sums; over
+            // leading and trailing ones (batch norm's statistics, a layer norm's): a cube per
+            // kept value.
+            &Native::SumPlanes { outer, inner, scale } => {
                 let x = contiguous(args[0]);
                 let y = output::<R>(arena, &client, &device, out.dims());
-                column_sums::<R>(&x, &y, outer, out.numel(), scale.map(|s| s as f32), false, arena)?;
+                sums::sums_of_planes::<R>(&x, &y, outer, inner, scale.map(|s| s as f32), false, arena)?;
                 y
             }
             Native::MaxPool { g, .. } if !g.has_empty_window() => {
@@ -557,14 +559,6 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 y
             }
             // burn's `full`: one launch either way.
-            // Over leading and trailing axes (batch norm's statistics, a layer norm's): a cube
-            // per kept value.
-            &Native::SumPlanes { outer, inner, scale } => {
-                let x = contiguous(args[0]);
-                let y = output::<R>(arena, &client, &device, out.dims());
-                sums::plane_sums::<R>(&x, &y, outer, inner, scale.map(|s| s as f32), false);
-                y
-            }
             Native::Fill(_) | Native::MaxPool { .. } => return None,
             // The factors drawn in the kernel from the host's hash: nothing read back.
             &Native::Dropout { p, seed, row } => {
@@ -762,19 +756,8 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             // the accumulator (one launch fewer than the sums and an `assign_add`).
             Native::SumPlanes { outer, inner, scale } => {
                 let [x] = args else { return false };
-                let kept = acc.meta.num_elements();
-                if x.meta.num_elements() != outer * kept * inner {
-                    return false;
-                }
-                let scale = scale.map(|s| s as f32);
-                if inner == 1 {
-                    return column_sums::<R>(&contiguous(x), acc, outer, kept, scale, true, arena).is_some();
-                }
-                if !sums::plane_sums_fit(outer, kept, inner) {
-                    return false;
-                }
-                sums::plane_sums::<R>(&contiguous(x), acc, outer, inner, scale, true);
-                true
+                x.meta.num_elements() == outer * acc.meta.num_elements() * inner
+                    && sums::sums_of_planes::<R>(&contiguous(x), acc, outer, inner, scale.map(|s| s as f32), true, arena).is_some()
             }
             _ => false,
         }

@@ -177,7 +177,7 @@ pub(super) fn plane_sums_fit(outer: usize, kept: usize, inner: usize) -> bool {
 /// `y [kept] = scale * sums of x [outer, kept, inner]` over its first and last axes (or `y +=`
 /// with `accumulate`) in one launch of [`sum_planes`] (the extents must fit:
 /// [`plane_sums_fit`], checked at binding).
-pub(super) fn plane_sums<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>, outer: usize, inner: usize, scale: Option<f32>, accumulate: bool) {
+fn plane_sums<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>, outer: usize, inner: usize, scale: Option<f32>, accumulate: bool) {
     let client = &y.client;
     let kept = y.meta.num_elements();
     let dim = CubeDim::new_1d(PLANE_UNITS);
@@ -187,6 +187,28 @@ pub(super) fn plane_sums<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>, o
     unsafe {
         sum_planes::launch_unchecked::<f32, R>(client, count, dim, arr(x), arr(y), outer as u32, inner as u32, scale.map(f32::to_bits), accumulate);
     }
+}
+
+/// `y [kept] = scale * sums of x [outer, kept, inner]` over its first and last axes (or `y +=`
+/// with `accumulate`), on the kernel a `SumPlanes` step is bound to: column sums when only
+/// leading axes are summed (`inner == 1`, a layer norm's parameter gradients), else plane sums
+/// (a batch norm's statistics and gradients). The sum and its accumulating form take the same
+/// kernel, so they give the same bits. `None` where the extents do not fit (declined at
+/// binding).
+pub(super) fn sums_of_planes<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    y: &CubeTensor<R>,
+    outer: usize,
+    inner: usize,
+    scale: Option<f32>,
+    accumulate: bool,
+    arena: &mut Arena,
+) -> Option<()> {
+    let kept = y.meta.num_elements();
+    if inner == 1 {
+        return column_sums::<R>(x, y, outer, kept, scale, accumulate, arena);
+    }
+    plane_sums_fit(outer, kept, inner).then(|| plane_sums::<R>(x, y, outer, inner, scale, accumulate))
 }
 
 /// The maximum of each row of the row-major `[rows, cols]` `x` (f32), a unit per row folding
