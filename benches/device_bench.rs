@@ -64,6 +64,9 @@ struct Args {
     /// AVX-512 BF16.
     #[arg(long)]
     f32_products: bool,
+    /// Under bf16 or f16 on a device, keep every value in f32 storage (the emulation).
+    #[arg(long)]
+    f32_storage: bool,
 }
 
 /// The GPT's characters (the Shakespeare corpus has 65) and context.
@@ -129,7 +132,8 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     net.precision = match args.precision.as_str() {
         "f32" => None,
         "bf16" => Some(cellgraph::cells::Precision::bf16()),
-        other => return Err(format!("--precision must be f32 or bf16, got `{other}`").into()),
+        "f16" => Some(cellgraph::cells::Precision::f16()),
+        other => return Err(format!("--precision must be f32, bf16 or f16, got `{other}`").into()),
     };
     let types: Vec<(String, TensorType)> = batches[0].iter().enumerate().map(|(i, t)| (format!("input{i}"), t.ty())).collect();
     let micro_graph = net.micro_step_graph(&types)?;
@@ -137,6 +141,7 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     let mut acc = Accumulator::<B>::new(Rc::new(net), opt, device, 1)?;
     acc.options().set_tf32(args.tf32);
     acc.options().set_bf16_products(!args.f32_products);
+    acc.options().set_low_precision_storage(!args.f32_storage);
     let graphs = args.graphs;
     acc.options().set_graphs(graphs)?;
     let mut i = 0;
@@ -173,8 +178,10 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     let label = match (args.precision.as_str(), args.f32_products) {
         ("bf16", false) => format!("{label} bf16"),
         ("bf16", true) => format!("{label} bf16 (f32 products)"),
+        ("f16", _) => format!("{label} f16"),
         _ => label,
     };
+    let label = if args.f32_storage && args.precision != "f32" { format!("{label} (f32 storage)") } else { label };
     println!(
         "| cellgraph | {label} | {} | {b} x {k} | {:.0} | {:.3} | {launches} | {:.5} | {:.3} |{tokens}",
         args.net,
@@ -186,6 +193,9 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     eprintln!("last loss {loss:.4}");
     if let Some(p) = acc.micro_plans().find_map(|e| e.bf16_products::<B>()) {
         eprintln!("{p}{}", if args.f32_products { " (--f32-products: all in f32)" } else { "" });
+    }
+    if let Some(s) = acc.low_precision_storage().filter(|_| !B::HOST) {
+        eprintln!("{s}");
     }
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     if !B::HOST && cellgraph::runtime::cube::tf32_fallbacks() > 0 {

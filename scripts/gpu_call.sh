@@ -8,7 +8,8 @@
 # 3. the benchmark beside PyTorch (eager and CUDA graphs), each case op by op and replayed,
 #    alternating (scripts/gpu_check.sh with GRAPHS=1). CASES, UPDATES and WARMUP as there;
 # 4. bf16 (BF16_CASES, default the GPT 64 x 4 and ResNet-18 32 x 4): bf16 compute with its
-#    matmuls and convolutions on tensor cores, the emulation (--f32-products), and PyTorch's
+#    values stored in bf16 and its matmuls and convolutions on tensor cores, the same on f32
+#    storage (--f32-storage), the emulation (--f32-products --f32-storage), and PyTorch's
 #    autocast (bf16, TF32 on), alternating.
 # Logs go to $OUT (the device tool brings them back).
 set -u
@@ -39,9 +40,9 @@ IFS=';' read -ra bf16_cases <<<"${BF16_CASES:-gpt 64 4;resnet18 32 4}"
 for cfg in "${bf16_cases[@]}"; do
     set -- $cfg
     for pass in 1 2; do
-        for products in "" --f32-products; do
+        for products in "" --f32-storage "--f32-products --f32-storage"; do
             timeout 90 $G/device_bench --device cuda:0 --net "$1" --micro-batch "$2" --micro-size "$3" --updates "${UPDATES:-20}" \
-                --warmup "${WARMUP:-3}" --precision bf16 $products 2>&1 | tee -a "$OUT/bf16.log" | grep -E "^\| |bf16 products|tensor-core|rror"
+                --warmup "${WARMUP:-3}" --precision bf16 $products 2>&1 | tee -a "$OUT/bf16.log" | grep -E "^\| |bf16 products|storage|tensor-core|rror"
         done
         timeout 90 python3 benches/pytorch_accumulation.py --net "$1" --micro-batch "$2" --micro-size "$3" --updates "${UPDATES:-20}" \
             --warmup "${WARMUP:-3}" --autocast bf16 2>&1 | tee -a "$OUT/bf16.log" | grep -E "^\| |rror"

@@ -101,8 +101,9 @@ pub struct FinetuneArgs {
     /// Take the items in the text's order (else shuffled each epoch, as the Trainer does).
     #[arg(long)]
     no_shuffle: bool,
-    /// Compute precision of the micro-steps (bf16: values stored as bf16, f32 accumulators,
-    /// optimizer state and master weights).
+    /// Compute precision of the micro-steps (bf16 or f16: values rounded to it where they are
+    /// stored, f32 accumulators, optimizer state and master weights; f16 with dynamic loss
+    /// scaling).
     #[arg(long, value_enum, default_value_t = Compute::F32)]
     precision: Compute,
     /// Load a model whose tensors do not all match its config.json: load what matches,
@@ -297,9 +298,11 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     if args.max_grad_norm > 0.0 {
         net = net.clip_global_norm(args.max_grad_norm);
     }
-    if args.precision == Compute::Bf16 {
-        net.precision = Some(Precision::bf16());
-    }
+    net.precision = match args.precision {
+        Compute::F32 => None,
+        Compute::Bf16 => Some(Precision::bf16()),
+        Compute::F16 => Some(Precision::f16()),
+    };
     // torch.optim.AdamW's step (eps after the bias correction), as the Trainer takes.
     let optimizer = Adam::adamw(schedule, args.weight_decay).pytorch_eps();
     let model = match size {

@@ -82,6 +82,8 @@ pub enum Norm {
 pub enum Compute {
     F32,
     Bf16,
+    /// f16 with dynamic loss scaling (`Precision::f16()`).
+    F16,
 }
 
 /// The optimizers.
@@ -168,11 +170,17 @@ pub struct TrainArgs {
     /// tokens for gpt].
     #[arg(long, value_enum)]
     normalization: Option<Norm>,
-    /// Compute precision of the micro-steps: f32, or bf16 (values stored as bf16, f32
-    /// accumulators and optimizer state; on a CPU with AVX-512 BF16 its products of bf16 values
-    /// multiply bf16 pairs, elsewhere bf16 is emulated).
+    /// Compute precision of the micro-steps: f32, bf16 or f16 (values rounded to it where
+    /// they are stored, f32 accumulators and optimizer state; f16 with dynamic loss scaling).
+    /// On a CPU with AVX-512 BF16 products of bf16 values multiply bf16 pairs; on a device the
+    /// values its kernels read and write are stored in the type (half the bytes; bf16 on CUDA,
+    /// f16 on CUDA and wgpu); elsewhere it is emulated in f32.
     #[arg(long, value_enum, default_value_t = Compute::F32)]
     precision: Compute,
+    /// Under --precision bf16 or f16 on a device, keep every value in f32 storage (the
+    /// emulation, the same bits).
+    #[arg(long)]
+    f32_storage: bool,
     /// Optimizer [default: momentum for lenet and resnet18, sgd for mlp, adamw for gpt].
     #[arg(long, value_enum)]
     optimizer: Option<Opt>,
@@ -426,8 +434,10 @@ impl TrainArgs {
         if self.net == Net::Gpt {
             acc = acc.clip_global_norm(1.0);
         }
-        if self.precision == Compute::Bf16 {
-            acc = acc.precision(Precision::bf16());
+        match self.precision {
+            Compute::F32 => {}
+            Compute::Bf16 => acc = acc.precision(Precision::bf16()),
+            Compute::F16 => acc = acc.precision(Precision::f16()),
         }
         Ok(acc)
     }
@@ -543,6 +553,7 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     let mut log = args.loss_log.as_deref().map(|p| RunLog::open(p, args.resume.is_some())).transpose()?;
     model.accumulator_mut().options().set_profiling(args.profile);
     model.accumulator_mut().options().set_tf32(args.tf32);
+    model.accumulator_mut().options().set_low_precision_storage(!args.f32_storage);
     if args.graphs && args.profile {
         eprintln!("--graphs: off under --profile (it times each op)");
     } else if args.graphs {
@@ -559,6 +570,10 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     println!("trained {steps} steps, {updates} optimizer updates in {secs:.2} s ({per_second:.0} {}/s{tokens})", items(args.net));
     if let Some(p) = model.accumulator().micro_plans().find_map(|e| e.bf16_products::<B>()) {
         println!("{p}");
+    }
+    // What a device stored in bf16 / f16 of the micro-step.
+    if let Some(s) = model.accumulator_mut().low_precision_storage().filter(|_| !B::HOST) {
+        println!("{s}");
     }
     // Products asked for tensor cores (`--tf32`, bf16 values') that ran in exact f32 here.
     #[cfg(any(feature = "wgpu", feature = "cuda"))]

@@ -36,8 +36,9 @@ impl Shelved for f64 {
 pub struct Arena {
     f32: Shelf<f32>,
     f64: Shelf<f64>,
-    /// Free device buffers (a device backend's float tensors), by length.
-    device: BTreeMap<usize, Vec<Box<dyn std::any::Any + Send>>>,
+    /// Free device buffers (a device backend's float tensors), by length and element size in
+    /// bytes (f32 values, and bf16 or f16 ones a session stores in half the bytes).
+    device: BTreeMap<(usize, usize), Vec<Box<dyn std::any::Any + Send>>>,
     /// A device kernel's scratch buffer of each length (taken and given back around a launch).
     scratch: BTreeMap<usize, Box<dyn std::any::Any + Send>>,
     /// Most free buffers kept per length: the most any plan run here holds at once.
@@ -80,10 +81,10 @@ impl Arena {
         }
     }
 
-    /// A free device buffer `T` of `len` elements, contents unspecified; `None` (counted as a
-    /// fresh buffer: the caller makes one) when none is free.
-    pub fn take_device<T: 'static>(&mut self, len: usize) -> Option<T> {
-        let t = self.device.get_mut(&len).and_then(Vec::pop).and_then(|b| b.downcast::<T>().ok()).map(|b| *b);
+    /// A free device buffer `T` of `len` elements of `size` bytes, contents unspecified; `None`
+    /// (counted as a fresh buffer: the caller makes one) when none is free.
+    pub fn take_device<T: 'static>(&mut self, len: usize, size: usize) -> Option<T> {
+        let t = self.device.get_mut(&(len, size)).and_then(Vec::pop).and_then(|b| b.downcast::<T>().ok()).map(|b| *b);
         if t.is_none() {
             self.fresh += 1;
         }
@@ -111,10 +112,12 @@ impl Arena {
         free.chain(self.scratch.values()).filter_map(|b| b.downcast_ref::<T>())
     }
 
-    /// Gives a device buffer of `len` elements back, which nothing else may hold.
-    pub fn give_device<T: Send + 'static>(&mut self, len: usize, t: T) {
+    /// Gives a device buffer of `len` elements of `size` bytes back, which nothing else may
+    /// hold. Up to the plans' cap for the length are kept of each element size (a value stored
+    /// in half the bytes holds no more buffers than in f32).
+    pub fn give_device<T: Send + 'static>(&mut self, len: usize, size: usize, t: T) {
         let cap = self.cap.get(&len).copied().unwrap_or(0);
-        let shelf = self.device.entry(len).or_default();
+        let shelf = self.device.entry((len, size)).or_default();
         if shelf.len() < cap {
             shelf.push(Box::new(t));
         }

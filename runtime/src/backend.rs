@@ -200,11 +200,20 @@ pub trait Backend: burn_backend::Backend {
         Err(t)
     }
 
-    /// A device tensor whose memory may be written again, with its length: contiguous, its
-    /// memory exactly its elements, and held by nothing else (so never a view of a live flat
-    /// buffer); `None` otherwise, and always on host backends (see [`Self::reclaim`]).
-    fn device_reusable(_t: FloatTensor<Self>) -> Option<(usize, FloatTensor<Self>)> {
+    /// A device tensor whose memory may be written again, with its length and element size in
+    /// bytes: contiguous, its memory exactly its elements, and held by nothing else (so never
+    /// a view of a live flat buffer); `None` otherwise, and always on host backends (see
+    /// [`Self::reclaim`]).
+    fn device_reusable(_t: FloatTensor<Self>) -> Option<(usize, usize, FloatTensor<Self>)> {
         None
+    }
+
+    /// Whether the device's own kernels store values of `dtype` (bf16 or f16: the
+    /// elementwise kernel reads and writes it, cubek's matmuls read it) on `device`, so a
+    /// session can keep a low-precision plan's values in it (see
+    /// [`crate::Session::set_low_precision_storage`]). False on host backends.
+    fn stores_low(_dtype: cellgraph_compiler::DType, _device: &Device<Self>) -> bool {
+        false
     }
 
     /// Keeps the tensor's memory from going back to the device's pool while the returned pin

@@ -45,7 +45,8 @@ pub use cellgraph_compiler::passes::pipeline::PipelineOptions;
 pub use data::{Dataset, TensorDataset};
 pub use error::{Result, RuntimeError};
 pub use exec::{
-    compile, compile_unfused, compile_with, compile_with_options, Bf16Products, Bf16Unit, DumpAt, Executable, HostRun, HostStep, Session,
+    compile, compile_unfused, compile_with, compile_with_options, Bf16Products, Bf16Unit, DumpAt, Executable, HostRun, HostStep, KeptF32, LowStorage,
+    Session,
 };
 pub use host::join_thread_pool;
 pub use model::{Metric, Model};

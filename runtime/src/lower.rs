@@ -259,8 +259,34 @@ fn padding_out(k: usize, s: usize, p: usize, d: usize, size_in: usize, size_out:
     (size_in as i64 - base).max(0) as usize
 }
 
+/// Operands burn's ops widened from the bf16 / f16 a device session stored them in
+/// ([`crate::Session::set_low_precision_storage`]) in this process: a session binds such
+/// values to readers that read the type, so this counts only launch-time fallbacks.
+static WIDENED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many operands stored in bf16 / f16 burn's ops widened to the session's float type
+/// before computing (see [`WIDENED`]).
+pub fn low_operands_widened() -> u64 {
+    WIDENED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Evaluates one non-leaf op. `args` pairs each operand value with its IR type.
-pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>, out: &TensorType) -> Result<Value<B>> {
+pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, mut args: Vec<(Value<B>, &TensorType)>, out: &TensorType) -> Result<Value<B>> {
+    // burn's ops compute in their operands' type: a value stored low is widened first (exact)
+    // unless the op only views it.
+    if !matches!(op, Op::Reshape { .. } | Op::Flatten) {
+        let float: burn_backend::DType = cx.settings.float_dtype.into();
+        for (v, _) in args.iter_mut() {
+            if let Value::Float(t) = v {
+                if burn_backend::TensorMetadata::dtype(t) != float
+                    && matches!(burn_backend::TensorMetadata::dtype(t), burn_backend::DType::BF16 | burn_backend::DType::F16)
+                {
+                    WIDENED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    *t = B::float_cast(t.clone(), cx.settings.float_dtype);
+                }
+            }
+        }
+    }
     let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
     let mut vals = args.into_iter().map(|(v, _)| v);
     let mut next = || vals.next().expect("arity checked by the verifier");

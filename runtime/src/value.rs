@@ -155,8 +155,8 @@ impl<B: crate::Backend> Value<B> {
                 Ok(crate::backend::HostVec::F32(v)) => arena.give(v),
                 Ok(crate::backend::HostVec::F64(v)) => arena.give(v),
                 Err(t) => {
-                    if let Some((len, t)) = <B as crate::Backend>::device_reusable(t) {
-                        arena.give_device(len, t);
+                    if let Some((len, size, t)) = <B as crate::Backend>::device_reusable(t) {
+                        arena.give_device(len, size, t);
                     }
                 }
             }

@@ -336,6 +336,72 @@ fn bf16_convolutions_on_the_device_match_the_emulation<B: Backend>(device: Devic
     }
 }
 
+/// Under low-precision compute a device stores the values its kernels read and write in that
+/// type (`low`: f16 on wgpu, bf16 and f16 on CUDA), half the bytes: they hold the same values
+/// as in f32 storage (each is rounded to the type where it is made), so 5 AdamW updates of 4
+/// micro-batches give the bits of the same device with f32 storage (the emulation), losses and
+/// parameters, for the GPT (whose activations between its products and programs are stored
+/// low), the MLP and LeNet5 (whose convolutions read f32: a mix). The plan's account says how
+/// many values were stored low, and the GPT's and the MLP's must have some.
+#[allow(dead_code)]
+fn low_storage_gives_the_emulations_bits<B: Backend>(device: Device<B>, low: cellgraph::compiler::DType) {
+    use cellgraph::cells::accumulate::Precision;
+    use cellgraph::compiler::DType;
+    use cellgraph::runtime::LowStorage;
+    use rand::SeedableRng;
+    let precision = if low == DType::BF16 { Precision::bf16() } else { Precision::f16() };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(31);
+    let (gpt, text) = crate::precision::bf16_gpt_case(&mut rng);
+    let [(_, lenet, images), _] = crate::precision::bf16_conv_cases(&mut rng);
+    let mlp_data: Vec<Vec<HostTensor>> = (0..20).map(|_| crate::accumulation::data(&mut rng, 8)).collect();
+    fn mlp() -> WithLossCell {
+        crate::accumulation::net()
+    }
+    type Run = (BTreeMap<String, Vec<f32>>, Vec<f32>, Option<LowStorage>);
+    let run = |net: WithLossCell, batches: &[Vec<HostTensor>], storage: bool| -> Run {
+        let names: Vec<String> = net.parameters().iter().map(|p| p.name.clone()).collect();
+        let mut net = GradAccumulation::across_steps(net, 4);
+        net.precision = Some(precision);
+        let opt = Rc::new(cellgraph::cells::Adam::adamw(cellgraph::cells::LearningRate::Constant(3e-3), 0.01));
+        let mut acc = Accumulator::<B>::new(Rc::new(net), opt, device.clone(), 5).unwrap();
+        acc.options().set_low_precision_storage(storage);
+        // Exact kernels for every product: tensor cores sum bf16 operands stored low in
+        // another order than TF32 ones stored in f32 (`bf16_products_on_*` checks them).
+        acc.options().set_bf16_products(false);
+        let losses = batches
+            .iter()
+            .map(|b| {
+                acc.step(b, Place::Regular).unwrap();
+                acc.step_loss() as f32
+            })
+            .collect();
+        let params = names.iter().map(|n| (n.clone(), acc.session().param(n).unwrap().to_f32())).collect();
+        (params, losses, acc.low_precision_storage())
+    };
+    /// A network, its batches, and whether it must store some values low.
+    type Case<'a> = (&'a str, fn() -> WithLossCell, &'a [Vec<HostTensor>], bool);
+    let cases: [Case; 3] = [("gpt", gpt, &text, true), ("mlp", mlp, &mlp_data, true), ("lenet5", lenet, &images, false)];
+    for (name, net, batches, must_store) in cases {
+        let widened = cellgraph::runtime::lower::low_operands_widened();
+        let (low_p, low_losses, storage) = run(net(), batches, true);
+        assert_eq!(cellgraph::runtime::lower::low_operands_widened(), widened, "{name}: burn's ops read values stored low");
+        let (f32_p, f32_losses, f32_storage) = run(net(), batches, false);
+        let storage = storage.expect("a low-precision plan");
+        eprintln!("{name}: {storage}");
+        let off = f32_storage.expect("a low-precision plan");
+        assert_eq!(off.values, 0, "{name}: storage off still stored values low: {off}");
+        assert!(!must_store || storage.values > 0, "{name}: nothing stored low: {storage}");
+        assert_eq!(storage.values + storage.f32_values, off.f32_values, "{name}: {storage} against {off}");
+        for (a, b) in low_losses.iter().zip(&f32_losses) {
+            assert_eq!(a.to_bits(), b.to_bits(), "{name}: losses {low_losses:?} against f32 storage's {f32_losses:?}");
+        }
+        for (n, v) in &low_p {
+            let same = v.iter().zip(&f32_p[n]).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{name}: `{n}` differs from f32 storage's");
+        }
+    }
+}
+
 /// f16 with loss scaling on the device: an inf in the second window's first micro-step
 /// skips that window (the overflow read from the device's accumulators), halves the scale,
 /// and the run stays within f16's rounding of the CPU's.
@@ -1074,6 +1140,11 @@ mod wgpu {
     }
 
     #[test]
+    fn f16_storage_on_wgpu_gives_the_emulations_bits() {
+        super::low_storage_gives_the_emulations_bits::<Wgpu>(dev(), cellgraph::compiler::DType::F16);
+    }
+
+    #[test]
     fn f16_overflow_skips_the_window_on_wgpu() {
         super::f16_overflow_skips_the_window_on_the_device::<Wgpu>(dev());
     }
@@ -1335,6 +1406,13 @@ mod cuda {
     fn bf16_convolutions_on_cuda_match_the_emulation() {
         let Some(device) = gpu() else { return };
         super::bf16_convolutions_on_the_device_match_the_emulation::<Cuda>(device);
+    }
+
+    #[test]
+    fn low_storage_on_cuda_gives_the_emulations_bits() {
+        let Some(device) = gpu() else { return };
+        super::low_storage_gives_the_emulations_bits::<Cuda>(device.clone(), cellgraph::compiler::DType::F16);
+        super::low_storage_gives_the_emulations_bits::<Cuda>(device, cellgraph::compiler::DType::BF16);
     }
 
     #[test]

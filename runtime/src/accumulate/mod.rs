@@ -104,6 +104,12 @@ impl<B: Backend> SessionOptions<'_, B> {
         self.0.set_bf16_products(on);
     }
 
+    /// A low-precision plan's values stored in bf16 / f16 on a device
+    /// ([`Session::set_low_precision_storage`]).
+    pub fn set_low_precision_storage(&mut self, on: bool) {
+        self.0.set_low_precision_storage(on);
+    }
+
     /// Captured graphs replayed on a device ([`Session::set_graphs`]); an error on the CPU.
     pub fn set_graphs(&mut self, on: bool) -> Result<()> {
         self.0.set_graphs(on)
@@ -289,6 +295,13 @@ impl<B: Backend> Accumulator<B> {
     /// The compiled micro-step for a first micro-batch of the given shapes (for dumps).
     pub fn micro_plans(&self) -> impl Iterator<Item = &Executable> {
         self.plans.micro.values()
+    }
+
+    /// What the session stores in bf16 / f16 of the micro-step compiled first
+    /// ([`Session::low_precision_storage`]): `None` when it computes in f32.
+    pub fn low_precision_storage(&mut self) -> Option<crate::LowStorage> {
+        let exe = self.plans.micro.values().next()?;
+        self.session.low_precision_storage(exe)
     }
 
     /// The compiled optimizer and clear plans.

@@ -219,7 +219,8 @@ pub(super) fn filter_grad<R: CubeRuntime>(
             let part = arena.take_scratch::<CubeTensor<R>>(slices * numel).unwrap_or_else(|| empty::<R>(client, &y.device, &[slices, numel]));
             let (pc, pd) = grid(client, slices * numel);
             conv2d_filter_grad::launch_unchecked::<f32, R>(client, pc, pd, arr(x), arr(dy), arr(&part), *dims, per as u32);
-            sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(&part), arr(y), slices as u32, accumulate, None);
+            let f32s = burn_backend::cubecl::dtype_to_storage_type(burn_backend::DType::F32);
+            sum_rows::launch_unchecked::<R>(client, count, dim, arr(&part), arr(y), slices as u32, accumulate, None, f32s, f32s);
             arena.give_scratch(slices * numel, part);
         }
     }

@@ -245,25 +245,56 @@ pub fn apply<F: Float>(a0: F, x1: &[F], x2: &[F], x3: &[F], i: usize, #[comptime
     program::<F>(&args, &p)
 }
 
+/// Operand `k` at output element `i`, read from `x` (of its own storage type `T`: f32, or a
+/// bf16 / f16 value a session stores) as the program says, onto `args` as an `F`; nothing when
+/// the program has no operand `k`.
+#[cube]
+fn push_stored<F: Float, T: Float>(args: &mut Sequence<F>, x: &[T], i: usize, #[comptime] k: usize, #[comptime] p: &EwKernel) {
+    if comptime!(p.reads.len() > k) {
+        args.push(F::cast_from(x[read_at(i, comptime!(p.reads[k]))]));
+    }
+}
+
 /// `y[i]` = the program over the operands at `i` (operand 0 is `y[i]` itself when the program
-/// is in place; unused operand slots are never read).
+/// is in place; unused operand slots are never read), computed in `F` (f32). Each operand and
+/// the output has its own storage type (f32, or bf16 / f16 where a session stores a value in
+/// it, [`crate::Session::set_low_precision_storage`]), defined at the launch: a low-precision
+/// value is widened exactly when read, and the result, which the program rounds to the type
+/// it is stored in, is narrowed exactly when written.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn elementwise<F: Float>(y: &mut [F], x0: &[F], x1: &[F], x2: &[F], x3: &[F], x4: &[F], x5: &[F], #[comptime] p: EwKernel) {
+pub fn elementwise<F: Float, Y: Float, T0: Float, T1: Float, T2: Float, T3: Float, T4: Float, T5: Float>(
+    y: &mut [Y],
+    x0: &[T0],
+    x1: &[T1],
+    x2: &[T2],
+    x3: &[T3],
+    x4: &[T4],
+    x5: &[T5],
+    #[comptime] p: EwKernel,
+    #[define(F)] _f: ElemType,
+    #[define(Y)] _out_type: ElemType,
+    #[define(T0)] _t0: ElemType,
+    #[define(T1)] _t1: ElemType,
+    #[define(T2)] _t2: ElemType,
+    #[define(T3)] _t3: ElemType,
+    #[define(T4)] _t4: ElemType,
+    #[define(T5)] _t5: ElemType,
+) {
     let i = ABSOLUTE_POS;
     if i < y.len() {
         let mut args = Sequence::<F>::new();
         if comptime!(p.in_place) {
-            args.push(y[i]);
+            args.push(F::cast_from(y[i]));
         } else {
-            push_read::<F>(&mut args, x0, i, 0usize, &p);
+            push_stored::<F, T0>(&mut args, x0, i, 0usize, &p);
         }
-        push_read::<F>(&mut args, x1, i, 1usize, &p);
-        push_read::<F>(&mut args, x2, i, 2usize, &p);
-        push_read::<F>(&mut args, x3, i, 3usize, &p);
-        push_read::<F>(&mut args, x4, i, 4usize, &p);
-        push_read::<F>(&mut args, x5, i, 5usize, &p);
-        y[i] = program::<F>(&args, &p);
+        push_stored::<F, T1>(&mut args, x1, i, 1usize, &p);
+        push_stored::<F, T2>(&mut args, x2, i, 2usize, &p);
+        push_stored::<F, T3>(&mut args, x3, i, 3usize, &p);
+        push_stored::<F, T4>(&mut args, x4, i, 4usize, &p);
+        push_stored::<F, T5>(&mut args, x5, i, 5usize, &p);
+        y[i] = Y::cast_from(program::<F>(&args, &p));
     }
 }
 

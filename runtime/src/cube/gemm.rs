@@ -49,27 +49,40 @@ pub(super) fn cubek_matmul<R: CubeRuntime>(
     use burn_backend::DType;
     use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
     let dims = |rows: usize, cols: usize| if batch > 1 { vec![batch, rows, cols] } else { vec![rows, cols] };
-    // A transposed operand is its stored matrices with their strides swapped (no copy).
+    // A transposed operand is its stored matrices with their strides swapped (no copy), in
+    // the type it is stored in (f32, or a session's bf16 / f16).
     let operand = |t: &CubeTensor<R>, rows: usize, cols: usize, transposed: bool| {
         let stored = if transposed { dims(cols, rows) } else { dims(rows, cols) };
         let r = stored.len();
-        let mut v = CubeTensor::new_contiguous(t.client.clone(), t.device.clone(), Shape::from(stored), t.handle.clone(), DType::F32);
+        let mut v = CubeTensor::new_contiguous(t.client.clone(), t.device.clone(), Shape::from(stored), t.handle.clone(), t.dtype);
         if transposed {
             v.meta.swap(r - 2, r - 1);
         }
-        cubek::std::InputBinding::new(v.binding(), dtype_to_storage_type(DType::F32))
+        cubek::std::InputBinding::new(v.binding(), dtype_to_storage_type(t.dtype))
     };
     let out = CubeTensor::new_contiguous(y.client.clone(), y.device.clone(), Shape::from(dims(m, n)), y.handle.clone(), DType::F32);
     let f32s = dtype_to_storage_type(DType::F32);
     let mut dtypes = MatmulElems::from_globals(&MatmulGlobalElems { lhs: f32s, rhs: f32s, out: f32s });
+    // Operands stored in bf16 / f16 are read as they are stored: widened to f32 in the stage
+    // for the exact kernels (f32 products and sums of the same values, the same bits as from
+    // f32 storage), kept in their type for the tensor-core kernel when both are (bf16 / f16
+    // tensor cores, f32 sums).
+    let (lt, rt) = (dtype_to_storage_type(a.dtype), dtype_to_storage_type(b.dtype));
+    dtypes.lhs_global = lt;
+    dtypes.rhs_global = rt;
+    let half_cores = tf32 && a.dtype == b.dtype && a.dtype != DType::F32;
+    let mut cores = dtypes.clone();
+    if half_cores {
+        (cores.lhs_stage, cores.rhs_stage, cores.lhs_register, cores.rhs_register) = (lt, rt, lt, rt);
+    }
     let launch = |strategy: &Strategy, dtypes: &mut MatmulElems| {
         cubek::matmul::launch::launch_ref(strategy, &y.client, operand(a, m, k, ta), operand(b, k, n, tb), out.clone().binding(), dtypes).is_ok()
     };
     if tf32 {
         // A shape whose tensor-core kernel did not set up on this runtime is not tried again.
-        let key = (std::any::TypeId::of::<R>(), batch, [m, k, n], ta, tb);
+        let key = (std::any::TypeId::of::<R>(), batch, [m, k, n], ta, tb, half_cores);
         let refused = || NO_TF32.lock().unwrap_or_else(|e| e.into_inner()).contains(&key);
-        if !refused() && launch(&tf32_strategy(), &mut dtypes.clone()) {
+        if !refused() && launch(&tf32_strategy(), &mut cores) {
             return true;
         }
         NO_TF32.lock().unwrap_or_else(|e| e.into_inner()).insert(key);
@@ -78,9 +91,9 @@ pub(super) fn cubek_matmul<R: CubeRuntime>(
     launch(&exact_strategy(tiling), &mut dtypes)
 }
 
-/// The matmul shapes (per runtime, batch, `[m, k, n]`, transposes) whose tensor-core kernel did
-/// not set up: the exact kernel runs them without trying again.
-type Tf32Key = (std::any::TypeId, usize, [usize; 3], bool, bool);
+/// The matmul shapes (per runtime, batch, `[m, k, n]`, transposes, bf16 / f16 operands) whose
+/// tensor-core kernel did not set up: the exact kernel runs them without trying again.
+type Tf32Key = (std::any::TypeId, usize, [usize; 3], bool, bool, bool);
 static NO_TF32: std::sync::Mutex<std::collections::BTreeSet<Tf32Key>> = std::sync::Mutex::new(std::collections::BTreeSet::new());
 
 /// Matmuls asked for tensor cores (TF32) that ran on cubek's exact-f32 kernel because its
@@ -170,7 +183,8 @@ pub(super) fn split_matmul<R: CubeRuntime>(
     if done {
         let (count, dim) = grid(client, m * n);
         // SAFETY: one unit per element of `y` (`m * n`), reading `parts * m * n` of `part`.
-        unsafe { sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(&part), arr(y), parts as u32, accumulate, None) };
+        let f32s = dtype_to_storage_type(burn_backend::DType::F32);
+        unsafe { sum_rows::launch_unchecked::<R>(client, count, dim, arr(&part), arr(y), parts as u32, accumulate, None, f32s, f32s) };
     }
     arena.give_scratch(len, part);
     done

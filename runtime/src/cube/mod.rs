@@ -31,6 +31,7 @@ pub mod conv;
 pub mod dropout;
 pub mod ew;
 pub mod gemm;
+mod head;
 pub mod loss;
 pub mod pool;
 pub mod sums;
@@ -38,8 +39,9 @@ pub mod update;
 
 use conv::filter_grad;
 pub use conv::{conv2d_filter_grad, conv2d_forward, conv2d_input_grad, conv_tf32_fallbacks, ConvDims};
-use gemm::{cubek_matmul, split_matmul, NAIVE_MATMULS};
+use gemm::{cubek_matmul, split_matmul};
 pub use gemm::{matmul, naive_matmuls, tf32_fallbacks};
+use head::{conv_on_tensor_cores, head_kernel};
 use sums::column_sums;
 pub use sums::{sum_row_parts, sum_rows};
 pub use update::{launch_update, update_clear};
@@ -90,19 +92,43 @@ fn grid<R: CubeRuntime>(client: &ComputeClient<R>, n: usize) -> (CubeCount, Cube
 
 /// A new contiguous f32 tensor of IR extents `dims` (rank 0 as `[1]`).
 fn empty<R: CubeRuntime>(client: &ComputeClient<R>, device: &R::Device, dims: &[usize]) -> CubeTensor<R> {
-    let numel = dims.iter().product::<usize>().max(1);
-    let handle = client.empty(numel * core::mem::size_of::<f32>());
-    let dims = if dims.is_empty() { vec![1] } else { dims.to_vec() };
-    CubeTensor::new_contiguous(client.clone(), device.clone(), Shape::from(dims), handle, burn_backend::DType::F32)
+    empty_of(client, device, dims, DType::F32)
 }
 
-/// An output of IR extents `dims` in a free buffer of the session's arena (a new one when none
-/// of its length is free).
+/// A new contiguous tensor of `dtype` and IR extents `dims` (rank 0 as `[1]`).
+fn empty_of<R: CubeRuntime>(client: &ComputeClient<R>, device: &R::Device, dims: &[usize], dtype: DType) -> CubeTensor<R> {
+    let numel = dims.iter().product::<usize>().max(1);
+    let handle = client.empty(numel * dtype.size());
+    let dims = if dims.is_empty() { vec![1] } else { dims.to_vec() };
+    CubeTensor::new_contiguous(client.clone(), device.clone(), Shape::from(dims), handle, dtype)
+}
+
+/// An f32 output of IR extents `dims` in a free buffer of the session's arena (a new one when
+/// none of its length is free).
 fn output<R: CubeRuntime>(arena: &mut Arena, client: &ComputeClient<R>, device: &R::Device, dims: &[usize]) -> CubeTensor<R> {
-    match arena.take_device::<CubeTensor<R>>(dims.iter().product::<usize>().max(1)) {
-        Some(t) => CubeTensor::new_contiguous(client.clone(), device.clone(), crate::backend::bshape(dims), t.handle, DType::F32),
-        None => empty(client, device, dims),
+    output_of(arena, client, device, dims, DType::F32)
+}
+
+/// [`output`] of `dtype` (f32, or the bf16 / f16 a session stores a value in).
+fn output_of<R: CubeRuntime>(arena: &mut Arena, client: &ComputeClient<R>, device: &R::Device, dims: &[usize], dtype: DType) -> CubeTensor<R> {
+    match arena.take_device::<CubeTensor<R>>(dims.iter().product::<usize>().max(1), dtype.size()) {
+        Some(t) => CubeTensor::new_contiguous(client.clone(), device.clone(), crate::backend::bshape(dims), t.handle, dtype),
+        None => empty_of(client, device, dims, dtype),
     }
+}
+
+/// The burn type of an IR float type the device's kernels store (f32, bf16, f16).
+fn storage_dtype(d: cellgraph_compiler::DType) -> DType {
+    match d {
+        cellgraph_compiler::DType::BF16 => DType::BF16,
+        cellgraph_compiler::DType::F16 => DType::F16,
+        _ => DType::F32,
+    }
+}
+
+/// A low-precision float type (bf16, f16): the types a session may store values in.
+fn is_low(d: DType) -> bool {
+    matches!(d, DType::BF16 | DType::F16)
 }
 
 /// The launch of a loss over `n` rows: a unit per row without a reduction, else one cube.
@@ -169,78 +195,6 @@ fn write<R: CubeRuntime>(t: &CubeTensor<R>, data: burn_backend::TensorData) -> b
     true
 }
 
-/// A two-operand head `(a, b)` (matmul, convolution, max pooling's gradient) into `y`
-/// (`numel` elements) on the kernel bound for it. A convolution forward or a pooling gradient
-/// stores its result through the in-place epilogue `post` (operands after the first in
-/// `rest`); the others take [`EwKernel::identity`] only.
-#[allow(clippy::too_many_arguments)]
-fn head_kernel<R: CubeRuntime>(
-    op: &Native,
-    a: &CubeTensor<R>,
-    b: &CubeTensor<R>,
-    y: &CubeTensor<R>,
-    numel: usize,
-    tf32: bool,
-    post: &EwKernel,
-    rest: &[CubeTensor<R>],
-    arena: &mut Arena,
-) {
-    let client = &y.client;
-    let (count, dim) = grid(client, numel);
-    // The epilogue's operands 1.. (slots it does not read get another operand, never `y`).
-    let x = |k: usize| arr(rest.get(k).unwrap_or(a));
-    // SAFETY (every launch below): the kernels index only below their arrays' lengths (each
-    // unit checks its position against its output's length; the operands' extents are the
-    // bound op's, which the plan's types fix).
-    match *op {
-        Native::MatMul { m, k, n, transpose_a, transpose_b, tiling, .. } => {
-            if split_matmul::<R>([m, k, n], transpose_a, transpose_b, a, b, y, false, tf32, arena) {
-                return;
-            }
-            if !cubek_matmul(a, b, y, 1, [m, k, n], transpose_a, transpose_b, tiling, tf32) {
-                NAIVE_MATMULS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let mkn = [m as u32, k as u32, n as u32];
-                unsafe { matmul::launch_unchecked::<f32, R>(client, count, dim, arr(a), arr(b), arr(y), mkn, transpose_a, transpose_b) }
-            }
-        }
-        Native::Conv { kind, g, groups, out_channels, .. } => {
-            let dims = ConvDims::of(&g, groups, out_channels);
-            match kind {
-                ConvKind::Forward => unsafe {
-                    conv2d_forward::launch_unchecked::<f32, R>(client, count, dim, arr(a), arr(b), arr(y), x(0), x(1), x(2), dims, post.clone())
-                },
-                ConvKind::InputGrad => unsafe { conv2d_input_grad::launch_unchecked::<f32, R>(client, count, dim, arr(a), arr(b), arr(y), dims) },
-                // The op's operands are (dy, x).
-                ConvKind::FilterGrad => filter_grad::<R>(&dims, a, b, y, false, arena),
-            }
-        }
-        Native::MaxPoolGrad { g, .. } => unsafe {
-            pool::max_pool2d_grad::launch_unchecked::<f32, R>(
-                client,
-                count,
-                dim,
-                arr(a),
-                arr(b),
-                arr(y),
-                x(0),
-                x(1),
-                x(2),
-                ConvDims::of(&g, 1, g.x[1]),
-                post.clone(),
-            )
-        },
-        _ => unreachable!("a head kernel runs matmuls, convolutions and pooling gradients"),
-    }
-}
-
-/// A convolution `op` on cubek's tensor-core routine ([`conv::tensor_core_conv`]) where `tf32`
-/// asks for tensor cores and the routine takes its geometry; `None` otherwise (and where the
-/// routine does not set up, counted): the exact kernels run it.
-fn conv_on_tensor_cores<R: CubeRuntime>(op: &Native, a: &CubeTensor<R>, b: &CubeTensor<R>, tf32: bool) -> Option<CubeTensor<R>> {
-    let Native::Conv { kind, g, groups, out_channels, .. } = *op else { return None };
-    conv::on_tensor_cores::<R>(kind, &g, groups, out_channels, tf32).then(|| conv::tensor_core_conv::<R>(kind, &g, out_channels, a, b)).flatten()
-}
-
 /// Launches the elementwise program `p` writing `y`: operand `k` is `xs[k]`, or with `p` in
 /// place, operand 0 is `y` and operand `k` is `xs[k - 1]`. Slots the program does not read get
 /// another operand (or a one-element buffer): never `y`, which the kernel writes.
@@ -252,8 +206,30 @@ fn launch_elementwise<R: CubeRuntime>(p: &EwKernel, y: &CubeTensor<R>, xs: &[Cub
     let slot = |k: usize| arr(k.checked_sub(skip).and_then(|k| xs.get(k)).unwrap_or(&spare));
     // SAFETY: each unit checks its position against `y`'s length, and reads each operand at
     // an index its bound read keeps below the operand's extents.
+    let ty = |k: usize| dtype_to_storage_type(k.checked_sub(skip).and_then(|k| xs.get(k)).unwrap_or(&spare).dtype);
+    let f32s = dtype_to_storage_type(DType::F32);
     unsafe {
-        ew::elementwise::launch_unchecked::<f32, R>(client, count, dim, arr(y), slot(0), slot(1), slot(2), slot(3), slot(4), slot(5), p.clone())
+        ew::elementwise::launch_unchecked::<R>(
+            client,
+            count,
+            dim,
+            arr(y),
+            slot(0),
+            slot(1),
+            slot(2),
+            slot(3),
+            slot(4),
+            slot(5),
+            p.clone(),
+            f32s,
+            dtype_to_storage_type(y.dtype),
+            ty(0),
+            ty(1),
+            ty(2),
+            ty(3),
+            ty(4),
+            ty(5),
+        )
     }
 }
 
@@ -321,19 +297,20 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         Some(CubeTensor::new_contiguous(buffer.client.clone(), buffer.device.clone(), Shape::from(shape), handle, buffer.dtype))
     }
 
-    fn device_reusable(t: CubeTensor<R>) -> Option<(usize, CubeTensor<R>)> {
+    fn device_reusable(t: CubeTensor<R>) -> Option<(usize, usize, CubeTensor<R>)> {
         let n = t.meta.num_elements();
         let h = &t.handle;
         // Exactly its elements (cubecl may pad a buffer at its end); a memory nothing else
         // holds, so never a view of a flat buffer that is still alive. A permuted view of its
         // whole buffer (burn's transposes) gives the buffer back too, as a plain one: what it
         // holds is written again before it is read.
-        let exact = h.size_in_used() == (n * core::mem::size_of::<f32>()) as u64;
-        if t.dtype != DType::F32 || !exact || !h.can_mut() {
+        let size = t.dtype.size();
+        let exact = h.size_in_used() == (n * size) as u64;
+        if !(t.dtype == DType::F32 || is_low(t.dtype)) || !exact || !h.can_mut() {
             return None;
         }
         if t.is_contiguous() {
-            return Some((n, t));
+            return Some((n, size, t));
         }
         let permuted = {
             let mut dims: Vec<(usize, usize)> = t.meta.strides().iter().copied().zip(t.meta.shape().iter().copied()).collect();
@@ -346,7 +323,12 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 ok
             })
         };
-        permuted.then(|| (n, CubeTensor::new_contiguous(t.client.clone(), t.device.clone(), Shape::from(vec![n]), t.handle.clone(), DType::F32)))
+        permuted.then(|| (n, size, CubeTensor::new_contiguous(t.client.clone(), t.device.clone(), Shape::from(vec![n]), t.handle.clone(), t.dtype)))
+    }
+
+    fn stores_low(dtype: cellgraph_compiler::DType, device: &R::Device) -> bool {
+        let d = storage_dtype(dtype);
+        is_low(d) && R::client(device).properties().supports_type(dtype_to_storage_type(d))
     }
 
     fn device_pin(t: &CubeTensor<R>) -> Option<Box<dyn std::any::Any + Send>> {
@@ -430,9 +412,18 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         let first = args.first()?;
         let (client, device) = (first.client.clone(), first.device.clone());
         let int = int_dtype::<R>(&device);
-        if args.iter().any(|t| t.dtype != DType::F32) || ints.iter().any(|t| t.dtype != int) {
+        // Operands a session stores in bf16 / f16 are read by the elementwise kernel, cubek's
+        // matmuls and the sums (an epilogue's head's too); the other kernels read f32.
+        let reads_low = |k: &Native| {
+            matches!(k, Native::MatMul { .. } | Native::BatchMatMul { .. } | Native::Fused(_) | Native::SumRows { .. } | Native::SumPlanes { .. })
+        };
+        let reads_low = reads_low(op) || matches!(op, Native::Epilogue { head, .. } if reads_low(head));
+        if args.iter().any(|t| t.dtype != DType::F32 && !(reads_low && is_low(t.dtype))) || ints.iter().any(|t| t.dtype != int) {
             return None;
         }
+        // The type the result is stored in: f32, or the bf16 / f16 the session binds a fused
+        // program's or a product's epilogue's result to (`exec::bind::low_stores`).
+        let store = storage_dtype(out.dtype);
         let contiguous = |t: &CubeTensor<R>| burn_cubecl::kernel::into_contiguous(t.clone());
         let numel = out.numel().max(1);
         let (count, dim) = grid(&client, numel);
@@ -465,6 +456,16 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                     let y = output::<R>(arena, &client, &device, out.dims());
                     head_kernel::<R>(head, &a, &b, &y, numel, tf32, &prog, &rest, arena);
                     y
+                } else if is_low(store) {
+                    // The head's f32 sums, then the program over them, its result stored low.
+                    let sums = TensorType::f32(out.dims().to_vec());
+                    let h = Self::device_kernel(head, args.get(..*head_args)?, &[], &sums, tf32, arena)?;
+                    let y = output_of::<R>(arena, &client, &device, out.dims(), store);
+                    let prog = EwKernel::new(post, false)?;
+                    launch_elementwise::<R>(&prog, &y, &[std::iter::once(h.clone()).chain(rest).collect::<Vec<_>>()].concat());
+                    // Later launches run after this one: its buffer may be written again.
+                    arena.give_device(numel, DType::F32.size(), h);
+                    y
                 } else {
                     // The head, then the program over the head's output in place.
                     let y = Self::device_kernel(head, args.get(..*head_args)?, &[], out, tf32, arena)?;
@@ -475,7 +476,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             Native::Fused(e) => {
                 let prog = EwKernel::new(e, false)?;
                 let xs: Vec<_> = args.iter().map(|t| contiguous(t)).collect();
-                let y = output::<R>(arena, &client, &device, out.dims());
+                let y = output_of::<R>(arena, &client, &device, out.dims(), store);
                 launch_elementwise::<R>(&prog, &y, &xs);
                 y
             }
@@ -718,7 +719,9 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
     }
 
     fn device_accumulate(op: &Native, args: &[&CubeTensor<R>], acc: &CubeTensor<R>, tf32: bool, arena: &mut Arena) -> bool {
-        let f32s = acc.dtype == DType::F32 && args.iter().all(|t| t.dtype == DType::F32);
+        // A product's or a sum's operands may be stored in bf16 / f16 (read as they are).
+        let product = matches!(op, Native::MatMul { .. } | Native::SumRows { .. } | Native::SumPlanes { .. });
+        let f32s = acc.dtype == DType::F32 && args.iter().all(|t| t.dtype == DType::F32 || (product && is_low(t.dtype)));
         if !f32s || !acc.is_contiguous() {
             return false;
         }

@@ -1,6 +1,7 @@
 //! Column sums on the device: bias gradients, batch-norm sums and the sums of split products'
 //! slices, in a fixed order (the same bits on every run).
 
+use burn_backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::calculate_cube_count_elemwise;
@@ -15,13 +16,21 @@ use crate::arena::Arena;
 /// instead (an accumulator's view, in `assign_add`'s order). `scale` (f32 bits): the sum times
 /// it (a `reduce_mean`).
 #[cube(launch_unchecked)]
-pub fn sum_rows<F: Float>(x: &[F], y: &mut [F], #[comptime] rows: u32, #[comptime] accumulate: bool, #[comptime] scale: Option<u32>) {
+pub fn sum_rows<F: Float, T: Float>(
+    x: &[T],
+    y: &mut [F],
+    #[comptime] rows: u32,
+    #[comptime] accumulate: bool,
+    #[comptime] scale: Option<u32>,
+    #[define(F)] _f: ElemType,
+    #[define(T)] _t: ElemType,
+) {
     let j = ABSOLUTE_POS;
     let cols = y.len();
     if j < cols {
         let mut acc = F::new(0.0);
         for r in 0..comptime!(rows as usize) {
-            acc += x[r * cols + j];
+            acc += F::cast_from(x[r * cols + j]);
         }
         if comptime!(scale.is_some()) {
             acc *= F::new(comptime!(f32::from_bits(scale.unwrap_or(0))));
@@ -43,7 +52,14 @@ const PART_LANES: usize = 8;
 /// rows' loads issued [`PART_LANES`] at a time (a unit summing thousands of rows one load
 /// after another waits on each: a bias gradient over 8,192 rows took 230 us on an H200).
 #[cube(launch_unchecked)]
-pub fn sum_row_parts<F: Float>(x: &[F], y: &mut [F], #[comptime] rows: u32, #[comptime] cols: u32) {
+pub fn sum_row_parts<F: Float, T: Float>(
+    x: &[T],
+    y: &mut [F],
+    #[comptime] rows: u32,
+    #[comptime] cols: u32,
+    #[define(F)] _f: ElemType,
+    #[define(T)] _t: ElemType,
+) {
     let idx = ABSOLUTE_POS;
     if idx < y.len() {
         let (rows, cols) = comptime!((rows as usize, cols as usize));
@@ -59,7 +75,7 @@ pub fn sum_row_parts<F: Float>(x: &[F], y: &mut [F], #[comptime] rows: u32, #[co
             for l in 0..PART_LANES {
                 let r = first + b * PART_LANES + l;
                 if r < rows {
-                    lanes[l] += x[r * cols + j];
+                    lanes[l] += F::cast_from(x[r * cols + j]);
                 }
             }
         }
@@ -89,18 +105,19 @@ pub(super) fn column_sums<R: CubeRuntime>(
     let (count, dim) = grid(client, cols);
     let scale = scale.map(f32::to_bits);
     let (rows32, cols32) = (u32::try_from(rows).ok()?, u32::try_from(cols).ok()?);
+    let f32s = dtype_to_storage_type(burn_backend::DType::F32);
     // SAFETY: a unit per element of its output (`cols`, or `parts * cols` of `part`), reading
     // rows below `rows` (or `parts`) of `cols` elements.
     unsafe {
         if rows <= 4 * PART_ROWS {
-            sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(x), arr(y), rows32, accumulate, scale);
+            sum_rows::launch_unchecked::<R>(client, count, dim, arr(x), arr(y), rows32, accumulate, scale, f32s, dtype_to_storage_type(x.dtype));
         } else {
             let parts = rows.div_ceil(PART_ROWS);
             let len = parts * cols;
             let part = arena.take_scratch::<CubeTensor<R>>(len).unwrap_or_else(|| empty::<R>(client, &y.device, &[parts, cols]));
             let (pc, pd) = grid(client, len);
-            sum_row_parts::launch_unchecked::<f32, R>(client, pc, pd, arr(x), arr(&part), rows32, cols32);
-            sum_rows::launch_unchecked::<f32, R>(client, count, dim, arr(&part), arr(y), parts as u32, accumulate, scale);
+            sum_row_parts::launch_unchecked::<R>(client, pc, pd, arr(x), arr(&part), rows32, cols32, f32s, dtype_to_storage_type(x.dtype));
+            sum_rows::launch_unchecked::<R>(client, count, dim, arr(&part), arr(y), parts as u32, accumulate, scale, f32s, f32s);
             arena.give_scratch(len, part);
         }
     }
@@ -119,13 +136,16 @@ const PLANE_UNITS: u32 = 256;
 /// bits of the sum, then `assign_add`). Cubes past `kept` (a count spread over two
 /// dimensions) write nothing.
 #[cube(launch_unchecked)]
-pub fn sum_planes<F: Float>(
-    x: &[F],
+#[allow(clippy::too_many_arguments)]
+pub fn sum_planes<F: Float, T: Float>(
+    x: &[T],
     y: &mut [F],
     #[comptime] outer: u32,
     #[comptime] inner: u32,
     #[comptime] scale: Option<u32>,
     #[comptime] accumulate: bool,
+    #[define(F)] _f: ElemType,
+    #[define(T)] _t: ElemType,
 ) {
     let c = CUBE_POS;
     let u = UNIT_POS as usize;
@@ -139,7 +159,7 @@ pub fn sum_planes<F: Float>(
             let k = j * units + u;
             if k < total {
                 let (n, i) = (k / inner, k % inner);
-                acc += x[(n * kept + c) * inner + i];
+                acc += F::cast_from(x[(n * kept + c) * inner + i]);
             }
         }
     }
@@ -185,7 +205,19 @@ fn plane_sums<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>, outer: usize
     // SAFETY: a cube per element of `y` (those past it write nothing), reading `x` within
     // `outer * kept * inner` elements, which the bound op's extents give it.
     unsafe {
-        sum_planes::launch_unchecked::<f32, R>(client, count, dim, arr(x), arr(y), outer as u32, inner as u32, scale.map(f32::to_bits), accumulate);
+        sum_planes::launch_unchecked::<R>(
+            client,
+            count,
+            dim,
+            arr(x),
+            arr(y),
+            outer as u32,
+            inner as u32,
+            scale.map(f32::to_bits),
+            accumulate,
+            dtype_to_storage_type(burn_backend::DType::F32),
+            dtype_to_storage_type(x.dtype),
+        );
     }
 }
 

@@ -4,7 +4,7 @@
 //! [`Exec`], and the host's decision ([`host_run`]) is also what `cellgraph inspect plan`
 //! lists ([`super::Executable::host_steps`]), so the listing and the run cannot disagree.
 
-use cellgraph_compiler::{DType, Op};
+use cellgraph_compiler::{DType, Op, TensorType};
 
 use super::plan::Step;
 use crate::kernel::{Native, Products};
@@ -155,11 +155,104 @@ pub(super) fn exec_of(st: &Step, host: bool, native: bool, in_place: bool, decli
     }
 }
 
+/// How a session runs a plan: each step's [`Exec`], and the type each step's result is stored
+/// in where it is not the plan's (bf16 / f16 instead of f32: [`low_stores`]).
+pub(super) struct Binding {
+    pub(super) execs: Vec<Exec>,
+    pub(super) stores: Vec<Option<TensorType>>,
+}
+
+/// Whether the device's kernel for step `st` (run as `exec`) reads its operand `k` as stored
+/// in bf16 / f16: the elementwise kernel (a fused program, an epilogue's program), cubek's
+/// matmuls (a product's operands, an accumulating weight gradient's) and the column and plane
+/// sums (a bias's, a norm's statistics and parameter gradients).
+fn reads_low(st: &Step, exec: Exec, k: usize) -> bool {
+    let product = |n: &Native| matches!(n, Native::MatMul { .. } | Native::BatchMatMul { .. });
+    let sums = |n: &Native| matches!(n, Native::SumRows { .. } | Native::SumPlanes { .. });
+    match (exec, &st.kernel) {
+        (Exec::Kernel, Some(Native::Fused(_))) => true,
+        (Exec::Kernel, Some(n)) if product(n) => k < 2,
+        (Exec::Kernel, Some(n)) if sums(n) => k == 0,
+        (Exec::Kernel, Some(Native::Epilogue { head, .. })) => product(head) || sums(head),
+        (Exec::AccumulateInto(n), Some(Native::Epilogue { head, .. })) => k < n && (matches!(**head, Native::MatMul { .. }) || sums(head)),
+        _ => false,
+    }
+}
+
+/// Whether the device's kernel for step `st` (run as `exec`) writes its result in bf16 / f16:
+/// the elementwise kernel, alone (a fused program) or after a product's or a sum's f32 result
+/// (its epilogue's program, which rounds it).
+fn writes_low(st: &Step, exec: Exec) -> bool {
+    let head = |n: &Native| matches!(n, Native::MatMul { .. } | Native::BatchMatMul { .. } | Native::SumRows { .. } | Native::SumPlanes { .. });
+    match (exec, &st.kernel) {
+        (Exec::Kernel, Some(Native::Fused(_))) => true,
+        (Exec::Kernel, Some(Native::Epilogue { head: h, .. })) => head(h),
+        _ => false,
+    }
+}
+
+/// Why values a plan holds in low precision stay in f32 storage, by reason, and how many.
+pub type KeptF32 = std::collections::BTreeMap<String, usize>;
+
+/// The values of a low-precision plan (steps whose results hold only bf16 / f16 values,
+/// [`Step::holds`]) that a device session stores in that type, half the bytes: those the
+/// elementwise kernel or a product's epilogue writes and that only kernels reading the type
+/// read ([`reads_low`], through reshapes, which are views), and that are neither an output nor
+/// a parameter's new value. `stores(d)`: the device stores type `d`. Returns each step's
+/// storage type where it is low, and why the others stay f32 (the first reader that does not
+/// read the type, by its op; `output`; `written by <op>`).
+pub(super) fn low_stores(steps: &[Step], execs: &[Exec], pinned: &[usize], stores: impl Fn(DType) -> bool) -> (Vec<Option<TensorType>>, KeptF32) {
+    let index: std::collections::HashMap<usize, usize> = steps.iter().enumerate().map(|(i, st)| (st.slot, i)).collect();
+    // The step whose buffer each value is: a reshape (a view on a device) is its operand's.
+    let mut root: Vec<usize> = (0..steps.len()).collect();
+    for (i, st) in steps.iter().enumerate() {
+        if matches!(st.op, Op::Reshape { .. } | Op::Flatten) && execs[i] == Exec::Burn {
+            if let Some(&(a, _)) = st.args.first() {
+                root[i] = root[index[&a]];
+            }
+        }
+    }
+    let mut kept = KeptF32::new();
+    let mut low: Vec<Option<DType>> = steps.iter().map(|st| st.holds.filter(|&d| stores(d))).collect();
+    for (i, st) in steps.iter().enumerate() {
+        let view = matches!(st.op, Op::Reshape { .. } | Op::Flatten);
+        if low[i].is_some() && !view && !writes_low(st, execs[i]) {
+            low[i] = None;
+            *kept.entry(format!("written by {}", bind_label(st))).or_default() += 1;
+        }
+    }
+    let mut drop = |r: usize, why: String, low: &mut Vec<Option<DType>>| {
+        if low[r].take().is_some() {
+            *kept.entry(why).or_default() += 1;
+        }
+    };
+    for slot in pinned {
+        if let Some(&i) = index.get(slot) {
+            drop(root[i], "an output or a parameter's new value".into(), &mut low);
+        }
+    }
+    for (r, st) in steps.iter().enumerate() {
+        for (k, &(a, _)) in st.args.iter().enumerate() {
+            let Some(&i) = index.get(&a) else { continue };
+            let is_view = root[r] == root[i] && r != root[i];
+            if low[root[i]].is_some() && !is_view && !reads_low(st, execs[r], k) {
+                drop(root[i], format!("read by {}", bind_label(st)), &mut low);
+            }
+        }
+    }
+    let stores = (0..steps.len()).map(|i| low[root[i]].map(|d| steps[i].ty.with_dtype(d))).collect();
+    (stores, kept)
+}
+
+/// A step's name in [`low_stores`]' reasons: its kernel's, else its op's.
+fn bind_label(st: &Step) -> String {
+    st.kernel.as_ref().map_or_else(|| st.op.label().to_string(), kernel_name)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::kernel::Tiling;
-    use cellgraph_compiler::TensorType;
 
     fn step(op: Op, kernel: Option<Native>, args: &[(usize, bool)]) -> Step {
         Step {
@@ -177,6 +270,7 @@ mod tests {
             ids_checked: false,
             shared_constant: false,
             bf16_operands: false,
+            holds: None,
         }
     }
 
@@ -232,5 +326,42 @@ mod tests {
         assert_eq!(exec_of(&accumulate, false, false, false, &Declined::Program(String::new())), Exec::Burn);
         assert_eq!(host_run(&matmul()), HostRun::Kernel("matmul".into()));
         assert!(matches!(host_run(&add_shared), HostRun::BurnOps(why) if why.contains("assign_add")));
+    }
+
+    /// A value held in f16 is stored so where its writer is the elementwise kernel and every
+    /// reader reads f16 (a matmul, through a reshape); one a row-maximum kernel reads, one the
+    /// plan returns, and one a kernel that writes f32 makes stay f32, each with its reason.
+    #[test]
+    fn values_are_stored_low_where_writer_and_readers_take_the_type() {
+        let fused = |slot: usize, args: &[(usize, bool)]| {
+            let prog: cellgraph_compiler::program::Program = "$0 round_f16".parse().expect("a program");
+            let e = crate::kernel::Elementwise { depth: prog.depth(), prog: prog.clone(), reads: vec![crate::kernel::Read::Same], len: 8 };
+            let mut st = step(Op::Fused { expr: prog }, Some(Native::Fused(std::sync::Arc::new(e))), args);
+            (st.slot, st.holds) = (slot, Some(DType::F16));
+            st
+        };
+        let mut reshape = step(Op::Reshape { shape: vec![8].into() }, None, &[(1, true)]);
+        (reshape.slot, reshape.holds) = (2, Some(DType::F16));
+        let mm = Native::MatMul { m: 4, k: 2, n: 2, transpose_a: false, transpose_b: false, tiling: Tiling::Simple, products: Products::F32 };
+        let mut matmul = step(Op::MatMul { transpose_a: false, transpose_b: false }, Some(mm), &[(2, true), (2, false)]);
+        matmul.slot = 3;
+        let mut rows = step(
+            Op::ReduceMax(cellgraph_compiler::op::ReduceAttrs { axes: vec![1], keep_dims: false }),
+            Some(Native::MaxRows { cols: 2 }),
+            &[(4, true)],
+        );
+        rows.slot = 5;
+        let mut relu = step(Op::Relu, Some(Native::Relu), &[(0, false)]);
+        (relu.slot, relu.holds) = (7, Some(DType::F16));
+        let steps = [fused(1, &[(0, false)]), reshape, matmul, fused(4, &[(0, false)]), rows, fused(6, &[(0, false)]), relu];
+        let execs: Vec<Exec> = steps.iter().map(|st| exec_of(st, false, true, false, &Declined::Nothing)).collect();
+        let (stores, kept) = low_stores(&steps, &execs, &[6], |d| d == DType::F16);
+        let low: Vec<bool> = stores.iter().map(|t| t.as_ref().is_some_and(|t| t.dtype == DType::F16)).collect();
+        assert_eq!(low, [true, true, false, false, false, false, false]);
+        let want: KeptF32 =
+            [("read by MaxRows".into(), 1), ("an output or a parameter's new value".into(), 1), ("written by Relu".into(), 1)].into_iter().collect();
+        assert_eq!(kept, want);
+        // A device without the type stores nothing low.
+        assert!(low_stores(&steps, &execs, &[6], |_| false).0.iter().all(Option::is_none));
     }
 }

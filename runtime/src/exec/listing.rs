@@ -6,8 +6,9 @@ use std::collections::BTreeMap;
 
 use cellgraph_compiler::{Op, TensorType};
 
-use super::bind::HostRun;
-use super::plan::Executable;
+use super::bind::{HostRun, KeptF32};
+use super::plan::{Executable, Step};
+use super::Session;
 use crate::kernel::{Native, Products};
 use crate::Backend;
 
@@ -57,6 +58,82 @@ impl std::fmt::Display for Bf16Products {
             write!(f, " ({})", each.join(", "))?;
         }
         Ok(())
+    }
+}
+
+/// What a device session stores in bf16 / f16 of a low-precision plan
+/// ([`Session::low_precision_storage`]), counted over the values the plan holds in that type
+/// (its reshapes, views, left out).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LowStorage {
+    /// The plan's low-precision type.
+    pub dtype: cellgraph_compiler::DType,
+    /// Values stored in it, and their bytes.
+    pub values: usize,
+    pub bytes: usize,
+    /// Values of it stored in f32, and their bytes.
+    pub f32_values: usize,
+    pub f32_bytes: usize,
+    /// Why those stay f32, by reason (the first reader that does not read the type...).
+    pub kept_f32: KeptF32,
+}
+
+impl std::fmt::Display for LowStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mb = |b: usize| b as f64 / (1 << 20) as f64;
+        write!(
+            f,
+            "{} storage: {} values in {} ({:.2} MiB), {} in f32 ({:.2} MiB)",
+            self.dtype,
+            self.values,
+            self.dtype,
+            mb(self.bytes),
+            self.f32_values,
+            mb(self.f32_bytes)
+        )?;
+        if !self.kept_f32.is_empty() {
+            let each: Vec<String> = self.kept_f32.iter().map(|(why, n)| format!("{why} {n}")).collect();
+            write!(f, ": {}", each.join(", "))?;
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Session<B> {
+    /// Stores a low-precision plan's values (`Precision::bf16()` / `f16()`: values the
+    /// precision pass rounds) in bf16 / f16 on a device, half the bytes of f32, where the
+    /// device's kernels read and write them: results of fused programs and of products'
+    /// epilogues read only by such programs and by cubek's matmuls (on by default). They hold
+    /// the same values as in f32 storage, so a run gives the same bits either way; off, every
+    /// value is f32 (the emulation). Host backends, f32 plans and devices without the type
+    /// (bf16 on wgpu) store f32. See [`Self::low_precision_storage`].
+    pub fn set_low_precision_storage(&mut self, on: bool) {
+        self.low_storage = on;
+    }
+
+    /// What [`Self::set_low_precision_storage`] stores of `exe` in this session: `None` when
+    /// it computes in f32 (or the session stores nothing low).
+    pub fn low_precision_storage(&mut self, exe: &Executable) -> Option<LowStorage> {
+        let dtype = exe.steps.iter().find_map(|st| st.holds)?;
+        let b = self.execs(exe);
+        let execs = b.execs.clone();
+        let (stores, kept_f32) = self.low_stores(exe, &execs);
+        let bytes = |st: &Step| st.ty.numel() * 4;
+        let mut s = LowStorage { dtype, values: 0, bytes: 0, f32_values: 0, f32_bytes: 0, kept_f32 };
+        for (st, store) in exe.steps.iter().zip(&stores) {
+            let view = matches!(st.op, Op::Reshape { .. } | Op::Flatten);
+            if view || st.holds.is_none() {
+                continue;
+            }
+            if store.is_some() {
+                s.values += 1;
+                s.bytes += bytes(st) / 2;
+            } else {
+                s.f32_values += 1;
+                s.f32_bytes += bytes(st);
+            }
+        }
+        Some(s)
     }
 }
 

@@ -25,8 +25,9 @@ mod plan;
 mod run;
 
 pub use bind::HostRun;
-use bind::{Declined, Exec};
-pub use listing::{Bf16Products, Bf16Unit, HostStep};
+pub use bind::KeptF32;
+use bind::{Binding, Declined, Exec};
+pub use listing::{Bf16Products, Bf16Unit, HostStep, LowStorage};
 use plan::Step;
 pub use plan::{compile, compile_unfused, compile_with, compile_with_options, DumpAt, Executable};
 use run::{burn_op, head_then_program, record, run_bound, run_head, since};
@@ -91,7 +92,10 @@ pub struct Session<B: Backend> {
     burn_steps: BTreeMap<&'static str, u64>,
     /// How each step of a plan runs, by plan and by the settings it depends on (`native`,
     /// `in_place`): decided at a plan's first run (see [`bind`]).
-    execs: BTreeMap<(u64, bool, bool), std::sync::Arc<[Exec]>>,
+    execs: BTreeMap<(u64, bool, bool, bool), std::sync::Arc<Binding>>,
+    /// A device stores a low-precision plan's values in bf16 / f16 where its kernels read and
+    /// write them (see [`Self::set_low_precision_storage`]).
+    low_storage: bool,
 }
 
 /// A capture's graph, the run's outputs, the pins on the buffers its arena held, and why it
@@ -132,6 +136,7 @@ impl<B: Backend> Session<B> {
             watch: Watch::Off,
             burn_steps: BTreeMap::new(),
             execs: BTreeMap::new(),
+            low_storage: true,
         }
     }
 
@@ -455,20 +460,44 @@ impl<B: Backend> Session<B> {
         }
     }
 
-    /// How each step of `exe` runs with the session's settings, decided at the plan's first
-    /// run with them (a session holds the decisions of its last 256 plans).
-    fn execs(&mut self, exe: &Executable) -> std::sync::Arc<[Exec]> {
-        let key = (exe.id, self.native, self.in_place);
-        if let Some(execs) = self.execs.get(&key) {
-            return execs.clone();
+    /// How each step of `exe` runs with the session's settings, and the type each value is
+    /// stored in, decided at the plan's first run with them (a session holds the decisions of
+    /// its last 256 plans).
+    fn execs(&mut self, exe: &Executable) -> std::sync::Arc<Binding> {
+        let key = (exe.id, self.native, self.in_place, self.low_storage);
+        if let Some(b) = self.execs.get(&key) {
+            return b.clone();
         }
         if self.execs.len() >= 256 {
             self.execs.clear();
         }
-        let execs: std::sync::Arc<[Exec]> =
-            exe.steps.iter().map(|st| bind::exec_of(st, B::HOST, self.native, self.in_place, &self.declines(st))).collect();
-        self.execs.insert(key, execs.clone());
-        execs
+        let execs: Vec<Exec> = exe.steps.iter().map(|st| bind::exec_of(st, B::HOST, self.native, self.in_place, &self.declines(st))).collect();
+        let stores = self.low_stores(exe, &execs).0;
+        let b = std::sync::Arc::new(Binding { execs, stores });
+        self.execs.insert(key, b.clone());
+        b
+    }
+
+    /// Which of `exe`'s values this session stores in bf16 / f16 (see [`bind::low_stores`]),
+    /// and why the others of its low-precision values stay f32: none on host backends, with
+    /// low-precision storage off, and on f32 plans.
+    fn low_stores(&self, exe: &Executable, execs: &[Exec]) -> (Vec<Option<TensorType>>, KeptF32) {
+        let none = |why: String| {
+            let held = exe.steps.iter().filter(|st| st.holds.is_some() && !matches!(st.op, Op::Reshape { .. } | Op::Flatten)).count();
+            (vec![None; exe.steps.len()], if held > 0 { KeptF32::from([(why, held)]) } else { KeptF32::new() })
+        };
+        if B::HOST {
+            return none("host kernels store f32".into());
+        }
+        if !self.low_storage || self.float != burn_backend::FloatDType::F32 {
+            return none("low-precision storage off".into());
+        }
+        match exe.steps.iter().find_map(|st| st.holds) {
+            Some(d) if !B::stores_low(d, &self.device) => return none(format!("no {d} kernels on this device")),
+            _ => {}
+        }
+        let pinned: Vec<usize> = exe.outputs.iter().copied().chain(exe.writes.iter().map(|w| w.1)).collect();
+        bind::low_stores(&exe.steps, execs, &pinned, |d| B::stores_low(d, &self.device))
     }
 
     /// Runs `exe` on this thread. `bound`: the inputs' device buffers (replay's), instead of
@@ -494,8 +523,8 @@ impl<B: Backend> Session<B> {
             true => exe.writes.iter().map(|(n, _)| self.params.get(n).cloned()).collect(),
             false => Vec::new(),
         };
-        let execs = self.execs(exe);
-        for (step, &exec) in exe.steps.iter().zip(execs.iter()) {
+        let binding = self.execs(exe);
+        for ((step, &exec), store) in exe.steps.iter().zip(binding.execs.iter()).zip(binding.stores.iter()) {
             let before = (self.watch != Watch::Off).then(|| (crate::value::device_reads(), crate::value::device_uploads(), self.arena.fresh()));
             let v = match (exec, &step.op) {
                 (Exec::Deferred, _) => continue,
@@ -649,7 +678,7 @@ impl<B: Backend> Session<B> {
                         }
                         Exec::Kernel => {
                             let k = step.kernel.as_ref().expect("bound to steps with a kernel");
-                            match run_bound(k, &args, &step.ty, &cx, &mut self.kept, &mut self.arena) {
+                            match run_bound(k, &args, store.as_ref().unwrap_or(&step.ty), &cx, &mut self.kept, &mut self.arena) {
                                 Some(t) => {
                                     // Operands at their last use give their memory back (a
                                     // device kernel only read them; later launches run after it).

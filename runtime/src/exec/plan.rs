@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cellgraph_compiler::dump::DumpOptions;
 use cellgraph_compiler::passes::pipeline::{self, PipelineOptions};
-use cellgraph_compiler::{Graph, HostData, HostTensor, Op, TensorType};
+use cellgraph_compiler::{DType, Graph, HostData, HostTensor, Op, TensorType};
 
 use crate::error::{Result, RuntimeError};
 use crate::kernel::{ConvAlgo, ConvKind, Native, Products};
@@ -46,6 +46,10 @@ pub(super) struct Step {
     /// A product (matmul, convolution, attention) whose float operands all hold bf16 values:
     /// a candidate for bf16 products ([`choose_products`]).
     pub(super) bf16_operands: bool,
+    /// The low-precision type (bf16, f16) the step's float result holds only values of, when
+    /// the graph computes in one ([`holds_low`]): a device session may store it in that type
+    /// (see [`super::bind::low_stores`]).
+    pub(super) holds: Option<DType>,
 }
 
 /// The ops whose arithmetic is matrix products, with or without a bound GEMM.
@@ -62,50 +66,49 @@ fn is_product(op: &Op) -> bool {
     }
 }
 
-/// Whether node `id` holds only bf16 values: a `round_to bf16`, a program whose result is
-/// (ends with a rounding, or moves a rounded value: ReLU, negation, ReLU's gradient of one), a
-/// bf16 constant, or values moved from nodes that hold bf16 (a reshape, a transpose, a pad,
-/// ReLU... see [`cellgraph_compiler::passes::precision::moves_values`]).
-fn holds_bf16(g: &Graph, id: cellgraph_compiler::NodeId, depth: usize) -> bool {
-    use cellgraph_compiler::types::DType;
+/// Whether node `id` holds only values of `low` (bf16 or f16): a `round_to` to it, a program
+/// whose result does (ends with that rounding, or moves such a value: ReLU, negation, ReLU's
+/// gradient of one), a constant of it, or values moved from nodes that hold it (a reshape, a
+/// transpose, a pad, ReLU... see [`cellgraph_compiler::passes::precision::moves_values`]).
+pub(super) fn holds_low(g: &Graph, id: cellgraph_compiler::NodeId, low: DType, depth: usize) -> bool {
     if depth > 32 {
         return false;
     }
     let xs = g.operands(id);
-    let operand = |i: usize| xs.get(i).is_some_and(|&o| holds_bf16(g, o, depth + 1));
+    let operand = |i: usize| xs.get(i).is_some_and(|&o| holds_low(g, o, low, depth + 1));
     match &g.node(id).op {
-        Op::RoundTo { dtype: DType::BF16 } => true,
-        Op::Fused { expr } => program_holds_bf16(expr, operand),
-        // `$0` is the head's result (a product's sums: not bf16); `$1..` the operands after the head's.
+        Op::RoundTo { dtype } => *dtype == low,
+        Op::Fused { expr } => program_holds(expr, low, operand),
+        // `$0` is the head's result (a product's sums: not low); `$1..` the operands after the head's.
         Op::Epilogue { head, expr } => {
             let skip = head.arity().min();
-            program_holds_bf16(expr, |i| i > 0 && operand(skip + i - 1))
+            program_holds(expr, low, |i| i > 0 && operand(skip + i - 1))
         }
-        &Op::Constant { value } => cellgraph_compiler::passes::precision::round_f64(value, DType::BF16) == value,
+        &Op::Constant { value } => cellgraph_compiler::passes::precision::round_f64(value, low) == value,
         op if cellgraph_compiler::passes::precision::moves_values(op) => {
-            xs.iter().filter(|&&o| g.ty(o).dtype.is_float()).all(|&o| holds_bf16(g, o, depth + 1))
+            xs.iter().filter(|&&o| g.ty(o).dtype.is_float()).all(|&o| holds_low(g, o, low, depth + 1))
         }
         _ => false,
     }
 }
 
-/// Whether a program's result holds only bf16 values, given which of its operands do.
-fn program_holds_bf16(expr: &cellgraph_compiler::program::Program, arg: impl Fn(usize) -> bool) -> bool {
+/// Whether a program's result holds only values of `low`, given which of its operands do.
+fn program_holds(expr: &cellgraph_compiler::program::Program, low: DType, arg: impl Fn(usize) -> bool) -> bool {
     use cellgraph_compiler::program::{Binary, Step, Unary, Val};
-    use cellgraph_compiler::types::DType;
+    let rounds = if low == DType::BF16 { Unary::RoundBf16 } else { Unary::RoundF16 };
     let mut lets: Vec<bool> = Vec::with_capacity(expr.steps().len());
     let holds = |v: Val, lets: &[bool]| match v {
         Val::Arg(i) => arg(i as usize),
         Val::Lit(_) => {
             let c = v.literal().expect("a literal");
-            cellgraph_compiler::passes::precision::round_f64(c, DType::BF16) == c
+            cellgraph_compiler::passes::precision::round_f64(c, low) == c
         }
         Val::Let(k) => lets[k as usize],
         Val::Scalar(_) => false,
     };
     for s in expr.steps() {
         let v = match *s {
-            Step::Unary(Unary::RoundBf16, _) => true,
+            Step::Unary(op, _) if op == rounds => true,
             Step::Unary(Unary::Neg | Unary::Relu, x) => holds(x, &lets),
             Step::Unary(..) => false,
             // `dy * (y > 0)`: `dy`'s values or zeros.
@@ -116,6 +119,15 @@ fn program_holds_bf16(expr: &cellgraph_compiler::program::Program, arg: impl Fn(
         lets.push(v);
     }
     lets.last().copied().unwrap_or(false)
+}
+
+/// The low-precision type a graph's micro-steps compute in (the one its `round_to` nodes round
+/// to), if any.
+fn low_precision(g: &Graph) -> Option<DType> {
+    g.ids().into_iter().find_map(|id| match g.node(id).op {
+        Op::RoundTo { dtype } => Some(dtype),
+        _ => None,
+    })
 }
 
 /// `k` with bf16 products where it runs a GEMM (an epilogue's head included).
@@ -472,6 +484,7 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
         }
     }
     let mut id_checks: Vec<IdCheck> = Vec::new();
+    let low = low_precision(&graph);
     let mut steps: Vec<Step> = order
         .iter()
         .map(|&id| {
@@ -495,7 +508,8 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
                 Op::Epilogue { head, .. } => &ops[..head.arity().min().min(ops.len())],
                 _ => &ops[..],
             };
-            let bf16_operands = is_product(&n.op) && factors.iter().filter(|&&o| graph.ty(o).dtype.is_float()).all(|&o| holds_bf16(&graph, o, 0));
+            let bf16_operands =
+                is_product(&n.op) && factors.iter().filter(|&&o| graph.ty(o).dtype.is_float()).all(|&o| holds_low(&graph, o, DType::BF16, 0));
             if bf16_operands && crate::host::bf16::available() {
                 kernel = kernel.map(choose_products);
             }
@@ -507,6 +521,7 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
             {
                 id_checks.push(c);
             }
+            let holds = low.filter(|&d| n.ty.dtype == DType::F32 && holds_low(&graph, id, d, 0));
             let shared_constant = matches!(n.op, Op::Constant { .. })
                 && !graph.outputs().contains(&id)
                 && graph.users(id).iter().all(|&u| !graph.node(u).op.is_effect());
@@ -525,6 +540,7 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
                 ids_checked,
                 shared_constant,
                 bf16_operands,
+                holds,
             }
         })
         .collect();
