@@ -178,6 +178,39 @@ fn bf16_on_a_device_says_where_its_products_run() {
     assert!(line.contains(" on tensor cores (TF32 operands, exact for bf16 values), 0 in f32"), "{line}");
     let fallbacks = out.lines().find(|l| l.starts_with("tensor-core products run in exact f32")).unwrap_or_else(|| panic!("{out}"));
     assert!(fallbacks.contains("of them convolutions"), "{fallbacks}");
+    // cubecl's wgpu compiler has no bf16: the values stay f32, and the line says why.
+    let storage = out.lines().find(|l| l.starts_with("bf16 storage: ")).unwrap_or_else(|| panic!("{out}"));
+    assert!(storage.starts_with("bf16 storage: 0 values in bf16") && storage.contains("no bf16 kernels on this device"), "{storage}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--precision f16` on a device stores the MLP's values in f16 (its every low-precision value:
+/// products, their epilogues, the loss's logits) and says so, with a smaller peak; with
+/// `--f32-storage` nothing, saying why; the two runs log the same losses.
+#[cfg(feature = "wgpu")]
+#[test]
+fn f16_on_a_device_says_what_it_stores_in_f16() {
+    let dir = tmp("f16_device");
+    small_mnist(&dir, 256, 64);
+    let data = dir.to_str().unwrap();
+    let args = ["train", "--data-path", data, "--net", "mlp", "--device", "wgpu", "--precision", "f16", "--micro-size", "2", "--steps", "4"];
+    let (log_low, log_f32) = (dir.join("low.jsonl"), dir.join("f32.jsonl"));
+    let low = ok(&[&args[..], &["--loss-log", log_low.to_str().unwrap()]].concat());
+    let f32s = ok(&[&args[..], &["--f32-storage", "--loss-log", log_f32.to_str().unwrap()]].concat());
+    let line = |out: &str| out.lines().find(|l| l.starts_with("f16 storage: ")).unwrap_or_else(|| panic!("{out}")).to_string();
+    let (on, off) = (line(&low), line(&f32s));
+    assert!(!on.starts_with("f16 storage: 0 values") && on.contains(", 0 in f32 (0.00 MiB)"), "{on}");
+    let peak = |l: &str| -> (f64, f64) {
+        let p = l.split("; peak ").nth(1).unwrap_or_else(|| panic!("{l}"));
+        let mut n = p.split(|c: char| !(c.is_ascii_digit() || c == '.')).filter(|t| !t.is_empty()).map(|t| t.parse::<f64>().unwrap());
+        (n.next().unwrap(), n.next().unwrap())
+    };
+    let (with, without) = peak(&on);
+    assert!(with < without, "{on}");
+    assert!(off.starts_with("f16 storage: 0 values in f16") && off.contains("low-precision storage off"), "{off}");
+    let (a, b) = (std::fs::read_to_string(&log_low).unwrap(), std::fs::read_to_string(&log_f32).unwrap());
+    assert_eq!(a.lines().count(), 4, "{a}");
+    assert_eq!(a, b, "the losses with f16 storage differ from f32 storage's");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -391,6 +391,8 @@ fn low_storage_gives_the_emulations_bits<B: Backend>(device: Device<B>, low: cel
         let off = f32_storage.expect("a low-precision plan");
         assert_eq!(off.values, 0, "{name}: storage off still stored values low: {off}");
         assert!(!must_store || storage.values > 0, "{name}: nothing stored low: {storage}");
+        assert!(!must_store || storage.peak_bytes < storage.f32_peak_bytes, "{name}: the peak did not shrink: {storage}");
+        assert_eq!(off.peak_bytes, off.f32_peak_bytes, "{name}: {off}");
         assert_eq!(storage.values + storage.f32_values, off.f32_values, "{name}: {storage} against {off}");
         for (a, b) in low_losses.iter().zip(&f32_losses) {
             assert_eq!(a.to_bits(), b.to_bits(), "{name}: losses {low_losses:?} against f32 storage's {f32_losses:?}");

@@ -70,11 +70,11 @@ fn qkv_row(s: usize, h: usize, i: usize, #[comptime] g: AttnDims) -> usize {
 
 /// `x · qkv[at..at + d]`.
 #[cube]
-fn dot<F: Float>(x: &Array<F>, qkv: &[F], at: usize, #[comptime] d: u32) -> F {
+fn dot<F: Float, T: Float>(x: &Array<F>, qkv: &[T], at: usize, #[comptime] d: u32) -> F {
     let mut acc = F::new(0.0);
     #[unroll]
     for e in 0..d as usize {
-        acc += x[e] * qkv[at + e];
+        acc += x[e] * F::cast_from(qkv[at + e]);
     }
     acc
 }
@@ -93,11 +93,11 @@ fn unit(rows: usize, #[comptime] g: AttnDims) -> (bool, usize, usize, usize, usi
 
 /// `d` values at `at` into registers.
 #[cube]
-fn load<F: Float>(qkv: &[F], at: usize, #[comptime] d: u32) -> Array<F> {
+fn load<F: Float, T: Float>(qkv: &[T], at: usize, #[comptime] d: u32) -> Array<F> {
     let mut x = Array::<F>::new(d as usize);
     #[unroll]
     for e in 0..d as usize {
-        x[e] = qkv[at + e];
+        x[e] = F::cast_from(qkv[at + e]);
     }
     x
 }
@@ -192,38 +192,40 @@ fn write_row<F: Float>(out: &mut [F], at: usize, sh: &mut Shared<[F]>, div: F, #
 /// Row `q`'s maximum score over keys `0..n` of `(s, h)`: each part's keys, then the parts'.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn row_max<F: Float>(q: &Array<F>, qkv: &[F], s: usize, h: usize, n: usize, scale: F, sh: &mut Shared<[F]>, #[comptime] g: AttnDims) -> F {
+fn row_max<F: Float, T: Float>(q: &Array<F>, qkv: &[T], s: usize, h: usize, n: usize, scale: F, sh: &mut Shared<[F]>, #[comptime] g: AttnDims) -> F {
     let c = comptime!((g.heads * g.d) as usize);
     let mut m = F::min_value();
     let mut j = UNIT_POS_Y as usize;
     while j < n {
-        m = F::max(m, dot(q, qkv, qkv_row(s, h, j, g) + c, g.d) * scale);
+        m = F::max(m, dot::<F, T>(q, qkv, qkv_row(s, h, j, g) + c, g.d) * scale);
         j += PARTS;
     }
     parts_max(m, sh)
 }
 
 /// `y[s, i, h * d..]` = `softmax(q_i K^T * scale) V` over the keys row `i` sees.
+/// `qkv` is f32, or the bf16 / f16 a session stores it in (`_qkv_type`, given at the launch:
+/// widened as it is read); the kernels compute in f32.
 #[cube(launch_unchecked)]
-pub fn attention_forward<F: Float>(qkv: &[F], y: &mut [F], scale: f32, #[comptime] g: AttnDims) {
+pub fn attention_forward<F: Float, Q: Float>(qkv: &[Q], y: &mut [F], scale: f32, #[comptime] g: AttnDims, #[define(Q)] _qkv_type: ElemType) {
     let (t, c, d) = comptime!((g.t as usize, (g.heads * g.d) as usize, g.d as usize));
     let mut stat = Shared::<[F]>::new_slice(comptime!(PARTS * ROWS));
     let mut vecs = Shared::<[F]>::new_slice(comptime!(ROWS * (d + 1)));
     let (valid, _, s, h, i) = unit(y.len() / d, g);
     let scale = F::cast_from(scale);
-    let q = load(qkv, qkv_row(s, h, i, g), g.d);
+    let q = load::<F, Q>(qkv, qkv_row(s, h, i, g), g.d);
     let n = keys(i, g);
-    let m = row_max(&q, qkv, s, h, n, scale, &mut stat, g);
+    let m = row_max::<F, Q>(&q, qkv, s, h, n, scale, &mut stat, g);
     let mut o = zeros::<F>(g.d);
     let mut l = F::new(0.0);
     let mut j = UNIT_POS_Y as usize;
     while j < n {
         let at = qkv_row(s, h, j, g);
-        let p = F::exp(dot(&q, qkv, at + c, g.d) * scale - m);
+        let p = F::exp(dot::<F, Q>(&q, qkv, at + c, g.d) * scale - m);
         l += p;
         #[unroll]
         for e in 0..d {
-            o[e] += p * qkv[at + 2 * c + e];
+            o[e] += p * F::cast_from(qkv[at + 2 * c + e]);
         }
         j += PARTS;
     }
@@ -238,24 +240,34 @@ pub fn attention_forward<F: Float>(qkv: &[F], y: &mut [F], scale: f32, #[comptim
 /// `exp(s - m)`, `rowdot = sum_j p_ij (dy_i · v_j)` into `stats[3 * row..]`, and
 /// `dq_i = scale * sum_j p_ij (dy_i · v_j - rowdot) k_j` into `dx` (laid out as `qkv`).
 #[cube(launch_unchecked)]
-pub fn attention_grad_rows<F: Float>(qkv: &[F], dy: &[F], dx: &mut [F], stats: &mut [F], scale: f32, #[comptime] g: AttnDims) {
+#[allow(clippy::too_many_arguments)]
+pub fn attention_grad_rows<F: Float, Q: Float, G: Float>(
+    qkv: &[Q],
+    dy: &[G],
+    dx: &mut [F],
+    stats: &mut [F],
+    scale: f32,
+    #[comptime] g: AttnDims,
+    #[define(Q)] _qkv_type: ElemType,
+    #[define(G)] _dy_type: ElemType,
+) {
     let (t, c, d) = comptime!((g.t as usize, (g.heads * g.d) as usize, g.d as usize));
     let mut stat = Shared::<[F]>::new_slice(comptime!(PARTS * ROWS));
     let mut vecs = Shared::<[F]>::new_slice(comptime!(ROWS * (d + 1)));
     let (valid, idx, s, h, i) = unit(stats.len() / 3, g);
     let scale = F::cast_from(scale);
-    let q = load(qkv, qkv_row(s, h, i, g), g.d);
-    let gy = load(dy, (s * t + i) * c + h * d, g.d);
+    let q = load::<F, Q>(qkv, qkv_row(s, h, i, g), g.d);
+    let gy = load::<F, G>(dy, (s * t + i) * c + h * d, g.d);
     let n = keys(i, g);
-    let m = row_max(&q, qkv, s, h, n, scale, &mut stat, g);
+    let m = row_max::<F, Q>(&q, qkv, s, h, n, scale, &mut stat, g);
     let mut l = F::new(0.0);
     let mut r = F::new(0.0);
     let mut j = UNIT_POS_Y as usize;
     while j < n {
         let at = qkv_row(s, h, j, g);
-        let p = F::exp(dot(&q, qkv, at + c, g.d) * scale - m);
+        let p = F::exp(dot::<F, Q>(&q, qkv, at + c, g.d) * scale - m);
         l += p;
-        r += p * dot(&gy, qkv, at + 2 * c, g.d);
+        r += p * dot::<F, Q>(&gy, qkv, at + 2 * c, g.d);
         j += PARTS;
     }
     let l = parts_sum(l, &mut stat);
@@ -264,11 +276,11 @@ pub fn attention_grad_rows<F: Float>(qkv: &[F], dy: &[F], dx: &mut [F], stats: &
     let mut j = UNIT_POS_Y as usize;
     while j < n {
         let at = qkv_row(s, h, j, g);
-        let p = F::exp(dot(&q, qkv, at + c, g.d) * scale - m) / l;
-        let ds = p * (dot(&gy, qkv, at + 2 * c, g.d) - rowdot) * scale;
+        let p = F::exp(dot::<F, Q>(&q, qkv, at + c, g.d) * scale - m) / l;
+        let ds = p * (dot::<F, Q>(&gy, qkv, at + 2 * c, g.d) - rowdot) * scale;
         #[unroll]
         for e in 0..d {
-            dq[e] += ds * qkv[at + c + e];
+            dq[e] += ds * F::cast_from(qkv[at + c + e]);
         }
         j += PARTS;
     }
@@ -288,14 +300,24 @@ pub fn attention_grad_rows<F: Float>(qkv: &[F], dy: &[F], dx: &mut [F], stats: &
 /// `dx` (laid out as `qkv`), each `p_ij` from row `i`'s statistics. The lanes of a warp walk
 /// the same queries (from their first row's), each skipping those before its own key.
 #[cube(launch_unchecked)]
-pub fn attention_grad_cols<F: Float>(qkv: &[F], dy: &[F], stats: &[F], dx: &mut [F], scale: f32, #[comptime] g: AttnDims) {
+#[allow(clippy::too_many_arguments)]
+pub fn attention_grad_cols<F: Float, Q: Float, G: Float>(
+    qkv: &[Q],
+    dy: &[G],
+    stats: &[F],
+    dx: &mut [F],
+    scale: f32,
+    #[comptime] g: AttnDims,
+    #[define(Q)] _qkv_type: ElemType,
+    #[define(G)] _dy_type: ElemType,
+) {
     let (t, c, d) = comptime!((g.t as usize, (g.heads * g.d) as usize, g.d as usize));
     let mut vecs = Shared::<[F]>::new_slice(comptime!(ROWS * (d + 1)));
     let (valid, idx, s, h, j) = unit(stats.len() / 3, g);
     let scale = F::cast_from(scale);
     let at = qkv_row(s, h, j, g);
-    let k = load(qkv, at + c, g.d);
-    let v = load(qkv, at + 2 * c, g.d);
+    let k = load::<F, Q>(qkv, at + c, g.d);
+    let v = load::<F, Q>(qkv, at + 2 * c, g.d);
     // Under the mask, from the key of the cube's first row in this (sequence, head).
     let lane = UNIT_POS_X as usize;
     let mut first = 0;
@@ -314,12 +336,12 @@ pub fn attention_grad_cols<F: Float>(qkv: &[F], dy: &[F], stats: &[F], dx: &mut 
             let qi = qkv_row(s, h, i, g);
             let gi = (s * t + i) * c + h * d;
             let st = 3 * (row0 + i);
-            let p = F::exp(dot(&k, qkv, qi, g.d) * scale - stats[st]) / stats[st + 1];
-            let ds = p * (dot(&v, dy, gi, g.d) - stats[st + 2]) * scale;
+            let p = F::exp(dot::<F, Q>(&k, qkv, qi, g.d) * scale - stats[st]) / stats[st + 1];
+            let ds = p * (dot::<F, G>(&v, dy, gi, g.d) - stats[st + 2]) * scale;
             #[unroll]
             for e in 0..d {
-                dv[e] += p * dy[gi + e];
-                dk[e] += ds * qkv[qi + e];
+                dv[e] += p * F::cast_from(dy[gi + e]);
+                dk[e] += ds * F::cast_from(qkv[qi + e]);
             }
         }
         i += PARTS;

@@ -35,44 +35,44 @@ impl LossDims {
 
 /// Row `i`'s maximum logit and `ln(sum(exp(logit - max)))`.
 #[cube]
-fn row_stats<F: Float>(logits: &[F], i: usize, #[comptime] c: u32) -> (F, F) {
+fn row_stats<F: Float, L: Float>(logits: &[L], i: usize, #[comptime] c: u32) -> (F, F) {
     let c = comptime!(c as usize);
     let base = i * c;
-    let mut m = logits[base];
+    let mut m = F::cast_from(logits[base]);
     for j in 1..c {
-        let x = logits[base + j];
+        let x = F::cast_from(logits[base + j]);
         if x > m {
             m = x;
         }
     }
     let mut s = F::new(0.0);
     for j in 0..c {
-        s += F::exp(logits[base + j] - m);
+        s += F::exp(F::cast_from(logits[base + j]) - m);
     }
     (m, F::ln(s))
 }
 
 /// `-log_softmax(logits[i])[label[i]]`.
 #[cube]
-fn row_loss<F: Float, I: Int>(logits: &[F], labels: &[I], i: usize, #[comptime] c: u32) -> F {
-    let (m, lse) = row_stats(logits, i, c);
+fn row_loss<F: Float, L: Float, I: Int>(logits: &[L], labels: &[I], i: usize, #[comptime] c: u32) -> F {
+    let (m, lse) = row_stats::<F, L>(logits, i, c);
     let l = usize::cast_from(labels[i]);
-    -((logits[i * comptime!(c as usize) + l] - m) - lse)
+    -((F::cast_from(logits[i * comptime!(c as usize) + l]) - m) - lse)
 }
 
 /// Writes row `i`'s gradient `(softmax - one_hot) * scale` into `dx` and returns its loss.
 #[cube]
-fn row_loss_grad<F: Float, I: Int>(logits: &[F], labels: &[I], dx: &mut [F], i: usize, scale: F, #[comptime] c: u32) -> F {
-    let (m, lse) = row_stats(logits, i, c);
+fn row_loss_grad<F: Float, L: Float, I: Int>(logits: &[L], labels: &[I], dx: &mut [F], i: usize, scale: F, #[comptime] c: u32) -> F {
+    let (m, lse) = row_stats::<F, L>(logits, i, c);
     let cc = comptime!(c as usize);
     let base = i * cc;
     let l = usize::cast_from(labels[i]);
     for j in 0..cc {
-        let z = (logits[base + j] - m) - lse;
+        let z = (F::cast_from(logits[base + j]) - m) - lse;
         let target = select(j == l, F::new(1.0), F::new(0.0));
         dx[base + j] = (F::exp(z) - target) * scale;
     }
-    -((logits[base + l] - m) - lse)
+    -((F::cast_from(logits[base + l]) - m) - lse)
 }
 
 /// The gradient's factor for `dloss = seed`: the seed (no reduction: every row's; sum), or the
@@ -115,11 +115,11 @@ fn reduce_store<F: Float>(part: F, out: &mut [F], #[comptime] d: LossDims) {
 /// Row `i`'s loss, and with `grad` its gradient written into `dx` (see [`row_loss_grad`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn row<F: Float, I: Int>(logits: &[F], labels: &[I], dx: &mut [F], i: usize, scale: F, #[comptime] c: u32, #[comptime] grad: bool) -> F {
+fn row<F: Float, L: Float, I: Int>(logits: &[L], labels: &[I], dx: &mut [F], i: usize, scale: F, #[comptime] c: u32, #[comptime] grad: bool) -> F {
     if comptime!(grad) {
-        row_loss_grad(logits, labels, dx, i, scale, c)
+        row_loss_grad::<F, L, I>(logits, labels, dx, i, scale, c)
     } else {
-        row_loss(logits, labels, i, c)
+        row_loss::<F, L, I>(logits, labels, i, c)
     }
 }
 
@@ -129,15 +129,18 @@ fn row<F: Float, I: Int>(logits: &[F], labels: &[I], dx: &mut [F], i: usize, sca
 /// `dloss`) each unit also writes its rows' gradient into `dx`, with the arithmetic of
 /// [`softmax_cross_entropy_grad`]: the loss and its gradient in one launch, the two kernels'
 /// bits. Without, `dx` is not touched. `_label_type`: the labels' element type (burn's int
-/// type on the device), given at launch.
+/// type on the device), given at launch; `_logit_type` the logits' (f32, or the bf16 / f16 a
+/// session stores them in: widened as they are read).
 #[cube(launch_unchecked)]
-pub fn softmax_cross_entropy<F: Float, I: Int>(
-    logits: &[F],
+#[allow(clippy::too_many_arguments)]
+pub fn softmax_cross_entropy<F: Float, L: Float, I: Int>(
+    logits: &[L],
     labels: &[I],
     out: &mut [F],
     dx: &mut [F],
     #[comptime] d: LossDims,
     #[comptime] seed: Option<u32>,
+    #[define(L)] _logit_type: ElemType,
     #[define(I)] _label_type: ElemType,
 ) {
     let n = comptime!(d.n as usize);
@@ -146,7 +149,7 @@ pub fn softmax_cross_entropy<F: Float, I: Int>(
     if comptime!(d.reduction == 0) {
         let i = ABSOLUTE_POS;
         if i < n {
-            out[i] = row(logits, labels, dx, i, scale, d.c, grad);
+            out[i] = row::<F, L, I>(logits, labels, dx, i, scale, d.c, grad);
         }
     } else {
         let u = UNIT_POS as usize;
@@ -154,7 +157,7 @@ pub fn softmax_cross_entropy<F: Float, I: Int>(
         let mut part = F::new(0.0);
         let mut i = u;
         while i < n {
-            part += row(logits, labels, dx, i, scale, d.c, grad);
+            part += row::<F, L, I>(logits, labels, dx, i, scale, d.c, grad);
             i += units;
         }
         reduce_store(part, out, d);
@@ -162,15 +165,16 @@ pub fn softmax_cross_entropy<F: Float, I: Int>(
 }
 
 /// The gradient w.r.t. the logits, one unit per element: `(softmax - one_hot) * dl`, `dl`
-/// per row (no reduction), as given (sum) or divided by `n` (mean). `_label_type` as in
-/// [`softmax_cross_entropy`].
+/// per row (no reduction), as given (sum) or divided by `n` (mean). `_logit_type` and
+/// `_label_type` as in [`softmax_cross_entropy`].
 #[cube(launch_unchecked)]
-pub fn softmax_cross_entropy_grad<F: Float, I: Int>(
-    logits: &[F],
+pub fn softmax_cross_entropy_grad<F: Float, L: Float, I: Int>(
+    logits: &[L],
     labels: &[I],
     dl: &[F],
     dx: &mut [F],
     #[comptime] d: LossDims,
+    #[define(L)] _logit_type: ElemType,
     #[define(I)] _label_type: ElemType,
 ) {
     let idx = ABSOLUTE_POS;
@@ -178,8 +182,8 @@ pub fn softmax_cross_entropy_grad<F: Float, I: Int>(
         let c = comptime!(d.c as usize);
         let i = idx / c;
         let j = idx % c;
-        let (m, lse) = row_stats(logits, i, d.c);
-        let z = (logits[idx] - m) - lse;
+        let (m, lse) = row_stats::<F, L>(logits, i, d.c);
+        let z = (F::cast_from(logits[idx]) - m) - lse;
         let l = usize::cast_from(labels[i]);
         let target = select(j == l, F::new(1.0), F::new(0.0));
         let mut scale = dl[0];

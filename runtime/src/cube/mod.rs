@@ -413,9 +413,19 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         let (client, device) = (first.client.clone(), first.device.clone());
         let int = int_dtype::<R>(&device);
         // Operands a session stores in bf16 / f16 are read by the elementwise kernel, cubek's
-        // matmuls and the sums (an epilogue's head's too); the other kernels read f32.
+        // matmuls, the sums, the loss (its logits) and attention (an epilogue's head's too);
+        // the other kernels read f32.
         let reads_low = |k: &Native| {
-            matches!(k, Native::MatMul { .. } | Native::BatchMatMul { .. } | Native::Fused(_) | Native::SumRows { .. } | Native::SumPlanes { .. })
+            matches!(
+                k,
+                Native::MatMul { .. }
+                    | Native::BatchMatMul { .. }
+                    | Native::Fused(_)
+                    | Native::SumRows { .. }
+                    | Native::SumPlanes { .. }
+                    | Native::SoftmaxCrossEntropy { .. }
+                    | Native::Attention { .. }
+            )
         };
         let reads_low = reads_low(op) || matches!(op, Native::Epilogue { head, .. } if reads_low(head));
         if args.iter().any(|t| t.dtype != DType::F32 && !(reads_low && is_low(t.dtype))) || ints.iter().any(|t| t.dtype != int) {
@@ -534,6 +544,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                             arr(&dl),
                             arr(&y),
                             dims,
+                            dtype_to_storage_type(logits.dtype),
                             dtype_to_storage_type(int),
                         )
                     };
@@ -552,6 +563,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                             arr(&dx),
                             dims,
                             None,
+                            dtype_to_storage_type(logits.dtype),
                             dtype_to_storage_type(int),
                         )
                     };
@@ -615,6 +627,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                     if grad {
                         let dy = contiguous(args.get(1)?);
                         let stats = arena.take_scratch::<CubeTensor<R>>(3 * rows).unwrap_or_else(|| empty::<R>(&client, &device, &[3 * rows]));
+                        let (qt, gt) = (dtype_to_storage_type(qkv.dtype), dtype_to_storage_type(dy.dtype));
                         attention::attention_grad_rows::launch_unchecked::<f32, R>(
                             &client,
                             count.clone(),
@@ -625,6 +638,8 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                             arr(&stats),
                             scale,
                             g,
+                            qt,
+                            gt,
                         );
                         attention::attention_grad_cols::launch_unchecked::<f32, R>(
                             &client,
@@ -636,10 +651,13 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                             arr(&y),
                             scale,
                             g,
+                            qt,
+                            gt,
                         );
                         arena.give_scratch(3 * rows, stats);
                     } else {
-                        attention::attention_forward::launch_unchecked::<f32, R>(&client, count, dim, arr(&qkv), arr(&y), scale, g);
+                        let qt = dtype_to_storage_type(qkv.dtype);
+                        attention::attention_forward::launch_unchecked::<f32, R>(&client, count, dim, arr(&qkv), arr(&y), scale, g, qt);
                     }
                 }
                 y
@@ -684,7 +702,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         let Native::SoftmaxCrossEntropy { c, reduction, grad: false, .. } = *op else { return None };
         let ([logits], [labels]) = (args, ints) else { return None };
         let int = int_dtype::<R>(&logits.device);
-        if logits.dtype != DType::F32 || labels.dtype != int {
+        if !(logits.dtype == DType::F32 || is_low(logits.dtype)) || labels.dtype != int {
             return None;
         }
         let contiguous = |t: &CubeTensor<R>| burn_cubecl::kernel::into_contiguous(t.clone());
@@ -712,6 +730,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 arr(&dx),
                 dims,
                 Some((seed as f32).to_bits()),
+                dtype_to_storage_type(logits.dtype),
                 dtype_to_storage_type(int),
             )
         };

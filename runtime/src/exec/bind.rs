@@ -164,8 +164,9 @@ pub(super) struct Binding {
 
 /// Whether the device's kernel for step `st` (run as `exec`) reads its operand `k` as stored
 /// in bf16 / f16: the elementwise kernel (a fused program, an epilogue's program), cubek's
-/// matmuls (a product's operands, an accumulating weight gradient's) and the column and plane
-/// sums (a bias's, a norm's statistics and parameter gradients).
+/// matmuls (a product's operands, an accumulating weight gradient's), the column and plane
+/// sums (a bias's, a norm's statistics and parameter gradients), the loss's logits and
+/// attention's `qkv` and output gradient.
 fn reads_low(st: &Step, exec: Exec, k: usize) -> bool {
     let product = |n: &Native| matches!(n, Native::MatMul { .. } | Native::BatchMatMul { .. });
     let sums = |n: &Native| matches!(n, Native::SumRows { .. } | Native::SumPlanes { .. });
@@ -173,6 +174,9 @@ fn reads_low(st: &Step, exec: Exec, k: usize) -> bool {
         (Exec::Kernel, Some(Native::Fused(_))) => true,
         (Exec::Kernel, Some(n)) if product(n) => k < 2,
         (Exec::Kernel, Some(n)) if sums(n) => k == 0,
+        // The logits (class ids checked on the host: the kernel runs), `qkv` and `dy`.
+        (Exec::Kernel, Some(Native::SoftmaxCrossEntropy { .. })) => k == 0 && st.ids_checked,
+        (Exec::Kernel, Some(Native::Attention { .. })) => k < 2,
         (Exec::Kernel, Some(Native::Epilogue { head, .. })) => product(head) || sums(head),
         (Exec::AccumulateInto(n), Some(Native::Epilogue { head, .. })) => k < n && (matches!(**head, Native::MatMul { .. }) || sums(head)),
         _ => false,

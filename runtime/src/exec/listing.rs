@@ -76,6 +76,10 @@ pub struct LowStorage {
     pub f32_bytes: usize,
     /// Why those stay f32, by reason (the first reader that does not read the type...).
     pub kept_f32: KeptF32,
+    /// The most bytes the micro-step's values hold at once with this storage, and in f32
+    /// ([`Executable::peak_bytes`]): the schedule's liveness simulation.
+    pub peak_bytes: usize,
+    pub f32_peak_bytes: usize,
 }
 
 impl std::fmt::Display for LowStorage {
@@ -91,9 +95,10 @@ impl std::fmt::Display for LowStorage {
             self.f32_values,
             mb(self.f32_bytes)
         )?;
+        write!(f, "; peak {:.2} MiB (f32 storage: {:.2} MiB)", mb(self.peak_bytes), mb(self.f32_peak_bytes))?;
         if !self.kept_f32.is_empty() {
             let each: Vec<String> = self.kept_f32.iter().map(|(why, n)| format!("{why} {n}")).collect();
-            write!(f, ": {}", each.join(", "))?;
+            write!(f, "; f32 where {}", each.join(", "))?;
         }
         Ok(())
     }
@@ -119,7 +124,8 @@ impl<B: Backend> Session<B> {
         let execs = b.execs.clone();
         let (stores, kept_f32) = self.low_stores(exe, &execs);
         let bytes = |st: &Step| st.ty.numel() * 4;
-        let mut s = LowStorage { dtype, values: 0, bytes: 0, f32_values: 0, f32_bytes: 0, kept_f32 };
+        let peak_bytes = super::plan::simulate_peak_stored(&exe.graph, &exe.steps, &stores);
+        let mut s = LowStorage { dtype, values: 0, bytes: 0, f32_values: 0, f32_bytes: 0, kept_f32, peak_bytes, f32_peak_bytes: exe.peak_bytes };
         for (st, store) in exe.steps.iter().zip(&stores) {
             let view = matches!(st.op, Op::Reshape { .. } | Op::Flatten);
             if view || st.holds.is_none() {

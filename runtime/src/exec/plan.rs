@@ -275,7 +275,19 @@ fn released(st: &Step) -> Vec<usize> {
 
 /// Simulates the schedule: a value is allocated at its step and released at its last use.
 fn simulate_peak(graph: &Graph, steps: &[Step]) -> usize {
-    let bytes = |slot: usize| graph.ty(cellgraph_compiler::NodeId(slot as u32)).size_bytes();
+    simulate_peak_stored(graph, steps, &[])
+}
+
+/// [`simulate_peak`] with each step's value in the type `stores` gives it, where it gives one
+/// (a device session's bf16 / f16 storage, [`super::bind::low_stores`]; by step, as `steps`).
+pub(super) fn simulate_peak_stored(graph: &Graph, steps: &[Step], stores: &[Option<TensorType>]) -> usize {
+    let mut stored: BTreeMap<usize, usize> = BTreeMap::new();
+    for (st, t) in steps.iter().zip(stores) {
+        if let Some(t) = t {
+            stored.insert(st.slot, t.size_bytes());
+        }
+    }
+    let bytes = |slot: usize| stored.get(&slot).copied().unwrap_or_else(|| graph.ty(cellgraph_compiler::NodeId(slot as u32)).size_bytes());
     let (mut live, mut peak) = (0usize, 0usize);
     for st in steps {
         live += bytes(st.slot);
