@@ -76,9 +76,22 @@ impl ConvDims {
 
 /// Direct convolution: one unit per output element `y[n, o, oh, ow]`, stored through the
 /// epilogue `post` (its operands after the first in `x1`..; [`EwKernel::identity`] for none).
+/// `x` and `w` are f32 or the bf16 / f16 a session stores them in (`_x_type`, `_w_type`,
+/// given at the launch: widened as they are read), as are the gradients' operands below.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn conv2d_forward<F: Float>(x: &[F], w: &[F], y: &mut [F], x1: &[F], x2: &[F], x3: &[F], #[comptime] g: ConvDims, #[comptime] post: EwKernel) {
+pub fn conv2d_forward<F: Float, X: Float, W: Float>(
+    x: &[X],
+    w: &[W],
+    y: &mut [F],
+    x1: &[F],
+    x2: &[F],
+    x3: &[F],
+    #[comptime] g: ConvDims,
+    #[comptime] post: EwKernel,
+    #[define(X)] _x_type: ElemType,
+    #[define(W)] _w_type: ElemType,
+) {
     let idx = ABSOLUTE_POS;
     if idx < y.len() {
         let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as i32, g.w as i32, g.o as usize, g.oh as usize, g.ow as usize));
@@ -97,8 +110,8 @@ pub fn conv2d_forward<F: Float>(x: &[F], w: &[F], y: &mut [F], x1: &[F], x2: &[F
                     for kx in 0..kw {
                         let ix = ox as i32 * sw + kx as i32 * dw - pl;
                         if ix >= 0 && ix < wi {
-                            let xv = x[((b * c + gi * cg + ci) * (h as usize) + iy as usize) * (wi as usize) + ix as usize];
-                            let wv = w[((co * cg + ci) * kh + ky) * kw + kx];
+                            let xv = F::cast_from(x[((b * c + gi * cg + ci) * (h as usize) + iy as usize) * (wi as usize) + ix as usize]);
+                            let wv = F::cast_from(w[((co * cg + ci) * kh + ky) * kw + kx]);
                             acc += xv * wv;
                         }
                     }
@@ -111,7 +124,14 @@ pub fn conv2d_forward<F: Float>(x: &[F], w: &[F], y: &mut [F], x1: &[F], x2: &[F
 
 /// Gradient w.r.t. the input: one unit per `dx[n, c, h, w]`.
 #[cube(launch_unchecked)]
-pub fn conv2d_input_grad<F: Float>(dy: &[F], w: &[F], dx: &mut [F], #[comptime] g: ConvDims) {
+pub fn conv2d_input_grad<F: Float, G: Float, W: Float>(
+    dy: &[G],
+    w: &[W],
+    dx: &mut [F],
+    #[comptime] g: ConvDims,
+    #[define(G)] _dy_type: ElemType,
+    #[define(W)] _w_type: ElemType,
+) {
     let idx = ABSOLUTE_POS;
     if idx < dx.len() {
         let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as usize, g.w as usize, g.o as usize, g.oh as i32, g.ow as i32));
@@ -134,8 +154,8 @@ pub fn conv2d_input_grad<F: Float>(dy: &[F], w: &[F], dx: &mut [F], #[comptime] 
                         let tx = ix as i32 + pl - kx as i32 * dw;
                         if tx >= 0 && tx % sw == 0 && tx / sw < ow {
                             let ox = (tx / sw) as usize;
-                            let gv = dy[((b * o + co) * (oh as usize) + oy) * (ow as usize) + ox];
-                            let wv = w[((co * cg + cl) * kh + ky) * kw + kx];
+                            let gv = F::cast_from(dy[((b * o + co) * (oh as usize) + oy) * (ow as usize) + ox]);
+                            let wv = F::cast_from(w[((co * cg + cl) * kh + ky) * kw + kx]);
                             acc += gv * wv;
                         }
                     }
@@ -151,7 +171,15 @@ pub fn conv2d_input_grad<F: Float>(dy: &[F], w: &[F], dx: &mut [F], #[comptime] 
 /// (s + 1) * per`. With one slice `part` is the gradient; otherwise [`sum_rows`] adds the
 /// slices in order (a fixed order: the same bits on every run).
 #[cube(launch_unchecked)]
-pub fn conv2d_filter_grad<F: Float>(x: &[F], dy: &[F], part: &mut [F], #[comptime] g: ConvDims, #[comptime] per: u32) {
+pub fn conv2d_filter_grad<F: Float, X: Float, G: Float>(
+    x: &[X],
+    dy: &[G],
+    part: &mut [F],
+    #[comptime] g: ConvDims,
+    #[comptime] per: u32,
+    #[define(X)] _x_type: ElemType,
+    #[define(G)] _dy_type: ElemType,
+) {
     let idx = ABSOLUTE_POS;
     if idx < part.len() {
         let (c, h, wi, o, oh, ow) = comptime!((g.c as usize, g.h as i32, g.w as i32, g.o as usize, g.oh as usize, g.ow as usize));
@@ -178,7 +206,8 @@ pub fn conv2d_filter_grad<F: Float>(x: &[F], dy: &[F], part: &mut [F], #[comptim
             let iy = oy as i32 * sh + ky as i32 * dh - pt;
             let ix = ox as i32 * sw + kx as i32 * dw - pl;
             if iy >= 0 && iy < h && ix >= 0 && ix < wi {
-                acc += x[((b * c + ci) * (h as usize) + iy as usize) * (wi as usize) + ix as usize] * dy[((b * o + co) * oh + oy) * ow + ox];
+                acc += F::cast_from(x[((b * c + ci) * (h as usize) + iy as usize) * (wi as usize) + ix as usize])
+                    * F::cast_from(dy[((b * o + co) * oh + oy) * ow + ox]);
             }
         }
         part[idx] = acc;
@@ -209,16 +238,17 @@ pub(super) fn filter_grad<R: CubeRuntime>(
     let numel = dims.filter_len();
     let (slices, per) = filter_grad_split(dims);
     let (count, dim) = grid(client, numel);
+    let ty = |t: &CubeTensor<R>| burn_backend::cubecl::dtype_to_storage_type(t.dtype);
     // SAFETY: as in `head_kernel`; `y` holds exactly the filter's elements.
     unsafe {
         if slices == 1 && !accumulate {
-            conv2d_filter_grad::launch_unchecked::<f32, R>(client, count, dim, arr(x), arr(dy), arr(y), *dims, per as u32);
+            conv2d_filter_grad::launch_unchecked::<f32, R>(client, count, dim, arr(x), arr(dy), arr(y), *dims, per as u32, ty(x), ty(dy));
         } else {
             // The slices in the arena's scratch buffer of their length (launches run in order,
             // so the next user of the buffer writes it after the sum has read it).
             let part = arena.take_scratch::<CubeTensor<R>>(slices * numel).unwrap_or_else(|| empty::<R>(client, &y.device, &[slices, numel]));
             let (pc, pd) = grid(client, slices * numel);
-            conv2d_filter_grad::launch_unchecked::<f32, R>(client, pc, pd, arr(x), arr(dy), arr(&part), *dims, per as u32);
+            conv2d_filter_grad::launch_unchecked::<f32, R>(client, pc, pd, arr(x), arr(dy), arr(&part), *dims, per as u32, ty(x), ty(dy));
             let f32s = burn_backend::cubecl::dtype_to_storage_type(burn_backend::DType::F32);
             sum_rows::launch_unchecked::<R>(client, count, dim, arr(&part), arr(y), slices as u32, accumulate, None, f32s, f32s);
             arena.give_scratch(slices * numel, part);
@@ -398,6 +428,8 @@ pub fn input_grad_by_upsampling<R: CubeRuntime>(
             arr(&u),
             ConvDims::of(&up, 1, g.x[1]),
             id,
+            burn_backend::cubecl::dtype_to_storage_type(u.dtype),
+            burn_backend::cubecl::dtype_to_storage_type(w2.dtype),
         )
     };
     Some(dx)

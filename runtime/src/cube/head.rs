@@ -34,6 +34,8 @@ pub(super) fn head_kernel<R: CubeRuntime>(
     let (count, dim) = grid(client, numel);
     // The epilogue's operands 1.. (slots it does not read get another operand, never `y`).
     let x = |k: usize| arr(rest.get(k).unwrap_or(a));
+    // Each operand's stored type (f32, or a session's bf16 / f16).
+    let ty = |t: &CubeTensor<R>| burn_backend::cubecl::dtype_to_storage_type(t.dtype);
     // SAFETY (every launch below): the kernels index only below their arrays' lengths (each
     // unit checks its position against its output's length; the operands' extents are the
     // bound op's, which the plan's types fix).
@@ -53,9 +55,25 @@ pub(super) fn head_kernel<R: CubeRuntime>(
             let dims = ConvDims::of(&g, groups, out_channels);
             match kind {
                 ConvKind::Forward => unsafe {
-                    conv2d_forward::launch_unchecked::<f32, R>(client, count, dim, arr(a), arr(b), arr(y), x(0), x(1), x(2), dims, post.clone())
+                    conv2d_forward::launch_unchecked::<f32, R>(
+                        client,
+                        count,
+                        dim,
+                        arr(a),
+                        arr(b),
+                        arr(y),
+                        x(0),
+                        x(1),
+                        x(2),
+                        dims,
+                        post.clone(),
+                        ty(a),
+                        ty(b),
+                    )
                 },
-                ConvKind::InputGrad => unsafe { conv2d_input_grad::launch_unchecked::<f32, R>(client, count, dim, arr(a), arr(b), arr(y), dims) },
+                ConvKind::InputGrad => unsafe {
+                    conv2d_input_grad::launch_unchecked::<f32, R>(client, count, dim, arr(a), arr(b), arr(y), dims, ty(a), ty(b))
+                },
                 // The op's operands are (dy, x).
                 ConvKind::FilterGrad => filter_grad::<R>(&dims, a, b, y, false, arena),
             }
@@ -97,5 +115,9 @@ pub(super) fn widened<R: CubeRuntime>(t: &CubeTensor<R>) -> CubeTensor<R> {
 /// routine does not set up, counted): the exact kernels run it.
 pub(super) fn conv_on_tensor_cores<R: CubeRuntime>(op: &Native, a: &CubeTensor<R>, b: &CubeTensor<R>, tf32: bool) -> Option<CubeTensor<R>> {
     let Native::Conv { kind, g, groups, out_channels, .. } = *op else { return None };
+    // A session stores a convolution's operands low only where it runs on the exact kernels.
+    if a.dtype != DType::F32 || b.dtype != DType::F32 {
+        return None;
+    }
     conv::on_tensor_cores::<R>(kind, &g, groups, out_channels, tf32).then(|| conv::tensor_core_conv::<R>(kind, &g, out_channels, a, b)).flatten()
 }

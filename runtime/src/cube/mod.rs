@@ -413,8 +413,8 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         let (client, device) = (first.client.clone(), first.device.clone());
         let int = int_dtype::<R>(&device);
         // Operands a session stores in bf16 / f16 are read by the elementwise kernel, cubek's
-        // matmuls, the sums, the loss (its logits) and attention (an epilogue's head's too);
-        // the other kernels read f32.
+        // matmuls, the sums, the loss (its logits), attention and the exact convolutions (an
+        // epilogue's head's too); the other kernels read f32.
         let reads_low = |k: &Native| {
             matches!(
                 k,
@@ -425,6 +425,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                     | Native::SumPlanes { .. }
                     | Native::SoftmaxCrossEntropy { .. }
                     | Native::Attention { .. }
+                    | Native::Conv { .. }
             )
         };
         let reads_low = reads_low(op) || matches!(op, Native::Epilogue { head, .. } if reads_low(head));
@@ -739,7 +740,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
 
     fn device_accumulate(op: &Native, args: &[&CubeTensor<R>], acc: &CubeTensor<R>, tf32: bool, arena: &mut Arena) -> bool {
         // A product's or a sum's operands may be stored in bf16 / f16 (read as they are).
-        let product = matches!(op, Native::MatMul { .. } | Native::SumRows { .. } | Native::SumPlanes { .. });
+        let product = matches!(op, Native::MatMul { .. } | Native::SumRows { .. } | Native::SumPlanes { .. } | Native::Conv { .. });
         let f32s = acc.dtype == DType::F32 && args.iter().all(|t| t.dtype == DType::F32 || (product && is_low(t.dtype)));
         if !f32s || !acc.is_contiguous() {
             return false;

@@ -167,10 +167,16 @@ pub(super) struct Binding {
 /// matmuls (a product's operands, an accumulating weight gradient's), the column and plane
 /// sums (a bias's, a norm's statistics and parameter gradients), the loss's logits and
 /// attention's `qkv` and output gradient.
-fn reads_low(st: &Step, exec: Exec, k: usize) -> bool {
+fn reads_low(st: &Step, exec: Exec, k: usize, tensor_cores: bool) -> bool {
     let product = |n: &Native| matches!(n, Native::MatMul { .. } | Native::BatchMatMul { .. });
     let sums = |n: &Native| matches!(n, Native::SumRows { .. } | Native::SumPlanes { .. });
+    // The exact convolution kernels read their operands as stored; the tensor-core routine
+    // (burn's implicit GEMM) reads f32.
+    let conv = |n: &Native| matches!(n, Native::Conv { .. }) && !tensor_cores;
     match (exec, &st.kernel) {
+        (Exec::Kernel, Some(n)) if conv(n) => k < 2,
+        (Exec::Kernel, Some(Native::Epilogue { head, .. })) if conv(head) => k < 2,
+        (Exec::AccumulateInto(n), Some(Native::Epilogue { head, .. })) if conv(head) => k < n,
         (Exec::Kernel, Some(Native::Fused(_))) => true,
         (Exec::Kernel, Some(n)) if product(n) => k < 2,
         (Exec::Kernel, Some(n)) if sums(n) => k == 0,
@@ -202,10 +208,17 @@ pub type KeptF32 = std::collections::BTreeMap<String, usize>;
 /// [`Step::holds`]) that a device session stores in that type, half the bytes: those the
 /// elementwise kernel or a product's epilogue writes and that only kernels reading the type
 /// read ([`reads_low`], through reshapes, which are views), and that are neither an output nor
-/// a parameter's new value. `stores(d)`: the device stores type `d`. Returns each step's
+/// a parameter's new value. `stores(d)`: the device stores type `d`; `tensor_cores(st)`: the
+/// session asks tensor cores of step `st` (TF32, bf16 products). Returns each step's
 /// storage type where it is low, and why the others stay f32 (the first reader that does not
 /// read the type, by its op; `output`; `written by <op>`).
-pub(super) fn low_stores(steps: &[Step], execs: &[Exec], pinned: &[usize], stores: impl Fn(DType) -> bool) -> (Vec<Option<TensorType>>, KeptF32) {
+pub(super) fn low_stores(
+    steps: &[Step],
+    execs: &[Exec],
+    pinned: &[usize],
+    stores: impl Fn(DType) -> bool,
+    tensor_cores: impl Fn(&Step) -> bool,
+) -> (Vec<Option<TensorType>>, KeptF32) {
     let index: std::collections::HashMap<usize, usize> = steps.iter().enumerate().map(|(i, st)| (st.slot, i)).collect();
     // The step whose buffer each value is: a reshape (a view on a device) is its operand's.
     let mut root: Vec<usize> = (0..steps.len()).collect();
@@ -239,7 +252,7 @@ pub(super) fn low_stores(steps: &[Step], execs: &[Exec], pinned: &[usize], store
         for (k, &(a, _)) in st.args.iter().enumerate() {
             let Some(&i) = index.get(&a) else { continue };
             let is_view = root[r] == root[i] && r != root[i];
-            if low[root[i]].is_some() && !is_view && !reads_low(st, execs[r], k) {
+            if low[root[i]].is_some() && !is_view && !reads_low(st, execs[r], k, tensor_cores(st)) {
                 drop(root[i], format!("read by {}", bind_label(st)), &mut low);
             }
         }
@@ -359,13 +372,13 @@ mod tests {
         (relu.slot, relu.holds) = (7, Some(DType::F16));
         let steps = [fused(1, &[(0, false)]), reshape, matmul, fused(4, &[(0, false)]), rows, fused(6, &[(0, false)]), relu];
         let execs: Vec<Exec> = steps.iter().map(|st| exec_of(st, false, true, false, &Declined::Nothing)).collect();
-        let (stores, kept) = low_stores(&steps, &execs, &[6], |d| d == DType::F16);
+        let (stores, kept) = low_stores(&steps, &execs, &[6], |d| d == DType::F16, |_| false);
         let low: Vec<bool> = stores.iter().map(|t| t.as_ref().is_some_and(|t| t.dtype == DType::F16)).collect();
         assert_eq!(low, [true, true, false, false, false, false, false]);
         let want: KeptF32 =
             [("read by MaxRows".into(), 1), ("an output or a parameter's new value".into(), 1), ("written by Relu".into(), 1)].into_iter().collect();
         assert_eq!(kept, want);
         // A device without the type stores nothing low.
-        assert!(low_stores(&steps, &execs, &[6], |_| false).0.iter().all(Option::is_none));
+        assert!(low_stores(&steps, &execs, &[6], |_| false, |_| false).0.iter().all(Option::is_none));
     }
 }

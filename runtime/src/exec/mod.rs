@@ -497,7 +497,7 @@ impl<B: Backend> Session<B> {
             _ => {}
         }
         let pinned: Vec<usize> = exe.outputs.iter().copied().chain(exe.writes.iter().map(|w| w.1)).collect();
-        bind::low_stores(&exe.steps, execs, &pinned, |d| B::stores_low(d, &self.device))
+        bind::low_stores(&exe.steps, execs, &pinned, |d| B::stores_low(d, &self.device), |st| self.tf32 || (self.bf16 && st.bf16_operands))
     }
 
     /// Runs `exe` on this thread. `bound`: the inputs' device buffers (replay's), instead of
