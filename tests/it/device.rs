@@ -342,7 +342,7 @@ fn bf16_convolutions_on_the_device_match_the_emulation<B: Backend>(device: Devic
 /// micro-batches give the bits of the same device with f32 storage (the emulation), losses and
 /// parameters, for the GPT (whose activations between its products and programs are stored
 /// low), the MLP, LeNet5 and a ResNet block with batch norm (convolutions on the exact kernels
-/// read their operands as stored, and write f32; strided input gradients). The plan's account
+/// and max pooling read and write the stored type; strided input gradients). The plan's account
 /// says how many values were stored low: each must have some, and a smaller peak.
 #[allow(dead_code)]
 fn low_storage_gives_the_emulations_bits<B: Backend>(device: Device<B>, low: cellgraph::compiler::DType) {

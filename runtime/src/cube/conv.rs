@@ -77,13 +77,14 @@ impl ConvDims {
 /// Direct convolution: one unit per output element `y[n, o, oh, ow]`, stored through the
 /// epilogue `post` (its operands after the first in `x1`..; [`EwKernel::identity`] for none).
 /// `x` and `w` are f32 or the bf16 / f16 a session stores them in (`_x_type`, `_w_type`,
-/// given at the launch: widened as they are read), as are the gradients' operands below.
+/// given at the launch: widened as they are read), as are the gradients' operands below; `y`
+/// is f32, or bf16 / f16 when the epilogue rounds to it (`_out_type`).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn conv2d_forward<F: Float, X: Float, W: Float>(
+pub fn conv2d_forward<F: Float, X: Float, W: Float, Y: Float>(
     x: &[X],
     w: &[W],
-    y: &mut [F],
+    y: &mut [Y],
     x1: &[F],
     x2: &[F],
     x3: &[F],
@@ -91,6 +92,7 @@ pub fn conv2d_forward<F: Float, X: Float, W: Float>(
     #[comptime] post: EwKernel,
     #[define(X)] _x_type: ElemType,
     #[define(W)] _w_type: ElemType,
+    #[define(Y)] _out_type: ElemType,
 ) {
     let idx = ABSOLUTE_POS;
     if idx < y.len() {
@@ -118,7 +120,7 @@ pub fn conv2d_forward<F: Float, X: Float, W: Float>(
                 }
             }
         }
-        y[idx] = ew::apply::<F>(acc, x1, x2, x3, idx, post);
+        y[idx] = Y::cast_from(ew::apply::<F>(acc, x1, x2, x3, idx, post));
     }
 }
 
@@ -430,6 +432,7 @@ pub fn input_grad_by_upsampling<R: CubeRuntime>(
             id,
             burn_backend::cubecl::dtype_to_storage_type(u.dtype),
             burn_backend::cubecl::dtype_to_storage_type(w2.dtype),
+            burn_backend::cubecl::dtype_to_storage_type(dx.dtype),
         )
     };
     Some(dx)

@@ -69,6 +69,7 @@ pub(super) fn head_kernel<R: CubeRuntime>(
                         post.clone(),
                         ty(a),
                         ty(b),
+                        ty(y),
                     )
                 },
                 ConvKind::InputGrad => unsafe {
@@ -91,6 +92,9 @@ pub(super) fn head_kernel<R: CubeRuntime>(
                 x(2),
                 ConvDims::of(&g, 1, g.x[1]),
                 post.clone(),
+                ty(a),
+                ty(b),
+                ty(y),
             )
         },
         _ => unreachable!("a head kernel runs matmuls, convolutions and pooling gradients"),

@@ -426,6 +426,8 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                     | Native::SoftmaxCrossEntropy { .. }
                     | Native::Attention { .. }
                     | Native::Conv { .. }
+                    | Native::MaxPool { .. }
+                    | Native::MaxPoolGrad { .. }
             )
         };
         let reads_low = reads_low(op) || matches!(op, Native::Epilogue { head, .. } if reads_low(head));
@@ -462,9 +464,10 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 let inside =
                     matches!(**head, Native::Conv { kind: ConvKind::Forward, .. } | Native::MaxPoolGrad { .. }) && *head_args == 2 && !tensor_cores;
                 if inside && prog.reads.len() <= ew::HEAD_OPERANDS {
-                    // The program inside the head's kernel, on its result before it is stored.
+                    // The program inside the head's kernel, on its result before it is stored
+                    // (in the type the session stores it in).
                     let (a, b) = (contiguous(args[0]), contiguous(args[1]));
-                    let y = output::<R>(arena, &client, &device, out.dims());
+                    let y = output_of::<R>(arena, &client, &device, out.dims(), store);
                     head_kernel::<R>(head, &a, &b, &y, numel, tf32, &prog, &rest, arena);
                     y
                 } else if is_low(store) {
@@ -518,8 +521,11 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             }
             Native::MaxPool { g, .. } if !g.has_empty_window() => {
                 let x = contiguous(args[0]);
-                let y = output::<R>(arena, &client, &device, out.dims());
-                unsafe { pool::max_pool2d::launch_unchecked::<f32, R>(&client, count, dim, arr(&x), arr(&y), ConvDims::of(g, 1, g.x[1])) };
+                let y = output_of::<R>(arena, &client, &device, out.dims(), store);
+                let ty = |t: &CubeTensor<R>| dtype_to_storage_type(t.dtype);
+                unsafe {
+                    pool::max_pool2d::launch_unchecked::<f32, R>(&client, count, dim, arr(&x), arr(&y), ConvDims::of(g, 1, g.x[1]), ty(&x), ty(&y))
+                };
                 y
             }
             Native::MaxPoolGrad { .. } => {

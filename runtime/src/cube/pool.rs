@@ -14,7 +14,7 @@ use super::ConvDims;
 /// does not type as `bool` on a generic float.)
 #[cube]
 #[allow(clippy::eq_op)]
-fn argmax<F: Float>(x: &[F], base: usize, oy: usize, ox: usize, #[comptime] g: ConvDims) -> i32 {
+fn argmax<F: Float, X: Float>(x: &[X], base: usize, oy: usize, ox: usize, #[comptime] g: ConvDims) -> i32 {
     let (h, w) = comptime!((g.h as i32, g.w as i32));
     let (kh, kw, sh, sw, dh, dw, pt, pl) = comptime!(g.window());
     let mut best = F::new(0.0);
@@ -28,7 +28,7 @@ fn argmax<F: Float>(x: &[F], base: usize, oy: usize, ox: usize, #[comptime] g: C
                 let ix = ox as i32 * sw + kx as i32 * dw - pl;
                 if ix >= 0 && ix < w {
                     let k = iy * w + ix;
-                    let v = x[base + k as usize];
+                    let v = F::cast_from(x[base + k as usize]);
                     if at < 0 || v > best || v != v {
                         best = v;
                         at = k;
@@ -44,19 +44,25 @@ fn argmax<F: Float>(x: &[F], base: usize, oy: usize, ox: usize, #[comptime] g: C
 /// element of the plane ([`crate::kernel::Geometry::has_empty_window`]: the host kernels give
 /// such a window -inf, and WGSL has no infinite literal).
 #[cube(launch_unchecked)]
-pub fn max_pool2d<F: Float>(x: &[F], y: &mut [F], #[comptime] g: ConvDims) {
+pub fn max_pool2d<F: Float, X: Float, Y: Float>(
+    x: &[X],
+    y: &mut [Y],
+    #[comptime] g: ConvDims,
+    #[define(X)] _x_type: ElemType,
+    #[define(Y)] _out_type: ElemType,
+) {
     let idx = ABSOLUTE_POS;
     if idx < y.len() {
         let (hw, oh, ow) = comptime!(((g.h * g.w) as usize, g.oh as usize, g.ow as usize));
         let ox = idx % ow;
         let oy = (idx / ow) % oh;
         let base = (idx / (ow * oh)) * hw;
-        let at = argmax(x, base, oy, ox, g);
+        let at = argmax::<F, X>(x, base, oy, ox, g);
         let mut v = F::new(0.0);
         if at >= 0 {
-            v = x[base + at as usize];
+            v = F::cast_from(x[base + at as usize]);
         }
-        y[idx] = v;
+        y[idx] = Y::cast_from(v);
     }
 }
 
@@ -64,7 +70,19 @@ pub fn max_pool2d<F: Float>(x: &[F], y: &mut [F], #[comptime] g: ConvDims) {
 /// order, stored through the epilogue `post` (as [`super::conv2d_forward`]'s).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn max_pool2d_grad<F: Float>(x: &[F], dy: &[F], dx: &mut [F], x1: &[F], x2: &[F], x3: &[F], #[comptime] g: ConvDims, #[comptime] post: EwKernel) {
+pub fn max_pool2d_grad<F: Float, X: Float, G: Float, Y: Float>(
+    x: &[X],
+    dy: &[G],
+    dx: &mut [Y],
+    x1: &[F],
+    x2: &[F],
+    x3: &[F],
+    #[comptime] g: ConvDims,
+    #[comptime] post: EwKernel,
+    #[define(X)] _x_type: ElemType,
+    #[define(G)] _dy_type: ElemType,
+    #[define(Y)] _out_type: ElemType,
+) {
     let idx = ABSOLUTE_POS;
     if idx < dx.len() {
         let (h, w, oh, ow) = comptime!((g.h as usize, g.w as usize, g.oh as i32, g.ow as i32));
@@ -84,13 +102,13 @@ pub fn max_pool2d_grad<F: Float>(x: &[F], dy: &[F], dx: &mut [F], x1: &[F], x2: 
                     let tx = ix as i32 + pl - (kw - 1 - qx) as i32 * dw;
                     if tx >= 0 && tx % sw == 0 && tx / sw < ow {
                         let ox = tx / sw;
-                        if argmax(x, base, oy as usize, ox as usize, g) == me {
-                            acc += dy[obase + (oy * ow + ox) as usize];
+                        if argmax::<F, X>(x, base, oy as usize, ox as usize, g) == me {
+                            acc += F::cast_from(dy[obase + (oy * ow + ox) as usize]);
                         }
                     }
                 }
             }
         }
-        dx[idx] = ew::apply::<F>(acc, x1, x2, x3, idx, post);
+        dx[idx] = Y::cast_from(ew::apply::<F>(acc, x1, x2, x3, idx, post));
     }
 }

@@ -166,14 +166,20 @@ pub(super) struct Binding {
 /// in bf16 / f16: the elementwise kernel (a fused program, an epilogue's program), cubek's
 /// matmuls (a product's operands, an accumulating weight gradient's), the column and plane
 /// sums (a bias's, a norm's statistics and parameter gradients), the loss's logits and
-/// attention's `qkv` and output gradient.
+/// attention's `qkv` and output gradient, the exact convolutions' operands and max pooling's
+/// and its gradient's.
 fn reads_low(st: &Step, exec: Exec, k: usize, tensor_cores: bool) -> bool {
     let product = |n: &Native| matches!(n, Native::MatMul { .. } | Native::BatchMatMul { .. });
     let sums = |n: &Native| matches!(n, Native::SumRows { .. } | Native::SumPlanes { .. });
     // The exact convolution kernels read their operands as stored; the tensor-core routine
     // (burn's implicit GEMM) reads f32.
     let conv = |n: &Native| matches!(n, Native::Conv { .. }) && !tensor_cores;
+    let pool = |n: &Native| matches!(n, Native::MaxPool { .. } | Native::MaxPoolGrad { .. });
     match (exec, &st.kernel) {
+        // The window's input (and the gradient's `dy`); an epilogue's further operands are
+        // read in f32 inside the kernel.
+        (Exec::Kernel, Some(n)) if pool(n) => k < 2,
+        (Exec::Kernel, Some(Native::Epilogue { head, .. })) if pool(head) => k < 2,
         (Exec::Kernel, Some(n)) if conv(n) => k < 2,
         (Exec::Kernel, Some(Native::Epilogue { head, .. })) if conv(head) => k < 2,
         (Exec::AccumulateInto(n), Some(Native::Epilogue { head, .. })) if conv(head) => k < n,
@@ -191,11 +197,22 @@ fn reads_low(st: &Step, exec: Exec, k: usize, tensor_cores: bool) -> bool {
 
 /// Whether the device's kernel for step `st` (run as `exec`) writes its result in bf16 / f16:
 /// the elementwise kernel, alone (a fused program) or after a product's or a sum's f32 result
-/// (its epilogue's program, which rounds it).
+/// (its epilogue's program, which rounds it), a convolution's forward or a pooling gradient
+/// with its epilogue inside (or after it), and max pooling (which moves stored values).
 fn writes_low(st: &Step, exec: Exec) -> bool {
-    let head = |n: &Native| matches!(n, Native::MatMul { .. } | Native::BatchMatMul { .. } | Native::SumRows { .. } | Native::SumPlanes { .. });
+    let head = |n: &Native| {
+        matches!(
+            n,
+            Native::MatMul { .. }
+                | Native::BatchMatMul { .. }
+                | Native::SumRows { .. }
+                | Native::SumPlanes { .. }
+                | Native::Conv { kind: crate::kernel::ConvKind::Forward, .. }
+                | Native::MaxPoolGrad { .. }
+        )
+    };
     match (exec, &st.kernel) {
-        (Exec::Kernel, Some(Native::Fused(_))) => true,
+        (Exec::Kernel, Some(Native::Fused(_) | Native::MaxPool { .. })) => true,
         (Exec::Kernel, Some(Native::Epilogue { head: h, .. })) => head(h),
         _ => false,
     }
