@@ -196,6 +196,31 @@ pub enum Native {
     Epilogue { head: Box<Native>, head_args: usize, post: Arc<Elementwise> },
 }
 
+impl Native {
+    /// How many of its leading operands the device's kernel for this op reads as they are
+    /// stored, bf16 / f16 included (a session's low-precision storage,
+    /// [`crate::Session::set_low_precision_storage`]); the others it reads as f32. The
+    /// elementwise kernel reads every operand so, cubek's matmuls, attention and convolutions
+    /// their two, the sums, the loss (its logits) and max pooling their first; an epilogue
+    /// after a product or a sum every operand (its program runs on the elementwise kernel),
+    /// one with its program inside a convolution's or a pooling gradient's kernel the head's
+    /// two. Convolutions on tensor cores read f32 whatever this says (the session binds only
+    /// exact ones to read low).
+    pub fn stored_operands(&self) -> usize {
+        match self {
+            Native::Fused(_) => usize::MAX,
+            Native::MatMul { .. } | Native::BatchMatMul { .. } | Native::Attention { .. } | Native::Conv { .. } | Native::MaxPoolGrad { .. } => 2,
+            Native::SumRows { .. } | Native::SumPlanes { .. } | Native::SoftmaxCrossEntropy { .. } | Native::MaxPool { .. } => 1,
+            Native::Epilogue { head, .. } => match **head {
+                Native::MatMul { .. } | Native::BatchMatMul { .. } | Native::SumRows { .. } | Native::SumPlanes { .. } => usize::MAX,
+                Native::Conv { .. } | Native::MaxPoolGrad { .. } => 2,
+                _ => 0,
+            },
+            _ => 0,
+        }
+    }
+}
+
 /// How a host backend multiplies a product's operands. Chosen when the plan is compiled
 /// ([`crate::exec::compile`]): `Bf16` where the precision pass has rounded both operands to
 /// bf16 and the CPU multiplies bf16 pairs ([`crate::host::bf16`]: AVX-512 BF16), `F32`

@@ -412,26 +412,10 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         let first = args.first()?;
         let (client, device) = (first.client.clone(), first.device.clone());
         let int = int_dtype::<R>(&device);
-        // Operands a session stores in bf16 / f16 are read by the elementwise kernel, cubek's
-        // matmuls, the sums, the loss (its logits), attention and the exact convolutions (an
-        // epilogue's head's too); the other kernels read f32.
-        let reads_low = |k: &Native| {
-            matches!(
-                k,
-                Native::MatMul { .. }
-                    | Native::BatchMatMul { .. }
-                    | Native::Fused(_)
-                    | Native::SumRows { .. }
-                    | Native::SumPlanes { .. }
-                    | Native::SoftmaxCrossEntropy { .. }
-                    | Native::Attention { .. }
-                    | Native::Conv { .. }
-                    | Native::MaxPool { .. }
-                    | Native::MaxPoolGrad { .. }
-            )
-        };
-        let reads_low = reads_low(op) || matches!(op, Native::Epilogue { head, .. } if reads_low(head));
-        if args.iter().any(|t| t.dtype != DType::F32 && !(reads_low && is_low(t.dtype))) || ints.iter().any(|t| t.dtype != int) {
+        // Operands a session stores in bf16 / f16 are read so by the kernels that take them
+        // (`Native::stored_operands`); the others read f32.
+        let stored = |k: usize, t: &CubeTensor<R>| t.dtype == DType::F32 || (is_low(t.dtype) && k < op.stored_operands());
+        if !args.iter().enumerate().all(|(k, t)| stored(k, t)) || ints.iter().any(|t| t.dtype != int) {
             return None;
         }
         // The type the result is stored in: f32, or the bf16 / f16 the session binds a fused
@@ -745,9 +729,9 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
     }
 
     fn device_accumulate(op: &Native, args: &[&CubeTensor<R>], acc: &CubeTensor<R>, tf32: bool, arena: &mut Arena) -> bool {
-        // A product's or a sum's operands may be stored in bf16 / f16 (read as they are).
-        let product = matches!(op, Native::MatMul { .. } | Native::SumRows { .. } | Native::SumPlanes { .. } | Native::Conv { .. });
-        let f32s = acc.dtype == DType::F32 && args.iter().all(|t| t.dtype == DType::F32 || (product && is_low(t.dtype)));
+        // Operands stored in bf16 / f16 are read as they are where the kernel takes them.
+        let stored = |k: usize, t: &CubeTensor<R>| t.dtype == DType::F32 || (is_low(t.dtype) && k < op.stored_operands());
+        let f32s = acc.dtype == DType::F32 && args.iter().enumerate().all(|(k, t)| stored(k, t));
         if !f32s || !acc.is_contiguous() {
             return false;
         }

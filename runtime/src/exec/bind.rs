@@ -155,44 +155,29 @@ pub(super) fn exec_of(st: &Step, host: bool, native: bool, in_place: bool, decli
     }
 }
 
-/// How a session runs a plan: each step's [`Exec`], and the type each step's result is stored
-/// in where it is not the plan's (bf16 / f16 instead of f32: [`low_stores`]).
+/// How a session runs a plan: each step's [`Exec`], the type each step's result is stored in
+/// where it is not the plan's (bf16 / f16 instead of f32: [`low_stores`]), and why the plan's
+/// other low-precision values stay f32.
 pub(super) struct Binding {
     pub(super) execs: Vec<Exec>,
     pub(super) stores: Vec<Option<TensorType>>,
+    pub(super) kept_f32: KeptF32,
 }
 
 /// Whether the device's kernel for step `st` (run as `exec`) reads its operand `k` as stored
-/// in bf16 / f16: the elementwise kernel (a fused program, an epilogue's program), cubek's
-/// matmuls (a product's operands, an accumulating weight gradient's), the column and plane
-/// sums (a bias's, a norm's statistics and parameter gradients), the loss's logits and
-/// attention's `qkv` and output gradient, the exact convolutions' operands and max pooling's
-/// and its gradient's.
+/// in bf16 / f16 ([`Native::stored_operands`]): a bound kernel's, an accumulating epilogue's
+/// head's (its accumulator, operand `n` on, is f32), the loss's logits only where the class
+/// ids were checked on the host (its kernel runs), and a convolution only on the exact kernels
+/// (`tensor_cores`: the session asks tensor cores of it, whose routine reads f32).
 fn reads_low(st: &Step, exec: Exec, k: usize, tensor_cores: bool) -> bool {
-    let product = |n: &Native| matches!(n, Native::MatMul { .. } | Native::BatchMatMul { .. });
-    let sums = |n: &Native| matches!(n, Native::SumRows { .. } | Native::SumPlanes { .. });
-    // The exact convolution kernels read their operands as stored; the tensor-core routine
-    // (burn's implicit GEMM) reads f32.
-    let conv = |n: &Native| matches!(n, Native::Conv { .. }) && !tensor_cores;
-    let pool = |n: &Native| matches!(n, Native::MaxPool { .. } | Native::MaxPoolGrad { .. });
-    match (exec, &st.kernel) {
-        // The window's input (and the gradient's `dy`); an epilogue's further operands are
-        // read in f32 inside the kernel.
-        (Exec::Kernel, Some(n)) if pool(n) => k < 2,
-        (Exec::Kernel, Some(Native::Epilogue { head, .. })) if pool(head) => k < 2,
-        (Exec::Kernel, Some(n)) if conv(n) => k < 2,
-        (Exec::Kernel, Some(Native::Epilogue { head, .. })) if conv(head) => k < 2,
-        (Exec::AccumulateInto(n), Some(Native::Epilogue { head, .. })) if conv(head) => k < n,
-        (Exec::Kernel, Some(Native::Fused(_))) => true,
-        (Exec::Kernel, Some(n)) if product(n) => k < 2,
-        (Exec::Kernel, Some(n)) if sums(n) => k == 0,
-        // The logits (class ids checked on the host: the kernel runs), `qkv` and `dy`.
-        (Exec::Kernel, Some(Native::SoftmaxCrossEntropy { .. })) => k == 0 && st.ids_checked,
-        (Exec::Kernel, Some(Native::Attention { .. })) => k < 2,
-        (Exec::Kernel, Some(Native::Epilogue { head, .. })) => product(head) || sums(head),
-        (Exec::AccumulateInto(n), Some(Native::Epilogue { head, .. })) => k < n && (matches!(**head, Native::MatMul { .. }) || sums(head)),
-        _ => false,
-    }
+    let conv = |n: &Native| matches!(n, Native::Conv { .. });
+    let (kernel, head) = match (&st.kernel, exec) {
+        (Some(n), Exec::Kernel) => (n, n),
+        (Some(n @ Native::Epilogue { head, .. }), Exec::AccumulateInto(acc)) if k < acc => (n, &**head),
+        _ => return false,
+    };
+    let ids = !matches!(kernel, Native::SoftmaxCrossEntropy { .. }) || st.ids_checked;
+    k < kernel.stored_operands() && ids && !(conv(head) && tensor_cores)
 }
 
 /// Whether the device's kernel for step `st` (run as `exec`) writes its result in bf16 / f16:

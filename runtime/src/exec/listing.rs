@@ -121,12 +121,11 @@ impl<B: Backend> Session<B> {
     pub fn low_precision_storage(&mut self, exe: &Executable) -> Option<LowStorage> {
         let dtype = exe.steps.iter().find_map(|st| st.holds)?;
         let b = self.execs(exe);
-        let execs = b.execs.clone();
-        let (stores, kept_f32) = self.low_stores(exe, &execs);
         let bytes = |st: &Step| st.ty.numel() * 4;
-        let peak_bytes = super::plan::simulate_peak_stored(&exe.graph, &exe.steps, &stores);
+        let peak_bytes = super::plan::simulate_peak_stored(&exe.graph, &exe.steps, &b.stores);
+        let kept_f32 = b.kept_f32.clone();
         let mut s = LowStorage { dtype, values: 0, bytes: 0, f32_values: 0, f32_bytes: 0, kept_f32, peak_bytes, f32_peak_bytes: exe.peak_bytes };
-        for (st, store) in exe.steps.iter().zip(&stores) {
+        for (st, store) in exe.steps.iter().zip(&b.stores) {
             let view = matches!(st.op, Op::Reshape { .. } | Op::Flatten);
             if view || st.holds.is_none() {
                 continue;

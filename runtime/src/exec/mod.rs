@@ -472,8 +472,8 @@ impl<B: Backend> Session<B> {
             self.execs.clear();
         }
         let execs: Vec<Exec> = exe.steps.iter().map(|st| bind::exec_of(st, B::HOST, self.native, self.in_place, &self.declines(st))).collect();
-        let stores = self.low_stores(exe, &execs).0;
-        let b = std::sync::Arc::new(Binding { execs, stores });
+        let (stores, kept_f32) = self.low_stores(exe, &execs);
+        let b = std::sync::Arc::new(Binding { execs, stores, kept_f32 });
         self.execs.insert(key, b.clone());
         b
     }
