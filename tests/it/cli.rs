@@ -184,6 +184,44 @@ fn bf16_on_a_device_says_where_its_products_run() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--precision bf16` on the CPU says which unit multiplies its products of bf16 values: AMX
+/// tiles where the core has AMX-BF16 (and Linux grants the tiles), `CELLGRAPH_AMX=0` the
+/// AVX-512 BF16 pairs, a CPU without either the emulation; LeNet5's im2col convolutions and
+/// dense layers run there, its direct first convolution in f32. The two kernels' runs sum in
+/// another order, so their losses are close, not equal, and both train.
+#[test]
+fn bf16_on_the_cpu_says_which_unit_multiplies() {
+    let dir = tmp("bf16_cpu");
+    small_mnist(&dir, 256, 64);
+    let data = dir.to_str().unwrap();
+    let run = |amx: &str, log: &Path| {
+        let args = ["train", "--data-path", data, "--device", "cpu", "--precision", "bf16", "--micro-size", "2", "--steps", "4"];
+        let o = Command::new(CELLGRAPH).args(args).args(["--loss-log", log.to_str().unwrap()]).env("CELLGRAPH_AMX", amx).output().unwrap();
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert_eq!(o.status.code(), Some(0), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+        out.lines().find(|l| l.starts_with("bf16 products: ")).unwrap_or_else(|| panic!("{out}")).to_string()
+    };
+    let (tiles, pairs) = (dir.join("amx.jsonl"), dir.join("pairs.jsonl"));
+    let (with_amx, without) = (run("1", &tiles), run("0", &pairs));
+    let (has_pairs, has_amx) = (cellgraph::runtime::host::bf16::available(), cellgraph::runtime::host::bf16::amx());
+    let unit = if has_amx { " on AMX tiles, " } else { " on AVX-512 BF16 pairs, " };
+    assert!(with_amx.contains(unit), "{with_amx}");
+    assert!(without.contains(" on AVX-512 BF16 pairs, "), "{without}");
+    if !has_pairs {
+        assert!(with_amx.ends_with("(this CPU has no AVX-512 BF16: f32 emulation)"), "{with_amx}");
+    }
+    let losses = |p: &Path| -> Vec<f64> { lines(p).iter().filter_map(|l| l["loss"].as_f64()).collect() };
+    let (a, b) = (losses(&tiles), losses(&pairs));
+    assert!(a.len() == 4 && b.len() == 4, "{a:?} {b:?}");
+    for (x, y) in a.iter().zip(&b) {
+        assert!(((x - y) / y).abs() < 1e-2, "losses {a:?} (default unit) against {b:?} (pairs)");
+    }
+    if has_amx {
+        assert!(a != b, "AMX tiles and bf16 pairs gave the same losses: one kernel ran both");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// `--precision f16` on a device stores the MLP's values in f16 (its every low-precision value:
 /// products, their epilogues, the loss's logits) and says so, with a smaller peak; with
 /// `--f32-storage` nothing, saying why; the two runs log the same losses.

@@ -13,7 +13,7 @@ use cellgraph::cells::Optimizer;
 use cellgraph::compiler::{DType, HostData};
 use cellgraph::prelude::*;
 use cellgraph::runtime::comm::Communicator;
-use cellgraph::runtime::Accumulator;
+use cellgraph::runtime::{Accumulator, Bf16Unit};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -387,8 +387,8 @@ fn trained_adamw(net: WithLossCell, batches: &[Vec<HostTensor>], precision: Opti
 /// A trained model's parameters, its losses and its micro-step plan's account of its products.
 pub(crate) type Trained = (BTreeMap<String, Vec<f32>>, Vec<f32>, Option<cellgraph::runtime::Bf16Products>);
 
-/// [`trained_adamw`] on `device`, whose bf16 products (`fast`: on AVX-512 BF16 pairs on the
-/// CPU, on tensor cores on a device) are on or off.
+/// [`trained_adamw`] on `device`, whose bf16 products (`fast`: on AMX tiles or AVX-512 BF16
+/// pairs on the CPU, on tensor cores on a device) are on or off.
 pub(crate) fn trained_adamw_on<B: cellgraph::runtime::Backend>(
     device: cellgraph::runtime::burn_backend::tensor::Device<B>,
     net: WithLossCell,
@@ -456,7 +456,7 @@ pub(crate) fn bf16_conv_cases(rng: &mut StdRng) -> [(&'static str, fn() -> WithL
 }
 
 /// On a CPU with AVX-512 BF16, bf16 compute multiplies the GPT's and LeNet5's products of bf16
-/// values as bf16 pairs (every matmul and every im2col/dense convolution; attention and the
+/// values as bf16 pairs, or on AMX tiles where the core has them (every matmul and every im2col/dense convolution; attention and the
 /// direct convolutions stay f32, named), and after 5 AdamW updates of 4 micro-batches the
 /// parameters and losses are those of the emulation (f32 GEMMs on the same bf16 values) within
 /// bf16's rounding: the products are the same, summed in another order, so a stored value now
@@ -484,6 +484,8 @@ fn bf16_products_on_the_cpu_match_the_emulation() {
             eprintln!("{name}: this CPU has no AVX-512 BF16; the bf16 kernel's own tests skip");
             continue;
         }
+        let unit = if cellgraph::runtime::host::bf16::amx() { Bf16Unit::AmxTiles } else { Bf16Unit::Avx512Pairs };
+        assert_eq!(plan.unit, unit, "{name}: {plan}");
         let f32_only: Vec<&str> = plan
             .in_f32
             .keys()
@@ -499,7 +501,7 @@ fn bf16_products_on_the_cpu_match_the_emulation() {
         let (f32_run, _, _) = trained_adamw(net(), batches, None, true);
         let (near, far) = (distance(&pairs, &emulated, &init), distance(&emulated, &f32_run, &init));
         let loss_gap = pair_losses.iter().zip(&emulated_losses).map(|(a, b)| ((a - b) / b).abs()).fold(0f32, f32::max);
-        println!("{name}: bf16 pairs {near:.3e} from the emulation, the emulation {far:.3e} from f32 (relative to the change); losses within {loss_gap:.2e}");
+        println!("{name}: the bf16 kernel {near:.3e} from the emulation, the emulation {far:.3e} from f32 (relative to the change); losses within {loss_gap:.2e}");
         assert!(near < 0.3 * far && near < 0.05, "{name}: bf16 pairs {near:e} from the emulation, the emulation {far:e} from f32");
         assert!(loss_gap < 1e-2, "{name}: losses {pair_losses:?} against {emulated_losses:?}");
     }

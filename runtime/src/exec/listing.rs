@@ -16,7 +16,8 @@ use crate::Backend;
 /// [`Executable::bf16_products`]): chosen when the plan was compiled.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Bf16Products {
-    /// Where the fast ones run: AVX-512 BF16 pairs on host backends, tensor cores on devices.
+    /// Where the fast ones run: AMX tiles or AVX-512 BF16 pairs on host backends, tensor cores
+    /// on devices.
     pub unit: Bf16Unit,
     /// Products on that unit with f32 sums: [`crate::kernel::Products::Bf16`] on the host; on
     /// a device, every matmul and batched matmul (and epilogue head) of bf16 values, and every
@@ -35,6 +36,10 @@ pub enum Bf16Unit {
     /// The CPU's `vdpbf16ps`: pairs of bf16 values multiplied, summed in f32.
     #[default]
     Avx512Pairs,
+    /// The CPU's AMX tiles (`tdpbf16ps`: 16 x 32 by 32 x 16 bf16 values into 16 x 16 f32
+    /// sums), where the core has AMX-BF16 and Linux grants the tile data
+    /// ([`crate::host::amx::available`]; `CELLGRAPH_AMX=0` refuses them).
+    AmxTiles,
     /// cubek's tensor-core matmul and implicit-GEMM convolution on TF32 operands with f32
     /// sums. A bf16 value is a TF32 value (8 significant bits of TF32's 11), so these are the
     /// products of bf16 tensor cores, not a rounding of them; where the device has no
@@ -48,6 +53,7 @@ impl std::fmt::Display for Bf16Products {
         let f32s: usize = self.in_f32.values().sum();
         let unit = match self.unit {
             Bf16Unit::Avx512Pairs => "AVX-512 BF16 pairs",
+            Bf16Unit::AmxTiles => "AMX tiles",
             Bf16Unit::Tf32TensorCores => "tensor cores (TF32 operands, exact for bf16 values)",
         };
         write!(f, "bf16 products: {} on {unit}, {f32s} in f32", self.fast)?;
@@ -191,7 +197,11 @@ impl Executable {
     /// precision pass rounded to bf16), and what each runs on on backend `B`; `None` when it
     /// has none.
     pub fn bf16_products<B: Backend>(&self) -> Option<Bf16Products> {
-        let unit = if B::HOST { Bf16Unit::Avx512Pairs } else { Bf16Unit::Tf32TensorCores };
+        let unit = match B::HOST {
+            true if crate::host::bf16::amx() => Bf16Unit::AmxTiles,
+            true => Bf16Unit::Avx512Pairs,
+            false => Bf16Unit::Tf32TensorCores,
+        };
         let mut out = Bf16Products { unit, ..Default::default() };
         for st in self.steps.iter().filter(|st| st.bf16_operands) {
             let head = match &st.kernel {

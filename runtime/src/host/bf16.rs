@@ -22,9 +22,16 @@
 const MR: usize = 8;
 /// Columns of the micro-kernel's tile (two registers of 16 f32).
 const NR: usize = 32;
-/// The micro-kernel's tile of `C`, `(MR, NR)`: what a caller choosing between `C = A B` and
-/// `C^T = B^T A^T` weighs the padding of.
-pub const TILE: (usize, usize) = (MR, NR);
+
+/// The tile of `C` of the kernel that runs this process's bf16 products, `(rows, columns)`:
+/// what a caller choosing between `C = A B` and `C^T = B^T A^T` weighs the padding of.
+pub fn kernel_tile() -> (usize, usize) {
+    #[cfg(target_arch = "x86_64")]
+    if amx() {
+        return super::amx::TILE;
+    }
+    (MR, NR)
+}
 /// Values of `k` per packed block (an `MR`-row strip of `A` and a panel of `B` in L1/L2).
 const KC: usize = 512;
 /// Columns of `B` per packed block (`KC / 2 * NC * 4` bytes: 512 KiB, in L2).
@@ -41,6 +48,15 @@ pub fn available() -> bool {
     {
         false
     }
+}
+
+/// Whether this process's bf16 products run on AMX tiles ([`super::amx`]) rather than on
+/// `vdpbf16ps` pairs.
+pub fn amx() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return super::amx::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 thread_local! {
@@ -87,6 +103,33 @@ pub unsafe fn gemm(
         }
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if amx() {
+        return super::amx::gemm(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
+    }
+    gemm_pairs(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+}
+
+/// [`gemm`] on `vdpbf16ps` (`k > 0`, `C` not empty).
+///
+/// # Safety
+/// As [`gemm`].
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn gemm_pairs(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: *const f32,
+    rsa: isize,
+    csa: isize,
+    b: *const f32,
+    rsb: isize,
+    csb: isize,
+    beta: f32,
+    c: *mut f32,
+    rsc: isize,
+    csc: isize,
+) {
     let (mut pa, mut pb) = PACKED.take();
     for k0 in (0..k).step_by(KC) {
         let kc = KC.min(k - k0);
@@ -95,7 +138,7 @@ pub unsafe fn gemm(
         let add = k0 > 0 || beta != 0.0;
         for j0 in (0..n).step_by(NC) {
             let nc = NC.min(n - j0);
-            pack_b(kc, nc, b.offset(k0 as isize * rsb + j0 as isize * csb), rsb, csb, &mut pb);
+            pack_b(kc, nc, kp, b.offset(k0 as isize * rsb + j0 as isize * csb), rsb, csb, &mut pb);
             for jp in 0..nc.div_ceil(NR) {
                 let cols = NR.min(nc - jp * NR);
                 let panel = pb.as_ptr().add(jp * kp * NR);
@@ -112,7 +155,7 @@ pub unsafe fn gemm(
 
 /// The 32-bit pair `(lo, hi)` of two values rounded to bf16.
 #[inline]
-fn pair(lo: f32, hi: f32) -> u32 {
+pub(super) fn pair(lo: f32, hi: f32) -> u32 {
     half::bf16::from_f32(lo).to_bits() as u32 | (half::bf16::from_f32(hi).to_bits() as u32) << 16
 }
 
@@ -131,7 +174,7 @@ unsafe fn pack_a(m: usize, kc: usize, a: *const f32, rsa: isize, csa: isize, out
             line.resize(m, 0);
             for q in 0..kp {
                 let lo = a.offset(2 * q as isize * csa);
-                interleave_rows(lo, (2 * q + 1 < kc).then(|| lo.offset(csa)), m, line);
+                interleave_rows_into(lo, (2 * q + 1 < kc).then(|| lo.offset(csa)), m, line);
                 for (p, part) in line.chunks(MR).enumerate() {
                     out[(p * kp + q) * MR..][..part.len()].copy_from_slice(part);
                 }
@@ -144,7 +187,7 @@ unsafe fn pack_a(m: usize, kc: usize, a: *const f32, rsa: isize, csa: isize, out
         let row = a.offset(i as isize * rsa);
         let dst = &mut out[i * kp..(i + 1) * kp];
         if csa == 1 {
-            pairs_of_row(row, kc, dst);
+            pairs_of_row_into(row, kc, dst);
         } else {
             for (q, d) in dst.iter_mut().enumerate() {
                 let hi = if 2 * q + 1 < kc { *row.offset((2 * q + 1) as isize * csa) } else { 0.0 };
@@ -155,10 +198,11 @@ unsafe fn pack_a(m: usize, kc: usize, a: *const f32, rsa: isize, csa: isize, out
     (kp, 1)
 }
 
-/// Packs `B`'s `kc x nc` block as panels of [`NR`] columns, each `kc / 2` pairs of rows deep
-/// (zeros past the last column and, for odd `kc`, in the last pair's high halves).
-unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, rsb: isize, csb: isize, out: &mut Vec<u32>) {
-    let kp = kc.div_ceil(2);
+/// Packs `B`'s `kc x nc` block as panels of [`NR`] columns, each `kp` (at least `kc / 2`)
+/// pairs of rows deep (zeros past the last column, past `kc / 2` pairs and, for odd `kc`, in
+/// the last pair's high halves).
+pub(super) unsafe fn pack_b(kc: usize, nc: usize, kp: usize, b: *const f32, rsb: isize, csb: isize, out: &mut Vec<u32>) {
+    debug_assert!(kp >= kc.div_ceil(2));
     let panels = nc.div_ceil(NR);
     out.clear();
     out.resize(panels * kp * NR, 0);
@@ -166,9 +210,9 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, rsb: isize, csb: isize, ou
         // Each column's values along `k` are contiguous, so its pairs are too: converted as a
         // line, then spread down the column of its panel.
         return LINE.with_borrow_mut(|line| {
-            line.resize(kp, 0);
+            line.resize(kc.div_ceil(2), 0);
             for j in 0..nc {
-                pairs_of_row(b.offset(j as isize * csb), kc, line);
+                pairs_of_row_into(b.offset(j as isize * csb), kc, line);
                 let (p, jj) = (j / NR, j % NR);
                 let panel = &mut out[p * kp * NR..(p + 1) * kp * NR];
                 for (q, &v) in line.iter().enumerate() {
@@ -179,12 +223,12 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, rsb: isize, csb: isize, ou
     }
     for p in 0..panels {
         let cols = NR.min(nc - p * NR);
-        for q in 0..kp {
+        for q in 0..kc.div_ceil(2) {
             let dst = &mut out[(p * kp + q) * NR..(p * kp + q + 1) * NR];
             let lo = b.offset(2 * q as isize * rsb + (p * NR) as isize * csb);
             let hi = (2 * q + 1 < kc).then(|| lo.offset(rsb));
             if csb == 1 {
-                interleave_rows(lo, hi, cols, dst);
+                interleave_rows_into(lo, hi, cols, dst);
             } else {
                 for (j, d) in dst[..cols].iter_mut().enumerate() {
                     let h = hi.map_or(0.0, |h| *h.offset(j as isize * csb));
@@ -196,7 +240,7 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, rsb: isize, csb: isize, ou
 }
 
 /// `dst[q]` = the pair of `row[2q], row[2q + 1]` (`row` contiguous, `len` values).
-unsafe fn pairs_of_row(row: *const f32, len: usize, dst: &mut [u32]) {
+pub(super) unsafe fn pairs_of_row_into(row: *const f32, len: usize, dst: &mut [u32]) {
     #[cfg(target_arch = "x86_64")]
     return x86::pairs_of_row(row, len, dst);
     #[cfg(not(target_arch = "x86_64"))]
@@ -204,7 +248,7 @@ unsafe fn pairs_of_row(row: *const f32, len: usize, dst: &mut [u32]) {
 }
 
 /// `dst[j]` = the pair of `lo[j], hi[j]` for `j < cols` (`hi` absent: zeros).
-unsafe fn interleave_rows(lo: *const f32, hi: Option<*const f32>, cols: usize, dst: &mut [u32]) {
+pub(super) unsafe fn interleave_rows_into(lo: *const f32, hi: Option<*const f32>, cols: usize, dst: &mut [u32]) {
     #[cfg(target_arch = "x86_64")]
     return x86::interleave_rows(lo, hi, cols, dst);
     #[cfg(not(target_arch = "x86_64"))]
@@ -353,45 +397,67 @@ mod tests {
             .collect()
     }
 
-    /// Every orientation of both operands and of `C`, odd `k`, edges of every tile and block,
-    /// `beta` 1: each element within `k` f32 roundings of the f64 product of the same bf16
-    /// values (which is what the f32 emulation computes, up to its own order of sums).
+    /// The kernels this CPU runs bf16 products on: `vdpbf16ps` pairs, and AMX tiles where
+    /// the core has them (each tested on its own, whichever [`gemm`] picks).
+    type Kernel = unsafe fn(usize, usize, usize, *const f32, isize, isize, *const f32, isize, isize, f32, *mut f32, isize, isize);
+    fn kernels() -> Vec<(&'static str, Kernel)> {
+        let mut out: Vec<(&'static str, Kernel)> = vec![("pairs", gemm_pairs)];
+        #[cfg(target_arch = "x86_64")]
+        if super::super::amx::available() {
+            out.push(("amx", super::super::amx::gemm));
+        } else {
+            eprintln!("AMX kernel not tested: this CPU (or Linux) gives no AMX tiles");
+        }
+        out
+    }
+
+    /// Every orientation of both operands and of `C`, odd `k`, edges of every tile and block
+    /// (AMX's 16 x 16 tiles, 32-row strips and 16-pair depth too), `beta` 1, on each kernel:
+    /// each element within `k` f32 roundings of the f64 product of the same bf16 values
+    /// (which is what the f32 emulation computes, up to its own order of sums).
     #[test]
     fn products_of_bf16_values_match_f64_in_every_orientation() {
         if !available() {
             eprintln!("skipped: this CPU has no AVX-512 BF16");
             return;
         }
-        for &(m, k, n) in &[(1, 1, 1), (3, 5, 7), (9, 33, 31), (17, 1031, 45), (70, 64, 600), (8, 2, 32)] {
-            let a = values(m * k, 1);
-            let b = values(k * n, 2);
-            let c0 = values(m * n, 3);
-            for (ta, tb, tc, beta) in [(false, false, false, 0.0), (true, false, false, 1.0), (false, true, true, 0.0), (true, true, true, 1.0)] {
-                let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
-                let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
-                let (rsc, csc) = if tc { (1, m as isize) } else { (n as isize, 1) };
-                let mut c = c0.clone();
-                unsafe { gemm(m, k, n, a.as_ptr(), rsa, csa, b.as_ptr(), rsb, csb, beta, c.as_mut_ptr(), rsc, csc) };
-                for i in 0..m {
-                    for j in 0..n {
-                        let (mut exact, mut mag) = (0f64, 0f64);
-                        for l in 0..k {
-                            let x =
-                                a[(i as isize * rsa + l as isize * csa) as usize] as f64 * b[(l as isize * rsb + j as isize * csb) as usize] as f64;
-                            exact += x;
-                            mag += x.abs();
+        for (name, gemm) in kernels() {
+            for &(m, k, n) in
+                &[(1, 1, 1), (3, 5, 7), (9, 33, 31), (17, 1031, 45), (70, 64, 600), (8, 2, 32), (33, 1100, 47), (16, 32, 16), (48, 513, 65)]
+            {
+                let a = values(m * k, 1);
+                let b = values(k * n, 2);
+                let c0 = values(m * n, 3);
+                for (ta, tb, tc, beta) in [(false, false, false, 0.0), (true, false, false, 1.0), (false, true, true, 0.0), (true, true, true, 1.0)] {
+                    let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
+                    let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
+                    let (rsc, csc) = if tc { (1, m as isize) } else { (n as isize, 1) };
+                    let mut c = c0.clone();
+                    unsafe { gemm(m, k, n, a.as_ptr(), rsa, csa, b.as_ptr(), rsb, csb, beta, c.as_mut_ptr(), rsc, csc) };
+                    if m * n > 1 {
+                        assert_ne!(c, c0, "{name} {m}x{k}x{n}: C unchanged");
+                    }
+                    for i in 0..m {
+                        for j in 0..n {
+                            let (mut exact, mut mag) = (0f64, 0f64);
+                            for l in 0..k {
+                                let x = a[(i as isize * rsa + l as isize * csa) as usize] as f64
+                                    * b[(l as isize * rsb + j as isize * csb) as usize] as f64;
+                                exact += x;
+                                mag += x.abs();
+                            }
+                            let at = (i as isize * rsc + j as isize * csc) as usize;
+                            if beta != 0.0 {
+                                exact += c0[at] as f64;
+                                mag += (c0[at] as f64).abs();
+                            }
+                            let err = (c[at] as f64 - exact).abs();
+                            assert!(
+                                err <= (k + 1) as f64 * f32::EPSILON as f64 * mag,
+                                "{name} {m}x{k}x{n} {ta} {tb} {tc} at ({i}, {j}): {} against {exact}",
+                                c[at]
+                            );
                         }
-                        let at = (i as isize * rsc + j as isize * csc) as usize;
-                        if beta != 0.0 {
-                            exact += c0[at] as f64;
-                            mag += (c0[at] as f64).abs();
-                        }
-                        let err = (c[at] as f64 - exact).abs();
-                        assert!(
-                            err <= (k + 1) as f64 * f32::EPSILON as f64 * mag,
-                            "{m}x{k}x{n} {ta} {tb} {tc} at ({i}, {j}): {} against {exact}",
-                            c[at]
-                        );
                     }
                 }
             }
@@ -410,14 +476,20 @@ mod tests {
         let a: Vec<f32> = (0..m * k).map(|i| 1.0 + (i as f32) * 1e-3).collect();
         let b: Vec<f32> = (0..k * n).map(|i| if i % 7 == 0 { 1.0 } else { 0.0 }).collect();
         let round = |x: f32| half::bf16::from_f32(x).to_f32() as f64;
-        for ta in [false, true] {
-            let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
-            let mut c = vec![0f32; m * n];
-            unsafe { gemm(m, k, n, a.as_ptr(), rsa, csa, b.as_ptr(), n as isize, 1, 0.0, c.as_mut_ptr(), n as isize, 1) };
-            for i in 0..m {
-                for j in 0..n {
-                    let exact: f64 = (0..k).map(|l| round(a[(i as isize * rsa + l as isize * csa) as usize]) * b[l * n + j] as f64).sum();
-                    assert!((c[i * n + j] as f64 - exact).abs() <= 1e-5 * exact.abs().max(1.0), "{ta} ({i}, {j}): {} against {exact}", c[i * n + j]);
+        for (name, gemm) in kernels() {
+            for ta in [false, true] {
+                let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
+                let mut c = vec![0f32; m * n];
+                unsafe { gemm(m, k, n, a.as_ptr(), rsa, csa, b.as_ptr(), n as isize, 1, 0.0, c.as_mut_ptr(), n as isize, 1) };
+                for i in 0..m {
+                    for j in 0..n {
+                        let exact: f64 = (0..k).map(|l| round(a[(i as isize * rsa + l as isize * csa) as usize]) * b[l * n + j] as f64).sum();
+                        assert!(
+                            (c[i * n + j] as f64 - exact).abs() <= 1e-5 * exact.abs().max(1.0),
+                            "{name} {ta} ({i}, {j}): {} against {exact}",
+                            c[i * n + j]
+                        );
+                    }
                 }
             }
         }

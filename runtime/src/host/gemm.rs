@@ -99,7 +99,7 @@ unsafe fn gemm_turned<F: HostFloat>(
 ) {
     let bf16 = pr == Products::Bf16 && std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>();
     // The micro-kernel's register tile: rows and columns of `C`.
-    let (mr, nr) = if bf16 { super::bf16::TILE } else { (64 / std::mem::size_of::<F>(), 6) };
+    let (mr, nr) = if bf16 { super::bf16::kernel_tile() } else { (64 / std::mem::size_of::<F>(), 6) };
     let padded = |m: usize, n: usize| m.div_ceil(mr) * mr * n.div_ceil(nr) * nr;
     let product = |m, n, a: *const F, rsa, csa, b: *const F, rsb, csb, rsc, csc| {
         if bf16 {

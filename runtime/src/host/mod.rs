@@ -3,6 +3,8 @@
 //! the steps of a run ([`Kept`]: a max pool's argmax for its gradient in the same plan), and
 //! the memory their outputs are written into ([`Arena`]).
 
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
 pub mod attention;
 pub mod bf16;
 pub mod conv;
