@@ -137,9 +137,9 @@ unsafe fn pack(rows: usize, kc: usize, x: *const f32, rs: isize, cs: isize, colu
                 let lo = x.offset(2 * q as isize * cs);
                 let hi = (2 * q + 1 < kc).then(|| lo.offset(cs));
                 if columns {
-                    for r in (0..rows).step_by(TR).take_while(|_| q < pairs) {
-                        let to = at(r, q);
-                        interleave_rows_into(lo.add(r), hi.map(|h| h.add(r)), TR.min(rows - r), &mut out[to..to + TR]);
+                    if q < pairs {
+                        // Every tile row this pair of rows fills lies inside `out`.
+                        x86::pair_rows_into_tiles(lo, hi, rows, out.as_mut_ptr().add(at(0, q)), (chunks * 2 - 1) * TILE_LEN);
                     }
                 } else if q < pairs {
                     interleave_rows_into(lo, hi, rows, &mut line[qq * rows..(qq + 1) * rows]);
@@ -160,11 +160,8 @@ unsafe fn pack(rows: usize, kc: usize, x: *const f32, rs: isize, cs: isize, colu
         for i in i0..i0 + n {
             let row = x.offset(i as isize * rs);
             if cs == 1 && !columns {
-                // 32 values, a tile row of 16 pairs, at a time.
-                for l in (0..kc).step_by(2 * TK) {
-                    let to = at(i, l / 2);
-                    pairs_of_row_into(row.add(l), (2 * TK).min(kc - l), &mut out[to..to + TK]);
-                }
+                // Every tile row of row `i` lies inside `out`, 2 tiles apart.
+                x86::row_into_tiles(row, kc, out.as_mut_ptr().add(at(i, 0)), 2 * TILE_LEN);
                 continue;
             }
             let width = pairs.next_multiple_of(TK);
@@ -261,6 +258,56 @@ mod x86 {
             }
             _mm512_mask_storeu_ps(p, m0, x0);
             _mm512_mask_storeu_ps(p.add(16), m1, x1);
+        }
+    }
+
+    /// Lanes `0..w` of 16 (`w` at most 16).
+    #[inline(always)]
+    fn lanes(w: usize) -> u16 {
+        if w >= 16 {
+            0xffff
+        } else {
+            ((1u32 << w) - 1) as u16
+        }
+    }
+
+    /// Row `row` of `kc` values as bf16 pairs into its tile rows, 16 pairs (a tile row) at a
+    /// time, the first at `out` and each next `step` further on (zeros past `kc`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn row_into_tiles(row: *const f32, kc: usize, mut out: *mut u32, step: usize) {
+        use std::arch::x86_64::*;
+        let mut l = 0;
+        while l < kc {
+            let w = kc - l;
+            let lo = _mm512_maskz_loadu_ps(lanes(w), row.add(l));
+            let hi = _mm512_maskz_loadu_ps(lanes(w.saturating_sub(16)), row.add(l + 16));
+            // `cvtne2ps` keeps the order: the 32 values' pairs side by side.
+            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(out as *mut _, v);
+            l += 2 * TK;
+            out = out.wrapping_add(step);
+        }
+    }
+
+    /// Rows `lo` and `hi` (absent: zeros) of `rows` values, the pair of each column, into the
+    /// tile rows of a panel's pair: columns `0..16` at `out`, `16..32` a tile further on, the
+    /// next 32 in the next panel, `next` after the second tile (zeros past `rows`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn pair_rows_into_tiles(lo: *const f32, hi: Option<*const f32>, rows: usize, mut out: *mut u32, next: usize) {
+        use std::arch::x86_64::*;
+        // Lanes 0..16 of the converted pair hold `lo`'s 16 values, 16..32 `hi`'s: put each
+        // column's two side by side.
+        let idx =
+            _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        let mut j = 0;
+        while j < rows {
+            let mask = lanes(rows - j);
+            let l = _mm512_maskz_loadu_ps(mask, lo.add(j));
+            let h = hi.map_or(_mm512_setzero_ps(), |h| _mm512_maskz_loadu_ps(mask, h.add(j)));
+            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(h, l));
+            _mm512_storeu_si512(out as *mut _, _mm512_permutexvar_epi16(idx, v));
+            out = out.wrapping_add(if j % STRIP == 0 { TILE_LEN } else { next });
+            j += TR;
         }
     }
 
