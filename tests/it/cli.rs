@@ -203,7 +203,7 @@ fn bf16_on_the_cpu_says_which_unit_multiplies() {
     };
     let (tiles, pairs) = (dir.join("amx.jsonl"), dir.join("pairs.jsonl"));
     let (with_amx, without) = (run("1", &tiles), run("0", &pairs));
-    let (has_pairs, has_amx) = (cellgraph::runtime::host::bf16::available(), cellgraph::runtime::host::bf16::amx());
+    let (has_pairs, has_amx) = (cellgraph::runtime::host::bf16::available(), cellgraph::runtime::host::bf16_on_amx());
     let unit = if has_amx { " on AMX tiles, " } else { " on AVX-512 BF16 pairs, " };
     assert!(with_amx.contains(unit), "{with_amx}");
     assert!(without.contains(" on AVX-512 BF16 pairs, "), "{without}");

@@ -484,7 +484,7 @@ fn bf16_products_on_the_cpu_match_the_emulation() {
             eprintln!("{name}: this CPU has no AVX-512 BF16; the bf16 kernel's own tests skip");
             continue;
         }
-        let unit = if cellgraph::runtime::host::bf16::amx() { Bf16Unit::AmxTiles } else { Bf16Unit::Avx512Pairs };
+        let unit = if cellgraph::runtime::host::bf16_on_amx() { Bf16Unit::AmxTiles } else { Bf16Unit::Avx512Pairs };
         assert_eq!(plan.unit, unit, "{name}: {plan}");
         let f32_only: Vec<&str> = plan
             .in_f32

@@ -198,7 +198,7 @@ impl Executable {
     /// has none.
     pub fn bf16_products<B: Backend>(&self) -> Option<Bf16Products> {
         let unit = match B::HOST {
-            true if crate::host::bf16::amx() => Bf16Unit::AmxTiles,
+            true if crate::host::bf16_on_amx() => Bf16Unit::AmxTiles,
             true => Bf16Unit::Avx512Pairs,
             false => Bf16Unit::Tf32TensorCores,
         };

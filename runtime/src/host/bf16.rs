@@ -23,15 +23,9 @@ const MR: usize = 8;
 /// Columns of the micro-kernel's tile (two registers of 16 f32).
 const NR: usize = 32;
 
-/// The tile of `C` of the kernel that runs this process's bf16 products, `(rows, columns)`:
-/// what a caller choosing between `C = A B` and `C^T = B^T A^T` weighs the padding of.
-pub fn kernel_tile() -> (usize, usize) {
-    #[cfg(target_arch = "x86_64")]
-    if amx() {
-        return super::amx::TILE;
-    }
-    (MR, NR)
-}
+/// The micro-kernel's tile of `C`, `(MR, NR)`: what a caller choosing between `C = A B` and
+/// `C^T = B^T A^T` weighs the padding of.
+pub const TILE: (usize, usize) = (MR, NR);
 /// Values of `k` per packed block (an `MR`-row strip of `A` and a panel of `B` in L1/L2).
 const KC: usize = 512;
 /// Columns of `B` per packed block (`KC / 2 * NC * 4` bytes: 512 KiB, in L2).
@@ -48,15 +42,6 @@ pub fn available() -> bool {
     {
         false
     }
-}
-
-/// Whether this process's bf16 products run on AMX tiles ([`super::amx`]) rather than on
-/// `vdpbf16ps` pairs.
-pub fn amx() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return super::amx::available();
-    #[cfg(not(target_arch = "x86_64"))]
-    false
 }
 
 thread_local! {
@@ -90,46 +75,9 @@ pub unsafe fn gemm(
     csc: isize,
 ) {
     debug_assert!(available());
-    if m == 0 || n == 0 {
+    if trivial(m, k, n, beta, c, rsc, csc) {
         return;
     }
-    if k == 0 {
-        if beta == 0.0 {
-            for i in 0..m {
-                for j in 0..n {
-                    *c.offset(i as isize * rsc + j as isize * csc) = 0.0;
-                }
-            }
-        }
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if amx() {
-        return super::amx::gemm(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
-    }
-    gemm_pairs(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
-}
-
-/// [`gemm`] on `vdpbf16ps` (`k > 0`, `C` not empty).
-///
-/// # Safety
-/// As [`gemm`].
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn gemm_pairs(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: *const f32,
-    rsa: isize,
-    csa: isize,
-    b: *const f32,
-    rsb: isize,
-    csb: isize,
-    beta: f32,
-    c: *mut f32,
-    rsc: isize,
-    csc: isize,
-) {
     let (mut pa, mut pb) = PACKED.take();
     for k0 in (0..k).step_by(KC) {
         let kc = KC.min(k - k0);
@@ -151,6 +99,22 @@ pub(super) unsafe fn gemm_pairs(
         }
     }
     PACKED.set((pa, pb));
+}
+
+/// Does the product if it is empty (nothing to write) or has no contraction (`C = 0`, or `C`
+/// kept with `beta` 1), and says whether it was; the kernels take the others.
+///
+/// # Safety
+/// As [`gemm`]'s for `C`.
+pub(super) unsafe fn trivial(m: usize, k: usize, n: usize, beta: f32, c: *mut f32, rsc: isize, csc: isize) -> bool {
+    if k == 0 && beta == 0.0 {
+        for i in 0..m {
+            for j in 0..n {
+                *c.offset(i as isize * rsc + j as isize * csc) = 0.0;
+            }
+        }
+    }
+    m == 0 || n == 0 || k == 0
 }
 
 /// The 32-bit pair `(lo, hi)` of two values rounded to bf16.
@@ -398,10 +362,10 @@ mod tests {
     }
 
     /// The kernels this CPU runs bf16 products on: `vdpbf16ps` pairs, and AMX tiles where
-    /// the core has them (each tested on its own, whichever [`gemm`] picks).
+    /// the core has them (each tested on its own, whichever the products pick).
     type Kernel = unsafe fn(usize, usize, usize, *const f32, isize, isize, *const f32, isize, isize, f32, *mut f32, isize, isize);
     fn kernels() -> Vec<(&'static str, Kernel)> {
-        let mut out: Vec<(&'static str, Kernel)> = vec![("pairs", gemm_pairs)];
+        let mut out: Vec<(&'static str, Kernel)> = vec![("pairs", gemm)];
         #[cfg(target_arch = "x86_64")]
         if super::super::amx::available() {
             out.push(("amx", super::super::amx::gemm));

@@ -73,9 +73,10 @@ const MIN_BAND: usize = 80;
 /// `C = A B` as [`gemm_oriented`], computed as `C^T = B^T A^T` when that wastes less of the
 /// micro-kernel's tiles: the f32 GEMM's register tile is 64 bytes of rows (16 f32) by 6
 /// columns, so a product with few rows (a convolution's 6 output channels) runs faster turned
-/// around; the bf16 kernel's is 8 rows by 32 columns. The arithmetic per element of `C` is the
-/// same dot product either way. Products of bf16 values (`pr`) on f32 run on
-/// [`super::bf16`], one thread per call (the bands of [`gemm_oriented`] share the work).
+/// around; the bf16 pairs' is 8 rows by 32 columns, AMX's 16 by 32. The arithmetic per element
+/// of `C` is the same dot product either way. Products of bf16 values (`pr`) on f32 run on
+/// [`super::amx`] where the core has AMX tiles, else on [`super::bf16`], one thread per call
+/// (the bands of [`gemm_oriented`] share the work).
 ///
 /// # Safety
 /// As [`HostFloat::gemm`].
@@ -99,13 +100,24 @@ unsafe fn gemm_turned<F: HostFloat>(
 ) {
     let bf16 = pr == Products::Bf16 && std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>();
     // The micro-kernel's register tile: rows and columns of `C`.
-    let (mr, nr) = if bf16 { super::bf16::kernel_tile() } else { (64 / std::mem::size_of::<F>(), 6) };
+    let amx = bf16 && super::bf16_on_amx();
+    let (mr, nr) = match (bf16, amx) {
+        #[cfg(target_arch = "x86_64")]
+        (_, true) => super::amx::TILE,
+        (true, _) => super::bf16::TILE,
+        _ => (64 / std::mem::size_of::<F>(), 6),
+    };
     let padded = |m: usize, n: usize| m.div_ceil(mr) * mr * n.div_ceil(nr) * nr;
     let product = |m, n, a: *const F, rsa, csa, b: *const F, rsb, csb, rsc, csc| {
         if bf16 {
             let (a, b, c) = (a as *const f32, b as *const f32, c as *mut f32);
             let beta = if beta == F::ZERO { 0.0 } else { 1.0 };
-            // SAFETY: as the caller's; plans choose bf16 products only where `bf16::available()`.
+            // SAFETY: as the caller's; plans choose bf16 products only where `bf16::available()`,
+            // and the tiles run only where `amx::available()`.
+            #[cfg(target_arch = "x86_64")]
+            if amx {
+                return unsafe { super::amx::gemm(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc) };
+            }
             unsafe { super::bf16::gemm(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc) }
         } else {
             // SAFETY: as the caller's.

@@ -42,6 +42,15 @@ pub fn join_thread_pool() {
     let _ = rayon::ThreadPoolBuilder::new().use_current_thread().build_global();
 }
 
+/// Whether this process's products of bf16 values run on AMX tiles ([`amx`]) rather than on
+/// AVX-512 BF16 pairs ([`bf16`]).
+pub fn bf16_on_amx() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return amx::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// What [`Kept`] names what it derives from a parameter's bf16 copy by: this, then the
 /// parameter's name (no parameter name holds it).
 pub const ROUNDED_BF16: &str = "round_to bf16 of ";
