@@ -20,7 +20,7 @@
 //! panel; each block of `k` is summed in the tiles and then added to `C` (as [`super::bf16`]
 //! adds its blocks), so an element's sum does not depend on how `C` is cut among threads.
 
-use super::bf16::{interleave_rows_into, pair, pairs_of_row_into};
+use super::bf16::{interleave_rows, pair, pairs_of_row};
 
 /// Pairs of `k` in one tile row (64 bytes).
 const TK: usize = 16;
@@ -145,7 +145,7 @@ unsafe fn pack(rows: usize, kc: usize, x: *const f32, rs: isize, cs: isize, colu
                         x86::pair_rows_into_tiles(lo, hi, rows, out.as_mut_ptr().add(at(0, q)), (chunks * 2 - 1) * TILE_LEN);
                     }
                 } else if q < pairs {
-                    interleave_rows_into(lo, hi, rows, &mut line[qq * rows..(qq + 1) * rows]);
+                    interleave_rows(lo, hi, rows, &mut line[qq * rows..(qq + 1) * rows]);
                 } else {
                     line[qq * rows..(qq + 1) * rows].fill(0);
                 }
@@ -157,7 +157,8 @@ unsafe fn pack(rows: usize, kc: usize, x: *const f32, rs: isize, cs: isize, colu
         }
         return;
     }
-    line.resize(TK * pairs.next_multiple_of(TK), 0);
+    let width = pairs.next_multiple_of(TK);
+    line.resize(TK * width, 0);
     for i0 in (0..rows).step_by(TR) {
         let n = TR.min(rows - i0);
         for i in i0..i0 + n {
@@ -167,11 +168,10 @@ unsafe fn pack(rows: usize, kc: usize, x: *const f32, rs: isize, cs: isize, colu
                 x86::row_into_tiles(row, kc, out.as_mut_ptr().add(at(i, 0)), 2 * TILE_LEN);
                 continue;
             }
-            let width = pairs.next_multiple_of(TK);
             line[(i - i0) * width + pairs..(i - i0 + 1) * width].fill(0);
             let dst = &mut line[(i - i0) * width..][..pairs];
             if cs == 1 {
-                pairs_of_row_into(row, kc, dst);
+                pairs_of_row(row, kc, dst);
             } else {
                 for (q, d) in dst.iter_mut().enumerate() {
                     let hi = if 2 * q + 1 < kc { *row.offset((2 * q + 1) as isize * cs) } else { 0.0 };
@@ -189,7 +189,6 @@ unsafe fn pack(rows: usize, kc: usize, x: *const f32, rs: isize, cs: isize, colu
         if columns {
             // Pair `q` of row `i0 + r` is `line[r * width + q]`: each 16 pairs are turned into a
             // tile, its rows the pairs.
-            let width = pairs.next_multiple_of(TK);
             line[n * width..TK * width].fill(0);
             for c in 0..chunks {
                 turn(&line[c * TK..], width, TK, |_| tile(i0, c * TK), out);
@@ -214,6 +213,7 @@ fn turn(src: &[u32], stride: usize, count: usize, tile: impl Fn(usize) -> usize,
 }
 
 mod x86 {
+    use super::super::bf16::x86::{lanes, pairs16};
     use super::{STRIP, TILE_LEN, TK, TR};
     use std::arch::asm;
 
@@ -244,14 +244,7 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn put_rows(t: &[f32; STRIP * STRIP], rows: usize, cols: usize, c: *mut f32, rsc: isize, add: bool) {
         use std::arch::x86_64::*;
-        let mask = |w: usize| -> __mmask16 {
-            if w >= 16 {
-                0xffff
-            } else {
-                ((1u32 << w) - 1) as u16
-            }
-        };
-        let (m0, m1) = (mask(cols), mask(cols.saturating_sub(16)));
+        let (m0, m1) = (lanes(cols), lanes(cols.saturating_sub(16)));
         for i in 0..rows {
             let (p, s) = (c.offset(i as isize * rsc), t.as_ptr().add(i * STRIP));
             let (mut x0, mut x1) = (_mm512_loadu_ps(s), _mm512_loadu_ps(s.add(16)));
@@ -261,16 +254,6 @@ mod x86 {
             }
             _mm512_mask_storeu_ps(p, m0, x0);
             _mm512_mask_storeu_ps(p.add(16), m1, x1);
-        }
-    }
-
-    /// Lanes `0..w` of 16 (`w` at most 16).
-    #[inline(always)]
-    fn lanes(w: usize) -> u16 {
-        if w >= 16 {
-            0xffff
-        } else {
-            ((1u32 << w) - 1) as u16
         }
     }
 
@@ -298,17 +281,9 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn pair_rows_into_tiles(lo: *const f32, hi: Option<*const f32>, rows: usize, mut out: *mut u32, next: usize) {
         use std::arch::x86_64::*;
-        // Lanes 0..16 of the converted pair hold `lo`'s 16 values, 16..32 `hi`'s: put each
-        // column's two side by side.
-        let idx =
-            _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
         let mut j = 0;
         while j < rows {
-            let mask = lanes(rows - j);
-            let l = _mm512_maskz_loadu_ps(mask, lo.add(j));
-            let h = hi.map_or(_mm512_setzero_ps(), |h| _mm512_maskz_loadu_ps(mask, h.add(j)));
-            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(h, l));
-            _mm512_storeu_si512(out as *mut _, _mm512_permutexvar_epi16(idx, v));
+            _mm512_storeu_si512(out as *mut _, pairs16(lo.add(j), hi.map(|h| h.add(j)), rows - j));
             out = out.wrapping_add(if j % STRIP == 0 { TILE_LEN } else { next });
             j += TR;
         }

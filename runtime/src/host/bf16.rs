@@ -22,7 +22,6 @@
 const MR: usize = 8;
 /// Columns of the micro-kernel's tile (two registers of 16 f32).
 const NR: usize = 32;
-
 /// The micro-kernel's tile of `C`, `(MR, NR)`: what a caller choosing between `C = A B` and
 /// `C^T = B^T A^T` weighs the padding of.
 pub const TILE: (usize, usize) = (MR, NR);
@@ -86,7 +85,7 @@ pub unsafe fn gemm(
         let add = k0 > 0 || beta != 0.0;
         for j0 in (0..n).step_by(NC) {
             let nc = NC.min(n - j0);
-            pack_b(kc, nc, kp, b.offset(k0 as isize * rsb + j0 as isize * csb), rsb, csb, &mut pb);
+            pack_b(kc, nc, b.offset(k0 as isize * rsb + j0 as isize * csb), rsb, csb, &mut pb);
             for jp in 0..nc.div_ceil(NR) {
                 let cols = NR.min(nc - jp * NR);
                 let panel = pb.as_ptr().add(jp * kp * NR);
@@ -138,7 +137,7 @@ unsafe fn pack_a(m: usize, kc: usize, a: *const f32, rsa: isize, csa: isize, out
             line.resize(m, 0);
             for q in 0..kp {
                 let lo = a.offset(2 * q as isize * csa);
-                interleave_rows_into(lo, (2 * q + 1 < kc).then(|| lo.offset(csa)), m, line);
+                interleave_rows(lo, (2 * q + 1 < kc).then(|| lo.offset(csa)), m, line);
                 for (p, part) in line.chunks(MR).enumerate() {
                     out[(p * kp + q) * MR..][..part.len()].copy_from_slice(part);
                 }
@@ -151,7 +150,7 @@ unsafe fn pack_a(m: usize, kc: usize, a: *const f32, rsa: isize, csa: isize, out
         let row = a.offset(i as isize * rsa);
         let dst = &mut out[i * kp..(i + 1) * kp];
         if csa == 1 {
-            pairs_of_row_into(row, kc, dst);
+            pairs_of_row(row, kc, dst);
         } else {
             for (q, d) in dst.iter_mut().enumerate() {
                 let hi = if 2 * q + 1 < kc { *row.offset((2 * q + 1) as isize * csa) } else { 0.0 };
@@ -162,11 +161,10 @@ unsafe fn pack_a(m: usize, kc: usize, a: *const f32, rsa: isize, csa: isize, out
     (kp, 1)
 }
 
-/// Packs `B`'s `kc x nc` block as panels of [`NR`] columns, each `kp` (at least `kc / 2`)
-/// pairs of rows deep (zeros past the last column, past `kc / 2` pairs and, for odd `kc`, in
-/// the last pair's high halves).
-pub(super) unsafe fn pack_b(kc: usize, nc: usize, kp: usize, b: *const f32, rsb: isize, csb: isize, out: &mut Vec<u32>) {
-    debug_assert!(kp >= kc.div_ceil(2));
+/// Packs `B`'s `kc x nc` block as panels of [`NR`] columns, each `kc / 2` pairs of rows deep
+/// (zeros past the last column and, for odd `kc`, in the last pair's high halves).
+unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, rsb: isize, csb: isize, out: &mut Vec<u32>) {
+    let kp = kc.div_ceil(2);
     let panels = nc.div_ceil(NR);
     out.clear();
     out.resize(panels * kp * NR, 0);
@@ -174,9 +172,9 @@ pub(super) unsafe fn pack_b(kc: usize, nc: usize, kp: usize, b: *const f32, rsb:
         // Each column's values along `k` are contiguous, so its pairs are too: converted as a
         // line, then spread down the column of its panel.
         return LINE.with_borrow_mut(|line| {
-            line.resize(kc.div_ceil(2), 0);
+            line.resize(kp, 0);
             for j in 0..nc {
-                pairs_of_row_into(b.offset(j as isize * csb), kc, line);
+                pairs_of_row(b.offset(j as isize * csb), kc, line);
                 let (p, jj) = (j / NR, j % NR);
                 let panel = &mut out[p * kp * NR..(p + 1) * kp * NR];
                 for (q, &v) in line.iter().enumerate() {
@@ -187,12 +185,12 @@ pub(super) unsafe fn pack_b(kc: usize, nc: usize, kp: usize, b: *const f32, rsb:
     }
     for p in 0..panels {
         let cols = NR.min(nc - p * NR);
-        for q in 0..kc.div_ceil(2) {
+        for q in 0..kp {
             let dst = &mut out[(p * kp + q) * NR..(p * kp + q + 1) * NR];
             let lo = b.offset(2 * q as isize * rsb + (p * NR) as isize * csb);
             let hi = (2 * q + 1 < kc).then(|| lo.offset(rsb));
             if csb == 1 {
-                interleave_rows_into(lo, hi, cols, dst);
+                interleave_rows(lo, hi, cols, dst);
             } else {
                 for (j, d) in dst[..cols].iter_mut().enumerate() {
                     let h = hi.map_or(0.0, |h| *h.offset(j as isize * csb));
@@ -204,7 +202,7 @@ pub(super) unsafe fn pack_b(kc: usize, nc: usize, kp: usize, b: *const f32, rsb:
 }
 
 /// `dst[q]` = the pair of `row[2q], row[2q + 1]` (`row` contiguous, `len` values).
-pub(super) unsafe fn pairs_of_row_into(row: *const f32, len: usize, dst: &mut [u32]) {
+pub(super) unsafe fn pairs_of_row(row: *const f32, len: usize, dst: &mut [u32]) {
     #[cfg(target_arch = "x86_64")]
     return x86::pairs_of_row(row, len, dst);
     #[cfg(not(target_arch = "x86_64"))]
@@ -212,7 +210,7 @@ pub(super) unsafe fn pairs_of_row_into(row: *const f32, len: usize, dst: &mut [u
 }
 
 /// `dst[j]` = the pair of `lo[j], hi[j]` for `j < cols` (`hi` absent: zeros).
-pub(super) unsafe fn interleave_rows_into(lo: *const f32, hi: Option<*const f32>, cols: usize, dst: &mut [u32]) {
+pub(super) unsafe fn interleave_rows(lo: *const f32, hi: Option<*const f32>, cols: usize, dst: &mut [u32]) {
     #[cfg(target_arch = "x86_64")]
     return x86::interleave_rows(lo, hi, cols, dst);
     #[cfg(not(target_arch = "x86_64"))]
@@ -242,9 +240,35 @@ unsafe fn tile(
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use super::{MR, NR};
     use std::arch::x86_64::*;
+
+    /// Lanes `0..w` of 16 (all of them for `w` of 16 or more).
+    #[inline(always)]
+    pub(in crate::host) fn lanes(w: usize) -> __mmask16 {
+        if w >= 16 {
+            0xffff
+        } else {
+            ((1u32 << w) - 1) as u16
+        }
+    }
+
+    /// The pairs `(lo[j], hi[j])` of `j < w` (at most 16; `hi` absent: zeros), rounded to
+    /// bf16, side by side in 16 lanes of 32 bits (zeros past `w`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(in crate::host) unsafe fn pairs16(lo: *const f32, hi: Option<*const f32>, w: usize) -> __m512i {
+        // Lanes 0..16 of the converted pair hold `lo`'s 16 values, 16..32 `hi`'s: put each
+        // column's two side by side.
+        let idx =
+            _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        let mask = lanes(w);
+        let l = _mm512_maskz_loadu_ps(mask, lo);
+        let h = hi.map_or(_mm512_setzero_ps(), |h| _mm512_maskz_loadu_ps(mask, h));
+        let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(h, l));
+        _mm512_permutexvar_epi16(idx, v)
+    }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn pairs_of_row(row: *const f32, len: usize, dst: &mut [u32]) {
@@ -266,19 +290,11 @@ mod x86 {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn interleave_rows(lo: *const f32, hi: Option<*const f32>, cols: usize, dst: &mut [u32]) {
-        // Lanes 0..16 of the converted pair hold `lo`'s 16 values, 16..32 `hi`'s: put each
-        // column's two side by side.
-        let idx =
-            _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
         let mut j = 0;
         while j < cols {
-            let w = (cols - j).min(16);
-            let mask: __mmask16 = if w == 16 { 0xffff } else { ((1u32 << w) - 1) as u16 };
-            let l = _mm512_maskz_loadu_ps(mask, lo.add(j));
-            let h = hi.map_or(_mm512_setzero_ps(), |h| _mm512_maskz_loadu_ps(mask, h.add(j)));
-            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(h, l));
-            let v = _mm512_permutexvar_epi16(idx, v);
-            _mm512_mask_storeu_epi32(dst.as_mut_ptr().add(j) as *mut _, mask, v);
+            let w = cols - j;
+            let v = pairs16(lo.add(j), hi.map(|h| h.add(j)), w);
+            _mm512_mask_storeu_epi32(dst.as_mut_ptr().add(j) as *mut _, lanes(w), v);
             j += 16;
         }
     }
@@ -311,14 +327,7 @@ mod x86 {
             }
         }
         if csc == 1 {
-            let m0: __mmask16 = if cols >= 16 { 0xffff } else { ((1u32 << cols) - 1) as u16 };
-            let m1: __mmask16 = if cols >= 32 {
-                0xffff
-            } else if cols <= 16 {
-                0
-            } else {
-                ((1u32 << (cols - 16)) - 1) as u16
-            };
+            let (m0, m1) = (lanes(cols), lanes(cols.saturating_sub(16)));
             for (i, acc) in acc.iter().enumerate().take(rows) {
                 let p = c.offset(i as isize * rsc);
                 let (mut x0, mut x1) = (acc[0], acc[1]);
