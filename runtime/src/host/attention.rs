@@ -119,7 +119,13 @@ unsafe fn probs<F: HostFloat>(q: *const F, k: *const F, ld: usize, [_, t, _, d]:
             // A NaN score need not be the maximum: its exp, and so the sum, is NaN anyway.
             let larger = |m: F, v: F| if v > m { v } else { m };
             let max = map_fold(live, |v| v * scale, F::NEG_INF, larger, larger);
-            let sum = map_fold(live, |v| (v - max).program_exp(), F::ZERO, |a, v| a + v, |a, b| a + b);
+            // The exponentials in a pass of their own, then summed in the lanes: one pass that
+            // also summed ran `exp` on 4 or fewer lanes at a time (a third of the GPT's
+            // attention time in bf16); the values and the order of the sum are the same.
+            for v in live.iter_mut() {
+                *v = (*v - max).program_exp();
+            }
+            let sum = map_fold(live, |v| v, F::ZERO, |a, v| a + v, |a, b| a + b);
             for v in live.iter_mut() {
                 *v = *v / sum;
             }
