@@ -116,6 +116,7 @@ macro_rules! host_float {
             }
             // From f32 (f64 values, on the f64 reference backend, are rounded to f32 first:
             // the op rounds f32 values).
+            #[inline(always)]
             fn round_bf16(self) -> $t {
                 super::math::round_bf16(self as f32) as $t
             }

@@ -68,7 +68,7 @@ pub fn epilogue<F: HostFloat>(e: &Elementwise, extras: &[&[F]], first: usize, pa
         let x = &extras[0][first..first + part.len()];
         return vectorized(
             #[inline(always)]
-            || binary(*op, part, x),
+            || binary(*op, part, x, false),
         );
     }
     program(e, &e.reads, Operands::Head(extras), first, part)
@@ -104,21 +104,46 @@ macro_rules! with_binary {
     };
 }
 
-/// `a = a op b`, element by element.
-#[inline(always)]
-fn binary<F: HostFloat>(op: Binary, a: &mut [F], b: &[F]) {
-    with_binary!(op, |f| a.iter_mut().zip(b).for_each(|(a, &b)| *a = f(*a, b)))
+/// `$body` with `$g` bound to what a step does to each value it computes: nothing, or
+/// (`$round`) round it to bf16, the program's next step (`round_bf16` of this step's value,
+/// as the bf16 emulation writes after every op) done in the same pass: the same value, one
+/// pass over the block instead of two.
+macro_rules! with_round {
+    ($round:expr, |$g:ident| $body:expr) => {
+        if $round {
+            let $g = |v: F| v.round_bf16();
+            $body
+        } else {
+            let $g = |v: F| v;
+            $body
+        }
+    };
 }
 
-/// `x = op(x)`, element by element.
+/// `a = a op b` (`round`: rounded to bf16), element by element.
 #[inline(always)]
-fn unary<F: HostFloat>(op: Unary, x: &mut [F]) {
+fn binary<F: HostFloat>(op: Binary, a: &mut [F], b: &[F], round: bool) {
+    with_binary!(op, |f| with_round!(round, |g| a.iter_mut().zip(b).for_each(|(a, &b)| *a = g(f(*a, b)))))
+}
+
+/// `x = op(x)` (`round`: rounded to bf16), element by element.
+#[inline(always)]
+fn unary<F: HostFloat>(op: Unary, x: &mut [F], round: bool) {
+    if round {
+        return unary_then(op, x, |v: F| v.round_bf16());
+    }
+    unary_then(op, x, |v: F| v)
+}
+
+/// `x = g(op(x))`, element by element.
+#[inline(always)]
+fn unary_then<F: HostFloat>(op: Unary, x: &mut [F], g: impl Fn(F) -> F) {
     // `for` loops, not `for_each`: a closure as large as erf's makes `for_each` a call that
     // is not inlined, and so compiled for the baseline instruction set, not the caller's.
     macro_rules! each {
         (|$v:ident| $e:expr) => {
             for $v in x.iter_mut() {
-                *$v = $e;
+                *$v = g($e);
             }
         };
     }
@@ -180,24 +205,24 @@ pub fn update_clear<F: HostFloat>(prog: &Program, p: &mut [F], acc: &mut [F], st
     });
 }
 
-/// `a = a op b`, element by element.
+/// `a = a op b` (`round`: rounded to bf16), element by element.
 #[inline(always)]
-fn binary_assign<F: HostFloat>(op: Binary, a: &mut [F], b: Src<F>) {
+fn binary_assign<F: HostFloat>(op: Binary, a: &mut [F], b: Src<F>, round: bool) {
     match b {
-        Src::Block(b) => binary(op, a, b),
-        Src::Splat(y) => with_binary!(op, |f| a.iter_mut().for_each(|x| *x = f(*x, y))),
+        Src::Block(b) => binary(op, a, b, round),
+        Src::Splat(y) => with_binary!(op, |f| with_round!(round, |g| a.iter_mut().for_each(|x| *x = g(f(*x, y))))),
     }
 }
 
-/// `dst = a op b`, element by element, in one pass.
+/// `dst = a op b` (`round`: rounded to bf16), element by element, in one pass.
 #[inline(always)]
-fn binary_into<F: HostFloat>(op: Binary, dst: &mut [F], a: Src<F>, b: Src<F>) {
-    with_binary!(op, |f| match (a, b) {
-        (Src::Block(a), Src::Block(b)) => dst.iter_mut().zip(a).zip(b).for_each(|((d, &x), &y)| *d = f(x, y)),
-        (Src::Block(a), Src::Splat(y)) => dst.iter_mut().zip(a).for_each(|(d, &x)| *d = f(x, y)),
-        (Src::Splat(x), Src::Block(b)) => dst.iter_mut().zip(b).for_each(|(d, &y)| *d = f(x, y)),
-        (Src::Splat(x), Src::Splat(y)) => dst.fill(f(x, y)),
-    })
+fn binary_into<F: HostFloat>(op: Binary, dst: &mut [F], a: Src<F>, b: Src<F>, round: bool) {
+    with_binary!(op, |f| with_round!(round, |g| match (a, b) {
+        (Src::Block(a), Src::Block(b)) => dst.iter_mut().zip(a).zip(b).for_each(|((d, &x), &y)| *d = g(f(x, y))),
+        (Src::Block(a), Src::Splat(y)) => dst.iter_mut().zip(a).for_each(|(d, &x)| *d = g(f(x, y))),
+        (Src::Splat(x), Src::Block(b)) => dst.iter_mut().zip(b).for_each(|(d, &y)| *d = g(f(x, y))),
+        (Src::Splat(x), Src::Splat(y)) => dst.fill(g(f(x, y))),
+    }))
 }
 
 /// [`update_clear`]'s loop over one share's blocks, as a [`vectorized`] op (too large for a
@@ -284,11 +309,11 @@ fn update_block<F: HostFloat>(
         let write = match *step {
             Step::Unary(op, x) => {
                 val(x).copy_to(dst);
-                unary(op, dst);
+                unary(op, dst, false);
                 None
             }
             Step::Binary(op, a, b) => {
-                binary_into(op, dst, val(a), val(b));
+                binary_into(op, dst, val(a), val(b), false);
                 None
             }
             // The parameter or a state written as it is: through this step's slot.
@@ -362,16 +387,16 @@ fn slots<'a, F>(dst: &'a mut [F], stack: &'a mut [F], t: usize) -> (&'a mut [F],
     (&mut lo[(t - 1) * BLOCK..][..n], &mut hi[..n])
 }
 
-/// `a = a op b`, or (`rev`) `a = b op a`, element by element.
+/// `a = a op b`, or (`rev`) `a = b op a` (`round`: rounded to bf16), element by element.
 #[inline(always)]
-fn assign<F: HostFloat>(op: Binary, a: &mut [F], b: Src<F>, rev: bool) {
+fn assign<F: HostFloat>(op: Binary, a: &mut [F], b: Src<F>, rev: bool, round: bool) {
     if !rev {
-        return binary_assign(op, a, b);
+        return binary_assign(op, a, b, round);
     }
-    with_binary!(op, |f| match b {
-        Src::Block(b) => a.iter_mut().zip(b).for_each(|(x, &y)| *x = f(y, *x)),
-        Src::Splat(y) => a.iter_mut().for_each(|x| *x = f(y, *x)),
-    })
+    with_binary!(op, |f| with_round!(round, |g| match b {
+        Src::Block(b) => a.iter_mut().zip(b).for_each(|(x, &y)| *x = g(f(y, *x))),
+        Src::Splat(y) => a.iter_mut().for_each(|x| *x = g(f(y, *x))),
+    }))
 }
 
 /// One block of a program: output elements `[start, start + dst.len())`. The program is a
@@ -393,10 +418,13 @@ fn fused_block<F: HostFloat>(e: &Elementwise, reads: &[Read], args: Operands<F>,
     }
     let leaves = Leaves { reads, args, saved: &saved[..n], start, n };
     let mut sp = 0;
-    for (k, step) in steps.iter().enumerate() {
+    let mut k = 0;
+    while k < steps.len() {
         // The first step's operand 0 of an epilogue is already in slot 0.
         let ready = in_place && k == 0;
-        match *step {
+        // An op whose value the next step rounds to bf16 rounds it as it computes it.
+        let round = !matches!(steps[k], Step::Write(..)) && matches!(steps.get(k + 1), Some(Step::Unary(Unary::RoundBf16, v)) if !v.is_leaf());
+        match steps[k] {
             Step::Unary(op, x) => {
                 if x.is_leaf() {
                     if !ready {
@@ -404,31 +432,31 @@ fn fused_block<F: HostFloat>(e: &Elementwise, reads: &[Read], args: Operands<F>,
                     }
                     sp += 1;
                 }
-                unary(op, slots(dst, stack, sp - 1).0);
+                unary(op, slots(dst, stack, sp - 1).0, round);
             }
             Step::Binary(op, a, b) => match (a.is_leaf(), b.is_leaf()) {
                 (false, false) => {
                     let (lo, hi) = slots(dst, stack, sp - 2);
-                    binary(op, lo, hi);
+                    binary(op, lo, hi, round);
                     sp -= 1;
                 }
                 (false, true) => {
                     let (top, spare) = slots(dst, stack, sp - 1);
-                    leaves.apply(op, top, b, false, spare);
+                    leaves.apply(op, top, b, false, round, spare);
                 }
                 (true, false) => {
                     let (top, spare) = slots(dst, stack, sp - 1);
-                    leaves.apply(op, top, a, true, spare);
+                    leaves.apply(op, top, a, true, round, spare);
                 }
                 (true, true) => {
                     let (top, spare) = slots(dst, stack, sp);
                     if ready {
-                        leaves.apply(op, top, b, false, spare);
+                        leaves.apply(op, top, b, false, round, spare);
                     } else if let (Some(x), Some(y)) = (leaves.whole(a), leaves.whole(b)) {
-                        binary_into(op, top, x, y);
+                        binary_into(op, top, x, y, round);
                     } else {
                         leaves.load(a, top);
-                        leaves.apply(op, top, b, false, spare);
+                        leaves.apply(op, top, b, false, round, spare);
                     }
                     sp += 1;
                 }
@@ -439,6 +467,7 @@ fn fused_block<F: HostFloat>(e: &Elementwise, reads: &[Read], args: Operands<F>,
                 }
             }
         }
+        k += 1 + usize::from(round);
     }
 }
 
@@ -494,21 +523,21 @@ impl<'a, F: HostFloat> Leaves<'a, F> {
         }
     }
 
-    /// `top = top op v` (`rev`: `v op top`), the leaf `v` read piece by piece where it can be,
-    /// else gathered into `spare` first.
+    /// `top = top op v` (`rev`: `v op top`; `round`: rounded to bf16), the leaf `v` read piece
+    /// by piece where it can be, else gathered into `spare` first.
     #[inline(always)]
-    fn apply(&self, op: Binary, top: &mut [F], v: Val, rev: bool, spare: &mut [F]) {
-        let Val::Arg(i) = v else { return assign(op, top, Src::Splat(Self::literal(v)), rev) };
+    fn apply(&self, op: Binary, top: &mut [F], v: Val, rev: bool, round: bool, spare: &mut [F]) {
+        let Val::Arg(i) = v else { return assign(op, top, Src::Splat(Self::literal(v)), rev, round) };
         let (r, x, at) = self.operand(i);
         match Runs::new(r, x, at, self.n) {
             Some(runs) => {
                 for (o, len, b) in runs {
-                    assign(op, &mut top[o..o + len], b, rev);
+                    assign(op, &mut top[o..o + len], b, rev, round);
                 }
             }
             None => {
                 gather(r, x, at, spare);
-                assign(op, top, Src::Block(spare), rev);
+                assign(op, top, Src::Block(spare), rev, round);
             }
         }
     }
@@ -549,6 +578,53 @@ mod tests {
             let want = erf(tanh(-(exp(v + 0.5f32).ln().sqrt())));
             assert_eq!(g.to_bits(), want.to_bits(), "element {i}: {g} vs {want}");
         }
+    }
+
+    /// Steps whose value the next step rounds to bf16 (as every op of the bf16 emulation is
+    /// followed) round it in their own pass: after a unary op on an operand and on a value, a
+    /// binary op on two values, on two whole operands, on a value and an operand read piece by
+    /// piece (on either side) or gathered, and a literal; a rounding of an operand and a
+    /// rounding of a rounding stay steps of their own. Against the ops written out per
+    /// element, each rounded by `half`, in a program and as an epilogue.
+    #[test]
+    fn steps_round_their_values_as_the_rounding_step_after_them_does() {
+        use cellgraph_compiler::{Op, TensorType};
+        let expr: cellgraph_compiler::program::Program = "$0 erf round_bf16 $0 $0 mul round_bf16 $1 add round_bf16 mul round_bf16 \
+             $2 sub round_bf16 $3 $0 round_bf16 mul round_bf16 div round_bf16 exp round_bf16 0.5 mul round_bf16 round_bf16 \
+             $4 mul round_bf16 $3 $0 relu_grad round_bf16 sub round_bf16 tanh round_bf16"
+            .parse()
+            .unwrap();
+        let (a, b, c) = (4, 30, 40);
+        let dims: [Vec<usize>; 5] = [vec![a, b, c], vec![c], vec![a, b, 1], vec![a, b, c], vec![a, 1, c]];
+        let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.clone())).collect();
+        let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else {
+            panic!("fused binds")
+        };
+        let xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i + 3)).collect();
+        let r = |v: f32| half::bf16::from_f32(v).to_f32();
+        use crate::host::math::{erf, exp, tanh};
+        let want: Vec<f32> = (0..e.len)
+            .map(|i| {
+                let (n, row, col) = (i / (b * c), i / c % b, i % c);
+                let x0 = xs[0][i];
+                let v = r(erf(x0)) * r(r(x0 * x0) + xs[1][col]);
+                let v = r(r(v) - xs[2][n * b + row]);
+                let w = r(xs[3][i] * r(x0));
+                let v = r(r(exp(r(v / w))) * 0.5);
+                let v = r(r(v) * xs[4][n * c + col]);
+                let g = r(if x0 > 0.0 { xs[3][i] } else { 0.0 });
+                r(tanh(r(v - g)))
+            })
+            .collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let args: Vec<&[f32]> = xs.iter().map(|v| &v[..]).collect();
+        assert_eq!(bits(&new(e.len, |out| fused(&e, &args, out))), bits(&want), "a program");
+        let mut got = xs[0].clone();
+        let (p, q) = got.split_at_mut(1_001);
+        for (first, part) in [(0, p), (1_001, q)] {
+            epilogue(&e, &args[1..], first, part);
+        }
+        assert_eq!(bits(&got), bits(&want), "an epilogue");
     }
 
     /// An operand on the left of a value already computed is applied to it in place, read
