@@ -60,18 +60,28 @@ const MAX_COPYING_TERMS: usize = 48;
 /// `x`, and the pass over memory that wrote `x` is gone (GELU's `x * 0.7071` and `x * 0.5`,
 /// which its gradient reads too). The readers compute the same op on the same values: the
 /// bits do not change.
+///
+/// Under bf16 or f16 compute the op's value is rounded as it is stored (`passes::precision`):
+/// the op and its `round_to`, one `fused` node by then, are computed again as well (GELU's
+/// `x * 0.7071` and `x * 0.5` in bf16 were four passes over the MLP's widest activation, a
+/// tenth of the GPT's step on a CPU whose elementwise programs wait on memory).
 fn duplicable(g: &Graph, x: NodeId) -> bool {
     let Some((prog, ys)) = body(g, x) else { return false };
     let cheap = |op: ElementOp| {
         matches!(op, ElementOp::Unary(Unary::Neg | Unary::Relu) | ElementOp::Binary(Binary::Add | Binary::Sub | Binary::Mul | Binary::ReluGrad))
     };
+    let rounding = |op: ElementOp| matches!(op, ElementOp::Unary(Unary::RoundBf16 | Unary::RoundF16));
+    // One cheap op, or one and the rounding of its value (a program is one tree: an op, then
+    // a unary op, is that op of the first's value).
+    let ops: Vec<ElementOp> = prog.steps().iter().filter_map(|s| s.op()).collect();
+    let one = match (&g.node(x).op, &ops[..]) {
+        (Op::Fused { .. }, &[op, r]) => cheap(op) && rounding(r),
+        (Op::Fused { .. }, _) => false,
+        (_, ops) => ops.iter().all(|&op| cheap(op)),
+    };
     let ty = g.ty(x);
     let large = ys.iter().filter(|&&y| literal(g, y).is_none() && g.ty(y).numel() >= ty.numel()).count();
-    !matches!(g.node(x).op, Op::Fused { .. })
-        && prog.steps().iter().filter_map(|s| s.op()).all(cheap)
-        && large <= 1
-        && !g.outputs().contains(&x)
-        && g.users(x).iter().all(|&u| g.ty(u) == ty && body(g, u).is_some())
+    one && large <= 1 && !g.outputs().contains(&x) && g.users(x).iter().all(|&u| g.ty(u) == ty && body(g, u).is_some())
 }
 
 /// Builds programs over a growing operand list, one slot per distinct operand.
@@ -273,6 +283,55 @@ mod tests {
         assert!(g.contains(xy) && program(outs[4]).1 == vec![xy] && program(outs[5]).1 == vec![xy]);
         assert_eq!(program(g.operands(outs[6])[0]), ("$0 $1 sub $0 $1 sub mul".to_string(), vec![x, mean]));
         assert_eq!(program(outs[7]), ("$0 $1 sub $2 div".to_string(), vec![x, mean, y]));
+    }
+
+    /// In bf16, GELU's `x * 0.5` and `x * 0.7071` are each a product and its rounding: each
+    /// reader (the forward's terms and the gradient) computes both again, and neither is
+    /// written out. A rounded `erf`, not cheap, and a product with two roundings, stay.
+    #[test]
+    fn a_cheap_op_and_its_rounding_are_computed_again_by_each_reader() {
+        let mut g = Graph::new("g");
+        let (x, dy) = (leaf(&mut g, "x", vec![4, 6]), leaf(&mut g, "dy", vec![4, 6]));
+        let scalar = |g: &mut Graph, v: f64| g.add_leaf(Op::Constant { value: v }, TensorType::f32(Shape::scalar()), "t").unwrap();
+        let round = |g: &mut Graph, v: NodeId| g.add(Op::RoundTo { dtype: crate::types::DType::BF16 }, &[v], "t").unwrap();
+        let (half, s2, one) = (scalar(&mut g, 0.5), scalar(&mut g, 0.70703125), scalar(&mut g, 1.0));
+        let hx = g.add(Op::Mul, &[x, half], "t").unwrap();
+        let hx = round(&mut g, hx);
+        let u = g.add(Op::Mul, &[x, s2], "t").unwrap();
+        let u = round(&mut g, u);
+        let e = g.add(Op::Erf, &[u], "t").unwrap();
+        let e = round(&mut g, e);
+        let e = g.add(Op::Add, &[e, one], "t").unwrap();
+        let e = round(&mut g, e);
+        let y = g.add(Op::Mul, &[hx, e], "t").unwrap();
+        let y = round(&mut g, y);
+        // The gradient's terms read all three.
+        let a = g.add(Op::Mul, &[dy, e], "t").unwrap();
+        let b = g.add(Op::Mul, &[dy, hx], "t").unwrap();
+        let b = g.add(Op::Mul, &[b, u], "t").unwrap();
+        let dx = g.add(Op::Add, &[a, b], "t").unwrap();
+        // Rounded twice: not one op and its rounding.
+        let w = g.add(Op::Mul, &[x, half], "t").unwrap();
+        let w = round(&mut g, w);
+        let w = round(&mut g, w);
+        let w1 = g.add(Op::Exp, &[w], "t").unwrap();
+        let w2 = g.add(Op::Neg, &[w], "t").unwrap();
+        g.set_outputs(vec![y, dx, w1, w2]);
+        fuse_elementwise(&mut g);
+        crate::verify::verify(&g).unwrap();
+        let program = |id: NodeId| match &g.node(id).op {
+            Op::Fused { expr } => expr.to_string(),
+            op => op.name().to_string(),
+        };
+        let outs = g.outputs();
+        // `e` stays, made from `x`; `y` and `dx` read `x` and `e`, not `x * 0.5` or `u`.
+        let e = g.operands(outs[0])[1];
+        assert_eq!(program(e), "$0 0.70703125 mul round_bf16 erf round_bf16 1.0 add round_bf16");
+        assert_eq!((g.operands(e), g.operands(outs[0])), (vec![x], vec![x, e]));
+        assert_eq!(program(outs[0]), "$0 0.5 mul round_bf16 $1 mul round_bf16");
+        assert_eq!(g.operands(outs[1]), vec![dy, e, x], "{}", program(outs[1]));
+        let w = g.operands(outs[2])[0];
+        assert_eq!((program(w), g.operands(outs[3])), ("$0 0.5 mul round_bf16 round_bf16".to_string(), vec![w]));
     }
 
     #[test]
