@@ -83,16 +83,25 @@ pub unsafe fn gemm(
     for k0 in (0..k).step_by(KC) {
         let kc = KC.min(k - k0);
         let chunks = kc.div_ceil(2 * TK);
-        pack(m, kc, a.offset(k0 as isize * csa), rsa, csa, false, &mut pa, &mut line);
+        let strip_len = chunks * 2 * TILE_LEN;
+        pa.resize(m.div_ceil(STRIP) * strip_len, 0);
         let add = k0 > 0 || beta != 0.0;
         for j0 in (0..n).step_by(NC) {
             let nc = NC.min(n - j0);
             // `B`'s columns are the rows of `B^T`: a panel of `B` is a strip of `B^T`, its
             // tiles laid out as AMX's right operand (a tile row per pair of `k`).
+            pb.resize(nc.div_ceil(STRIP) * strip_len, 0);
             pack(nc, kc, b.offset(k0 as isize * rsb + j0 as isize * csb), csb, rsb, true, &mut pb, &mut line);
             for i0 in (0..m).step_by(STRIP) {
                 let rows = STRIP.min(m - i0);
-                let strip = pa.as_ptr().add(i0 / STRIP * chunks * 2 * TILE_LEN);
+                let strip = &mut pa[i0 / STRIP * strip_len..][..strip_len];
+                // Each strip of `A` is packed just before its first products (with the first
+                // block of columns), while the strip before it is still being multiplied: its
+                // loads from memory overlap the tiles' work, and it is multiplied from L1.
+                if j0 == 0 {
+                    pack(rows, kc, a.offset(k0 as isize * csa + i0 as isize * rsa), rsa, csa, false, strip, &mut line);
+                }
+                let strip = strip.as_ptr();
                 for jp in 0..nc.div_ceil(STRIP) {
                     let cols = STRIP.min(nc - jp * STRIP);
                     x86::block(chunks, strip, pb.as_ptr().add(jp * chunks * 2 * TILE_LEN), rows > TR, t.as_mut_ptr());
@@ -122,11 +131,15 @@ pub unsafe fn gemm(
 /// 16. A tile holds 16 rows by 16 pairs: each tile row one row of `X` (`A`'s strips), or, with
 /// `columns`, each tile row one pair of `X`'s 16 rows side by side (`B`'s panels, packed as
 /// the strips of `B^T`).
+/// `out` holds the strips (its contents are overwritten: zeroed first only where the packing
+/// leaves padding, a last strip of fewer than 32 rows or `kc` not a multiple of 32).
 #[allow(clippy::too_many_arguments)]
-unsafe fn pack(rows: usize, kc: usize, x: *const f32, rs: isize, cs: isize, columns: bool, out: &mut Vec<u32>, line: &mut Vec<u32>) {
+unsafe fn pack(rows: usize, kc: usize, x: *const f32, rs: isize, cs: isize, columns: bool, out: &mut [u32], line: &mut Vec<u32>) {
     let (pairs, chunks) = (kc.div_ceil(2), kc.div_ceil(2 * TK));
-    out.clear();
-    out.resize(rows.div_ceil(STRIP) * chunks * 2 * TILE_LEN, 0);
+    assert_eq!(out.len(), rows.div_ceil(STRIP) * chunks * 2 * TILE_LEN, "the strips' extents");
+    if rows % STRIP != 0 || kc % (2 * TK) != 0 {
+        out.fill(0);
+    }
     let tile = |i: usize, q: usize| ((i / STRIP * chunks + q / TK) * 2 + i % STRIP / TR) * TILE_LEN;
     let at = |i: usize, q: usize| tile(i, q) + if columns { q % TK * TR + i % TR } else { i % TR * TK + q % TK };
     if cs != 1 && rs == 1 {
@@ -203,12 +216,11 @@ unsafe fn pack(rows: usize, kc: usize, x: *const f32, rs: isize, cs: isize, colu
 fn turn(src: &[u32], stride: usize, count: usize, tile: impl Fn(usize) -> usize, out: &mut [u32]) {
     for i0 in (0..count).step_by(TR) {
         let t = &mut out[tile(i0)..][..TILE_LEN];
-        for r in 0..TK {
-            let row = &src[r * stride + i0..];
-            for ii in 0..TR.min(count - i0) {
-                t[ii * TK + r] = row[ii];
-            }
-        }
+        let n = TR.min(count - i0);
+        assert!(src.len() >= (TK - 1) * stride + i0 + n, "the block lies in `src`");
+        // SAFETY: row `r` of the block is `src[r * stride + i0..][..n]`, inside `src` (checked);
+        // the tile is 16 x 16; the packers run where AVX-512 is (`available`).
+        unsafe { x86::turn16(src.as_ptr().add(i0), stride, n, t.as_mut_ptr()) };
     }
 }
 
@@ -286,6 +298,52 @@ mod x86 {
             _mm512_storeu_si512(out as *mut _, pairs16(lo.add(j), hi.map(|h| h.add(j)), rows - j));
             out = out.wrapping_add(if j % STRIP == 0 { TILE_LEN } else { next });
             j += TR;
+        }
+    }
+
+    /// `t[ii * 16 + r] = src[r * stride + ii]` for the 16 rows `r` and the first `n` columns
+    /// `ii` of a block (the rest of the tile zeros): a 16 x 16 transposition of 32-bit values
+    /// in registers, by unpacking pairs of rows, then pairs of pairs, then 128-bit lanes twice
+    /// (a loop of single values was a sixth of the weight gradients' products in bf16).
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn turn16(src: *const u32, stride: usize, n: usize, t: *mut u32) {
+        use std::arch::x86_64::*;
+        let m = lanes(n);
+        let r: [__m512i; 16] = std::array::from_fn(|i| _mm512_maskz_loadu_epi32(m, src.add(i * stride) as *const i32));
+        // Rows 2i and 2i + 1 interleaved by 32 bits, then rows 4i..4i + 4 by 64 bits: each
+        // 128-bit lane `l` of `c[4i + j]` holds column `4l + j` of rows 4i..4i + 4.
+        let a: [__m512i; 16] = std::array::from_fn(|i| {
+            let (x, y) = (r[i & !1], r[i | 1]);
+            if i % 2 == 0 {
+                _mm512_unpacklo_epi32(x, y)
+            } else {
+                _mm512_unpackhi_epi32(x, y)
+            }
+        });
+        let c: [__m512i; 16] = std::array::from_fn(|i| {
+            let (q, j) = (i / 4 * 4, i % 4);
+            let (x, y) = (a[q + j / 2], a[q + 2 + j / 2]);
+            if j % 2 == 0 {
+                _mm512_unpacklo_epi64(x, y)
+            } else {
+                _mm512_unpackhi_epi64(x, y)
+            }
+        });
+        // Lanes gathered: `d[4h + j]` holds column `4l + j` of rows 4g.. at lane ... (columns
+        // j and j + 4 of rows 8h..8h + 8), then `e[i]` column `i` of all 16 rows.
+        let d: [__m512i; 16] = std::array::from_fn(|i| {
+            let (h, j) = (i / 8, i % 8);
+            let (x, y) = (c[8 * h + j % 4], c[8 * h + 4 + j % 4]);
+            if j < 4 {
+                _mm512_shuffle_i32x4::<0x88>(x, y)
+            } else {
+                _mm512_shuffle_i32x4::<0xdd>(x, y)
+            }
+        });
+        for i in 0..16 {
+            let (x, y) = (d[i % 8], d[8 + i % 8]);
+            let e = if i < 8 { _mm512_shuffle_i32x4::<0x88>(x, y) } else { _mm512_shuffle_i32x4::<0xdd>(x, y) };
+            _mm512_storeu_si512(t.add(i * 16) as *mut _, e);
         }
     }
 
