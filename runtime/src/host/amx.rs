@@ -329,8 +329,9 @@ mod x86 {
                 _mm512_unpackhi_epi64(x, y)
             }
         });
-        // Lanes gathered: `d[4h + j]` holds column `4l + j` of rows 4g.. at lane ... (columns
-        // j and j + 4 of rows 8h..8h + 8), then `e[i]` column `i` of all 16 rows.
+        // 128-bit lanes gathered: `d[8h + j]` holds column `j` of rows 8h..8h + 4 and of rows
+        // 8h + 4..8h + 8 in lanes 0 and 2, column `j + 8` in lanes 1 and 3; then each row of
+        // the tile, column `i` of the 16 rows, takes its lanes from `d[i % 8]` and `d[8 + i % 8]`.
         let d: [__m512i; 16] = std::array::from_fn(|i| {
             let (h, j) = (i / 8, i % 8);
             let (x, y) = (c[8 * h + j % 4], c[8 * h + 4 + j % 4]);
