@@ -137,7 +137,7 @@ pub unsafe fn gemm(
 unsafe fn pack(rows: usize, kc: usize, x: *const f32, rs: isize, cs: isize, columns: bool, out: &mut [u32], line: &mut Vec<u32>) {
     let (pairs, chunks) = (kc.div_ceil(2), kc.div_ceil(2 * TK));
     assert_eq!(out.len(), rows.div_ceil(STRIP) * chunks * 2 * TILE_LEN, "the strips' extents");
-    if rows % STRIP != 0 || kc % (2 * TK) != 0 {
+    if !rows.is_multiple_of(STRIP) || !kc.is_multiple_of(2 * TK) {
         out.fill(0);
     }
     let tile = |i: usize, q: usize| ((i / STRIP * chunks + q / TK) * 2 + i % STRIP / TR) * TILE_LEN;
