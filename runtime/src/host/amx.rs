@@ -96,8 +96,8 @@ pub unsafe fn gemm(
                 let rows = STRIP.min(m - i0);
                 let strip = &mut pa[i0 / STRIP * strip_len..][..strip_len];
                 // Each strip of `A` is packed just before its first products (with the first
-                // block of columns), while the strip before it is still being multiplied: its
-                // loads from memory overlap the tiles' work, and it is multiplied from L1.
+                // block of columns), so it is multiplied while still in cache (timed within
+                // the noise of packing every strip first, on the Xeon it was written on).
                 if j0 == 0 {
                     pack(rows, kc, a.offset(k0 as isize * csa + i0 as isize * rsa), rsa, csa, false, strip, &mut line);
                 }
@@ -131,6 +131,7 @@ pub unsafe fn gemm(
 /// 16. A tile holds 16 rows by 16 pairs: each tile row one row of `X` (`A`'s strips), or, with
 /// `columns`, each tile row one pair of `X`'s 16 rows side by side (`B`'s panels, packed as
 /// the strips of `B^T`).
+///
 /// `out` holds the strips (its contents are overwritten: zeroed first only where the packing
 /// leaves padding, a last strip of fewer than 32 rows or `kc` not a multiple of 32).
 #[allow(clippy::too_many_arguments)]

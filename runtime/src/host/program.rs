@@ -129,10 +129,7 @@ fn binary<F: HostFloat>(op: Binary, a: &mut [F], b: &[F], round: bool) {
 /// `x = op(x)` (`round`: rounded to bf16), element by element.
 #[inline(always)]
 fn unary<F: HostFloat>(op: Unary, x: &mut [F], round: bool) {
-    if round {
-        return unary_then(op, x, |v: F| v.round_bf16());
-    }
-    unary_then(op, x, |v: F| v)
+    with_round!(round, |g| unary_then(op, x, g))
 }
 
 /// `x = g(op(x))`, element by element.
