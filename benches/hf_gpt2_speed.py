@@ -14,6 +14,12 @@ tiny GPT-2's tokenizer (1,000 tokens, within the 50,257 ids), written to --dir o
     cargo build --release --bin cellgraph
     /tmp/hfvenv/bin/python benches/hf_gpt2_speed.py [--threads 1] [--pairs 2] [--updates 3]
 
+`--bound` times no cellgraph run: it profiles one PyTorch update (after a first one, warm) with
+`torch.profiler` and prints how much of it the matrix products (`aten::mm`, `addmm`, `bmm`)
+take and at what rate, and the ratio an implementation would reach whose products ran at that
+rate and whose every other op took no time (the update's time over its products' time): the
+ceiling of any speed-up at MKL's (or oneDNN's) product rate.
+
 Each side times its training loop only: cellgraph's "trained U updates in T s (N tokens/s)"
 (Model::train, including the first step's graph compilation), PyTorch's loop over batches made
 before the clock. Prints each pair's tokens/s and the ratio, then the median ratio and range.
@@ -42,6 +48,7 @@ ap.add_argument("--dir", default="/tmp/cellgraph-gpt2-small")
 ap.add_argument("--precision", choices=["f32", "bf16"], default="f32",
                 help="bf16: cellgraph --precision bf16 against torch.autocast('cpu', torch.bfloat16)")
 ap.add_argument("--cellgraph", default=str(root / "target/release/cellgraph"))
+ap.add_argument("--bound", action="store_true", help="profile one PyTorch update: its products' share and the ceiling it sets")
 ap.add_argument("--pytorch-only", action="store_true", help=argparse.SUPPRESS)
 a = ap.parse_args()
 cpus = "0" if a.threads == 1 else f"0-{a.threads - 1}"
@@ -81,8 +88,8 @@ def pytorch_side():
     model, opt = acc.prepare(model, opt)
     model.train()
     cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.precision == "bf16")
-    t0 = time.perf_counter()
-    for u in range(a.updates):
+
+    def update(u):
         window = micro[u * a.k : (u + 1) * a.k]
         tokens = sum(int(b[:, 1:].numel()) for b in window)
         for b in window:
@@ -95,6 +102,28 @@ def pytorch_side():
                     acc.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 opt.zero_grad()
+
+    if a.bound:
+        from torch.profiler import ProfilerActivity, profile
+
+        update(0)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            update(1)
+        ops = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+        total = sum(ops.values()) / 1e6
+        mm = sum(ops.get(k, 0) for k in ["aten::mm", "aten::addmm", "aten::bmm"]) / 1e6
+        cfg = model.config
+        # Multiply-adds per token: the blocks' four projections and the tied head, forward and
+        # backward (3 products each); attention's own products are in `bmm`/sdpa, left out.
+        params = cfg.n_layer * 12 * cfg.n_embd**2 + cfg.n_embd * cfg.vocab_size
+        flops = 6 * params * a.batch * a.block
+        print(f"pytorch update: {total:.2f} s (profiled), products {mm:.2f} s ({100 * mm / total:.0f}%, "
+              f"{flops / mm / 1e9:.0f} GFLOP/s for {flops / 1e12:.2f} TFLOP)")
+        print(f"ceiling at this product rate, every other op free: {total / mm:.2f}x")
+        return
+    t0 = time.perf_counter()
+    for u in range(a.updates):
+        update(u)
     secs = time.perf_counter() - t0
     print(f"pytorch: {a.updates * a.batch * a.block / secs:.1f} tokens/s")
 
@@ -106,6 +135,13 @@ if a.pytorch_only:
 make_model()
 text = gzip.open(root / "data/shakespeare/shakespeare.txt.gz", "rb").read()[:400_000].decode()
 text_path.write_text(text)
+if a.bound:
+    if a.updates < 2:
+        sys.exit("--bound needs --updates 2 or more (one warm update, one profiled)")
+    pt = ["taskset", "-c", cpus, sys.executable, __file__, "--pytorch-only", "--bound", "--threads", str(a.threads), "--updates", str(a.updates),
+          "--block", str(a.block), "--batch", str(a.batch), "--k", str(a.k), "--dir", a.dir, "--precision", a.precision]
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+    sys.exit(subprocess.run(pt, env=env).returncode)
 env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads), MATMUL_NUM_THREADS=str(a.threads), OMP_NUM_THREADS=str(a.threads))
 out = tempfile.mkdtemp(prefix="cellgraph-gpt2-out-")
 cg = ["taskset", "-c", cpus, a.cellgraph, "finetune", "--model", a.dir, "--data", str(text_path), "--out", out, "--steps", str(a.updates),
