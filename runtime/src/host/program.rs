@@ -624,6 +624,49 @@ mod tests {
         assert_eq!(bits(&got), bits(&want), "an epilogue");
     }
 
+    /// Ops on operands alone: a unary op on a whole operand and on a broadcast one, and binary
+    /// ops on two operands, one whole and the other a bias or a broadcast read piece by piece
+    /// (on either side; a literal as the whole one), or gathered where the pieces are short
+    /// (rows of 5). Against the ops written out per element, as a program and as an epilogue,
+    /// rounded and not.
+    #[test]
+    fn ops_on_operands_alone_read_them_in_every_way() {
+        use cellgraph_compiler::{Op, TensorType};
+        let expr: cellgraph_compiler::program::Program =
+            "$0 exp round_bf16 $0 $2 sub round_bf16 mul $2 $0 sub $1 $0 mul add mul 2.0 $2 add round_bf16 sub $0 $3 add mul $3 tanh add"
+                .parse()
+                .unwrap();
+        for [a, b, c] in [[4, 30, 40], [6, 7, 5]] {
+            let dims: [Vec<usize>; 4] = [vec![a, b, c], vec![c], vec![a, b, 1], vec![a, 1, c]];
+            let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.clone())).collect();
+            let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr: expr.clone() }, &tys.iter().collect::<Vec<_>>())
+            else {
+                panic!("fused binds")
+            };
+            let xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i + 1)).collect();
+            let r = |v: f32| half::bf16::from_f32(v).to_f32();
+            use crate::host::math::{exp, tanh};
+            let want: Vec<f32> = (0..e.len)
+                .map(|i| {
+                    let (n, row, col) = (i / (b * c), i / c % b, i % c);
+                    let (x0, x1, x2, x3) = (xs[0][i], xs[1][col], xs[2][n * b + row], xs[3][n * c + col]);
+                    let v = r(exp(x0)) * r(x0 - x2) * ((x2 - x0) + x1 * x0);
+                    (v - r(2.0 + x2)) * (x0 + x3) + tanh(x3)
+                })
+                .collect();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let args: Vec<&[f32]> = xs.iter().map(|v| &v[..]).collect();
+            assert_eq!(bits(&new(e.len, |out| fused(&e, &args, out))), bits(&want), "{a}x{b}x{c}: a program");
+            let mut got = xs[0].clone();
+            let (p, q) = got.split_at_mut(1_001.min(e.len / 2));
+            let cut = p.len();
+            for (first, part) in [(0, p), (cut, q)] {
+                epilogue(&e, &args[1..], first, part);
+            }
+            assert_eq!(bits(&got), bits(&want), "{a}x{b}x{c}: an epilogue");
+        }
+    }
+
     /// An operand on the left of a value already computed is applied to it in place, read
     /// piece by piece where its runs are long (a whole operand, one element, a bias, strided
     /// rows of 20) and gathered first where they are short (rows of 5): `$4 - $3 * ($2 / ($1 -
