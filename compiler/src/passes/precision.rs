@@ -4,7 +4,13 @@
 //! low precision). The graph keeps its f32 types; `round_to` nodes mark the stores.
 //!
 //! What is rounded: the parameters as the network reads them (the low-precision copy of each
-//! f32 master weight), the float inputs, and the result of every op that makes new values.
+//! f32 master weight), the float inputs, and the result of every op that makes new values and
+//! is read by anything but elementwise arithmetic. A value that only elementwise arithmetic
+//! reads stays f32: a chain of elementwise ops (GELU, a normalisation, their gradients) is
+//! computed in f32 and rounded where a product, a reduction, a move, a loss or an update
+//! reads it, as a fused kernel keeps its intermediates in registers and rounds what it stores,
+//! and as one PyTorch op under autocast (`gelu`, `gelu_backward`) rounds once. The rule reads
+//! the graph, not the fuser's choices, so a fused plan and an unfused one give the same bits.
 //! What is not: the graph's outputs (the loss and the token count stay f32, as autocast keeps
 //! losses), the loss-scale seed (`sens`), state and what only state is made from (a parameter
 //! the graph writes, read for its update, and the terms of its new value: BatchNorm's moving
@@ -17,6 +23,7 @@ use std::collections::{HashMap, HashSet};
 use crate::autodiff::SENS;
 use crate::graph::{Graph, NodeId};
 use crate::op::Op;
+use crate::program::ElementOp;
 use crate::types::DType;
 
 /// Whether `op`'s result is made of its operands' values (or zeros, or a fill), so that it
@@ -67,7 +74,9 @@ pub fn round_values(g: &mut Graph, dtype: DType) -> HashMap<NodeId, NodeId> {
             Op::Input { name, .. } if name == SENS => continue,
             _ => {}
         }
-        if g.users(id).is_empty() {
+        // A value only elementwise arithmetic reads stays f32, as in the registers of a fused
+        // kernel (see the module's doc); a leaf (a parameter or an input) is rounded as read.
+        if g.users(id).is_empty() || (!g.node(id).op.is_leaf() && read_by_arithmetic(g, id, 0)) {
             continue;
         }
         let scope = g.node(id).scope.clone();
@@ -77,6 +86,20 @@ pub fn round_values(g: &mut Graph, dtype: DType) -> HashMap<NodeId, NodeId> {
         rounded.insert(id, r);
     }
     rounded
+}
+
+/// Whether every reader of `id` is elementwise arithmetic: an op that makes new values from
+/// it (an add, an exp...), or a negation, ReLU or ReLU's gradient (which move values and so
+/// are not rounded themselves) whose own readers all are.
+fn read_by_arithmetic(g: &Graph, id: NodeId, depth: usize) -> bool {
+    g.users(id).iter().all(|&u| {
+        let op = &g.node(u).op;
+        match ElementOp::of(op) {
+            Some(_) if !moves_values(op) => true,
+            Some(_) => depth < 8 && !g.outputs().contains(&u) && !g.users(u).is_empty() && read_by_arithmetic(g, u, depth + 1),
+            None => false,
+        }
+    })
 }
 
 /// State and what only state is made from: the parameters the graph writes (BatchNorm's moving
@@ -131,14 +154,19 @@ mod tests {
         let rounded = round_values(&mut g, DType::BF16);
         let mut keys: Vec<NodeId> = rounded.keys().copied().collect();
         keys.sort();
-        assert_eq!(keys, vec![x, e]);
+        // `e` is read by elementwise ops only (the state's `add` and the output's `mul`).
+        assert_eq!(keys, vec![x]);
         assert_eq!(g.operands(d), vec![m, c]);
         assert_eq!(g.node(c).op, Op::Constant { value: 0.9 }, "the momentum of a state update is not rounded");
         crate::verify(&g).unwrap();
     }
 
-    /// A parameter read, an exp and a product are rounded; a reshape of a rounded value and the
-    /// output are not; a constant is rounded in place.
+    /// An input read and products read by a reshape or a reduction are rounded; an exp only a
+    /// product reads stays f32 (elementwise arithmetic reads it, as in a fused kernel's
+    /// registers), and so does one read by a negation that a product reads; an exp a ReLU
+    /// reads and a reshape reads the ReLU is rounded (the ReLU only moves values, and does not
+    /// round); a reshape of a rounded value and the output are not rounded; a constant is
+    /// rounded in place.
     #[test]
     fn stores_are_rounded_and_moves_are_not() {
         let mut g = Graph::new("g");
@@ -148,16 +176,28 @@ mod tests {
         let m = g.add(Op::Mul, &[e, c], "t").unwrap();
         let r = g.add(Op::Reshape { shape: vec![6].into() }, &[m], "t").unwrap();
         let s = g.add(Op::ReduceSum(ReduceAttrs { axes: vec![0], keep_dims: false }), &[r], "t").unwrap();
-        g.set_outputs(vec![s]);
+        let e2 = g.add(Op::Exp, &[x], "t").unwrap();
+        let relu = g.add(Op::Relu, &[e2], "t").unwrap();
+        let r2 = g.add(Op::Reshape { shape: vec![6].into() }, &[relu], "t").unwrap();
+        let s2 = g.add(Op::ReduceSum(ReduceAttrs { axes: vec![0], keep_dims: false }), &[r2], "t").unwrap();
+        let e3 = g.add(Op::Exp, &[x], "t").unwrap();
+        let n3 = g.add(Op::Neg, &[e3], "t").unwrap();
+        let m3 = g.add(Op::Mul, &[n3, c], "t").unwrap();
+        let s3 = g.add(Op::ReduceSum(ReduceAttrs { axes: vec![0, 1], keep_dims: false }), &[m3], "t").unwrap();
+        g.set_outputs(vec![s, s2, s3]);
         let rounded = round_values(&mut g, DType::BF16);
         let mut keys: Vec<NodeId> = rounded.keys().copied().collect();
         keys.sort();
-        assert_eq!(keys, vec![x, e, m]);
+        // `e3` is read by a negation that arithmetic reads: f32 through both.
+        assert_eq!(keys, vec![x, m, e2, m3]);
         assert_eq!(g.node(c).op, Op::Constant { value: 0.10009765625 });
-        // Each user reads the rounded node.
+        // Each user reads the rounded node, and `mul` reads `e` as it is.
         assert_eq!(g.operands(e), vec![rounded[&x]]);
+        assert_eq!(g.operands(m)[0], e);
         assert_eq!(g.operands(r), vec![rounded[&m]]);
-        assert_eq!(g.outputs(), &[s]);
+        assert_eq!(g.operands(relu), vec![rounded[&e2]]);
+        assert_eq!(g.outputs(), &[s, s2, s3]);
+        assert_eq!(g.operands(n3), vec![e3]);
         assert_eq!(round_f64(65520.0, DType::F16), f64::INFINITY);
         assert_eq!(round_f64(65519.0, DType::F16), 65504.0);
     }
