@@ -545,19 +545,25 @@ mod tests {
     use super::*;
     use crate::host::float::tests::{data, new};
 
+    /// Program `expr` bound as a fused elementwise kernel over f32 operands of extents `dims`.
+    fn bound<D: AsRef<[usize]>>(expr: &Program, dims: &[D]) -> std::sync::Arc<Elementwise> {
+        use cellgraph_compiler::{Op, TensorType};
+        let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.as_ref().to_vec())).collect();
+        let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr: expr.clone() }, &tys.iter().collect::<Vec<_>>()) else {
+            panic!("fused binds")
+        };
+        e
+    }
+
     /// A fused program reading one operand of each kind (the output's extents, one element, a
     /// trailing bias, and two broadcasts that need strides), over several blocks and thread
     /// shares, against the same ops written out per element.
     #[test]
     fn fused_programs_read_every_broadcast_and_round_as_the_ops_do() {
-        use cellgraph_compiler::{Op, TensorType};
         let expr: cellgraph_compiler::program::Program =
             "$0 $1 mul $2 add $3 sub relu $4 div $0 relu_grad 0.5 add exp log sqrt neg tanh erf".parse().unwrap();
         let dims: [&[usize]; 5] = [&[4, 100, 100], &[], &[100], &[100, 1], &[4, 1, 100]];
-        let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.to_vec())).collect();
-        let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else {
-            panic!("fused binds")
-        };
+        let e = bound(&expr, &dims);
         assert_eq!(e.reads[..3], [Read::Same, Read::Splat, Read::Cycle(100)]);
         assert!(matches!(e.reads[3], Read::Strided { .. }) && matches!(e.reads[4], Read::Strided { .. }));
         let mut xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i)).collect();
@@ -585,7 +591,6 @@ mod tests {
     /// element, each rounded by `half`, in a program and as an epilogue.
     #[test]
     fn steps_round_their_values_as_the_rounding_step_after_them_does() {
-        use cellgraph_compiler::{Op, TensorType};
         let expr: cellgraph_compiler::program::Program = "$0 erf round_bf16 $0 $0 mul round_bf16 $1 add round_bf16 mul round_bf16 \
              $2 sub round_bf16 $3 $0 round_bf16 mul round_bf16 div round_bf16 exp round_bf16 0.5 mul round_bf16 round_bf16 \
              $4 mul round_bf16 $3 $0 relu_grad round_bf16 sub round_bf16 tanh round_bf16"
@@ -593,10 +598,7 @@ mod tests {
             .unwrap();
         let (a, b, c) = (4, 30, 40);
         let dims: [Vec<usize>; 5] = [vec![a, b, c], vec![c], vec![a, b, 1], vec![a, b, c], vec![a, 1, c]];
-        let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.clone())).collect();
-        let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else {
-            panic!("fused binds")
-        };
+        let e = bound(&expr, &dims);
         let xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i + 3)).collect();
         let r = |v: f32| half::bf16::from_f32(v).to_f32();
         use crate::host::math::{erf, exp, tanh};
@@ -631,18 +633,13 @@ mod tests {
     /// rounded and not.
     #[test]
     fn ops_on_operands_alone_read_them_in_every_way() {
-        use cellgraph_compiler::{Op, TensorType};
         let expr: cellgraph_compiler::program::Program =
             "$0 exp round_bf16 $0 $2 sub round_bf16 mul $2 $0 sub $1 $0 mul add mul 2.0 $2 add round_bf16 sub $0 $3 add mul $3 tanh add"
                 .parse()
                 .unwrap();
         for [a, b, c] in [[4, 30, 40], [6, 7, 5]] {
             let dims: [Vec<usize>; 4] = [vec![a, b, c], vec![c], vec![a, b, 1], vec![a, 1, c]];
-            let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.clone())).collect();
-            let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr: expr.clone() }, &tys.iter().collect::<Vec<_>>())
-            else {
-                panic!("fused binds")
-            };
+            let e = bound(&expr, &dims);
             let xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i + 1)).collect();
             let r = |v: f32| half::bf16::from_f32(v).to_f32();
             use crate::host::math::{exp, tanh};
@@ -673,15 +670,10 @@ mod tests {
     /// $0 * $0)) + $0`, against the ops written out per element.
     #[test]
     fn operands_before_a_computed_value_are_read_in_every_way() {
-        use cellgraph_compiler::{Op, TensorType};
         let expr: cellgraph_compiler::program::Program = "$0 $4 $3 $2 $1 $0 $0 mul sub div mul sub add".parse().unwrap();
         for [a, b, c] in [[4, 30, 20], [6, 7, 5]] {
             let dims: [Vec<usize>; 5] = [vec![a, b, c], vec![], vec![c], vec![b, 1], vec![a, 1, c]];
-            let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.clone())).collect();
-            let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr: expr.clone() }, &tys.iter().collect::<Vec<_>>())
-            else {
-                panic!("fused binds")
-            };
+            let e = bound(&expr, &dims);
             let xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i)).collect();
             let args: Vec<&[f32]> = xs.iter().map(|v| &v[..]).collect();
             let got = new(e.len, |out| fused(&e, &args, out));
@@ -699,13 +691,9 @@ mod tests {
     /// out for one image and read as a cycle, with the values of the strided reads.
     #[test]
     fn short_periodic_reads_are_written_out_once_with_the_same_values() {
-        use cellgraph_compiler::{Op, TensorType};
         let expr: cellgraph_compiler::program::Program = "$0 $1 sub $2 div $0 mul".parse().unwrap();
         let dims: [&[usize]; 3] = [&[40, 64, 2, 2], &[1, 64, 1, 1], &[64, 1, 1]];
-        let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.to_vec())).collect();
-        let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else {
-            panic!("fused binds")
-        };
+        let e = bound(&expr, &dims);
         assert_eq!(e.reads[1..].iter().map(|r| period(r, e.len)).collect::<Vec<_>>(), [Some(256), Some(256)]);
         let xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i)).collect();
         let args: Vec<&[f32]> = xs.iter().map(|v| &v[..]).collect();
@@ -727,13 +715,9 @@ mod tests {
     /// out per element.
     #[test]
     fn epilogue_programs_read_the_heads_output_as_it_was() {
-        use cellgraph_compiler::{Op, TensorType};
         let expr: cellgraph_compiler::program::Program = "$0 $1 add $0 mul $2 sub 2.0 $0 mul $3 mul add".parse().unwrap();
         let dims: [&[usize]; 4] = [&[4, 100, 100], &[100], &[4, 100, 1], &[4, 1, 100]];
-        let tys: Vec<TensorType> = dims.iter().map(|d| TensorType::f32(d.to_vec())).collect();
-        let Some(crate::kernel::Native::Fused(e)) = crate::kernel::bind(&Op::Fused { expr }, &tys.iter().collect::<Vec<_>>()) else {
-            panic!("fused binds")
-        };
+        let e = bound(&expr, &dims);
         let xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i)).collect();
         let extras: Vec<&[f32]> = xs[1..].iter().map(|v| &v[..]).collect();
         let mut got = xs[0].clone();
