@@ -51,6 +51,8 @@ ap.add_argument("--cellgraph", default=str(root / "target/release/cellgraph"))
 ap.add_argument("--bound", action="store_true", help="profile one PyTorch update: its products' share and the ceiling it sets")
 ap.add_argument("--pytorch-only", action="store_true", help=argparse.SUPPRESS)
 a = ap.parse_args()
+if a.bound and a.updates < 2:
+    ap.error("--bound needs --updates 2 or more (one warm update, one profiled)")
 cpus = "0" if a.threads == 1 else f"0-{a.threads - 1}"
 text_path = Path(a.dir + "-text.txt")
 
@@ -135,20 +137,15 @@ if a.pytorch_only:
 make_model()
 text = gzip.open(root / "data/shakespeare/shakespeare.txt.gz", "rb").read()[:400_000].decode()
 text_path.write_text(text)
-if a.bound:
-    if a.updates < 2:
-        sys.exit("--bound needs --updates 2 or more (one warm update, one profiled)")
-    pt = ["taskset", "-c", cpus, sys.executable, __file__, "--pytorch-only", "--bound", "--threads", str(a.threads), "--updates", str(a.updates),
-          "--block", str(a.block), "--batch", str(a.batch), "--k", str(a.k), "--dir", a.dir, "--precision", a.precision]
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
-    sys.exit(subprocess.run(pt, env=env).returncode)
 env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads), MATMUL_NUM_THREADS=str(a.threads), OMP_NUM_THREADS=str(a.threads))
+pt = ["taskset", "-c", cpus, sys.executable, __file__, "--pytorch-only", "--threads", str(a.threads), "--updates", str(a.updates),
+      "--block", str(a.block), "--batch", str(a.batch), "--k", str(a.k), "--dir", a.dir, "--precision", a.precision]
+if a.bound:
+    sys.exit(subprocess.run(pt + ["--bound"], env=env).returncode)
 out = tempfile.mkdtemp(prefix="cellgraph-gpt2-out-")
 cg = ["taskset", "-c", cpus, a.cellgraph, "finetune", "--model", a.dir, "--data", str(text_path), "--out", out, "--steps", str(a.updates),
       "--block-size", str(a.block), "--batch-size", str(a.batch), "--micro-size", str(a.k), "--dropout", "0", "--val-fraction", "0",
       "--no-shuffle", "--sample-tokens", "0", "--print-every", "0", "--device", "cpu", "--precision", a.precision]
-pt = ["taskset", "-c", cpus, sys.executable, __file__, "--pytorch-only", "--threads", str(a.threads), "--updates", str(a.updates),
-      "--block", str(a.block), "--batch", str(a.batch), "--k", str(a.k), "--dir", a.dir, "--precision", a.precision]
 print("cellgraph:", " ".join(cg))
 print("pytorch:  ", " ".join(pt))
 ratios = []
