@@ -1,7 +1,9 @@
 //! The host kernels on LeNet5's shapes, and ResNet-18's convolutions, at batch 32, one call at
 //! a time: median microseconds per call and GFLOP/s. Run: `cargo bench --bench kernels` (one thread:
 //! `MATMUL_NUM_THREADS=1 RAYON_NUM_THREADS=1 taskset -c 0 cargo bench --bench kernels`; only the
-//! kernels whose name contains S: `KERNELS_ONLY=S`).
+//! kernels whose name contains S: `KERNELS_ONLY=S`; ResNet-18's convolutions and the GPT's
+//! products with bf16 products, on the kernel a bf16 plan picks on this CPU:
+//! `KERNELS_PRODUCTS=bf16`).
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -45,6 +47,17 @@ fn row(name: &str, us: impl FnOnce() -> f64, flops: f64) {
     let us = us();
     let gf = if flops > 0.0 { format!("{:8.1}", flops / us / 1e3) } else { "       -".into() };
     println!("{name:<46} {us:10.1} {gf}");
+}
+
+/// The products of the ResNet-18 and GPT rows: f32, or bf16 with `KERNELS_PRODUCTS=bf16`
+/// (AMX tiles or AVX-512 BF16 pairs, whichever a plan picks here; refused where neither is).
+fn products() -> Products {
+    match std::env::var("KERNELS_PRODUCTS").as_deref() {
+        Ok("bf16") if cellgraph_runtime::host::bf16::available() => Products::Bf16,
+        Ok("bf16") => panic!("KERNELS_PRODUCTS=bf16: this CPU has no AVX-512 BF16 (nor AMX): no bf16 kernel to time"),
+        Ok("f32") | Err(_) => Products::F32,
+        Ok(other) => panic!("KERNELS_PRODUCTS must be f32 or bf16, got {other:?}"),
+    }
 }
 
 fn main() {
@@ -112,7 +125,7 @@ fn gpt() {
         let (a, b) = (data(m * k), data(k * n));
         let ma = if ta { Mat { data: &a, rows: k, cols: m, transposed: true } } else { Mat { data: &a, rows: m, cols: k, transposed: false } };
         let mb = if tb { Mat { data: &b, rows: n, cols: k, transposed: true } } else { Mat { data: &b, rows: k, cols: n, transposed: false } };
-        row(name, || timed(m * n, |c| gemm::matmul(ma, mb, c, Products::F32)), 2.0 * (m * k * n) as f64);
+        row(name, || timed(m * n, |c| gemm::matmul(ma, mb, c, products())), 2.0 * (m * k * n) as f64);
     }
     // The `attention` op on a micro-batch of the GPT (8 sequences of 128, 4 heads of 32),
     // causal; GFLOP/s counts the products' multiply-adds over the (query, key) pairs the
@@ -173,17 +186,17 @@ fn resnet18(n: usize) {
         let (x, w, dy) = (data(n * c * hw * hw), data(o * c * k * k), data(n * o * oh * oh));
         row(
             &format!("{name} forward"),
-            || timed(dy.len(), |y| conv::conv2d(&ConvAlgo::gemm(&g, 1, o), &g, 1, &x, &w, o, y, None, Products::F32)),
+            || timed(dy.len(), |y| conv::conv2d(&ConvAlgo::gemm(&g, 1, o), &g, 1, &x, &w, o, y, None, products())),
             flops,
         );
         row(
             &format!("{name} filter grad"),
-            || timed(w.len(), |dw| conv::conv2d_filter_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &x, o, dw, None, Products::F32)),
+            || timed(w.len(), |dw| conv::conv2d_filter_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &x, o, dw, None, products())),
             flops,
         );
         row(
             &format!("{name} input grad"),
-            || timed(x.len(), |dx| conv::conv2d_input_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &w, o, dx, Products::F32)),
+            || timed(x.len(), |dx| conv::conv2d_input_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &w, o, dx, products())),
             flops,
         );
     }

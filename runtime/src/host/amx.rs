@@ -221,7 +221,8 @@ fn turn(src: &[u32], stride: usize, count: usize, tile: impl Fn(usize) -> usize,
         assert!(src.len() >= (TK - 1) * stride + i0 + n, "the block lies in `src`");
         // SAFETY: row `r` of the block is `src[r * stride + i0..][..n]`, inside `src` (checked);
         // the tile is 16 x 16; the packers run where AVX-512 is (`available`).
-        unsafe { x86::turn16(src.as_ptr().add(i0), stride, n, t.as_mut_ptr()) };
+        unsafe { super::bf16::x86::turn16(src.as_ptr().add(i0), stride, n, t.as_mut_ptr(), TR) };
+        t[n * TR..].fill(0);
     }
 }
 
@@ -299,53 +300,6 @@ mod x86 {
             _mm512_storeu_si512(out as *mut _, pairs16(lo.add(j), hi.map(|h| h.add(j)), rows - j));
             out = out.wrapping_add(if j % STRIP == 0 { TILE_LEN } else { next });
             j += TR;
-        }
-    }
-
-    /// `t[ii * 16 + r] = src[r * stride + ii]` for the 16 rows `r` and the first `n` columns
-    /// `ii` of a block (the rest of the tile zeros): a 16 x 16 transposition of 32-bit values
-    /// in registers, by unpacking pairs of rows, then pairs of pairs, then 128-bit lanes twice
-    /// (a loop of single values was a sixth of the weight gradients' products in bf16).
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn turn16(src: *const u32, stride: usize, n: usize, t: *mut u32) {
-        use std::arch::x86_64::*;
-        let m = lanes(n);
-        let r: [__m512i; 16] = std::array::from_fn(|i| _mm512_maskz_loadu_epi32(m, src.add(i * stride) as *const i32));
-        // Rows 2i and 2i + 1 interleaved by 32 bits, then rows 4i..4i + 4 by 64 bits: each
-        // 128-bit lane `l` of `c[4i + j]` holds column `4l + j` of rows 4i..4i + 4.
-        let a: [__m512i; 16] = std::array::from_fn(|i| {
-            let (x, y) = (r[i & !1], r[i | 1]);
-            if i % 2 == 0 {
-                _mm512_unpacklo_epi32(x, y)
-            } else {
-                _mm512_unpackhi_epi32(x, y)
-            }
-        });
-        let c: [__m512i; 16] = std::array::from_fn(|i| {
-            let (q, j) = (i / 4 * 4, i % 4);
-            let (x, y) = (a[q + j / 2], a[q + 2 + j / 2]);
-            if j % 2 == 0 {
-                _mm512_unpacklo_epi64(x, y)
-            } else {
-                _mm512_unpackhi_epi64(x, y)
-            }
-        });
-        // 128-bit lanes gathered: `d[8h + j]` holds column `j` of rows 8h..8h + 4 and of rows
-        // 8h + 4..8h + 8 in lanes 0 and 2, column `j + 8` in lanes 1 and 3; then each row of
-        // the tile, column `i` of the 16 rows, takes its lanes from `d[i % 8]` and `d[8 + i % 8]`.
-        let d: [__m512i; 16] = std::array::from_fn(|i| {
-            let (h, j) = (i / 8, i % 8);
-            let (x, y) = (c[8 * h + j % 4], c[8 * h + 4 + j % 4]);
-            if j < 4 {
-                _mm512_shuffle_i32x4::<0x88>(x, y)
-            } else {
-                _mm512_shuffle_i32x4::<0xdd>(x, y)
-            }
-        });
-        for i in 0..16 {
-            let (x, y) = (d[i % 8], d[8 + i % 8]);
-            let e = if i < 8 { _mm512_shuffle_i32x4::<0x88>(x, y) } else { _mm512_shuffle_i32x4::<0xdd>(x, y) };
-            _mm512_storeu_si512(t.add(i * 16) as *mut _, e);
         }
     }
 

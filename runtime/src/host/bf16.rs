@@ -131,18 +131,10 @@ unsafe fn pack_a(m: usize, kc: usize, a: *const f32, rsa: isize, csa: isize, out
     let kp = kc.div_ceil(2);
     out.clear();
     if csa != 1 && rsa == 1 {
-        // Each pair of columns interleaved into a line of `m` pairs, then cut into the panels.
+        // Each pair of columns converted 16 rows at a time, straight into two panels.
         out.resize(m.div_ceil(MR) * MR * kp, 0);
-        LINE.with_borrow_mut(|line| {
-            line.resize(m, 0);
-            for q in 0..kp {
-                let lo = a.offset(2 * q as isize * csa);
-                interleave_rows(lo, (2 * q + 1 < kc).then(|| lo.offset(csa)), m, line);
-                for (p, part) in line.chunks(MR).enumerate() {
-                    out[(p * kp + q) * MR..][..part.len()].copy_from_slice(part);
-                }
-            }
-        });
+        #[cfg(target_arch = "x86_64")]
+        x86::columns_into_panels(m, kc, a, csa, out.as_mut_ptr());
         return (1, MR);
     }
     out.resize(m * kp, 0);
@@ -169,19 +161,29 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, rsb: isize, csb: isize, ou
     out.clear();
     out.resize(panels * kp * NR, 0);
     if csb != 1 && rsb == 1 {
-        // Each column's values along `k` are contiguous, so its pairs are too: converted as a
-        // line, then spread down the column of its panel.
+        // Each column's values along `k` are contiguous, so its pairs are too: 16 columns
+        // converted as lines of pairs, then turned 16 x 16 in registers into their panel.
         return LINE.with_borrow_mut(|line| {
-            line.resize(kp, 0);
-            for j in 0..nc {
-                pairs_of_row(b.offset(j as isize * csb), kc, line);
-                let (p, jj) = (j / NR, j % NR);
-                let panel = &mut out[p * kp * NR..(p + 1) * kp * NR];
-                for (q, &v) in line.iter().enumerate() {
-                    *panel.get_unchecked_mut(q * NR + jj) = v;
+            line.resize(16 * kp, 0);
+            for j0 in (0..nc).step_by(16) {
+                let cols = 16.min(nc - j0);
+                for jj in 0..cols {
+                    pairs_of_row(b.offset((j0 + jj) as isize * csb), kc, &mut line[jj * kp..(jj + 1) * kp]);
+                }
+                line[cols * kp..].fill(0);
+                let panel = out.as_mut_ptr().add(j0 / NR * kp * NR + j0 % NR);
+                for q0 in (0..kp).step_by(16) {
+                    // SAFETY: rows `q0..q0 + 16` (at most `kp`) of the panel's 16 columns from `j0 % NR`.
+                    #[cfg(target_arch = "x86_64")]
+                    x86::turn16(line.as_ptr().add(q0), kp, 16.min(kp - q0), panel.add(q0 * NR), NR);
                 }
             }
         });
+    }
+    if csb == 1 {
+        #[cfg(target_arch = "x86_64")]
+        x86::rows_into_panels(kc, nc, b, rsb, out.as_mut_ptr());
+        return;
     }
     for p in 0..panels {
         let cols = NR.min(nc - p * NR);
@@ -189,9 +191,7 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, rsb: isize, csb: isize, ou
             let dst = &mut out[(p * kp + q) * NR..(p * kp + q + 1) * NR];
             let lo = b.offset(2 * q as isize * rsb + (p * NR) as isize * csb);
             let hi = (2 * q + 1 < kc).then(|| lo.offset(rsb));
-            if csb == 1 {
-                interleave_rows(lo, hi, cols, dst);
-            } else {
+            {
                 for (j, d) in dst[..cols].iter_mut().enumerate() {
                     let h = hi.map_or(0.0, |h| *h.offset(j as isize * csb));
                     *d = pair(*lo.offset(j as isize * csb), h);
@@ -296,6 +296,91 @@ pub(super) mod x86 {
             let v = pairs16(lo.add(j), hi.map(|h| h.add(j)), w);
             _mm512_mask_storeu_epi32(dst.as_mut_ptr().add(j) as *mut _, lanes(w), v);
             j += 16;
+        }
+    }
+
+    /// [`super::pack_a`] for an operand whose rows are adjacent (`A`'s columns `csa` apart):
+    /// each pair of columns `2q, 2q + 1` converted 16 rows at a time, the first 8 rows' pairs
+    /// into their panel's pair `q`, the next 8 into the next panel's (zeros past `m`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn columns_into_panels(m: usize, kc: usize, a: *const f32, csa: isize, out: *mut u32) {
+        let (kp, panels) = (kc.div_ceil(2), m.div_ceil(MR));
+        for q in 0..kp {
+            let lo = a.offset(2 * q as isize * csa);
+            let hi = (2 * q + 1 < kc).then(|| lo.offset(csa));
+            for i0 in (0..m).step_by(2 * MR) {
+                let v = pairs16(lo.add(i0), hi.map(|h| h.add(i0)), m - i0);
+                let p = i0 / MR;
+                _mm256_storeu_si256(out.add((p * kp + q) * MR) as *mut _, _mm512_castsi512_si256(v));
+                if p + 1 < panels {
+                    _mm256_storeu_si256(out.add(((p + 1) * kp + q) * MR) as *mut _, _mm512_extracti64x4_epi64::<1>(v));
+                }
+            }
+        }
+    }
+
+    /// [`super::pack_b`] for a row-major operand (`B`'s columns contiguous, rows `rsb`
+    /// apart): each panel's pair `q`, the pairs of rows `2q, 2q + 1` in its [`NR`] columns,
+    /// converted 16 columns at a time (zeros past `nc`, and in the high halves of an odd
+    /// `kc`'s last pair).
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn rows_into_panels(kc: usize, nc: usize, b: *const f32, rsb: isize, out: *mut u32) {
+        let kp = kc.div_ceil(2);
+        for p in 0..nc.div_ceil(NR) {
+            let cols = NR.min(nc - p * NR);
+            for q in 0..kp {
+                let lo = b.offset(2 * q as isize * rsb).add(p * NR);
+                let hi = (2 * q + 1 < kc).then(|| lo.offset(rsb));
+                let dst = out.add((p * kp + q) * NR);
+                _mm512_storeu_si512(dst as *mut _, pairs16(lo, hi, cols));
+                _mm512_storeu_si512(dst.add(16) as *mut _, pairs16(lo.add(16), hi.map(|h| h.add(16)), cols.saturating_sub(16)));
+            }
+        }
+    }
+
+    /// `t[ii * t_stride + r] = src[r * stride + ii]` for the 16 rows `r` and the first `n`
+    /// columns `ii` of a block (`n` rows of `t` written, 16 values each): a 16 x 16
+    /// transposition of 32-bit values in registers, by unpacking pairs of rows, then pairs of
+    /// pairs, then 128-bit lanes twice.
+    #[target_feature(enable = "avx512f")]
+    pub(in crate::host) unsafe fn turn16(src: *const u32, stride: usize, n: usize, t: *mut u32, t_stride: usize) {
+        let m = lanes(n);
+        let r: [__m512i; 16] = std::array::from_fn(|i| _mm512_maskz_loadu_epi32(m, src.add(i * stride) as *const i32));
+        // Rows 2i and 2i + 1 interleaved by 32 bits, then rows 4i..4i + 4 by 64 bits: each
+        // 128-bit lane `l` of `c[4i + j]` holds column `4l + j` of rows 4i..4i + 4.
+        let a: [__m512i; 16] = std::array::from_fn(|i| {
+            let (x, y) = (r[i & !1], r[i | 1]);
+            if i % 2 == 0 {
+                _mm512_unpacklo_epi32(x, y)
+            } else {
+                _mm512_unpackhi_epi32(x, y)
+            }
+        });
+        let c: [__m512i; 16] = std::array::from_fn(|i| {
+            let (q, j) = (i / 4 * 4, i % 4);
+            let (x, y) = (a[q + j / 2], a[q + 2 + j / 2]);
+            if j % 2 == 0 {
+                _mm512_unpacklo_epi64(x, y)
+            } else {
+                _mm512_unpackhi_epi64(x, y)
+            }
+        });
+        // 128-bit lanes gathered: `d[8h + j]` holds column `j` of rows 8h..8h + 4 and of rows
+        // 8h + 4..8h + 8 in lanes 0 and 2, column `j + 8` in lanes 1 and 3; then each row of
+        // the result, column `i` of the 16 rows, takes its lanes from `d[i % 8]` and `d[8 + i % 8]`.
+        let d: [__m512i; 16] = std::array::from_fn(|i| {
+            let (h, j) = (i / 8, i % 8);
+            let (x, y) = (c[8 * h + j % 4], c[8 * h + 4 + j % 4]);
+            if j < 4 {
+                _mm512_shuffle_i32x4::<0x88>(x, y)
+            } else {
+                _mm512_shuffle_i32x4::<0xdd>(x, y)
+            }
+        });
+        for i in 0..n.min(16) {
+            let (x, y) = (d[i % 8], d[8 + i % 8]);
+            let e = if i < 8 { _mm512_shuffle_i32x4::<0x88>(x, y) } else { _mm512_shuffle_i32x4::<0xdd>(x, y) };
+            _mm512_storeu_si512(t.add(i * t_stride) as *mut _, e);
         }
     }
 
