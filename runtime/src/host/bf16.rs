@@ -301,14 +301,16 @@ pub(super) mod x86 {
 
     /// [`super::pack_a`] for an operand whose rows are adjacent (`A`'s columns `csa` apart):
     /// each pair of columns `2q, 2q + 1` converted 16 rows at a time, the first 8 rows' pairs
-    /// into their panel's pair `q`, the next 8 into the next panel's (zeros past `m`).
+    /// into their panel's pair `q`, the next 8 into the next panel's (zeros past `m`). Two
+    /// panels at a time, along `q`: their writes are consecutive (panels are `kp * 32` bytes
+    /// apart, a stride whose writes, one per panel, evicted each other from L1).
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn columns_into_panels(m: usize, kc: usize, a: *const f32, csa: isize, out: *mut u32) {
         let (kp, panels) = (kc.div_ceil(2), m.div_ceil(MR));
-        for q in 0..kp {
-            let lo = a.offset(2 * q as isize * csa);
-            let hi = (2 * q + 1 < kc).then(|| lo.offset(csa));
-            for i0 in (0..m).step_by(2 * MR) {
+        for i0 in (0..m).step_by(2 * MR) {
+            for q in 0..kp {
+                let lo = a.offset(2 * q as isize * csa);
+                let hi = (2 * q + 1 < kc).then(|| lo.offset(csa));
                 let v = pairs16(lo.add(i0), hi.map(|h| h.add(i0)), m - i0);
                 let p = i0 / MR;
                 _mm256_storeu_si256(out.add((p * kp + q) * MR) as *mut _, _mm512_castsi512_si256(v));
