@@ -333,3 +333,69 @@ fn an_epilogue_program_the_device_cannot_take_is_counted() {
         }
     }
 }
+
+/// Under bf16 compute the host's bf16 products round their factors as they pack them, so a
+/// parameter's bf16 copy that only such products read (a matmul's weight, a dense small-map
+/// convolution's filter) is not made: the session lists it as `rounded when packed` and the
+/// products give the bits they give when the copy is made (here because the copy has a second
+/// reader, a sum). With f32 products (the emulation) the copy is made again, and the dense
+/// filter the bf16 products built from the unrounded parameter is not reused.
+#[test]
+fn a_weights_bf16_copy_that_only_bf16_products_read_is_made_as_they_pack() {
+    use cellgraph::compiler::{Conv2dAttrs, DType, PadMode, ReduceAttrs};
+    /// `x @ round(w)` and `conv(round(img), round(f))` (3 x 3, padded by 1, on a 2 x 2 map),
+    /// with `sums` the bf16 copies' sums as more outputs.
+    fn graph(sums: bool) -> Graph {
+        let mut g = Graph::new("bf16 weights");
+        let round = |g: &mut Graph, x| g.add(Op::RoundTo { dtype: DType::BF16 }, &[x], "t").unwrap();
+        let x = g.add_leaf(Op::Input { index: 0, name: "x".into() }, TensorType::f32([32, 64]), "t").unwrap();
+        let img = g.add_leaf(Op::Input { index: 1, name: "img".into() }, TensorType::f32([2, 8, 2, 2]), "t").unwrap();
+        let w = g.add_leaf(Op::Parameter { name: "w".into() }, TensorType::f32([64, 48]), "t").unwrap();
+        let f = g.add_leaf(Op::Parameter { name: "f".into() }, TensorType::f32([16, 8, 3, 3]), "t").unwrap();
+        let (rx, ri, rw, rf) = (round(&mut g, x), round(&mut g, img), round(&mut g, w), round(&mut g, f));
+        let y = g.add(Op::MatMul { transpose_a: false, transpose_b: false }, &[rx, rw], "t").unwrap();
+        let conv = Conv2dAttrs { stride: [1, 1], pad_mode: PadMode::Pad, pad: [1; 4], dilation: [1, 1], groups: 1 };
+        let c = g.add(Op::Conv2d(conv), &[ri, rf], "t").unwrap();
+        let mut outputs = vec![y, c];
+        if sums {
+            for r in [rw, rf] {
+                let axes = (0..g.ty(r).rank()).collect();
+                outputs.push(g.add(Op::ReduceSum(ReduceAttrs { axes, keep_dims: false }), &[r], "t").unwrap());
+            }
+        }
+        g.set_outputs(outputs);
+        g
+    }
+    let mut rng = StdRng::seed_from_u64(8);
+    let mut random = |dims: Vec<usize>| {
+        let n = dims.iter().product();
+        HostTensor::f32(dims, (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()).unwrap()
+    };
+    let inputs = [random(vec![32, 64]), random(vec![2, 8, 2, 2])];
+    let (w, f) = (random(vec![64, 48]), random(vec![16, 8, 3, 3]));
+    let (alone, shared) = (compile(graph(false)).unwrap(), compile(graph(true)).unwrap());
+    let mut s = Session::<Cpu>::new(cpu());
+    s.set_param("w", &w);
+    s.set_param("f", &f);
+    let bits = |out: Vec<HostTensor>| out[..2].iter().map(|t| t.to_f32().iter().map(|v| v.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>();
+    let elided = |s: &Session<Cpu>, exe| s.steps(exe).iter().filter(|st| st.run == HostRun::RoundedWhenPacked).count();
+    let pairs = cellgraph::runtime::host::bf16::available();
+    assert_eq!(elided(&s, &alone), if pairs { 2 } else { 0 }, "{:#?}", s.steps(&alone));
+    assert_eq!(elided(&s, &shared), 0);
+    let (packed, copied) = (bits(s.run(&alone, &inputs).unwrap()), bits(s.run(&shared, &inputs).unwrap()));
+    assert_eq!(packed, copied, "the products' own rounding and the bf16 copy differ");
+    s.set_bf16_products(false);
+    assert_eq!(elided(&s, &alone), 0);
+    let (f32_alone, f32_shared) = (bits(s.run(&alone, &inputs).unwrap()), bits(s.run(&shared, &inputs).unwrap()));
+    assert_eq!(f32_alone, f32_shared, "with f32 products, the copy");
+    let mut fresh = Session::<Cpu>::new(cpu());
+    fresh.set_bf16_products(false);
+    fresh.set_param("w", &w);
+    fresh.set_param("f", &f);
+    assert_eq!(f32_alone, bits(fresh.run(&alone, &inputs).unwrap()), "a dense filter of the unrounded filter was reused");
+    let dense = |st: &cellgraph::runtime::HostStep| matches!(&st.run, HostRun::Kernel(k) if k.contains("dense"));
+    assert!(s.steps(&alone).iter().any(dense), "the convolution is not a dense one: {:#?}", s.steps(&alone));
+    if pairs {
+        assert!(f32_alone[0] != packed[0] && f32_alone[1] != packed[1], "the bf16 products did not run");
+    }
+}

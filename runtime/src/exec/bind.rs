@@ -25,6 +25,9 @@ pub enum HostRun {
     Store,
     /// `stop_gradient`: its operand, unchanged.
     Identity,
+    /// A parameter's bf16 copy that only bf16 products read: not made, the products round the
+    /// parameter's values as they pack them (a session with bf16 products on the host).
+    RoundedWhenPacked,
     /// A bound host kernel, by name (`matmul`, `epilogue(conv Forward direct)`).
     Kernel(String),
     /// burn's ops (the reference lowering), with the reason no host kernel binds.

@@ -171,6 +171,7 @@ impl std::fmt::Display for HostStep {
             HostRun::Collective => "collective".to_string(),
             HostRun::Store => "store (the new value, moved)".to_string(),
             HostRun::Identity => "identity (its operand)".to_string(),
+            HostRun::RoundedWhenPacked => "none: the bf16 products that read it round it as they pack it".to_string(),
             HostRun::Kernel(k) => format!("kernel {k}"),
             HostRun::BurnOps(why) => format!("burn ops: {why}"),
         };

@@ -92,7 +92,7 @@ pub struct Session<B: Backend> {
     burn_steps: BTreeMap<&'static str, u64>,
     /// How each step of a plan runs, by plan and by the settings it depends on (`native`,
     /// `in_place`): decided at a plan's first run (see [`bind`]).
-    execs: BTreeMap<(u64, bool, bool, bool), std::sync::Arc<Binding>>,
+    execs: BTreeMap<(u64, bool, bool, bool, bool), std::sync::Arc<Binding>>,
     /// A device stores a low-precision plan's values in bf16 / f16 where its kernels read and
     /// write them (see [`Self::set_low_precision_storage`]).
     low_storage: bool,
@@ -192,6 +192,11 @@ impl<B: Backend> Session<B> {
     /// emulation of bf16 compute, the same products summed in another order. Device backends
     /// and f32 plans ignore it.
     pub fn set_bf16_products(&mut self, on: bool) {
+        if on != self.bf16 {
+            // Dense filters built from a parameter the bf16 products rounded themselves
+            // ([`Self::steps`]' `rounded when packed`) are not the f32 products' operands.
+            self.kept.forget_all();
+        }
         self.bf16 = on;
     }
 
@@ -401,7 +406,13 @@ impl<B: Backend> Session<B> {
     /// [`Backend::device_declines`]).
     pub fn steps(&self, exe: &Executable) -> Vec<HostStep> {
         if B::HOST && self.native {
-            return exe.host_steps();
+            let mut steps = exe.host_steps();
+            for (hs, st) in steps.iter_mut().zip(&exe.steps) {
+                if self.rounded_when_packed(st) {
+                    hs.run = HostRun::RoundedWhenPacked;
+                }
+            }
+            return steps;
         }
         exe.steps
             .iter()
@@ -464,18 +475,34 @@ impl<B: Backend> Session<B> {
     /// stored in, decided at the plan's first run with them (a session holds the decisions of
     /// its last 256 plans).
     fn execs(&mut self, exe: &Executable) -> std::sync::Arc<Binding> {
-        let key = (exe.id, self.native, self.in_place, self.low_storage);
+        let key = (exe.id, self.native, self.in_place, self.low_storage, self.bf16);
         if let Some(b) = self.execs.get(&key) {
             return b.clone();
         }
         if self.execs.len() >= 256 {
             self.execs.clear();
         }
-        let execs: Vec<Exec> = exe.steps.iter().map(|st| bind::exec_of(st, B::HOST, self.native, self.in_place, &self.declines(st))).collect();
+        let execs: Vec<Exec> = exe
+            .steps
+            .iter()
+            .map(|st| match self.rounded_when_packed(st) {
+                true => Exec::Pass(0),
+                false => bind::exec_of(st, B::HOST, self.native, self.in_place, &self.declines(st)),
+            })
+            .collect();
         let (stores, kept_f32) = self.low_stores(exe, &execs);
         let b = std::sync::Arc::new(Binding { execs, stores, kept_f32 });
         self.execs.insert(key, b.clone());
         b
+    }
+
+    /// Whether `st`, a parameter's bf16 copy that only bf16 products read
+    /// ([`plan::Step::rounded_when_packed`]), is skipped in this session: on the host kernels in
+    /// f32 with bf16 products on, the products get the parameter and round it as they pack it
+    /// (the same bits; a window's micro-steps no longer each write a rounded copy of every
+    /// weight). With f32 products (the emulation) or f64, the copy is made.
+    fn rounded_when_packed(&self, st: &plan::Step) -> bool {
+        st.rounded_when_packed && B::HOST && self.native && self.bf16 && self.float == burn_backend::FloatDType::F32
     }
 
     /// Which of `exe`'s values this session stores in bf16 / f16 (see [`bind::low_stores`]),

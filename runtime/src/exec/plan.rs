@@ -50,6 +50,10 @@ pub(super) struct Step {
     /// the graph computes in one ([`holds_low`]): a device session may store it in that type
     /// (see [`super::bind::low_stores`]).
     pub(super) holds: Option<DType>,
+    /// A `round_to` bf16 of a parameter that only bf16 products read, as factors
+    /// ([`rounded_when_packed`]): they round each value as they pack it, so a session whose
+    /// products run on bf16 hands them the parameter itself (see [`super::Session`]'s binding).
+    pub(super) rounded_when_packed: bool,
 }
 
 /// The ops whose arithmetic is matrix products, with or without a bound GEMM.
@@ -399,6 +403,46 @@ fn keep_for_gradients(steps: &mut [Step]) {
     }
 }
 
+/// Whether operand `k` of `st` is a factor of a product bound to bf16 products (a matmul or a
+/// convolution other than the direct one, alone or heading an epilogue): the kernels pack
+/// such a factor as bf16 pairs or AMX tiles, rounding each value to the nearest bf16 (ties to
+/// even) as `round_to` does.
+fn bf16_factor(st: &Step, k: usize) -> bool {
+    fn bf16(n: &Native) -> bool {
+        matches!(
+            n,
+            Native::MatMul { products: Products::Bf16, .. }
+                | Native::BatchMatMul { products: Products::Bf16, .. }
+                | Native::Conv { products: Products::Bf16, .. }
+        )
+    }
+    match &st.kernel {
+        Some(Native::Epilogue { head, head_args, .. }) => k < *head_args && bf16(head),
+        Some(n) => bf16(n),
+        None => false,
+    }
+}
+
+/// Marks each `round_to` bf16 of a parameter (the bf16 copy of a weight, made every
+/// micro-step) that is not an output and whose every reader reads it only as a factor of bf16
+/// products ([`bf16_factor`]): the products round the parameter's values themselves, to the
+/// same bits, so the copy need not be made (see [`Step::rounded_when_packed`]).
+fn rounded_when_packed(steps: &mut [Step], outputs: Vec<usize>) {
+    let params: std::collections::BTreeSet<usize> =
+        steps.iter().filter(|st| matches!(st.op, Op::Parameter { .. }) && !st.deferred).map(|st| st.slot).collect();
+    let marks: Vec<usize> = (0..steps.len())
+        .filter(|&i| {
+            let st = &steps[i];
+            let of_param = matches!(st.op, Op::RoundTo { dtype: DType::BF16 }) && st.args.first().is_some_and(|a| params.contains(&a.0));
+            let mut reads = steps.iter().flat_map(|r| r.args.iter().enumerate().filter(|(_, a)| a.0 == st.slot).map(move |(k, _)| (r, k))).peekable();
+            of_param && !outputs.contains(&st.slot) && reads.peek().is_some() && reads.all(|(r, k)| bf16_factor(r, k))
+        })
+        .collect();
+    for i in marks {
+        steps[i].rounded_when_packed = true;
+    }
+}
+
 /// Names the parameter each dense small-map convolution (forward or input gradient, alone or
 /// heading an epilogue) reads as its filter (operand 1), so that host backends build its dense
 /// filter once per value of the parameter (see [`Native::Conv`]'s `filter`).
@@ -553,9 +597,11 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
                 shared_constant,
                 bf16_operands,
                 holds,
+                rounded_when_packed: false,
             }
         })
         .collect();
+    rounded_when_packed(&mut steps, graph.outputs().iter().map(|o| o.index()).collect());
     keep_for_gradients(&mut steps);
     name_dense_filters(&mut steps);
     let outputs = graph.outputs().iter().map(|o| o.index()).collect();

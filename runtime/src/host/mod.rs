@@ -280,6 +280,11 @@ impl Kept {
             self.f64.dense.remove(key);
         }
     }
+    /// Drops what was derived from every parameter.
+    pub fn forget_all(&mut self) {
+        self.f32.dense.clear();
+        self.f64.dense.clear();
+    }
     /// The dense filter of parameter `name` (value `w`) for geometry `g` (any batch) and `o`
     /// output channels: the one built since the parameter was last written, else built now.
     fn dense_filter<F: Elem>(&mut self, name: &str, g: &Geometry, taps: &[Tap], o: usize, w: &[F]) -> &[F] {
