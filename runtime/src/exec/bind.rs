@@ -293,6 +293,7 @@ mod tests {
             shared_constant: false,
             bf16_operands: false,
             holds: None,
+            rounded_when_packed: false,
         }
     }
 
