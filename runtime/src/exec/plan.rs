@@ -427,7 +427,7 @@ fn bf16_factor(st: &Step, k: usize) -> bool {
 /// micro-step) that is not an output and whose every reader reads it only as a factor of bf16
 /// products ([`bf16_factor`]): the products round the parameter's values themselves, to the
 /// same bits, so the copy need not be made (see [`Step::rounded_when_packed`]).
-fn rounded_when_packed(steps: &mut [Step], outputs: Vec<usize>) {
+fn rounded_when_packed(steps: &mut [Step], outputs: &[usize]) {
     let params: std::collections::BTreeSet<usize> =
         steps.iter().filter(|st| matches!(st.op, Op::Parameter { .. }) && !st.deferred).map(|st| st.slot).collect();
     let marks: Vec<usize> = (0..steps.len())
@@ -601,10 +601,10 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
             }
         })
         .collect();
-    rounded_when_packed(&mut steps, graph.outputs().iter().map(|o| o.index()).collect());
+    let outputs: Vec<usize> = graph.outputs().iter().map(|o| o.index()).collect();
+    rounded_when_packed(&mut steps, &outputs);
     keep_for_gradients(&mut steps);
     name_dense_filters(&mut steps);
-    let outputs = graph.outputs().iter().map(|o| o.index()).collect();
     let slots = graph.id_bound();
     let peak_bytes = simulate_peak(&graph, &steps);
     let arena = arena_sizes(&graph, &steps);

@@ -191,11 +191,9 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, rsb: isize, csb: isize, ou
             let dst = &mut out[(p * kp + q) * NR..(p * kp + q + 1) * NR];
             let lo = b.offset(2 * q as isize * rsb + (p * NR) as isize * csb);
             let hi = (2 * q + 1 < kc).then(|| lo.offset(rsb));
-            {
-                for (j, d) in dst[..cols].iter_mut().enumerate() {
-                    let h = hi.map_or(0.0, |h| *h.offset(j as isize * csb));
-                    *d = pair(*lo.offset(j as isize * csb), h);
-                }
+            for (j, d) in dst[..cols].iter_mut().enumerate() {
+                let h = hi.map_or(0.0, |h| *h.offset(j as isize * csb));
+                *d = pair(*lo.offset(j as isize * csb), h);
             }
         }
     }
