@@ -54,13 +54,20 @@ fn row(name: &str, us: impl FnOnce() -> f64, flops: f64) {
 fn products() -> Products {
     match std::env::var("KERNELS_PRODUCTS").as_deref() {
         Ok("bf16") if cellgraph_runtime::host::bf16::available() => Products::Bf16,
-        Ok("bf16") => panic!("KERNELS_PRODUCTS=bf16: this CPU has no AVX-512 BF16 (nor AMX): no bf16 kernel to time"),
         Ok("f32") | Err(_) => Products::F32,
-        Ok(other) => panic!("KERNELS_PRODUCTS must be f32 or bf16, got {other:?}"),
+        Ok(v) => {
+            let why = match v {
+                "bf16" => "this CPU has no AVX-512 BF16 (nor AMX): no bf16 kernel to time; unset it or use f32".to_string(),
+                other => format!("must be f32 or bf16, got {other:?}"),
+            };
+            eprintln!("kernels: KERNELS_PRODUCTS: {why}");
+            std::process::exit(2)
+        }
     }
 }
 
 fn main() {
+    let pr = products();
     println!("{:<46} {:>10} {:>8}", "kernel (batch 32)", "us/call", "GFLOP/s");
     let n = 32;
     for (name, c, hw, o) in [("conv1 1->6 5x5 on 32x32", 1usize, 32usize, 6usize), ("conv2 6->16 5x5 on 14x14", 6, 14, 16)] {
@@ -102,14 +109,14 @@ fn main() {
     }
     let (dy, x) = (data(n * 6 * 28 * 28), data(n * 6 * 28 * 28));
     row("relu grad 32x6x28x28", || timed(x.len(), |dx| rows::relu_grad(&dy, &x, dx)), 0.0);
-    resnet18(n);
-    gpt();
+    resnet18(n, pr);
+    gpt(pr);
 }
 
 /// The character GPT's products (width 128, 4 heads, context 128, micro-batch of 8 sequences:
 /// 1,024 tokens): the linear layers forward and their two gradients, and one head's attention
 /// scores. Row-major operands, read transposed where the graph reads them so.
-fn gpt() {
+fn gpt(pr: Products) {
     println!("\nGPT products (1,024 tokens, width 128)");
     let shapes = [
         ("qkv 1024x128 @ 128x384", 1024usize, 128usize, 384usize, false, false),
@@ -125,7 +132,7 @@ fn gpt() {
         let (a, b) = (data(m * k), data(k * n));
         let ma = if ta { Mat { data: &a, rows: k, cols: m, transposed: true } } else { Mat { data: &a, rows: m, cols: k, transposed: false } };
         let mb = if tb { Mat { data: &b, rows: n, cols: k, transposed: true } } else { Mat { data: &b, rows: k, cols: n, transposed: false } };
-        row(name, || timed(m * n, |c| gemm::matmul(ma, mb, c, products())), 2.0 * (m * k * n) as f64);
+        row(name, || timed(m * n, |c| gemm::matmul(ma, mb, c, pr)), 2.0 * (m * k * n) as f64);
     }
     // The `attention` op on a micro-batch of the GPT (8 sequences of 128, 4 heads of 32),
     // causal; GFLOP/s counts the products' multiply-adds over the (query, key) pairs the
@@ -153,7 +160,7 @@ fn gpt() {
 /// ResNet-18's convolutions on 3 x 32 x 32 images (torchvision's layout: the 7x7/2 stem, then
 /// 8x8, 4x4, 2x2 and 1x1 maps). GFLOP/s counts the multiply-adds that read an image pixel,
 /// not padding: the work a kernel that skipped padding would do.
-fn resnet18(n: usize) {
+fn resnet18(n: usize, pr: Products) {
     println!("\nResNet-18 (batch {n})");
     // The stem's max pooling: 3x3 at stride 2 padded by 1, 64 x 16 x 16 -> 64 x 8 x 8.
     let g = Geometry { x: [n, 64, 16, 16], kernel: [3, 3], stride: [2, 2], dilation: [1, 1], pad: [1, 1], out: [8, 8] };
@@ -184,19 +191,15 @@ fn resnet18(n: usize) {
         let along: usize = (0..oh).map(|o| (0..k).filter(|&t| (o * s + t).checked_sub(p).is_some_and(|i| i < hw)).count()).sum();
         let flops = 2.0 * (n * o * c * along * along) as f64;
         let (x, w, dy) = (data(n * c * hw * hw), data(o * c * k * k), data(n * o * oh * oh));
-        row(
-            &format!("{name} forward"),
-            || timed(dy.len(), |y| conv::conv2d(&ConvAlgo::gemm(&g, 1, o), &g, 1, &x, &w, o, y, None, products())),
-            flops,
-        );
+        row(&format!("{name} forward"), || timed(dy.len(), |y| conv::conv2d(&ConvAlgo::gemm(&g, 1, o), &g, 1, &x, &w, o, y, None, pr)), flops);
         row(
             &format!("{name} filter grad"),
-            || timed(w.len(), |dw| conv::conv2d_filter_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &x, o, dw, None, products())),
+            || timed(w.len(), |dw| conv::conv2d_filter_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &x, o, dw, None, pr)),
             flops,
         );
         row(
             &format!("{name} input grad"),
-            || timed(x.len(), |dx| conv::conv2d_input_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &w, o, dx, products())),
+            || timed(x.len(), |dx| conv::conv2d_input_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &w, o, dx, pr)),
             flops,
         );
     }
