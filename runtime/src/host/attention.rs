@@ -58,43 +58,55 @@ fn band_keys(r1: usize, t: usize, causal: bool) -> usize {
     }
 }
 
-/// Lanes of [`map_fold`] and [`lanes_zip`]: the loops over a row keep this many independent
-/// running values.
+/// Lanes of [`masked_fold`] and [`masked_zip`]: the loops over a row keep this many
+/// independent running values.
 const LANES: usize = 8;
 
-/// Replaces each element of `xs` by `map` of it and folds the new values by `f` from `init`
-/// in [`LANES`] interleaved lanes (element `i` into lane `i % LANES`), then the lanes by
+/// Replaces each element of `xs` by `map` of it and folds the first `n` new values by `f` from
+/// `init` in [`LANES`] interleaved lanes (element `i` into lane `i % LANES`), then the lanes by
 /// `join` in order: one pass that vectorises, where one running value would wait on each
-/// step's latency. The order depends on the length only.
+/// step's latency. The elements from `n` on are mapped but take no part (`f` is not applied
+/// to them): the loop runs over the whole of `xs` (a band's keys, a multiple of the vectors'
+/// width) without a remainder per row, and its value is that of the fold over `xs[..n]`. The
+/// order depends on the length only.
 #[inline(always)]
-fn map_fold<F: HostFloat>(xs: &mut [F], map: impl Fn(F) -> F, init: F, f: impl Fn(F, F) -> F, join: impl Fn(F, F) -> F) -> F {
+fn masked_fold<F: HostFloat>(xs: &mut [F], n: usize, map: impl Fn(F) -> F, init: F, f: impl Fn(F, F) -> F, join: impl Fn(F, F) -> F) -> F {
     let mut acc = [init; LANES];
     let mut chunks = xs.chunks_exact_mut(LANES);
+    let mut at = 0;
     for ch in &mut chunks {
-        for (a, v) in acc.iter_mut().zip(ch) {
+        for (l, (a, v)) in acc.iter_mut().zip(ch).enumerate() {
             *v = map(*v);
-            *a = f(*a, *v);
+            let y = f(*a, *v);
+            *a = if at + l < n { y } else { *a };
         }
+        at += LANES;
     }
-    for (a, v) in acc.iter_mut().zip(chunks.into_remainder()) {
+    for (l, (a, v)) in acc.iter_mut().zip(chunks.into_remainder()).enumerate() {
         *v = map(*v);
-        *a = f(*a, *v);
+        let y = f(*a, *v);
+        *a = if at + l < n { y } else { *a };
     }
     acc.into_iter().reduce(join).unwrap_or(init)
 }
 
-/// [`map_fold`]'s lanes over pairs of `xs` and `ys` (of equal length), summing the lanes.
+/// [`masked_fold`]'s lanes over pairs of the first `n` of `xs` and `ys` (of equal length),
+/// summing the lanes.
 #[inline(always)]
-fn lanes_zip<F: HostFloat>(xs: &[F], ys: &[F], f: impl Fn(F, F, F) -> F) -> F {
+fn masked_zip<F: HostFloat>(xs: &[F], ys: &[F], n: usize, f: impl Fn(F, F, F) -> F) -> F {
     let mut acc = [F::ZERO; LANES];
     let (mut cx, mut cy) = (xs.chunks_exact(LANES), ys.chunks_exact(LANES));
+    let mut at = 0;
     for (a8, b8) in (&mut cx).zip(&mut cy) {
-        for ((acc, &a), &b) in acc.iter_mut().zip(a8).zip(b8) {
-            *acc = f(*acc, a, b);
+        for (l, ((acc, &a), &b)) in acc.iter_mut().zip(a8).zip(b8).enumerate() {
+            let y = f(*acc, a, b);
+            *acc = if at + l < n { y } else { *acc };
         }
+        at += LANES;
     }
-    for ((acc, &a), &b) in acc.iter_mut().zip(cx.remainder()).zip(cy.remainder()) {
-        *acc = f(*acc, a, b);
+    for (l, ((acc, &a), &b)) in acc.iter_mut().zip(cx.remainder()).zip(cy.remainder()).enumerate() {
+        let y = f(*acc, a, b);
+        *acc = if at + l < n { y } else { *acc };
     }
     acc.into_iter().fold(F::ZERO, |a, b| a + b)
 }
@@ -114,22 +126,27 @@ unsafe fn probs<F: HostFloat>(q: *const F, k: *const F, ld: usize, [_, t, _, d]:
         // S[r0..r1, ..keys] = Q[r0..r1] K[..keys]^T.
         gemm_oriented::<F>(r1 - r0, d, keys, q.add(r0 * ld), ldi, 1, k, 1, ldi, F::ZERO, p.as_mut_ptr().add(r0 * t), t as isize, 1, 1, Products::F32);
         for i in r0..r1 {
-            let row = &mut p[i * t..][..keys];
-            let (live, dead) = row.split_at_mut(seen(i, t, causal));
+            // Each pass runs over the band's keys, the entries past the row's last key (`n`
+            // on) zeros or taking no part: whole vectors, where passes over the row's `n`
+            // entries ended in a remainder of up to 15 (its own loop, on 4 lanes or one) in
+            // every row. The values, and the order of each sum, are the same.
+            let (row, n) = (&mut p[i * t..][..keys], seen(i, t, causal));
             // A NaN score need not be the maximum: its exp, and so the sum, is NaN anyway.
             let larger = |m: F, v: F| if v > m { v } else { m };
-            let max = map_fold(live, |v| v * scale, F::NEG_INF, larger, larger);
+            let max = masked_fold(row, n, |v| v * scale, F::NEG_INF, larger, larger);
             // The exponentials in a pass of their own, then summed in the lanes: one pass that
             // also summed ran `exp` on 4 or fewer lanes at a time (a third of the GPT's
             // attention time in bf16); the values and the order of the sum are the same.
-            for v in live.iter_mut() {
-                *v = (*v - max).program_exp();
+            for (j, v) in row.iter_mut().enumerate() {
+                let e = (*v - max).program_exp();
+                *v = if j < n { e } else { F::ZERO };
             }
-            let sum = map_fold(live, |v| v, F::ZERO, |a, v| a + v, |a, b| a + b);
-            for v in live.iter_mut() {
-                *v = *v / sum;
+            // The zeros past `n` add nothing: the sum over the row is the sum over its keys.
+            let sum = masked_fold(row, keys, |v| v, F::ZERO, |a, v| a + v, |a, b| a + b);
+            for (j, v) in row.iter_mut().enumerate() {
+                let y = *v / sum;
+                *v = if j < n { y } else { F::ZERO };
             }
-            dead.fill(F::ZERO);
         }
     }
 }
@@ -232,14 +249,14 @@ impl<F: HostFloat> pulp::WithSimd for Backward<'_, F> {
                 // dP[r0..r1, ..keys] = dY[r0..r1] V[..keys]^T, then dS in its place.
                 gemm_oriented::<F>(r1 - r0, d, keys, g.add(r0 * c), ci, 1, v, 1, ldi, F::ZERO, ds.as_mut_ptr().add(r0 * t), ti, 1, 1, Products::F32);
                 for i in r0..r1 {
+                    // Over the band's keys, as in [`probs`].
                     let n = seen(i, t, causal);
-                    let (pr, dr) = (&p[i * t..][..n], &mut ds[i * t..][..keys]);
-                    let dot = lanes_zip(pr, &dr[..n], |acc, a, b| a.mul_add(b, acc));
-                    let (live, dead) = dr.split_at_mut(n);
-                    for (v, &a) in live.iter_mut().zip(pr) {
-                        *v = a * (*v - dot) * scale;
+                    let (pr, dr) = (&p[i * t..][..keys], &mut ds[i * t..][..keys]);
+                    let dot = masked_zip(pr, dr, n, |acc, a, b| a.mul_add(b, acc));
+                    for (j, (v, &a)) in dr.iter_mut().zip(pr).enumerate() {
+                        let y = a * (*v - dot) * scale;
+                        *v = if j < n { y } else { F::ZERO };
                     }
-                    dead.fill(F::ZERO);
                 }
                 // dQ[r0..r1] = dS[r0..r1, ..keys] K[..keys].
                 gemm_oriented::<F>(r1 - r0, keys, d, ds.as_ptr().add(r0 * t), ti, 1, k, ldi, 1, F::ZERO, dq.add(r0 * ld), ldi, 1, 1, Products::F32);
@@ -370,6 +387,45 @@ mod tests {
             }
         }
         (y, dx)
+    }
+
+    /// The masked folds over a whole row give the bits of the same lanes over its first `n`
+    /// entries alone (what the passes over a row's live keys computed), for every `n` and
+    /// length, whatever the entries past `n` hold (infinities and NaN included).
+    #[test]
+    fn masked_folds_are_the_folds_over_the_first_n() {
+        let lanes_over = |xs: &[f32], f: &dyn Fn(f32, f32) -> f32, init: f32, join: &dyn Fn(f32, f32) -> f32| {
+            let mut acc = [init; LANES];
+            for (i, &v) in xs.iter().enumerate() {
+                acc[i % LANES] = f(acc[i % LANES], v);
+            }
+            acc.into_iter().reduce(join).unwrap()
+        };
+        let larger = |m: f32, v: f32| if v > m { v } else { m };
+        let add = |a: f32, b: f32| a + b;
+        for len in [1, 7, 8, 13, 64, 70] {
+            let row: Vec<f32> = data(len, len).into_iter().enumerate().map(|(i, v)| if i % 11 == 5 { -0.0 } else { v }).collect();
+            let other = data(len, len + 1);
+            for n in 0..=len {
+                let mut tail = row.clone();
+                for (i, v) in tail.iter_mut().enumerate().skip(n) {
+                    *v = [f32::INFINITY, f32::NAN, 1e30, -0.0][i % 4];
+                }
+                let mut xs = tail.clone();
+                let max = masked_fold(&mut xs, n, |v| v * 0.5, f32::NEG_INFINITY, larger, larger);
+                let halves: Vec<f32> = row[..n].iter().map(|v| v * 0.5).collect();
+                assert_eq!(max.to_bits(), lanes_over(&halves, &larger, f32::NEG_INFINITY, &larger).to_bits(), "max, {len} {n}");
+                assert!(xs.iter().zip(&tail).all(|(a, b)| a.to_bits() == (b * 0.5).to_bits()), "every entry mapped, {len} {n}");
+                let sum = masked_fold(&mut tail.clone(), n, |v| v, 0.0, add, add);
+                assert_eq!(sum.to_bits(), lanes_over(&row[..n], &add, 0.0, &add).to_bits(), "sum, {len} {n}");
+                let dot = masked_zip(&tail, &other, n, |acc, a, b| a.mul_add(b, acc));
+                let mut acc = [0f32; LANES];
+                for i in 0..n {
+                    acc[i % LANES] = row[i].mul_add(other[i], acc[i % LANES]);
+                }
+                assert_eq!(dot.to_bits(), acc.into_iter().fold(0.0, |a, b| a + b).to_bits(), "dot, {len} {n}");
+            }
+        }
     }
 
     /// Forward and gradient match the definition, causal or not, on sequences shorter than a
