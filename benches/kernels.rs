@@ -1,5 +1,5 @@
-//! The host kernels on LeNet5's shapes, and ResNet-18's convolutions, at batch 32, one call at
-//! a time: median microseconds per call and GFLOP/s. Run: `cargo bench --bench kernels` (one thread:
+//! The host kernels on LeNet5's shapes, and ResNet-18's convolutions, at batch 32, the GPT's
+//! products, attention and widest elementwise programs, one call at a time: median microseconds per call and GFLOP/s. Run: `cargo bench --bench kernels` (one thread:
 //! `MATMUL_NUM_THREADS=1 RAYON_NUM_THREADS=1 taskset -c 0 cargo bench --bench kernels`; only the
 //! kernels whose name contains S: `KERNELS_ONLY=S`; ResNet-18's convolutions and the GPT's
 //! products with bf16 products, on the kernel a bf16 plan picks on this CPU:
@@ -155,6 +155,33 @@ fn gpt(pr: Products) {
         || timed(qkv.len(), |dx| attention::backward(&qkv, &dy, e, true, Some(&p), dx)),
         4.0 * 2.0 * pairs * d as f64,
     );
+    // Elementwise programs over the GPT's widest activation (`[8, 128, 512]`, 2 MiB of f32 an
+    // operand: past L2 on the machines we run on), the GELU's forward and gradient as the bf16
+    // plan fuses them, against one hand-written pass over the same bytes as the first.
+    use cellgraph_runtime::host::program;
+    use cellgraph_runtime::kernel::{Elementwise, Read};
+    let n = 8 * 128 * 512;
+    let (x, y, z) = (data(n), data(n), data(n));
+    let gelu_grad =
+        "$0 $1 mul 0.5 mul $0 $2 0.5 mul mul round_bf16 $2 0.70703125 mul $2 0.70703125 mul mul neg exp 1.125 mul mul 0.70703125 mul add round_bf16";
+    for (name, text) in [
+        ("program x 0.5 mul y mul round_bf16", "$0 0.5 mul $1 mul round_bf16"),
+        ("program x 0.7071 mul erf 1 add", "$0 0.70703125 mul erf 1.0 add"),
+        ("program: GELU's gradient in bf16 (3 operands)", gelu_grad),
+    ] {
+        let prog: cellgraph_compiler::program::Program = text.parse().expect("a program");
+        let k = if text.contains("$2") {
+            3
+        } else if text.contains("$1") {
+            2
+        } else {
+            1
+        };
+        let args: Vec<&[f32]> = [&x[..], &y[..], &z[..]][..k].to_vec();
+        let e = Elementwise { depth: prog.depth(), prog, reads: vec![Read::Same; k], len: n };
+        row(name, || timed(n, |o| program::fused(&e, &args, o)), 0.0);
+    }
+    row("one pass of x * 0.5 * y, by hand", || timed(n, |o| o.iter_mut().zip(&x).zip(&y).for_each(|((o, &a), &b)| *o = a * 0.5 * b)), 0.0);
 }
 
 /// ResNet-18's convolutions on 3 x 32 x 32 images (torchvision's layout: the 7x7/2 stem, then
