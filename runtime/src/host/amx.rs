@@ -24,7 +24,7 @@
 //! block of sums (the qkv product of the GPT, 1024 x 128 by 128 x 384, took 146 us through it
 //! and 130 straight, on a Xeon with AMX).
 
-use super::bf16::{interleave_rows, pair, pairs_of_row};
+use super::bf16::{at_least, interleave_rows, pair, pairs_of_row};
 
 /// Pairs of `k` in one tile row (64 bytes).
 const TK: usize = 16;
@@ -88,14 +88,14 @@ pub unsafe fn gemm(
         let kc = KC.min(k - k0);
         let chunks = kc.div_ceil(2 * TK);
         let strip_len = chunks * 2 * TILE_LEN;
-        pa.resize(m.div_ceil(STRIP) * strip_len, 0);
+        let pa = at_least(&mut pa, m.div_ceil(STRIP) * strip_len);
         let add = k0 > 0 || beta != 0.0;
         for j0 in (0..n).step_by(NC) {
             let nc = NC.min(n - j0);
             // `B`'s columns are the rows of `B^T`: a panel of `B` is a strip of `B^T`, its
             // tiles laid out as AMX's right operand (a tile row per pair of `k`).
-            pb.resize(nc.div_ceil(STRIP) * strip_len, 0);
-            pack(nc, kc, b.offset(k0 as isize * rsb + j0 as isize * csb), csb, rsb, true, &mut pb, &mut line);
+            let pb = at_least(&mut pb, nc.div_ceil(STRIP) * strip_len);
+            pack(nc, kc, b.offset(k0 as isize * rsb + j0 as isize * csb), csb, rsb, true, pb, &mut line);
             for i0 in (0..m).step_by(STRIP) {
                 let rows = STRIP.min(m - i0);
                 let strip = &mut pa[i0 / STRIP * strip_len..][..strip_len];
