@@ -1,5 +1,6 @@
 //! The host kernels on LeNet5's shapes, and ResNet-18's convolutions, at batch 32, the GPT's
-//! products, attention and widest elementwise programs, one call at a time: median microseconds per call and GFLOP/s. Run: `cargo bench --bench kernels` (one thread:
+//! products, attention and widest elementwise programs, one call at a time: median
+//! microseconds per call and GFLOP/s. Run: `cargo bench --bench kernels` (one thread:
 //! `MATMUL_NUM_THREADS=1 RAYON_NUM_THREADS=1 taskset -c 0 cargo bench --bench kernels`; only the
 //! kernels whose name contains S: `KERNELS_ONLY=S`; ResNet-18's convolutions and the GPT's
 //! products with bf16 products, on the kernel a bf16 plan picks on this CPU:
@@ -158,6 +159,7 @@ fn gpt(pr: Products) {
     // Elementwise programs over the GPT's widest activation (`[8, 128, 512]`, 2 MiB of f32 an
     // operand: past L2 on the machines we run on), the GELU's forward and gradient as the bf16
     // plan fuses them, against one hand-written pass over the same bytes as the first.
+    use cellgraph_compiler::program::Val;
     use cellgraph_runtime::host::program;
     use cellgraph_runtime::kernel::{Elementwise, Read};
     let n = 8 * 128 * 512;
@@ -170,13 +172,14 @@ fn gpt(pr: Products) {
         ("program: GELU's gradient in bf16 (3 operands)", gelu_grad),
     ] {
         let prog: cellgraph_compiler::program::Program = text.parse().expect("a program");
-        let k = if text.contains("$2") {
-            3
-        } else if text.contains("$1") {
-            2
-        } else {
-            1
-        };
+        // Its operands: one past the highest it reads.
+        let k = prog
+            .steps()
+            .iter()
+            .flat_map(|s| s.reads())
+            .filter_map(|v| if let Val::Arg(i) = v { Some(i as usize + 1) } else { None })
+            .max()
+            .unwrap_or(0);
         let args: Vec<&[f32]> = [&x[..], &y[..], &z[..]][..k].to_vec();
         let e = Elementwise { depth: prog.depth(), prog, reads: vec![Read::Same; k], len: n };
         row(name, || timed(n, |o| program::fused(&e, &args, o)), 0.0);

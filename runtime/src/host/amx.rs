@@ -112,10 +112,10 @@ pub unsafe fn gemm(
                     let at = c.offset(i0 as isize * rsc + (j0 + jp * STRIP) as isize * csc);
                     if !add && csc == 1 && rsc > 0 && rows == STRIP && cols == STRIP {
                         // A whole block written, not added: the tiles straight into `C`.
-                        x86::block(chunks, strip, panel, true, at, rsc as usize * 4);
+                        x86::block(chunks, strip, panel, true, at, rsc as usize);
                         continue;
                     }
-                    x86::block(chunks, strip, panel, rows > TR, t.as_mut_ptr(), STRIP * 4);
+                    x86::block(chunks, strip, panel, rows > TR, t.as_mut_ptr(), STRIP);
                     if csc == 1 {
                         x86::put_rows(&t, rows, cols, at, rsc, add);
                     } else {
@@ -339,11 +339,11 @@ mod x86 {
         asm!("tilerelease", options(nostack, nomem));
     }
 
-    /// One 32 x 32 block of sums (16 x 32 when `both` is false) into `t` (rows of f32 `st`
-    /// bytes apart: the block's own 32, or `C`'s rows) from `chunks` steps of the strip `a`
+    /// One 32 x 32 block of sums (16 x 32 when `both` is false) into `t` (rows `ld` f32
+    /// apart: the block's own 32, or `C`'s rows) from `chunks` steps of the strip `a`
     /// and the panel `b` (each step two tiles of each, as [`super::pack`] lays them out).
     #[inline]
-    pub(super) unsafe fn block(chunks: usize, a: *const u32, b: *const u32, both: bool, t: *mut f32, st: usize) {
+    pub(super) unsafe fn block(chunks: usize, a: *const u32, b: *const u32, both: bool, t: *mut f32, ld: usize) {
         let s = TK * 4;
         asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
         for q in 0..chunks {
@@ -373,7 +373,7 @@ mod x86 {
                 );
             }
         }
-        let ld = st / 4;
+        let st = ld * 4;
         asm!(
             "tilestored [{t0} + {st}*1], tmm0",
             "tilestored [{t1} + {st}*1], tmm1",

@@ -170,11 +170,11 @@ unsafe fn pack_a(m: usize, kc: usize, a: *const f32, rsa: isize, csa: isize, out
 unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, rsb: isize, csb: isize, out: &mut Vec<u32>) {
     let kp = kc.div_ceil(2);
     let panels = nc.div_ceil(NR);
-    // The columns past `nc` in the last panel are zeros: only then is the buffer zeroed
+    // The columns past `nc` in the last panel are zeros: only then is that panel zeroed
     // first, as the packers below write the columns up to `nc` (or to the next 16) alone.
     let out = at_least(out, panels * kp * NR);
     if !nc.is_multiple_of(NR) {
-        out.fill(0);
+        out[(panels - 1) * kp * NR..].fill(0);
     }
     if csb != 1 && rsb == 1 {
         // Each column's values along `k` are contiguous, so its pairs are too: 16 columns
