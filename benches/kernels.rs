@@ -106,7 +106,7 @@ fn main() {
         let (a, b) = (data(m * k), data(k * nn));
         let ma = Mat { data: &a, rows: m, cols: k, transposed: false };
         let mb = Mat { data: &b, rows: k, cols: nn, transposed: false };
-        row(name, || timed(m * nn, |c| gemm::matmul(ma, mb, c, Products::F32)), 2.0 * (m * k * nn) as f64);
+        row(name, || timed(m * nn, |c| gemm::matmul(ma, mb, c, Products::F32, None)), 2.0 * (m * k * nn) as f64);
     }
     let (dy, x) = (data(n * 6 * 28 * 28), data(n * 6 * 28 * 28));
     row("relu grad 32x6x28x28", || timed(x.len(), |dx| rows::relu_grad(&dy, &x, dx)), 0.0);
@@ -133,7 +133,32 @@ fn gpt(pr: Products) {
         let (a, b) = (data(m * k), data(k * n));
         let ma = if ta { Mat { data: &a, rows: k, cols: m, transposed: true } } else { Mat { data: &a, rows: m, cols: k, transposed: false } };
         let mb = if tb { Mat { data: &b, rows: n, cols: k, transposed: true } } else { Mat { data: &b, rows: k, cols: n, transposed: false } };
-        row(name, || timed(m * n, |c| gemm::matmul(ma, mb, c, pr)), 2.0 * (m * k * n) as f64);
+        row(name, || timed(m * n, |c| gemm::matmul(ma, mb, c, pr, None)), 2.0 * (m * k * n) as f64);
+    }
+    // fc1 with the epilogue a bf16 plan gives it (its bias, then the rounding to bf16), run by
+    // the product (over each strip of rows as it finishes it, on AMX tiles) and after it.
+    {
+        use cellgraph_runtime::host::program;
+        use cellgraph_runtime::kernel::{Elementwise, Read};
+        let (m, k, n) = (1024, 128, 512);
+        let (a, b, bias) = (data(m * k), data(k * n), data(n));
+        let ma = Mat { data: &a, rows: m, cols: k, transposed: false };
+        let mb = Mat { data: &b, rows: k, cols: n, transposed: false };
+        let prog: cellgraph_compiler::program::Program = "$0 $1 add round_bf16".parse().expect("a program");
+        let e = Elementwise { depth: prog.depth(), prog, reads: vec![Read::Same, Read::Cycle(n)], len: m * n };
+        let post = |first: usize, part: &mut [f32]| program::epilogue(&e, &[&bias], first, part);
+        let flops = 2.0 * (m * k * n) as f64;
+        row("fc1 + bias, round: epilogue in the product", || timed(m * n, |c| gemm::matmul(ma, mb, c, pr, Some(&post))), flops);
+        row(
+            "fc1 + bias, round: epilogue after it",
+            || {
+                timed(m * n, |c| {
+                    gemm::matmul(ma, mb, c, pr, None);
+                    post(0, c)
+                })
+            },
+            flops,
+        );
     }
     // The `attention` op on a micro-batch of the GPT (8 sequences of 128, 4 heads of 32),
     // causal; GFLOP/s counts the products' multiply-adds over the (query, key) pairs the

@@ -77,8 +77,39 @@ pub unsafe fn gemm(
     rsc: isize,
     csc: isize,
 ) {
+    gemm_then(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc, None)
+}
+
+/// [`gemm`], then `rows_done(i, rows)` for each strip of `C`'s rows `i..i + rows` once the
+/// product has finished them (its last block of `k` and of columns), in order: every row of
+/// `C` exactly once, while the strip is still in cache, so that what reads it next (an
+/// epilogue) does not fetch it again from memory.
+///
+/// # Safety
+/// As [`gemm`]; `rows_done` may read and write the strip's rows of `C`, which the product no
+/// longer touches.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_then(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: *const f32,
+    rsa: isize,
+    csa: isize,
+    b: *const f32,
+    rsb: isize,
+    csb: isize,
+    beta: f32,
+    c: *mut f32,
+    rsc: isize,
+    csc: isize,
+    rows_done: Option<&dyn Fn(usize, usize)>,
+) {
     debug_assert!(available());
     if super::bf16::trivial(m, k, n, beta, c, rsc, csc) {
+        if let Some(done) = rows_done.filter(|_| m > 0) {
+            done(0, m);
+        }
         return;
     }
     let [mut pa, mut pb, mut line] = PACKED.take();
@@ -127,6 +158,9 @@ pub unsafe fn gemm(
                             }
                         }
                     }
+                }
+                if let Some(done) = rows_done.filter(|_| k0 + kc == k && j0 + nc == n) {
+                    done(i0, rows);
                 }
             }
         }

@@ -453,7 +453,8 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         }
         Native::MatMul { transpose_a, transpose_b, .. } => {
             let m = |i: usize, t: bool| Mat { data: a[i], rows: d(i)[0], cols: d(i)[1], transposed: t };
-            gemm::matmul(m(0, *transpose_a), m(1, *transpose_b), y, products(k))
+            // `post` runs inside the product (over strips still in cache, on AMX tiles).
+            return gemm::matmul(m(0, *transpose_a), m(1, *transpose_b), y, products(k), post);
         }
         Native::MaxPool { g, keep } => match keep {
             Some(s) => pool::max_pool2d(g, a[0], kept.argmax(*s, y.len()), y),
