@@ -95,7 +95,7 @@ fn add_run_sums<F: HostFloat>(x: &[F], inner: usize, out: &mut [F]) {
     fn finish<F: HostFloat>(p: &[F; 8], rest: &[F]) -> F {
         let mut acc = F::ZERO;
         for l in 0..4 {
-            acc = acc + (p[l] + p[l + 4]);
+            acc += p[l] + p[l + 4];
         }
         rest.iter().fold(acc, |acc, &v| acc + v)
     }
@@ -110,7 +110,7 @@ fn add_run_sums<F: HostFloat>(x: &[F], inner: usize, out: &mut [F]) {
                     for (r, p) in p.iter_mut().enumerate() {
                         let v = &four[r * inner + c..][..8];
                         for l in 0..8 {
-                            p[l] = p[l] + v[l];
+                            p[l] += v[l];
                         }
                     }
                 }
@@ -122,7 +122,7 @@ fn add_run_sums<F: HostFloat>(x: &[F], inner: usize, out: &mut [F]) {
                 let mut p = [F::ZERO; 8];
                 for c in run[..whole].chunks_exact(8) {
                     for l in 0..8 {
-                        p[l] = p[l] + c[l];
+                        p[l] += c[l];
                     }
                 }
                 *o += finish(&p, &run[whole..]);
