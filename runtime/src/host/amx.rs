@@ -87,7 +87,8 @@ pub unsafe fn gemm(
 ///
 /// # Safety
 /// As [`gemm`]; `rows_done` may read and write the strip's rows of `C`, which the product no
-/// longer touches.
+/// longer touches (and may run anything else, products on tiles included: the tiles are
+/// released around it).
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn gemm_then(
     m: usize,
@@ -168,7 +169,12 @@ pub unsafe fn gemm_then(
                     }
                 }
                 if let Some(done) = rows_done.filter(|_| k0 + kc == k && j0 + nc == n) {
+                    // The tiles are let go around the call: it may share its work out on
+                    // rayon, and this thread may run another product on tiles meanwhile
+                    // (whose end releases them).
+                    x86::release();
                     done(i0, rows);
+                    x86::configure();
                 }
             }
         }
