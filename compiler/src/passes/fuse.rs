@@ -99,12 +99,12 @@ fn duplicable(g: &Graph, x: NodeId) -> bool {
         && ops.iter().all(|&op| cheap(op) || dear(op))
         && readers.len() <= 2
         && g.ty(x).numel() >= MIN_DEAR_COPIED;
-    let one = match (&g.node(x).op, &ops[..]) {
-        _ if one_dear => true,
-        (Op::Fused { .. }, &[op, r]) => cheap(op) && rounding(r),
-        (Op::Fused { .. }, _) => false,
-        (_, ops) => ops.iter().all(|&op| cheap(op)),
-    };
+    let one = one_dear
+        || match (&g.node(x).op, &ops[..]) {
+            (Op::Fused { .. }, &[op, r]) => cheap(op) && rounding(r),
+            (Op::Fused { .. }, _) => false,
+            (_, ops) => ops.iter().all(|&op| cheap(op)),
+        };
     let ty = g.ty(x);
     let large = ys.iter().filter(|&&y| literal(g, y).is_none() && g.ty(y).numel() >= ty.numel()).count();
     one && large <= 1 && !g.outputs().contains(&x) && g.users(x).iter().all(|&u| g.ty(u) == ty && body(g, u).is_some())

@@ -57,40 +57,17 @@ thread_local! {
 }
 
 /// `C = A B + beta * C` as [`super::bf16::gemm`] (same arguments, same rounding of values
-/// that are not bf16), on AMX tiles.
+/// that are not bf16), on AMX tiles; then, with `rows_done`, `rows_done(i, rows)` for each
+/// strip of `C`'s rows `i..i + rows` once the product has finished them (its last block of `k`
+/// and of columns), in order: every row of `C` exactly once, while the strip is still in
+/// cache, so that what reads it next (an epilogue) does not fetch it again from memory.
 ///
 /// # Safety
-/// As [`super::bf16::gemm`], and [`available`] must be true.
+/// As [`super::bf16::gemm`], and [`available`] must be true; `rows_done` may read and write
+/// the strip's rows of `C`, which the product no longer touches (and may run anything else,
+/// products on tiles included: the tiles are released around it).
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn gemm(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: *const f32,
-    rsa: isize,
-    csa: isize,
-    b: *const f32,
-    rsb: isize,
-    csb: isize,
-    beta: f32,
-    c: *mut f32,
-    rsc: isize,
-    csc: isize,
-) {
-    gemm_then(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc, None)
-}
-
-/// [`gemm`], then `rows_done(i, rows)` for each strip of `C`'s rows `i..i + rows` once the
-/// product has finished them (its last block of `k` and of columns), in order: every row of
-/// `C` exactly once, while the strip is still in cache, so that what reads it next (an
-/// epilogue) does not fetch it again from memory.
-///
-/// # Safety
-/// As [`gemm`]; `rows_done` may read and write the strip's rows of `C`, which the product no
-/// longer touches (and may run anything else, products on tiles included: the tiles are
-/// released around it).
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn gemm_then(
     m: usize,
     k: usize,
     n: usize,

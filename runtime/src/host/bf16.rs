@@ -478,7 +478,9 @@ mod tests {
         let mut out: Vec<(&'static str, Kernel)> = vec![("pairs", gemm)];
         #[cfg(target_arch = "x86_64")]
         if super::super::amx::available() {
-            out.push(("amx", super::super::amx::gemm));
+            out.push(("amx", |m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc| unsafe {
+                super::super::amx::gemm(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc, None)
+            }));
         } else {
             eprintln!("AMX kernel not tested: this CPU (or Linux) gives no AMX tiles");
         }

@@ -4,7 +4,7 @@
 //! chose to multiply as bf16 pairs go to [`super::bf16`]. Large products are cut into bands,
 //! one per thread, each element the same dot product on any number of threads.
 
-use super::float::{each, post_all, row_shares, HostFloat, Post, BLOCK};
+use super::float::{each, post_all, HostFloat, Post};
 use crate::kernel::Products;
 
 /// `C = A B` (`beta` as in [`HostFloat::gemm`]) on `threads` threads: cut into as many
@@ -191,7 +191,7 @@ unsafe fn gemm_turned<F: HostFloat>(
             // and the tiles run only where `amx::available()`.
             #[cfg(target_arch = "x86_64")]
             if amx {
-                unsafe { super::amx::gemm_then(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc, done) };
+                unsafe { super::amx::gemm(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc, done) };
                 return done.is_some();
             }
             unsafe { super::bf16::gemm(m, k, n, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc) }
@@ -263,14 +263,15 @@ pub fn matmul<F: HostFloat>(a: Mat<F>, b: Mat<F>, c: &mut [F], p: Products, post
     unsafe impl<F> Sync for Out<F> {}
     let out = Out(c.as_mut_ptr());
     let out = &out;
-    let rows_done = |r: usize, rows: usize| {
-        // SAFETY: rows `r..r + rows` of the m x n `C` are final (see `oriented`) and lie in `c`.
-        let part = unsafe { std::slice::from_raw_parts_mut(out.0.add(r * n), rows * n) };
-        if let Some(post) = post {
-            row_shares(part, BLOCK, |first, q| post(r * n + first * BLOCK, q));
+    // `post` over rows `r..r + rows`, which start at element `r * n` of the whole.
+    let rows_done = post.map(|post| {
+        move |r: usize, rows: usize| {
+            // SAFETY: rows `r..r + rows` of the m x n `C` are final (see `oriented`) and lie in `c`.
+            let part = unsafe { std::slice::from_raw_parts_mut(out.0.add(r * n), rows * n) };
+            post_all(Some(&|first, q: &mut [F]| post(r * n + first, q)), part)
         }
-    };
-    let done = post.map(|_| &rows_done as &(dyn Fn(usize, usize) + Sync));
+    });
+    let done = rows_done.as_ref().map(|f| f as &(dyn Fn(usize, usize) + Sync));
     // SAFETY: both views were checked to lie inside their slices; `c` is m x n.
     unsafe { oriented::<F>(m, k, n, a.data.as_ptr(), rsa, csa, b.data.as_ptr(), rsb, csb, F::ZERO, out.0, n as isize, 1, threads, p, done) };
 }

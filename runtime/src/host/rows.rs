@@ -65,13 +65,11 @@ pub fn sum_planes<F: HostFloat>(x: &[F], outer: usize, inner: usize, scale: Opti
             let runs = &plane[first * inner..(first + n) * inner];
             if inner == 1 {
                 add_assign(part, runs);
+            } else if inner >= 16 {
+                add_run_sums(runs, inner, part);
             } else {
-                if inner >= 16 {
-                    add_run_sums(runs, inner, part);
-                } else {
-                    for (o, run) in part.iter_mut().zip(runs.chunks_exact(inner)) {
-                        *o += run.iter().fold(F::ZERO, |s, &v| s + v);
-                    }
+                for (o, run) in part.iter_mut().zip(runs.chunks_exact(inner)) {
+                    *o += run.iter().fold(F::ZERO, |s, &v| s + v);
                 }
             }
         }
@@ -89,15 +87,26 @@ pub fn sum_planes<F: HostFloat>(x: &[F], outer: usize, inner: usize, scale: Opti
 /// layer norm's row sums).
 fn add_run_sums<F: HostFloat>(x: &[F], inner: usize, out: &mut [F]) {
     debug_assert_eq!(x.len(), out.len() * inner);
-    let whole = inner / 8 * 8;
-    /// The run's sum from its running sums `p` and its last `rest` values.
+    /// `out[r] +=` the sums of the `R` runs `x` holds, side by side.
     #[inline(always)]
-    fn finish<F: HostFloat>(p: &[F; 8], rest: &[F]) -> F {
-        let mut acc = F::ZERO;
-        for l in 0..4 {
-            acc += p[l] + p[l + 4];
+    fn side_by_side<const R: usize, F: HostFloat>(x: &[F], inner: usize, out: &mut [F]) {
+        let whole = inner / 8 * 8;
+        let mut p = [[F::ZERO; 8]; R];
+        for c in (0..whole).step_by(8) {
+            for (r, p) in p.iter_mut().enumerate() {
+                let v = &x[r * inner + c..][..8];
+                for l in 0..8 {
+                    p[l] += v[l];
+                }
+            }
         }
-        rest.iter().fold(acc, |acc, &v| acc + v)
+        for (r, (o, p)) in out.iter_mut().zip(&p).enumerate() {
+            let mut acc = F::ZERO;
+            for l in 0..4 {
+                acc += p[l] + p[l + 4];
+            }
+            *o += x[r * inner + whole..(r + 1) * inner].iter().fold(acc, |acc, &v| acc + v);
+        }
     }
     vectorized(
         #[inline(always)]
@@ -105,27 +114,10 @@ fn add_run_sums<F: HostFloat>(x: &[F], inner: usize, out: &mut [F]) {
             let mut runs = x.chunks_exact(4 * inner);
             let mut outs = out.chunks_exact_mut(4);
             for (four, o) in (&mut runs).zip(&mut outs) {
-                let mut p = [[F::ZERO; 8]; 4];
-                for c in (0..whole).step_by(8) {
-                    for (r, p) in p.iter_mut().enumerate() {
-                        let v = &four[r * inner + c..][..8];
-                        for l in 0..8 {
-                            p[l] += v[l];
-                        }
-                    }
-                }
-                for (r, o) in o.iter_mut().enumerate() {
-                    *o += finish(&p[r], &four[r * inner + whole..(r + 1) * inner]);
-                }
+                side_by_side::<4, F>(four, inner, o);
             }
             for (o, run) in outs.into_remainder().iter_mut().zip(runs.remainder().chunks_exact(inner)) {
-                let mut p = [F::ZERO; 8];
-                for c in run[..whole].chunks_exact(8) {
-                    for l in 0..8 {
-                        p[l] += c[l];
-                    }
-                }
-                *o += finish(&p, &run[whole..]);
+                side_by_side::<1, F>(run, inner, std::slice::from_mut(o));
             }
         },
     )
