@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # What one core of this machine can do at most, to read the side-by-side ratios against:
 # f32 fused multiply-adds per second from registers (12 independent AVX-512 chains where the
-# CPU has AVX-512, and 12 AVX2 chains), and, when PYTHON has torch, `torch.mm` on square f32
+# CPU has AVX-512, and 12 AVX2 chains), bf16 pairs' multiply-adds (12 `vdpbf16ps` chains, two
+# multiply-adds per f32 lane, where it has AVX-512 BF16: on AMD's Zen 4 and 5 twice the f32
+# rate, on Intel's cores below it, which is why plans there leave bf16 products to the f32
+# GEMM unless the core has AMX), and, when PYTHON has torch, `torch.mm` on square f32
 # matrices on one thread (MKL's SGEMM). A training step cannot sustain more than the first;
 # PyTorch's GEMMs reach the second.
 #
@@ -29,6 +32,12 @@ __attribute__((target("avx512f"))) static void avx512(long n) {
   a0 = _mm512_add_ps(_mm512_add_ps(a0, a5), a11);
   printf("AVX-512 FMA peak: %.1f GFLOP/s (%g)\n", n * 12.0 * 16 * 2 / dt / 1e9, _mm512_reduce_add_ps(a0));
 }
+__attribute__((target("avx512f,avx512bf16"))) static void pairs(long n) {
+  CHAINS(__m512, _mm512_set1_ps); __m512bh b = (__m512bh)_mm512_set1_epi32(0x3f803f80), c = b;
+  double t = now(); for (long k = 0; k < n; k++) { STEP(_mm512_dpbf16_ps); } double dt = now() - t;
+  a0 = _mm512_add_ps(_mm512_add_ps(a0, a5), a11);
+  printf("AVX-512 BF16 pairs peak: %.1f GFLOP/s (%g)\n", n * 12.0 * 32 * 2 / dt / 1e9, _mm512_reduce_add_ps(a0));
+}
 __attribute__((target("avx2,fma"))) static void avx2(long n) {
   CHAINS(__m256, _mm256_set1_ps); __m256 b = _mm256_set1_ps(1.0000001f), c = _mm256_set1_ps(1e-8f);
   double t = now(); for (long k = 0; k < n; k++) { STEP(_mm256_fmadd_ps); } double dt = now() - t;
@@ -39,6 +48,7 @@ int main(void) {
   const long n = 200000000;
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f")) avx512(n); else printf("AVX-512 FMA peak: this CPU has no AVX-512\n");
+  if (__builtin_cpu_supports("avx512bf16")) pairs(n / 4); else printf("AVX-512 BF16 pairs peak: this CPU has no AVX-512 BF16\n");
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) avx2(n); else printf("AVX2 FMA peak:    this CPU has no AVX2 with FMA\n");
   return 0;
 }

@@ -185,48 +185,67 @@ fn bf16_on_a_device_says_where_its_products_run() {
 }
 
 /// `--precision bf16` on the CPU says which unit multiplies its products of bf16 values: AMX
-/// tiles where the core has AMX-BF16 (and Linux grants the tiles), `CELLGRAPH_AMX=0` the
-/// AVX-512 BF16 pairs, a CPU without either the emulation; LeNet5's im2col convolutions and
-/// dense layers run there, its direct first convolution in f32. The two kernels' runs sum in
-/// another order, so their losses are close and their checkpoints differ (the weight
-/// gradients are summed into f32 accumulators unrounded; the losses, made from values rounded
-/// to bf16, can agree to the last bit over four steps).
+/// tiles where the core has AMX-BF16 (and Linux grants the tiles), else the AVX-512 BF16
+/// pairs where they beat the f32 GEMM (not on Intel's cores), else the emulation, saying why;
+/// `CELLGRAPH_AMX=0 CELLGRAPH_BF16_PAIRS=1` the pairs wherever the CPU has them, `=0` the
+/// emulation. LeNet5's im2col convolutions and dense layers run there, its direct first
+/// convolution in f32. The kernels' runs sum in another order, so their losses are close and
+/// their checkpoints differ (the weight gradients are summed into f32 accumulators unrounded;
+/// the losses, made from values rounded to bf16, can agree to the last bit over four steps);
+/// a default run that chose the emulation has its bits.
 #[test]
 fn bf16_on_the_cpu_says_which_unit_multiplies() {
     let dir = tmp("bf16_cpu");
     small_mnist(&dir, 256, 64);
     let data = dir.to_str().unwrap();
-    let run = |amx: &str, log: &Path| {
+    let run = |env: &[(&str, &str)], log: &Path| {
         let args = ["train", "--data-path", data, "--device", "cpu", "--precision", "bf16", "--micro-size", "2", "--steps", "4"];
         let ckpt = log.with_extension("safetensors");
         let o = Command::new(CELLGRAPH)
             .args(args)
             .args(["--loss-log", log.to_str().unwrap(), "--ckpt", ckpt.to_str().unwrap()])
-            .env("CELLGRAPH_AMX", amx)
+            .envs(env.iter().copied())
             .output()
             .unwrap();
         let out = String::from_utf8_lossy(&o.stdout).into_owned();
         assert_eq!(o.status.code(), Some(0), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
         out.lines().find(|l| l.starts_with("bf16 products: ")).unwrap_or_else(|| panic!("{out}")).to_string()
     };
-    let (tiles, pairs) = (dir.join("amx.jsonl"), dir.join("pairs.jsonl"));
-    let (with_amx, without) = (run("1", &tiles), run("0", &pairs));
-    let (has_pairs, has_amx) = (cellgraph::runtime::host::bf16::available(), cellgraph::runtime::host::bf16_on_amx());
-    let unit = if has_amx { " on AMX tiles, " } else { " on AVX-512 BF16 pairs, " };
-    assert!(with_amx.contains(unit), "{with_amx}");
-    assert!(without.contains(" on AVX-512 BF16 pairs, "), "{without}");
-    if !has_pairs {
-        assert!(with_amx.ends_with("(this CPU has no AVX-512 BF16: f32 emulation)"), "{with_amx}");
+    let (chosen, pairs, refused) = (dir.join("default.jsonl"), dir.join("pairs.jsonl"), dir.join("f32.jsonl"));
+    let by_default = run(&[("CELLGRAPH_AMX", "1")], &chosen);
+    let on_pairs = run(&[("CELLGRAPH_AMX", "0"), ("CELLGRAPH_BF16_PAIRS", "1")], &pairs);
+    let in_f32 = run(&[("CELLGRAPH_AMX", "0"), ("CELLGRAPH_BF16_PAIRS", "0")], &refused);
+    use cellgraph::runtime::host::{bf16, bf16_on_amx};
+    let (has_pairs, has_amx, pays) = (bf16::available(), bf16_on_amx(), bf16::pays());
+    if has_amx {
+        assert!(by_default.contains(" on AMX tiles, "), "{by_default}");
+    } else if pays {
+        assert!(by_default.contains(" on AVX-512 BF16 pairs, ") && !by_default.starts_with("bf16 products: 0 "), "{by_default}");
+    } else {
+        let why = bf16::declined().expect("a CPU whose pairs do not pay says why");
+        assert!(by_default.starts_with("bf16 products: 0 ") && by_default.ends_with(&format!("(f32 emulation: {why})")), "{by_default}");
     }
+    if has_pairs {
+        assert!(on_pairs.contains(" on AVX-512 BF16 pairs, ") && !on_pairs.starts_with("bf16 products: 0 "), "{on_pairs}");
+    } else {
+        assert!(on_pairs.ends_with("(f32 emulation: this CPU has no AVX-512 BF16)"), "{on_pairs}");
+    }
+    let refusal = if has_pairs { "CELLGRAPH_BF16_PAIRS=0 refuses the AVX-512 BF16 pairs" } else { "this CPU has no AVX-512 BF16" };
+    assert!(in_f32.starts_with("bf16 products: 0 ") && in_f32.ends_with(&format!("(f32 emulation: {refusal})")), "{in_f32}");
     let losses = |p: &Path| -> Vec<f64> { lines(p).iter().filter_map(|l| l["loss"].as_f64()).collect() };
-    let (a, b) = (losses(&tiles), losses(&pairs));
-    assert!(a.len() == 4 && b.len() == 4, "{a:?} {b:?}");
-    for (x, y) in a.iter().zip(&b) {
-        assert!(((x - y) / y).abs() < 1e-2, "losses {a:?} (default unit) against {b:?} (pairs)");
+    let (a, b, c) = (losses(&chosen), losses(&pairs), losses(&refused));
+    assert!(a.len() == 4 && b.len() == 4 && c.len() == 4, "{a:?} {b:?} {c:?}");
+    for (x, y) in a.iter().chain(&b).zip(c.iter().chain(&c)) {
+        assert!(((x - y) / y).abs() < 1e-2, "losses {a:?} (default unit) and {b:?} (pairs) against {c:?} (f32)");
+    }
+    let read = |p: &Path| std::fs::read(p.with_extension("safetensors")).unwrap();
+    if has_pairs {
+        assert!(read(&pairs) != read(&refused), "bf16 pairs and the f32 emulation trained the same parameters: the pairs did not run");
     }
     if has_amx {
-        let read = |p: &Path| std::fs::read(p.with_extension("safetensors")).unwrap();
-        assert!(read(&tiles) != read(&pairs), "AMX tiles and bf16 pairs trained the same parameters: one kernel ran both");
+        assert!(read(&chosen) != read(&pairs), "AMX tiles and bf16 pairs trained the same parameters: one kernel ran both");
+    } else if !pays {
+        assert!(read(&chosen) == read(&refused), "a default run that chose the f32 emulation trained other parameters than it");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -26,14 +26,17 @@ pub struct Bf16Products {
     /// Those that multiply in exact f32 (the emulation), by op: attention and direct
     /// convolutions have no bf16 kernel on the host; attention, grouped convolutions and
     /// convolutions the implicit GEMM does not take (asymmetric padding, an input gradient
-    /// at stride > 1) none on devices; on a CPU without AVX-512 BF16, all of them.
+    /// at stride > 1) none on devices; on a CPU without AVX-512 BF16, or an Intel core
+    /// without AMX (where the f32 GEMM is faster: [`crate::host::bf16::pays`]), all of them.
     pub in_f32: BTreeMap<&'static str, usize>,
 }
 
 /// The unit that multiplies a plan's fast bf16 products ([`Bf16Products`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Bf16Unit {
-    /// The CPU's `vdpbf16ps`: pairs of bf16 values multiplied, summed in f32.
+    /// The CPU's `vdpbf16ps`: pairs of bf16 values multiplied, summed in f32. Also the host
+    /// unit named where plans choose neither it nor the tiles ([`crate::host::bf16::pays`]):
+    /// then every product is in `in_f32` and the line says why.
     #[default]
     Avx512Pairs,
     /// The CPU's AMX tiles (`tdpbf16ps`: 16 x 32 by 32 x 16 bf16 values into 16 x 16 f32
@@ -57,8 +60,8 @@ impl std::fmt::Display for Bf16Products {
             Bf16Unit::Tf32TensorCores => "tensor cores (TF32 operands, exact for bf16 values)",
         };
         write!(f, "bf16 products: {} on {unit}, {f32s} in f32", self.fast)?;
-        if self.unit == Bf16Unit::Avx512Pairs && !crate::host::bf16::available() {
-            write!(f, " (this CPU has no AVX-512 BF16: f32 emulation)")?;
+        if let Some(why) = crate::host::bf16::declined().filter(|_| self.unit == Bf16Unit::Avx512Pairs) {
+            write!(f, " (f32 emulation: {why})")?;
         } else if f32s > 0 {
             let each: Vec<String> = self.in_f32.iter().map(|(op, n)| format!("{op} {n}")).collect();
             write!(f, " ({})", each.join(", "))?;

@@ -566,7 +566,7 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
             };
             let bf16_operands =
                 is_product(&n.op) && factors.iter().filter(|&&o| graph.ty(o).dtype.is_float()).all(|&o| holds_low(&graph, o, DType::BF16, 0));
-            if bf16_operands && crate::host::bf16::available() {
+            if bf16_operands && crate::host::bf16_products_pay() {
                 kernel = kernel.map(choose_products);
             }
             let accumulator = cellgraph_compiler::passes::epilogue::accumulator(&graph, id);

@@ -8,8 +8,10 @@
 //! Rust has no stable AMX intrinsics: the six instructions are written as inline assembly,
 //! and the tile data the kernel needs is asked of Linux once per process
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`); where that is refused, or the CPU
-//! has no AMX-BF16, [`available`] is false and [`super::bf16`]'s kernel runs. `CELLGRAPH_AMX=0`
-//! refuses it too (to time the two kernels against each other).
+//! has no AMX-BF16, [`available`] is false and the products go to [`super::bf16`]'s kernel
+//! where it beats the f32 GEMM ([`super::bf16::pays`]: not on Intel's cores), else to the f32
+//! GEMM. `CELLGRAPH_AMX=0` refuses the tiles too (to time the kernels against each other;
+//! with `CELLGRAPH_BF16_PAIRS=1`, against the pairs).
 //!
 //! Layout: `k` in blocks of [`KC`] values and the columns in blocks of [`NC`]; each block of
 //! `A` and of `B` is packed as whole tiles, each tile's 1 KiB contiguous (tile rows 64 bytes

@@ -43,6 +43,51 @@ pub fn available() -> bool {
     }
 }
 
+/// Whether plans give products of bf16 values to this kernel rather than to the f32 GEMM
+/// (the emulation: the same products, summed in another order): the CPU multiplies bf16
+/// pairs ([`available`]) and does so faster than it multiplies f32, which is the case on
+/// AMD's cores (Zen 4 and 5 issue `vdpbf16ps` at the rate of their f32 FMA, twice its
+/// multiply-adds) and not on Intel's: on a Sapphire or Emerald Rapids core `vdpbf16ps` does a
+/// third to a half of the f32 FMA's multiply-adds (`benches/cpu_peak.sh` measures both: 51-56
+/// against 104-167 GFLOP/s on one core of a Xeon reporting family 6 model 207, AMX hidden),
+/// so where their AMX is absent or hidden ([`super::amx`]) the f32 GEMM is the faster kernel
+/// for the same rounded values. `CELLGRAPH_BF16_PAIRS=1` chooses the pairs on any core that
+/// has them, `0` on none (to time the two); checked once, so every plan of a process agrees.
+pub fn pays() -> bool {
+    static PAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PAYS.get_or_init(|| match std::env::var("CELLGRAPH_BF16_PAIRS").as_deref() {
+        Ok("1") => available(),
+        Ok("0") => false,
+        _ => available() && !intel(),
+    })
+}
+
+/// Why plans do not choose this kernel on this CPU, when they do not ([`pays`]).
+pub fn declined() -> Option<&'static str> {
+    if pays() {
+        None
+    } else if !available() {
+        Some("this CPU has no AVX-512 BF16")
+    } else if std::env::var("CELLGRAPH_BF16_PAIRS").as_deref() == Ok("0") {
+        Some("CELLGRAPH_BF16_PAIRS=0 refuses the AVX-512 BF16 pairs")
+    } else {
+        Some("this Intel core multiplies AVX-512 BF16 pairs slower than f32; CELLGRAPH_BF16_PAIRS=1 runs them")
+    }
+}
+
+/// Whether the CPU is Intel's (CPUID's vendor string).
+fn intel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let r = std::arch::x86_64::__cpuid(0);
+        [r.ebx, r.edx, r.ecx].iter().flat_map(|w| w.to_le_bytes()).eq(*b"GenuineIntel")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 thread_local! {
     /// Packed `A` and `B` blocks (grown, never shrunk).
     static PACKED: std::cell::Cell<(Vec<u32>, Vec<u32>)> = const { std::cell::Cell::new((Vec::new(), Vec::new())) };

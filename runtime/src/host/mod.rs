@@ -51,6 +51,15 @@ pub fn bf16_on_amx() -> bool {
     false
 }
 
+/// Whether plans compiled in this process give their products of bf16 values to a bf16
+/// kernel ([`crate::kernel::Products::Bf16`]): AMX tiles where the process has them
+/// ([`amx::available`]), else AVX-512 BF16 pairs where they beat the f32 GEMM
+/// ([`bf16::pays`]); elsewhere the f32 GEMM runs them (the emulation), and the plan's
+/// [`crate::Bf16Products`] line says why.
+pub fn bf16_products_pay() -> bool {
+    bf16_on_amx() || bf16::pays()
+}
+
 /// What [`Kept`] names what it derives from a parameter's bf16 copy by: this, then the
 /// parameter's name (no parameter name holds it).
 pub const ROUNDED_BF16: &str = "round_to bf16 of ";
