@@ -54,25 +54,25 @@ pub fn available() -> bool {
 /// for the same rounded values. `CELLGRAPH_BF16_PAIRS=1` chooses the pairs on any core that
 /// has them, `0` on none (to time the two); checked once, so every plan of a process agrees.
 pub fn pays() -> bool {
-    static PAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *PAYS.get_or_init(|| match std::env::var("CELLGRAPH_BF16_PAIRS").as_deref() {
-        Ok("1") => available(),
-        Ok("0") => false,
-        _ => available() && !intel(),
-    })
+    choice().is_ok()
 }
 
 /// Why plans do not choose this kernel on this CPU, when they do not ([`pays`]).
 pub fn declined() -> Option<&'static str> {
-    if pays() {
-        None
-    } else if !available() {
-        Some("this CPU has no AVX-512 BF16")
-    } else if std::env::var("CELLGRAPH_BF16_PAIRS").as_deref() == Ok("0") {
-        Some("CELLGRAPH_BF16_PAIRS=0 refuses the AVX-512 BF16 pairs")
-    } else {
-        Some("this Intel core multiplies AVX-512 BF16 pairs slower than f32; CELLGRAPH_BF16_PAIRS=1 runs them")
-    }
+    choice().err()
+}
+
+/// Plans' choice of this kernel, made once per process from the CPU and
+/// `CELLGRAPH_BF16_PAIRS`: chosen, or why not.
+fn choice() -> Result<(), &'static str> {
+    static CHOICE: std::sync::OnceLock<Result<(), &'static str>> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var("CELLGRAPH_BF16_PAIRS").as_deref() {
+        _ if !available() => Err("this CPU has no AVX-512 BF16"),
+        Ok("1") => Ok(()),
+        Ok("0") => Err("CELLGRAPH_BF16_PAIRS=0 refuses the AVX-512 BF16 pairs"),
+        _ if intel() => Err("this Intel core multiplies AVX-512 BF16 pairs slower than f32; CELLGRAPH_BF16_PAIRS=1 runs them"),
+        _ => Ok(()),
+    })
 }
 
 /// Whether the CPU is Intel's (CPUID's vendor string).
