@@ -399,6 +399,36 @@ fn bad_arguments_are_refused_before_anything_trains() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A value of `CELLGRAPH_AMX` or `CELLGRAPH_BF16_PAIRS` other than `0` or `1` stops a run
+/// before it trains, naming the variable, its value and the values it takes (it was read as
+/// unset, without a word); `0` and `1` train.
+#[test]
+fn bad_unit_settings_are_refused_before_anything_trains() {
+    let dir = tmp("bad_units");
+    small_mnist(&dir, 40, 8);
+    let ckpt = dir.join("never.ckpt");
+    let args =
+        ["train", "--data-path", dir.to_str().unwrap(), "--device", "cpu", "--precision", "bf16", "--steps", "1", "--ckpt", ckpt.to_str().unwrap()];
+    let run = |var: &str, value: &str| {
+        let o = Command::new(CELLGRAPH).args(args).env(var, value).output().unwrap();
+        (o.status.code(), String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    for (var, bad) in [("CELLGRAPH_BF16_PAIRS", "yes"), ("CELLGRAPH_AMX", "on"), ("CELLGRAPH_BF16_PAIRS", "")] {
+        let (code, out, err) = run(var, bad);
+        assert!(code.is_some_and(|c| c != 0), "{var}={bad} should fail:\n{out}\n{err}");
+        assert!(err.contains(&format!("error: {var}={bad}: expected 1 (")) && err.contains("or 0 (never)"), "{var}={bad}:\n{err}");
+        assert!(!err.contains("panicked") && !out.contains("trained "), "{var}={bad}:\n{out}\n{err}");
+        assert!(!ckpt.exists(), "{var}={bad}: nothing trained, nothing saved");
+    }
+    for (var, good) in [("CELLGRAPH_BF16_PAIRS", "0"), ("CELLGRAPH_AMX", "1")] {
+        let (code, out, err) = run(var, good);
+        assert_eq!(code, Some(0), "{var}={good}:\n{out}\n{err}");
+        assert!(out.contains("trained 1 steps"), "{var}={good}:\n{out}");
+        std::fs::remove_file(&ckpt).unwrap();
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn help_names_every_option_and_its_default() {
     let out = ok(&["train", "--help"]);

@@ -507,6 +507,9 @@ pub fn compile_with(graph: Graph, dump: Option<DumpAt>) -> Result<Executable> {
 
 /// [`compile_with`] under the given pipeline options.
 pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &PipelineOptions) -> Result<Executable> {
+    // The environment's choice of the CPU's bf16 units, which plans read below: a value that
+    // means nothing is refused here, before anything runs.
+    crate::host::units_checked()?;
     let source = graph.clone();
     let mut failed = None;
     pipeline::run(&mut graph, &pipeline::passes(opts), opts, |i, name, g| {

@@ -47,10 +47,10 @@ pub const TILE: (usize, usize) = (TR, STRIP);
 
 /// Whether this process multiplies bf16 values on AMX tiles: the CPU has AMX-TILE and
 /// AMX-BF16 (and the AVX-512 BF16 the packing uses), Linux granted the tile data, and
-/// `CELLGRAPH_AMX` is not `0`; checked once.
+/// `CELLGRAPH_AMX` is not `0` ([`super::units`]); checked once.
 pub fn available() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| std::env::var("CELLGRAPH_AMX").map_or(true, |v| v != "0") && super::bf16::available() && x86::grant())
+    *HAS.get_or_init(|| super::units().amx != Some(false) && super::bf16::available() && x86::grant())
 }
 
 thread_local! {

@@ -63,15 +63,15 @@ pub fn declined() -> Option<&'static str> {
 }
 
 /// Plans' choice of this kernel, made once per process from the CPU and
-/// `CELLGRAPH_BF16_PAIRS`: chosen, or why not.
+/// `CELLGRAPH_BF16_PAIRS` ([`super::units`]): chosen, or why not.
 fn choice() -> Result<(), &'static str> {
     static CHOICE: std::sync::OnceLock<Result<(), &'static str>> = std::sync::OnceLock::new();
-    *CHOICE.get_or_init(|| match std::env::var("CELLGRAPH_BF16_PAIRS").as_deref() {
+    *CHOICE.get_or_init(|| match super::units().pairs {
         _ if !available() => Err("this CPU has no AVX-512 BF16"),
-        Ok("1") => Ok(()),
-        Ok("0") => Err("CELLGRAPH_BF16_PAIRS=0 refuses the AVX-512 BF16 pairs"),
-        _ if intel() => Err("this Intel core multiplies AVX-512 BF16 pairs slower than f32; CELLGRAPH_BF16_PAIRS=1 runs them"),
-        _ => Ok(()),
+        Some(true) => Ok(()),
+        Some(false) => Err("CELLGRAPH_BF16_PAIRS=0 refuses the AVX-512 BF16 pairs"),
+        None if intel() => Err("this Intel core multiplies AVX-512 BF16 pairs slower than f32; CELLGRAPH_BF16_PAIRS=1 runs them"),
+        None => Ok(()),
     })
 }
 

@@ -42,6 +42,54 @@ pub fn join_thread_pool() {
     let _ = rayon::ThreadPoolBuilder::new().use_current_thread().build_global();
 }
 
+/// The process's choice of the CPU's bf16 product units, read from the environment once, in
+/// this one place: `CELLGRAPH_AMX` and `CELLGRAPH_BF16_PAIRS`, each `1` (use the unit wherever
+/// the CPU has it), `0` (never) or unset (the default rule: [`amx::available`],
+/// [`bf16::pays`]). Any other value is an error, which every compile reports
+/// ([`units_checked`]) before a plan runs, rather than a setting silently read as unset.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Units {
+    /// `CELLGRAPH_AMX`: `Some(false)` refuses the AMX tiles.
+    pub amx: Option<bool>,
+    /// `CELLGRAPH_BF16_PAIRS`: `Some(true)` chooses the AVX-512 BF16 pairs on any core that
+    /// has them, `Some(false)` on none.
+    pub pairs: Option<bool>,
+}
+
+impl Units {
+    /// The settings `var` gives for each variable (`None` where unset), or, for the first one
+    /// whose value is neither `0` nor `1`, `NAME=VALUE` and what it should be.
+    pub fn parse(var: impl Fn(&str) -> Option<String>) -> Result<Units, (String, String)> {
+        let one = |name: &str, what: &str| match var(name).as_deref() {
+            None => Ok(None),
+            Some("1") => Ok(Some(true)),
+            Some("0") => Ok(Some(false)),
+            Some(v) => Err((format!("{name}={v}"), format!("expected 1 ({what} wherever the CPU has them) or 0 (never), or leave it unset"))),
+        };
+        Ok(Units {
+            amx: one("CELLGRAPH_AMX", "bf16 products on AMX tiles")?,
+            pairs: one("CELLGRAPH_BF16_PAIRS", "bf16 products on AVX-512 BF16 pairs")?,
+        })
+    }
+}
+
+/// This process's [`Units`], read from its environment on the first call; a bad value reads as
+/// unset here, and [`units_checked`] reports it.
+pub fn units() -> Units {
+    units_read().as_ref().copied().unwrap_or_default()
+}
+
+/// This process's [`Units`], or the error naming the variable whose value is neither `0` nor
+/// `1` (every compile asks first: [`crate::compile`]).
+pub fn units_checked() -> crate::Result<Units> {
+    units_read().clone().map_err(|(what, detail)| crate::RuntimeError::Invalid { what, detail })
+}
+
+fn units_read() -> &'static Result<Units, (String, String)> {
+    static UNITS: std::sync::OnceLock<Result<Units, (String, String)>> = std::sync::OnceLock::new();
+    UNITS.get_or_init(|| Units::parse(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())))
+}
+
 /// Whether this process's products of bf16 values run on AMX tiles ([`amx`]) rather than on
 /// AVX-512 BF16 pairs ([`bf16`]).
 pub fn bf16_on_amx() -> bool {
@@ -535,6 +583,31 @@ mod tests {
     use crate::kernel::bind;
     use cellgraph_compiler::{Op, PadMode, Pool2dAttrs};
     use std::borrow::Cow;
+
+    /// `CELLGRAPH_AMX` and `CELLGRAPH_BF16_PAIRS` are each `1`, `0` or unset; any other value
+    /// (a word, a space, an empty string) is refused with the variable, its value and the
+    /// values it takes.
+    #[test]
+    fn unit_settings_take_one_zero_or_nothing() {
+        let parse = |amx: Option<&str>, pairs: Option<&str>| {
+            Units::parse(|name| match name {
+                "CELLGRAPH_AMX" => amx.map(str::to_string),
+                "CELLGRAPH_BF16_PAIRS" => pairs.map(str::to_string),
+                other => panic!("{other} read"),
+            })
+        };
+        assert_eq!(parse(None, None), Ok(Units { amx: None, pairs: None }));
+        assert_eq!(parse(Some("0"), Some("1")), Ok(Units { amx: Some(false), pairs: Some(true) }));
+        assert_eq!(parse(Some("1"), Some("0")), Ok(Units { amx: Some(true), pairs: Some(false) }));
+        for bad in ["yes", "true", "", " 1", "01", "2"] {
+            let (what, detail) = parse(Some(bad), None).unwrap_err();
+            assert_eq!(what, format!("CELLGRAPH_AMX={bad}"));
+            assert!(detail.starts_with("expected 1 (bf16 products on AMX tiles ") && detail.contains("or 0 (never)"), "{detail}");
+            let (what, detail) = parse(Some("0"), Some(bad)).unwrap_err();
+            assert_eq!(what, format!("CELLGRAPH_BF16_PAIRS={bad}"));
+            assert!(detail.starts_with("expected 1 (bf16 products on AVX-512 BF16 pairs "), "{detail}");
+        }
+    }
 
     /// A max pool's gradient routes by the argmax its forward kept in the same run, with the
     /// same bits as recomputing it; an argmax from an earlier run is never used.
