@@ -439,6 +439,40 @@ fn f16_overflow_skips_the_window_on_the_device<B: Backend>(device: Device<B>) {
     assert!(d < 1e-2, "f16 training on the device differs from the CPU by {d:e} relative");
 }
 
+/// Under f16 loss scaling, a window skipped for an overflow keeps the micro-step's graph: its
+/// accumulators are zeroed in the buffers the graph reads (new buffers made the graph forget
+/// itself, so every skipped window warmed up and captured again: 8 captures and no replay for
+/// the GPT's first 8 steps in f16). An inf in the third of 8 micro-batches (windows of 2)
+/// skips the second window; one graph replays the rest, with the op-by-op run's bits.
+#[allow(dead_code)]
+fn an_overflowing_window_keeps_its_graph<B: Backend>(device: Device<B>) {
+    use cellgraph::cells::accumulate::{LossScale, Precision};
+    use cellgraph::compiler::HostData;
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let mut batches: Vec<_> = (0..8).map(|_| crate::accumulation::data(&mut rng, 8)).collect();
+    let HostData::F32(x) = &mut batches[2][0].data else { unreachable!() };
+    x[3] = f32::INFINITY;
+    let mk = |graphs: bool| {
+        let net = GradAccumulation::across_steps(crate::accumulation::net(), 2)
+            .precision(Precision::f16().loss_scale(Some(LossScale { init: 512.0, growth_interval: 100 })));
+        let mut a = Accumulator::<B>::new(Rc::new(net), Rc::new(Momentum::new(0.1, 0.9)), device.clone(), 1).unwrap();
+        a.options().set_graphs(graphs).unwrap();
+        a
+    };
+    let (mut eager, mut replayed) = (mk(false), mk(true));
+    for (i, b) in batches.iter().enumerate() {
+        eager.step(b, Place::Regular).unwrap();
+        replayed.step(b, Place::Regular).unwrap();
+        assert_eq!(eager.step_loss().to_bits(), replayed.step_loss().to_bits(), "micro-step {i}: the loss");
+    }
+    for a in [&eager, &replayed] {
+        assert_eq!((a.counters().skipped_updates, a.updates(), a.loss_scale()), (1, 3, Some(256.0)));
+    }
+    assert_eq!(eager.session().params_host(), replayed.session().params_host(), "parameters after 4 windows, one skipped");
+    assert_replayed(replayed.session().replay_counts(), 2, 8, "f16 with a skipped window");
+}
+
 /// One graph captured and every run of its shape after the capture replayed: `warmups` runs
 /// op by op (each shape's first two), give or take a retried capture (whether a buffer is
 /// free again is cubecl's count of its handles, which may lag a queued launch), out of `runs`.
@@ -1153,6 +1187,11 @@ mod wgpu {
         super::f16_overflow_skips_the_window_on_the_device::<Wgpu>(dev());
     }
 
+    #[test]
+    fn an_overflowing_window_on_wgpu_keeps_its_graph() {
+        super::an_overflowing_window_keeps_its_graph::<Wgpu>(dev());
+    }
+
     /// SyncBatchNorm on 2 ranks on wgpu (each collective reads its operand back to the host
     /// and uploads the sum) equals the same 2 ranks on the CPU, moving statistics included.
     #[test]
@@ -1423,6 +1462,12 @@ mod cuda {
     fn f16_overflow_skips_the_window_on_cuda() {
         let Some(device) = gpu() else { return };
         super::f16_overflow_skips_the_window_on_the_device::<Cuda>(device);
+    }
+
+    #[test]
+    fn an_overflowing_window_on_cuda_keeps_its_graph() {
+        let Some(device) = gpu() else { return };
+        super::an_overflowing_window_keeps_its_graph::<Cuda>(device);
     }
 
     /// The seed-002 MLP, 10 updates of 4 x 64 with SGD (within 1e-5) and with Adam (1e-4).

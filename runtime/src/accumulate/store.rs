@@ -257,8 +257,18 @@ impl<B: Backend> Store<B> {
         self.bind_views(session, kind);
     }
 
-    /// Zeroes the accumulators of flat buffers.
+    /// Zeroes the accumulators of flat buffers, in their own memory where the backend writes
+    /// into a buffer (a device's: [`Backend::write_float`]), so that their views, and the
+    /// captured graphs that read them, stay. (A new buffer gave the accumulators new views,
+    /// and every graph reading them forgot itself: under f16 loss scaling each window skipped
+    /// for an overflow made the micro-step warm up and be captured again.)
     pub fn clear_flat(&mut self, session: &mut Session<B>) {
+        if let Some(f) = &self.flat {
+            let zeros = burn_backend::TensorData::new(vec![0.0f32; f.len], [f.len]);
+            if B::write_float(&f.buffers[Kind::Accu.index()], zeros) {
+                return;
+            }
+        }
         let zeros = vec![0.0; self.total()];
         self.upload(session, Kind::Accu, &zeros);
     }
