@@ -384,6 +384,13 @@ fn a_weights_bf16_copy_that_only_bf16_products_read_is_made_as_they_pack() {
     assert_eq!(elided(&s, &shared), 0);
     let (packed, copied) = (bits(s.run(&alone, &inputs).unwrap()), bits(s.run(&shared, &inputs).unwrap()));
     assert_eq!(packed, copied, "the products' own rounding and the bf16 copy differ");
+    // On the pairs the dense filter is also kept packed: a write of the parameter drops it
+    // with the dense one, and the next run packs the new values.
+    s.set_param("f", &HostTensor::f32(f.shape.clone(), f.to_f32().iter().map(|v| -v).collect()).unwrap());
+    let (packed_again, copied_again) = (bits(s.run(&alone, &inputs).unwrap()), bits(s.run(&shared, &inputs).unwrap()));
+    assert_ne!(packed_again[1], packed[1], "the filter's write changed nothing");
+    assert_eq!(packed_again, copied_again, "a filter kept (or packed) outlived its parameter's write");
+    s.set_param("f", &f);
     s.set_bf16_products(false);
     assert_eq!(elided(&s, &alone), 0);
     let (f32_alone, f32_shared) = (bits(s.run(&alone, &inputs).unwrap()), bits(s.run(&shared, &inputs).unwrap()));

@@ -119,25 +119,139 @@ pub unsafe fn gemm(
     csc: isize,
 ) {
     debug_assert!(available());
-    if trivial(m, k, n, beta, c, rsc, csc) {
-        return;
+    if !trivial(m, k, n, beta, c, rsc, csc) {
+        product(m, k, n, Side::Strided(a, rsa, csa), Side::Strided(b, rsb, csb), beta, c, rsc, csc);
     }
+}
+
+/// An operand packed once, as [`gemm`] packs it at each call, for every product that
+/// multiplies it ([`gemm_a_packed`], [`gemm_b_packed`]): the products' bits are [`gemm`]'s. A
+/// small map's dense convolution filter, kept while its parameter keeps its value, is
+/// multiplied at every micro-step of a window (forward and input gradient): packed once per
+/// window instead of at every call, and half the bytes to read.
+pub struct Packed {
+    /// `A`'s rows, or `B`'s columns.
+    lines: usize,
+    /// The contraction.
+    k: usize,
+    /// Per block of `k` ([`KC`] values), and for `B` per block of columns ([`NC`]) within it:
+    /// the pairs, and for `A` where pair `q` of row `i` is ([`pack_a`]'s strides).
+    blocks: Vec<(Vec<u32>, (usize, usize))>,
+}
+
+impl Packed {
+    /// `A` (`m x k`, element strides `rsa`, `csa`), packed.
+    ///
+    /// # Safety
+    /// As [`gemm`]'s for `A`.
+    pub unsafe fn a(m: usize, k: usize, a: *const f32, rsa: isize, csa: isize) -> Packed {
+        debug_assert!(available());
+        let blocks = (0..k)
+            .step_by(KC)
+            .map(|k0| {
+                let mut v = Vec::new();
+                let s = pack_a(m, KC.min(k - k0), a.offset(k0 as isize * csa), rsa, csa, &mut v);
+                (v, s)
+            })
+            .collect();
+        Packed { lines: m, k, blocks }
+    }
+
+    /// `B` (`k x n`, element strides `rsb`, `csb`), packed.
+    ///
+    /// # Safety
+    /// As [`gemm`]'s for `B`.
+    pub unsafe fn b(k: usize, n: usize, b: *const f32, rsb: isize, csb: isize) -> Packed {
+        debug_assert!(available());
+        let mut blocks = Vec::new();
+        for k0 in (0..k).step_by(KC) {
+            for j0 in (0..n).step_by(NC) {
+                let mut v = Vec::new();
+                pack_b(KC.min(k - k0), NC.min(n - j0), b.offset(k0 as isize * rsb + j0 as isize * csb), rsb, csb, &mut v);
+                blocks.push((v, (0, 0)));
+            }
+        }
+        Packed { lines: n, k, blocks }
+    }
+}
+
+/// [`gemm`] with `A` packed before ([`Packed::a`]): rows `rows` of `A` times `B` into the
+/// rows of `C` (`c` at the first); `rows.start` a multiple of the tile's rows ([`TILE`]).
+///
+/// # Safety
+/// As [`gemm`]'s for `B` and `C`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_a_packed(
+    a: &Packed,
+    rows: std::ops::Range<usize>,
+    n: usize,
+    b: *const f32,
+    rsb: isize,
+    csb: isize,
+    beta: f32,
+    c: *mut f32,
+    rsc: isize,
+    csc: isize,
+) {
+    debug_assert!(rows.end <= a.lines && rows.start.is_multiple_of(MR));
+    if !trivial(rows.len(), a.k, n, beta, c, rsc, csc) {
+        product(rows.len(), a.k, n, Side::Packed(a, rows.start), Side::Strided(b, rsb, csb), beta, c, rsc, csc);
+    }
+}
+
+/// [`gemm`] with `B` packed before ([`Packed::b`]): `A` (`m` rows) times all of `B`.
+///
+/// # Safety
+/// As [`gemm`]'s for `A` and `C`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_b_packed(m: usize, a: *const f32, rsa: isize, csa: isize, b: &Packed, beta: f32, c: *mut f32, rsc: isize, csc: isize) {
+    if !trivial(m, b.k, b.lines, beta, c, rsc, csc) {
+        product(m, b.k, b.lines, Side::Strided(a, rsa, csa), Side::Packed(b, 0), beta, c, rsc, csc);
+    }
+}
+
+/// Where a product's operand comes from: a matrix packed block by block as the product goes
+/// (element strides), or packed before (from its line `.1`).
+#[derive(Clone, Copy)]
+enum Side<'a> {
+    Strided(*const f32, isize, isize),
+    Packed(&'a Packed, usize),
+}
+
+/// `C = A B + beta * C` (non-trivial) for [`gemm`] and the products of packed operands: per
+/// block of `k`, `A`'s block packed (or taken), then per block of columns `B`'s (or taken),
+/// then the tiles.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product(m: usize, k: usize, n: usize, a: Side, b: Side, beta: f32, c: *mut f32, rsc: isize, csc: isize) {
     let (mut pa, mut pb) = PACKED.take();
-    for k0 in (0..k).step_by(KC) {
+    let column_blocks = n.div_ceil(NC);
+    for (kb, k0) in (0..k).step_by(KC).enumerate() {
         let kc = KC.min(k - k0);
         let kp = kc.div_ceil(2);
-        let (si, sq) = pack_a(m, kc, a.offset(k0 as isize * csa), rsa, csa, &mut pa);
+        let (rows_at, s) = match a {
+            Side::Strided(a, rsa, csa) => {
+                let s = pack_a(m, kc, a.offset(k0 as isize * csa), rsa, csa, &mut pa);
+                (pa.as_ptr(), s)
+            }
+            Side::Packed(p, from) => (p.blocks[kb].0.as_ptr().add(from * kp), p.blocks[kb].1),
+        };
         let add = k0 > 0 || beta != 0.0;
-        for j0 in (0..n).step_by(NC) {
+        for (jb, j0) in (0..n).step_by(NC).enumerate() {
             let nc = NC.min(n - j0);
-            pack_b(kc, nc, b.offset(k0 as isize * rsb + j0 as isize * csb), rsb, csb, &mut pb);
+            let panels = match b {
+                Side::Strided(b, rsb, csb) => {
+                    pack_b(kc, nc, b.offset(k0 as isize * rsb + j0 as isize * csb), rsb, csb, &mut pb);
+                    pb.as_ptr()
+                }
+                Side::Packed(p, _) => p.blocks[kb * column_blocks + jb].0.as_ptr(),
+            };
             for jp in 0..nc.div_ceil(NR) {
                 let cols = NR.min(nc - jp * NR);
-                let panel = pb.as_ptr().add(jp * kp * NR);
+                let panel = panels.add(jp * kp * NR);
                 for i0 in (0..m).step_by(MR) {
                     let rows = MR.min(m - i0);
                     let at = c.offset(i0 as isize * rsc + (j0 + jp * NR) as isize * csc);
-                    tile(kp, pa.as_ptr().add(i0 * kp), (si, sq), panel, at, rsc, csc, rows, cols, add);
+                    tile(kp, rows_at.add(i0 * kp), s, panel, at, rsc, csc, rows, cols, add);
                 }
             }
         }
@@ -530,6 +644,43 @@ mod tests {
             eprintln!("AMX kernel not tested: this CPU (or Linux) gives no AMX tiles");
         }
         out
+    }
+
+    /// A packed operand gives [`gemm`]'s bits: `A` packed, in every orientation of `A` and of
+    /// `B`, whole and in bands of rows (multiples of the tile's), and `B` packed, in every
+    /// orientation, with `beta` 0 and 1; shapes past one block of `k` ([`KC`]) and of columns
+    /// ([`NC`]), odd `k`, partial tiles.
+    #[test]
+    fn packed_operands_give_the_products_bits() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX-512 BF16");
+            return;
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for &(m, k, n) in &[(1, 1, 1), (52, 640, 32), (9, 33, 600), (70, 1031, 45), (16, 2, 17)] {
+            let (a, b, c0) = (values(m * k, 4), values(k * n, 5), values(m * n, 6));
+            for (ta, tb, beta) in [(false, false, 0.0), (true, false, 1.0), (false, true, 0.0), (true, true, 1.0)] {
+                let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
+                let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
+                let mut want = c0.clone();
+                unsafe { gemm(m, k, n, a.as_ptr(), rsa, csa, b.as_ptr(), rsb, csb, beta, want.as_mut_ptr(), n as isize, 1) };
+                let pa = unsafe { Packed::a(m, k, a.as_ptr(), rsa, csa) };
+                // Whole, then in bands of two tiles' rows.
+                for per in [m.max(1), 2 * MR] {
+                    let bands: Vec<_> = (0..m).step_by(per).map(|r| r..(r + per).min(m)).collect();
+                    let mut got = c0.clone();
+                    for rows in bands {
+                        let at = got.as_mut_ptr().wrapping_add(rows.start * n);
+                        unsafe { gemm_a_packed(&pa, rows, n, b.as_ptr(), rsb, csb, beta, at, n as isize, 1) };
+                    }
+                    assert_eq!(bits(&got), bits(&want), "A packed, {m}x{k}x{n}, transposed {ta} {tb}");
+                }
+                let pb = unsafe { Packed::b(k, n, b.as_ptr(), rsb, csb) };
+                let mut got = c0.clone();
+                unsafe { gemm_b_packed(m, a.as_ptr(), rsa, csa, &pb, beta, got.as_mut_ptr(), n as isize, 1) };
+                assert_eq!(bits(&got), bits(&want), "B packed, {m}x{k}x{n}, transposed {ta} {tb}");
+            }
+        }
     }
 
     /// Every orientation of both operands and of `C`, odd `k`, edges of every tile and block

@@ -118,6 +118,15 @@ trait Elem: HostFloat + direct::Lanes + Shelved {
     fn slice<'a>(s: &'a HostSlice<'_>) -> Option<&'a [Self]>;
     fn wrap(v: Vec<Self>) -> HostVec;
     fn kept(k: &mut Kept) -> &mut Typed<Self>;
+    /// `x` as f32 values, in an f32 session.
+    fn as_f32(x: &[Self]) -> Option<&[f32]>
+    where
+        Self: 'static,
+    {
+        // SAFETY: `Self` is `f32`.
+        (std::any::TypeId::of::<Self>() == std::any::TypeId::of::<f32>())
+            .then(|| unsafe { std::slice::from_raw_parts(x.as_ptr() as *const f32, x.len()) })
+    }
 }
 
 macro_rules! elem {
@@ -315,15 +324,21 @@ pub(crate) struct Typed<T> {
 ///   gradient only trusts its own run's); on device backends, a loss's gradient computed with
 ///   the loss (its `seed`), until its gradient step takes it;
 /// - between runs, for as long as a parameter keeps its value: the dense filters of the
-///   small-map convolutions that read it ([`Native::Conv`]'s `filter`). A window's micro-steps
-///   all read the same weights, so each is built once per window instead of twice per
-///   micro-step. The session drops them whenever it writes the parameter ([`Self::forget`]).
+///   small-map convolutions that read it ([`Native::Conv`]'s `filter`), and, for bf16
+///   products on the AVX-512 BF16 pairs, each packed as the forward's and the input
+///   gradient's products read it ([`bf16::Packed`]). A window's micro-steps all read the same
+///   weights, so each is built and packed once per window instead of twice per micro-step.
+///   The session drops them whenever it writes the parameter ([`Self::forget`]).
 #[derive(Default)]
 pub struct Kept {
     run: u64,
     argmax: Stamped<u32>,
     f32: Typed<f32>,
     f64: Typed<f64>,
+    /// Per parameter: `(geometry with batch 0, output channels, forward, its dense filter
+    /// packed for the bf16 pairs)` (the forward's left operand, or the input gradient's right
+    /// one): an f32 session's, with bf16 products on the pairs.
+    packed: BTreeMap<String, Vec<(Geometry, usize, bool, bf16::Packed)>>,
     device: BTreeMap<usize, Box<dyn std::any::Any + Send>>,
 }
 
@@ -335,12 +350,40 @@ impl Kept {
         for key in [name, &rounded] {
             self.f32.dense.remove(key);
             self.f64.dense.remove(key);
+            self.packed.remove(key);
         }
     }
     /// Drops what was derived from every parameter.
     pub fn forget_all(&mut self) {
         self.f32.dense.clear();
         self.f64.dense.clear();
+        self.packed.clear();
+    }
+    /// [`Self::dense_filter`] packed for the bf16 pairs, as the forward's left operand
+    /// (`forward`) or the input gradient's right one: packed once since the parameter was last
+    /// written (a window's micro-steps all read it), instead of at every call.
+    fn packed_filter(&mut self, name: &str, g: &Geometry, taps: &[Tap], o: usize, w: &[f32], forward: bool) -> &bf16::Packed {
+        let key = Geometry { x: [0, g.x[1], g.x[2], g.x[3]], ..*g };
+        let found = self.packed.get(name).and_then(|v| v.iter().position(|(k, oc, f, _)| *k == key && *oc == o && *f == forward));
+        let at = match found {
+            Some(at) => at,
+            None => {
+                let (k, m) = (g.x[1] * g.x[2] * g.x[3], o * g.spatial());
+                let t = self.dense_filter(name, g, taps, o, w);
+                // SAFETY: t is the m x k dense filter, row-major; the session chose the pairs.
+                let p = unsafe {
+                    if forward {
+                        bf16::Packed::a(m, k, t.as_ptr(), k as isize, 1)
+                    } else {
+                        bf16::Packed::b(m, k, t.as_ptr(), k as isize, 1)
+                    }
+                };
+                let v = self.packed.entry(name.to_string()).or_default();
+                v.push((key, o, forward, p));
+                v.len() - 1
+            }
+        };
+        &self.packed[name][at].3
     }
     /// The dense filter of parameter `name` (value `w`) for geometry `g` (any batch) and `o`
     /// output channels: the one built since the parameter was last written, else built now.
@@ -480,7 +523,16 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
             return match (kind, algo) {
                 // A dense filter kept since its parameter was last written.
                 (ConvKind::Forward | ConvKind::InputGrad, ConvAlgo::Dense { taps, filter: Some(name) }) => {
-                    let t = kept.dense_filter(name, g, taps, o, a[1]);
+                    let forward = *kind == ConvKind::Forward;
+                    // On the pairs, the filter packed once since its parameter was written.
+                    let packed = match F::as_f32(a[1]) {
+                        Some(w) if p == Products::Bf16 && !bf16_on_amx() => Some(kept.packed_filter(name, g, taps, o, w, forward)),
+                        _ => None,
+                    };
+                    let t = match packed {
+                        Some(t) => toeplitz::Filter::Packed(t),
+                        None => toeplitz::Filter::Dense(kept.dense_filter(name, g, taps, o, a[1])),
+                    };
                     match kind {
                         ConvKind::Forward => toeplitz::forward_dense(g, a[0], t, o, y, post, p),
                         _ => {

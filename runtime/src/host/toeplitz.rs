@@ -12,6 +12,7 @@
 //! parameter read as it is: then it is built once per value of the parameter and kept in the
 //! session ([`super::Kept`]); the filter gradient folds `dt` back into the taps.
 
+use super::bf16::Packed;
 use super::float::{each, most_shares, post_all, HostFloat, Post};
 use super::gemm::gemm_oriented;
 use super::rows::add_assign;
@@ -24,6 +25,34 @@ pub(super) fn dense<F: HostFloat>(g: &Geometry, taps: &[Tap], o: usize, w: &[F])
     dense_filter(g, taps, w, o, &mut t);
     t
 }
+
+/// A small map's dense filter as a product reads it: as built (`[o * sp, c * hw]`), or
+/// packed once for the bf16 pairs while its parameter keeps its value ([`Packed`]: the
+/// forward's left operand, the input gradient's right one), which only an f32 session's bf16
+/// products read ([`super::Kept`]). The two give the same bits.
+pub(super) enum Filter<'a, F> {
+    Dense(&'a [F]),
+    Packed(&'a Packed),
+}
+
+/// Runs `f` on bands of `0..m` (rows of a product with a packed operand) on `threads`
+/// threads, each band's start a multiple of the pairs' tile rows (as [`super::bf16::gemm_a_packed`]
+/// takes them); an element's sum does not depend on the cut.
+fn row_bands(m: usize, threads: usize, f: impl Fn(std::ops::Range<usize>) + Send + Sync) {
+    let tile = super::bf16::TILE.0;
+    let per = m.div_ceil(threads.max(1)).div_ceil(tile) * tile;
+    each((0..m).step_by(per.max(tile)).map(|r| r..(r + per).min(m)).collect(), f)
+}
+
+/// `x` as f32 values: a packed filter is only ever made for an f32 session.
+fn f32s<F: HostFloat>(x: *const F) -> *const f32 {
+    assert_eq!(std::any::TypeId::of::<F>(), std::any::TypeId::of::<f32>(), "a packed filter in an f32 session");
+    x as *const f32
+}
+
+/// Addresses shared by [`row_bands`]' bands: each writes its own rows.
+#[derive(Clone, Copy)]
+struct Ptrs(usize, usize);
 
 /// Threads for a GEMM of `m * k * n` multiply-adds (as [`super::gemm::matmul`] chooses).
 fn threads(work: usize) -> usize {
@@ -82,20 +111,35 @@ pub(super) fn forward<F: HostFloat>(g: &Geometry, taps: &[Tap], x: &[F], w: &[F]
     let [_, c, h, wd] = g.x;
     F::partials(o * g.spatial() * c * h * wd, |t| {
         dense_filter(g, taps, w, o, t);
-        forward_dense(g, x, t, o, y, post, p)
+        forward_dense(g, x, Filter::Dense(t), o, y, post, p)
     });
 }
 
 /// [`forward`] with the dense filter `t` already built.
-pub(super) fn forward_dense<F: HostFloat>(g: &Geometry, x: &[F], t: &[F], o: usize, y: &mut [F], post: Post<F>, p: Products) {
+pub(super) fn forward_dense<F: HostFloat>(g: &Geometry, x: &[F], t: Filter<F>, o: usize, y: &mut [F], post: Post<F>, p: Products) {
     let [n, c, h, wd] = g.x;
     let (k, m) = (c * h * wd, o * g.spatial());
-    assert!(y.len() == n * m && t.len() == m * k, "output and dense filter extents");
+    assert!(y.len() == n * m, "output extents");
     // y^T [m, n] = t [m, k] @ x^T [k, n], with x^T and y^T laid out row-major (the GEMM
     // reading both operands along their contraction took twice as long).
     F::scratch(k * n + m * n, |s| {
         let (xt, yt) = s.split_at_mut(k * n);
         transpose(x, n, k, xt);
+        let t = match t {
+            Filter::Dense(t) => t,
+            Filter::Packed(t) => {
+                let at = Ptrs(f32s(xt.as_ptr()) as usize, f32s(yt.as_ptr()) as usize);
+                // SAFETY: t is m x k packed, xt is k x n, yt is m x n (row-major, the band's
+                // rows from its first); the session is f32 (`f32s`).
+                row_bands(m, threads(n * k * m), |rows| unsafe {
+                    let (xt, yt) = (at.0 as *const f32, at.1 as *mut f32);
+                    super::bf16::gemm_a_packed(t, rows.clone(), n, xt, n as isize, 1, 0.0, yt.add(rows.start * n), n as isize, 1)
+                });
+                transpose(yt, m, n, y);
+                return;
+            }
+        };
+        assert_eq!(t.len(), m * k, "dense filter extents");
         // SAFETY: t is m x k, xt is k x n, yt is m x n, all row-major.
         unsafe {
             gemm_oriented::<F>(
@@ -126,15 +170,28 @@ pub(super) fn input_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], w: 
     let [_, c, h, wd] = g.x;
     F::partials(o * g.spatial() * c * h * wd, |t| {
         dense_filter(g, taps, w, o, t);
-        input_grad_dense(g, dy, t, o, dx, p)
+        input_grad_dense(g, dy, Filter::Dense(t), o, dx, p)
     });
 }
 
 /// [`input_grad`] with the dense filter `t` already built.
-pub(super) fn input_grad_dense<F: HostFloat>(g: &Geometry, dy: &[F], t: &[F], o: usize, dx: &mut [F], p: Products) {
+pub(super) fn input_grad_dense<F: HostFloat>(g: &Geometry, dy: &[F], t: Filter<F>, o: usize, dx: &mut [F], p: Products) {
     let [n, c, h, wd] = g.x;
     let (k, m) = (c * h * wd, o * g.spatial());
-    assert!(dx.len() == n * k && t.len() == m * k, "output and dense filter extents");
+    assert!(dy.len() == n * m && dx.len() == n * k, "gradient extents");
+    let t = match t {
+        Filter::Dense(t) => t,
+        Filter::Packed(t) => {
+            let at = Ptrs(f32s(dy.as_ptr()) as usize, f32s(dx.as_ptr()) as usize);
+            // SAFETY: dy is n x m, t is m x k packed, dx is n x k (row-major, the band's rows
+            // from its first); the session is f32 (`f32s`).
+            return row_bands(n, threads(n * k * m), |rows| unsafe {
+                let (dy, dx) = (at.0 as *const f32, at.1 as *mut f32);
+                super::bf16::gemm_b_packed(rows.len(), dy.add(rows.start * m), m as isize, 1, t, 0.0, dx.add(rows.start * k), k as isize, 1)
+            });
+        }
+    };
+    assert_eq!(t.len(), m * k, "dense filter extents");
     // SAFETY: dy is n x m, t is m x k, dx is n x k, all row-major.
     unsafe {
         gemm_oriented::<F>(
@@ -312,6 +369,47 @@ mod tests {
             assert_filter_grad_epilogue(&g, 1, &dy, &x, o, &dw);
             for (a, b) in dx.iter().zip(&dx_ref).chain(dw.iter().zip(&dw_ref)) {
                 assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "{g:?}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// On the bf16 pairs, a dense filter packed once ([`Filter::Packed`], as the session keeps
+    /// it) gives the bits of the filter packed at every call: the forward and the input
+    /// gradient, on one thread and three, with a contraction past one block of `k` and output
+    /// rows in partial tiles.
+    #[test]
+    fn a_packed_filter_gives_the_dense_filters_bits() {
+        if !crate::host::bf16::available() || crate::host::bf16_on_amx() {
+            eprintln!("skipped: bf16 products here are not on the AVX-512 BF16 pairs");
+            return;
+        }
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        for (g, o) in [(geometry(32, 64, [2, 2], 3, 1, 1), 64), (geometry(5, 160, [2, 2], 3, 1, 1), 13), (geometry(3, 8, [2, 2], 3, 2, 1), 13)] {
+            let [n, c, h, wd] = g.x;
+            let (k, m) = (c * h * wd, o * g.spatial());
+            let kk = g.kernel[0] * g.kernel[1];
+            let (x, w, dy) = (data(n * k, 7), data(o * c * kk, 8), data(n * m, 9));
+            let t = dense(&g, &taps(&g, 1, o).expect("a small map"), o, &w);
+            let (pa, pb) = unsafe { (Packed::a(m, k, t.as_ptr(), k as isize, 1), Packed::b(m, k, t.as_ptr(), k as isize, 1)) };
+            let run = |threads: usize| {
+                rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool").install(|| {
+                    let forward = |f: Filter<f32>| {
+                        let mut y = vec![0.0; n * m];
+                        forward_dense(&g, &x, f, o, &mut y, None, Products::Bf16);
+                        bits(y)
+                    };
+                    let input_grad = |f: Filter<f32>| {
+                        let mut dx = vec![0.0; n * k];
+                        input_grad_dense(&g, &dy, f, o, &mut dx, Products::Bf16);
+                        bits(dx)
+                    };
+                    [forward(Filter::Dense(&t)), forward(Filter::Packed(&pa)), input_grad(Filter::Dense(&t)), input_grad(Filter::Packed(&pb))]
+                })
+            };
+            for threads in [1, 3] {
+                let [y, y_packed, dx, dx_packed] = run(threads);
+                assert_eq!(y, y_packed, "{g:?}, {threads} threads: the forward");
+                assert_eq!(dx, dx_packed, "{g:?}, {threads} threads: the input gradient");
             }
         }
     }
