@@ -406,25 +406,36 @@ fn low_storage_gives_the_emulations_bits<B: Backend>(device: Device<B>, low: cel
     }
 }
 
+/// `n` micro-batches of 8 for [`crate::accumulation::net`], an inf in the third's first
+/// feature: under f16 loss scaling with windows of 2, the second window overflows.
+#[allow(dead_code)]
+fn batches_with_an_inf(n: usize) -> Vec<Vec<HostTensor>> {
+    use cellgraph::compiler::HostData;
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let mut batches: Vec<_> = (0..n).map(|_| crate::accumulation::data(&mut rng, 8)).collect();
+    let HostData::F32(x) = &mut batches[2][0].data else { unreachable!() };
+    x[3] = f32::INFINITY;
+    batches
+}
+
+/// [`crate::accumulation::net`] in windows of 2 under f16 with dynamic loss scaling from 512.
+#[allow(dead_code)]
+fn f16_scaled_net() -> GradAccumulation {
+    use cellgraph::cells::accumulate::{LossScale, Precision};
+    GradAccumulation::across_steps(crate::accumulation::net(), 2)
+        .precision(Precision::f16().loss_scale(Some(LossScale { init: 512.0, growth_interval: 100 })))
+}
+
 /// f16 with loss scaling on the device: an inf in the second window's first micro-step
 /// skips that window (the overflow read from the device's accumulators), halves the scale,
 /// and the run stays within f16's rounding of the CPU's.
 #[allow(dead_code)]
 fn f16_overflow_skips_the_window_on_the_device<B: Backend>(device: Device<B>) {
-    use cellgraph::cells::accumulate::{LossScale, Precision};
-    use cellgraph::compiler::HostData;
-    use rand::SeedableRng;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
-    let mut batches: Vec<_> = (0..6).map(|_| crate::accumulation::data(&mut rng, 8)).collect();
-    let HostData::F32(x) = &mut batches[2][0].data else { unreachable!() };
-    x[3] = f32::INFINITY;
+    let batches = batches_with_an_inf(6);
     fn run<B2: Backend>(device: Device<B2>, batches: &[Vec<HostTensor>]) -> (BTreeMap<String, Vec<f32>>, u64, f64) {
-        let mk = || {
-            GradAccumulation::across_steps(crate::accumulation::net(), 2)
-                .precision(Precision::f16().loss_scale(Some(LossScale { init: 512.0, growth_interval: 100 })))
-        };
-        let names: Vec<String> = mk().trainable_params().iter().map(|p| p.name.clone()).collect();
-        let mut a = Accumulator::<B2>::new(Rc::new(mk()), Rc::new(Momentum::new(0.1, 0.9)), device, 1).unwrap();
+        let names: Vec<String> = f16_scaled_net().trainable_params().iter().map(|p| p.name.clone()).collect();
+        let mut a = Accumulator::<B2>::new(Rc::new(f16_scaled_net()), Rc::new(Momentum::new(0.1, 0.9)), device, 1).unwrap();
         batches.iter().for_each(|b| {
             a.step(b, Place::Regular).unwrap();
         });
@@ -446,17 +457,9 @@ fn f16_overflow_skips_the_window_on_the_device<B: Backend>(device: Device<B>) {
 /// skips the second window; one graph replays the rest, with the op-by-op run's bits.
 #[allow(dead_code)]
 fn an_overflowing_window_keeps_its_graph<B: Backend>(device: Device<B>) {
-    use cellgraph::cells::accumulate::{LossScale, Precision};
-    use cellgraph::compiler::HostData;
-    use rand::SeedableRng;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
-    let mut batches: Vec<_> = (0..8).map(|_| crate::accumulation::data(&mut rng, 8)).collect();
-    let HostData::F32(x) = &mut batches[2][0].data else { unreachable!() };
-    x[3] = f32::INFINITY;
+    let batches = batches_with_an_inf(8);
     let mk = |graphs: bool| {
-        let net = GradAccumulation::across_steps(crate::accumulation::net(), 2)
-            .precision(Precision::f16().loss_scale(Some(LossScale { init: 512.0, growth_interval: 100 })));
-        let mut a = Accumulator::<B>::new(Rc::new(net), Rc::new(Momentum::new(0.1, 0.9)), device.clone(), 1).unwrap();
+        let mut a = Accumulator::<B>::new(Rc::new(f16_scaled_net()), Rc::new(Momentum::new(0.1, 0.9)), device.clone(), 1).unwrap();
         a.options().set_graphs(graphs).unwrap();
         a
     };

@@ -125,8 +125,7 @@ pub(super) fn forward_dense<F: HostFloat>(g: &Geometry, x: &[F], t: Filter<F>, o
     F::scratch(k * n + m * n, |s| {
         let (xt, yt) = s.split_at_mut(k * n);
         transpose(x, n, k, xt);
-        let t = match t {
-            Filter::Dense(t) => t,
+        match t {
             Filter::Packed(t) => {
                 let at = Ptrs(f32s(xt.as_ptr()) as usize, f32s(yt.as_ptr()) as usize);
                 // SAFETY: t is m x k packed, xt is k x n, yt is m x n (row-major, the band's
@@ -134,32 +133,32 @@ pub(super) fn forward_dense<F: HostFloat>(g: &Geometry, x: &[F], t: Filter<F>, o
                 row_bands(m, threads(n * k * m), |rows| unsafe {
                     let (xt, yt) = (at.0 as *const f32, at.1 as *mut f32);
                     super::bf16::gemm_a_packed(t, rows.clone(), n, xt, n as isize, 1, 0.0, yt.add(rows.start * n), n as isize, 1)
-                });
-                transpose(yt, m, n, y);
-                return;
+                })
             }
-        };
-        assert_eq!(t.len(), m * k, "dense filter extents");
-        // SAFETY: t is m x k, xt is k x n, yt is m x n, all row-major.
-        unsafe {
-            gemm_oriented::<F>(
-                m,
-                k,
-                n,
-                t.as_ptr(),
-                k as isize,
-                1,
-                xt.as_ptr(),
-                n as isize,
-                1,
-                F::ZERO,
-                yt.as_mut_ptr(),
-                n as isize,
-                1,
-                threads(n * k * m),
-                p,
-            )
-        };
+            Filter::Dense(t) => {
+                assert_eq!(t.len(), m * k, "dense filter extents");
+                // SAFETY: t is m x k, xt is k x n, yt is m x n, all row-major.
+                unsafe {
+                    gemm_oriented::<F>(
+                        m,
+                        k,
+                        n,
+                        t.as_ptr(),
+                        k as isize,
+                        1,
+                        xt.as_ptr(),
+                        n as isize,
+                        1,
+                        F::ZERO,
+                        yt.as_mut_ptr(),
+                        n as isize,
+                        1,
+                        threads(n * k * m),
+                        p,
+                    )
+                }
+            }
+        }
         transpose(yt, m, n, y);
     });
     post_all(post, y);
