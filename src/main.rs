@@ -30,11 +30,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Train LeNet5 or the seed-002 MLP on MNIST with gradient accumulation.
+    /// Train LeNet5, the seed-002 MLP, ResNet-18 or the character GPT with gradient accumulation.
     Train(train::TrainArgs),
     /// Fine-tune a Hugging Face GPT-2 checkpoint on a text and save it back for transformers.
     Finetune(finetune::FinetuneArgs),
-    /// Score a checkpoint on the MNIST test split: prints {'Accuracy': ...}.
+    /// Score a checkpoint on held-out data: prints {'Accuracy': ...} (the GPT: {'Loss': ...}).
     Eval(train::EvalArgs),
     /// Draw the loss curve (and test accuracy) of `train --loss-log` logs as SVG.
     Plot(plot::PlotArgs),
