@@ -305,12 +305,14 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     };
     // torch.optim.AdamW's step (eps after the bias correction), as the Trainer takes.
     let optimizer = Adam::adamw(schedule, args.weight_decay).pytorch_eps();
-    let model = match size {
-        1 => Model::<B>::new(net, optimizer, device, args.seed)?,
-        _ => Model::<B>::parallel(AutoParallel::new(net), optimizer, device, args.seed, comm.clone())?,
+    // The checkpoint's tensors become the parameters as they are: none is drawn first, none
+    // copied.
+    let (params, strict) = (loaded.params, !args.non_strict);
+    let (model, _) = match size {
+        1 => Model::<B>::pretrained(net, optimizer, device, args.seed, params, strict)?,
+        _ => Model::<B>::parallel_pretrained(AutoParallel::new(net), optimizer, device, args.seed, comm.clone(), (params, strict))?,
     };
     let mut model = model.with_metrics(&[Metric::Loss]);
-    let _ = model.restore_with(&loaded.params, !args.non_strict)?;
     model.accumulator_mut().options().set_profiling(args.profile);
     let mut log = args.loss_log.as_deref().filter(|_| rank == 0).map(|p| RunLog::open(p, false)).transpose()?;
     let out: Box<dyn std::io::Write> = if rank == 0 { Box::new(std::io::stdout()) } else { Box::new(std::io::sink()) };
@@ -356,11 +358,11 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     if rank == 0 {
         print!("{}", model.accumulator().session().profile_table(20));
     }
-    let snapshot = model.snapshot();
     if rank > 0 {
         return Ok(());
     }
-    hf::save(&args.out, &config, &loaded.hf_config, &snapshot, Some(&args.model))?;
+    // The network's parameters alone (no optimizer state): what the model directory holds.
+    hf::save(&args.out, &config, &loaded.hf_config, &model.accumulator().parameters(), Some(&args.model))?;
     println!("saved {} (GPT2LMHeadModel.from_pretrained and AutoTokenizer.from_pretrained load it)", args.out.display());
     if args.sample_tokens > 0 {
         let first_line = val_text.lines().map(str::trim).find(|l| !l.is_empty()).map(|l| l.chars().take(64).collect::<String>() + " ");

@@ -127,6 +127,13 @@ pub fn check_writable(path: &Path) -> Result<()> {
 /// Writes `bytes` to `path` atomically: temp file in the same directory, fsync, rename. A
 /// failure removes the temporary file (a full disk does not stay full) and names `path`.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |tmp| std::fs::File::create(tmp)?.write_all(bytes))
+}
+
+/// [`write_atomic`] of what `write` writes to the temporary file it is given (a writer that
+/// streams, so that the file's bytes need not all be in memory at once); then fsync and
+/// rename, or on any failure the temporary file removed.
+pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> std::io::Result<()>) -> Result<()> {
     if path.is_dir() {
         return Err(RuntimeError::Invalid {
             what: format!("checkpoint target {}", path.display()),
@@ -135,10 +142,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     }
     let (dir, tmp) = temp_beside(path)?;
     std::fs::create_dir_all(dir).map_err(|e| cannot_write(path, e))?;
-    let written = std::fs::File::create(&tmp).and_then(|mut f| {
-        f.write_all(bytes)?;
-        f.sync_all()
-    });
+    let written = write(&tmp).and_then(|_| std::fs::File::open(&tmp)?.sync_all());
     let result = written.and_then(|_| std::fs::rename(&tmp, path));
     if let Err(e) = result {
         let _ = std::fs::remove_file(&tmp);

@@ -20,7 +20,7 @@ use cellgraph_cells::GptConfig;
 use cellgraph_compiler::HostTensor;
 use serde_json::{Map, Value as Json};
 
-use crate::checkpoint::{write_atomic, Tensors};
+use crate::checkpoint::{write_atomic, write_atomic_with, Tensors};
 use crate::error::{listed, Result, RuntimeError};
 
 /// The files of a model directory besides the weights that [`save`] copies from the directory
@@ -143,17 +143,72 @@ fn shapes(c: &GptConfig) -> Result<BTreeMap<String, Vec<usize>>> {
     Ok(cellgraph_cells::Cell::parameters(&gpt).into_iter().map(|p| (p.name, p.ty.dims().to_vec())).collect())
 }
 
-/// `[rows, cols]` row-major -> `[cols, rows]`.
-fn transpose(t: &HostTensor) -> HostTensor {
-    let &[rows, cols] = t.shape.as_slice() else { return t.clone() };
-    let v = t.to_f32();
-    let mut out = vec![0.0f32; v.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            out[c * rows + r] = v[r * cols + c];
+/// `f(i, v)` for each element of the transpose of `v` (`[rows, cols]` row-major), `i` its
+/// index in the `[cols, rows]` result: in tiles of 32 x 32, so that reads and writes both stay
+/// in cache.
+fn each_transposed(v: &[f32], rows: usize, cols: usize, mut f: impl FnMut(usize, f32)) {
+    const T: usize = 32;
+    for r0 in (0..rows).step_by(T) {
+        for c0 in (0..cols).step_by(T) {
+            for c in c0..(c0 + T).min(cols) {
+                for r in r0..(r0 + T).min(rows) {
+                    f(c * rows + r, v[r * cols + c]);
+                }
+            }
         }
     }
+}
+
+/// `[rows, cols]` row-major -> `[cols, rows]`.
+fn transpose(t: HostTensor) -> HostTensor {
+    let &[rows, cols] = t.shape.as_slice() else { return t };
+    let v = values(&t);
+    let mut out = vec![0.0f32; v.len()];
+    each_transposed(&v, rows, cols, |i, x| out[i] = x);
     HostTensor::f32(vec![cols, rows], out).expect("the transpose has the same elements")
+}
+
+/// A tensor's values as f32: its own memory when it holds f32.
+fn values(t: &HostTensor) -> std::borrow::Cow<'_, [f32]> {
+    match &t.data {
+        cellgraph_compiler::HostData::F32(v) => std::borrow::Cow::Borrowed(v),
+        _ => std::borrow::Cow::Owned(t.to_f32()),
+    }
+}
+
+/// One tensor of a saved model, as safetensors writes it (f32, little-endian): `values`, or
+/// their transpose (`transpose: [rows, cols]` of `values`; a `Conv1D` weight), made only when
+/// the file is written, one tensor at a time.
+struct Saved<'a> {
+    values: std::borrow::Cow<'a, [f32]>,
+    shape: Vec<usize>,
+    transpose: Option<[usize; 2]>,
+}
+
+impl safetensors::View for &Saved<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        safetensors::Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        let mut bytes = vec![0u8; self.data_len()];
+        let mut put = |i: usize, x: f32| bytes[4 * i..4 * i + 4].copy_from_slice(&x.to_le_bytes());
+        match self.transpose {
+            Some([rows, cols]) => each_transposed(&self.values, rows, cols, &mut put),
+            // SAFETY: f32 has no padding and every bit pattern is a byte sequence; on a
+            // little-endian target its memory is its little-endian bytes.
+            #[cfg(target_endian = "little")]
+            None => return std::borrow::Cow::Borrowed(unsafe { std::slice::from_raw_parts(self.values.as_ptr().cast::<u8>(), self.data_len()) }),
+            #[cfg(not(target_endian = "little"))]
+            None => self.values.iter().enumerate().for_each(|(i, &x)| put(i, x)),
+        }
+        std::borrow::Cow::Owned(bytes)
+    }
+    fn data_len(&self) -> usize {
+        4 * self.values.len()
+    }
 }
 
 /// The model's shape from `config.json` (`path` names it in errors): a GPT-2 whose every
@@ -306,12 +361,13 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Loaded> {
     let mut report = LoadReport::default();
     let mut params = Tensors::new();
     let known: std::collections::BTreeSet<String> = names(config.layers).into_iter().map(|n| n.hf).collect();
+    unexpected.extend(stored.keys().filter(|k| !known.contains(*k)).cloned());
     for n in names(config.layers) {
         let want = &shapes[&n.ours];
-        match stored.get(&n.hf) {
+        match stored.remove(&n.hf) {
             None => report.missing.push(n.ours),
             Some(t) => {
-                let t = if n.transposed { transpose(t) } else { t.clone() };
+                let t = if n.transposed { transpose(t) } else { t };
                 if &t.shape == want {
                     params.insert(n.ours, t);
                 } else {
@@ -322,10 +378,9 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Loaded> {
             }
         }
     }
-    unexpected.extend(stored.keys().filter(|k| !known.contains(*k)).cloned());
     // A separate LM head must be the tied one (GPT2LMHeadModel ties it to wte).
     if let (Some((name, h)), Some(wte)) = (&head, params.get("wte.embedding_table")) {
-        if h.shape != wte.shape || h.to_f32() != wte.to_f32() {
+        if h.shape != wte.shape || values(h) != values(wte) {
             unexpected.push(format!("{name} (not tied to transformer.wte.weight, which GPT-2's head is)"));
         }
     }
@@ -356,20 +411,14 @@ pub fn save(dir: &Path, config: &GptConfig, hf_config: &Map<String, Json>, param
                 format!("parameter `{}` is {:?}, the config gives {:?}", n.ours, t.shape, shapes[&n.ours]),
             ));
         }
-        let t = if n.transposed { transpose(t) } else { t.clone() };
-        let bytes: Vec<u8> = t.to_f32().iter().flat_map(|v| v.to_le_bytes()).collect();
-        tensors.push((format!("transformer.{}", n.hf), t.shape, bytes));
+        let transpose = match (n.transposed, t.shape.as_slice()) {
+            (true, &[rows, cols]) => Some([rows, cols]),
+            _ => None,
+        };
+        let shape = if transpose.is_some() { t.shape.iter().rev().copied().collect() } else { t.shape.clone() };
+        tensors.push((format!("transformer.{}", n.hf), Saved { values: values(t), shape, transpose }));
     }
-    let views = tensors
-        .iter()
-        .map(|(name, shape, bytes)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
-                .map(|v| (name.clone(), v))
-                .map_err(|e| invalid(name.clone(), e.to_string()))
-        })
-        .collect::<Result<Vec<_>>>()?;
     let meta: std::collections::HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-    let weights = safetensors::tensor::serialize(views, Some(meta)).map_err(|e| invalid(format!("saving {}", dir.display()), e.to_string()))?;
     let mut j = hf_config.clone();
     for (key, v) in [
         ("n_layer", config.layers),
@@ -399,7 +448,14 @@ pub fn save(dir: &Path, config: &GptConfig, hf_config: &Map<String, Json>, param
     }
     std::fs::create_dir_all(dir)
         .map_err(|e| invalid(format!("model directory {}", dir.display()), format!("cannot be made: {e}; choose a writable path")))?;
-    write_atomic(&dir.join("model.safetensors"), &weights)?;
+    // Streamed to the file a tensor at a time: no copy of the whole model in memory.
+    let views = tensors.iter().map(|(name, t)| (name.as_str(), t));
+    write_atomic_with(&dir.join("model.safetensors"), |tmp| {
+        safetensors::tensor::serialize_to_file(views, Some(meta), tmp).map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(e) => e,
+            other => std::io::Error::other(other.to_string()),
+        })
+    })?;
     for (f, bytes) in copies {
         write_atomic(&dir.join(f), &bytes)?;
     }

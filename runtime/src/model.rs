@@ -61,6 +61,42 @@ impl<B: Backend> Model<B> {
         Ok(Self::of(Accumulator::new_f64(Rc::new(network), Rc::new(optimizer), device, seed)?))
     }
 
+    /// A model starting from `params`, a pretrained checkpoint (MindSpore's `Model` after
+    /// `load_param_into_net(net, params, strict_load)`; Hugging Face's `from_pretrained`): the
+    /// same values as [`Self::new`] followed by [`Self::restore_with`], without drawing the
+    /// parameters `params` replaces first and without copying its tensors (see
+    /// [`Accumulator::pretrained`]).
+    pub fn pretrained(
+        network: GradAccumulation,
+        optimizer: impl Optimizer + 'static,
+        device: Device<B>,
+        seed: u64,
+        params: checkpoint::Tensors,
+        strict: bool,
+    ) -> Result<(Self, crate::LoadReport)> {
+        let position = saved_position(&params);
+        let (acc, report) = Accumulator::pretrained(Rc::new(network), Rc::new(optimizer), device, seed, params, strict)?;
+        let mut model = Self::of(acc);
+        model.position = position.unwrap_or_default();
+        Ok((model, report))
+    }
+
+    /// [`Self::parallel`] from a pretrained checkpoint (see [`Self::pretrained`]): every rank
+    /// loads the same `params`, and the ranks check they agree on them.
+    pub fn parallel_pretrained(
+        network: AutoParallel,
+        optimizer: impl Optimizer + 'static,
+        device: Device<B>,
+        seed: u64,
+        comm: Arc<dyn Communicator>,
+        (params, strict): (checkpoint::Tensors, bool),
+    ) -> Result<(Self, crate::LoadReport)> {
+        let AutoParallel { network, hsdp, gradients_mean } = network;
+        let (mut model, report) = Self::pretrained(network, optimizer, device, seed, params, strict)?;
+        model.acc.set_parallel(comm, gradients_mean, hsdp)?;
+        Ok((model, report))
+    }
+
     fn of(acc: Accumulator<B>) -> Self {
         Model { acc, metrics: vec![Metric::Accuracy], eval_plans: HashMap::new(), position: Position::default() }
     }
@@ -381,12 +417,17 @@ impl<B: Backend> Model<B> {
 
     /// Restores from a snapshot, strictly or not.
     pub fn restore_with(&mut self, tensors: &checkpoint::Tensors, strict: bool) -> Result<crate::LoadReport> {
-        let (pos, rest): (BTreeMap<_, _>, BTreeMap<_, _>) =
-            tensors.clone().into_iter().partition(|(k, _)| k == "cellgraph.epoch" || k == "cellgraph.step");
-        let report = self.acc.restore_with(&rest, strict)?;
-        if let (Some(e), Some(s)) = (pos.get("cellgraph.epoch"), pos.get("cellgraph.step")) {
-            self.position = Position { epoch: e.scalar() as usize, step: s.scalar() as usize };
+        // The position's scalars are not the accumulator's counters: it passes them over.
+        let report = self.acc.restore_with(tensors, strict)?;
+        if let Some(p) = saved_position(tensors) {
+            self.position = p;
         }
         Ok(report)
     }
+}
+
+/// The position a snapshot was taken at (`cellgraph.epoch`, `cellgraph.step`), if it has one.
+fn saved_position(tensors: &checkpoint::Tensors) -> Option<Position> {
+    let (e, s) = (tensors.get("cellgraph.epoch")?, tensors.get("cellgraph.step")?);
+    Some(Position { epoch: e.scalar() as usize, step: s.scalar() as usize })
 }

@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use cellgraph::prelude::*;
+use cellgraph::runtime::checkpoint::Tensors;
 use cellgraph::runtime::hf::{self, LoadOptions, Tokenizer};
 use serde_json::Value as Json;
 
@@ -135,6 +136,76 @@ fn a_saved_model_loads_back_bit_for_bit() {
         v
     };
     assert_eq!(names(&out), names(Path::new(TINY)));
+    // Every tensor's bytes as transformers wrote them (the Conv1D weights transposed back as
+    // the file is streamed out).
+    let (ours, theirs) = (std::fs::read(out.join("model.safetensors")).unwrap(), std::fs::read(Path::new(TINY).join("model.safetensors")).unwrap());
+    let (ours, theirs) = (safetensors::SafeTensors::deserialize(&ours).unwrap(), safetensors::SafeTensors::deserialize(&theirs).unwrap());
+    for name in names(&out) {
+        let (a, b) = (ours.tensor(&name).unwrap(), theirs.tensor(&name).unwrap());
+        assert_eq!((a.dtype(), a.shape()), (b.dtype(), b.shape()), "{name}");
+        assert!(a.data() == b.data(), "{name}: other bytes than transformers'");
+    }
+}
+
+/// A save onto a full disk (a 64 KiB tmpfs; root only, as CI runs) fails naming the weights
+/// file, and leaves no file behind: the streamed weights' temporary file is removed.
+#[test]
+fn a_save_onto_a_full_disk_leaves_no_file() {
+    let m = hf::load(Path::new(TINY), &LoadOptions::default()).unwrap();
+    let small = scratch("full-disk");
+    std::fs::create_dir_all(&small).unwrap();
+    let mounted =
+        std::process::Command::new("mount").args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"]).arg(&small).status().is_ok_and(|s| s.success());
+    if !mounted {
+        eprintln!("SKIPPED: mounting a tmpfs needs root");
+        return;
+    }
+    let out = small.join("tuned");
+    let e = hf::save(&out, &m.config, &m.hf_config, &m.params, Some(&m.dir)).map(|_| ()).unwrap_err().to_string();
+    let left: Vec<_> = std::fs::read_dir(&out).map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name()).collect()).unwrap_or_default();
+    let _ = std::process::Command::new("umount").arg(&small).status();
+    let _ = std::fs::remove_dir_all(&small);
+    assert!(e.starts_with(&format!("cannot write checkpoint {}", out.join("model.safetensors").display())), "{e}");
+    assert!(left.is_empty(), "a failed save left {left:?}");
+}
+
+/// The tiny GPT-2 as `cellgraph finetune` trains it: AdamW, windows of 2.
+fn tiny_net(m: &hf::Loaded) -> GradAccumulation {
+    let loss = CrossEntropyLoss::new().tokens();
+    GradAccumulation::new(WithLossCell::new(GPT::new(&Scope::root(), m.config).unwrap(), loss), 2).normalization(Normalization::Tokens)
+}
+
+/// `Model::pretrained` is `Model::new` then `restore_with`, without drawing what the
+/// checkpoint replaces: the same parameters, accumulators and optimizer state, bit for bit,
+/// and the same report, strict and not (a parameter the checkpoint lacks is drawn from the
+/// seed as `new` draws it); strict, a missing parameter is the same error. `parameters()` holds
+/// the network's parameters alone.
+#[test]
+fn a_pretrained_model_equals_a_new_one_restored() {
+    let m = hf::load(Path::new(TINY), &LoadOptions::default()).unwrap();
+    let opt = || Adam::adamw(LearningRate::Constant(1e-3), 0.01);
+    let bits = |t: &Tensors| t.iter().map(|(k, v)| (k.clone(), v.to_f64().iter().map(|x| x.to_bits()).collect::<Vec<_>>())).collect::<Vec<_>>();
+    let mut lacking = m.params.clone();
+    lacking.remove("ln_f.beta").unwrap();
+    for (params, strict) in [(&m.params, true), (&m.params, false), (&lacking, false)] {
+        let mut restored = Model::<Cpu>::new(tiny_net(&m), opt(), cpu(), 7).unwrap();
+        let want = restored.restore_with(params, strict).unwrap();
+        let (pretrained, got) = Model::<Cpu>::pretrained(tiny_net(&m), opt(), cpu(), 7, params.clone(), strict).unwrap();
+        assert_eq!(got, want);
+        assert_eq!(bits(&pretrained.snapshot()), bits(&restored.snapshot()), "strict {strict}, {} tensors", params.len());
+        let own = pretrained.accumulator().parameters();
+        let names: Vec<String> = Cell::parameters(pretrained.accumulator().network()).into_iter().map(|p| p.name).collect();
+        assert_eq!(own.keys().cloned().collect::<Vec<_>>(), {
+            let mut n = names;
+            n.sort();
+            n
+        });
+        assert_eq!(bits(&own), bits(&restored.snapshot().into_iter().filter(|(k, _)| own.contains_key(k)).collect()));
+    }
+    assert_eq!(
+        Model::<Cpu>::new(tiny_net(&m), opt(), cpu(), 7).unwrap().restore_with(&lacking, true).unwrap_err().to_string(),
+        Model::<Cpu>::pretrained(tiny_net(&m), opt(), cpu(), 7, lacking.clone(), true).map(|_| ()).unwrap_err().to_string()
+    );
 }
 
 /// Bad directories and configs that do not fit the weights are errors naming the file, the

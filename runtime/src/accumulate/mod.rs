@@ -181,21 +181,54 @@ impl<B: Backend> Accumulator<B> {
     /// drawn from `seed`, zero accumulators, initial optimizer state. Micro-step graphs are
     /// compiled on first use, one per micro-batch shape.
     pub fn new(net: Rc<GradAccumulation>, opt: Rc<dyn Optimizer>, device: Device<B>, seed: u64) -> Result<Self> {
-        Self::with_session(net, opt, Session::new(device), seed)
+        Self::with_session(net, opt, Session::new(device), seed, None)
     }
 
     /// [`Self::new`] computing in f64 (host backends: the reference runs of the tests).
     pub fn new_f64(net: Rc<GradAccumulation>, opt: Rc<dyn Optimizer>, device: Device<B>, seed: u64) -> Result<Self> {
-        Self::with_session(net, opt, Session::new_f64(device), seed)
+        Self::with_session(net, opt, Session::new_f64(device), seed, None)
     }
 
-    fn with_session(net: Rc<GradAccumulation>, opt: Rc<dyn Optimizer>, mut session: Session<B>, seed: u64) -> Result<Self> {
+    /// [`Self::new`] then [`Self::restore_owned`] of `params` (a pretrained checkpoint), in
+    /// one: a parameter `params` holds with the network's shape is not drawn from `seed` first
+    /// (Hugging Face's `from_pretrained` skips those initialisations too), and the session
+    /// keeps the tensors' memory as the values. The others are drawn from `seed`, as
+    /// [`Self::new`] draws them. Strict or not as [`Self::restore_with`]; the same values as
+    /// `new` followed by `restore_with`.
+    pub fn pretrained(
+        net: Rc<GradAccumulation>,
+        opt: Rc<dyn Optimizer>,
+        device: Device<B>,
+        seed: u64,
+        params: crate::checkpoint::Tensors,
+        strict: bool,
+    ) -> Result<(Self, LoadReport)> {
+        let mut acc = Self::with_session(net, opt, Session::new(device), seed, Some(&params))?;
+        let report = acc.restore_owned(params, strict)?;
+        Ok((acc, report))
+    }
+
+    /// A new accumulator on `session`. `given`: a checkpoint about to be restored; its
+    /// tensors of a parameter's name and shape are not drawn (zeros, whose pages are not even
+    /// touched, hold their place until the restore).
+    fn with_session(
+        net: Rc<GradAccumulation>,
+        opt: Rc<dyn Optimizer>,
+        mut session: Session<B>,
+        seed: u64,
+        given: Option<&crate::checkpoint::Tensors>,
+    ) -> Result<Self> {
         net.check()?;
         opt.check().map_err(|detail| cellgraph_cells::CellError::Config { cell: opt.name().into(), detail })?;
         let (optimizer, clear, accumulators, state) = net.boundary_graphs(opt.as_ref())?;
-        session.init_params(&net.parameters(), seed);
+        let (drawn, placed): (Vec<_>, Vec<_>) =
+            net.parameters().into_iter().partition(|p| given.and_then(|g| g.get(&p.name)).is_none_or(|t| t.shape != p.ty.dims()));
+        session.init_params(&drawn, seed);
+        for p in placed {
+            session.set_param_owned(&p.name, HostTensor::full(&p.ty, 0.0));
+        }
         for (name, ty) in &accumulators {
-            session.set_param(name, &HostTensor::full(ty, 0.0));
+            session.set_param_owned(name, HostTensor::full(ty, 0.0));
         }
         session.init_state(&state);
         let trained: Vec<(String, TensorType)> =

@@ -58,6 +58,14 @@ impl<B: Backend> Accumulator<B> {
         t
     }
 
+    /// The network's parameters (batch norm's moving statistics included), copied to the
+    /// host, by name: what a model directory or `load_param_into_net` needs (PyTorch's
+    /// `state_dict()`), without the accumulators and optimizer state that a resume needs
+    /// ([`Self::snapshot`]). Needs no other rank.
+    pub fn parameters(&self) -> crate::checkpoint::Tensors {
+        self.net.parameters().into_iter().filter_map(|p| self.session.param(&p.name).map(|t| (p.name, t))).collect()
+    }
+
     /// Loads a snapshot, or a checkpoint of the network's parameters alone (MindSpore's
     /// `load_param_into_net(net, params, strict_load=True)`): every parameter of the network
     /// must be there with its shape, optimizer state and accumulators come all or none per kind
@@ -70,15 +78,21 @@ impl<B: Backend> Accumulator<B> {
     /// [`Self::restore`]; with `strict = false` (`strict_load=False`) missing parameters keep
     /// their values and unknown tensors are skipped, both reported.
     pub fn restore_with(&mut self, tensors: &crate::checkpoint::Tensors, strict: bool) -> Result<LoadReport> {
-        let tensors = &self.sharded_state(tensors)?;
+        self.restore_owned(tensors.clone(), strict)
+    }
+
+    /// [`Self::restore_with`], taking the tensors: the session keeps their memory as the
+    /// values (a host backend's), with no copy.
+    pub fn restore_owned(&mut self, tensors: crate::checkpoint::Tensors, strict: bool) -> Result<LoadReport> {
+        let mut tensors = self.sharded_state(tensors)?;
         let known: BTreeSet<String> = self.session.param_names().into_iter().collect();
         let network: BTreeSet<String> = self.net.parameters().into_iter().map(|p| p.name).collect();
         let mut report = LoadReport::default();
         let mut counters = Vec::new();
         let mut values = Vec::new();
-        for (name, t) in tensors {
+        for (name, t) in &tensors {
             if let Some(counter) = name.strip_prefix("cellgraph.") {
-                counters.push((counter, t.scalar()));
+                counters.push((counter.to_string(), t.scalar()));
             } else if known.contains(name) {
                 let have = self.session.param_shape(name).expect("known");
                 if have != t.shape {
@@ -88,7 +102,7 @@ impl<B: Backend> Accumulator<B> {
                         got: format!("shape {:?}", t.shape),
                     });
                 }
-                values.push((name, t));
+                values.push(name.clone());
             } else if !MINDSPORE_EXTRAS.contains(&name.as_str()) {
                 report.unused.push(name.clone());
             }
@@ -135,17 +149,18 @@ impl<B: Backend> Accumulator<B> {
         for (counter, v) in counters {
             // Counters this version does not keep (a newer writer's) are skipped, and so is
             // the loss scale of a run that scaled into one that does not.
-            match (counter, &mut self.scaler) {
+            match (counter.as_str(), &mut self.scaler) {
                 (LOSS_SCALE, Some(s)) => s.scale = v,
                 (LOSS_SCALE_CLEAN, Some(s)) => s.clean = v as u64,
-                _ => {
+                (counter, _) => {
                     self.progress.restore(counter, v as u64);
                 }
             }
         }
-        for (name, t) in values {
-            self.session.set_param(name, t);
-            report.loaded.push(name.clone());
+        for name in values {
+            let t = tensors.remove(&name).expect("checked above");
+            self.session.set_param_owned(&name, t);
+            report.loaded.push(name);
         }
         if self.store.is_flat() {
             // The restored values replaced views: pack them into new flat buffers.

@@ -328,8 +328,8 @@ impl<B: Backend> Accumulator<B> {
 
     /// With hsdp: checkpoint tensors with the unsharded optimizer state (`moments.fc1.weight`,
     /// ...) replaced by this rank's slice of it (`moments.hsdp.shard`); otherwise unchanged.
-    pub(super) fn sharded_state(&self, tensors: &crate::checkpoint::Tensors) -> Result<crate::checkpoint::Tensors> {
-        let mut out = tensors.clone();
+    pub(super) fn sharded_state(&self, tensors: crate::checkpoint::Tensors) -> Result<crate::checkpoint::Tensors> {
+        let mut out = tensors;
         let (Some(comm), Some(shard)) = (self.sync.comm(), self.sync.shard()) else {
             return Ok(out);
         };

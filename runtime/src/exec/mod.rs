@@ -290,7 +290,13 @@ impl<B: Backend> Session<B> {
 
     /// Sets (or replaces) a parameter's value.
     pub fn set_param(&mut self, name: &str, value: &HostTensor) {
-        let v = Value::from_host(value, &self.device, &self.settings());
+        self.set_param_owned(name, value.clone());
+    }
+
+    /// [`Self::set_param`], taking the host memory instead of copying it (a host backend
+    /// keeps it as the parameter's own).
+    pub fn set_param_owned(&mut self, name: &str, value: HostTensor) {
+        let v = Value::from_host_owned(value, &self.device, &self.settings());
         self.graphs.forget(name);
         self.put(name, v);
     }
@@ -298,14 +304,14 @@ impl<B: Backend> Session<B> {
     /// Draws every parameter's first value from `seed` (see `cellgraph_cells::materialize`).
     pub fn init_params(&mut self, params: &[cellgraph_cells::Parameter], seed: u64) {
         for p in params {
-            self.set_param(&p.name, &p.materialize(seed));
+            self.set_param_owned(&p.name, p.materialize(seed));
         }
     }
 
     /// Sets optimizer state (or accumulators) to their initial constants.
     pub fn init_state(&mut self, state: &[cellgraph_compiler::update::StateSpec]) {
         for s in state {
-            self.set_param(&s.name, &HostTensor::full(&s.ty, s.init));
+            self.set_param_owned(&s.name, HostTensor::full(&s.ty, s.init));
         }
     }
 
