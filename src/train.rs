@@ -661,7 +661,6 @@ fn eval_on<B: Backend>(args: &EvalArgs, device: Device<B>) -> Res<()> {
     let test = source.test()?;
     let net = GradAccumulation::new(with_loss(args.net, source.vocab())?, 1);
     let names: Vec<String> = net.parameters().into_iter().map(|p| p.name).collect();
-    let mut model = Model::<B>::new(net, SGD::new(0.0), device, 1)?.with_metrics(&[args.net.metric()]);
     let (tensors, _) = checkpoint::load(&args.ckpt)?;
     let missing: Vec<&str> = names.iter().filter(|n| !tensors.contains_key(*n)).map(String::as_str).collect();
     if !missing.is_empty() {
@@ -679,9 +678,11 @@ fn eval_on<B: Backend>(args: &EvalArgs, device: Device<B>) -> Res<()> {
         )
         .into());
     }
-    // Only the network's parameters: the optimizer state and counters do not score.
+    // Only the network's parameters: the optimizer state and counters do not score. They
+    // become the model's as they are (none drawn from a seed first, none copied).
     let params = tensors.into_iter().filter(|(k, _)| names.contains(k)).collect();
-    model.restore(&params)?;
+    let (model, _) = Model::<B>::pretrained(net, SGD::new(0.0), device, 1, params, true)?;
+    let mut model = model.with_metrics(&[args.net.metric()]);
     let name = if args.net.metric() == Metric::Loss { "Loss" } else { "Accuracy" };
     let v = model.eval(&*test)?[name];
     println!("{{'{name}': {}}}", py_float(v));

@@ -193,15 +193,16 @@ impl safetensors::View for &Saved<'_> {
         &self.shape
     }
     fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        #[cfg(target_endian = "little")]
+        if self.transpose.is_none() {
+            // SAFETY: f32 has no padding and every bit pattern is a byte sequence; on a
+            // little-endian target its memory is its little-endian bytes.
+            return std::borrow::Cow::Borrowed(unsafe { std::slice::from_raw_parts(self.values.as_ptr().cast::<u8>(), self.data_len()) });
+        }
         let mut bytes = vec![0u8; self.data_len()];
         let mut put = |i: usize, x: f32| bytes[4 * i..4 * i + 4].copy_from_slice(&x.to_le_bytes());
         match self.transpose {
             Some([rows, cols]) => each_transposed(&self.values, rows, cols, &mut put),
-            // SAFETY: f32 has no padding and every bit pattern is a byte sequence; on a
-            // little-endian target its memory is its little-endian bytes.
-            #[cfg(target_endian = "little")]
-            None => return std::borrow::Cow::Borrowed(unsafe { std::slice::from_raw_parts(self.values.as_ptr().cast::<u8>(), self.data_len()) }),
-            #[cfg(not(target_endian = "little"))]
             None => self.values.iter().enumerate().for_each(|(i, &x)| put(i, x)),
         }
         std::borrow::Cow::Owned(bytes)
