@@ -293,8 +293,7 @@ impl<B: Backend> Session<B> {
         self.set_param_owned(name, value.clone());
     }
 
-    /// [`Self::set_param`], taking the host memory instead of copying it (a host backend
-    /// keeps it as the parameter's own).
+    /// [`Self::set_param`], keeping `value`'s memory (a host backend's) instead of a copy.
     pub fn set_param_owned(&mut self, name: &str, value: HostTensor) {
         let v = Value::from_host_owned(value, &self.device, &self.settings());
         self.graphs.forget(name);
