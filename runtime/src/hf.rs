@@ -143,29 +143,17 @@ fn shapes(c: &GptConfig) -> Result<BTreeMap<String, Vec<usize>>> {
     Ok(cellgraph_cells::Cell::parameters(&gpt).into_iter().map(|p| (p.name, p.ty.dims().to_vec())).collect())
 }
 
-/// `f(i, v)` for each element of the transpose of `v` (`[rows, cols]` row-major), `i` its
-/// index in the `[cols, rows]` result: in tiles of 32 x 32, so that reads and writes both stay
-/// in cache.
-fn each_transposed(v: &[f32], rows: usize, cols: usize, mut f: impl FnMut(usize, f32)) {
-    const T: usize = 32;
-    for r0 in (0..rows).step_by(T) {
-        for c0 in (0..cols).step_by(T) {
-            for c in c0..(c0 + T).min(cols) {
-                for r in r0..(r0 + T).min(rows) {
-                    f(c * rows + r, v[r * cols + c]);
-                }
-            }
-        }
-    }
+/// `v` (`[rows, cols]` row-major) transposed: `[cols, rows]`.
+fn transposed(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; v.len()];
+    crate::host::layout::permute(v, &[rows, cols], &[1, 0], &mut out);
+    out
 }
 
 /// `[rows, cols]` row-major -> `[cols, rows]`.
 fn transpose(t: HostTensor) -> HostTensor {
     let &[rows, cols] = t.shape.as_slice() else { return t };
-    let v = values(&t);
-    let mut out = vec![0.0f32; v.len()];
-    each_transposed(&v, rows, cols, |i, x| out[i] = x);
-    HostTensor::f32(vec![cols, rows], out).expect("the transpose has the same elements")
+    HostTensor::f32(vec![cols, rows], transposed(&values(&t), rows, cols)).expect("the transpose has the same elements")
 }
 
 /// A tensor's values as f32: its own memory when it holds f32.
@@ -193,18 +181,18 @@ impl safetensors::View for &Saved<'_> {
         &self.shape
     }
     fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        let values = match self.transpose {
+            Some([rows, cols]) => std::borrow::Cow::Owned(transposed(&self.values, rows, cols)),
+            None => std::borrow::Cow::Borrowed(&*self.values),
+        };
         #[cfg(target_endian = "little")]
-        if self.transpose.is_none() {
+        if let std::borrow::Cow::Borrowed(v) = values {
             // SAFETY: f32 has no padding and every bit pattern is a byte sequence; on a
             // little-endian target its memory is its little-endian bytes.
-            return std::borrow::Cow::Borrowed(unsafe { std::slice::from_raw_parts(self.values.as_ptr().cast::<u8>(), self.data_len()) });
+            return std::borrow::Cow::Borrowed(unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), 4 * v.len()) });
         }
-        let mut bytes = vec![0u8; self.data_len()];
-        let mut put = |i: usize, x: f32| bytes[4 * i..4 * i + 4].copy_from_slice(&x.to_le_bytes());
-        match self.transpose {
-            Some([rows, cols]) => each_transposed(&self.values, rows, cols, &mut put),
-            None => self.values.iter().enumerate().for_each(|(i, &x)| put(i, x)),
-        }
+        let mut bytes = Vec::with_capacity(4 * values.len());
+        values.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
         std::borrow::Cow::Owned(bytes)
     }
     fn data_len(&self) -> usize {
