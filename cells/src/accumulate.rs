@@ -14,7 +14,7 @@
 //! non-ignored tokens: the window's count over micro-batches and ranks divides once). Parameter names are the wrapped network's, unchanged.
 
 pub use cellgraph_compiler::passes::grad_accumulation::{accumulator_name, LossScale, Normalization, Precision};
-use cellgraph_compiler::passes::grad_accumulation::{clear_graph, micro_graph, optimizer_graph, AccumulationOptions};
+use cellgraph_compiler::passes::grad_accumulation::{clear_graph, clip_graph, micro_graph, optimizer_graph, AccumulationOptions};
 use cellgraph_compiler::update::StateSpec;
 
 /// [`GradAccumulation::boundary_graphs`]: the optimizer graph, the clear graph, the optimizer
@@ -179,6 +179,12 @@ impl GradAccumulation {
         let clear = clear_graph(&trained)?;
         let accumulators = trained.iter().map(|(n, t)| (accumulator_name(n), t.clone())).collect();
         Ok((optimizer, clear, accumulators, state))
+    }
+
+    /// The `clip` graph (the optimizer graph's clipping by global norm alone: the factor, then
+    /// the norm; see [`clip_graph`]), `None` without clipping.
+    pub fn clip_graph(&self) -> Result<Option<Graph>> {
+        self.clip_global_norm.map(|max| clip_graph(&self.trained(), max)).transpose().map_err(Into::into)
     }
 
     /// The `window_stats` graph: the state updates the network's cells make once per window,

@@ -214,6 +214,7 @@ fn parameters_change_only_at_the_boundary_and_each_graph_runs_once_per_window() 
                 step_collectives: 0,
                 skipped_updates: 0,
                 fused_launches: 0,
+                host_boundaries: window,
                 uncaptured_steps: 0
             }
         );
@@ -245,6 +246,7 @@ fn in_step_loss_is_the_sum_of_micro_losses_and_bad_batch_sizes_are_refused() {
             step_collectives: 0,
             skipped_updates: 0,
             fused_launches: 0,
+            host_boundaries: 1,
             uncaptured_steps: 0
         }
     );
@@ -283,6 +285,7 @@ fn incomplete_last_window_steps_with_its_true_count_or_is_dropped() {
             step_collectives: 0,
             skipped_updates: 0,
             fused_launches: 0,
+            host_boundaries: 2,
             uncaptured_steps: 0
         }
     );
@@ -309,6 +312,7 @@ fn incomplete_last_window_steps_with_its_true_count_or_is_dropped() {
             step_collectives: 0,
             skipped_updates: 0,
             fused_launches: 0,
+            host_boundaries: 1,
             uncaptured_steps: 0
         }
     );
@@ -357,9 +361,11 @@ fn a_loss_that_is_not_a_scalar_is_a_clear_error() {
 }
 
 /// On the CPU a window's boundary is one pass per parameter (the optimizer's update and the
-/// accumulator's clearing, from the `Update` program the optimizer graph comes from): for
-/// every built-in optimizer, 5 windows give the same bits as the optimizer and clear graphs
-/// (which a clip at 1e30 selects: its factor is exactly 1), and the accumulators are zero.
+/// accumulator's clearing, from the `Update` program the optimizer graph comes from; under
+/// clipping by global norm, the factor from the clip graph first): for every built-in
+/// optimizer, without clipping, with a clip that never bites (its factor exactly 1) and with
+/// one that bites every window, 5 windows give the same bits as the optimizer and clear graphs
+/// (`set_one_pass_boundary(false)`), and the accumulators are zero.
 #[test]
 fn the_one_pass_host_boundary_equals_the_optimizer_and_clear_graphs_bit_for_bit() {
     type Rule = (&'static str, fn() -> Rc<dyn Optimizer>);
@@ -375,21 +381,31 @@ fn the_one_pass_host_boundary_equals_the_optimizer_and_clear_graphs_bit_for_bit(
     let mut rng = StdRng::seed_from_u64(31);
     let batches: Vec<Vec<HostTensor>> = (0..10).map(|_| data(&mut rng, 6)).collect();
     for (what, opt) in rules {
-        let run = |clip: bool| {
-            let net = GradAccumulation::across_steps(net(), 2).normalization(Normalization::Mean);
-            let net = if clip { net.clip_global_norm(1e30) } else { net };
-            let mut acc = Accumulator::<Cpu>::new(Rc::new(net), opt(), cpu(), 3).unwrap();
-            batches.iter().for_each(|b| {
-                acc.step(b, Place::Regular).unwrap();
-            });
-            acc.session().params_host().into_iter().map(|(n, t)| (n, t.to_f32())).collect::<BTreeMap<_, _>>()
-        };
-        let (one_pass, graphs) = (run(false), run(true));
-        assert_eq!(one_pass.keys().collect::<Vec<_>>(), graphs.keys().collect::<Vec<_>>());
-        for (name, v) in &one_pass {
-            assert!(v.iter().map(|x| x.to_bits()).eq(graphs[name].iter().map(|x| x.to_bits())), "{what}: `{name}` differs from the graphs'");
-            if name.starts_with("accu_grads.") {
-                assert!(v.iter().all(|&x| x == 0.0), "{what}: {name} is cleared");
+        for clip in [None, Some(1e30), Some(1e-3)] {
+            let run = |one_pass: bool| {
+                let net = GradAccumulation::across_steps(net(), 2).normalization(Normalization::Mean);
+                let net = match clip {
+                    Some(c) => net.clip_global_norm(c),
+                    None => net,
+                };
+                let mut acc = Accumulator::<Cpu>::new(Rc::new(net), opt(), cpu(), 3).unwrap();
+                acc.set_one_pass_boundary(one_pass);
+                batches.iter().for_each(|b| {
+                    acc.step(b, Place::Regular).unwrap();
+                });
+                assert_eq!(acc.counters().host_boundaries, if one_pass { 5 } else { 0 }, "{what}, clip {clip:?}: the boundary that ran");
+                acc.session().params_host().into_iter().map(|(n, t)| (n, t.to_f32())).collect::<BTreeMap<_, _>>()
+            };
+            let (one_pass, graphs) = (run(true), run(false));
+            assert_eq!(one_pass.keys().collect::<Vec<_>>(), graphs.keys().collect::<Vec<_>>());
+            for (name, v) in &one_pass {
+                assert!(
+                    v.iter().map(|x| x.to_bits()).eq(graphs[name].iter().map(|x| x.to_bits())),
+                    "{what}, clip {clip:?}: `{name}` differs from the graphs'"
+                );
+                if name.starts_with("accu_grads.") {
+                    assert!(v.iter().all(|&x| x == 0.0), "{what}: {name} is cleared");
+                }
             }
         }
     }

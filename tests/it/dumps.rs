@@ -204,6 +204,29 @@ fn inspect_plan_on_wgpu_names_what_the_device_declines() {
     assert!(ok && out.lines().any(|l| l.contains(" gather ") && l.contains("the device's kernels decline it: no device kernel")), "{out}");
 }
 
+/// Under clipping by global norm on the CPU the `clip` graph runs before the one-pass
+/// boundary: it is dumped after every pass like the others, parses back, and holds the
+/// optimizer graph's clipping (the squared norm's sums, its square root, the factor).
+#[test]
+fn the_clip_graph_is_dumped_where_it_runs() {
+    let dir = tmp("clip");
+    let net = GradAccumulation::new(lenet_with_loss(), 4).clip_global_norm(1.0);
+    let mut model = Model::<Cpu>::new(net, Momentum::new(0.01, 0.9), cpu(), 1).unwrap();
+    model.save_graphs(DumpOptions { level: 1, dir: dir.to_path_buf() }).unwrap();
+    let batch =
+        [HostTensor::f32(vec![8, 1, 32, 32], vec![0.5; 8 * 1024]).unwrap(), HostTensor::i32(vec![8], (0..8).map(|i| i % 10).collect()).unwrap()];
+    model.accumulator_mut().step(&batch, Place::Regular).unwrap();
+    assert_eq!(model.accumulator().counters().host_boundaries, 1);
+    for stem in ["01_grad_accumulation_clip", "02_dce_clip", "05_fuse_accumulation_clip"] {
+        let text = std::fs::read_to_string(dir.join(format!("{stem}.ir"))).unwrap_or_else(|e| panic!("{stem}.ir: {e}"));
+        let g = parse(&text).unwrap_or_else(|e| panic!("{stem}.ir: {e}"));
+        verify(&g).unwrap();
+        assert!(text.contains("name=\"accu_grads.conv1.weight\"") && text.contains("name=\"grad_scale\""), "{text}");
+    }
+    let clip = std::fs::read_to_string(dir.join("02_dce_clip.ir")).unwrap();
+    assert!(clip.contains("= sqrt(") && clip.contains("= select(") && clip.contains("# optimizer.clip_by_global_norm"), "{clip}");
+}
+
 #[test]
 fn inspect_rejects_bad_files_with_their_place() {
     let dir = tmp("bad");

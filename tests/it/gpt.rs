@@ -399,3 +399,43 @@ fn ranks_with_different_sequence_lengths_train_together() {
     let (a, b) = (ranks[0].as_ref().unwrap(), ranks[1].as_ref().unwrap());
     assert_eq!(a, b, "every rank holds the same parameters");
 }
+
+/// Fine-tuning's boundary (token-weighted, AdamW, clipping by global norm, as `cellgraph
+/// finetune` runs it): on the CPU one pass per parameter after the clip graph gives the bits
+/// of the optimizer and clear graphs, in f32 and in bf16, with a clip that never bites and
+/// one that bites every window: the embedding (tied to the head), the layer norms, the
+/// attention's and the MLP's matrices and biases, 3 windows of 4 micro-batches.
+#[test]
+fn the_fine_tuning_boundary_in_one_pass_equals_the_graphs_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(12);
+    let batches: Vec<Vec<HostTensor>> = (0..12).map(|_| sequences(&mut rng, 2)).collect();
+    for precision in [None, Some(Precision::bf16())] {
+        let mut ends = Vec::new();
+        for clip in [1e30, 1e-2] {
+            let run = |one_pass: bool| {
+                let net = WithLossCell::new(gpt(), CrossEntropyLoss::new().ignore_index(IGNORE_INDEX as i64).tokens());
+                let net = GradAccumulation::across_steps(net, 4).normalization(Normalization::Tokens).clip_global_norm(clip);
+                let net = match precision {
+                    Some(p) => net.precision(p),
+                    None => net,
+                };
+                let mut a = cellgraph::runtime::Accumulator::<Cpu>::new(std::rc::Rc::new(net), std::rc::Rc::new(adamw()), cpu(), 3).unwrap();
+                a.set_one_pass_boundary(one_pass);
+                for b in &batches {
+                    a.step(b, Place::Regular).unwrap();
+                }
+                assert_eq!((a.updates(), a.counters().host_boundaries), (3, if one_pass { 3 } else { 0 }));
+                params_in(&a)
+            };
+            let (one_pass, graphs) = (run(true), run(false));
+            for (name, v) in &one_pass {
+                assert!(
+                    v.iter().map(|x| x.to_bits()).eq(graphs[name].iter().map(|x| x.to_bits())),
+                    "{precision:?}, clip {clip}: `{name}` differs from the graphs'"
+                );
+            }
+            ends.push(one_pass);
+        }
+        assert_ne!(ends[0], ends[1], "{precision:?}: the clip at 1e-2 bites");
+    }
+}

@@ -187,30 +187,56 @@ pub fn optimizer_graph(params: &[(String, TensorType)], rule: &dyn UpdateRule, o
         triples.push((name.clone(), p, d));
     }
     if let Some(max) = opts.clip_global_norm {
-        let mut e = Emit::new(&mut g, "optimizer.clip_by_global_norm");
-        let mut total = None;
-        for (_, _, d) in &triples {
-            let sq = e.mul(*d, *d)?;
-            let s = e.reduce_sum(sq, (0..e.ty(sq).rank()).collect(), false)?;
-            total = Some(match total {
-                Some(t) => e.add(t, s)?,
-                None => s,
-            });
-        }
-        let total = total.ok_or_else(|| IrError::Autodiff("nothing to clip: no trainable parameters".into()))?;
-        let norm = e.op(Op::Sqrt, &[total])?;
-        let max_c = e.constant(max, scalar.clone())?;
-        let over = e.op(Op::GreaterEqual, &[norm, max_c])?;
-        let ratio = e.div(max_c, norm)?;
-        let one = e.constant(1.0, scalar)?;
-        let factor = e.op(Op::Select, &[over, ratio, one])?;
+        let ds: Vec<NodeId> = triples.iter().map(|t| t.2).collect();
+        let (norm, factor) = clip_by_global_norm(&mut g, &ds, max)?;
         for (_, _, d) in &mut triples {
-            *d = e.mul(*d, factor)?;
+            *d = g.add(Op::Mul, &[*d, factor], "optimizer.clip_by_global_norm")?;
         }
-        e.g.push_output(norm);
+        g.push_output(norm);
     }
     let state = emit_updates(&mut g, rule, &triples)?;
     Ok((g, state))
+}
+
+/// The global norm of the gradients `ds` and the factor clipping multiplies them by: `max /
+/// norm` where the norm reaches `max`, else exactly 1.
+fn clip_by_global_norm(g: &mut Graph, ds: &[NodeId], max: f64) -> Result<(NodeId, NodeId)> {
+    let scalar = TensorType::f32(Shape::scalar());
+    let mut e = Emit::new(g, "optimizer.clip_by_global_norm");
+    let mut total = None;
+    for &d in ds {
+        let sq = e.mul(d, d)?;
+        let s = e.reduce_sum(sq, (0..e.ty(sq).rank()).collect(), false)?;
+        total = Some(match total {
+            Some(t) => e.add(t, s)?,
+            None => s,
+        });
+    }
+    let total = total.ok_or_else(|| IrError::Autodiff("nothing to clip: no trainable parameters".into()))?;
+    let norm = e.op(Op::Sqrt, &[total])?;
+    let max_c = e.constant(max, scalar.clone())?;
+    let over = e.op(Op::GreaterEqual, &[norm, max_c])?;
+    let ratio = e.div(max_c, norm)?;
+    let one = e.constant(1.0, scalar)?;
+    let factor = e.op(Op::Select, &[over, ratio, one])?;
+    Ok((norm, factor))
+}
+
+/// The `clip` graph: the optimizer graph's clipping alone, for a boundary that runs the update
+/// itself (the host's one pass per parameter). Input 0 `grad_scale`; outputs the factor the
+/// gradients `accu_grads.<param> * grad_scale` are multiplied by, then their global norm: the
+/// same ops as in [`optimizer_graph`], so the same bits.
+pub fn clip_graph(params: &[(String, TensorType)], max: f64) -> Result<Graph> {
+    let mut g = Graph::new("clip");
+    let scale = g.add_leaf(Op::Input { index: 0, name: "grad_scale".into() }, TensorType::f32(Shape::scalar()), "optimizer")?;
+    let mut ds = Vec::new();
+    for (name, ty) in params {
+        let acc = g.add_leaf(Op::Parameter { name: accumulator_name(name) }, ty.clone(), "optimizer")?;
+        ds.push(g.add(Op::Mul, &[acc, scale], "optimizer")?);
+    }
+    let (norm, factor) = clip_by_global_norm(&mut g, &ds, max)?;
+    g.set_outputs(vec![factor, norm]);
+    Ok(g)
 }
 
 /// The `clear` graph for parameters of the given types.

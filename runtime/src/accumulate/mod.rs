@@ -70,6 +70,9 @@ struct Plans {
     micro: HashMap<Vec<TensorType>, Executable>,
     optimizer: Executable,
     clear: Executable,
+    /// On a host backend under clipping by global norm: the optimizer graph's clipping alone,
+    /// whose factor the one-pass boundary applies (see `Store::host_update`).
+    clip: Option<Executable>,
     /// The cells' once-per-window state updates (`window_stats`), traced with the first
     /// micro-step: `Some(None)` when there are none.
     window: Option<Option<Executable>>,
@@ -234,8 +237,16 @@ impl<B: Backend> Accumulator<B> {
         let trained: Vec<(String, TensorType)> =
             accumulators.iter().map(|(n, t)| (n[ACCUMULATOR_PREFIX.len() + 1..].to_string(), t.clone())).collect();
         let store = Store::new(&trained, accumulator_name, opt.as_ref());
-        let plans =
-            Plans { micro: HashMap::new(), optimizer: compile(optimizer)?, clear: compile(clear)?, window: None, names: Vec::new(), dump: None };
+        let clip = if B::HOST { net.clip_graph()?.map(compile).transpose()? } else { None };
+        let plans = Plans {
+            micro: HashMap::new(),
+            optimizer: compile(optimizer)?,
+            clear: compile(clear)?,
+            clip,
+            window: None,
+            names: Vec::new(),
+            dump: None,
+        };
         let mut acc = Accumulator {
             net,
             opt,
@@ -274,6 +285,9 @@ impl<B: Backend> Accumulator<B> {
         };
         let at = DumpAt { opts: &opts, first: 1, input: "grad_accumulation" };
         self.plans.clear = compile_with(self.plans.clear.source().clone(), Some(at))?;
+        if let Some(clip) = &mut self.plans.clip {
+            *clip = compile_with(clip.source().clone(), Some(at))?;
+        }
         // The optimizer graph that runs: this rank's shard under hsdp, else the whole one.
         match self.sync.shard_mut() {
             Some(sh) => sh.optimizer = compile_with(sh.optimizer.source().clone(), Some(at))?,
@@ -340,6 +354,13 @@ impl<B: Backend> Accumulator<B> {
     /// The compiled optimizer and clear plans.
     pub fn boundary_plans(&self) -> (&Executable, &Executable) {
         (&self.plans.optimizer, &self.plans.clear)
+    }
+
+    /// On a host backend, whether a window's boundary is one pass per parameter (the default:
+    /// the optimizer and clear graphs' bits, each buffer read and written once) or those two
+    /// graphs themselves (`false`, to compare with; each then counts in `clear_runs`).
+    pub fn set_one_pass_boundary(&mut self, on: bool) {
+        self.store.set_one_pass(self.opt.as_ref(), on);
     }
 
     /// One training step, the one way to train: with in-step slicing the batch is split into
@@ -573,6 +594,7 @@ impl<B: Backend> Accumulator<B> {
             store: &mut self.store,
             progress: &mut self.progress,
             optimizer: &self.plans.optimizer,
+            clip: self.plans.clip.as_ref(),
             loss_scale,
             scalars: &scalars,
         };

@@ -9,7 +9,7 @@ use cellgraph_compiler::{HostData, HostTensor, TensorType};
 
 use crate::backend::{HostSlice, HostVec, FLAT_ALIGN};
 use crate::error::{Result, RuntimeError};
-use crate::exec::Session;
+use crate::exec::{Executable, Session};
 use crate::value::Value;
 use crate::Backend;
 use cellgraph_compiler::program::Program;
@@ -87,6 +87,11 @@ impl<B: Backend> Store<B> {
         let params = params.iter().map(|(name, ty)| Trained { name: name.clone(), shape: ty.dims().to_vec(), len: ty.numel() }).collect();
         let host = B::HOST.then(|| opt.update());
         Store { params, names, inits, flat: None, host }
+    }
+
+    /// Whether [`Self::host_update`] runs (on host backends).
+    pub fn set_one_pass(&mut self, opt: &dyn Optimizer, on: bool) {
+        self.host = (B::HOST && on).then(|| opt.update());
     }
 
     /// The session name of a slot.
@@ -276,19 +281,25 @@ impl<B: Backend> Store<B> {
     /// The boundary on a host backend: for each trained parameter one pass updates it (and its
     /// optimizer states) from its accumulator times `scale` and zeroes the accumulator, in the
     /// memory the session holds them in: the optimizer and clear graphs' results, bit for bit,
-    /// reading and writing each buffer once instead of once per op. Returns false (and
-    /// changes nothing) where it does not apply: a device backend, a program that does not
-    /// fit, values that are not f32.
-    pub fn host_update(&self, session: &mut Session<B>, scale: f64, scalars: &[f64]) -> bool {
-        let Some(prog) = &self.host else { return false };
+    /// reading and writing each buffer once instead of once per op. Under clipping by global
+    /// norm, `clip` (the optimizer graph's clipping alone) runs first, and its factor
+    /// multiplies each gradient as the optimizer graph's does. Returns false (and changes
+    /// nothing) where it does not apply: a device backend, a program that does not fit, values
+    /// that are not f32.
+    pub fn host_update(&self, session: &mut Session<B>, scale: f64, clip: Option<&Executable>, scalars: &[f64]) -> Result<bool> {
+        let Some(prog) = &self.host else { return Ok(false) };
         // Every buffer an f32 host value of its parameter's length, before any is changed.
         let host_f32 = |kind, i: usize, t: &Trained| match session.value(self.name(Slot { kind, param: i })) {
             Some(Value::Float(v)) => crate::host::is_host_f32::<B>(v, t.len),
             _ => false,
         };
         if !self.params.iter().enumerate().all(|(i, t)| self.kinds().all(|k| host_f32(k, i, t))) {
-            return false;
+            return Ok(false);
         }
+        let factor = match clip {
+            Some(clip) => session.run(clip, &[HostTensor::scalar_f32(scale)])?[0].to_f32()[0],
+            None => 1.0,
+        };
         let scalars: Vec<f32> = scalars.iter().map(|&v| v as f32).collect();
         let device = session.device().clone();
         for (i, t) in self.params.iter().enumerate() {
@@ -300,14 +311,14 @@ impl<B: Backend> Store<B> {
                     _ => unreachable!("checked above"),
                 })
                 .collect();
-            let Ok(out) = crate::host::update_clear::<B>(prog, bufs, &t.shape, &scalars, scale as f32, &device) else {
+            let Ok(out) = crate::host::update_clear::<B>(prog, bufs, &t.shape, &scalars, scale as f32, factor, &device) else {
                 unreachable!("f32 host values of one length, checked above")
             };
             for (n, b) in names.iter().zip(out) {
                 session.set_value(n, Value::Float(b));
             }
         }
-        true
+        Ok(true)
     }
 
     /// The boundary on flat buffers: one fused kernel updates every parameter from its

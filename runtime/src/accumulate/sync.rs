@@ -59,6 +59,8 @@ pub(super) struct Boundary<'a, B: Backend> {
     pub progress: &'a mut Progress,
     /// The optimizer over every parameter (the unsharded one).
     pub optimizer: &'a Executable,
+    /// The optimizer graph's clipping alone (host backends under clipping by global norm).
+    pub clip: Option<&'a Executable>,
     /// The scale the micro-steps seeded the backward pass with, under dynamic loss scaling.
     pub loss_scale: Option<f64>,
     /// The optimizer's host scalars for this update (the learning rate...).
@@ -86,14 +88,18 @@ impl<B: Backend> Boundary<'_, B> {
     }
 
     /// The optimizer over every parameter: one fused kernel on flat device buffers, one pass
-    /// per parameter on a host backend (without clipping, whose norm the graph computes),
-    /// else the graph. Returns whether the accumulators were zeroed with it.
+    /// per parameter on a host backend (under clipping, with the factor the clip graph gives,
+    /// which the optimizer graph computes with the same ops), else the graph. Returns whether
+    /// the accumulators were zeroed with it.
     fn run_optimizer(&mut self, scale: f64) -> Result<bool> {
         if let Some(launches) = self.store.fused_update(scale, self.net.clip_global_norm, self.scalars) {
             self.progress.counters.fused_launches += launches? as u64;
             return Ok(true);
         }
-        if self.net.clip_global_norm.is_none() && self.store.host_update(self.session, scale, self.scalars) {
+        // Under clipping the one pass needs the clip graph (which host backends compile).
+        let one_pass = self.net.clip_global_norm.is_none() || self.clip.is_some();
+        if one_pass && self.store.host_update(self.session, scale, self.clip, self.scalars)? {
+            self.progress.counters.host_boundaries += 1;
             return Ok(true);
         }
         self.session.run(self.optimizer, &optimizer_inputs(scale, self.scalars))?;

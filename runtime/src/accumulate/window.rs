@@ -22,6 +22,9 @@ pub struct Counters {
     /// Fused optimizer-and-clear kernel launches (device backends with flat buffers: one per
     /// update, whatever the number of parameters).
     pub fused_launches: u64,
+    /// Windows whose boundary ran as one pass per parameter on a host backend (the optimizer
+    /// and clear graphs' bits, each buffer read and written once), not as those graphs.
+    pub host_boundaries: u64,
     /// Device micro-steps run op by op although the session replays graphs: plans with
     /// collectives inside (SyncBatchNorm over ranks), which read the device.
     pub uncaptured_steps: u64,
@@ -179,6 +182,7 @@ mod tests {
                 step_collectives: 0,
                 skipped_updates: 0,
                 fused_launches: 0,
+                host_boundaries: 0,
                 uncaptured_steps: 0,
             },
         };

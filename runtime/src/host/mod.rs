@@ -258,13 +258,16 @@ pub fn is_host_f32<B: Backend>(t: &FloatTensor<B>, len: usize) -> bool {
 /// A window's boundary for one parameter on a host backend, in one pass (see
 /// [`program::update_clear`]): `bufs` are the parameter, its accumulator and its optimizer
 /// states, in place where nothing else holds them (else copied), returned updated (the
-/// accumulator zeroed). `Err(bufs)` when they are not all f32 host values of one length.
+/// accumulator zeroed); the gradient is the accumulator times `scale`, then times `factor`
+/// (clipping's). `Err(bufs)` when they are not all f32 host values of one length.
+#[allow(clippy::too_many_arguments)]
 pub fn update_clear<B: Backend>(
     prog: &Program,
     bufs: Vec<FloatTensor<B>>,
     dims: &[usize],
     scalars: &[f32],
     scale: f32,
+    factor: f32,
     device: &Device<B>,
 ) -> Result<Vec<FloatTensor<B>>, Vec<FloatTensor<B>>> {
     let n: usize = dims.iter().product();
@@ -284,7 +287,7 @@ pub fn update_clear<B: Backend>(
         .collect();
     let (pa, states) = vecs.split_at_mut(2);
     let [p, acc] = pa else { unreachable!("two") };
-    program::update_clear(prog, p, acc, states, scalars, scale);
+    program::update_clear(prog, p, acc, states, scalars, scale, factor);
     Ok(vecs.into_iter().map(|v| B::from_host_vec(HostVec::F32(v), dims, device)).collect())
 }
 

@@ -161,11 +161,12 @@ fn unary_then<F: HostFloat>(op: Unary, x: &mut [F], g: impl Fn(F) -> F) {
 
 /// A window's boundary for one parameter in one pass: its optimizer's update (the
 /// [`Program`] its graph comes from, [`cellgraph_compiler::update`]) and the clearing of its
-/// accumulator, block by block: `g = acc * scale`, the program's steps in order, `acc = 0`.
+/// accumulator, block by block: `g = acc * scale` (then `g * factor`, clipping's, unless it is
+/// 1), the program's steps in order, `acc = 0`.
 /// Reads of the parameter and of the states see their values before the update (the optimizer
 /// graph's writes land when it finishes), and each op rounds to `F` as the graph's ops do, so
 /// the results are the optimizer graph's bits. `scalars`: the rule's scalar inputs.
-pub fn update_clear<F: HostFloat>(prog: &Program, p: &mut [F], acc: &mut [F], states: &mut [Vec<F>], scalars: &[F], scale: F) {
+pub fn update_clear<F: HostFloat>(prog: &Program, p: &mut [F], acc: &mut [F], states: &mut [Vec<F>], scalars: &[F], scale: F, factor: F) {
     let n = p.len();
     assert!(acc.len() == n && states.iter().all(|s| s.len() == n), "one length for a parameter's buffers");
     // A value per step (`Let(i)` is step `i`'s; a write's is never read).
@@ -197,7 +198,7 @@ pub fn update_clear<F: HostFloat>(prog: &Program, p: &mut [F], acc: &mut [F], st
     each(shares, |(p, acc, mut st)| {
         // Scratch: the gradient, the parameter and the states as they were, the steps' values.
         F::scratch((2 + st.len() + lets) * BLOCK, |scratch| {
-            vectorized(Update { prog, kept: &kept, scalars, scale, p, acc, states: &mut st, scratch })
+            vectorized(Update { prog, kept: &kept, scalars, scale, factor, p, acc, states: &mut st, scratch })
         })
     });
 }
@@ -229,6 +230,7 @@ struct Update<'a, 'b, F> {
     kept: &'a [bool],
     scalars: &'a [F],
     scale: F,
+    factor: F,
     p: &'a mut [F],
     acc: &'a mut [F],
     states: &'a mut [&'b mut [F]],
@@ -239,10 +241,10 @@ impl<F: HostFloat> pulp::WithSimd for Update<'_, '_, F> {
     type Output = ();
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, _: S) {
-        let Update { prog, kept, scalars, scale, p, acc, states, scratch } = self;
+        let Update { prog, kept, scalars, scale, factor, p, acc, states, scratch } = self;
         for start in (0..p.len()).step_by(BLOCK) {
             let m = BLOCK.min(p.len() - start);
-            update_block(prog, kept, scalars, scale, &mut p[start..start + m], &mut acc[start..start + m], states, start, scratch);
+            update_block(prog, kept, scalars, (scale, factor), &mut p[start..start + m], &mut acc[start..start + m], states, start, scratch);
         }
     }
 }
@@ -257,7 +259,7 @@ fn update_block<F: HostFloat>(
     prog: &Program,
     kept: &[bool],
     scalars: &[F],
-    scale: F,
+    (scale, factor): (F, F),
     p: &mut [F],
     acc: &mut [F],
     states: &mut [&mut [F]],
@@ -270,6 +272,9 @@ fn update_block<F: HostFloat>(
     let (g, rest) = fixed.split_at_mut(BLOCK);
     let (w, old) = rest.split_at_mut(BLOCK);
     g[..m].iter_mut().zip(&*acc).for_each(|(g, &a)| *g = a * scale);
+    if factor != F::from_f64(1.0) {
+        g[..m].iter_mut().for_each(|g| *g = *g * factor);
+    }
     if kept[0] {
         w[..m].copy_from_slice(p);
     }
