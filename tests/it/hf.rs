@@ -267,6 +267,64 @@ fn bad_model_directories_are_clear_errors() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Weights are read from the file straight into their tensors: a model saved in f16 or bf16
+/// (as many Hugging Face checkpoints are) loads as those values widened to f32, the `Conv1D`
+/// weights transposed as from f32; a file cut short, one byte too long, or whose header's
+/// offsets do not tile its data is an error naming the file, before a tensor is read.
+#[test]
+fn half_precision_weights_load_and_damaged_files_are_errors() {
+    let dir = scratch("halves");
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(Path::new(TINY).join(f), dir.join(f)).unwrap();
+    }
+    let bytes = std::fs::read(Path::new(TINY).join("model.safetensors")).unwrap();
+    let f32s = hf::load(Path::new(TINY), &LoadOptions::default()).unwrap().params;
+    type Half = (safetensors::Dtype, fn(f32) -> [u8; 2], fn(f32) -> f32);
+    let halves: [Half; 2] = [
+        (safetensors::Dtype::F16, |x| half::f16::from_f32(x).to_le_bytes(), |x| half::f16::from_f32(x).to_f32()),
+        (safetensors::Dtype::BF16, |x| half::bf16::from_f32(x).to_le_bytes(), |x| half::bf16::from_f32(x).to_f32()),
+    ];
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    for (dtype, to_bytes, rounded) in halves {
+        let data: Vec<(String, Vec<usize>, Vec<u8>)> = file
+            .tensors()
+            .into_iter()
+            .map(|(name, v)| {
+                let b = v.data().chunks_exact(4).flat_map(|b| to_bytes(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect();
+                (name, v.shape().to_vec(), b)
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> =
+            data.iter().map(|(n, shape, b)| (n.clone(), safetensors::tensor::TensorView::new(dtype, shape.clone(), b).unwrap())).collect();
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+        let loaded = hf::load(&dir, &LoadOptions::default()).unwrap().params;
+        assert_eq!(loaded.keys().collect::<Vec<_>>(), f32s.keys().collect::<Vec<_>>());
+        for (name, t) in &loaded {
+            let want: Vec<f32> = f32s[name].to_f32().into_iter().map(rounded).collect();
+            assert_eq!((&t.shape, t.to_f32()), (&f32s[name].shape, want), "{dtype:?} {name}");
+        }
+    }
+    let err = || hf::load(&dir, &LoadOptions::default()).map(|_| ()).unwrap_err().to_string();
+    let path = dir.join("model.safetensors");
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
+    let first = header.find("\"data_offsets\":[").unwrap() + "\"data_offsets\":[".len();
+    let shifted = format!("{}{}", &header[..first], header[first..].replacen('0', "4", 1));
+    let cases: [(&str, Vec<u8>, &str); 4] = [
+        ("cut short", bytes[..bytes.len() - 1].to_vec(), "the file holds"),
+        ("one byte too long", [&bytes[..], &[0]].concat(), "the file holds"),
+        ("offsets that leave a gap", [&bytes[..8], shifted.as_bytes(), &bytes[8 + n..]].concat(), "offset"),
+        ("no header", bytes[..5].to_vec(), "no header"),
+    ];
+    for (what, b, says) in cases {
+        std::fs::write(&path, b).unwrap();
+        let e = err();
+        assert!(e.contains(&path.display().to_string()) && e.contains("not a safetensors file or truncated") && e.contains(says), "{what}: {e}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 const CELLGRAPH: &str = env!("CARGO_BIN_EXE_cellgraph");
 
 fn cellgraph(args: &[&str]) -> (Option<i32>, String, String) {
