@@ -362,7 +362,7 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
         return Ok(());
     }
     // The network's parameters alone (no optimizer state): what the model directory holds.
-    hf::save(&args.out, &config, &loaded.hf_config, &model.accumulator().parameters(), Some(&args.model))?;
+    hf::save_values(&args.out, &config, &loaded.hf_config, &model.accumulator().parameter_values(), Some(&args.model))?;
     println!("saved {} (GPT2LMHeadModel.from_pretrained and AutoTokenizer.from_pretrained load it)", args.out.display());
     if args.sample_tokens > 0 {
         let first_line = val_text.lines().map(str::trim).find(|l| !l.is_empty()).map(|l| l.chars().take(64).collect::<String>() + " ");

@@ -456,22 +456,40 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Loaded> {
 /// the tokenizer files of `tokenizer_from` (a model directory) copied. Each file is written
 /// atomically; a missing parameter is an error before anything is written.
 pub fn save(dir: &Path, config: &GptConfig, hf_config: &Map<String, Json>, params: &Tensors, tokenizer_from: Option<&Path>) -> Result<()> {
+    let views = params.iter().map(|(n, t)| (n.clone(), (t.shape.clone(), values(t)))).collect();
+    save_values(dir, config, hf_config, &views, tokenizer_from)
+}
+
+/// A parameter's shape and its values, borrowed where they can be
+/// ([`crate::Accumulator::parameter_values`]).
+pub type ParamValues<'a> = BTreeMap<String, (Vec<usize>, std::borrow::Cow<'a, [f32]>)>;
+
+/// [`save`] from parameters' values that need not be copied out of a session first
+/// (`Accumulator::parameter_values`).
+pub fn save_values(
+    dir: &Path,
+    config: &GptConfig,
+    hf_config: &Map<String, Json>,
+    params: &ParamValues<'_>,
+    tokenizer_from: Option<&Path>,
+) -> Result<()> {
     let shapes = shapes(config)?;
     let mut tensors = Vec::new();
     for n in names(config.layers) {
-        let t = params.get(&n.ours).ok_or_else(|| invalid(format!("saving {}", dir.display()), format!("parameter `{}` has no value", n.ours)))?;
-        if t.shape != shapes[&n.ours] {
+        let (shape, values) =
+            params.get(&n.ours).ok_or_else(|| invalid(format!("saving {}", dir.display()), format!("parameter `{}` has no value", n.ours)))?;
+        if shape != &shapes[&n.ours] {
             return Err(invalid(
                 format!("saving {}", dir.display()),
-                format!("parameter `{}` is {:?}, the config gives {:?}", n.ours, t.shape, shapes[&n.ours]),
+                format!("parameter `{}` is {:?}, the config gives {:?}", n.ours, shape, shapes[&n.ours]),
             ));
         }
-        let transpose = match (n.transposed, t.shape.as_slice()) {
+        let transpose = match (n.transposed, shape.as_slice()) {
             (true, &[rows, cols]) => Some([rows, cols]),
             _ => None,
         };
-        let shape = if transpose.is_some() { t.shape.iter().rev().copied().collect() } else { t.shape.clone() };
-        tensors.push((format!("transformer.{}", n.hf), Saved { values: values(t), shape, transpose }));
+        let shape = if transpose.is_some() { shape.iter().rev().copied().collect() } else { shape.clone() };
+        tensors.push((format!("transformer.{}", n.hf), Saved { values: std::borrow::Cow::Borrowed(&values[..]), shape, transpose }));
     }
     let meta: std::collections::HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
     let mut j = hf_config.clone();

@@ -179,7 +179,7 @@ fn tiny_net(m: &hf::Loaded) -> GradAccumulation {
 /// checkpoint replaces: the same parameters, accumulators and optimizer state, bit for bit,
 /// and the same report, strict and not (a parameter the checkpoint lacks is drawn from the
 /// seed as `new` draws it); strict, a missing parameter is the same error. `parameters()` holds
-/// the network's parameters alone.
+/// the network's parameters alone, and `parameter_values()` the same values, borrowed.
 #[test]
 fn a_pretrained_model_equals_a_new_one_restored() {
     let m = hf::load(Path::new(TINY), &LoadOptions::default()).unwrap();
@@ -194,6 +194,13 @@ fn a_pretrained_model_equals_a_new_one_restored() {
         assert_eq!(got, want);
         assert_eq!(bits(&pretrained.snapshot()), bits(&restored.snapshot()), "strict {strict}, {} tensors", params.len());
         let own = pretrained.accumulator().parameters();
+        // The same values borrowed from the session (no copy on the CPU).
+        let views = pretrained.accumulator().parameter_values();
+        assert_eq!(views.keys().collect::<Vec<_>>(), own.keys().collect::<Vec<_>>());
+        for (k, (shape, v)) in &views {
+            assert!(matches!(v, std::borrow::Cow::Borrowed(_)), "{k} is borrowed");
+            assert_eq!((shape, &v[..]), (&own[k].shape, &own[k].to_f32()[..]), "{k}");
+        }
         let names: Vec<String> = Cell::parameters(pretrained.accumulator().network()).into_iter().map(|p| p.name).collect();
         assert_eq!(own.keys().cloned().collect::<Vec<_>>(), {
             let mut n = names;

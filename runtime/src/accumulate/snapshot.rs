@@ -66,6 +66,35 @@ impl<B: Backend> Accumulator<B> {
         self.net.parameters().into_iter().filter_map(|p| self.session.param(&p.name).map(|t| (p.name, t))).collect()
     }
 
+    /// [`Self::parameters`] without copying them where the session holds them in host memory
+    /// as f32 (the CPU's): each parameter's shape and values borrowed from the session (copied
+    /// from a device, or from f64). What a save reads while the model goes on.
+    pub fn parameter_values(&self) -> crate::hf::ParamValues<'_> {
+        fn values<B: Backend>(v: &crate::value::Value<B>) -> Option<std::borrow::Cow<'_, [f32]>> {
+            match v {
+                crate::value::Value::Float(t) => match B::host_slice(t) {
+                    Some(crate::backend::HostSlice::F32(c)) => Some(c),
+                    _ => None,
+                },
+                _ => None,
+            }
+        }
+        let net = self.net.parameters();
+        net.into_iter()
+            .filter_map(|p| {
+                let v = self.session.value(&p.name)?;
+                let (dims, values) = match values(v) {
+                    Some(c) => (v.dims(), c),
+                    None => {
+                        let t = v.to_host();
+                        (t.shape.clone(), std::borrow::Cow::Owned(t.to_f32()))
+                    }
+                };
+                Some((p.name, (dims, values)))
+            })
+            .collect()
+    }
+
     /// Loads a snapshot, or a checkpoint of the network's parameters alone (MindSpore's
     /// `load_param_into_net(net, params, strict_load=True)`): every parameter of the network
     /// must be there with its shape, optimizer state and accumulators come all or none per kind
