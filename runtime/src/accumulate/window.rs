@@ -23,7 +23,8 @@ pub struct Counters {
     /// update, whatever the number of parameters).
     pub fused_launches: u64,
     /// Windows whose boundary ran as one pass per parameter on a host backend (the optimizer
-    /// and clear graphs' bits, each buffer read and written once), not as those graphs.
+    /// and clear graphs' bits, each buffer read and written once), not as those graphs. Not
+    /// checkpointed: a resumed run counts its own.
     pub host_boundaries: u64,
     /// Device micro-steps run op by op although the session replays graphs: plans with
     /// collectives inside (SyncBatchNorm over ranks), which read the device.
