@@ -198,7 +198,7 @@ fn read_safetensors(path: &Path, keep: impl Fn(&str) -> Option<bool>) -> Result<
             )));
         }
         end = stop;
-        tensors.push((name.clone(), info.dtype, info.shape.clone(), numel.unwrap_or(0)));
+        tensors.push((name.clone(), info.dtype, info.shape.clone(), numel.unwrap_or(0), stop - start));
     }
     if 8 + n + end as u64 != len {
         return Err(truncated(format!("its header describes {end} bytes of data, the file holds {}", len - 8 - n)));
@@ -227,23 +227,21 @@ fn read_safetensors(path: &Path, keep: impl Fn(&str) -> Option<bool>) -> Result<
     };
     let mut scratch = Vec::new();
     let mut out = Vec::new();
-    for (name, dtype, shape, numel) in tensors {
-        let bytes = numel * if dtype == Dtype::F32 { 4 } else { 2 };
+    for (name, dtype, shape, numel, bytes) in tensors {
         let Some(transpose) = keep(&name) else {
             f.seek(SeekFrom::Current(bytes as i64)).map_err(|e| io(path, e))?;
             continue;
         };
-        let mut v = vec![0.0f32; numel];
-        let shape = match (transpose, shape.as_slice()) {
+        let (shape, v) = match (transpose, shape.as_slice()) {
             (true, &[rows, cols]) => {
                 scratch.resize(numel.max(scratch.len()), 0.0);
                 read(&mut f, dtype, &mut scratch[..numel]).map_err(|e| io(path, e))?;
-                crate::host::layout::permute(&scratch[..numel], &[rows, cols], &[1, 0], &mut v);
-                vec![cols, rows]
+                (vec![cols, rows], transposed(&scratch[..numel], rows, cols))
             }
             _ => {
+                let mut v = vec![0.0f32; numel];
                 read(&mut f, dtype, &mut v).map_err(|e| io(path, e))?;
-                shape
+                (shape, v)
             }
         };
         out.push((name, HostTensor::f32(shape, v).expect("the header's shape, checked")));

@@ -56,7 +56,13 @@ fn train<B: Backend>(
         let r = acc.session().replay_counts();
         eprintln!("graph replay: {r:?}, not captured: {:?}", acc.session().replay_blockers());
     }
-    let params = names.iter().map(|n| (n.clone(), acc.session().param(n).unwrap().to_f32())).collect();
+    let params: BTreeMap<String, Vec<f32>> = names.iter().map(|n| (n.clone(), acc.session().param(n).unwrap().to_f32())).collect();
+    // What a save reads: the same values, borrowed from a host session, copied from a device's.
+    let views = acc.parameter_values();
+    for (n, v) in &params {
+        assert_eq!(&views[n].1[..], &v[..], "{n}");
+        assert_eq!(matches!(views[n].1, std::borrow::Cow::Borrowed(_)), B::HOST, "{n}");
+    }
     (params, acc.counters().fused_launches, acc.updates())
 }
 

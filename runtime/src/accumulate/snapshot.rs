@@ -85,10 +85,11 @@ impl<B: Backend> Accumulator<B> {
                 let v = self.session.value(&p.name)?;
                 let (dims, values) = match values(v) {
                     Some(c) => (v.dims(), c),
-                    None => {
-                        let t = v.to_host();
-                        (t.shape.clone(), std::borrow::Cow::Owned(t.to_f32()))
-                    }
+                    // Copied once: an f32 copy's memory is kept, not copied again.
+                    None => match v.to_host() {
+                        HostTensor { shape, data: HostData::F32(v) } => (shape, std::borrow::Cow::Owned(v)),
+                        t => (t.shape.clone(), std::borrow::Cow::Owned(t.to_f32())),
+                    },
                 };
                 Some((p.name, (dims, values)))
             })
