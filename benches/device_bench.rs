@@ -52,9 +52,15 @@ struct Args {
     /// where its time went: the slowest ops and kinds of step (launch and kernels together).
     #[arg(long)]
     profile: bool,
-    /// Replay each micro-step as its captured graph (see docs/devices.md, "CUDA graph replay").
+    /// Replay each micro-step as its captured graph (see docs/devices.md, "CUDA graph replay");
+    /// with `--in-step`, each window as one graph.
     #[arg(long)]
     graphs: bool,
+    /// Each step is a whole window (`GradAccumulation::new`: its batch of micro-batch x K rows
+    /// sliced into K micro-batches, MindSpore's GradAccumulationCell) instead of one
+    /// micro-batch (`GradAccumulation::across_steps`, the default here).
+    #[arg(long)]
+    in_step: bool,
     /// Compute precision of the micro-steps: f32, or bf16 (`Precision::bf16()`: values stored
     /// as bf16, f32 accumulators; on the CPU, products of bf16 values on AVX-512 BF16 where it
     /// has them).
@@ -84,29 +90,31 @@ impl OnDevice for Bench {
 
 fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), Box<dyn std::error::Error>> {
     let (b, k) = (args.micro_batch, args.micro_size);
+    // Rows per step: a micro-batch, or with in-step slicing a whole window.
+    let rows = if args.in_step { b * k } else { b };
+    let accumulate = |net: WithLossCell| if args.in_step { GradAccumulation::new(net, k) } else { GradAccumulation::across_steps(net, k) };
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     // Host batches, as a data loader hands them over (each micro-step uploads its batch).
     let images = |rng: &mut rand::rngs::StdRng, c: usize, hw: usize| {
-        let x: Vec<f32> = (0..b * c * hw * hw).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let y: Vec<i32> = (0..b).map(|_| rng.random_range(0..10)).collect();
-        vec![HostTensor::f32(vec![b, c, hw, hw], x).unwrap(), HostTensor::i32(vec![b], y).unwrap()]
+        let x: Vec<f32> = (0..rows * c * hw * hw).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let y: Vec<i32> = (0..rows).map(|_| rng.random_range(0..10)).collect();
+        vec![HostTensor::f32(vec![rows, c, hw, hw], x).unwrap(), HostTensor::i32(vec![rows], y).unwrap()]
     };
     // Items per micro-batch row: an image, or a sequence of GPT_CONTEXT tokens.
     let mut tokens_per_item = 1;
     let (net, opt, batches): (GradAccumulation, Rc<dyn Optimizer>, Vec<Vec<HostTensor>>) = match args.net.as_str() {
         "lenet" => {
             let loss = SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean);
-            let net = GradAccumulation::across_steps(WithLossCell::new(LeNet5::new(&Scope::root(), 10, 1), loss), k);
+            let net = accumulate(WithLossCell::new(LeNet5::new(&Scope::root(), 10, 1), loss));
             (net, Rc::new(Momentum::new(0.01, 0.9)), (0..8).map(|_| images(&mut rng, 1, 32)).collect())
         }
         "mlp" => {
-            let net = GradAccumulation::across_steps(WithLossCell::new(Network::new(&Scope::root()), CrossEntropyLoss::new()), k);
+            let net = accumulate(WithLossCell::new(Network::new(&Scope::root()), CrossEntropyLoss::new()));
             (net, Rc::new(SGD::new(0.01)), (0..8).map(|_| images(&mut rng, 1, 28)).collect())
         }
         // Colossal-AI's seed: SGD(0.1, momentum 0.9, weight decay 5e-4), loss divided by K.
         "resnet18" => {
-            let net = GradAccumulation::across_steps(WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()), k)
-                .normalization(Normalization::Mean);
+            let net = accumulate(WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new())).normalization(Normalization::Mean);
             (net, Rc::new(SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(0.1) }), (0..8).map(|_| images(&mut rng, 3, 32)).collect())
         }
         // sample_code/gpt_accumulation's model and recipe at a constant learning rate: the
@@ -116,12 +124,13 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
             tokens_per_item = t;
             let gpt = GPT::new(&Scope::root(), GptConfig::small(GPT_VOCAB))?;
             let loss = CrossEntropyLoss::new().ignore_index(-100).tokens();
-            let net = GradAccumulation::across_steps(WithLossCell::new(gpt, loss), k).normalization(Normalization::Tokens).clip_global_norm(1.0);
+            let net = accumulate(WithLossCell::new(gpt, loss)).normalization(Normalization::Tokens).clip_global_norm(1.0);
             let batches = (0..8)
                 .map(|_| {
-                    let ids: Vec<i32> = (0..b * (t + 1)).map(|_| rng.random_range(0..GPT_VOCAB as i32)).collect();
-                    let (x, y): (Vec<i32>, Vec<i32>) = (0..b * t).map(|i| (ids[i / t * (t + 1) + i % t], ids[i / t * (t + 1) + i % t + 1])).unzip();
-                    vec![HostTensor::i32(vec![b, t], x).unwrap(), HostTensor::i32(vec![b, t], y).unwrap()]
+                    let ids: Vec<i32> = (0..rows * (t + 1)).map(|_| rng.random_range(0..GPT_VOCAB as i32)).collect();
+                    let (x, y): (Vec<i32>, Vec<i32>) =
+                        (0..rows * t).map(|i| (ids[i / t * (t + 1) + i % t], ids[i / t * (t + 1) + i % t + 1])).unzip();
+                    vec![HostTensor::i32(vec![rows, t], x).unwrap(), HostTensor::i32(vec![rows, t], y).unwrap()]
                 })
                 .collect();
             (net, Rc::new(Adam { beta2: 0.99, ..Adam::adamw(3e-3, 0.1) }), batches)
@@ -135,7 +144,9 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         "f16" => Some(cellgraph::cells::Precision::f16()),
         other => return Err(format!("--precision must be f32, bf16 or f16, got `{other}`").into()),
     };
-    let types: Vec<(String, TensorType)> = batches[0].iter().enumerate().map(|(i, t)| (format!("input{i}"), t.ty())).collect();
+    // The micro-step's inputs: a micro-batch's rows.
+    let micro_type = |t: &HostTensor| TensorType::new(t.dtype(), [b].into_iter().chain(t.shape[1..].iter().copied()).collect::<Vec<_>>());
+    let types: Vec<(String, TensorType)> = batches[0].iter().enumerate().map(|(i, t)| (format!("input{i}"), micro_type(t))).collect();
     let micro_graph = net.micro_step_graph(&types)?;
     let flops_per_item = cellgraph::compiler::cost::flops(&micro_graph) as f64 / b as f64;
     let mut acc = Accumulator::<B>::new(Rc::new(net), opt, device, 1)?;
@@ -145,9 +156,11 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     let graphs = args.graphs;
     acc.options().set_graphs(graphs)?;
     let mut i = 0;
+    // Steps per window: K micro-batches, or one window.
+    let steps = if args.in_step { 1 } else { k };
     let mut run = |acc: &mut Accumulator<B>, updates: usize| -> Result<f64, Box<dyn std::error::Error>> {
         let mut loss = 0.0;
-        for _ in 0..updates * k {
+        for _ in 0..updates * steps {
             // The loss is read once per update (PyTorch's script does the same), so the
             // micro-steps of a window queue on the device without waiting for it.
             if acc.step(&batches[i % batches.len()], Place::Regular)? {
@@ -174,7 +187,12 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     }
     let launches = if fused > 0.0 { format!("{fused:.0} (fused)") } else { "graph (per parameter)".into() };
     let label = if args.tf32 { format!("{label} tf32") } else { label.to_string() };
-    let label = if graphs { format!("{label} graphs") } else { label };
+    let label = match (graphs, args.in_step) {
+        (true, true) => format!("{label} graphs (window)"),
+        (true, false) => format!("{label} graphs"),
+        (false, true) => format!("{label} (in-step)"),
+        (false, false) => label,
+    };
     let label = match (args.precision.as_str(), args.f32_products) {
         ("bf16", false) => format!("{label} bf16"),
         ("bf16", true) => format!("{label} bf16 (f32 products)"),
@@ -205,10 +223,11 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
     if graphs {
         let r = acc.session().replay_counts();
         eprintln!(
-            "graph replay: {} warm-ups, {} captures, {} replays, {} forgotten, {} op by op ({} with collectives)",
+            "graph replay: {} warm-ups, {} captures, {} replays ({} of them whole windows), {} forgotten, {} op by op ({} with collectives)",
             r.warmups,
             r.captures,
             r.replays,
+            r.windows,
             r.forgotten,
             r.uncaptured,
             acc.counters().uncaptured_steps
@@ -224,16 +243,29 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         // last with the boundary (each step reads its loss, so the device is idle at each count).
         let c0 = launches::settled();
         let before: std::collections::BTreeMap<String, u64> = launches::by_name().into_iter().collect();
-        for _ in 0..k - 1 {
+        let replays = acc.session().replay_counts().replays;
+        if args.in_step {
+            // One step is the window.
             acc.step(&batches[0], Place::Regular)?;
-            acc.step_loss();
+            let _ = acc.session().params_host();
+            let c1 = launches::settled();
+            eprintln!("kernel launches: {} per window of {k} micro-steps, boundary included (in-step)", c1 - c0);
+        } else {
+            for _ in 0..k - 1 {
+                acc.step(&batches[0], Place::Regular)?;
+                acc.step_loss();
+            }
+            let c1 = launches::settled();
+            acc.step(&batches[0], Place::Regular)?;
+            let _ = acc.session().params_host();
+            let c2 = launches::settled();
+            let micro = (c1 - c0) as f64 / (k - 1) as f64;
+            eprintln!("kernel launches: {micro:.1} per micro-step, {:.1} at the boundary, {} per window", (c2 - c1) as f64 - micro, c2 - c0);
         }
-        let c1 = launches::settled();
-        acc.step(&batches[0], Place::Regular)?;
-        let _ = acc.session().params_host();
-        let c2 = launches::settled();
-        let micro = (c1 - c0) as f64 / (k - 1) as f64;
-        eprintln!("kernel launches: {micro:.1} per micro-step, {:.1} at the boundary, {} per window", (c2 - c1) as f64 - micro, c2 - c0);
+        if graphs {
+            // A graph's kernels are not in cubecl's log: its replay is one launch.
+            eprintln!("graph replays in that window: {}", acc.session().replay_counts().replays - replays);
+        }
         let mut names: Vec<(u64, String)> =
             launches::by_name().into_iter().map(|(n, c)| (c - before.get(&n).copied().unwrap_or(0), n)).filter(|(c, _)| *c > 0).collect();
         names.sort_by_key(|n| std::cmp::Reverse(n.0));
@@ -243,7 +275,7 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         // Transfers of a window whose losses nobody reads (as PyTorch's script: no readback).
         use cellgraph::runtime::value::{device_reads, device_uploads};
         let (r0, u0) = (device_reads(), device_uploads());
-        for _ in 0..k {
+        for _ in 0..steps {
             acc.step(&batches[0], Place::Regular)?;
         }
         let (reads, uploads) = (device_reads() - r0, device_uploads() - u0);
@@ -254,7 +286,7 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         acc.options().set_graphs(false)?;
         acc.options().set_device_profiling(true);
         let t = Instant::now();
-        for _ in 0..k {
+        for _ in 0..steps {
             acc.step(&batches[0], Place::Regular)?;
         }
         let _ = acc.session().params_host();

@@ -74,6 +74,11 @@ pub trait Backend: burn_backend::Backend {
         None
     }
 
+    /// [`Self::flat_view`] of an integer buffer (a window's labels, say).
+    fn flat_view_int(_buffer: &IntTensor<Self>, _offset: usize, _shape: &[usize]) -> Option<IntTensor<Self>> {
+        None
+    }
+
     /// `acc += g`, written into `acc`'s memory; false when the backend cannot (the caller
     /// then adds out of place).
     fn assign_add_in_place(_acc: &FloatTensor<Self>, _g: FloatTensor<Self>) -> bool {

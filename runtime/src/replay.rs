@@ -45,6 +45,17 @@
 //! enqueued, no wait), one launch for the whole plan, then its outputs copied out (the next
 //! replay writes the same buffers).
 //!
+//! **A whole window in one graph**: with in-step slicing a step holds every micro-batch of its
+//! window, so the K micro-steps are captured together, one after the other, in one graph
+//! ([`crate::Session::run_window_replayed`]; the key counts the runs). Each input is one
+//! buffer holding the K micro-batches' values at aligned offsets (one upload and one copy
+//! kernel per input and window), each run reading its own views; a scalar input (dropout's
+//! update number, the loss scale) is one buffer the runs share. The runs' outputs stay in the
+//! graph's buffers, lent to the caller until the next replay of that window (a window's losses
+//! are read, or dropped, before the next step runs), so a window costs its uploads, their
+//! copies, one replay and the boundary's launch, where K micro-step replays cost K of each
+//! plus K copies out.
+//!
 //! A parameter set from outside a run (a checkpoint loaded, the accumulators replaced)
 //! forgets every graph that reads it; its plan warms up and is captured again.
 
@@ -71,16 +82,28 @@ pub struct ReplayCounts {
     /// Runs op by op because their plan cannot be captured (a step reads the device or
     /// uploads: [`crate::Session::replay_blockers`] names it).
     pub uncaptured: u64,
+    /// Of `replays`: whole windows replayed as one graph (every micro-step of an in-step
+    /// window in one launch, [`crate::Session::run_window_replayed`]).
+    pub windows: u64,
 }
+
+/// A captured plan shape: the plan's id, its inputs' types, and how many runs of the plan one
+/// graph holds (1 for a micro-step; K for a window of K micro-steps).
+pub(crate) type GraphKey = (u64, Vec<TensorType>, usize);
 
 /// One plan shape's buffers and graph.
 pub(crate) struct Entry<B: Backend> {
-    /// The input buffers every run of this shape reads (written in place before each).
+    /// The input buffers written in place before each replay: one per input of the plan (for
+    /// a window, each holds that input for every run, at aligned offsets, unless it is a
+    /// scalar, which the window's runs share).
     pub inputs: Vec<Value<B>>,
+    /// What each run of the graph reads as the plan's inputs: `inputs` itself for one run,
+    /// views into them for a window's runs.
+    pub bound: Vec<Vec<Value<B>>>,
     /// Session values the plan reads or writes: setting one from outside forgets the graph.
     pub names: BTreeSet<String>,
-    /// The captured graph and the buffers it leaves its outputs in; `None` after the first
-    /// run (captured at the second).
+    /// The captured graph and the buffers it leaves its outputs in (every run's, in order);
+    /// `None` after the first run (captured at the second).
     pub graph: Option<(BackendGraph<B>, Vec<Value<B>>)>,
     /// Pins on every buffer the plan's arena held when the graph was recorded (the capture
     /// run took all its buffers from there; what cubecl allocated inside the capture, it pins
@@ -100,7 +123,7 @@ pub(crate) struct Entry<B: Backend> {
 
 /// A session's captured plans, by plan id and input types.
 pub(crate) struct Graphs<B: Backend> {
-    pub entries: HashMap<(u64, Vec<TensorType>), Entry<B>>,
+    pub entries: HashMap<GraphKey, Entry<B>>,
     pub counts: ReplayCounts,
 }
 

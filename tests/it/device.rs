@@ -544,6 +544,106 @@ fn replay_matches_op_by_op<B: Backend>(device: Device<B>) {
     assert_eq!(params(&eager), params(&resumed), "resumed mid-window with graphs");
 }
 
+/// With in-step slicing a window's micro-steps replay as one graph, with the bits of the
+/// op-by-op run and of one graph per micro-step: LeNet5, windows of 3 micro-batches of 8 over
+/// five steps, then a last batch of 7 (micro-batches of 3, 2 and 2: each replays its own
+/// micro-step graph) and one of 6 (2, 2 and 2: another window shape); every step's loss and
+/// every parameter equal. A window with a label out of range is an error before anything
+/// runs. A checkpoint taken between windows of a replaying run, restored into a fresh one,
+/// continues as the uninterrupted op-by-op run (restoring forgets the graph). Then ResNet-18
+/// (batch norms write their moving statistics at every micro-step), the token-weighted GPT
+/// (each micro-step's token count stays on the device until the boundary reads it) and the
+/// GPT with dropout (each micro-step's item indices in one window buffer, the update number
+/// shared) replay their windows with the op-by-op run's bits.
+#[allow(dead_code)]
+fn window_replay_matches_op_by_op<B: Backend>(device: Device<B>) {
+    let mut batches = lenet_batches(5, 24, 31);
+    batches.extend(lenet_batches(1, 7, 32));
+    batches.extend(lenet_batches(1, 6, 33));
+    let opt: Rc<dyn Optimizer> = Rc::new(Momentum::new(0.01, 0.9));
+    let mk = |graphs: bool, window: bool| {
+        let net = GradAccumulation::new(crate::common::lenet_with_loss(), 3);
+        let mut acc = Accumulator::<B>::new(Rc::new(net), opt.clone(), device.clone(), 1).unwrap();
+        acc.options().set_graphs(graphs).unwrap();
+        acc.set_window_graphs(window);
+        acc
+    };
+    let place = |i: usize| if i < 5 { Place::Regular } else { Place::LastOfEpoch };
+    let params = |acc: &Accumulator<B>| acc.session().params_host();
+    let (mut eager, mut micro, mut window) = (mk(false, true), mk(true, false), mk(true, true));
+    for (i, b) in batches.iter().enumerate() {
+        for acc in [&mut eager, &mut micro, &mut window] {
+            acc.step(b, place(i)).unwrap();
+        }
+        assert_eq!(eager.step_loss().to_bits(), window.step_loss().to_bits(), "step {i}: the loss, window replayed");
+        assert_eq!(micro.step_loss().to_bits(), window.step_loss().to_bits(), "step {i}: the loss, micro-steps replayed");
+    }
+    assert_eq!(params(&eager), params(&window), "parameters after 7 windows, window replayed");
+    assert_eq!(params(&micro), params(&window), "parameters after 7 windows, micro-steps replayed");
+    let r = window.session().replay_counts();
+    // The 3 x 8 window: op by op twice (captured at the second, or at a retry), then replayed;
+    // the batch of 7: its 3-image micro-step op by op once, its 2-image one twice (captured at
+    // the second); the batch of 6: another window shape, op by op once.
+    assert!(r.uncaptured == 0 && r.forgotten == 0 && r.replays == r.windows, "{r:?}: {:?}", window.session().replay_blockers());
+    assert!((1..=3).contains(&r.windows) && r.captures == 2, "LeNet5's window replayed: {r:?}");
+    assert_eq!(r.warmups + r.windows, 5 + 3 + 1, "{r:?}");
+    assert_eq!(micro.session().replay_counts().windows, 0, "set_window_graphs(false): one graph per micro-step");
+    // A window still checks its labels on the host, before anything is uploaded.
+    let mut bad = batches[0].clone();
+    bad[1] = HostTensor::i32(vec![24], (0..24).map(|i| if i == 17 { 10 } else { 1 }).collect()).unwrap();
+    let err = window.step(&bad, Place::Regular).unwrap_err().to_string();
+    assert!(err.contains("label 10"), "{err}");
+
+    // Resumed between windows, replaying.
+    let mut first = mk(true, true);
+    for (i, b) in batches[..2].iter().enumerate() {
+        first.step(b, place(i)).unwrap();
+    }
+    let mut resumed = mk(true, true);
+    resumed.restore(&first.snapshot()).unwrap();
+    for (i, b) in batches.iter().enumerate().skip(2) {
+        resumed.step(b, place(i)).unwrap();
+    }
+    assert_eq!(params(&eager), params(&resumed), "resumed between windows with window graphs");
+    assert!(resumed.session().replay_counts().windows >= 1, "{:?}", resumed.session().replay_counts());
+
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(34);
+    let resnet = image_batches(4, 4, 34);
+    let text: Vec<_> = (0..4).map(|_| crate::gpt::sequences(&mut rng, 6)).collect();
+    let resnet18 = || GradAccumulation::new(WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()), 2);
+    let gpt = |net: fn() -> WithLossCell| move || GradAccumulation::new(net(), 2).normalization(Normalization::Tokens);
+    type Case<'a> = (&'a str, Box<dyn Fn() -> GradAccumulation>, &'a [Vec<HostTensor>]);
+    let cases: [Case; 3] = [
+        ("ResNet-18", Box::new(resnet18), &resnet),
+        ("the GPT", Box::new(gpt(crate::gpt::counted)), &text),
+        ("the GPT with dropout 0.3", Box::new(gpt(crate::gpt::dropped)), &text),
+    ];
+    for (what, net, batches) in cases {
+        let mk = |graphs: bool| {
+            let opt: Rc<dyn Optimizer> = Rc::new(SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(0.05) });
+            let mut acc = Accumulator::<B>::new(Rc::new(net()), opt, device.clone(), 1).unwrap();
+            acc.options().set_graphs(graphs).unwrap();
+            acc
+        };
+        let (mut eager, mut replayed) = (mk(false), mk(true));
+        for (i, b) in batches.iter().enumerate() {
+            eager.step(b, Place::Regular).unwrap();
+            replayed.step(b, Place::Regular).unwrap();
+            assert_eq!(eager.step_loss().to_bits(), replayed.step_loss().to_bits(), "{what}, step {i}: the loss");
+        }
+        let (e, r) = (eager.session().params_host(), replayed.session().params_host());
+        let bits = |t: &HostTensor| t.to_f32().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let differ: Vec<&String> = e.keys().filter(|n| r.get(*n).map(bits) != Some(bits(&e[*n]))).collect();
+        assert!(differ.is_empty() && e.len() == r.len(), "{what}: parameters differ after 4 windows: {differ:?}");
+        let why = replayed.session().replay_blockers();
+        assert!(why.is_empty(), "{what}: not captured: {why:?}");
+        let r = replayed.session().replay_counts();
+        assert_replayed(r, 2, 4, what);
+        assert_eq!(r.windows, r.replays, "{what}: {r:?}");
+    }
+}
+
 /// A captured graph writes only buffers its session holds: once a micro-step (LeNet5's;
 /// ResNet-18's, whose batch norms write their moving statistics every micro-step; the GPT's,
 /// with steps on burn's ops) is captured,
@@ -1245,6 +1345,11 @@ mod wgpu {
     }
 
     #[test]
+    fn window_replay_on_wgpu_matches_op_by_op() {
+        super::window_replay_matches_op_by_op::<Wgpu>(dev());
+    }
+
+    #[test]
     fn a_graph_on_wgpu_writes_only_buffers_its_session_holds() {
         super::a_graph_writes_only_buffers_its_session_holds::<Wgpu>(dev());
     }
@@ -1383,6 +1488,12 @@ mod cuda {
     fn replay_on_cuda_matches_op_by_op() {
         let Some(device) = gpu() else { return };
         super::replay_matches_op_by_op::<Cuda>(device);
+    }
+
+    #[test]
+    fn window_replay_on_cuda_matches_op_by_op() {
+        let Some(device) = gpu() else { return };
+        super::window_replay_matches_op_by_op::<Cuda>(device);
     }
 
     #[test]

@@ -136,6 +136,9 @@ pub struct Accumulator<B: Backend> {
     items_seen: u64,
     /// Dynamic loss scaling, when the precision policy asks for it.
     scaler: Option<Scaler>,
+    /// With graphs on, whether an in-step window's micro-steps replay as one graph
+    /// ([`Self::set_window_graphs`]).
+    window_graphs: bool,
 }
 
 /// The position of the [`ITEM_INDEX`] column among a dataset's column `names`, if any.
@@ -258,6 +261,7 @@ impl<B: Backend> Accumulator<B> {
             readback: Readback::new(),
             items_seen: 0,
             scaler: None,
+            window_graphs: true,
         };
         acc.scaler = acc.net.precision.and_then(|p| p.scaling()).map(Scaler::new);
         acc.store.enter_flat(&mut acc.session, acc.opt.as_ref())?;
@@ -363,6 +367,14 @@ impl<B: Backend> Accumulator<B> {
         self.store.set_one_pass(self.opt.as_ref(), on);
     }
 
+    /// With graphs on ([`SessionOptions::set_graphs`]) and in-step slicing, whether a window's
+    /// micro-steps are captured and replayed as one graph (the default: one launch per window)
+    /// or each as its own (one launch per micro-step, to compare with). Across steps, and for a
+    /// last batch whose micro-batches differ in size, each micro-step replays its own graph.
+    pub fn set_window_graphs(&mut self, on: bool) {
+        self.window_graphs = on;
+    }
+
     /// One training step, the one way to train: with in-step slicing the batch is split into
     /// `micro_size` micro-batches and the window applied; across steps the batch is one
     /// micro-batch and the window is applied when it is full. `place` says whether this is the
@@ -382,9 +394,15 @@ impl<B: Backend> Accumulator<B> {
         self.readback.forget(&mut self.session);
         match self.net.slicing {
             Slicing::InStep => {
-                for (start, end) in micro_ranges(b, k) {
-                    let micro: Vec<HostTensor> = batch.iter().map(|t| slice_rows(t, start, end)).collect();
-                    self.run_micro(&micro)?;
+                let ranges = micro_ranges(b, k);
+                let micros = ranges.iter().map(|&(start, end)| batch.iter().map(|t| slice_rows(t, start, end)).collect::<Vec<_>>());
+                let one_shape = ranges.iter().all(|r| r.1 - r.0 == ranges[0].1 - ranges[0].0);
+                if self.window_graphs && self.session.graphs() && ranges.len() > 1 && one_shape {
+                    self.run_window(micros.collect())?;
+                } else {
+                    for micro in micros {
+                        self.run_micro(&micro)?;
+                    }
                 }
                 self.apply()?;
                 Ok(true)
@@ -508,8 +526,10 @@ impl<B: Backend> Accumulator<B> {
             .collect()
     }
 
-    /// One micro-batch, its loss kept with the step's others.
-    fn run_micro(&mut self, batch: &[HostTensor]) -> Result<()> {
+    /// A micro-batch's plan (compiled, and dumped, at its shape's first use) and the plan's
+    /// inputs: the network's (the batch without its items' indices), then dropout's keys when
+    /// the plan reads them. Returns the plan's key, the inputs and the micro-batch's rows.
+    fn prepared<'a>(&mut self, batch: &'a [HostTensor]) -> Result<(Vec<TensorType>, Cow<'a, [HostTensor]>, usize)> {
         // The network reads the batch as it is, unless it carries its items' indices.
         let column = self.item_column();
         let items = column.and_then(|k| batch.get(k));
@@ -542,7 +562,43 @@ impl<B: Backend> Accumulator<B> {
         let rows = inputs.first().and_then(|t| t.shape.first().copied()).unwrap_or(1);
         // Dropout's keys, when the plan reads them.
         let keys = self.keys(exe, inputs.len(), items, rows)?;
-        let inputs: Cow<[HostTensor]> = if keys.is_empty() { inputs } else { Cow::Owned(inputs.iter().cloned().chain(keys).collect()) };
+        let inputs = if keys.is_empty() { inputs } else { Cow::Owned(inputs.iter().cloned().chain(keys).collect()) };
+        Ok((key, inputs, rows))
+    }
+
+    /// An in-step window's micro-batches (one shape) as one captured graph, replayed in one
+    /// launch ([`Session::run_window_replayed`]); a plan with collectives inside runs its
+    /// micro-steps one by one.
+    fn run_window(&mut self, micros: Vec<Vec<HostTensor>>) -> Result<()> {
+        let mut sets = Vec::with_capacity(micros.len());
+        let mut plan = None;
+        for micro in &micros {
+            let (key, inputs, rows) = self.prepared(micro)?;
+            self.items_seen += rows as u64;
+            sets.push((inputs, rows));
+            plan = Some(key);
+        }
+        let exe = &self.plans.micro[&plan.expect("a window has micro-steps")];
+        if exe.collectives() > 0 {
+            self.items_seen -= sets.iter().map(|s| s.1 as u64).sum::<u64>();
+            return micros.iter().try_for_each(|micro| self.run_micro(micro));
+        }
+        let inputs: Vec<&[HostTensor]> = sets.iter().map(|s| &s.0[..]).collect();
+        let outs = self.session.run_window_replayed(exe, &inputs)?;
+        for (mut out, (_, rows)) in outs.into_iter().zip(&sets) {
+            let count = out.get(1).cloned();
+            let counted = count.is_some();
+            self.readback.push_device(out.swap_remove(0), count);
+            // Counted as 0 tokens until the boundary reads them (`Readback::settle`).
+            self.progress.micro_step(if counted { 0 } else { *rows });
+        }
+        Ok(())
+    }
+
+    /// One micro-batch, its loss kept with the step's others.
+    fn run_micro(&mut self, batch: &[HostTensor]) -> Result<()> {
+        let (key, inputs, rows) = self.prepared(batch)?;
+        let exe = &self.plans.micro[&key];
         let inputs = &inputs[..];
         // Collectives inside the step (SyncBatchNorm's statistics) sum over the ranks.
         let comm = self.sync.comm().map(|c| c.as_ref()).filter(|c| c.size() > 1);

@@ -176,6 +176,20 @@ fn upload_contiguous<R: CubeRuntime>(data: burn_backend::TensorData, device: &R:
     Some(y)
 }
 
+/// A tensor of extents `shape` sharing `buffer`'s memory from element `offset` (a multiple of
+/// [`ALIGN`]): a flat buffer's parameter, a window's micro-batch.
+fn view<R: CubeRuntime>(buffer: &CubeTensor<R>, offset: usize, shape: &[usize]) -> Option<CubeTensor<R>> {
+    let n: usize = shape.iter().product();
+    let total = buffer.meta.num_elements();
+    if !offset.is_multiple_of(ALIGN) || offset + n > total || !buffer.is_contiguous() {
+        return None;
+    }
+    let size = buffer.dtype.size() as u64;
+    let handle = buffer.handle.clone().offset_start(offset as u64 * size).offset_end((total - offset - n) as u64 * size);
+    let shape = if shape.is_empty() { vec![1] } else { shape.to_vec() };
+    Some(CubeTensor::new_contiguous(buffer.client.clone(), buffer.device.clone(), Shape::from(shape), handle, buffer.dtype))
+}
+
 /// Launches [`copy_words`] from `x` into `y` (contiguous, 32-bit elements, one length).
 fn launch_copy_words<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>) {
     let (count, dim) = grid(&y.client, y.meta.num_elements());
@@ -286,17 +300,12 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
     }
 
     fn flat_view(buffer: &CubeTensor<R>, offset: usize, shape: &[usize]) -> Option<CubeTensor<R>> {
-        let n: usize = shape.iter().product();
-        let total = buffer.meta.num_elements();
-        if !offset.is_multiple_of(ALIGN) || offset + n > total || !buffer.is_contiguous() {
-            return None;
-        }
-        let size = buffer.dtype.size() as u64;
-        let handle = buffer.handle.clone().offset_start(offset as u64 * size).offset_end((total - offset - n) as u64 * size);
-        let shape = if shape.is_empty() { vec![1] } else { shape.to_vec() };
-        Some(CubeTensor::new_contiguous(buffer.client.clone(), buffer.device.clone(), Shape::from(shape), handle, buffer.dtype))
+        view(buffer, offset, shape)
     }
 
+    fn flat_view_int(buffer: &CubeTensor<R>, offset: usize, shape: &[usize]) -> Option<CubeTensor<R>> {
+        view(buffer, offset, shape)
+    }
     fn device_reusable(t: CubeTensor<R>) -> Option<(usize, usize, CubeTensor<R>)> {
         let n = t.meta.num_elements();
         let h = &t.handle;
