@@ -4,9 +4,11 @@
 #   bash scripts/gpu_call.sh            (about 4 minutes on an H100)
 # 1. the CUDA tests (`it device::cuda`), replay included: `checks_with_graphs_on_cuda_match_cpu`
 #    is the gate for making replay the default on CUDA;
-# 2. the launches one LeNet5 window makes, op by op and replayed;
-# 3. the benchmark beside PyTorch (eager and CUDA graphs), each case op by op and replayed,
-#    alternating (scripts/gpu_check.sh with GRAPHS=1). CASES, UPDATES and WARMUP as there;
+# 2. the launches one LeNet5 window makes, op by op, each micro-step replayed, and the whole
+#    window replayed as one graph (--in-step);
+# 3. the benchmark beside PyTorch (eager and CUDA graphs), each case op by op, each micro-step
+#    replayed and each window replayed, alternating (scripts/gpu_check.sh with GRAPHS=1).
+#    CASES, UPDATES and WARMUP as there;
 # 4. bf16 (BF16_CASES, default the GPT 64 x 4 and ResNet-18 32 x 4): bf16 compute with its
 #    values stored in bf16 and its matmuls and convolutions on tensor cores, the same on f32
 #    storage (--f32-storage), the emulation (--f32-products --f32-storage), and PyTorch's
@@ -27,10 +29,11 @@ echo "## CUDA tests"
 timeout 240 $G/it --test-threads 1 device::cuda >"$OUT/tests.log" 2>&1
 echo "rc $?"
 grep -E "^test |test result|vs CPU|panicked|differ|graph replay" "$OUT/tests.log" | head -60
-echo "## launches per LeNet5 window (op by op, then replayed)"
-for g in "" --graphs; do
-    timeout 60 $G/device_bench --device cuda:0 --net lenet --micro-batch 32 --micro-size 4 --updates 5 --warmup 2 --launches $g >"$OUT/launches$g.log" 2>&1
-    grep -E "launches|replay|not captured|last loss|rror" "$OUT/launches$g.log" | head -8
+echo "## launches per LeNet5 window (op by op, each micro-step replayed, the window replayed)"
+for g in "" --graphs "--graphs --in-step"; do
+    log="$OUT/launches${g// /}.log"
+    timeout 60 $G/device_bench --device cuda:0 --net lenet --micro-batch 32 --micro-size 4 --updates 5 --warmup 2 --launches $g >"$log" 2>&1
+    grep -E "launches|replay|not captured|last loss|transfers|rror" "$log" | head -8
 done
 echo "## benchmark"
 OUT=$OUT GRAPHS=1 PARTS=bench CASES="${CASES:-lenet 32 4;mlp 256 4;resnet18 32 4;gpt 64 4}" UPDATES=${UPDATES:-20} WARMUP=${WARMUP:-3} \

@@ -15,7 +15,9 @@
 # the seconds each benchmark command may run. A `baseline_device_bench` in FOLDER (an earlier
 # build's) runs before and after the new one in each case, so a change is timed against its
 # baseline in the same call. GRAPHS=1 also times device_bench with `--graphs` (each
-# micro-step replayed as its captured CUDA graph), alternating with the op-by-op run.
+# micro-step replayed as its captured CUDA graph) and `--graphs --in-step` (each window of K
+# micro-steps replayed as one graph, as PyTorch's script captures it), alternating with the
+# op-by-op run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-target/release}
@@ -92,9 +94,9 @@ for cfg in "${cases[@]}"; do
     set -- $cfg
     if [ -x "$BIN/baseline_device_bench" ]; then bench baseline_device_bench "$@"; fi
     bench device_bench "$@"
-    if [ -n "${GRAPHS:-}" ]; then bench device_bench "$@" --graphs; fi
+    if [ -n "${GRAPHS:-}" ]; then bench device_bench "$@" --graphs; bench device_bench "$@" --graphs --in-step; fi
     if [ -x "$BIN/baseline_device_bench" ]; then bench baseline_device_bench "$@"; bench device_bench "$@"; fi
-    if [ -n "${GRAPHS:-}" ]; then bench device_bench "$@"; bench device_bench "$@" --graphs; fi
+    if [ -n "${GRAPHS:-}" ]; then bench device_bench "$@"; bench device_bench "$@" --graphs; bench device_bench "$@" --graphs --in-step; fi
     measure timeout "$CASE_TIMEOUT" python3 benches/pytorch_accumulation.py --net "$1" --micro-batch "$2" --micro-size "$3" \
         --updates "$UPDATES" --warmup "$WARMUP" || status=1
 done

@@ -586,8 +586,8 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
         // Whether replay did what `--graphs` asked, and why not where it did not.
         let r = session.replay_counts();
         println!(
-            "graph replay: {} captured, {} micro-steps replayed, {} op by op while warming up, {} op by op (not capturable)",
-            r.captures, r.replays, r.warmups, r.uncaptured
+            "graph replay: {} captured, {} replayed ({} of them whole windows, the rest micro-steps), {} op by op while warming up, {} op by op (not capturable)",
+            r.captures, r.replays, r.windows, r.warmups, r.uncaptured
         );
         for why in session.replay_blockers() {
             println!("  not captured: {why}");

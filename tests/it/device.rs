@@ -1142,6 +1142,26 @@ mod wgpu {
         let copies: u64 = names.iter().filter(|(n, _)| n.starts_with("CopyKernel")).map(|(_, c)| c).sum();
         assert_eq!(copies, 0, "no operand is copied to make it contiguous: {names:?}");
         assert_eq!(boundary, 1, "the boundary is one fused update-and-clear kernel");
+
+        // The same window in one step (in-step slicing) with graphs on: after two windows
+        // (warm-up, capture), a window is one replay, the two inputs' copies into the graph's
+        // buffers and the fused update: 3 launches, 3 uploads (the inputs, the boundary's
+        // constants), against 4 x 32 + 1 launches and 9 uploads op by op.
+        use cellgraph::runtime::value::device_uploads;
+        let net = GradAccumulation::new(crate::common::lenet_with_loss(), k);
+        let mut acc = Accumulator::<Wgpu>::new(Rc::new(net), Rc::new(Momentum::new(0.01, 0.9)), dev(), 1).unwrap();
+        acc.options().set_graphs(true).unwrap();
+        let window_batch = &lenet_batches(1, b * k, 4)[0];
+        while acc.session().replay_counts().windows == 0 && acc.session().replay_counts().warmups < 5 {
+            acc.step(window_batch, Place::Regular).unwrap();
+        }
+        let _ = acc.session().params_host();
+        let (c0, u0, r0) = (launches::settled(), device_uploads(), acc.session().replay_counts().replays);
+        acc.step(window_batch, Place::Regular).unwrap();
+        let _ = acc.session().params_host();
+        let (window, uploads, replays) = (launches::settled() - c0, device_uploads() - u0, acc.session().replay_counts().replays - r0);
+        println!("a LeNet5 window replayed as one graph: {window} launches, {replays} replay, {uploads} uploads");
+        assert_eq!((window, replays, uploads), (3, 1, 3), "launches, replays and uploads of a window replayed as one graph");
     }
 
     /// Kernel launches of a token-weighted GPT micro-step (one layer, no dropout): its
