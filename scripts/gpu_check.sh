@@ -17,7 +17,8 @@
 # baseline in the same call. GRAPHS=1 also times device_bench with `--graphs` (each
 # micro-step replayed as its captured CUDA graph) and `--graphs --in-step` (each window of K
 # micro-steps replayed as one graph, as PyTorch's script captures it), alternating with the
-# op-by-op run.
+# op-by-op run. DEADLINE (seconds since the epoch) skips, named, the benchmark commands that
+# would start after it (a device call has a time limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-target/release}
@@ -85,6 +86,10 @@ first=--header
 bench() {
     local bin=$1 net=$2 b=$3 k=$4
     shift 4
+    if [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -ge "$DEADLINE" ]; then
+        echo "<!-- skipped (past DEADLINE): $bin $net $b x $k $* -->"
+        return
+    fi
     measure timeout "$CASE_TIMEOUT" "$BIN/$bin" --device cuda:0 --net "$net" --micro-batch "$b" --micro-size "$k" \
         --updates "$UPDATES" --warmup "$WARMUP" $first "$@" | sed "s/^| cellgraph /| cellgraph ($bin) /" || status=1
     first=
@@ -95,10 +100,15 @@ for cfg in "${cases[@]}"; do
     if [ -x "$BIN/baseline_device_bench" ]; then bench baseline_device_bench "$@"; fi
     bench device_bench "$@"
     if [ -n "${GRAPHS:-}" ]; then bench device_bench "$@" --graphs; bench device_bench "$@" --graphs --in-step; fi
+    # PyTorch between our two rounds (A B A), so that a DEADLINE cut keeps a ratio.
+    if [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -ge "$DEADLINE" ]; then
+        echo "<!-- skipped (past DEADLINE): PyTorch $* -->"
+    else
+        measure timeout "$CASE_TIMEOUT" python3 benches/pytorch_accumulation.py --net "$1" --micro-batch "$2" --micro-size "$3" \
+            --updates "$UPDATES" --warmup "$WARMUP" || status=1
+    fi
     if [ -x "$BIN/baseline_device_bench" ]; then bench baseline_device_bench "$@"; bench device_bench "$@"; fi
     if [ -n "${GRAPHS:-}" ]; then bench device_bench "$@"; bench device_bench "$@" --graphs; bench device_bench "$@" --graphs --in-step; fi
-    measure timeout "$CASE_TIMEOUT" python3 benches/pytorch_accumulation.py --net "$1" --micro-batch "$2" --micro-size "$3" \
-        --updates "$UPDATES" --warmup "$WARMUP" || status=1
 done
 fi
 exit $status

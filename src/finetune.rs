@@ -26,7 +26,7 @@ use cellgraph::runtime::device::{self, OnDevice};
 use cellgraph::runtime::hf::{self, LoadOptions, Tokenizer};
 use cellgraph::runtime::{Backend, Dataset, Metric, ProgressBar};
 
-use crate::train::{at_least_one, non_negative, Compute, RunLog, StopAfter};
+use crate::train::{at_least_one, non_negative, replay_report, Compute, RunLog, StopAfter};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -131,6 +131,10 @@ pub struct FinetuneArgs {
     /// scoring included).
     #[arg(long)]
     profile: bool,
+    /// Replay each update's window of --micro-size micro-steps as one captured device graph
+    /// (CUDA and wgpu; see `cellgraph train --graphs`). `--profile` turns it off.
+    #[arg(long)]
+    graphs: bool,
 }
 
 const FINETUNE_EXAMPLES: &str = "\
@@ -314,6 +318,11 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     };
     let mut model = model.with_metrics(&[Metric::Loss]);
     model.accumulator_mut().options().set_profiling(args.profile);
+    if args.graphs && args.profile {
+        eprintln!("--graphs: off under --profile (it times each op)");
+    } else if args.graphs {
+        model.accumulator_mut().options().set_graphs(true)?;
+    }
     let mut log = args.loss_log.as_deref().filter(|_| rank == 0).map(|p| RunLog::open(p, false)).transpose()?;
     let out: Box<dyn std::io::Write> = if rank == 0 { Box::new(std::io::stdout()) } else { Box::new(std::io::sink()) };
     let mut loss_monitor = LossMonitor::to_writer(args.print_every, out);
@@ -357,6 +366,9 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     say!("trained {} updates{ranks} in {secs:.2} s ({:.0} tokens/s)", model.accumulator().updates(), tokens as f64 / secs);
     if rank == 0 {
         print!("{}", model.accumulator().session().profile_table(20));
+        if let Some(report) = replay_report(model.accumulator().session()) {
+            print!("{report}");
+        }
     }
     if rank > 0 {
         return Ok(());

@@ -229,9 +229,10 @@ pub struct TrainArgs {
     /// backend multiplies in exact f32. The CPU ignores it.
     #[arg(long)]
     tf32: bool,
-    /// Replay each device micro-step as the graph captured from it (one launch per
-    /// micro-step; CUDA and wgpu). An opt-in until it is checked against the CPU on CUDA;
-    /// `--profile` (per-op times) turns it off.
+    /// Replay device steps as the graphs captured from them (CUDA and wgpu): a window of
+    /// in-step accumulation in one launch, a micro-step of across-steps accumulation in one.
+    /// An opt-in until it is checked against the CPU on CUDA; `--profile` (per-op times) turns
+    /// it off.
     #[arg(long)]
     graphs: bool,
 }
@@ -267,6 +268,23 @@ pub struct EvalArgs {
 }
 
 /// A clap value parser: a whole number >= 1.
+/// What graph replay did in `session` (whether it did what `--graphs` asked, and why not
+/// where it did not): `None` when graphs are off.
+pub fn replay_report<B: Backend>(session: &Session<B>) -> Option<String> {
+    if !session.graphs() {
+        return None;
+    }
+    let r = session.replay_counts();
+    let mut out = format!(
+        "graph replay: {} captured, {} replayed ({} of them whole windows, the rest micro-steps), {} op by op while warming up, {} op by op (not capturable)\n",
+        r.captures, r.replays, r.windows, r.warmups, r.uncaptured
+    );
+    for why in session.replay_blockers() {
+        out += &format!("  not captured: {why}\n");
+    }
+    Some(out)
+}
+
 pub fn at_least_one(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(0) => Err("must be at least 1".into()),
@@ -581,17 +599,8 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
         let (all, convs) = (cellgraph::runtime::cube::tf32_fallbacks(), cellgraph::runtime::cube::conv_tf32_fallbacks());
         println!("tensor-core products run in exact f32 (no tensor-core kernel on this device): {all} ({convs} of them convolutions)");
     }
-    let session = model.accumulator().session();
-    if session.graphs() {
-        // Whether replay did what `--graphs` asked, and why not where it did not.
-        let r = session.replay_counts();
-        println!(
-            "graph replay: {} captured, {} replayed ({} of them whole windows, the rest micro-steps), {} op by op while warming up, {} op by op (not capturable)",
-            r.captures, r.replays, r.windows, r.warmups, r.uncaptured
-        );
-        for why in session.replay_blockers() {
-            println!("  not captured: {why}");
-        }
+    if let Some(report) = replay_report(model.accumulator().session()) {
+        print!("{report}");
     }
     if let Some(path) = &args.ckpt {
         model.save_checkpoint(path)?;

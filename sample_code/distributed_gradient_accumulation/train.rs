@@ -81,8 +81,9 @@ struct Args {
     /// every rank's micro-batch; four collectives per batch norm per micro-step).
     #[arg(long)]
     sync_bn: bool,
-    /// Replay each device micro-step as the graph captured from it (an opt-in; see
-    /// docs/devices.md, "CUDA graph replay").
+    /// Replay each device window (in-step: its micro-steps together) or micro-step (across
+    /// steps) as the graph captured from it (an opt-in; see docs/devices.md, "CUDA graph
+    /// replay").
     #[arg(long)]
     graphs: bool,
     /// Test hook: this rank panics at the given step (`RANK:STEP`).

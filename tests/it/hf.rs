@@ -426,4 +426,41 @@ fn finetune_refuses_bad_settings() {
     refused(&["--block-size", "500"], "--block-size 500 exceeds the model's n_positions 128");
     refused(&["--model", "tests/assets/no-such-model"], "is not a directory");
     refused(&["--data", "no-such-text.txt"], "no-such-text.txt");
+    refused(&["--graphs"], "has no graphs to capture");
+}
+
+/// `cellgraph finetune --graphs` on a device (lavapipe): each update's window of 4 micro-steps
+/// replays as one graph, with the op-by-op run's loss lines, held-out losses and saved model,
+/// byte for byte.
+#[cfg(feature = "wgpu")]
+#[test]
+fn finetune_with_graphs_replays_windows_with_the_same_results() {
+    let dir = TmpDir::created("hf-finetune-graphs");
+    let corpus = cellgraph::runtime::data::read_gzip_or_plain(Path::new("data/shakespeare/shakespeare.txt.gz")).unwrap();
+    let text = dir.join("text.txt");
+    std::fs::write(&text, &corpus[..20_000]).unwrap();
+    let run = |name: &str, graphs: bool| {
+        let out = dir.join(name);
+        let mut args = vec!["finetune", "--model", TINY, "--data", text.to_str().unwrap(), "--out", out.to_str().unwrap()];
+        args.extend(["--steps", "4", "--block-size", "32", "--batch-size", "8", "--micro-size", "4", "--lr", "3e-3"]);
+        args.extend(["--print-every", "1", "--sample-tokens", "0", "--device", "wgpu", "--eval-items", "4"]);
+        if graphs {
+            args.push("--graphs");
+        }
+        let (code, stdout, stderr) = cellgraph(&args);
+        assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+        let kept: Vec<String> = stdout.lines().filter(|l| l.contains("loss is") || l.contains("'Loss'")).map(str::to_string).collect();
+        (kept, std::fs::read(out.join("model.safetensors")).unwrap(), stdout)
+    };
+    let (eager, replayed) = (run("eager", false), run("replayed", true));
+    assert_eq!(eager.0.len(), 4 + 2, "{}", eager.2);
+    assert_eq!(eager.0, replayed.0, "the loss lines");
+    assert!(eager.1 == replayed.1, "the saved model.safetensors differs");
+    assert!(!eager.2.contains("graph replay"), "{}", eager.2);
+    let line = replayed.2.lines().find(|l| l.starts_with("graph replay: ")).unwrap_or_else(|| panic!("{}", replayed.2));
+    assert!(
+        line.starts_with("graph replay: 1 captured, ") && line.contains(" of them whole windows") && line.ends_with(", 0 op by op (not capturable)"),
+        "{line}"
+    );
+    assert!(!line.contains(" 0 replayed"), "{line}");
 }

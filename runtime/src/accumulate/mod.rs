@@ -570,21 +570,19 @@ impl<B: Backend> Accumulator<B> {
     /// launch ([`Session::run_window_replayed`]); a plan with collectives inside runs its
     /// micro-steps one by one.
     fn run_window(&mut self, micros: Vec<Vec<HostTensor>>) -> Result<()> {
-        let mut sets = Vec::with_capacity(micros.len());
-        let mut plan = None;
-        for micro in &micros {
-            let (key, inputs, rows) = self.prepared(micro)?;
-            self.items_seen += rows as u64;
-            sets.push((inputs, rows));
-            plan = Some(key);
-        }
-        let exe = &self.plans.micro[&plan.expect("a window has micro-steps")];
+        // Each micro-step's dropout keys count the items before it; the count stands only once
+        // the window ran (a refused window, a bad label say, leaves it as it was).
+        let seen = self.items_seen;
+        let prepared = self.window_inputs(&micros);
+        self.items_seen = seen;
+        let (sets, plan) = prepared?;
+        let exe = &self.plans.micro[&plan];
         if exe.collectives() > 0 {
-            self.items_seen -= sets.iter().map(|s| s.1 as u64).sum::<u64>();
             return micros.iter().try_for_each(|micro| self.run_micro(micro));
         }
         let inputs: Vec<&[HostTensor]> = sets.iter().map(|s| &s.0[..]).collect();
         let outs = self.session.run_window_replayed(exe, &inputs)?;
+        self.items_seen += sets.iter().map(|s| s.1 as u64).sum::<u64>();
         for (mut out, (_, rows)) in outs.into_iter().zip(&sets) {
             let count = out.get(1).cloned();
             let counted = count.is_some();
@@ -593,6 +591,21 @@ impl<B: Backend> Accumulator<B> {
             self.progress.micro_step(if counted { 0 } else { *rows });
         }
         Ok(())
+    }
+
+    /// The plan inputs of a window's micro-batches (see [`Self::prepared`]) with their rows, and
+    /// the plan's key; advances `items_seen` past them (the caller restores it).
+    #[allow(clippy::type_complexity)]
+    fn window_inputs<'a>(&mut self, micros: &'a [Vec<HostTensor>]) -> Result<(Vec<(Cow<'a, [HostTensor]>, usize)>, Vec<TensorType>)> {
+        let mut sets = Vec::with_capacity(micros.len());
+        let mut plan = None;
+        for micro in micros {
+            let (key, inputs, rows) = self.prepared(micro)?;
+            self.items_seen += rows as u64;
+            sets.push((inputs, rows));
+            plan = Some(key);
+        }
+        Ok((sets, plan.expect("a window has micro-steps")))
     }
 
     /// One micro-batch, its loss kept with the step's others.

@@ -75,6 +75,9 @@ impl<B: Backend> Session<B> {
         if sets.len() < 2 {
             return Err(replay_error(exe, format!("a window of {} micro-steps is not replayed as a window", sets.len())));
         }
+        if let Some(other) = sets.iter().find(|s| s.len() != sets[0].len()) {
+            return Err(replay_error(exe, format!("a window's micro-steps must have as many inputs: {} after {}", other.len(), sets[0].len())));
+        }
         let scalars_shared = (0..sets[0].len()).all(|i| !sets[0][i].shape.is_empty() || sets.iter().all(|s| s[i] == sets[0][i]));
         if !scalars_shared {
             return Err(replay_error(exe, "a window's micro-steps must share their scalar inputs".into()));
