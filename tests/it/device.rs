@@ -609,16 +609,33 @@ fn window_replay_matches_op_by_op<B: Backend>(device: Device<B>) {
 
     use rand::SeedableRng;
     let mut rng = rand::rngs::StdRng::seed_from_u64(34);
-    let resnet = image_batches(4, 4, 34);
     let text: Vec<_> = (0..4).map(|_| crate::gpt::sequences(&mut rng, 6)).collect();
-    let resnet18 = || GradAccumulation::new(WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()), 2);
-    let gpt = |net: fn() -> WithLossCell| move || GradAccumulation::new(net(), 2).normalization(Normalization::Tokens);
-    type Case<'a> = (&'a str, Box<dyn Fn() -> GradAccumulation>, &'a [Vec<HostTensor>]);
+    for (what, r) in replayed_cases_match::<B>(&device, |net| GradAccumulation::new(net, 2), &image_batches(4, 4, 34), &text) {
+        assert_replayed(r, 2, 4, what);
+        assert_eq!(r.windows, r.replays, "{what}: {r:?}");
+    }
+}
+
+/// ResNet-18, the token-weighted GPT and the GPT with dropout, windows of 2 micro-batches made
+/// by `accumulate` (in-step: a step is a window; across steps: a micro-batch), trained on
+/// `images` and on `text` with graphs on and off: every step's loss and every parameter
+/// bit-equal, every plan captured. Returns each case's replay counts.
+#[allow(dead_code)]
+fn replayed_cases_match<B: Backend>(
+    device: &Device<B>,
+    accumulate: fn(WithLossCell) -> GradAccumulation,
+    images: &[Vec<HostTensor>],
+    text: &[Vec<HostTensor>],
+) -> Vec<(&'static str, cellgraph::runtime::replay::ReplayCounts)> {
+    let resnet18 = move || accumulate(WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()));
+    let gpt = move |net: fn() -> WithLossCell| move || accumulate(net()).normalization(Normalization::Tokens);
+    type Case<'a> = (&'static str, Box<dyn Fn() -> GradAccumulation>, &'a [Vec<HostTensor>]);
     let cases: [Case; 3] = [
-        ("ResNet-18", Box::new(resnet18), &resnet),
-        ("the GPT", Box::new(gpt(crate::gpt::counted)), &text),
-        ("the GPT with dropout 0.3", Box::new(gpt(crate::gpt::dropped)), &text),
+        ("ResNet-18", Box::new(resnet18), images),
+        ("the GPT", Box::new(gpt(crate::gpt::counted)), text),
+        ("the GPT with dropout 0.3", Box::new(gpt(crate::gpt::dropped)), text),
     ];
+    let mut counts = Vec::new();
     for (what, net, batches) in cases {
         let mk = |graphs: bool| {
             let opt: Rc<dyn Optimizer> = Rc::new(SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(0.05) });
@@ -632,16 +649,16 @@ fn window_replay_matches_op_by_op<B: Backend>(device: Device<B>) {
             replayed.step(b, Place::Regular).unwrap();
             assert_eq!(eager.step_loss().to_bits(), replayed.step_loss().to_bits(), "{what}, step {i}: the loss");
         }
+        assert!(eager.updates() > 0 && eager.updates() == replayed.updates(), "{what}");
         let (e, r) = (eager.session().params_host(), replayed.session().params_host());
         let bits = |t: &HostTensor| t.to_f32().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let differ: Vec<&String> = e.keys().filter(|n| r.get(*n).map(bits) != Some(bits(&e[*n]))).collect();
-        assert!(differ.is_empty() && e.len() == r.len(), "{what}: parameters differ after 4 windows: {differ:?}");
+        assert!(differ.is_empty() && e.len() == r.len(), "{what}: parameters differ after {} updates: {differ:?}", eager.updates());
         let why = replayed.session().replay_blockers();
         assert!(why.is_empty(), "{what}: not captured: {why:?}");
-        let r = replayed.session().replay_counts();
-        assert_replayed(r, 2, 4, what);
-        assert_eq!(r.windows, r.replays, "{what}: {r:?}");
+        counts.push((what, replayed.session().replay_counts()));
     }
+    counts
 }
 
 /// A captured graph writes only buffers its session holds: once a micro-step (LeNet5's;
@@ -721,37 +738,8 @@ fn max_rel(a: &[f32], b: &[f32]) -> f64 {
 fn replay_captures_resnet18_and_the_gpt<B: Backend>(device: Device<B>) {
     use rand::SeedableRng;
     let mut rng = rand::rngs::StdRng::seed_from_u64(21);
-    let resnet = image_batches(6, 4, 21);
     let text: Vec<_> = (0..6).map(|_| crate::gpt::sequences(&mut rng, 3)).collect();
-    let resnet18 = || GradAccumulation::across_steps(WithLossCell::new(ResNet18::new(&Scope::root(), 10), CrossEntropyLoss::new()), 2);
-    let gpt = |net: fn() -> WithLossCell| move || GradAccumulation::across_steps(net(), 2).normalization(Normalization::Tokens);
-    type Case<'a> = (&'a str, Box<dyn Fn() -> GradAccumulation>, &'a [Vec<HostTensor>]);
-    let cases: [Case; 3] = [
-        ("ResNet-18", Box::new(resnet18), &resnet),
-        ("the GPT", Box::new(gpt(crate::gpt::counted)), &text),
-        ("the GPT with dropout 0.3", Box::new(gpt(crate::gpt::dropped)), &text),
-    ];
-    for (what, net, batches) in cases {
-        let mk = |graphs: bool| {
-            let opt: Rc<dyn Optimizer> = Rc::new(SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(0.05) });
-            let mut acc = Accumulator::<B>::new(Rc::new(net()), opt, device.clone(), 1).unwrap();
-            acc.options().set_graphs(graphs).unwrap();
-            acc
-        };
-        let (mut eager, mut replayed) = (mk(false), mk(true));
-        for (i, b) in batches.iter().enumerate() {
-            eager.step(b, Place::Regular).unwrap();
-            replayed.step(b, Place::Regular).unwrap();
-            assert_eq!(eager.step_loss().to_bits(), replayed.step_loss().to_bits(), "{what}, micro-step {i}: the loss");
-        }
-        assert_eq!((eager.updates(), replayed.updates()), (3, 3), "{what}");
-        let (e, r) = (eager.session().params_host(), replayed.session().params_host());
-        let bits = |t: &HostTensor| t.to_f32().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        let differ: Vec<&String> = e.keys().filter(|n| r.get(*n).map(bits) != Some(bits(&e[*n]))).collect();
-        assert!(differ.is_empty() && e.len() == r.len(), "{what}: parameters differ after 3 windows: {differ:?}");
-        let r = replayed.session().replay_counts();
-        let why = replayed.session().replay_blockers();
-        assert!(why.is_empty(), "{what}: not captured: {why:?}");
+    for (what, r) in replayed_cases_match::<B>(&device, |net| GradAccumulation::across_steps(net, 2), &image_batches(6, 4, 21), &text) {
         assert_replayed(r, 2, 6, what);
     }
 }
