@@ -220,6 +220,10 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         let (all, convs) = (cellgraph::runtime::cube::tf32_fallbacks(), cellgraph::runtime::cube::conv_tf32_fallbacks());
         eprintln!("tensor-core products run in exact f32 (no tensor-core kernel here): {all} ({convs} of them convolutions)");
     }
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if !B::HOST && cellgraph::runtime::cube::flash::cubek_attentions() > 0 {
+        eprintln!("attention forwards on cubek's flash attention: {}", cellgraph::runtime::cube::flash::cubek_attentions());
+    }
     if graphs {
         let r = acc.session().replay_counts();
         eprintln!(

@@ -51,7 +51,7 @@ for cfg in "${bf16_cases[@]}"; do
         for products in "" --f32-storage "--f32-products --f32-storage"; do
             late "bf16 $cfg $products" && continue
             timeout 90 $G/device_bench --device cuda:0 --net "$1" --micro-batch "$2" --micro-size "$3" --updates "${UPDATES:-20}" \
-                --warmup "${WARMUP:-3}" --precision bf16 $products 2>&1 | tee -a "$OUT/bf16.log" | grep -E "^\| |bf16 products|storage|tensor-core|rror"
+                --warmup "${WARMUP:-3}" --precision bf16 $products 2>&1 | tee -a "$OUT/bf16.log" | grep -E "^\| |bf16 products|storage|tensor-core|flash|rror"
         done
         late "bf16 $cfg PyTorch autocast" && continue
         timeout 90 python3 benches/pytorch_accumulation.py --net "$1" --micro-batch "$2" --micro-size "$3" --updates "${UPDATES:-20}" \

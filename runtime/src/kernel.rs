@@ -236,6 +236,14 @@ pub enum Products {
     Bf16,
 }
 
+/// Whether a device's attention forward with tensor cores asked for runs on cubek-attention
+/// (`cube::flash`): its queries, keys and values are views of `qkv` starting at multiples of
+/// the width `heads * d`, which must keep binding offsets 256-byte aligned in f32 and in 16-bit
+/// storage alike.
+pub fn flash_attention_takes(heads: usize, d: usize) -> bool {
+    d > 0 && (heads * d).is_multiple_of(128)
+}
+
 /// Which of cubek's exact-f32 matmul kernels a device runs a matmul on, chosen from its
 /// extents when the plan is bound. All of them multiply in f32 on the units' registers (no
 /// tensor cores, so no rounding of the operands to TF32: that is the session's opt-in,

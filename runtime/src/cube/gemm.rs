@@ -108,6 +108,11 @@ pub fn tf32_fallbacks() -> u64 {
     TF32_FALLBACKS.load(std::sync::atomic::Ordering::Relaxed) + super::conv::conv_tf32_fallbacks()
 }
 
+/// Counts a product asked for tensor cores that ran on an exact kernel (see [`tf32_fallbacks`]).
+pub(super) fn count_tf32_fallback() {
+    TF32_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Matmuls that ran on [`matmul`] because cubek's kernel did not set up (in this process).
 pub(super) static NAIVE_MATMULS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 

@@ -30,6 +30,7 @@ pub mod attention;
 pub mod conv;
 pub mod dropout;
 pub mod ew;
+pub mod flash;
 pub mod gemm;
 mod head;
 pub mod loss;
@@ -656,8 +657,15 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                         );
                         arena.give_scratch(3 * rows, stats);
                     } else {
-                        let qt = dtype_to_storage_type(qkv.dtype);
-                        attention::attention_forward::launch_unchecked::<f32, R>(&client, count, dim, arr(&qkv), arr(&y), scale, g, qt);
+                        // Tensor cores asked for: cubek's flash attention, where it sets up.
+                        let unit = flash::unit_routine_for_tests();
+                        if !((tf32 || unit) && flash::forward(&qkv, &y, b, t, heads, d, causal, unit)) {
+                            if tf32 {
+                                gemm::count_tf32_fallback();
+                            }
+                            let qt = dtype_to_storage_type(qkv.dtype);
+                            attention::attention_forward::launch_unchecked::<f32, R>(&client, count, dim, arr(&qkv), arr(&y), scale, g, qt);
+                        }
                     }
                 }
                 y

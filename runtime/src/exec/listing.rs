@@ -20,11 +20,16 @@ pub struct Bf16Products {
     /// on devices.
     pub unit: Bf16Unit,
     /// Products on that unit with f32 sums: [`crate::kernel::Products::Bf16`] on the host; on
-    /// a device, every matmul and batched matmul (and epilogue head) of bf16 values, and every
-    /// convolution cubek's implicit GEMM takes ([`crate::kernel::Geometry::implicit_gemm_declines`]).
+    /// a device, every matmul and batched matmul (and epilogue head) of bf16 values, every
+    /// convolution cubek's implicit GEMM takes ([`crate::kernel::Geometry::implicit_gemm_declines`])
+    /// and every attention forward cubek's flash attention takes
+    /// ([`crate::kernel::flash_attention_takes`]).
     pub fast: usize,
+    /// Of `fast`: attention forwards, on f16 fragments (`cube::flash`).
+    pub flash: usize,
     /// Those that multiply in exact f32 (the emulation), by op: attention and direct
-    /// convolutions have no bf16 kernel on the host; attention, grouped convolutions and
+    /// convolutions have no bf16 kernel on the host; attention's gradient (and its forward
+    /// where cubek's flash attention does not take the width), grouped convolutions and
     /// convolutions the implicit GEMM does not take (asymmetric padding, an input gradient
     /// at stride > 1) none on devices; on a CPU without AVX-512 BF16, or an Intel core
     /// without AMX (where the f32 GEMM is faster: [`crate::host::bf16::pays`]), all of them.
@@ -59,7 +64,11 @@ impl std::fmt::Display for Bf16Products {
             Bf16Unit::AmxTiles => "AMX tiles",
             Bf16Unit::Tf32TensorCores => "tensor cores (TF32 operands, exact for bf16 values)",
         };
-        write!(f, "bf16 products: {} on {unit}, {f32s} in f32", self.fast)?;
+        let flash = match self.flash {
+            0 => String::new(),
+            n => format!(" ({n} of them attention forwards, on f16 fragments)"),
+        };
+        write!(f, "bf16 products: {} on {unit}{flash}, {f32s} in f32", self.fast)?;
         if let Some(why) = crate::host::bf16::declined().filter(|_| self.unit == Bf16Unit::Avx512Pairs) {
             write!(f, " (f32 emulation: {why})")?;
         } else if f32s > 0 {
@@ -215,6 +224,8 @@ impl Executable {
             let fast = match head {
                 Some(Native::MatMul { .. } | Native::BatchMatMul { .. }) if !B::HOST => true,
                 Some(Native::Conv { kind, g, groups, .. }) if !B::HOST => g.implicit_gemm_declines(*kind, *groups).is_none(),
+                // The forward on cubek's flash attention; its gradient on the runtime's kernels.
+                Some(&Native::Attention { grad: false, heads, d, .. }) if !B::HOST => crate::kernel::flash_attention_takes(heads, d),
                 Some(
                     Native::MatMul { products: Products::Bf16, .. }
                     | Native::BatchMatMul { products: Products::Bf16, .. }
@@ -224,6 +235,7 @@ impl Executable {
             };
             if fast {
                 out.fast += 1;
+                out.flash += usize::from(matches!(head, Some(Native::Attention { .. })));
             } else {
                 let op = match &st.op {
                     Op::Epilogue { head, .. } => head.label(),

@@ -1,0 +1,97 @@
+//! The attention op's forward on cubek-attention (flash attention) where tensor cores are asked
+//! for (bf16 values' products, `--tf32`), as matmuls and convolutions are put on cubek's
+//! tensor-core kernels: its `BlackboxAccelerated` routine multiplies on tensor cores in f16
+//! fragments (the queries, keys and values, then the probabilities: bf16 values are f16 values
+//! where f16's range holds them; 10 significant bits, as TF32's, for f32 values) with f32 sums
+//! and softmax statistics. The gradient stays on the runtime's own kernels
+//! ([`super::attention`]), which recompute the probabilities from `qkv` (no statistics pass
+//! between the two).
+//!
+//! The op's operand `qkv [b, t, 3c]` is read in place: queries, keys and values are three
+//! strided views of it, `[b, heads, t, d]` with strides `[t * 3c, d, 3c, 1]` from element 0, `c`
+//! and `2c`, and the output `[b, t, c]` is written through the same view of it. A view starts
+//! at a binding offset, which devices align (256 bytes on WebGPU), so cubek takes a width
+//! `c` that is a multiple of 128 ([`crate::kernel::flash_attention_takes`]); where it does not set up (no tensor cores with f16
+//! fragments: lavapipe), the runtime's kernel runs the op, counted in
+//! [`super::tf32_fallbacks`] as matmuls and convolutions are.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use burn_backend::cubecl::dtype_to_storage_type;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubek::attention::forward::definition::{AccumulatorPrecision, AttentionGlobalTypes, AttentionOptions};
+use cubek::attention::forward::launch::{launch_ref, BlueprintStrategy, Strategy};
+use cubek::attention::forward::routines::blackbox_accelerated::BlackboxAcceleratedStrategy;
+
+static RAN: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    static UNIT: Cell<bool> = const { Cell::new(false) };
+}
+
+/// How many attention forwards ran on cubek-attention in this process.
+pub fn cubek_attentions() -> u64 {
+    RAN.load(Ordering::Relaxed)
+}
+
+/// For tests on devices without tensor cores (lavapipe): this thread's attention forwards run
+/// on cubek's `Unit` routine (f32 on the units, no tensor cores), whatever the session asks,
+/// so that the views and the launch are checked where the accelerated routine cannot run.
+#[doc(hidden)]
+pub fn set_unit_routine_for_tests(on: bool) {
+    UNIT.set(on);
+}
+
+pub(super) fn unit_routine_for_tests() -> bool {
+    UNIT.get()
+}
+
+/// `t`'s memory viewed from element `offset` with `shape` and `strides`.
+fn strided<R: CubeRuntime>(t: &CubeTensor<R>, offset: usize, shape: [usize; 4], strides: [usize; 4]) -> CubeTensor<R> {
+    let mut v = t.clone();
+    v.handle = t.handle.clone().offset_start((offset * t.dtype.size()) as u64);
+    v.meta.shape = shape.to_vec().into();
+    v.meta.strides = strides.to_vec().into();
+    v
+}
+
+/// The attention of `qkv [b, t, 3 * heads * d]` (contiguous) into `y [b, t, heads * d]`
+/// (contiguous) on cubek-attention: the accelerated routine, or the unit one (tests). Returns
+/// whether it ran (false: it did not set up, nothing was launched).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn forward<R: CubeRuntime>(
+    qkv: &CubeTensor<R>,
+    y: &CubeTensor<R>,
+    b: usize,
+    t: usize,
+    heads: usize,
+    d: usize,
+    causal: bool,
+    unit: bool,
+) -> bool {
+    if !crate::kernel::flash_attention_takes(heads, d) || !qkv.is_contiguous() || !y.is_contiguous() {
+        return false;
+    }
+    let c = heads * d;
+    let view = [b, heads, t, d];
+    let read = [t * 3 * c, d, 3 * c, 1];
+    let (q, k, v) = (strided(qkv, 0, view, read), strided(qkv, c, view, read), strided(qkv, 2 * c, view, read));
+    let out = strided(y, 0, view, [t * c, d, c, 1]);
+    let client = qkv.client.clone();
+    let (at, ot) = (dtype_to_storage_type(qkv.dtype), dtype_to_storage_type(y.dtype));
+    let types = AttentionGlobalTypes { query: at, key: at, value: at, mask: AttentionGlobalTypes::mask_dtype(&client), out: ot };
+    let options =
+        AttentionOptions { causal, accumulator_precision: AccumulatorPrecision::Strict(cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::F32)) };
+    let strategy = if unit {
+        Strategy::Unit(BlueprintStrategy::Inferred(()))
+    } else {
+        Strategy::BlackboxAccelerated(BlueprintStrategy::Inferred(BlackboxAcceleratedStrategy { num_planes: 4, seq_q: 1, seq_kv: 1 }))
+    };
+    let ran = launch_ref::<R>(strategy, &client, q.binding(), k.binding(), v.binding(), None, out.binding(), &types, options).is_ok();
+    if ran {
+        RAN.fetch_add(1, Ordering::Relaxed);
+    }
+    ran
+}
