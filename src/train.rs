@@ -225,8 +225,9 @@ pub struct TrainArgs {
     #[arg(long)]
     profile: bool,
     /// Let device matmuls and convolutions round f32 operands to TF32 on tensor cores (faster on GPUs that have
-    /// them; about 1e-3 relative error per product, like PyTorch's `allow_tf32`). Off: every
-    /// backend multiplies in exact f32. The CPU ignores it.
+    /// them; about 1e-3 relative error per product, like PyTorch's `allow_tf32`), and
+    /// attention's forward run on cubek's flash attention in f16 fragments where its width is a
+    /// multiple of 128. Off: every backend multiplies in exact f32. The CPU ignores it.
     #[arg(long)]
     tf32: bool,
     /// Replay device steps as the graphs captured from them (CUDA and wgpu): a window of
