@@ -1410,6 +1410,47 @@ mod wgpu {
         super::flash_attention_forward_matches_cpu::<Wgpu>(dev(), false);
     }
 
+    /// `Session::run_window_replayed` refuses what it cannot replay as one window, with a
+    /// sentence and before anything runs: one micro-step, micro-steps of different shapes or
+    /// input counts, scalar inputs that differ between them; and a window of two gives each
+    /// run's outputs, equal to the runs one by one.
+    #[test]
+    fn a_window_replay_refuses_what_is_not_one_window() {
+        let mut g = Graph::new("scaled");
+        let x = g.add_leaf(Op::Input { index: 0, name: "x".into() }, TensorType::f32(vec![3, 2]), "t").unwrap();
+        let k = g.add_leaf(Op::Input { index: 1, name: "k".into() }, TensorType::f32(vec![]), "t").unwrap();
+        let k = g.add(Op::Broadcast { shape: vec![3, 2].into() }, &[k], "k").unwrap();
+        let y = g.add(Op::Mul, &[x, k], "y").unwrap();
+        let y = g.add(Op::ReduceSum(cellgraph::compiler::ReduceAttrs { axes: vec![1], keep_dims: false }), &[y], "s").unwrap();
+        g.set_outputs(vec![y]);
+        let exe = cellgraph::runtime::compile(g).unwrap();
+        let mut s = cellgraph::runtime::Session::<Wgpu>::new(dev());
+        s.set_graphs(true).unwrap();
+        let xs = |v: f32| HostTensor::f32(vec![3, 2], (0..6).map(|i| v + i as f32).collect()).unwrap();
+        let k = |v: f64| HostTensor::scalar_f32(v);
+        let (a, b) = ([xs(1.0), k(2.0)], [xs(10.0), k(2.0)]);
+        let mut err = |sets: &[&[HostTensor]]| s.run_window_replayed(&exe, sets).map(|_| ()).unwrap_err().to_string();
+        let mut s2 = cellgraph::runtime::Session::<Wgpu>::new(dev());
+        let e = err(&[&a]);
+        assert!(e.contains("a window of 1 micro-steps"), "{e}");
+        let e = err(&[&a, &[xs(1.0), k(3.0)]]);
+        assert!(e.contains("must share their scalar inputs"), "{e}");
+        let e = err(&[&a, &[xs(1.0)]]);
+        assert!(e.contains("as many inputs"), "{e}");
+        let e = err(&[&a, &[HostTensor::f32(vec![2, 3], vec![0.0; 6]).unwrap(), k(2.0)]]);
+        assert!(e.contains("must have one shape"), "{e}");
+        assert_eq!(s.replay_counts().warmups, 0, "nothing ran");
+        // Warm-up, capture, then a replay: each run's output is its own.
+        let mut one = |v: &[HostTensor]| s2.run(&exe, v).unwrap()[0].to_f32();
+        let want = [one(&a), one(&b)];
+        for round in 0..3 {
+            let outs = s.run_window_replayed(&exe, &[&a, &b]).unwrap();
+            let got: Vec<Vec<f32>> = outs.iter().map(|o| o[0].to_host().to_f32()).collect();
+            assert_eq!(got, want, "round {round}");
+        }
+        assert_eq!(s.replay_counts().windows, 1, "{:?}", s.replay_counts());
+    }
+
     #[test]
     fn window_replay_on_wgpu_matches_op_by_op() {
         super::window_replay_matches_op_by_op::<Wgpu>(dev());
