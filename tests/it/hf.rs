@@ -339,6 +339,15 @@ fn cellgraph(args: &[&str]) -> (Option<i32>, String, String) {
     (o.status.code(), String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
 }
 
+/// The first `chars` characters of the vendored Shakespeare as `dir/text.txt`: a text to
+/// fine-tune on.
+pub(crate) fn shakespeare_text(dir: &Path, chars: usize) -> PathBuf {
+    let corpus = cellgraph::runtime::data::read_gzip_or_plain(Path::new("data/shakespeare/shakespeare.txt.gz")).unwrap();
+    let text = dir.join("text.txt");
+    std::fs::write(&text, &corpus[..chars]).unwrap();
+    text
+}
+
 /// The value after `key` in a line like `epoch: 1 {'Loss': 5.1, 'Perplexity': 164.0}`.
 fn field(line: &str, key: &str) -> f64 {
     let rest = &line[line.find(key).unwrap() + key.len()..];
@@ -352,9 +361,7 @@ fn field(line: &str, key: &str) -> f64 {
 #[test]
 fn finetune_trains_the_tiny_gpt2_and_saves_it_back() {
     let dir = TmpDir::created("hf-finetune");
-    let corpus = cellgraph::runtime::data::read_gzip_or_plain(Path::new("data/shakespeare/shakespeare.txt.gz")).unwrap();
-    let text = dir.join("text.txt");
-    std::fs::write(&text, &corpus[..40_000]).unwrap();
+    let text = shakespeare_text(&dir, 40_000);
     let (out, log) = (dir.join("tuned"), dir.join("ft.jsonl"));
     let args = [
         "finetune",
@@ -436,9 +443,7 @@ fn finetune_refuses_bad_settings() {
 #[test]
 fn finetune_with_graphs_replays_windows_with_the_same_results() {
     let dir = TmpDir::created("hf-finetune-graphs");
-    let corpus = cellgraph::runtime::data::read_gzip_or_plain(Path::new("data/shakespeare/shakespeare.txt.gz")).unwrap();
-    let text = dir.join("text.txt");
-    std::fs::write(&text, &corpus[..20_000]).unwrap();
+    let text = shakespeare_text(&dir, 20_000);
     let run = |name: &str, graphs: bool| {
         let out = dir.join(name);
         let mut args = vec!["finetune", "--model", TINY, "--data", text.to_str().unwrap(), "--out", out.to_str().unwrap()];

@@ -296,9 +296,7 @@ fn finetune_on_two_ranks_equals_one_process() {
         return;
     }
     let dir = TmpDir::created("mpi-finetune");
-    let corpus = cellgraph::runtime::data::read_gzip_or_plain(Path::new("data/shakespeare/shakespeare.txt.gz")).unwrap();
-    let data = dir.join("text.txt");
-    std::fs::write(&data, &corpus[..40_000]).unwrap();
+    let data = crate::hf::shakespeare_text(&dir, 40_000);
     let bin = env!("CARGO_BIN_EXE_cellgraph");
     let run = |out: &str, batch: &str, micro: &str| -> Vec<String> {
         vec![

@@ -339,12 +339,18 @@ fn window_data(sets: &[&[HostTensor]], i: usize, s: &burn_backend::DeviceSetting
     }
     let parts: Vec<TensorData> = sets.iter().map(|set| crate::value::device_data(set[i].clone(), s)).collect();
     let (dtype, n) = (parts[0].dtype, sets[0][i].data.len());
-    let (size, stride) = (dtype.size(), n.next_multiple_of(crate::backend::FLAT_ALIGN));
+    let (size, stride) = (dtype.size(), window_stride(n));
     let mut bytes = vec![0u8; sets.len() * stride * size];
     for (j, part) in parts.iter().enumerate() {
         bytes[j * stride * size..][..n * size].copy_from_slice(part.as_bytes());
     }
     TensorData::from_bytes_vec(bytes, crate::backend::bshape(&[sets.len() * stride]), dtype)
+}
+
+/// Elements between two runs' values of an input of `n` elements in its window buffer: `n`
+/// rounded up to the backend's view alignment.
+fn window_stride(n: usize) -> usize {
+    n.next_multiple_of(crate::backend::FLAT_ALIGN)
 }
 
 /// Run `j`'s view of a window's input buffer (see [`window_data`]): a scalar reads the buffer
@@ -353,8 +359,7 @@ fn window_view<B: Backend>(buffer: &Value<B>, j: usize, shape: &[usize]) -> Opti
     if shape.is_empty() {
         return Some(buffer.clone());
     }
-    let n: usize = shape.iter().product();
-    let offset = j * n.next_multiple_of(crate::backend::FLAT_ALIGN);
+    let offset = j * window_stride(shape.iter().product());
     match buffer {
         Value::Float(t) => B::flat_view(t, offset, shape).map(Value::Float),
         Value::Int(t) => B::flat_view_int(t, offset, shape).map(Value::Int),
