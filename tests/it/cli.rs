@@ -369,6 +369,11 @@ fn train_covers_resnet18_and_the_gpt() {
         "was it written with another --net (lenet, mlp, gpt)?",
     );
     refused(&["train", "--net", "lenet", "--normalization", "tokens", "--data-path", data], "it is for --net gpt");
+    // The text's directory given for the text: the error names the file to give.
+    refused(
+        &["train", "--net", "gpt", "--data-path", "data/shakespeare", "--device", "cpu"],
+        "data/shakespeare: is a directory: give the text file itself (data/shakespeare/shakespeare.txt.gz)",
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -433,6 +433,7 @@ fn finetune_refuses_bad_settings() {
     refused(&["--block-size", "500"], "--block-size 500 exceeds the model's n_positions 128");
     refused(&["--model", "tests/assets/no-such-model"], "is not a directory");
     refused(&["--data", "no-such-text.txt"], "no-such-text.txt");
+    refused(&["--data", "tests/assets"], "tests/assets: is a directory");
     refused(&["--graphs"], "has no graphs to capture");
 }
 

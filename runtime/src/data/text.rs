@@ -39,6 +39,9 @@ fn data_err(path: &Path, offset: u64, detail: String) -> RuntimeError {
 
 /// A file's bytes, decompressed when it is gzip (its magic bytes), else as they are.
 pub fn read_gzip_or_plain(path: &Path) -> Result<Vec<u8>> {
+    if path.is_dir() {
+        return Err(RuntimeError::Invalid { what: path.display().to_string(), detail: not_a_text_file(path) });
+    }
     let raw = std::fs::read(path).map_err(|source| RuntimeError::Io { path: path.display().to_string(), source })?;
     if !raw.starts_with(&[0x1f, 0x8b]) {
         return Ok(raw);
@@ -48,6 +51,25 @@ pub fn read_gzip_or_plain(path: &Path) -> Result<Vec<u8>> {
         .read_to_end(&mut out)
         .map_err(|e| data_err(path, 0, format!("corrupt gzip stream ({e}); copy the file again")))?;
     Ok(out)
+}
+
+/// What to say of a directory given where a text file was expected: the text files in it
+/// (`.txt`, `.txt.gz`, `.gz`), named, or that it holds none.
+fn not_a_text_file(dir: &Path) -> String {
+    let mut texts: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_file() && [".txt", ".gz"].iter().any(|x| p.to_string_lossy().ends_with(x)))
+        .map(|p| p.display().to_string())
+        .collect();
+    texts.sort();
+    match &texts[..] {
+        [] => "is a directory, with no .txt or .gz file in it: give the path of a text file or its gzip".into(),
+        [one] => format!("is a directory: give the text file itself ({one})"),
+        many => format!("is a directory: give one of its text files ({})", many.join(", ")),
+    }
 }
 
 impl Corpus {
