@@ -401,7 +401,8 @@ fn bad_arguments_are_refused_before_anything_trains() {
     train(&["--resume", dir.join("none.ckpt").to_str().unwrap()], "no such checkpoint file");
     // 40 images give one batch of 32 with LeNet's drop_remainder; 64 would be needed for a batch of 64.
     train(&["--batch-size", "64"], "gives no batch per epoch");
-    refused(&["train", "--data-path", dir.join("nowhere").to_str().unwrap()], "--data-path");
+    refused(&["train", "--data-path", dir.join("nowhere").to_str().unwrap()], "the directory does not exist");
+    refused(&["train", "--data-path", "data/shakespeare/shakespeare.txt.gz"], "that is a file, not a directory; pass the directory");
     refused(&["train", "--data-path", data, "--device", "tpu"], "expected cpu, cuda, cuda:N, wgpu or auto");
     refused(&["eval", "--data-path", data, "--ckpt", ckpt.to_str().unwrap()], "never.ckpt");
     assert!(!ckpt.exists(), "nothing trained, nothing saved");

@@ -101,7 +101,13 @@ impl Mnist {
         let lp = find(format!("{split}-labels-idx1-ubyte"));
         for p in [&ip, &lp] {
             if !p.exists() {
-                let hint = if dir.is_dir() { "is not in that directory" } else { "cannot be read: the directory does not exist" };
+                let hint = if dir.is_dir() {
+                    "is not in that directory"
+                } else if dir.exists() {
+                    "cannot be read: that is a file, not a directory"
+                } else {
+                    "cannot be read: the directory does not exist"
+                };
                 return Err(RuntimeError::Invalid {
                     what: format!("MNIST {split} files in {}", dir.display()),
                     detail: format!(
