@@ -30,7 +30,7 @@ use bind::{Binding, Declined, Exec};
 pub use listing::{Bf16Products, Bf16Unit, HostStep, LowStorage};
 use plan::Step;
 pub use plan::{compile, compile_unfused, compile_with, compile_with_options, DumpAt, Executable};
-use run::{burn_op, head_then_program, record, run_bound, run_head, since};
+use run::{record, since, Work};
 
 use crate::arena::Arena;
 use crate::comm::Communicator;
@@ -561,202 +561,13 @@ impl<B: Backend> Session<B> {
             let v = match (exec, &step.op) {
                 (Exec::Deferred, _) => continue,
                 (Exec::Param, Op::Parameter { name }) => self.bind_param(name, &step.ty)?,
-                (Exec::Input, Op::Input { index, name }) => {
-                    let given = &inputs[*index];
-                    if given.ty() != step.ty {
-                        return Err(RuntimeError::Mismatch {
-                            what: format!("input {index} (`{name}`)"),
-                            expected: step.ty.to_string(),
-                            got: given.ty().to_string(),
-                        });
-                    }
-                    let copied = if B::HOST { crate::host::input::<B>(given, s.float_dtype, &mut self.arena, &self.device) } else { None };
-                    match (copied, bound) {
-                        (Some(t), _) => Value::Float(t),
-                        (None, Some(b)) => b[*index].clone(),
-                        (None, None) => Value::from_host(given, &self.device, &s),
-                    }
-                }
-                (Exec::SharedConstant, Op::Constant { value }) => {
-                    let key = (value.to_bits(), step.ty.clone());
-                    match self.constants.iter().find(|(k, _)| *k == key) {
-                        Some((_, v)) => v.clone(),
-                        None => {
-                            let cx = Ctx {
-                                device: &self.device,
-                                settings: s,
-                                scope: &step.scope,
-                                op: step.op.label(),
-                                in_place: self.in_place,
-                                ids_checked: false,
-                                tf32: self.tf32,
-                                bf16: self.bf16,
-                            };
-                            let v = eval(&cx, &step.op, Vec::new(), &step.ty)?;
-                            self.constants.push((key, v.clone()));
-                            v
-                        }
-                    }
-                }
+                (Exec::Input, Op::Input { index, name }) => self.input(step, (*index, name), inputs, bound, s)?,
+                (Exec::SharedConstant, Op::Constant { value }) => self.shared_constant(step, *value, s)?,
                 (Exec::Collective, _) if comm.is_some() => {
-                    let c = comm.expect("matched");
-                    let t0 = self.profile.is_some().then(std::time::Instant::now);
                     let x = slots[step.args[0].0].as_ref().expect("operands are computed before use");
-                    let mut sum = x.to_host().to_f32();
-                    c.all_reduce_sum(&mut sum);
-                    let sum = HostTensor::f32(step.ty.dims().to_vec(), sum).expect("the operand's extents");
-                    record(&mut self.profile, || step.op.label(), since(t0));
-                    Value::from_host_owned(sum, &self.device, &s)
+                    self.all_reduce(step, x, comm.expect("matched"), s)
                 }
-                (exec, op) => {
-                    if let Some(name) = &step.target {
-                        let target = step.args[0].0;
-                        if slots[target].is_none() {
-                            // A deferred read: check it, then take it out of the session.
-                            self.bind_param(name, &step.arg_types[0])?;
-                            slots[target] = self.pull(name);
-                        }
-                    }
-                    // On host backends a step done in its first operand's memory takes that
-                    // operand at its last use; the others are lent and their buffers taken back
-                    // after the step (below). Device ops take operands at their last use.
-                    let takes_first = matches!(exec, Exec::ReshapeInPlace | Exec::AddInPlace);
-                    let args: Vec<_> = step
-                        .args
-                        .iter()
-                        .zip(&step.arg_types)
-                        .enumerate()
-                        .map(|(k, (&(slot, moved), ty))| {
-                            let take = moved && (!B::HOST || (takes_first && k == 0));
-                            let v = if take { slots[slot].take() } else { slots[slot].clone() };
-                            (v.expect("operands are computed before use"), ty)
-                        })
-                        .collect();
-                    // With graphs on, device operands at their last use that burn's ops may
-                    // consume (a burn op drops what it does not write into): held here and
-                    // given back to the arena after the step, so a run returns every buffer it
-                    // took and the next run takes none new (what a capture needs). Off, burn
-                    // may write into them in place, as before.
-                    let held: Vec<Value<B>> = match self.replay && !B::HOST {
-                        true => step.args.iter().zip(&args).filter(|((_, moved), _)| *moved).map(|(_, (v, _))| v.clone()).collect(),
-                        false => Vec::new(),
-                    };
-                    let cx = Ctx {
-                        device: &self.device,
-                        settings: s,
-                        scope: &step.scope,
-                        op: op.label(),
-                        in_place: self.in_place,
-                        ids_checked: step.ids_checked,
-                        // A device product of bf16 values on tensor cores: TF32 holds them exactly.
-                        tf32: self.tf32 || (self.bf16 && step.bf16_operands),
-                        bf16: self.bf16,
-                    };
-                    let t0 = self.profile.is_some().then(std::time::Instant::now);
-                    let v = match exec {
-                        Exec::ReshapeInPlace => {
-                            let Ok([(x, ty)]) = <[_; 1]>::try_from(args) else { unreachable!("a reshape's arity is checked by the verifier") };
-                            match x {
-                                Value::Float(x) => match crate::host::reshape::<B>(x, &step.ty, &self.device, &mut self.arena) {
-                                    Ok(t) => Value::Float(t),
-                                    Err(x) => eval(&cx, op, vec![(Value::Float(x), ty)], &step.ty)?,
-                                },
-                                x => eval(&cx, op, vec![(x, ty)], &step.ty)?,
-                            }
-                        }
-                        Exec::AddInPlace => {
-                            let Ok([(acc, _), (g, _)]) = <[_; 2]>::try_from(args) else {
-                                unreachable!("assign_add's arity is checked by the verifier")
-                            };
-                            let tys = (&step.arg_types[0], &step.arg_types[1]);
-                            match (acc, g) {
-                                (Value::Float(acc), Value::Float(g)) => match crate::host::assign_add::<B>(acc, &g, &step.ty, &self.device) {
-                                    Ok(t) => Value::Float(t),
-                                    Err(acc) => eval(&cx, op, vec![(Value::Float(acc), tys.0), (Value::Float(g), tys.1)], &step.ty)?,
-                                },
-                                (acc, g) => eval(&cx, op, vec![(acc, tys.0), (g, tys.1)], &step.ty)?,
-                            }
-                        }
-                        Exec::AccumulateInto(n) => {
-                            // Accumulators that are views of one flat device buffer: the head
-                            // adding into the view's own memory where the device has such a
-                            // kernel, else the head, then `assign_add` into it.
-                            let Op::Epilogue { head, .. } = op else { unreachable!("bound to epilogues only") };
-                            let mut args = args;
-                            let mut acc = args.split_off(n);
-                            let into = match (&step.kernel, acc.as_slice()) {
-                                (Some(Native::Epilogue { head: k, .. }), [(Value::Float(a), _)]) if self.native => {
-                                    let floats: Option<Vec<_>> =
-                                        args.iter().map(|(v, _)| if let Value::Float(t) = v { Some(t) } else { None }).collect();
-                                    floats.is_some_and(|f| B::device_accumulate(k, &f, a, cx.tf32, &mut self.arena))
-                                }
-                                _ => false,
-                            };
-                            if into {
-                                for (v, _) in args {
-                                    v.give_back(&mut self.arena);
-                                }
-                                acc.swap_remove(0).0
-                            } else {
-                                let g = run_head(&cx, head, step, args, self.native, &mut self.kept, &mut self.arena, &mut self.burn_steps)?;
-                                match (acc.as_slice(), g) {
-                                    ([(Value::Float(a), _)], Value::Float(g)) if B::assign_add_in_place(a, g.clone()) => {
-                                        Value::<B>::Float(g).give_back(&mut self.arena);
-                                        acc.swap_remove(0).0
-                                    }
-                                    (_, g) => eval(&cx, &Op::AssignAdd, acc.into_iter().chain([(g, &step.ty)]).collect(), &step.ty)?,
-                                }
-                            }
-                        }
-                        Exec::Kernel => {
-                            let k = step.kernel.as_ref().expect("bound to steps with a kernel");
-                            match run_bound(k, &args, store.as_ref().unwrap_or(&step.ty), &cx, &mut self.kept, &mut self.arena) {
-                                Some(t) => {
-                                    // Operands at their last use give their memory back (a
-                                    // device kernel only read them; later launches run after it).
-                                    for (v, _) in args {
-                                        v.give_back(&mut self.arena);
-                                    }
-                                    Value::Float(t)
-                                }
-                                // Declined at the launch (what only a launch can tell: a cubek
-                                // kernel that does not set up): an epilogue's head on its kernel
-                                // and its program on burn's ops, else the whole step on burn's
-                                // ops, counted (the program as `epilogue`).
-                                None if matches!(k, Native::Epilogue { .. }) => {
-                                    head_then_program(&cx, step, args, self.native, &mut self.kept, &mut self.arena, &mut self.burn_steps)?
-                                }
-                                None => burn_op(&cx, op, args, &step.ty, &mut self.burn_steps)?,
-                            }
-                        }
-                        // The program the device declines, decided at binding.
-                        Exec::HeadKernel => head_then_program(&cx, step, args, self.native, &mut self.kept, &mut self.arena, &mut self.burn_steps)?,
-                        Exec::Pass(i) => args.into_iter().nth(i).expect("the verifier checks the arity").0,
-                        Exec::Collective | Exec::Burn => burn_op(&cx, op, args, &step.ty, &mut self.burn_steps)?,
-                        Exec::Deferred | Exec::Param | Exec::Input | Exec::SharedConstant => {
-                            unreachable!("sources are matched above")
-                        }
-                    };
-                    if t0.is_some() && self.profile_sync {
-                        B::sync(&self.device)
-                            .map_err(|e| RuntimeError::Device(format!("{}: {}: waiting for the device: {e:?}", step.scope, op.label())))?;
-                    }
-                    // The step's time, taken before its kind's name is formatted.
-                    let secs = since(t0);
-                    let kind = || {
-                        let program = match op {
-                            Op::Fused { expr } | Op::Epilogue { expr, .. } => format!(" {expr}"),
-                            _ => String::new(),
-                        };
-                        format!("{} {}{program}", op.label(), step.ty)
-                    };
-                    record(&mut self.step_profile, kind, secs);
-                    record(&mut self.profile, || op.label(), secs);
-                    for h in held {
-                        h.give_back(&mut self.arena);
-                    }
-                    v
-                }
+                (exec, _) => self.compute(step, exec, store.as_ref(), &mut slots, s)?,
             };
             if let Some(counts) = before {
                 self.check_capturable(step, counts);
@@ -768,12 +579,161 @@ impl<B: Backend> Session<B> {
             }
             slots[step.slot] = Some(v);
         }
+        self.write_back(exe, &slots, stay)?;
+        let outputs = exe
+            .outputs
+            .iter()
+            .map(|&o| out(slots[o].as_ref().expect("outputs are pinned"), exe.graph.ty(cellgraph_compiler::NodeId(o as u32))))
+            .collect();
+        for v in slots.iter_mut().filter_map(Option::take) {
+            v.give_back(&mut self.arena);
+        }
+        self.slots = slots;
+        Ok(outputs)
+    }
+
+    /// Input `index` (`name`) of a run, checked against the plan's type: copied into the arena
+    /// (host), the replay's buffer (`bound`), or uploaded.
+    fn input(
+        &mut self,
+        step: &Step,
+        (index, name): (usize, &str),
+        inputs: &[HostTensor],
+        bound: Option<&[Value<B>]>,
+        s: burn_backend::DeviceSettings,
+    ) -> Result<Value<B>> {
+        let given = &inputs[index];
+        if given.ty() != step.ty {
+            return Err(RuntimeError::Mismatch {
+                what: format!("input {index} (`{name}`)"),
+                expected: step.ty.to_string(),
+                got: given.ty().to_string(),
+            });
+        }
+        let copied = if B::HOST { crate::host::input::<B>(given, s.float_dtype, &mut self.arena, &self.device) } else { None };
+        Ok(match (copied, bound) {
+            (Some(t), _) => Value::Float(t),
+            (None, Some(b)) => b[index].clone(),
+            (None, None) => Value::from_host(given, &self.device, &s),
+        })
+    }
+
+    /// A constant the device's plans share: made at its first use, then the same value.
+    fn shared_constant(&mut self, step: &Step, value: f64, s: burn_backend::DeviceSettings) -> Result<Value<B>> {
+        let key = (value.to_bits(), step.ty.clone());
+        if let Some((_, v)) = self.constants.iter().find(|(k, _)| *k == key) {
+            return Ok(v.clone());
+        }
+        let cx = Ctx {
+            device: &self.device,
+            settings: s,
+            scope: &step.scope,
+            op: step.op.label(),
+            in_place: self.in_place,
+            ids_checked: false,
+            tf32: self.tf32,
+            bf16: self.bf16,
+        };
+        let v = eval(&cx, &step.op, Vec::new(), &step.ty)?;
+        self.constants.push((key, v.clone()));
+        Ok(v)
+    }
+
+    /// `all_reduce` of `x` over the run's communicator `c` (through the host).
+    fn all_reduce(&mut self, step: &Step, x: &Value<B>, c: &dyn Communicator, s: burn_backend::DeviceSettings) -> Value<B> {
+        let t0 = self.profile.is_some().then(std::time::Instant::now);
+        let mut sum = x.to_host().to_f32();
+        c.all_reduce_sum(&mut sum);
+        let sum = HostTensor::f32(step.ty.dims().to_vec(), sum).expect("the operand's extents");
+        record(&mut self.profile, || step.op.label(), since(t0));
+        Value::from_host_owned(sum, &self.device, &s)
+    }
+
+    /// A computing step (`exec`) over its operands in `slots`: those at their last use taken,
+    /// the others lent; timed into the profiles when profiling is on.
+    fn compute(
+        &mut self,
+        step: &Step,
+        exec: Exec,
+        store: Option<&TensorType>,
+        slots: &mut [Option<Value<B>>],
+        s: burn_backend::DeviceSettings,
+    ) -> Result<Value<B>> {
+        if let Some(name) = &step.target {
+            let target = step.args[0].0;
+            if slots[target].is_none() {
+                // A deferred read: check it, then take it out of the session.
+                self.bind_param(name, &step.arg_types[0])?;
+                slots[target] = self.pull(name);
+            }
+        }
+        // On host backends a step done in its first operand's memory takes that operand at
+        // its last use; the others are lent and their buffers taken back after the step (by
+        // the caller). Device ops take operands at their last use.
+        let takes_first = matches!(exec, Exec::ReshapeInPlace | Exec::AddInPlace);
+        let args: Vec<_> = step
+            .args
+            .iter()
+            .zip(&step.arg_types)
+            .enumerate()
+            .map(|(k, (&(slot, moved), ty))| {
+                let take = moved && (!B::HOST || (takes_first && k == 0));
+                let v = if take { slots[slot].take() } else { slots[slot].clone() };
+                (v.expect("operands are computed before use"), ty)
+            })
+            .collect();
+        // With graphs on, device operands at their last use that burn's ops may consume (a
+        // burn op drops what it does not write into): held here and given back to the arena
+        // after the step, so a run returns every buffer it took and the next run takes none
+        // new (what a capture needs). Off, burn may write into them in place, as before.
+        let held: Vec<Value<B>> = match self.replay && !B::HOST {
+            true => step.args.iter().zip(&args).filter(|((_, moved), _)| *moved).map(|(_, (v, _))| v.clone()).collect(),
+            false => Vec::new(),
+        };
+        let op = &step.op;
+        let t0 = self.profile.is_some().then(std::time::Instant::now);
+        let cx = Ctx {
+            device: &self.device,
+            settings: s,
+            scope: &step.scope,
+            op: op.label(),
+            in_place: self.in_place,
+            ids_checked: step.ids_checked,
+            // A device product of bf16 values on tensor cores: TF32 holds them exactly.
+            tf32: self.tf32 || (self.bf16 && step.bf16_operands),
+            bf16: self.bf16,
+        };
+        let mut work = Work { native: self.native, kept: &mut self.kept, arena: &mut self.arena, burn_steps: &mut self.burn_steps };
+        let v = run::compute(exec, &cx, step, args, store, &mut work)?;
+        if t0.is_some() && self.profile_sync {
+            B::sync(&self.device).map_err(|e| RuntimeError::Device(format!("{}: {}: waiting for the device: {e:?}", step.scope, op.label())))?;
+        }
+        // The step's time, taken before its kind's name is formatted.
+        let secs = since(t0);
+        let kind = || {
+            let program = match op {
+                Op::Fused { expr } | Op::Epilogue { expr, .. } => format!(" {expr}"),
+                _ => String::new(),
+            };
+            format!("{} {}{program}", op.label(), step.ty)
+        };
+        record(&mut self.step_profile, kind, secs);
+        record(&mut self.profile, || op.label(), secs);
+        for h in held {
+            h.give_back(&mut self.arena);
+        }
+        Ok(v)
+    }
+
+    /// The plan's parameter writes into the session: with graphs on, each copied into the
+    /// buffer its parameter had (`stay`), which a captured graph reads and writes.
+    fn write_back(&mut self, exe: &Executable, slots: &[Option<Value<B>>], stay: Vec<Option<Value<B>>>) -> Result<()> {
         let mut stay = stay.into_iter();
         for (name, slot) in &exe.writes {
             let v = slots[*slot].clone().expect("writes are pinned");
             let v = match (stay.next().flatten(), v) {
                 // Copied into the buffer it had (a launch; captured into the graph during a
-                // capture); the new buffer goes back to the arena with the slots below.
+                // capture); the new buffer goes back to the arena with the slots.
                 (Some(Value::Float(old)), Value::Float(new)) if !B::same_buffer(&old, &new) => {
                     if !B::copy_into(&old, &new) {
                         return Err(RuntimeError::Device(format!("`{name}` is written into a new buffer and this backend cannot copy it back into its own (graph replay); run without graphs")));
@@ -786,15 +746,6 @@ impl<B: Backend> Session<B> {
                 old.give_back(&mut self.arena);
             }
         }
-        let outputs = exe
-            .outputs
-            .iter()
-            .map(|&o| out(slots[o].as_ref().expect("outputs are pinned"), exe.graph.ty(cellgraph_compiler::NodeId(o as u32))))
-            .collect();
-        for v in slots.iter_mut().filter_map(Option::take) {
-            v.give_back(&mut self.arena);
-        }
-        self.slots = slots;
-        Ok(outputs)
+        Ok(())
     }
 }

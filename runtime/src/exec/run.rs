@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 
 use cellgraph_compiler::{Op, TensorType};
 
+use super::bind::Exec;
 use super::plan::Step;
 use crate::arena::Arena;
 use crate::error::Result;
@@ -16,10 +17,110 @@ use crate::lower::{eval, Ctx};
 use crate::value::Value;
 use crate::Backend;
 
+/// What a computing step uses of its session besides its operands, borrowed apart from the
+/// rest of it: whether bound kernels run, what the host kernels keep between steps, the
+/// memory values are written into, and the count of steps that ran on burn's ops.
+pub(super) struct Work<'a> {
+    pub native: bool,
+    pub kept: &'a mut Kept,
+    pub arena: &'a mut Arena,
+    pub burn_steps: &'a mut BTreeMap<&'static str, u64>,
+}
+
+/// Runs a computing step (`exec`, neither a source nor a collective over a communicator) on
+/// its operands `args`, taken or lent by the caller: its result. `store`: the type its kernel
+/// writes, where the plan stores it low.
+pub(super) fn compute<B: Backend>(
+    exec: Exec,
+    cx: &Ctx<B>,
+    step: &Step,
+    args: Vec<(Value<B>, &TensorType)>,
+    store: Option<&TensorType>,
+    w: &mut Work,
+) -> Result<Value<B>> {
+    let op = &step.op;
+    Ok(match exec {
+        Exec::ReshapeInPlace => {
+            let Ok([(x, ty)]) = <[_; 1]>::try_from(args) else { unreachable!("a reshape's arity is checked by the verifier") };
+            match x {
+                Value::Float(x) => match crate::host::reshape::<B>(x, &step.ty, cx.device, w.arena) {
+                    Ok(t) => Value::Float(t),
+                    Err(x) => eval(cx, op, vec![(Value::Float(x), ty)], &step.ty)?,
+                },
+                x => eval(cx, op, vec![(x, ty)], &step.ty)?,
+            }
+        }
+        Exec::AddInPlace => {
+            let Ok([(acc, _), (g, _)]) = <[_; 2]>::try_from(args) else { unreachable!("assign_add's arity is checked by the verifier") };
+            let tys = (&step.arg_types[0], &step.arg_types[1]);
+            match (acc, g) {
+                (Value::Float(acc), Value::Float(g)) => match crate::host::assign_add::<B>(acc, &g, &step.ty, cx.device) {
+                    Ok(t) => Value::Float(t),
+                    Err(acc) => eval(cx, op, vec![(Value::Float(acc), tys.0), (Value::Float(g), tys.1)], &step.ty)?,
+                },
+                (acc, g) => eval(cx, op, vec![(acc, tys.0), (g, tys.1)], &step.ty)?,
+            }
+        }
+        Exec::AccumulateInto(n) => accumulate_into(cx, step, args, n, w)?,
+        Exec::Kernel => {
+            let k = step.kernel.as_ref().expect("bound to steps with a kernel");
+            match run_bound(k, &args, store.unwrap_or(&step.ty), cx, w.kept, w.arena) {
+                Some(t) => {
+                    // Operands at their last use give their memory back (a device kernel only
+                    // read them; later launches run after it).
+                    for (v, _) in args {
+                        v.give_back(w.arena);
+                    }
+                    Value::Float(t)
+                }
+                // Declined at the launch (what only a launch can tell: a cubek kernel that
+                // does not set up): an epilogue's head on its kernel and its program on burn's
+                // ops, else the whole step on burn's ops, counted (the program as `epilogue`).
+                None if matches!(k, Native::Epilogue { .. }) => head_then_program(cx, step, args, w)?,
+                None => burn_op(cx, op, args, &step.ty, w.burn_steps)?,
+            }
+        }
+        // The program the device declines, decided at binding.
+        Exec::HeadKernel => head_then_program(cx, step, args, w)?,
+        Exec::Pass(i) => args.into_iter().nth(i).expect("the verifier checks the arity").0,
+        Exec::Collective | Exec::Burn => burn_op(cx, op, args, &step.ty, w.burn_steps)?,
+        Exec::Deferred | Exec::Param | Exec::Input | Exec::SharedConstant => unreachable!("sources are not computed"),
+    })
+}
+
+/// An epilogue whose accumulator (operands `n` on) is a view of one flat device buffer: the
+/// head adding into the view's own memory where the device has such a kernel, else the head,
+/// then `assign_add` into it.
+fn accumulate_into<B: Backend>(cx: &Ctx<B>, step: &Step, mut args: Vec<(Value<B>, &TensorType)>, n: usize, w: &mut Work) -> Result<Value<B>> {
+    let Op::Epilogue { head, .. } = &step.op else { unreachable!("bound to epilogues only") };
+    let mut acc = args.split_off(n);
+    let into = match (&step.kernel, acc.as_slice()) {
+        (Some(Native::Epilogue { head: k, .. }), [(Value::Float(a), _)]) if w.native => {
+            let floats: Option<Vec<_>> = args.iter().map(|(v, _)| if let Value::Float(t) = v { Some(t) } else { None }).collect();
+            floats.is_some_and(|f| B::device_accumulate(k, &f, a, cx.tf32, w.arena))
+        }
+        _ => false,
+    };
+    if into {
+        for (v, _) in args {
+            v.give_back(w.arena);
+        }
+        return Ok(acc.swap_remove(0).0);
+    }
+    let g = run_head(cx, head, step, args, w)?;
+    match (acc.as_slice(), g) {
+        ([(Value::Float(a), _)], Value::Float(g)) if B::assign_add_in_place(a, g.clone()) => {
+            Value::<B>::Float(g).give_back(w.arena);
+            Ok(acc.swap_remove(0).0)
+        }
+        (_, g) => eval(cx, &Op::AssignAdd, acc.into_iter().chain([(g, &step.ty)]).collect(), &step.ty),
+    }
+}
+
 /// Runs a step's bound kernel: on the host kernels on a host backend, on the device's own
 /// kernels otherwise; `None` when it does not apply (a non-float operand, a dtype the kernels
 /// lack), and burn's ops run the step instead.
-pub(super) fn run_bound<B: Backend>(
+fn run_bound<B: Backend>(
     k: &Native,
     args: &[(Value<B>, &TensorType)],
     out: &TensorType,
@@ -63,30 +164,20 @@ pub(super) fn run_bound<B: Backend>(
 
 /// An epilogue step's head (`args`: its operands) on the head's bound kernel where the backend
 /// runs it (`native`), else on burn's ops, counted in `burn_steps` under the head's name.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn run_head<B: Backend>(
-    cx: &Ctx<B>,
-    head: &Op,
-    step: &Step,
-    args: Vec<(Value<B>, &TensorType)>,
-    native: bool,
-    kept: &mut Kept,
-    arena: &mut Arena,
-    burn_steps: &mut BTreeMap<&'static str, u64>,
-) -> Result<Value<B>> {
+fn run_head<B: Backend>(cx: &Ctx<B>, head: &Op, step: &Step, args: Vec<(Value<B>, &TensorType)>, w: &mut Work) -> Result<Value<B>> {
     let bound = match &step.kernel {
-        Some(Native::Epilogue { head, .. }) if native => run_bound(head, &args, &step.ty, cx, kept, arena),
+        Some(Native::Epilogue { head, .. }) if w.native => run_bound(head, &args, &step.ty, cx, w.kept, w.arena),
         _ => None,
     };
     match bound {
         Some(t) => {
             for (v, _) in args {
-                v.give_back(arena);
+                v.give_back(w.arena);
             }
             Ok(Value::Float(t))
         }
         None => {
-            *burn_steps.entry(head.label()).or_default() += 1;
+            *w.burn_steps.entry(head.label()).or_default() += 1;
             eval(cx, head, args, &step.ty)
         }
     }
@@ -95,28 +186,19 @@ pub(super) fn run_head<B: Backend>(
 /// An epilogue step's head on its kernel where the backend runs it ([`run_head`]), then its
 /// program on burn's ops, counted as `epilogue`: a program the device's kernels decline (at
 /// binding, [`super::Exec::HeadKernel`], or at the launch).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn head_then_program<B: Backend>(
-    cx: &Ctx<B>,
-    step: &Step,
-    mut args: Vec<(Value<B>, &TensorType)>,
-    native: bool,
-    kept: &mut Kept,
-    arena: &mut Arena,
-    burn_steps: &mut BTreeMap<&'static str, u64>,
-) -> Result<Value<B>> {
+fn head_then_program<B: Backend>(cx: &Ctx<B>, step: &Step, mut args: Vec<(Value<B>, &TensorType)>, w: &mut Work) -> Result<Value<B>> {
     let (Op::Epilogue { head, expr }, Some(Native::Epilogue { head_args, .. })) = (&step.op, &step.kernel) else {
         unreachable!("an epilogue step bound to an epilogue kernel")
     };
     let rest = args.split_off(*head_args);
-    let y = run_head(cx, head, step, args, native, kept, arena, burn_steps)?;
-    *burn_steps.entry("epilogue").or_default() += 1;
+    let y = run_head(cx, head, step, args, w)?;
+    *w.burn_steps.entry("epilogue").or_default() += 1;
     crate::lower::epilogue_program(cx, y, expr, rest, &step.ty)
 }
 
 /// A step on burn's ops (the reference lowering), counted in [`super::Session::burn_op_steps`]
 /// unless it is a reshape (which moves no values; on devices a view of the buffer).
-pub(super) fn burn_op<B: Backend>(
+fn burn_op<B: Backend>(
     cx: &Ctx<B>,
     op: &Op,
     args: Vec<(Value<B>, &TensorType)>,
