@@ -22,6 +22,9 @@
 //! - [`pool`]: max pooling and its gradient on NCHW, without copies or a second forward.
 //! - [`sums`]: a bias gradient (or a split filter gradient's slices), one unit per column.
 //!
+//! `device_kernel` matches the bound op; the launches that take more than a line to set up
+//! (an epilogue, the loss, attention, dropout, the causal mask, max pooling) are in `launch`.
+//!
 //! The kernels are generic over cubecl runtimes: CUDA on an NVIDIA GPU (feature `cuda`), and
 //! wgpu (feature `wgpu`), which runs on Mesa's lavapipe CPU Vulkan driver in CI, where the
 //! tests check them against the CPU reference (the optimizer graphs run on burn-ndarray).
@@ -33,6 +36,7 @@ pub mod ew;
 pub mod flash;
 pub mod gemm;
 mod head;
+mod launch;
 pub mod loss;
 pub mod pool;
 pub mod sums;
@@ -449,37 +453,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 y
             }
             Native::Epilogue { head, head_args, post } => {
-                let prog = EwKernel::new(post, true)?;
-                let rest: Vec<_> = args.get(*head_args..)?.iter().map(|t| contiguous(t)).collect();
-                let tensor_cores = match **head {
-                    Native::Conv { kind, g, groups, out_channels, .. } => conv::on_tensor_cores::<R>(kind, &g, groups, out_channels, tf32),
-                    _ => false,
-                };
-                let inside =
-                    matches!(**head, Native::Conv { kind: ConvKind::Forward, .. } | Native::MaxPoolGrad { .. }) && *head_args == 2 && !tensor_cores;
-                if inside && prog.reads.len() <= ew::HEAD_OPERANDS {
-                    // The program inside the head's kernel, on its result before it is stored
-                    // (in the type the session stores it in).
-                    let (a, b) = (contiguous(args[0]), contiguous(args[1]));
-                    let y = output_of::<R>(arena, &client, &device, out.dims(), store);
-                    head_kernel::<R>(head, &a, &b, &y, numel, tf32, &prog, &rest, arena);
-                    y
-                } else if is_low(store) {
-                    // The head's f32 sums, then the program over them, its result stored low.
-                    let sums = TensorType::f32(out.dims().to_vec());
-                    let h = Self::device_kernel(head, args.get(..*head_args)?, &[], &sums, tf32, arena)?;
-                    let y = output_of::<R>(arena, &client, &device, out.dims(), store);
-                    let prog = EwKernel::new(post, false)?;
-                    launch_elementwise::<R>(&prog, &y, &[std::iter::once(h.clone()).chain(rest).collect::<Vec<_>>()].concat());
-                    // Later launches run after this one: its buffer may be written again.
-                    arena.give_device(numel, DType::F32.size(), h);
-                    y
-                } else {
-                    // The head, then the program over the head's output in place.
-                    let y = Self::device_kernel(head, args.get(..*head_args)?, &[], out, tf32, arena)?;
-                    launch_elementwise::<R>(&prog, &y, &rest);
-                    y
-                }
+                return launch::epilogue::<R>(head, *head_args, post, args, out, store, tf32, arena);
             }
             Native::Fused(e) => {
                 let prog = EwKernel::new(e, false)?;
@@ -513,15 +487,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 sums::sums_of_planes::<R>(&x, &y, outer, inner, scale.map(|s| s as f32), false, arena)?;
                 y
             }
-            Native::MaxPool { g, .. } if !g.has_empty_window() => {
-                let x = contiguous(args[0]);
-                let y = output_of::<R>(arena, &client, &device, out.dims(), store);
-                let ty = |t: &CubeTensor<R>| dtype_to_storage_type(t.dtype);
-                unsafe {
-                    pool::max_pool2d::launch_unchecked::<f32, R>(&client, count, dim, arr(&x), arr(&y), ConvDims::of(g, 1, g.x[1]), ty(&x), ty(&y))
-                };
-                y
-            }
+            Native::MaxPool { g, .. } if !g.has_empty_window() => launch::max_pool::<R>(&contiguous(args[0]), g, out, store, arena),
             Native::MaxPoolGrad { .. } => {
                 let (x, dy) = (contiguous(args[0]), contiguous(args[1]));
                 let y = output::<R>(arena, &client, &device, out.dims());
@@ -529,73 +495,22 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 y
             }
             Native::SoftmaxCrossEntropy { c, reduction, grad, .. } => {
-                let (logits, labels) = (contiguous(args[0]), contiguous(ints.first()?));
-                let n = labels.meta.num_elements();
-                let dims = loss::LossDims::new(n, *c, *reduction)?;
-                let y = output::<R>(arena, &client, &device, out.dims());
-                if *grad {
-                    let dl = contiguous(args.get(1)?);
-                    unsafe {
-                        loss::softmax_cross_entropy_grad::launch_unchecked::<f32, R>(
-                            &client,
-                            count,
-                            dim,
-                            arr(&logits),
-                            arr(&labels),
-                            arr(&dl),
-                            arr(&y),
-                            dims,
-                            dtype_to_storage_type(logits.dtype),
-                            dtype_to_storage_type(int),
-                        )
-                    };
-                } else {
-                    let (count, dim) = loss_grid(&client, n, *reduction);
-                    // No gradient: `dx` is never touched (a one-element buffer of its own).
-                    let dx = arena.take_scratch::<CubeTensor<R>>(1).unwrap_or_else(|| empty::<R>(&client, &device, &[1]));
-                    unsafe {
-                        loss::softmax_cross_entropy::launch_unchecked::<f32, R>(
-                            &client,
-                            count,
-                            dim,
-                            arr(&logits),
-                            arr(&labels),
-                            arr(&y),
-                            arr(&dx),
-                            dims,
-                            None,
-                            dtype_to_storage_type(logits.dtype),
-                            dtype_to_storage_type(int),
-                        )
-                    };
-                    arena.give_scratch(1, dx);
-                }
-                y
+                let dl = if *grad { Some(contiguous(args.get(1)?)) } else { None };
+                launch::loss::<R>(&contiguous(args[0]), &contiguous(ints.first()?), dl.as_ref(), *c, *reduction, out, arena)?
             }
             // burn's `full`: one launch either way.
             Native::Fill(_) | Native::MaxPool { .. } => return None,
             // The factors drawn in the kernel from the host's hash: nothing read back.
             &Native::Dropout { p, seed, row } => {
-                let k = dropout::DropoutKey::new(p, seed, row)?;
                 let [items, update] = ints else { return None };
-                let (x, items, update) = (contiguous(args[0]), contiguous(items), contiguous(update));
-                let y = output::<R>(arena, &client, &device, out.dims());
-                // SAFETY: one unit per element of `y` (`x`'s extents), reading item `i / row`
-                // of `items` (a row per item, as the bound op's types fix) and `update[0]`.
-                unsafe {
-                    dropout::dropout::launch_unchecked::<f32, R>(
-                        &client,
-                        count,
-                        dim,
-                        arr(&x),
-                        arr(&items),
-                        arr(&update),
-                        arr(&y),
-                        k,
-                        dtype_to_storage_type(int),
-                    )
-                };
-                y
+                launch::dropout::<R>(
+                    &contiguous(args[0]),
+                    &contiguous(items),
+                    &contiguous(update),
+                    dropout::DropoutKey::new(p, seed, row)?,
+                    out,
+                    arena,
+                )
             }
             // burn's ops (an embedding's rows).
             Native::Gather { .. } | Native::ScatterAdd { .. } => return None,
@@ -610,84 +525,10 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
             }
             Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } => return None,
             &Native::Attention { b, t, heads, d, causal, grad, .. } => {
-                let g = attention::AttnDims::new(t, heads, d, causal)?;
-                let rows = b * heads * t;
-                if rows == 0 || attention::shared_bytes(d, core::mem::size_of::<f32>()) > client.properties().hardware.max_shared_memory_size {
-                    return None;
-                }
-                let qkv = contiguous(args[0]);
-                let y = output::<R>(arena, &client, &device, out.dims());
-                let scale = 1.0 / (d as f32).sqrt();
-                // A cube per `ROWS` query (or key) rows, `PARTS` units each.
-                let dim = CubeDim::new_2d(attention::ROWS as u32, attention::PARTS as u32);
-                let count = calculate_cube_count_elemwise(&client, rows.div_ceil(attention::ROWS) * attention::ROWS * attention::PARTS, dim);
-                // SAFETY: units per query (or key) row below `rows` (those past it write
-                // nothing), reading `qkv` (and `dy`) and writing `y` (and the statistics)
-                // within the extents `g` and `b` give them.
-                unsafe {
-                    if grad {
-                        let dy = contiguous(args.get(1)?);
-                        let stats = arena.take_scratch::<CubeTensor<R>>(3 * rows).unwrap_or_else(|| empty::<R>(&client, &device, &[3 * rows]));
-                        let (qt, gt) = (dtype_to_storage_type(qkv.dtype), dtype_to_storage_type(dy.dtype));
-                        attention::attention_grad_rows::launch_unchecked::<f32, R>(
-                            &client,
-                            count.clone(),
-                            dim,
-                            arr(&qkv),
-                            arr(&dy),
-                            arr(&y),
-                            arr(&stats),
-                            scale,
-                            g,
-                            qt,
-                            gt,
-                        );
-                        attention::attention_grad_cols::launch_unchecked::<f32, R>(
-                            &client,
-                            count,
-                            dim,
-                            arr(&qkv),
-                            arr(&dy),
-                            arr(&stats),
-                            arr(&y),
-                            scale,
-                            g,
-                            qt,
-                            gt,
-                        );
-                        arena.give_scratch(3 * rows, stats);
-                    } else {
-                        // Tensor cores asked for: cubek's flash attention, where it sets up.
-                        let unit = flash::unit_routine_for_tests();
-                        if !((tf32 || unit) && flash::forward(&qkv, &y, b, t, heads, d, causal, unit)) {
-                            if tf32 {
-                                gemm::count_tf32_fallback();
-                            }
-                            let qt = dtype_to_storage_type(qkv.dtype);
-                            attention::attention_forward::launch_unchecked::<f32, R>(&client, count, dim, arr(&qkv), arr(&y), scale, g, qt);
-                        }
-                    }
-                }
-                y
+                let dy = if grad { Some(contiguous(args.get(1)?)) } else { None };
+                launch::attention::<R>(&contiguous(args[0]), dy.as_ref(), [b, t, heads, d], causal, out, tf32, arena)?
             }
-            &Native::CausalMask { t, s, fill } => {
-                let x = contiguous(args[0]);
-                let y = output::<R>(arena, &client, &device, out.dims());
-                // SAFETY: one unit per element of `y` (`x`'s extents).
-                unsafe {
-                    dropout::causal_mask::launch_unchecked::<f32, R>(
-                        &client,
-                        count,
-                        dim,
-                        arr(&x),
-                        arr(&y),
-                        t as u32,
-                        s as u32,
-                        (fill as f32).to_bits(),
-                    )
-                };
-                y
-            }
+            &Native::CausalMask { t, s, fill } => launch::causal_mask::<R>(&contiguous(args[0]), t, s, fill, out, arena),
             &Native::MaxRows { cols } => {
                 let x = contiguous(args[0]);
                 let y = output::<R>(arena, &client, &device, out.dims());
@@ -709,40 +550,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
     ) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
         let Native::SoftmaxCrossEntropy { c, reduction, grad: false, .. } = *op else { return None };
         let ([logits], [labels]) = (args, ints) else { return None };
-        let int = int_dtype::<R>(&logits.device);
-        if !(logits.dtype == DType::F32 || is_low(logits.dtype)) || labels.dtype != int {
-            return None;
-        }
-        let contiguous = |t: &CubeTensor<R>| burn_cubecl::kernel::into_contiguous(t.clone());
-        let (logits, labels) = (contiguous(logits), contiguous(labels));
-        let n = labels.meta.num_elements();
-        let dims = loss::LossDims::new(n, c, reduction)?;
-        // One cube sums a reduced loss: beyond a few thousand rows the two kernels apart
-        // (a unit per logit for the gradient) spread the work better.
-        if reduction != cellgraph_compiler::Reduction::None && n > loss::FUSED_ROWS {
-            return None;
-        }
-        let client = &logits.client;
-        let (y, dx) = (output::<R>(arena, client, &logits.device, out.dims()), output::<R>(arena, client, &logits.device, &[n, c]));
-        let (count, dim) = loss_grid(client, n, reduction);
-        // SAFETY: each unit writes rows below `n` of `dx` (`n * c` elements) and of `y`, reading
-        // rows below `n` of the logits and labels (class ids checked on the host).
-        unsafe {
-            loss::softmax_cross_entropy::launch_unchecked::<f32, R>(
-                client,
-                count,
-                dim,
-                arr(&logits),
-                arr(&labels),
-                arr(&y),
-                arr(&dx),
-                dims,
-                Some((seed as f32).to_bits()),
-                dtype_to_storage_type(logits.dtype),
-                dtype_to_storage_type(int),
-            )
-        };
-        Some((y, dx))
+        launch::loss_with_grad::<R>(logits, labels, c, reduction, out, seed, arena)
     }
 
     fn device_accumulate(op: &Native, args: &[&CubeTensor<R>], acc: &CubeTensor<R>, tf32: bool, arena: &mut Arena) -> bool {

@@ -1,8 +1,9 @@
 //! How each step of a plan runs in a session, decided once per plan and per session settings
 //! (host or device backend, bound kernels on or off, in-place accumulation) instead of at
-//! every step of every run: [`Session::run_here`](super::Session) matches on the step's
-//! [`Exec`], and the host's decision ([`host_run`]) is also what `cellgraph inspect plan`
-//! lists ([`super::Executable::host_steps`]), so the listing and the run cannot disagree.
+//! every step of every run: [`Session::run_here`](super::Session) and `run::compute` match
+//! on the step's [`Exec`], and the host's decision ([`host_run`]) is also what `cellgraph
+//! inspect plan` lists ([`super::Executable::host_steps`]), so the listing and the run cannot
+//! disagree.
 
 use cellgraph_compiler::{DType, Op, TensorType};
 
