@@ -71,6 +71,12 @@ pub struct FinetuneArgs {
     /// How the text becomes items.
     #[arg(long, value_enum, default_value_t = Split::Blocks)]
     split: Split,
+    /// Under --split lines, pad each batch to a multiple of N tokens (at most --block-size), as
+    /// transformers' `DataCollatorWithPadding(pad_to_multiple_of=N)`: the same loss, fewer
+    /// batch shapes (each is a plan to compile and, with --graphs, a graph to capture)
+    /// [default: to the batch's longest line].
+    #[arg(long, value_name = "N", value_parser = at_least_one)]
+    pad_to_multiple_of: Option<usize>,
     /// Tokens per item [default: the model's n_positions].
     #[arg(long, value_name = "T", value_parser = at_least_one)]
     block_size: Option<usize>,
@@ -158,6 +164,9 @@ pub fn finetune(args: FinetuneArgs, comm: Arc<dyn Communicator>) -> Res<()> {
         )
         .into());
     }
+    if args.pad_to_multiple_of.is_some() && args.split == Split::Blocks {
+        return Err("--pad-to-multiple-of pads the batches of --split lines; --split blocks items are all --block-size tokens".into());
+    }
     if !(0.0..1.0).contains(&args.val_fraction) {
         return Err(format!("--val-fraction {} must be in [0, 1)", args.val_fraction).into());
     }
@@ -232,10 +241,10 @@ fn token_lists(tok: &Tokenizer, part: &str, split: Split, comm: &dyn Communicato
 }
 
 /// The items of the token lists (`name` in messages) for blocks of `block` tokens.
-fn items(lists: Vec<Vec<i32>>, split: Split, block: usize, name: &str) -> Res<TokenDataset> {
-    Ok(match split {
+fn items(lists: Vec<Vec<i32>>, args: &FinetuneArgs, block: usize, name: &str) -> Res<TokenDataset> {
+    Ok(match args.split {
         Split::Blocks => TokenDataset::windows(lists.into_iter().flatten().collect(), block, name)?,
-        Split::Lines => TokenDataset::lines(lists, block, name)?,
+        Split::Lines => TokenDataset::lines(lists, block, name)?.pad_to_multiple_of(args.pad_to_multiple_of.unwrap_or(1)),
     })
 }
 
@@ -265,7 +274,7 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     let text = read_text(&args.data)?;
     let (train_text, val_text) = split_text(&text, args.val_fraction);
     let t0 = Instant::now();
-    let mut train = items(token_lists(&tok, train_text, args.split, &*comm)?, args.split, block, "train")?;
+    let mut train = items(token_lists(&tok, train_text, args.split, &*comm)?, args, block, "train")?;
     if !args.no_shuffle {
         train = train.shuffle(args.seed);
     }
@@ -274,7 +283,7 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     let val = if val_text.is_empty() {
         None
     } else {
-        let v = items(token_lists(&tok, val_text, args.split, &*comm)?, args.split, block, "held-out")?;
+        let v = items(token_lists(&tok, val_text, args.split, &*comm)?, args, block, "held-out")?;
         let n = v.len().min(args.eval_items);
         match n {
             0 => {
@@ -322,6 +331,9 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
         eprintln!("--graphs: off under --profile (it times each op)");
     } else if args.graphs {
         model.accumulator_mut().options().set_graphs(true)?;
+        if args.split == Split::Lines && args.pad_to_multiple_of.is_none() {
+            say!("--graphs with --split lines: each batch length is its own plan and graph ({} at most are captured); --pad-to-multiple-of N makes them fewer", cellgraph::runtime::replay::MAX_SHAPES);
+        }
     }
     let mut log = args.loss_log.as_deref().filter(|_| rank == 0).map(|p| RunLog::open(p, false)).transpose()?;
     let out: Box<dyn std::io::Write> = if rank == 0 { Box::new(std::io::stdout()) } else { Box::new(std::io::sink()) };

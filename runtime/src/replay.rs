@@ -80,12 +80,21 @@ pub struct ReplayCounts {
     /// Graphs forgotten because a parameter they read was set from outside a run.
     pub forgotten: u64,
     /// Runs op by op because their plan cannot be captured (a step reads the device or
-    /// uploads: [`crate::Session::replay_blockers`] names it).
+    /// uploads), or because the session already holds [`MAX_SHAPES`] plan shapes:
+    /// [`crate::Session::replay_blockers`] names it.
     pub uncaptured: u64,
     /// Of `replays`: whole windows replayed as one graph (every micro-step of an in-step
     /// window in one launch, [`crate::Session::run_window_replayed`]).
     pub windows: u64,
 }
+
+/// The most plan shapes (a micro-step's plan for one micro-batch shape, and the runs one graph
+/// holds) a session captures: a later new shape runs op by op, counted and named, as
+/// `torch._dynamo` stops recompiling a function at its `cache_size_limit` of 8. Each shape
+/// holds its own buffers for its graph's life, so a network fed ever new shapes (text batches
+/// padded to their longest line) would otherwise hold the device's memory many times over, and
+/// spend most of its runs warming up.
+pub const MAX_SHAPES: usize = 8;
 
 /// A captured plan shape: the plan's id, its inputs' types, and how many runs of the plan one
 /// graph holds (1 for a micro-step; K for a window of K micro-steps).
@@ -125,11 +134,15 @@ pub(crate) struct Entry<B: Backend> {
 pub(crate) struct Graphs<B: Backend> {
     pub entries: HashMap<GraphKey, Entry<B>>,
     pub counts: ReplayCounts,
+    /// Plan shapes captured at most ([`MAX_SHAPES`] unless set otherwise).
+    pub max_shapes: usize,
+    /// The first new shape past `max_shapes`, named (empty until then).
+    pub over: BTreeSet<String>,
 }
 
 impl<B: Backend> Default for Graphs<B> {
     fn default() -> Self {
-        Graphs { entries: HashMap::new(), counts: ReplayCounts::default() }
+        Graphs { entries: HashMap::new(), counts: ReplayCounts::default(), max_shapes: MAX_SHAPES, over: BTreeSet::new() }
     }
 }
 

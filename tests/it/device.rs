@@ -1451,6 +1451,42 @@ mod wgpu {
         assert_eq!(s.replay_counts().windows, 1, "{:?}", s.replay_counts());
     }
 
+    /// A session fed more plan shapes than it captures (2 here): the first two are warmed
+    /// up, captured and replayed; a third runs op by op every time, with a session without
+    /// graphs' values, counted as not capturable and named; the two captured still replay.
+    #[test]
+    fn shapes_past_those_a_session_captures_run_op_by_op_named() {
+        let plan = |rows: usize| {
+            let mut g = Graph::new("rows");
+            let x = g.add_leaf(Op::Input { index: 0, name: "x".into() }, TensorType::f32(vec![rows, 2]), "t").unwrap();
+            let y = g.add(Op::Mul, &[x, x], "y").unwrap();
+            let y = g.add(Op::ReduceSum(cellgraph::compiler::ReduceAttrs { axes: vec![1], keep_dims: false }), &[y], "s").unwrap();
+            g.set_outputs(vec![y]);
+            cellgraph::runtime::compile(g).unwrap()
+        };
+        let exes = [plan(1), plan(2), plan(3)];
+        let mut s = cellgraph::runtime::Session::<Wgpu>::new(dev());
+        s.set_graphs(true).unwrap();
+        s.set_max_graph_shapes(2);
+        let mut plain = cellgraph::runtime::Session::<Wgpu>::new(dev());
+        for round in 0..3 {
+            for (rows, exe) in (1..).zip(&exes) {
+                let x = HostTensor::f32(vec![rows, 2], (0..2 * rows).map(|i| (round * 10 + i) as f32).collect()).unwrap();
+                let got = s.run_replayed(exe, std::slice::from_ref(&x)).unwrap()[0].to_host().to_f32();
+                assert_eq!(got, plain.run(exe, &[x]).unwrap()[0].to_f32(), "round {round}, {rows} rows");
+            }
+        }
+        let c = s.replay_counts();
+        assert_eq!((c.warmups, c.captures, c.replays, c.uncaptured), (4, 2, 2, 3), "{c:?}");
+        let why = s.replay_blockers();
+        assert!(
+            why.len() == 1
+                && why[0].contains("`rows` of inputs [f32[3,2]]: past the 2 shapes")
+                && why[0].contains("past the 2 shapes a session captures"),
+            "{why:?}"
+        );
+    }
+
     #[test]
     fn window_replay_on_wgpu_matches_op_by_op() {
         super::window_replay_matches_op_by_op::<Wgpu>(dev());

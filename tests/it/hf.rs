@@ -435,6 +435,7 @@ fn finetune_refuses_bad_settings() {
     refused(&["--data", "no-such-text.txt"], "no-such-text.txt");
     refused(&["--data", "tests/assets"], "tests/assets: is a directory");
     refused(&["--graphs"], "has no graphs to capture");
+    refused(&["--pad-to-multiple-of", "64"], "--pad-to-multiple-of pads the batches of --split lines");
 }
 
 /// `cellgraph finetune --graphs` on a device (lavapipe): each update's window of 4 micro-steps
@@ -469,4 +470,48 @@ fn finetune_with_graphs_replays_windows_with_the_same_results() {
         "{line}"
     );
     assert!(!line.contains(" 0 replayed"), "{line}");
+}
+
+/// `--split lines` batches padded to a multiple of the block (`--pad-to-multiple-of`, as
+/// transformers' `DataCollatorWithPadding`): without dropout the first update's loss is the
+/// unpadded run's to the bit and the later ones agree within rounding (the loss ignores the
+/// padding, causal attention never reads it); on a device with graphs every window then has
+/// one shape, captured once and replayed, where the batches' own lengths fill the session's
+/// shapes and run op by op past them, named.
+#[test]
+fn lines_padded_to_a_multiple_keep_the_losses_and_one_graph() {
+    let dir = TmpDir::created("hf-pad-lines");
+    let text = shakespeare_text(&dir, 30_000);
+    let run = |extra: &[&str]| {
+        let out = dir.join("out");
+        let mut args = vec!["finetune", "--model", TINY, "--data", text.to_str().unwrap(), "--out", out.to_str().unwrap()];
+        args.extend(["--split", "lines", "--block-size", "32", "--batch-size", "8", "--micro-size", "4", "--lr", "3e-3", "--dropout", "0"]);
+        args.extend(["--print-every", "1", "--sample-tokens", "0", "--eval-items", "4"]);
+        args.extend(extra);
+        let (code, stdout, stderr) = cellgraph(&args);
+        assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+        stdout
+    };
+    let losses = |out: &str| -> Vec<f64> { out.lines().filter_map(|l| l.split("loss is ").nth(1)).map(|v| v.parse().unwrap()).collect() };
+    let (own, padded) = (run(&["--steps", "3", "--device", "cpu"]), run(&["--steps", "3", "--device", "cpu", "--pad-to-multiple-of", "32"]));
+    let (a, b) = (losses(&own), losses(&padded));
+    assert_eq!(a.len(), 3, "{own}");
+    assert_eq!(a[0], b[0], "the first update's loss");
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-6 * x.abs(), "{a:?} against {b:?}");
+    }
+    #[cfg(feature = "wgpu")]
+    {
+        let line = |out: &str| out.lines().find(|l| l.starts_with("graph replay: ")).unwrap_or_else(|| panic!("{out}")).to_string();
+        let padded = run(&["--steps", "12", "--device", "wgpu", "--graphs", "--pad-to-multiple-of", "32"]);
+        let l = line(&padded);
+        assert!(
+            l.starts_with("graph replay: 1 captured, 10 replayed (10 of them whole windows") && l.ends_with(", 0 op by op (not capturable)"),
+            "{l}"
+        );
+        let own = run(&["--steps", "20", "--device", "wgpu", "--graphs"]);
+        assert!(own.contains("--graphs with --split lines: each batch length is its own plan"), "{own}");
+        assert!(line(&own).contains("op by op while warming up") && own.contains("not captured: `micro_step"), "{own}");
+        assert!(own.contains("past the 8 shapes a session captures"), "{own}");
+    }
 }

@@ -164,6 +164,8 @@ pub struct TokenDataset {
     sampling: Sampling,
     /// At most this many batches per epoch.
     limit: Option<usize>,
+    /// Lines' batches are padded to a multiple of this many tokens (1: to their longest).
+    pad_multiple: usize,
 }
 
 /// A character corpus's dataset: the [`TokenDataset`] of its characters' ids.
@@ -203,7 +205,17 @@ impl TokenDataset {
                 v
             }
         };
-        Ok(TokenDataset { tokens, items, kind, context, part: part.into(), unit: "characters", sampling: Sampling::default(), limit: None })
+        Ok(TokenDataset {
+            tokens,
+            items,
+            kind,
+            context,
+            part: part.into(),
+            unit: "characters",
+            sampling: Sampling::default(),
+            limit: None,
+            pad_multiple: 1,
+        })
     }
     /// Windows of `context + 1` consecutive tokens of `tokens` (a tokenized text), one every
     /// `context`: GPT-2 fine-tuning's blocks.
@@ -219,6 +231,7 @@ impl TokenDataset {
             unit: "tokens",
             sampling: Sampling::default(),
             limit: None,
+            pad_multiple: 1,
         })
     }
     /// One item per line of at least two tokens (each line tokenized on its own), cut to
@@ -239,6 +252,7 @@ impl TokenDataset {
             unit: "tokens",
             sampling: Sampling::default(),
             limit: None,
+            pad_multiple: 1,
         })
     }
     super::dataset::sampling_builders!();
@@ -246,6 +260,14 @@ impl TokenDataset {
     /// to read whole between two validations.
     pub fn take_batches(mut self, n: usize) -> Self {
         self.limit = Some(n);
+        self
+    }
+    /// Pads each batch of lines to a multiple of `m` tokens (at most the context), as
+    /// `transformers`' `DataCollatorWithPadding(pad_to_multiple_of=m)`: fewer batch shapes (a
+    /// device compiles, and with graphs captures, one plan per shape), the same loss and
+    /// gradients (padding is labelled [`IGNORE_INDEX`] and attention is causal).
+    pub fn pad_to_multiple_of(mut self, m: usize) -> Self {
+        self.pad_multiple = m.max(1);
         self
     }
     /// Items in the part.
@@ -268,12 +290,16 @@ impl TokenDataset {
         format!("{} ({kind})", self.part)
     }
     /// The batch of items `idx`: ids and labels `[n, T]`, `T` the context (windows) or the
-    /// longest item's length minus one (lines, padding labelled [`IGNORE_INDEX`]), and the
+    /// longest item's length minus one, rounded up to the padding multiple within the context
+    /// (lines, padding labelled [`IGNORE_INDEX`]), and the
     /// items' indices (`i64 [n]`: dropout's keys, the same on every rank and micro-batch).
     pub fn batch_of(&self, idx: &[usize]) -> [HostTensor; 3] {
         let t = match self.kind {
             Items::Windows => self.context,
-            Items::Lines => idx.iter().map(|&i| self.items[i].1 - 1).max().unwrap_or(1),
+            Items::Lines => {
+                let longest = idx.iter().map(|&i| self.items[i].1 - 1).max().unwrap_or(1);
+                longest.next_multiple_of(self.pad_multiple).min(self.context.max(longest))
+            }
         };
         let mut ids = vec![0i32; idx.len() * t];
         let mut labels = vec![IGNORE_INDEX; idx.len() * t];

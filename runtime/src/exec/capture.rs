@@ -42,10 +42,18 @@ impl<B: Backend> Session<B> {
         self.graphs.counts
     }
 
+    /// The most plan shapes this session captures ([`crate::replay::MAX_SHAPES`] by default);
+    /// a later new shape runs op by op, counted in [`ReplayCounts::uncaptured`] and named by
+    /// [`Self::replay_blockers`].
+    pub fn set_max_graph_shapes(&mut self, n: usize) {
+        self.graphs.max_shapes = n;
+    }
+
     /// Why plans run op by op although replay is on: for each plan shape that cannot be
-    /// captured, the step that reads the device or uploads (`scope: op: what`).
+    /// captured, the step that reads the device or uploads (`scope: op: what`); and the first
+    /// shape past those the session captures.
     pub fn replay_blockers(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.graphs.entries.values().filter_map(|e| e.blocker.clone()).collect();
+        let mut v: Vec<String> = self.graphs.entries.values().filter_map(|e| e.blocker.clone()).chain(self.graphs.over.iter().cloned()).collect();
         v.sort();
         v.dedup();
         v
@@ -113,6 +121,10 @@ impl<B: Backend> Session<B> {
         }
         let key = (exe.id, types, sets.len());
         if !self.graphs.entries.contains_key(&key) {
+            if self.graphs.entries.len() >= self.graphs.max_shapes {
+                let outs = self.past_max_shapes(exe, sets, &key)?;
+                return Ok((outs, key));
+            }
             let outs = self.first_run(exe, sets, key.clone())?;
             return Ok((outs, key));
         }
@@ -151,6 +163,27 @@ impl<B: Backend> Session<B> {
         let outs = outs.clone();
         self.graphs.counts.replays += 1;
         Ok((outs, key))
+    }
+
+    /// A new plan shape in a session that holds as many as it captures: each run op by op,
+    /// its inputs uploaded, counted as not capturable; the first such shape is named.
+    fn past_max_shapes(&mut self, exe: &Executable, sets: &[&[HostTensor]], key: &GraphKey) -> Result<Vec<Value<B>>> {
+        if self.graphs.over.is_empty() {
+            let types: Vec<String> = key.1.iter().map(ToString::to_string).collect();
+            let runs = if key.2 > 1 { format!(", windows of {}", key.2) } else { String::new() };
+            self.graphs.over.insert(format!(
+                "`{}` of inputs [{}]{runs}: past the {} shapes a session captures, this and later new shapes run op by op; feed the network fewer shapes (batches padded to a few lengths)",
+                exe.graph.name,
+                types.join(", "),
+                self.graphs.max_shapes,
+            ));
+        }
+        self.graphs.counts.uncaptured += sets.len() as u64;
+        let mut outs = Vec::new();
+        for inputs in sets {
+            outs.extend(self.run_here(exe, inputs, None, None, &|v, _| v.clone())?);
+        }
+        Ok(outs)
     }
 
     /// Runs `exe` once for each of `sets`, reading `bound`'s inputs, op by op; a run's outputs
