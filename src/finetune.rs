@@ -373,9 +373,14 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     if stop.steps == 0 {
         return Err("no update was taken; nothing was trained".into());
     }
-    let tokens = stop.steps * args.batch_size * block * size;
+    let sequences = stop.steps * args.batch_size * size;
     let ranks = if size > 1 { format!(" on {size} ranks") } else { String::new() };
-    say!("trained {} updates{ranks} in {secs:.2} s ({:.0} tokens/s)", model.accumulator().updates(), tokens as f64 / secs);
+    // Lines hold fewer tokens than a block (the rest is padding): their rate is in sequences.
+    let rate = match args.split {
+        Split::Blocks => format!("{:.0} tokens/s", (sequences * block) as f64 / secs),
+        Split::Lines => format!("{:.0} sequences/s", sequences as f64 / secs),
+    };
+    say!("trained {} updates{ranks} in {secs:.2} s ({rate})", model.accumulator().updates());
     if rank == 0 {
         print!("{}", model.accumulator().session().profile_table(20));
         if let Some(report) = replay_report(model.accumulator().session()) {

@@ -497,6 +497,7 @@ fn lines_padded_to_a_multiple_keep_the_losses_and_one_graph() {
     let (a, b) = (losses(&own), losses(&padded));
     assert_eq!(a.len(), 3, "{own}");
     assert_eq!(a[0], b[0], "the first update's loss");
+    assert!(own.contains("trained 3 updates in ") && own.contains(" sequences/s)"), "lines are not counted as blocks of tokens: {own}");
     for (x, y) in a.iter().zip(&b) {
         assert!((x - y).abs() <= 1e-6 * x.abs(), "{a:?} against {b:?}");
     }
