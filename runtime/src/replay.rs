@@ -136,13 +136,13 @@ pub(crate) struct Graphs<B: Backend> {
     pub counts: ReplayCounts,
     /// Plan shapes captured at most ([`MAX_SHAPES`] unless set otherwise).
     pub max_shapes: usize,
-    /// The first new shape past `max_shapes`, named (empty until then).
-    pub over: BTreeSet<String>,
+    /// The first new shape past `max_shapes`, named.
+    pub over: Option<String>,
 }
 
 impl<B: Backend> Default for Graphs<B> {
     fn default() -> Self {
-        Graphs { entries: HashMap::new(), counts: ReplayCounts::default(), max_shapes: MAX_SHAPES, over: BTreeSet::new() }
+        Graphs { entries: HashMap::new(), counts: ReplayCounts::default(), max_shapes: MAX_SHAPES, over: None }
     }
 }
 

@@ -93,11 +93,8 @@ pub(super) fn loss<R: CubeRuntime>(
     arena: &mut Arena,
 ) -> Option<CubeTensor<R>> {
     let (client, device) = (&logits.client, &logits.device);
-    let int = int_dtype::<R>(device);
-    let n = labels.meta.num_elements();
-    let dims = loss::LossDims::new(n, c, reduction)?;
+    let dims = loss::LossDims::new(labels.meta.num_elements(), c, reduction)?;
     let y = output::<R>(arena, client, device, out.dims());
-    let (logit_type, id_type) = (dtype_to_storage_type(logits.dtype), dtype_to_storage_type(int));
     if let Some(dl) = dl {
         let (count, dim) = grid(client, out.numel().max(1));
         unsafe {
@@ -110,29 +107,14 @@ pub(super) fn loss<R: CubeRuntime>(
                 arr(dl),
                 arr(&y),
                 dims,
-                logit_type,
-                id_type,
+                dtype_to_storage_type(logits.dtype),
+                dtype_to_storage_type(labels.dtype),
             )
         };
     } else {
-        let (count, dim) = loss_grid(client, n, reduction);
         // No gradient: `dx` is never touched (a one-element buffer of its own).
         let dx = arena.take_scratch::<CubeTensor<R>>(1).unwrap_or_else(|| empty::<R>(client, device, &[1]));
-        unsafe {
-            loss::softmax_cross_entropy::launch_unchecked::<f32, R>(
-                client,
-                count,
-                dim,
-                arr(logits),
-                arr(labels),
-                arr(&y),
-                arr(&dx),
-                dims,
-                None,
-                logit_type,
-                id_type,
-            )
-        };
+        launch_loss(logits, labels, &y, &dx, dims, reduction, None);
         arena.give_scratch(1, dx);
     }
     Some(y)
@@ -150,8 +132,7 @@ pub(super) fn loss_with_grad<R: CubeRuntime>(
     seed: f64,
     arena: &mut Arena,
 ) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
-    let int = int_dtype::<R>(&logits.device);
-    if !(logits.dtype == DType::F32 || is_low(logits.dtype)) || labels.dtype != int {
+    if !(logits.dtype == DType::F32 || is_low(logits.dtype)) || labels.dtype != int_dtype::<R>(&logits.device) {
         return None;
     }
     let (logits, labels) = (contiguous(logits), contiguous(labels));
@@ -162,27 +143,42 @@ pub(super) fn loss_with_grad<R: CubeRuntime>(
     if reduction != Reduction::None && n > loss::FUSED_ROWS {
         return None;
     }
+    let (client, device) = (&logits.client, &logits.device);
+    let (y, dx) = (output::<R>(arena, client, device, out.dims()), output::<R>(arena, client, device, &[n, c]));
+    launch_loss(&logits, &labels, &y, &dx, dims, reduction, Some((seed as f32).to_bits()));
+    Some((y, dx))
+}
+
+/// The loss kernel over `labels`' rows into `y`, with the gradient for the constant seed
+/// `seed` (f32 bits) into `dx` (`dx` untouched without it): each unit writes rows below the
+/// labels' count of `dx` and `y`, reading those rows of the logits and labels (whose type is
+/// the device's class-id type, checked by the callers).
+fn launch_loss<R: CubeRuntime>(
+    logits: &CubeTensor<R>,
+    labels: &CubeTensor<R>,
+    y: &CubeTensor<R>,
+    dx: &CubeTensor<R>,
+    dims: loss::LossDims,
+    reduction: Reduction,
+    seed: Option<u32>,
+) {
     let client = &logits.client;
-    let (y, dx) = (output::<R>(arena, client, &logits.device, out.dims()), output::<R>(arena, client, &logits.device, &[n, c]));
-    let (count, dim) = loss_grid(client, n, reduction);
-    // Each unit writes rows below `n` of `dx` (`n * c` elements) and of `y`, reading rows below
-    // `n` of the logits and labels.
+    let (count, dim) = loss_grid(client, labels.meta.num_elements(), reduction);
     unsafe {
         loss::softmax_cross_entropy::launch_unchecked::<f32, R>(
             client,
             count,
             dim,
-            arr(&logits),
-            arr(&labels),
-            arr(&y),
-            arr(&dx),
+            arr(logits),
+            arr(labels),
+            arr(y),
+            arr(dx),
             dims,
-            Some((seed as f32).to_bits()),
+            seed,
             dtype_to_storage_type(logits.dtype),
-            dtype_to_storage_type(int),
+            dtype_to_storage_type(labels.dtype),
         )
     };
-    Some((y, dx))
 }
 
 /// Attention over `qkv` (`[b, t, heads, d]` as `bthd`), or with `dy` its gradient: the forward
@@ -270,7 +266,7 @@ pub(super) fn dropout<R: CubeRuntime>(
             arr(update),
             arr(&y),
             k,
-            dtype_to_storage_type(int_dtype::<R>(&x.device)),
+            dtype_to_storage_type(items.dtype),
         )
     };
     y

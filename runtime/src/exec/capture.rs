@@ -168,10 +168,10 @@ impl<B: Backend> Session<B> {
     /// A new plan shape in a session that holds as many as it captures: each run op by op,
     /// its inputs uploaded, counted as not capturable; the first such shape is named.
     fn past_max_shapes(&mut self, exe: &Executable, sets: &[&[HostTensor]], key: &GraphKey) -> Result<Vec<Value<B>>> {
-        if self.graphs.over.is_empty() {
+        if self.graphs.over.is_none() {
             let types: Vec<String> = key.1.iter().map(ToString::to_string).collect();
             let runs = if key.2 > 1 { format!(", windows of {}", key.2) } else { String::new() };
-            self.graphs.over.insert(format!(
+            self.graphs.over = Some(format!(
                 "`{}` of inputs [{}]{runs}: past the {} shapes a session captures, this and later new shapes run op by op; feed the network fewer shapes (batches padded to a few lengths)",
                 exe.graph.name,
                 types.join(", "),
