@@ -1,5 +1,5 @@
 """cellgraph's `finetune` against PyTorch + transformers on the same batches: the tiny GPT-2
-(`tests/assets/tiny-gpt2`) fine-tuned for 20 updates of K = 4 micro-batches, line by line so that
+(`tests/assets/tiny-gpt2`; `--model tests/assets/tiny-llama` for the tiny Llama) fine-tuned for 20 updates of K = 4 micro-batches, line by line so that
 the padded micro-batches carry different numbers of tokens, AdamW, clipping at norm 1.0, cosine
 decay, dropout off, the items in the text's order. PyTorch runs the loop a Trainer user writes
 with token-weighted accumulation (each micro-batch's summed token loss divided by the window's
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
-from transformers import GPT2LMHeadModel
+from transformers import AutoConfig, AutoModelForCausalLM
 
 root = Path(__file__).resolve().parent.parent
 ap = argparse.ArgumentParser()
@@ -44,6 +44,15 @@ ap.add_argument("--wd", type=float, default=0.01)
 ap.add_argument("--clip", type=float, default=1.0, help="global-norm clipping (0: none)")
 a = ap.parse_args()
 torch.set_num_threads(1)
+# Dropout off, under each architecture's keys.
+NO_DROPOUT = {"gpt2": dict(embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0), "llama": dict(attention_dropout=0.0)}[
+    AutoConfig.from_pretrained(a.model).model_type
+]
+
+
+def model(path, **kw):
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **kw)
+
 
 work = Path(tempfile.mkdtemp(prefix="cellgraph-ft-"))
 text = gzip.open(root / "data/shakespeare/shakespeare.txt.gz", "rb").read()[: a.chars].decode()
@@ -54,7 +63,7 @@ cmd = [a.cellgraph, "finetune", "--model", a.model, "--data", str(work / "text.t
        "--weight-decay", str(a.wd), "--max-grad-norm", str(a.clip), "--sample-tokens", "0", "--print-every", "0", "--device", "cpu"]
 print(" ".join(cmd))
 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-ours = GPT2LMHeadModel.from_pretrained(work / "tuned").state_dict()
+ours = model(work / "tuned").state_dict()
 
 # The same items: each line (with its newline) tokenized alone, at least 2 tokens, cut to block + 1.
 tok = Tokenizer.from_file(str(Path(a.model) / "tokenizer.json"))
@@ -79,7 +88,7 @@ def lr_at(u):  # cellgraph's Cosine{base: lr, min: 0, total: updates}, no warmup
 
 
 def train(token_weighted, reverse=False):
-    m = GPT2LMHeadModel.from_pretrained(a.model, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
+    m = model(a.model, **NO_DROPOUT)
     m.train()
     opt = torch.optim.AdamW(m.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=a.wd)
     per = a.batch // a.k
@@ -105,7 +114,7 @@ def train(token_weighted, reverse=False):
 
 def loss_of(state):
     """The token-weighted mean loss of a model's parameters over the run's batches (float64)."""
-    m = GPT2LMHeadModel.from_pretrained(a.model, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0).double().eval()
+    m = model(a.model, **NO_DROPOUT).double().eval()
     m.load_state_dict({k: v.double() for k, v in state.items()}, strict=False)
     total, count = 0.0, 0
     with torch.no_grad():
@@ -119,7 +128,7 @@ def loss_of(state):
 
 tokens = [int((tensors(b)[1][i * (a.batch // a.k) : (i + 1) * (a.batch // a.k)] != -100).sum()) for b in batches[:1] for i in range(a.k)]
 print(f"{len(batches)} updates of {a.k} micro-batches; the first window's micro-batches carry {tokens} tokens")
-base = GPT2LMHeadModel.from_pretrained(a.model).state_dict()
+base = model(a.model).state_dict()
 l0, lc = loss_of(base), loss_of(ours)
 lt, lr_, lm = loss_of(train(True)), loss_of(train(True, reverse=True)), loss_of(train(False))
 print(f"loss over the run's batches (float64): before {l0:.9f}; after cellgraph {lc:.9f}")

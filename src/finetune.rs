@@ -1,5 +1,6 @@
-//! `cellgraph finetune`: a Hugging Face GPT-2 checkpoint fine-tuned on a text under gradient
-//! accumulation, token-weighted, and saved back as a model directory `transformers` loads.
+//! `cellgraph finetune`: a Hugging Face GPT-2 or Llama checkpoint fine-tuned on a text under
+//! gradient accumulation, token-weighted, and saved back as a model directory `transformers`
+//! loads.
 //!
 //! The model directory (`config.json`, `model.safetensors`, `tokenizer.json`) is read with
 //! `cellgraph::runtime::hf`; the text (plain or gzip, UTF-8) is split into a training part
@@ -46,7 +47,8 @@ pub enum Split {
 #[derive(Args)]
 #[command(after_help = FINETUNE_EXAMPLES, args_override_self = true)]
 pub struct FinetuneArgs {
-    /// A Hugging Face GPT-2 model directory: config.json, model.safetensors, tokenizer.json.
+    /// A Hugging Face GPT-2 or Llama model directory: config.json, model.safetensors,
+    /// tokenizer.json.
     #[arg(long, value_name = "DIR")]
     model: PathBuf,
     /// The text to fine-tune on: a UTF-8 text file or its gzip.
@@ -77,7 +79,7 @@ pub struct FinetuneArgs {
     /// [default: to the batch's longest line].
     #[arg(long, value_name = "N", value_parser = at_least_one)]
     pad_to_multiple_of: Option<usize>,
-    /// Tokens per item [default: the model's n_positions].
+    /// Tokens per item [default: the model's n_positions or max_position_embeddings].
     #[arg(long, value_name = "T", value_parser = at_least_one)]
     block_size: Option<usize>,
     /// Peak learning rate (AdamW; transformers' Trainer default).
@@ -92,7 +94,8 @@ pub struct FinetuneArgs {
     /// Clip the window's gradient at this global norm (0: no clipping).
     #[arg(long, value_name = "NORM", default_value_t = 1.0, value_parser = non_negative)]
     max_grad_norm: f64,
-    /// Dropout everywhere GPT-2 has it [default: the config's, which must then agree].
+    /// Dropout everywhere the model has it (GPT-2: embeddings, attention, residuals; Llama:
+    /// attention) [default: the config's; GPT-2's three rates must then agree].
     #[arg(long, value_name = "P", value_parser = non_negative)]
     dropout: Option<f64>,
     /// The held-out part: the last fraction of the text, from a paragraph break.
@@ -144,13 +147,14 @@ pub struct FinetuneArgs {
 }
 
 const FINETUNE_EXAMPLES: &str = "\
-Defaults: 8 sequences per update in 4 micro-batches of 2, blocks of the model's n_positions
-tokens, AdamW(5e-5, no weight decay) with cosine decay to zero, clipping at norm 1.0,
+Defaults: 8 sequences per update in 4 micro-batches of 2, blocks of the model's context, AdamW(5e-5, no weight decay) with cosine decay to zero, clipping at norm 1.0,
 token-weighted windows, the last tenth of the text held out, 1 epoch, seed 42.
 
 Examples:
   cellgraph finetune --model tests/assets/tiny-gpt2 --data data/shakespeare/shakespeare.txt.gz \\
       --out tuned --steps 20 --block-size 64
+  cellgraph finetune --model tests/assets/tiny-llama --data data/shakespeare/shakespeare.txt.gz \\
+      --out tuned-llama --steps 20 --block-size 64
   cellgraph finetune --model gpt2 --data notes.txt --out gpt2-notes --split lines --batch-size 16 \\
       --micro-size 8 --lr 1e-4 --warmup 10 --epochs 3 --loss-log ft.jsonl";
 
@@ -264,12 +268,12 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     }
     let tok = Tokenizer::from_dir(&args.model).map_err(|e| format!("--model: {e}"))?;
     let config = loaded.config;
-    if tok.vocab_size() > config.vocab_size {
-        return Err(format!("--model: the tokenizer has {} tokens, the model's vocab_size is {}", tok.vocab_size(), config.vocab_size).into());
+    if tok.vocab_size() > config.vocab_size() {
+        return Err(format!("--model: the tokenizer has {} tokens, the model's vocab_size is {}", tok.vocab_size(), config.vocab_size()).into());
     }
-    let block = args.block_size.unwrap_or(config.context);
-    if block > config.context {
-        return Err(format!("--block-size {block} exceeds the model's n_positions {}", config.context).into());
+    let block = args.block_size.unwrap_or(config.context());
+    if block > config.context() {
+        return Err(format!("--block-size {block} exceeds the model's {} {}", config.context_key(), config.context()).into());
     }
     let text = read_text(&args.data)?;
     let (train_text, val_text) = split_text(&text, args.val_fraction);
@@ -305,9 +309,10 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
         warmup: args.warmup.min(steps),
         then: Box::new(LearningRate::Cosine { base: args.lr, min: 0.0, total: steps.saturating_sub(args.warmup).max(1) }),
     };
-    let gpt = GPT::new(&Scope::root(), config)?;
+    let backbone = config.network(&Scope::root())?;
     let loss = CrossEntropyLoss::new().ignore_index(IGNORE_INDEX as i64).tokens();
-    let mut net = GradAccumulation::new(WithLossCell::new(gpt, loss), args.micro_size).normalization(Normalization::Tokens);
+    let with_loss = WithLossCell { backbone, loss_fn: Box::new(loss) };
+    let mut net = GradAccumulation::new(with_loss, args.micro_size).normalization(Normalization::Tokens);
     if args.max_grad_norm > 0.0 {
         net = net.clip_global_norm(args.max_grad_norm);
     }
@@ -392,12 +397,12 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     }
     // The network's parameters alone (no optimizer state): what the model directory holds.
     hf::save_values(&args.out, &config, &loaded.hf_config, &model.accumulator().parameter_values(), Some(&args.model))?;
-    println!("saved {} (GPT2LMHeadModel.from_pretrained and AutoTokenizer.from_pretrained load it)", args.out.display());
+    println!("saved {} ({}.from_pretrained and AutoTokenizer.from_pretrained load it)", args.out.display(), config.class());
     if args.sample_tokens > 0 {
         let first_line = val_text.lines().map(str::trim).find(|l| !l.is_empty()).map(|l| l.chars().take(64).collect::<String>() + " ");
         let text = args.prompt.clone().or(first_line).unwrap_or_else(|| "\n".into());
         let prompt = as_ids(tok.encode(&text)?);
-        let ids = greedy(&mut model, &prompt, config.context, config.vocab_size, args.sample_tokens)?;
+        let ids = greedy(&mut model, &prompt, config.context(), config.vocab_size(), args.sample_tokens)?;
         let ids: Vec<u32> = ids.into_iter().map(|i| i as u32).collect();
         println!("sample: {text:?} -> {:?}", tok.decode(&ids)?);
     }

@@ -23,7 +23,7 @@ pub mod prelude {
         Momentum, Network, Parameter, Pool2d, ReLU, Scope, SequentialCell, SoftmaxCrossEntropyWithLogits, Tracer, WithLossCell, SGD,
     };
     pub use cellgraph_cells::{AdaptiveAvgPool2d, AutoParallel, BatchNorm2d, Conv2d, Optimizer, ResNet18};
-    pub use cellgraph_cells::{Embedding, GptConfig, LayerNorm, Softmax, GELU, GPT};
+    pub use cellgraph_cells::{Embedding, GptConfig, LayerNorm, Llama, LlamaConfig, RMSNorm, SiLU, Softmax, GELU, GPT};
     pub use cellgraph_cells::{GradAccumulation, LossScale, Normalization, Precision};
     pub use cellgraph_compiler::autodiff::Sens;
     pub use cellgraph_compiler::{parse, print, verify, DType, Graph, HostData, HostTensor, NodeId, Op, PadMode, Reduction, Shape, TensorType};

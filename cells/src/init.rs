@@ -49,6 +49,14 @@ pub enum Initializer {
     HeNormalFanOut {
         negative_slope: f64,
     },
+    /// Rotary position embedding's table (Hugging Face's `LlamaRotaryEmbedding`, default
+    /// type) for `[positions, head_dim]`: row `p`, column `j` is `cos` (or `sin`) of
+    /// `p * theta^(-2i / head_dim)` with `i = j mod head_dim / 2` (the two halves repeat), in
+    /// f32 as transformers computes it. Not random: a buffer, not a weight.
+    Rotary {
+        theta: f64,
+        sine: bool,
+    },
 }
 
 impl Initializer {
@@ -117,9 +125,30 @@ impl Initializer {
                 let std = gain(negative_slope) / fan_out.sqrt();
                 (0..n).map(|_| (std * std_normal(&mut rng)) as f32).collect()
             }
+            Initializer::Rotary { theta, sine } => rotary(ty.dims(), theta as f32, sine),
         };
         HostTensor::f32(ty.dims().to_vec(), data).expect("numel matches")
     }
+}
+
+/// [`Initializer::Rotary`]'s table for `dims` (`[positions, head_dim]`; a `head_dim` of the
+/// last axis, every other axis positions).
+fn rotary(dims: &[usize], theta: f32, sine: bool) -> Vec<f32> {
+    let d = dims.last().copied().unwrap_or(1).max(1);
+    let half = d.div_ceil(2);
+    // transformers: `1.0 / (base ** (arange(0, dim, 2).float() / dim))`, in f32.
+    let inv: Vec<f32> = (0..half).map(|i| 1.0 / theta.powf((2 * i) as f32 / d as f32)).collect();
+    let rows = dims.iter().product::<usize>() / d;
+    (0..rows * d)
+        .map(|k| {
+            let angle = (k / d) as f32 * inv[(k % d) % half];
+            if sine {
+                angle.sin()
+            } else {
+                angle.cos()
+            }
+        })
+        .collect()
 }
 
 /// `(fan_in, fan_out)` as MindSpore computes them: `[out, in, k...]` layouts.

@@ -251,27 +251,30 @@ impl CausalSelfAttention {
             resid_dropout: Dropout::new(&s.child("resid_dropout"), dropout),
         })
     }
-    /// The attention between the projections op by op, `qkv [B, T, 3C] -> [B, T, C]`:
-    /// scores, the causal mask, softmax, dropout on the probabilities, mixing.
-    fn attention_op_by_op(&self, t: &mut Tracer, qkv: NodeId, [b, tt, c]: [usize; 3]) -> Result<NodeId> {
-        let (h, d) = (self.heads, c / self.heads);
-        // Queries, keys and values: [B, T, C] -> [B, H, T, D].
-        let mut heads = Vec::new();
-        for i in 0..3 {
-            let part = t.op(Op::Slice { begin: vec![0, 0, i * c], end: vec![b, tt, (i + 1) * c] }, &[qkv])?;
-            let part = t.op(Op::Reshape { shape: vec![b, tt, h, d].into() }, &[part])?;
-            heads.push(t.op(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[part])?);
-        }
-        let att = t.op(Op::MatMul { transpose_a: false, transpose_b: true }, &[heads[0], heads[1]])?;
-        let scale = t.constant(1.0 / (d as f64).sqrt(), t.ty(att).with_shape(Shape::scalar()))?;
-        let att = t.op(Op::Mul, &[att, scale])?;
-        let att = t.op(Op::CausalMask { fill: -1e9 }, &[att])?;
-        let att = t.call(&Softmax::new(), &[att])?;
-        let att = t.call(&self.attn_dropout, &[att])?;
-        let y = t.op(Op::MatMul { transpose_a: false, transpose_b: false }, &[att, heads[2]])?;
-        let y = t.op(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[y])?;
-        t.op(Op::Reshape { shape: vec![b, tt, c].into() }, &[y])
+}
+
+/// Causal attention between the projections op by op, `qkv [B, T, 3C] -> [B, T, C]` in
+/// `heads` heads: scores scaled by `1/sqrt(C / heads)`, the causal mask (fill -1e9), softmax,
+/// `dropout` on the probabilities, mixing. What the `attention` op computes, with the dropout
+/// it has not got.
+pub(crate) fn attention_op_by_op(t: &mut Tracer, qkv: NodeId, [b, tt, c]: [usize; 3], heads: usize, dropout: &Dropout) -> Result<NodeId> {
+    let (h, d) = (heads, c / heads);
+    // Queries, keys and values: [B, T, C] -> [B, H, T, D].
+    let mut parts = Vec::new();
+    for i in 0..3 {
+        let part = t.op(Op::Slice { begin: vec![0, 0, i * c], end: vec![b, tt, (i + 1) * c] }, &[qkv])?;
+        let part = t.op(Op::Reshape { shape: vec![b, tt, h, d].into() }, &[part])?;
+        parts.push(t.op(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[part])?);
     }
+    let att = t.op(Op::MatMul { transpose_a: false, transpose_b: true }, &[parts[0], parts[1]])?;
+    let scale = t.constant(1.0 / (d as f64).sqrt(), t.ty(att).with_shape(Shape::scalar()))?;
+    let att = t.op(Op::Mul, &[att, scale])?;
+    let att = t.op(Op::CausalMask { fill: -1e9 }, &[att])?;
+    let att = t.call(&Softmax::new(), &[att])?;
+    let att = t.call(dropout, &[att])?;
+    let y = t.op(Op::MatMul { transpose_a: false, transpose_b: false }, &[att, parts[2]])?;
+    let y = t.op(Op::Transpose { perm: vec![0, 2, 1, 3] }, &[y])?;
+    t.op(Op::Reshape { shape: vec![b, tt, c].into() }, &[y])
 }
 
 impl Cell for CausalSelfAttention {
@@ -287,7 +290,7 @@ impl Cell for CausalSelfAttention {
             // `scaled_dot_product_attention(..., is_causal=True)`).
             t.op(Op::Attention { heads: self.heads, causal: true }, &[qkv])?
         } else {
-            self.attention_op_by_op(t, qkv, [b, tt, c])?
+            attention_op_by_op(t, qkv, [b, tt, c], self.heads, &self.attn_dropout)?
         };
         let y = t.call(&self.c_proj, &[y])?;
         t.call(&self.resid_dropout, &[y])

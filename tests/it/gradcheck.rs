@@ -466,6 +466,26 @@ fn gpt_gradients_match_finite_differences() {
     network_check_on(&gelu, &[("data", x), ("label", y)], 22, Tracer::new("net"), false);
 }
 
+/// A two-layer Llama (RMSNorm, the rotary embedding, four query heads over two key/value
+/// heads, the gated SiLU MLP), untied and tied, under token-summed cross-entropy with an
+/// ignored label; and SiLU alone, far into both tails (its tanh form keeps the gradient finite
+/// where `exp(-x)` overflows).
+#[test]
+fn llama_gradients_match_finite_differences() {
+    let small =
+        LlamaConfig { vocab_size: 7, context: 5, layers: 2, heads: 4, kv_heads: 2, width: 8, head_dim: 4, intermediate: 12, ..LlamaConfig::small(7) };
+    for (cfg, seed) in [(small, 23), (LlamaConfig { tie_embeddings: true, ..small }, 24)] {
+        let net = WithLossCell::new(Llama::new(&Scope::root(), cfg).unwrap(), CrossEntropyLoss::new().ignore_index(-100).tokens());
+        let ids = HostTensor::i32(vec![2, 4], vec![1, 5, 5, 0, 6, 2, 3, 3]).unwrap();
+        let labels = HostTensor::i32(vec![2, 4], vec![5, 5, 0, -100, 2, 3, 3, 4]).unwrap();
+        network_check_on(&net, &[("data", ids), ("label", labels)], seed, Tracer::new("net"), true);
+    }
+    let silu = WithLossCell::new(SequentialCell::new(&Scope::root()).add(|s| Dense::new(&s.child("0"), 3, 4)).add(|_| SiLU), MSELoss::new());
+    let x = HostTensor::new(vec![3, 3], HostData::F64((0..9).map(|i| i as f64 * 0.3 - 1.2).collect())).unwrap();
+    let y = HostTensor::new(vec![3, 4], HostData::F64((0..12).map(|i| (i as f64).sin()).collect())).unwrap();
+    network_check_on(&silu, &[("data", x), ("label", y)], 25, Tracer::new("net"), false);
+}
+
 #[test]
 fn lenet5_gradients_match_finite_differences() {
     let net = WithLossCell::new(LeNet5::new(&Scope::root(), 10, 1), SoftmaxCrossEntropyWithLogits::new(true, Reduction::Mean));

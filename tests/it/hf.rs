@@ -18,12 +18,20 @@ fn reference() -> Json {
     serde_json::from_str(&std::fs::read_to_string(Path::new(TINY).join("reference.json")).unwrap()).unwrap()
 }
 
+/// The GPT-2's shape of a loaded GPT-2 directory.
+pub(crate) fn gpt(m: &hf::Loaded) -> GptConfig {
+    match m.config {
+        hf::ModelConfig::Gpt2(c) => c,
+        other => panic!("{} is not a GPT-2: {other:?}", m.dir.display()),
+    }
+}
+
 fn ids(j: &Json) -> Vec<i32> {
     j.as_array().unwrap().iter().map(|v| v.as_i64().unwrap() as i32).collect()
 }
 
 /// `cell` traced for inference on `inputs`, run on a session holding `params`.
-fn run(cell: &dyn Cell, params: &cellgraph::runtime::checkpoint::Tensors, inputs: &[(&str, HostTensor)]) -> Vec<f64> {
+pub(crate) fn run(cell: &dyn Cell, params: &cellgraph::runtime::checkpoint::Tensors, inputs: &[(&str, HostTensor)]) -> Vec<f64> {
     let types: Vec<(&str, TensorType)> = inputs.iter().map(|(n, t)| (*n, t.ty())).collect();
     let (g, _) = cellgraph::cells::cell::trace_inference(cell, "hf", &types).unwrap();
     let exe = compile(g).unwrap();
@@ -38,7 +46,7 @@ fn run(cell: &dyn Cell, params: &cellgraph::runtime::checkpoint::Tensors, inputs
 /// The mean loss of a loaded model over the reference sequence's 63 next-token predictions.
 pub(crate) fn reference_loss(m: &hf::Loaded) -> f64 {
     let seq = ids(&reference()["sequence"]["ids"]);
-    let with_loss = WithLossCell::new(GPT::new(&Scope::root(), m.config).unwrap(), CrossEntropyLoss::new());
+    let with_loss = WithLossCell::new(GPT::new(&Scope::root(), gpt(m)).unwrap(), CrossEntropyLoss::new());
     let inputs =
         [("ids", HostTensor::i32(vec![1, 63], seq[..63].to_vec()).unwrap()), ("labels", HostTensor::i32(vec![1, 63], seq[1..].to_vec()).unwrap())];
     run(&with_loss, &m.params, &inputs)[0]
@@ -51,13 +59,14 @@ pub(crate) fn reference_loss(m: &hf::Loaded) -> f64 {
 fn the_tiny_gpt2_gives_transformers_logits_and_loss() {
     let r = reference();
     let m = hf::load(Path::new(TINY), &LoadOptions { dropout: Some(0.0), ..Default::default() }).unwrap();
-    assert!(m.report.is_clean() && m.config.gelu_approximate, "{:?}", m.config);
-    assert_eq!((m.config.layers, m.config.heads, m.config.width, m.config.context, m.config.vocab_size), (2, 4, 64, 128, 1000));
+    let c = gpt(&m);
+    assert!(m.report.is_clean() && c.gelu_approximate, "{c:?}");
+    assert_eq!((c.layers, c.heads, c.width, c.context, c.vocab_size), (2, 4, 64, 128, 1000));
     let seq = ids(&r["sequence"]["ids"]);
     assert_eq!(seq.len(), 64);
-    let gpt = GPT::new(&Scope::root(), m.config).unwrap();
+    let gpt = GPT::new(&Scope::root(), gpt(&m)).unwrap();
     let logits = run(&gpt, &m.params, &[("ids", HostTensor::i32(vec![1, 64], seq.clone()).unwrap())]);
-    let v = m.config.vocab_size;
+    let v = c.vocab_size;
     let positions = r["sequence"]["logits_positions"].as_array().unwrap();
     let mut worst = 0.0f64;
     for (row, p) in r["sequence"]["logits"].as_array().unwrap().iter().zip(positions) {
@@ -172,7 +181,7 @@ fn a_save_onto_a_full_disk_leaves_no_file() {
 /// The tiny GPT-2 as `cellgraph finetune` trains it: AdamW, windows of 2.
 fn tiny_net(m: &hf::Loaded) -> GradAccumulation {
     let loss = CrossEntropyLoss::new().tokens();
-    GradAccumulation::new(WithLossCell::new(GPT::new(&Scope::root(), m.config).unwrap(), loss), 2).normalization(Normalization::Tokens)
+    GradAccumulation::new(WithLossCell::new(GPT::new(&Scope::root(), gpt(m)).unwrap(), loss), 2).normalization(Normalization::Tokens)
 }
 
 /// `Model::pretrained` is `Model::new` then `restore_with`, without drawing what the
@@ -249,9 +258,10 @@ fn bad_model_directories_are_clear_errors() {
     assert!(e.contains("missing h.2.ln_1.gamma"), "{e}");
     // Settings cellgraph's GPT does not have, named by key.
     write(&|c| {
-        c.insert("model_type".into(), Json::from("llama"));
+        c.insert("model_type".into(), Json::from("mistral"));
     });
-    assert!(err(&dir, &LoadOptions::default()).contains("model_type is Some(\"llama\")"));
+    let e = err(&dir, &LoadOptions::default());
+    assert!(e.contains("model_type is Some(\"mistral\")") && e.contains("GPT2LMHeadModel") && e.contains("LlamaForCausalLM"), "{e}");
     write(&|c| {
         c.insert("attn_pdrop".into(), Json::from(0.0));
     });
@@ -334,7 +344,7 @@ fn half_precision_weights_load_and_damaged_files_are_errors() {
 
 const CELLGRAPH: &str = env!("CARGO_BIN_EXE_cellgraph");
 
-fn cellgraph(args: &[&str]) -> (Option<i32>, String, String) {
+pub(crate) fn cellgraph(args: &[&str]) -> (Option<i32>, String, String) {
     let o = std::process::Command::new(CELLGRAPH).args(args).output().unwrap();
     (o.status.code(), String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
 }
@@ -349,7 +359,7 @@ pub(crate) fn shakespeare_text(dir: &Path, chars: usize) -> PathBuf {
 }
 
 /// The value after `key` in a line like `epoch: 1 {'Loss': 5.1, 'Perplexity': 164.0}`.
-fn field(line: &str, key: &str) -> f64 {
+pub(crate) fn field(line: &str, key: &str) -> f64 {
     let rest = &line[line.find(key).unwrap() + key.len()..];
     rest.trim_start_matches(['\'', ':', ' ']).split([',', '}']).next().unwrap().trim().parse().unwrap()
 }

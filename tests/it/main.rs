@@ -14,6 +14,7 @@ mod gpt;
 mod gradcheck;
 mod hf;
 mod ir;
+mod llama;
 mod mnist;
 mod model;
 mod mpi;
