@@ -14,6 +14,8 @@
 # `--net gpt2` fine-tunes a Hugging Face GPT-2 (`--model DIR`, default the vendored
 # tests/assets/tiny-gpt2) on Shakespeare with `cellgraph finetune` (its options follow, see
 # `./target/release/cellgraph finetune --help`) and saves it to gpt2-finetuned/.
+# `--net llama` does the same with a Hugging Face Llama (default the vendored
+# tests/assets/tiny-llama) and saves it to llama-finetuned/.
 # Rank 0 prints its progress; every rank writes log_output/worker_<rank>.log.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -24,13 +26,17 @@ MPIRUN=(timeout "${TIMEOUT:-1800}" mpirun --allow-run-as-root --oversubscribe --
 rest=()
 gpt=0
 gpt2=0
+hf_model=tests/assets/tiny-gpt2
+hf_out=gpt2-finetuned
 while [ $# -gt 0 ]; do
     case "$1" in
         --net=gpt) gpt=1 ;;
         --net=gpt2) gpt2=1 ;;
+        --net=llama) gpt2=1; hf_model=tests/assets/tiny-llama; hf_out=llama-finetuned ;;
         --net) case "${2:-}" in
                 gpt) gpt=1; shift ;;
                 gpt2) gpt2=1; shift ;;
+                llama) gpt2=1; hf_model=tests/assets/tiny-llama; hf_out=llama-finetuned; shift ;;
                 *) rest+=("$1") ;;
             esac ;;
         *) rest+=("$1") ;;
@@ -48,8 +54,8 @@ if [ "$gpt2" = 1 ]; then
     cargo build --release --locked ${FEATURES:+--features "$FEATURES"} --bin cellgraph
     # 1 sequence per rank per update: the 8 ranks' window of 8 sequences is the one-process
     # default's (8 in 4 micro-batches). Later arguments override these.
-    exec "${MPIRUN[@]}" ./target/release/cellgraph finetune --model tests/assets/tiny-gpt2 \
-        --data data/shakespeare/shakespeare.txt.gz --out gpt2-finetuned --batch-size 1 --micro-size 1 --steps 40 "$@"
+    exec "${MPIRUN[@]}" ./target/release/cellgraph finetune --model "$hf_model" \
+        --data data/shakespeare/shakespeare.txt.gz --out "$hf_out" --batch-size 1 --micro-size 1 --steps 40 "$@"
 fi
 cargo build --release --locked ${FEATURES:+--features "$FEATURES"} --bin distributed_gradient_accumulation
 mkdir -p log_output
