@@ -52,6 +52,23 @@ pub(crate) fn reference_loss(m: &hf::Loaded) -> f64 {
     run(&with_loss, &m.params, &inputs)[0]
 }
 
+/// `logits` (`[T, vocab]`) against a `reference.json`'s `sequence` (transformers' logits at
+/// `logits_positions`): within 1e-5 of the largest, at each position.
+pub(crate) fn assert_logits_match(logits: &[f64], reference: &Json, vocab: usize) {
+    let positions = reference["logits_positions"].as_array().unwrap();
+    let mut worst = 0.0f64;
+    for (row, p) in reference["logits"].as_array().unwrap().iter().zip(positions) {
+        let p = p.as_u64().unwrap() as usize;
+        let want: Vec<f64> = row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        let scale = want.iter().fold(0.0f64, |a, x| a.max(x.abs()));
+        for (got, want) in logits[p * vocab..(p + 1) * vocab].iter().zip(&want) {
+            worst = worst.max((got - want).abs() / scale);
+        }
+    }
+    eprintln!("logits: at most {worst:e} of the largest from transformers'");
+    assert!(worst <= 1e-5, "logits differ from transformers' by {worst:e} of the largest");
+}
+
 /// Loaded into cellgraph, the tiny GPT-2's logits at three positions of a 64-token sequence and
 /// its mean loss over the 63 next-token predictions equal `transformers`' (float32, eval
 /// mode) within 1e-5, relative to the largest logit and to the loss.
@@ -66,19 +83,7 @@ fn the_tiny_gpt2_gives_transformers_logits_and_loss() {
     assert_eq!(seq.len(), 64);
     let gpt = GPT::new(&Scope::root(), gpt(&m)).unwrap();
     let logits = run(&gpt, &m.params, &[("ids", HostTensor::i32(vec![1, 64], seq.clone()).unwrap())]);
-    let v = c.vocab_size;
-    let positions = r["sequence"]["logits_positions"].as_array().unwrap();
-    let mut worst = 0.0f64;
-    for (row, p) in r["sequence"]["logits"].as_array().unwrap().iter().zip(positions) {
-        let p = p.as_u64().unwrap() as usize;
-        let want: Vec<f64> = row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
-        let scale = want.iter().fold(0.0f64, |a, x| a.max(x.abs()));
-        for (got, want) in logits[p * v..(p + 1) * v].iter().zip(&want) {
-            worst = worst.max((got - want).abs() / scale);
-        }
-    }
-    eprintln!("logits: at most {worst:e} of the largest from transformers'");
-    assert!(worst <= 1e-5, "logits differ from transformers' by {worst:e} of the largest");
+    assert_logits_match(&logits, &r["sequence"], c.vocab_size);
     let loss = reference_loss(&m);
     let want = r["sequence"]["loss"].as_f64().unwrap();
     eprintln!("loss {loss} against transformers' {want}");

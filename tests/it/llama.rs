@@ -11,7 +11,7 @@ use cellgraph::runtime::hf::{self, LoadOptions, ModelConfig};
 use serde_json::Value as Json;
 
 use crate::common::TmpDir;
-use crate::hf::{cellgraph, field, run, shakespeare_text};
+use crate::hf::{assert_logits_match, cellgraph, field, run, shakespeare_text};
 
 const TINY: &str = "tests/assets/tiny-llama";
 
@@ -41,19 +41,7 @@ fn the_tiny_llama_gives_transformers_logits_and_loss() {
     let seq: Vec<i32> = r["sequence"]["ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap() as i32).collect();
     let net = Llama::new(&Scope::root(), c).unwrap();
     let logits = run(&net, &m.params, &[("ids", HostTensor::i32(vec![1, 64], seq.clone()).unwrap())]);
-    let v = c.vocab_size;
-    let positions = r["sequence"]["logits_positions"].as_array().unwrap();
-    let mut worst = 0.0f64;
-    for (row, p) in r["sequence"]["logits"].as_array().unwrap().iter().zip(positions) {
-        let p = p.as_u64().unwrap() as usize;
-        let want: Vec<f64> = row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
-        let scale = want.iter().fold(0.0f64, |a, x| a.max(x.abs()));
-        for (got, want) in logits[p * v..(p + 1) * v].iter().zip(&want) {
-            worst = worst.max((got - want).abs() / scale);
-        }
-    }
-    eprintln!("logits: at most {worst:e} of the largest from transformers'");
-    assert!(worst <= 1e-5, "logits differ from transformers' by {worst:e} of the largest");
+    assert_logits_match(&logits, &r["sequence"], c.vocab_size);
     let with_loss = WithLossCell::new(Llama::new(&Scope::root(), c).unwrap(), CrossEntropyLoss::new());
     let inputs =
         [("ids", HostTensor::i32(vec![1, 63], seq[..63].to_vec()).unwrap()), ("labels", HostTensor::i32(vec![1, 63], seq[1..].to_vec()).unwrap())];
