@@ -599,6 +599,9 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     if !B::HOST && cellgraph::runtime::cube::tf32_fallbacks() > 0 {
         let (all, convs) = (cellgraph::runtime::cube::tf32_fallbacks(), cellgraph::runtime::cube::conv_tf32_fallbacks());
         println!("tensor-core products run in exact f32 (no tensor-core kernel on this device): {all} ({convs} of them convolutions)");
+        for why in cellgraph::runtime::cube::cubek_refusals() {
+            println!("  cubek's first refusal, {why}");
+        }
     }
     if let Some(report) = replay_report(model.accumulator().session()) {
         print!("{report}");

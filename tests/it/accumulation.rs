@@ -123,13 +123,15 @@ pub(crate) fn params_of(s: &Session<Cpu>) -> BTreeMap<String, Vec<f32>> {
 
 /// Largest relative difference over all parameters: max |a - b| / max |b|, per tensor.
 pub(crate) fn rel_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f64 {
+    // NaN wins (f64::max drops it: two runs that both went NaN compared as equal).
+    let max = |m: f64, d: f64| if m.is_nan() || d.is_nan() { f64::NAN } else { m.max(d) };
     a.iter()
         .map(|(k, va)| {
             let vb = &b[k];
-            let scale = vb.iter().map(|x| x.abs() as f64).fold(1e-12, f64::max);
-            va.iter().zip(vb).map(|(x, y)| (*x as f64 - *y as f64).abs()).fold(0.0, f64::max) / scale
+            let scale = vb.iter().map(|x| x.abs() as f64).fold(1e-12, max);
+            va.iter().zip(vb).map(|(x, y)| (*x as f64 - *y as f64).abs()).fold(0.0, max) / scale
         })
-        .fold(0.0, f64::max)
+        .fold(0.0, max)
 }
 
 fn momentum() -> Rc<dyn Optimizer> {

@@ -60,7 +60,8 @@ fn train<B: Backend>(
     // What a save reads: the same values, borrowed from a host session, copied from a device's.
     let views = acc.parameter_values();
     for (n, v) in &params {
-        assert_eq!(&views[n].1[..], &v[..], "{n}");
+        // Bit for bit (a NaN the run made is the same NaN, left for the caller's comparison to name).
+        assert!(views[n].1.iter().zip(v).all(|(a, b)| a.to_bits() == b.to_bits()) && views[n].1.len() == v.len(), "{n}");
         assert_eq!(matches!(views[n].1, std::borrow::Cow::Borrowed(_)), B::HOST, "{n}");
     }
     (params, acc.counters().fused_launches, acc.updates())
@@ -284,7 +285,7 @@ fn bf16_products_on_the_device_match_the_emulation<B: Backend>(device: Device<B>
     let (emulated, emulated_losses, _) = crate::precision::trained_adamw_on::<Cpu>(cpu(), net(), &batches, bf16, false);
     let (f32_run, _, _) = crate::precision::trained_adamw_on::<Cpu>(cpu(), net(), &batches, None, false);
     let plan = plan.expect("a bf16 plan has products of bf16 values");
-    eprintln!("{plan}; tensor-core matmuls run in exact f32 here: {fallbacks}");
+    eprintln!("{plan}; tensor-core matmuls run in exact f32 here: {fallbacks}; cubek's refusals: {:?}", cube::cubek_refusals());
     assert_eq!(plan.unit, Bf16Unit::Tf32TensorCores);
     assert!(plan.fast >= 2 * 2 * 4 + 3, "{plan}");
     assert!(plan.in_f32.keys().all(|op| op.starts_with("attention")), "products of bf16 values left in f32: {plan}");
@@ -326,7 +327,7 @@ fn bf16_convolutions_on_the_device_match_the_emulation<B: Backend>(device: Devic
         let (emulated, emulated_losses, _) = crate::precision::trained_adamw_on::<Cpu>(cpu(), net(), &batches, bf16, false);
         let (f32_run, _, _) = crate::precision::trained_adamw_on::<Cpu>(cpu(), net(), &batches, None, false);
         let plan = plan.expect("a bf16 plan has products of bf16 values");
-        eprintln!("{name}: {plan}; tensor-core convolutions run in exact f32 here: {fallbacks}");
+        eprintln!("{name}: {plan}; tensor-core convolutions run in exact f32 here: {fallbacks}; cubek's refusals: {:?}", cube::cubek_refusals());
         assert!(plan.in_f32.is_empty(), "{name}: products of bf16 values left in f32: {plan}");
         if tc == exact {
             assert!(fallbacks > 0, "{name}: tensor-core convolutions gave the exact kernels' bits and no fallback was counted");
@@ -786,7 +787,12 @@ fn flash_attention_forward_matches_cpu<B: Backend>(device: Device<B>, tensor_cor
     assert!(plan.to_string().contains("(1 of them attention forwards, on f16 fragments)"), "{plan}");
     assert_eq!(plan.in_f32.keys().copied().collect::<Vec<_>>(), ["attention_grad"], "{plan}");
     if tensor_cores {
-        assert_eq!(flash::cubek_attentions() - ran, 4, "every forward on the accelerated routine");
+        assert_eq!(
+            flash::cubek_attentions() - ran,
+            4,
+            "every forward on the accelerated routine; cubek's refusals: {:?}",
+            cellgraph::runtime::cube::cubek_refusals()
+        );
         let (_, emulated, _) = crate::precision::trained_adamw_on::<Cpu>(cpu(), with_loss(), &batches, bf16, false);
         let gap = losses.iter().zip(&emulated).map(|(a, b)| ((a - b) / b).abs()).fold(0f32, f32::max);
         assert!(gap < 2e-2, "losses {losses:?} against the emulation's {emulated:?}");

@@ -343,7 +343,13 @@ fn implicit_gemm<R: CubeRuntime>(kind: ConvKind, g: &Geometry, out_channels: usi
             conv_weight_backward::<R, 2>(as4(b, g.x), as4(a, dy), Shape::from(filter.to_vec()), options, ConvStrategy::ImplicitGemm)
         }
     };
-    done.ok().map(burn_cubecl::kernel::into_contiguous)
+    match done {
+        Ok(t) => Some(burn_cubecl::kernel::into_contiguous(t)),
+        Err(e) => {
+            super::note_refusal("convolution", format_args!("{kind:?} of {:?} by {filter:?}: {e:?}", g.x));
+            None
+        }
+    }
 }
 
 /// `u[n, o, a, b]`: `dy[n, o, a / sh, b / sw]` where both divide, else 0 (`u` of

@@ -71,7 +71,11 @@ pub(super) fn forward<R: CubeRuntime>(
     causal: bool,
     unit: bool,
 ) -> bool {
-    if !crate::kernel::flash_attention_takes(heads, d) || !qkv.is_contiguous() || !y.is_contiguous() {
+    if !crate::kernel::flash_attention_takes(heads, d) {
+        return false;
+    }
+    if !qkv.is_contiguous() || !y.is_contiguous() {
+        super::note_refusal("attention", format_args!("qkv strides {:?}, output strides {:?}: not contiguous", qkv.meta.strides(), y.meta.strides()));
         return false;
     }
     let c = heads * d;
@@ -89,9 +93,14 @@ pub(super) fn forward<R: CubeRuntime>(
     } else {
         Strategy::BlackboxAccelerated(BlueprintStrategy::Inferred(BlackboxAcceleratedStrategy { num_planes: 4, seq_q: 1, seq_kv: 1 }))
     };
-    let ran = launch_ref::<R>(strategy, &client, q.binding(), k.binding(), v.binding(), None, out.binding(), &types, options).is_ok();
-    if ran {
-        RAN.fetch_add(1, Ordering::Relaxed);
+    match launch_ref::<R>(strategy, &client, q.binding(), k.binding(), v.binding(), None, out.binding(), &types, options) {
+        Ok(()) => {
+            RAN.fetch_add(1, Ordering::Relaxed);
+            true
+        }
+        Err(e) => {
+            super::note_refusal("attention", format_args!("{b} x {heads} heads x {t} x {d}, {:?} values: {e:?}", qkv.dtype));
+            false
+        }
     }
-    ran
 }

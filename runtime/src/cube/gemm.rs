@@ -76,19 +76,24 @@ pub(super) fn cubek_matmul<R: CubeRuntime>(
         (cores.lhs_stage, cores.rhs_stage, cores.lhs_register, cores.rhs_register) = (lt, rt, lt, rt);
     }
     let launch = |strategy: &Strategy, dtypes: &mut MatmulElems| {
-        cubek::matmul::launch::launch_ref(strategy, &y.client, operand(a, m, k, ta), operand(b, k, n, tb), out.clone().binding(), dtypes).is_ok()
+        cubek::matmul::launch::launch_ref(strategy, &y.client, operand(a, m, k, ta), operand(b, k, n, tb), out.clone().binding(), dtypes)
     };
     if tf32 {
         // A shape whose tensor-core kernel did not set up on this runtime is not tried again.
         let key = (std::any::TypeId::of::<R>(), batch, [m, k, n], ta, tb, half_cores);
-        let refused = || NO_TF32.lock().unwrap_or_else(|e| e.into_inner()).contains(&key);
-        if !refused() && launch(&tf32_strategy(), &mut cores) {
-            return true;
+        let refused = NO_TF32.lock().unwrap_or_else(|e| e.into_inner()).contains(&key);
+        if !refused {
+            match launch(&tf32_strategy(), &mut cores) {
+                Ok(()) => return true,
+                Err(e) => {
+                    super::note_refusal("matmul", format_args!("{batch} x [{m}, {k}, {n}] (transposed {ta}, {tb}), {:?} operands: {e:?}", a.dtype))
+                }
+            }
         }
         NO_TF32.lock().unwrap_or_else(|e| e.into_inner()).insert(key);
         TF32_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
-    launch(&exact_strategy(tiling), &mut dtypes)
+    launch(&exact_strategy(tiling), &mut dtypes).is_ok()
 }
 
 /// The matmul shapes (per runtime, batch, `[m, k, n]`, transposes, bf16 / f16 operands) whose

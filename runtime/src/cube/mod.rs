@@ -81,6 +81,28 @@ pub use cubecl::wgpu::WgpuDevice;
 
 use crate::backend::FLAT_ALIGN as ALIGN;
 
+/// The first reason cubek gave, per routine (`"matmul"`, `"convolution"`, `"attention"`), for
+/// not setting up a tensor-core kernel in this process: what a fallback count alone does not
+/// say (an H200 refused every tensor-core matmul of the GPT's bf16 plan on 2026-12-04, and the
+/// reason was not kept).
+static REFUSALS: std::sync::Mutex<std::collections::BTreeMap<&'static str, String>> = std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+/// Keeps `why` as `routine`'s refusal unless one is kept already.
+pub(crate) fn note_refusal(routine: &'static str, why: impl std::fmt::Debug) {
+    REFUSALS.lock().unwrap_or_else(|e| e.into_inner()).entry(routine).or_insert_with(|| {
+        let mut s = format!("{why:?}");
+        // A setup error's Debug may carry a whole blueprint: its first line and 300 characters say what was refused.
+        s.truncate(s.find('\n').unwrap_or(s.len()).min(300));
+        s
+    });
+}
+
+/// The first refusal of each cubek routine in this process (see `note_refusal`), as
+/// `routine: reason` lines, routines in name order; empty when none refused.
+pub fn cubek_refusals() -> Vec<String> {
+    REFUSALS.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| format!("{k}: {v}")).collect()
+}
+
 /// `acc[i] += g[i]`.
 #[cube(launch)]
 pub fn assign_add<F: Float>(acc: &mut [F], g: &[F]) {
