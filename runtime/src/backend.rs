@@ -8,7 +8,7 @@
 
 use std::borrow::Cow;
 
-use burn_backend::tensor::{Device, FloatTensor, IntTensor};
+use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IntTensor};
 use burn_backend::{Shape as BShape, TensorData};
 use burn_ndarray::{NdArray, NdArrayTensor};
 use cellgraph_compiler::TensorType;
@@ -227,6 +227,39 @@ pub trait Backend: burn_backend::Backend {
     /// the buffers its arena held when it was recorded (see [`crate::replay`]).
     fn device_pin(_t: &FloatTensor<Self>) -> Option<Box<dyn std::any::Any + Send>> {
         None
+    }
+
+    /// `t` laid out row-major without gaps where the device padded its rows. The runtime's
+    /// kernels, views and flat buffers index a device tensor's buffer as row-major; burn may
+    /// hand out a tensor whose rows are padded (cubecl's CUDA allocator pitches a row to up to
+    /// 512 bytes, so `[64, 28]` rows lie 32 floats apart), which read flat gives other values.
+    /// Every value that enters a session from an upload or from burn's ops passes here;
+    /// identity on host backends, on a tensor already row-major, and on views burn's ops read
+    /// by their strides (broadcast, permuted).
+    fn float_contiguous(t: FloatTensor<Self>) -> FloatTensor<Self> {
+        t
+    }
+
+    /// `data` (the session's float type) on the device, row-major without gaps: burn's upload,
+    /// which on a device may pad the rows ([`Self::float_contiguous`]); a device writes the
+    /// bytes into a buffer of their own length instead, with no copy after.
+    fn float_upload(data: TensorData, device: &Device<Self>) -> FloatTensor<Self> {
+        Self::float_from_data(data, device)
+    }
+
+    /// [`Self::float_upload`] for integers (the session's integer type).
+    fn int_upload(data: TensorData, device: &Device<Self>) -> IntTensor<Self> {
+        Self::int_from_data(data, device)
+    }
+
+    /// [`Self::float_contiguous`] for integers.
+    fn int_contiguous(t: IntTensor<Self>) -> IntTensor<Self> {
+        t
+    }
+
+    /// [`Self::float_contiguous`] for booleans.
+    fn bool_contiguous(t: BoolTensor<Self>) -> BoolTensor<Self> {
+        t
     }
 
     /// A float tensor of extents `shape` holding `data`: of `data`'s own type on host

@@ -84,12 +84,22 @@ impl<B: crate::Backend> Value<B> {
         }
         let dtype = t.dtype();
         let data = device_data(t, settings);
-        if dtype.is_float() {
-            Value::Float(B::float_from_data(data, device))
+        let v = if dtype.is_float() {
+            Value::Float(B::float_upload(data, device))
         } else if dtype.is_int() {
-            Value::Int(B::int_from_data(data, device))
+            Value::Int(B::int_upload(data, device))
         } else {
             Value::Bool(B::bool_from_data(data, device))
+        };
+        v.contiguous()
+    }
+
+    /// The value laid out row-major without gaps ([`crate::Backend::float_contiguous`]).
+    pub fn contiguous(self) -> Self {
+        match self {
+            Value::Float(t) => Value::Float(B::float_contiguous(t)),
+            Value::Int(t) => Value::Int(B::int_contiguous(t)),
+            Value::Bool(t) => Value::Bool(B::bool_contiguous(t)),
         }
     }
 

@@ -203,6 +203,28 @@ fn upload_contiguous<R: CubeRuntime>(data: burn_backend::TensorData, device: &R:
     Some(y)
 }
 
+/// `data` in a buffer of its own bytes' length, row-major (burn's upload asks cubecl for its
+/// "optimized" layout, which on CUDA pads rows to up to 512 bytes and rounds the buffer up).
+fn upload_exact<R: CubeRuntime>(data: burn_backend::TensorData, device: &R::Device) -> CubeTensor<R> {
+    let client = R::client(device);
+    let (shape, dtype) = (data.shape.clone(), data.dtype);
+    let handle = client.create(data.bytes);
+    CubeTensor::new_contiguous(client, device.clone(), shape, handle, dtype)
+}
+
+/// `t` copied into a contiguous buffer when the runtime laid its rows out padded ("pitched":
+/// cubecl's CUDA allocator pads a row to up to 512 bytes, so `[64, 28]` f32 rows lie 32 floats
+/// apart), which the kernels here would read flat as other values; any other `t` as it is (a
+/// broadcast or permuted view stays a view for burn's ops, which read strides). wgpu never
+/// pitches.
+fn unpitched<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
+    if !t.is_contiguous() && R::can_read_tensor(t.meta.shape(), t.meta.strides()) {
+        burn_cubecl::kernel::into_contiguous(t)
+    } else {
+        t
+    }
+}
+
 /// A tensor of extents `shape` sharing `buffer`'s memory from element `offset` (a multiple of
 /// [`ALIGN`]): a flat buffer's parameter, a window's micro-batch.
 fn view<R: CubeRuntime>(buffer: &CubeTensor<R>, offset: usize, shape: &[usize]) -> Option<CubeTensor<R>> {
@@ -212,7 +234,12 @@ fn view<R: CubeRuntime>(buffer: &CubeTensor<R>, offset: usize, shape: &[usize]) 
         return None;
     }
     let size = buffer.dtype.size() as u64;
-    let handle = buffer.handle.clone().offset_start(offset as u64 * size).offset_end((total - offset - n) as u64 * size);
+    // Trimmed to the view's own bytes from the memory's end, not from `total`: a buffer may hold
+    // more than its elements (cubecl's CUDA allocator rounds a buffer up to its row alignment,
+    // 512 bytes), and a view trimmed by `total` reached into the next view's elements.
+    let handle = buffer.handle.clone().offset_start(offset as u64 * size);
+    let past = handle.size_in_used() - n as u64 * size;
+    let handle = handle.offset_end(past);
     let shape = if shape.is_empty() { vec![1] } else { shape.to_vec() };
     Some(CubeTensor::new_contiguous(buffer.client.clone(), buffer.device.clone(), Shape::from(shape), handle, buffer.dtype))
 }
@@ -281,6 +308,26 @@ fn int_dtype<R: CubeRuntime>(device: &R::Device) -> DType {
 }
 
 impl<R: CubeRuntime> Backend for CubeBackend<R> {
+    fn float_upload(data: burn_backend::TensorData, device: &R::Device) -> CubeTensor<R> {
+        upload_exact(data, device)
+    }
+
+    fn int_upload(data: burn_backend::TensorData, device: &R::Device) -> CubeTensor<R> {
+        upload_exact(data, device)
+    }
+
+    fn float_contiguous(t: CubeTensor<R>) -> CubeTensor<R> {
+        unpitched(t)
+    }
+
+    fn int_contiguous(t: CubeTensor<R>) -> CubeTensor<R> {
+        unpitched(t)
+    }
+
+    fn bool_contiguous(t: CubeTensor<R>) -> CubeTensor<R> {
+        unpitched(t)
+    }
+
     /// The flat buffers come from [`Backend::from_host_vec`], in f32 (the kernels' type).
     fn flat_buffers() -> bool {
         true
@@ -626,5 +673,26 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
     fn fused_update(prog: &Program, p: &CubeTensor<R>, acc: &CubeTensor<R>, state: &[CubeTensor<R>], scale: f32, scalars: &[f32]) -> Option<usize> {
         let f32s = [p, acc].into_iter().chain(state).all(|t| t.dtype == DType::F32);
         f32s.then(|| launch_update::<R>(prog, p, acc, state, scale, scalars))
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use super::*;
+
+    /// A view holds its own elements' bytes only, also of a buffer whose memory is longer than
+    /// its elements (cubecl's CUDA allocator rounds buffers up to 512 bytes): trimmed by the
+    /// buffer's element count, the view below reached 64 elements into the next one, and on
+    /// CUDA's layout (scripts/pitched_wgpu.sh) the convolution test and the dropout GPT went wrong.
+    #[test]
+    fn a_view_of_a_longer_memory_holds_only_its_elements() {
+        let device = cubecl::wgpu::WgpuDevice::DefaultDevice;
+        let client = <cubecl::wgpu::WgpuRuntime as cubecl::Runtime>::client(&device);
+        let memory = client.empty(256 * 4);
+        let buffer = CubeTensor::new_contiguous(client, device, Shape::from(vec![192]), memory, DType::F32);
+        let v = view(&buffer, 64, &[4, 16]).expect("an aligned view inside the buffer");
+        assert_eq!(v.handle.size_in_used(), 64 * 4);
+        assert_eq!(view(&buffer, 128, &[64]).expect("the last view").handle.size_in_used(), 64 * 4);
+        assert!(view(&buffer, 128, &[65]).is_none(), "past the buffer's elements");
     }
 }
