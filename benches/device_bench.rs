@@ -221,8 +221,10 @@ fn bench<B: Backend>(args: &Args, label: &str, device: Device<B>) -> Result<(), 
         eprintln!("tensor-core products run in exact f32 (no tensor-core kernel here): {all} ({convs} of them convolutions)");
     }
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    for why in cellgraph::runtime::cube::cubek_refusals().iter().filter(|_| !B::HOST) {
-        eprintln!("cubek did not set up a tensor-core routine, first refusal: {why}");
+    if !B::HOST {
+        for why in cellgraph::runtime::cube::cubek_refusals() {
+            eprintln!("cubek did not set up a tensor-core routine, first refusal: {why}");
+        }
     }
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     if !B::HOST && cellgraph::runtime::cube::flash::cubek_attentions() > 0 {

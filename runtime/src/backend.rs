@@ -236,12 +236,12 @@ pub trait Backend: burn_backend::Backend {
     /// Every value that enters a session from an upload or from burn's ops passes here;
     /// identity on host backends, on a tensor already row-major, and on views burn's ops read
     /// by their strides (broadcast, permuted).
-    fn float_contiguous(t: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn float_unpitched(t: FloatTensor<Self>) -> FloatTensor<Self> {
         t
     }
 
     /// `data` (the session's float type) on the device, row-major without gaps: burn's upload,
-    /// which on a device may pad the rows ([`Self::float_contiguous`]); a device writes the
+    /// which on a device may pad the rows ([`Self::float_unpitched`]); a device writes the
     /// bytes into a buffer of their own length instead, with no copy after.
     fn float_upload(data: TensorData, device: &Device<Self>) -> FloatTensor<Self> {
         Self::float_from_data(data, device)
@@ -252,13 +252,13 @@ pub trait Backend: burn_backend::Backend {
         Self::int_from_data(data, device)
     }
 
-    /// [`Self::float_contiguous`] for integers.
-    fn int_contiguous(t: IntTensor<Self>) -> IntTensor<Self> {
+    /// [`Self::float_unpitched`] for integers.
+    fn int_unpitched(t: IntTensor<Self>) -> IntTensor<Self> {
         t
     }
 
-    /// [`Self::float_contiguous`] for booleans.
-    fn bool_contiguous(t: BoolTensor<Self>) -> BoolTensor<Self> {
+    /// [`Self::float_unpitched`] for booleans.
+    fn bool_unpitched(t: BoolTensor<Self>) -> BoolTensor<Self> {
         t
     }
 

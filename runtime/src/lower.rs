@@ -273,7 +273,7 @@ pub fn low_operands_widened() -> u64 {
 /// Evaluates one non-leaf op. `args` pairs each operand value with its IR type.
 pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>, out: &TensorType) -> Result<Value<B>> {
     // burn's ops may hand a device tensor out with padded rows: the session's kernels read flat.
-    eval_on_burn(cx, op, args, out).map(Value::contiguous)
+    eval_on_burn(cx, op, args, out).map(Value::unpitched)
 }
 
 /// [`eval`] as burn's ops leave it.

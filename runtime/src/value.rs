@@ -91,15 +91,15 @@ impl<B: crate::Backend> Value<B> {
         } else {
             Value::Bool(B::bool_from_data(data, device))
         };
-        v.contiguous()
+        v.unpitched()
     }
 
-    /// The value laid out row-major without gaps ([`crate::Backend::float_contiguous`]).
-    pub fn contiguous(self) -> Self {
+    /// The value with any rows the device padded laid out row-major ([`crate::Backend::float_unpitched`]).
+    pub fn unpitched(self) -> Self {
         match self {
-            Value::Float(t) => Value::Float(B::float_contiguous(t)),
-            Value::Int(t) => Value::Int(B::int_contiguous(t)),
-            Value::Bool(t) => Value::Bool(B::bool_contiguous(t)),
+            Value::Float(t) => Value::Float(B::float_unpitched(t)),
+            Value::Int(t) => Value::Int(B::int_unpitched(t)),
+            Value::Bool(t) => Value::Bool(B::bool_unpitched(t)),
         }
     }
 

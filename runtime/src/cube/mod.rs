@@ -90,10 +90,10 @@ static REFUSALS: std::sync::Mutex<std::collections::BTreeMap<&'static str, Strin
 /// Keeps `why` as `routine`'s refusal unless one is kept already.
 pub(crate) fn note_refusal(routine: &'static str, why: impl std::fmt::Debug) {
     REFUSALS.lock().unwrap_or_else(|e| e.into_inner()).entry(routine).or_insert_with(|| {
-        let mut s = format!("{why:?}");
-        // A setup error's Debug may carry a whole blueprint: its first line and 300 characters say what was refused.
-        s.truncate(s.find('\n').unwrap_or(s.len()).min(300));
-        s
+        let s = format!("{why:?}");
+        // A setup error's Debug may carry a whole blueprint: its first line, at most 300
+        // characters, says what was refused.
+        s.lines().next().unwrap_or_default().chars().take(300).collect()
     });
 }
 
@@ -182,13 +182,6 @@ pub fn copy_words(x: &[u32], y: &mut [u32]) {
     }
 }
 
-/// `data` uploaded through burn (which may pitch a tensor's rows on CUDA), made contiguous.
-fn uploaded<R: CubeRuntime>(data: burn_backend::TensorData, device: &R::Device) -> CubeTensor<R> {
-    use burn_backend::ops::{FloatTensorOps, IntTensorOps};
-    let t = if data.dtype.is_float() { CubeBackend::<R>::float_from_data(data, device) } else { CubeBackend::<R>::int_from_data(data, device) };
-    burn_cubecl::kernel::into_contiguous(t)
-}
-
 /// A contiguous buffer of its own holding `data` (32-bit elements), written whole later by
 /// [`write`].
 fn upload_contiguous<R: CubeRuntime>(data: burn_backend::TensorData, device: &R::Device) -> Option<CubeTensor<R>> {
@@ -203,9 +196,10 @@ fn upload_contiguous<R: CubeRuntime>(data: burn_backend::TensorData, device: &R:
     Some(y)
 }
 
-/// `data` in a buffer of its own bytes' length, row-major (burn's upload asks cubecl for its
-/// "optimized" layout, which on CUDA pads rows to up to 512 bytes and rounds the buffer up).
-fn upload_exact<R: CubeRuntime>(data: burn_backend::TensorData, device: &R::Device) -> CubeTensor<R> {
+/// `data` (host bytes, float or integer) in a buffer of their own length, row-major: every
+/// upload of the session's. (burn's upload asks cubecl for its "optimized" layout, which on
+/// CUDA pads rows to up to 512 bytes and rounds the buffer up.)
+fn uploaded<R: CubeRuntime>(data: burn_backend::TensorData, device: &R::Device) -> CubeTensor<R> {
     let client = R::client(device);
     let (shape, dtype) = (data.shape.clone(), data.dtype);
     let handle = client.create(data.bytes);
@@ -250,10 +244,10 @@ fn launch_copy_words<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>) {
     copy_words::launch::<R>(&y.client, count, dim, arr(x), arr(y));
 }
 
-/// Writes `data` (`t`'s type and length) into `t`'s memory: uploaded through burn, then copied
+/// Writes `data` (`t`'s type and length) into `t`'s memory: uploaded, then copied
 /// by a kernel on this thread's stream (after the work already queued, which may still read
 /// `t`). A whole-buffer host write (`client.write`) is not used: on CUDA it gave wrong
-/// results for buffers whose rows burn would pitch (measured, 2026-11-27).
+/// results for buffers whose rows burn pitched (measured, 2026-11-27).
 fn write<R: CubeRuntime>(t: &CubeTensor<R>, data: burn_backend::TensorData) -> bool {
     if data.dtype != t.dtype || !t.is_contiguous() || t.dtype.size() != 4 || data.shape.num_elements() != t.meta.num_elements() {
         return false;
@@ -309,22 +303,22 @@ fn int_dtype<R: CubeRuntime>(device: &R::Device) -> DType {
 
 impl<R: CubeRuntime> Backend for CubeBackend<R> {
     fn float_upload(data: burn_backend::TensorData, device: &R::Device) -> CubeTensor<R> {
-        upload_exact(data, device)
+        uploaded(data, device)
     }
 
     fn int_upload(data: burn_backend::TensorData, device: &R::Device) -> CubeTensor<R> {
-        upload_exact(data, device)
+        uploaded(data, device)
     }
 
-    fn float_contiguous(t: CubeTensor<R>) -> CubeTensor<R> {
+    fn float_unpitched(t: CubeTensor<R>) -> CubeTensor<R> {
         unpitched(t)
     }
 
-    fn int_contiguous(t: CubeTensor<R>) -> CubeTensor<R> {
+    fn int_unpitched(t: CubeTensor<R>) -> CubeTensor<R> {
         unpitched(t)
     }
 
-    fn bool_contiguous(t: CubeTensor<R>) -> CubeTensor<R> {
+    fn bool_unpitched(t: CubeTensor<R>) -> CubeTensor<R> {
         unpitched(t)
     }
 
