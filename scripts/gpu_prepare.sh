@@ -7,13 +7,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/work/target-cuda}
-cargo build --locked --release --no-default-features --features cuda --example device_bench
+cargo build --locked --release --no-default-features --features cuda --example device_bench --example matmul_probe
 it=$(cargo test --locked --release --no-default-features --features cuda --test it --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "it"][-1])')
 mkdir -p target/gpu
 rm -f target/gpu/*
 strip -o target/gpu/device_bench "$CARGO_TARGET_DIR/release/examples/device_bench"
 strip -o target/gpu/it "$it"
+strip -o target/gpu/matmul_probe "$CARGO_TARGET_DIR/release/examples/matmul_probe"
 if [ -n "${BASELINE:-}" ]; then
     wt=$(mktemp -d)
     git worktree add --detach "$wt" "$BASELINE"

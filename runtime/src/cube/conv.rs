@@ -260,7 +260,7 @@ pub(super) fn filter_grad<R: CubeRuntime>(
 
 /// The convolutions (per runtime, direction, geometry and output channels) whose tensor-core
 /// routine did not set up: the exact kernels run them without trying again (as `gemm`'s
-/// `NO_TF32` does for matmuls).
+/// `TENSOR_CORES` does for matmuls).
 type TcKey = (std::any::TypeId, ConvKind, Geometry, usize);
 static NO_TENSOR_CORES: std::sync::Mutex<std::collections::BTreeSet<TcKey>> = std::sync::Mutex::new(std::collections::BTreeSet::new());
 

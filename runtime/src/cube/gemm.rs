@@ -24,9 +24,23 @@ fn exact_strategy(tiling: Tiling) -> Strategy {
     })
 }
 
-/// cubek's tensor-core kernel (CMMA), which rounds f32 operands to TF32: the `tf32` opt-in.
-fn tf32_strategy() -> Strategy {
-    Strategy::MultiLevel(cubek::matmul::multi_level::Strategy::SimpleCyclicCmma(Default::default()))
+/// cubek's tensor-core kernels (f32 operands rounded to TF32: the `tf32` opt-in; bf16 / f16
+/// operands as they are), in the order they are tried for a shape: the first that sets up runs
+/// it from then on. The order is the H200's (`benches/matmul_probe.rs`, 2026-12-04, at the
+/// MLP's and the GPT's products): the double-buffered `mma` kernel was the fastest of the
+/// three at most shapes (bf16 `8192 x 128 x 384`: 38.5 us against 60.8 for CMMA), the single
+/// `mma` kernel next; CMMA, the one tried alone before, last. The TMA kernels, faster still at
+/// some shapes, need 16-byte-aligned strides, which views into flat buffers do not have.
+const TENSOR_CORE_ROUTINES: [&str; 3] = ["DoubleCyclicMma", "SimpleCyclicMma", "SimpleCyclicCmma"];
+
+/// The tensor-core kernel named in [`TENSOR_CORE_ROUTINES`].
+fn tensor_core_strategy(name: &str) -> Strategy {
+    use cubek::matmul::multi_level::Strategy as Level;
+    Strategy::MultiLevel(match name {
+        "DoubleCyclicMma" => Level::DoubleCyclicMma(Default::default()),
+        "SimpleCyclicMma" => Level::SimpleCyclicMma(Default::default()),
+        _ => Level::SimpleCyclicCmma(Default::default()),
+    })
 }
 
 /// `y = op(a) @ op(b)` on cubek's kernel for `tiling` (with `tf32`, first its tensor-core
@@ -79,27 +93,50 @@ pub(super) fn cubek_matmul<R: CubeRuntime>(
         cubek::matmul::launch::launch_ref(strategy, &y.client, operand(a, m, k, ta), operand(b, k, n, tb), out.clone().binding(), dtypes)
     };
     if tf32 {
-        // A shape whose tensor-core kernel did not set up on this runtime is not tried again.
+        // The routine that set up for this shape on this runtime, tried first; a shape none
+        // set up for is not tried again.
         let key = (std::any::TypeId::of::<R>(), batch, [m, k, n], ta, tb, half_cores);
-        let refused = NO_TF32.lock().unwrap_or_else(|e| e.into_inner()).contains(&key);
-        if !refused {
-            match launch(&tf32_strategy(), &mut cores) {
-                Ok(()) => return true,
-                Err(e) => {
-                    super::note_refusal("matmul", format_args!("{batch} x [{m}, {k}, {n}] (transposed {ta}, {tb}), {:?} operands: {e:?}", a.dtype))
+        let known = TENSOR_CORES.lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
+        let chosen = match known {
+            Some(chosen) => chosen.and_then(|i| launch(&tensor_core_strategy(TENSOR_CORE_ROUTINES[i]), &mut cores).ok().map(|_| i)),
+            None => {
+                let mut refusals = Vec::new();
+                let chosen = TENSOR_CORE_ROUTINES.iter().position(|name| match launch(&tensor_core_strategy(name), &mut cores.clone()) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        let e = format!("{e:?}");
+                        refusals.push(format!("{name}: {}", e.lines().next().unwrap_or_default()));
+                        false
+                    }
+                });
+                if chosen.is_none() {
+                    super::note_refusal(
+                        "matmul",
+                        format_args!(
+                            "{batch} x [{m}, {k}, {n}] (transposed {ta}, {tb}), {:?} x {:?} operands: {}",
+                            a.dtype,
+                            b.dtype,
+                            refusals.join("; ")
+                        ),
+                    );
                 }
+                chosen
             }
+        };
+        TENSOR_CORES.lock().unwrap_or_else(|e| e.into_inner()).insert(key, chosen);
+        if chosen.is_some() {
+            return true;
         }
-        NO_TF32.lock().unwrap_or_else(|e| e.into_inner()).insert(key);
         TF32_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     launch(&exact_strategy(tiling), &mut dtypes).is_ok()
 }
 
-/// The matmul shapes (per runtime, batch, `[m, k, n]`, transposes, bf16 / f16 operands) whose
-/// tensor-core kernel did not set up: the exact kernel runs them without trying again.
+/// Per matmul shape (runtime, batch, `[m, k, n]`, transposes, bf16 / f16 operands), which of
+/// [`TENSOR_CORE_ROUTINES`] set up for it, or none: the exact kernel then runs it without
+/// trying again.
 type Tf32Key = (std::any::TypeId, usize, [usize; 3], bool, bool, bool);
-static NO_TF32: std::sync::Mutex<std::collections::BTreeSet<Tf32Key>> = std::sync::Mutex::new(std::collections::BTreeSet::new());
+static TENSOR_CORES: std::sync::Mutex<std::collections::BTreeMap<Tf32Key, Option<usize>>> = std::sync::Mutex::new(std::collections::BTreeMap::new());
 
 /// Matmuls asked for tensor cores (TF32) that ran on cubek's exact-f32 kernel because its
 /// tensor-core kernel did not set up on the device (in this process).
