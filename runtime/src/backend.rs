@@ -229,14 +229,16 @@ pub trait Backend: burn_backend::Backend {
         None
     }
 
-    /// `t` laid out row-major without gaps where the device padded its rows. The runtime's
-    /// kernels, views and flat buffers index a device tensor's buffer as row-major; burn may
-    /// hand out a tensor whose rows are padded (cubecl's CUDA allocator pitches a row to up to
-    /// 512 bytes, so `[64, 28]` rows lie 32 floats apart), which read flat gives other values.
-    /// Every value that enters a session from an upload or from burn's ops passes here;
-    /// identity on host backends, on a tensor already row-major, and on views burn's ops read
-    /// by their strides (broadcast, permuted).
-    fn float_unpitched(t: FloatTensor<Self>) -> FloatTensor<Self> {
+    /// `t` laid out row-major without gaps where the device padded its rows, copied into a
+    /// buffer of `arena`'s. The runtime's kernels, views and flat buffers index a device
+    /// tensor's buffer as row-major; burn may hand out a tensor whose rows are padded (cubecl's
+    /// CUDA allocator pitches a row to up to 512 bytes, so `[64, 28]` rows lie 32 floats apart),
+    /// which read flat gives other values. Every value a step computes on burn's ops passes
+    /// here; identity on host backends, on a tensor already row-major, and on views burn's ops
+    /// read by their strides (broadcast, permuted). The copy goes into the arena's memory, not
+    /// a new buffer: a captured plan may take no buffer its arena does not hold (on CUDA, a
+    /// buffer burn allocated in the capture window failed the capture, 2026-12-04).
+    fn float_unpitched(t: FloatTensor<Self>, _arena: &mut Arena) -> FloatTensor<Self> {
         t
     }
 
@@ -252,12 +254,13 @@ pub trait Backend: burn_backend::Backend {
         Self::int_from_data(data, device)
     }
 
-    /// [`Self::float_unpitched`] for integers.
+    /// [`Self::float_unpitched`] for integers, into a new buffer (integers do not go back to
+    /// an arena).
     fn int_unpitched(t: IntTensor<Self>) -> IntTensor<Self> {
         t
     }
 
-    /// [`Self::float_unpitched`] for booleans.
+    /// [`Self::int_unpitched`] for booleans.
     fn bool_unpitched(t: BoolTensor<Self>) -> BoolTensor<Self> {
         t
     }

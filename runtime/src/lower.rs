@@ -270,14 +270,10 @@ pub fn low_operands_widened() -> u64 {
     WIDENED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Evaluates one non-leaf op. `args` pairs each operand value with its IR type.
-pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, args: Vec<(Value<B>, &TensorType)>, out: &TensorType) -> Result<Value<B>> {
-    // burn's ops may hand a device tensor out with padded rows: the session's kernels read flat.
-    eval_on_burn(cx, op, args, out).map(Value::unpitched)
-}
-
-/// [`eval`] as burn's ops leave it.
-fn eval_on_burn<B: Backend>(cx: &Ctx<B>, op: &Op, mut args: Vec<(Value<B>, &TensorType)>, out: &TensorType) -> Result<Value<B>> {
+/// Evaluates one non-leaf op. `args` pairs each operand value with its IR type. On a device
+/// the result may have padded rows, as burn's ops leave it: the executor lays it out row-major
+/// in its arena ([`Value::unpitched`]) before a kernel of the session's reads it flat.
+pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, mut args: Vec<(Value<B>, &TensorType)>, out: &TensorType) -> Result<Value<B>> {
     // burn's ops compute in their operands' type: a value stored low is widened first (exact)
     // unless the op only views it.
     if !matches!(op, Op::Reshape { .. } | Op::Flatten) {

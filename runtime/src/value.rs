@@ -84,20 +84,22 @@ impl<B: crate::Backend> Value<B> {
         }
         let dtype = t.dtype();
         let data = device_data(t, settings);
-        let v = if dtype.is_float() {
+        // Float and integer uploads are row-major already (written into buffers of their own
+        // length); burn's upload of bools may pad their rows.
+        if dtype.is_float() {
             Value::Float(B::float_upload(data, device))
         } else if dtype.is_int() {
             Value::Int(B::int_upload(data, device))
         } else {
-            Value::Bool(B::bool_from_data(data, device))
-        };
-        v.unpitched()
+            Value::Bool(B::bool_unpitched(B::bool_from_data(data, device)))
+        }
     }
 
-    /// The value with any rows the device padded laid out row-major ([`crate::Backend::float_unpitched`]).
-    pub fn unpitched(self) -> Self {
+    /// The value with any rows the device padded laid out row-major, a float's copy in a buffer
+    /// of `arena`'s ([`crate::Backend::float_unpitched`]).
+    pub fn unpitched(self, arena: &mut Arena) -> Self {
         match self {
-            Value::Float(t) => Value::Float(B::float_unpitched(t)),
+            Value::Float(t) => Value::Float(B::float_unpitched(t, arena)),
             Value::Int(t) => Value::Int(B::int_unpitched(t)),
             Value::Bool(t) => Value::Bool(B::bool_unpitched(t)),
         }

@@ -83,8 +83,8 @@ use crate::backend::FLAT_ALIGN as ALIGN;
 
 /// The first reason cubek gave, per routine (`"matmul"`, `"convolution"`, `"attention"`), for
 /// not setting up a tensor-core kernel in this process: what a fallback count alone does not
-/// say (an H200 refused every tensor-core matmul of the GPT's bf16 plan on 2026-12-04, and the
-/// reason was not kept).
+/// say (on an H200, 2026-12-04, cubek's CMMA kernel found no tile size for the GPT's bf16
+/// products with its 65-character vocabulary, `[8192, 128, 65]`).
 static REFUSALS: std::sync::Mutex<std::collections::BTreeMap<&'static str, String>> = std::sync::Mutex::new(std::collections::BTreeMap::new());
 
 /// Keeps `why` as `routine`'s refusal unless one is kept already.
@@ -212,11 +212,17 @@ fn uploaded<R: CubeRuntime>(data: burn_backend::TensorData, device: &R::Device) 
 /// broadcast or permuted view stays a view for burn's ops, which read strides). wgpu never
 /// pitches.
 fn unpitched<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
-    if !t.is_contiguous() && R::can_read_tensor(t.meta.shape(), t.meta.strides()) {
+    if is_pitched(&t) {
         burn_cubecl::kernel::into_contiguous(t)
     } else {
         t
     }
+}
+
+/// Whether `t`'s rows are padded: not row-major, yet laid out as the runtime lays a tensor
+/// out (a broadcast or permuted view is not).
+fn is_pitched<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
+    !t.is_contiguous() && R::can_read_tensor(t.meta.shape(), t.meta.strides())
 }
 
 /// A tensor of extents `shape` sharing `buffer`'s memory from element `offset` (a multiple of
@@ -310,8 +316,14 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         uploaded(data, device)
     }
 
-    fn float_unpitched(t: CubeTensor<R>) -> CubeTensor<R> {
-        unpitched(t)
+    fn float_unpitched(t: CubeTensor<R>, arena: &mut Arena) -> CubeTensor<R> {
+        if !is_pitched(&t) {
+            return t;
+        }
+        let y = output_of(arena, &t.client, &t.device, t.meta.shape(), t.dtype);
+        let dtype = burn_backend::cubecl::dtype_to_storage_type(t.dtype);
+        cubecl::std::tensor::copy_into(&y.client, t.binding(), y.clone().binding(), dtype);
+        y
     }
 
     fn int_unpitched(t: CubeTensor<R>) -> CubeTensor<R> {

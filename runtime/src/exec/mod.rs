@@ -634,7 +634,7 @@ impl<B: Backend> Session<B> {
             tf32: self.tf32,
             bf16: self.bf16,
         };
-        let v = eval(&cx, &step.op, Vec::new(), &step.ty)?;
+        let v = eval(&cx, &step.op, Vec::new(), &step.ty)?.unpitched(&mut self.arena);
         self.constants.push((key, v.clone()));
         Ok(v)
     }

@@ -39,7 +39,7 @@ pub(super) fn compute<B: Backend>(
     w: &mut Work,
 ) -> Result<Value<B>> {
     let op = &step.op;
-    Ok(match exec {
+    let v = match exec {
         Exec::ReshapeInPlace => {
             let Ok([(x, ty)]) = <[_; 1]>::try_from(args) else { unreachable!("a reshape's arity is checked by the verifier") };
             match x {
@@ -85,7 +85,9 @@ pub(super) fn compute<B: Backend>(
         Exec::Pass(i) => args.into_iter().nth(i).expect("the verifier checks the arity").0,
         Exec::Collective | Exec::Burn => burn_op(cx, op, args, &step.ty, w.burn_steps)?,
         Exec::Deferred | Exec::Param | Exec::Input | Exec::SharedConstant => unreachable!("sources are not computed"),
-    })
+    };
+    // burn's ops may hand a device tensor out with padded rows: the session's kernels read flat.
+    Ok(v.unpitched(w.arena))
 }
 
 /// An epilogue whose accumulator (operands `n` on) is a view of one flat device buffer: the
