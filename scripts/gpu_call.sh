@@ -2,10 +2,11 @@
 # The one device call of a GPU check, from the binaries scripts/gpu_prepare.sh left in
 # target/gpu: run it on the GPU machine with `target/gpu` carried, e.g.
 #   bash scripts/gpu_call.sh            (about 4 minutes on an H100)
-# 1. the CUDA tests (`it device::cuda`), replay included: `checks_with_graphs_on_cuda_match_cpu`
-#    is the gate for making replay the default on CUDA;
+# 1. the CUDA tests (`it device::cuda`, TESTS_TIMEOUT seconds, default 200), replay included:
+#    `checks_with_graphs_on_cuda_match_cpu` is the gate for making replay the default on CUDA;
 # 2. the launches one LeNet5 window makes, op by op, each micro-step replayed, and the whole
-#    window replayed as one graph (--in-step);
+#    window replayed as one graph (--in-step), then cubek's matmul routines at the nets'
+#    products beside torch.matmul (benches/matmul_probe.rs, benches/torch_mm.py);
 # 3. the benchmark beside PyTorch (eager and CUDA graphs), each case op by op, each micro-step
 #    replayed and each window replayed, alternating (scripts/gpu_check.sh with GRAPHS=1).
 #    CASES, UPDATES and WARMUP as there;
@@ -27,19 +28,28 @@ mkdir -p "$OUT"
 [ -e /work/main ] || { mkdir -p /work && ln -s "$PWD" /work/main; }
 G=target/gpu
 for f in $G/*.xz; do [ -e "$f" ] && xz -dkf "$f"; done
-chmod +x $G/device_bench $G/it $G/baseline_device_bench 2>/dev/null
+chmod +x $G/device_bench $G/it $G/matmul_probe $G/baseline_device_bench 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || { echo "no NVIDIA GPU here"; exit 1; }
 python3 -c 'import torch; print("PyTorch", torch.__version__)' 2>/dev/null || echo "no PyTorch here"
 echo "## CUDA tests"
-timeout 200 $G/it --test-threads 1 device::cuda >"$OUT/tests.log" 2>&1
+# --nocapture: each failure's message is printed where it happens (libtest prints them only
+# at the end, which a timeout cuts off).
+timeout ${TESTS_TIMEOUT:-200} $G/it --test-threads 1 --nocapture device::cuda >"$OUT/tests.log" 2>&1
 echo "rc $?"
-grep -E "^test |test result|vs CPU|panicked|differ|graph replay" "$OUT/tests.log" | head -60
+grep -E "^test |test result|vs CPU|panicked|differ|graph replay|refusal|capture" "$OUT/tests.log" | cut -c1-600 | head -80
 echo "## launches per LeNet5 window (op by op, each micro-step replayed, the window replayed)"
 for g in "" --graphs "--graphs --in-step"; do
     log="$OUT/launches${g// /}.log"
     timeout 60 $G/device_bench --device cuda:0 --net lenet --micro-batch 32 --micro-size 4 --updates 5 --warmup 2 --launches $g >"$log" 2>&1
     grep -E "launches|replay|not captured|last loss|transfers|rror" "$log" | head -8
 done
+if [ -x $G/matmul_probe ] && ! late "matmul probe"; then
+    echo "## cubek's matmul routines at the nets' products, beside torch.matmul"
+    for d in f32 bf16; do
+        timeout 40 $G/matmul_probe --dtype $d --routines SimpleUnit,DoubleUnit,DoubleCyclicMma,SimpleCyclicMma,SimpleCyclicCmma 2>&1 | tee -a "$OUT/probe.log" | cut -c1-260
+    done
+    timeout 30 python3 benches/torch_mm.py 2>&1 | tee -a "$OUT/probe.log"
+fi
 echo "## benchmark"
 OUT=$OUT GRAPHS=1 PARTS=bench CASES="${CASES:-lenet 32 4;mlp 256 4;resnet18 32 4;gpt 64 4}" UPDATES=${UPDATES:-20} WARMUP=${WARMUP:-3} \
     CASE_TIMEOUT=${CASE_TIMEOUT:-60} bash scripts/gpu_check.sh $G 2>&1 | tee "$OUT/bench.log" | grep -E "^\| |replay|not captured|rror"
