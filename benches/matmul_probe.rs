@@ -6,7 +6,7 @@
 //! shapes) in a GPU check.
 //!
 //! `cargo build --release --no-default-features --features cuda --example matmul_probe`, then
-//! `matmul_probe --dtype f32` and `matmul_probe --dtype bf16`.
+//! `matmul_probe --dtype f32`, `--dtype bf16` and `--dtype bf16xf32`.
 
 use std::time::Instant;
 
@@ -14,8 +14,11 @@ use clap::Parser;
 
 #[derive(Parser)]
 struct Args {
-    /// Operand type: `f32` (exact and TF32 tensor-core routines) or `bf16` (bf16 tensor cores,
-    /// f32 sums; the exact routines widen bf16 operands to f32).
+    /// Operand types: `f32` (exact and TF32 tensor-core routines), `bf16` (bf16 tensor cores,
+    /// f32 sums; the exact routines widen bf16 operands to f32), or `bf16xf32`: a bf16 `a` and
+    /// an f32 `b` holding bf16 values (a bf16 plan's product whose second operand is kept in f32
+    /// storage, as the GPT's tied head), each tensor-core routine staged in f32 (TF32, the
+    /// runtime's choice) and in bf16.
     #[arg(long, default_value = "f32")]
     dtype: String,
     /// Products as `MxKxN`, `BxMxKxN` for a batch, a suffix `:ta` / `:tb` / `:tab` for a
@@ -112,8 +115,9 @@ mod probe {
         Ok((d, ta, tb))
     }
 
-    /// Deterministic values in [-1, 1), as f32 bytes or as bf16 bytes (the f32's top half).
-    fn values(n: usize, seed: u64, bf16: bool) -> Vec<u8> {
+    /// Deterministic values in [-1, 1), as f32 bytes or as bf16 bytes (the f32's top half);
+    /// `rounded`: f32 bytes of bf16 values (the f32's top half, its low half zero).
+    fn values(n: usize, seed: u64, bf16: bool, rounded: bool) -> Vec<u8> {
         let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         let f: Vec<f32> = (0..n)
             .map(|_| {
@@ -123,16 +127,20 @@ mod probe {
             .collect();
         if bf16 {
             f.iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect()
+        } else if rounded {
+            f.iter().flat_map(|v| (v.to_bits() & 0xffff_0000).to_le_bytes()).collect()
         } else {
             f.iter().flat_map(|v| v.to_le_bytes()).collect()
         }
     }
 
     pub fn run(args: &Args) -> Result<(), String> {
-        let bf16 = match args.dtype.as_str() {
-            "f32" => false,
-            "bf16" => true,
-            other => return Err(format!("--dtype must be f32 or bf16, got `{other}`")),
+        // The operands' types, and the stages each tensor-core routine is tried with.
+        let (da, db, stages): (DType, DType, &[DType]) = match args.dtype.as_str() {
+            "f32" => (DType::F32, DType::F32, &[DType::F32]),
+            "bf16" => (DType::BF16, DType::BF16, &[DType::BF16]),
+            "bf16xf32" => (DType::BF16, DType::F32, &[DType::F32, DType::BF16]),
+            other => return Err(format!("--dtype must be f32, bf16 or bf16xf32, got `{other}`")),
         };
         let shapes: Vec<_> = args
             .shapes
@@ -151,14 +159,14 @@ mod probe {
             .collect::<Result<_, _>>()?;
         let device = Default::default();
         let client = <Runtime as cubecl::Runtime>::client(&device);
-        let dtype = if bf16 { DType::BF16 } else { DType::F32 };
         println!("| shape (batch x m x k x n) | operands | routine | set up | us/product | TFLOP/s | max abs diff from the first routine |");
         println!("|---|---|---|---|---|---|---|");
         for (seed, ([batch, m, k, n], ta, tb)) in shapes.into_iter().enumerate() {
             let dims = |rows: usize, cols: usize| if batch > 1 { vec![batch, rows, cols] } else { vec![rows, cols] };
-            let a = client.create_from_slice(&values(batch * m * k, 2 * seed as u64, bf16));
-            let b = client.create_from_slice(&values(batch * k * n, 2 * seed as u64 + 1, bf16));
-            let operand = |h: &cubecl::server::Handle, rows: usize, cols: usize, t: bool| {
+            let low = da != DType::F32;
+            let a = client.create_from_slice(&values(batch * m * k, 2 * seed as u64, da == DType::BF16, low));
+            let b = client.create_from_slice(&values(batch * k * n, 2 * seed as u64 + 1, db == DType::BF16, low));
+            let operand = |h: &cubecl::server::Handle, rows: usize, cols: usize, t: bool, dtype: DType| {
                 let stored = if t { dims(cols, rows) } else { dims(rows, cols) };
                 let r = stored.len();
                 let mut v = CubeTensor::<Runtime>::new_contiguous(client.clone(), device.clone(), Shape::from(stored), h.clone(), dtype);
@@ -175,22 +183,36 @@ mod probe {
                 if ta { " (a^T)" } else { "" },
                 if tb { " (b^T)" } else { "" }
             );
-            for (name, level) in &routines {
+            for ((name, level), stage) in routines.iter().flat_map(|r| {
+                // The exact routines stage in f32 whatever the operands.
+                let stagings: &[DType] = if r.0.ends_with("Unit") { &[DType::F32] } else { stages };
+                stagings.iter().map(move |&st| (r, st))
+            }) {
+                let name = match stages.len() > 1 && !name.ends_with("Unit") {
+                    true => format!("{name}, {} stage", if stage == DType::F32 { "f32" } else { "bf16" }),
+                    false => name.clone(),
+                };
                 let y = client.empty(batch * m * n * 4);
                 let out = CubeTensor::<Runtime>::new_contiguous(client.clone(), device.clone(), Shape::from(dims(m, n)), y.clone(), DType::F32);
                 let f32s = dtype_to_storage_type(DType::F32);
                 let mut dt = MatmulElems::from_globals(&MatmulGlobalElems { lhs: f32s, rhs: f32s, out: f32s });
-                let st = dtype_to_storage_type(dtype);
-                dt.lhs_global = st;
-                dt.rhs_global = st;
-                let tensor_cores = !name.ends_with("Unit");
-                if bf16 && tensor_cores {
+                dt.lhs_global = dtype_to_storage_type(da);
+                dt.rhs_global = dtype_to_storage_type(db);
+                if stage != DType::F32 {
+                    let st = dtype_to_storage_type(stage);
                     (dt.lhs_stage, dt.rhs_stage, dt.lhs_register, dt.rhs_register) = (st, st, st, st);
                 }
                 let strategy = Strategy::MultiLevel(level.clone());
                 let launch = |dt: &mut MatmulElems| {
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        cubek::matmul::launch::launch_ref(&strategy, &client, operand(&a, m, k, ta), operand(&b, k, n, tb), out.clone().binding(), dt)
+                        cubek::matmul::launch::launch_ref(
+                            &strategy,
+                            &client,
+                            operand(&a, m, k, ta, da),
+                            operand(&b, k, n, tb, db),
+                            out.clone().binding(),
+                            dt,
+                        )
                     }))
                     .map_err(|p| p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default())
                     .and_then(|r| r.map_err(|e| format!("{e:?}")))
