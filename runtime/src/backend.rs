@@ -236,8 +236,9 @@ pub trait Backend: burn_backend::Backend {
     /// which read flat gives other values. Every value a step computes on burn's ops passes
     /// here; identity on host backends, on a tensor already row-major, and on views burn's ops
     /// read by their strides (broadcast, permuted). The copy goes into the arena's memory, not
-    /// a new buffer: a captured plan may take no buffer its arena does not hold (on CUDA, a
-    /// buffer burn allocated in the capture window failed the capture, 2026-12-04).
+    /// a new buffer: a captured plan may take no buffer its arena does not hold (on an H200 on
+    /// 2026-12-04, with the copy in new buffers, captures of convolution and GPT plans failed
+    /// on an allocation inside the capture window: likely this copy's).
     fn float_unpitched(t: FloatTensor<Self>, _arena: &mut Arena) -> FloatTensor<Self> {
         t
     }
