@@ -158,15 +158,21 @@ pub enum Native {
     /// kernels over the batch on a device.
     BatchMatMul { batch: usize, m: usize, k: usize, n: usize, transpose_a: bool, transpose_b: bool, products: Products },
     /// A transpose written out row-major: input extents `dims`, output axis `i` is input axis
-    /// `perm[i]`. Host backends only (on burn's ops a transpose is a view, which the next op
-    /// that needs row-major data copies element by element).
+    /// `perm[i]`. The layout copies (this, `Slice`, `Pad`, `Broadcast`, `Concat`) run on the
+    /// host's row copies and on a device's strided-copy kernel ([`crate::cube::layout`]), whose
+    /// output is a buffer of the plan's arena (burn's ops made views, or new buffers, that
+    /// kept a window from being captured).
     Permute { dims: Vec<usize>, perm: Vec<usize> },
-    /// A slice written out row-major: input extents `dims`, `begin..end` on every axis. Host
-    /// backends only.
+    /// A slice written out row-major: input extents `dims`, `begin..end` on every axis.
     Slice { dims: Vec<usize>, begin: Vec<usize>, end: Vec<usize> },
     /// Zero padding written out row-major: input extents `dims`, `lo`/`hi` elements around each
-    /// axis. Host backends only.
+    /// axis.
     Pad { dims: Vec<usize>, lo: Vec<usize>, hi: Vec<usize> },
+    /// A broadcast written out row-major: input extents `dims` (aligned to the right of `out`'s,
+    /// each 1 or `out`'s) repeated to extents `out`.
+    Broadcast { dims: Vec<usize>, out: Vec<usize> },
+    /// A concatenation written out row-major: operand `k` of extents `dims[k]`, along `axis`.
+    Concat { dims: Vec<Vec<usize>>, axis: usize },
     /// Causal masking of `[..., t, s]` scores (see `Op::CausalMask`).
     CausalMask { t: usize, s: usize, fill: f64 },
     /// Multi-head self-attention over `qkv [b, t, 3 * heads * d]` (see `Op::Attention`), or
@@ -181,11 +187,11 @@ pub enum Native {
     /// A float `constant`: every element `value` (on host backends in the plan's arena, so a
     /// clear of the accumulators allocates nothing).
     Fill(f64),
-    /// `gather`: rows of a `[rows, width]` table picked by integer ids (an embedding). Host
-    /// backends only.
+    /// `gather`: rows of a `[rows, width]` table picked by integer ids (an embedding). On a
+    /// device where the ids are a plan input the session checks ([`crate::cube::layout`]).
     Gather { rows: usize, width: usize },
     /// `scatter_add`: rows of width `width` added into `rows` zero rows at their ids, in order
-    /// (an embedding's gradient). Host backends only.
+    /// (an embedding's gradient). On a device as `Gather`, within a scan's bound.
     ScatterAdd { rows: usize, width: usize },
     /// `dropout`: each row of `row` elements of item `items[i]` times its keyed factor (0 or
     /// `1 / (1 - p)`, [`dropout_factor`]), drawn in the kernel on devices too.
@@ -197,10 +203,16 @@ pub enum Native {
 }
 
 impl Native {
+    /// A permute, slice, pad, broadcast or concatenation: values moved, none computed.
+    pub fn is_layout_copy(&self) -> bool {
+        matches!(self, Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } | Native::Broadcast { .. } | Native::Concat { .. })
+    }
+
     /// How many of its leading operands the device's kernel for this op reads as they are
     /// stored, bf16 / f16 included (a session's low-precision storage,
     /// [`crate::Session::set_low_precision_storage`]); the others it reads as f32. The
-    /// elementwise kernel reads every operand so, cubek's matmuls, attention and convolutions
+    /// elementwise kernel and the layout copies read every operand so, a gather its table, a
+    /// scatter-add its rows, cubek's matmuls, attention and convolutions
     /// their two, the sums, the loss (its logits) and max pooling their first; an epilogue
     /// after a product or a sum every operand (its program runs on the elementwise kernel),
     /// one with its program inside a convolution's or a pooling gradient's kernel the head's
@@ -209,6 +221,10 @@ impl Native {
     pub fn stored_operands(&self) -> usize {
         match self {
             Native::Fused(_) => usize::MAX,
+            k if k.is_layout_copy() => usize::MAX,
+            // The table; the rows (operand 1, after the ids).
+            Native::Gather { .. } => 1,
+            Native::ScatterAdd { .. } => 2,
             Native::MatMul { .. } | Native::BatchMatMul { .. } | Native::Attention { .. } | Native::Conv { .. } | Native::MaxPoolGrad { .. } => 2,
             Native::SumRows { .. } | Native::SumPlanes { .. } | Native::SoftmaxCrossEntropy { .. } | Native::MaxPool { .. } => 1,
             Native::Epilogue { head, .. } => match **head {
@@ -556,6 +572,12 @@ pub fn bind(op: &Op, tys: &[&TensorType]) -> Option<Native> {
             Some(Native::MaxRows { cols: d(0)[r.axes[0]] })
         }
         Op::Slice { begin, end } if tys[0].dtype.is_float() => Some(Native::Slice { dims: d(0).to_vec(), begin: begin.clone(), end: end.clone() }),
+        Op::Broadcast { shape } if tys[0].dtype.is_float() && d(0) != &shape.0[..] => {
+            Some(Native::Broadcast { dims: d(0).to_vec(), out: shape.0.clone() })
+        }
+        Op::Concat { axis } if tys.iter().all(|t| t.dtype.is_float()) && !tys.is_empty() => {
+            Some(Native::Concat { dims: tys.iter().map(|t| t.dims().to_vec()).collect(), axis: *axis })
+        }
         Op::MatMul { transpose_a, transpose_b } => {
             let (a, b) = (d(0), d(1));
             let (m, k) = if *transpose_a { (a[1], a[0]) } else { (a[0], a[1]) };

@@ -37,16 +37,21 @@ pub(crate) fn counted() -> WithLossCell {
 /// `n` sequences of `T` tokens whose labels are padded after a random length in 1..=T (some
 /// rows all padding when `empty_rows`): micro-batches carry different numbers of tokens.
 pub(crate) fn sequences(rng: &mut StdRng, n: usize) -> Vec<HostTensor> {
+    sequences_of(rng, n, T)
+}
+
+/// [`sequences`] of `t` tokens.
+pub(crate) fn sequences_of(rng: &mut StdRng, n: usize, t: usize) -> Vec<HostTensor> {
     let mut ids = Vec::new();
     let mut labels = Vec::new();
     for _ in 0..n {
-        let len = rng.random_range(1..=T);
-        for j in 0..T {
+        let len = rng.random_range(1..=t);
+        for j in 0..t {
             ids.push(rng.random_range(0..VOCAB as i32));
             labels.push(if j < len { rng.random_range(0..VOCAB as i32) } else { IGNORE_INDEX });
         }
     }
-    vec![HostTensor::i32(vec![n, T], ids).unwrap(), HostTensor::i32(vec![n, T], labels).unwrap()]
+    vec![HostTensor::i32(vec![n, t], ids).unwrap(), HostTensor::i32(vec![n, t], labels).unwrap()]
 }
 
 fn tokens(batch: &[HostTensor]) -> usize {

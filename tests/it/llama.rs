@@ -192,9 +192,9 @@ fn finetune_trains_the_tiny_llama_and_saves_it_back() {
 
 /// `cellgraph finetune` on the tiny Llama on a device (lavapipe): the loss lines and held-out
 /// losses of the CPU's run within 1e-5, and `--graphs` the op-by-op run's saved model byte for
-/// byte, whatever its replay line says (a Llama window is not captured yet: its slices and
-/// concatenations run on burn's ops, whose buffers are not the plan's arena's; the line names
-/// that).
+/// byte with its window captured and replayed (its rotary slices and concatenations and its
+/// grouped-query broadcast on the device's strided copies, in the plan's arena: on burn's ops
+/// they kept the window from being captured).
 #[cfg(feature = "wgpu")]
 #[test]
 fn finetune_on_a_device_gives_the_cpus_losses() {
@@ -225,5 +225,11 @@ fn finetune_on_a_device_gives_the_cpus_losses() {
         assert!((c - d).abs() <= 1e-5 * c.abs(), "cpu {c} vs wgpu {d}\n{}\n{}", cpu.2, device.2);
     }
     assert!(device.1 == replayed.1, "--graphs changed the saved model:\n{}", replayed.2);
-    assert!(replayed.2.lines().any(|l| l.starts_with("graph replay: ")), "{}", replayed.2);
+    let line = replayed.2.lines().find(|l| l.starts_with("graph replay: ")).unwrap_or_else(|| panic!("{}", replayed.2));
+    // `{captured} captured, {replayed} replayed ({windows} of them whole windows, ...), {warm-ups}
+    // op by op while warming up, {uncaptured} op by op (not capturable)`.
+    let n: Vec<usize> = line.split(|c: char| !c.is_ascii_digit()).filter_map(|t| t.parse().ok()).collect();
+    let [captured, replays, _, _, uncaptured] = n[..] else { panic!("{line}") };
+    assert!(captured >= 1 && replays >= 1 && uncaptured == 0, "{}", replayed.2);
+    assert!(!replayed.2.contains("not captured:"), "{}", replayed.2);
 }

@@ -14,18 +14,39 @@
 //! `c` that is a multiple of 128 ([`crate::kernel::flash_attention_takes`]); where it does not set up (no tensor cores with f16
 //! fragments: lavapipe), the runtime's kernel runs the op, counted in
 //! [`super::tf32_fallbacks`] as matmuls and convolutions are.
+//!
+//! The accelerated routine loads the queries straight into its f16 fragments, with no stage
+//! to convert them in: it refuses bf16 or f32 queries ("Query global and tile types must be
+//! the same", on an H200, 2026-12-04). So `qkv` in another type is first copied into an f16
+//! buffer of the plan's arena (one launch; bf16 values are f16 values where f16's range holds
+//! them, and f32 values are rounded to f16 as the routine's fragments would round them), and
+//! the routine reads that. It is tried with 4, 2 and 1 planes per cube, the first that sets up
+//! kept for the shape; a shape none sets up for is not staged again.
 
 use std::cell::Cell;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use burn_backend::cubecl::dtype_to_storage_type;
+use burn_backend::DType;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubek::attention::forward::definition::{AccumulatorPrecision, AttentionGlobalTypes, AttentionOptions};
 use cubek::attention::forward::launch::{launch_ref, BlueprintStrategy, Strategy};
 use cubek::attention::forward::routines::blackbox_accelerated::BlackboxAcceleratedStrategy;
 
+use crate::arena::Arena;
+
 static RAN: AtomicU64 = AtomicU64::new(0);
+
+/// Planes per cube the accelerated routine is tried with, in order.
+const PLANES: [u8; 3] = [4, 2, 1];
+
+/// Per shape (`[b, t, heads, d]`, causal, the output's type), the planes the accelerated
+/// routine set up with, or `None` where it set up with none.
+type Shape = ([usize; 4], bool, String);
+static CHOSEN: Mutex<BTreeMap<Shape, Option<u8>>> = Mutex::new(BTreeMap::new());
 
 thread_local! {
     static UNIT: Cell<bool> = const { Cell::new(false) };
@@ -58,8 +79,9 @@ fn strided<R: CubeRuntime>(t: &CubeTensor<R>, offset: usize, shape: [usize; 4], 
 }
 
 /// The attention of `qkv [b, t, 3 * heads * d]` (contiguous) into `y [b, t, heads * d]`
-/// (contiguous) on cubek-attention: the accelerated routine, or the unit one (tests). Returns
-/// whether it ran (false: it did not set up, nothing was launched).
+/// (contiguous) on cubek-attention: the accelerated routine (`qkv` staged in f16 first unless
+/// it is f16), or the unit one (tests, reading `qkv` as it is). Returns whether it ran (false:
+/// it did not set up; at most the staging copy was launched, once per shape).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward<R: CubeRuntime>(
     qkv: &CubeTensor<R>,
@@ -70,6 +92,7 @@ pub(super) fn forward<R: CubeRuntime>(
     d: usize,
     causal: bool,
     unit: bool,
+    arena: &mut Arena,
 ) -> bool {
     if !crate::kernel::flash_attention_takes(heads, d) {
         return false;
@@ -78,6 +101,55 @@ pub(super) fn forward<R: CubeRuntime>(
         super::note_refusal("attention", format_args!("qkv strides {:?}, output strides {:?}: not contiguous", qkv.meta.strides(), y.meta.strides()));
         return false;
     }
+    if unit {
+        let ran = launch(qkv, y, [b, t, heads, d], causal, Strategy::Unit(BlueprintStrategy::Inferred(()))).is_ok();
+        if ran {
+            RAN.fetch_add(1, Ordering::Relaxed);
+        }
+        return ran;
+    }
+    let shape: Shape = ([b, t, heads, d], causal, format!("{:?}", y.dtype));
+    let chosen = CHOSEN.lock().unwrap_or_else(|e| e.into_inner()).get(&shape).copied();
+    let planes = match chosen {
+        Some(None) => return false,
+        Some(Some(p)) => vec![p],
+        None => PLANES.to_vec(),
+    };
+    let n = qkv.meta.num_elements();
+    let staged = (qkv.dtype != DType::F16).then(|| {
+        let s = super::output_of::<R>(arena, &qkv.client, &qkv.device, &[b, t, 3 * heads * d], DType::F16);
+        super::layout::convert::<R>(qkv, &s);
+        s
+    });
+    let src = staged.as_ref().unwrap_or(qkv);
+    let mut ran = None;
+    for p in planes {
+        let strategy = Strategy::BlackboxAccelerated(BlueprintStrategy::Inferred(BlackboxAcceleratedStrategy { num_planes: p, seq_q: 1, seq_kv: 1 }));
+        match launch(src, y, [b, t, heads, d], causal, strategy) {
+            Ok(()) => {
+                ran = Some(p);
+                break;
+            }
+            Err(e) => super::note_refusal(
+                "attention",
+                format_args!("{b} x {heads} heads x {t} x {d}, {:?} values staged as {:?}, {p} planes: {e}", qkv.dtype, src.dtype),
+            ),
+        }
+    }
+    CHOSEN.lock().unwrap_or_else(|e| e.into_inner()).insert(shape, ran);
+    if let Some(s) = staged {
+        // Later launches run after the routine's: the buffer may be written again.
+        arena.give_device(n, DType::F16.size(), s);
+    }
+    if ran.is_some() {
+        RAN.fetch_add(1, Ordering::Relaxed);
+    }
+    ran.is_some()
+}
+
+/// One launch of `strategy` over the queries, keys and values viewed in `qkv`, writing `y`.
+fn launch<R: CubeRuntime>(qkv: &CubeTensor<R>, y: &CubeTensor<R>, bthd: [usize; 4], causal: bool, strategy: Strategy) -> Result<(), String> {
+    let [b, t, heads, d] = bthd;
     let c = heads * d;
     let view = [b, heads, t, d];
     let read = [t * 3 * c, d, 3 * c, 1];
@@ -88,19 +160,5 @@ pub(super) fn forward<R: CubeRuntime>(
     let types = AttentionGlobalTypes { query: at, key: at, value: at, mask: AttentionGlobalTypes::mask_dtype(&client), out: ot };
     let options =
         AttentionOptions { causal, accumulator_precision: AccumulatorPrecision::Strict(cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::F32)) };
-    let strategy = if unit {
-        Strategy::Unit(BlueprintStrategy::Inferred(()))
-    } else {
-        Strategy::BlackboxAccelerated(BlueprintStrategy::Inferred(BlackboxAcceleratedStrategy { num_planes: 4, seq_q: 1, seq_kv: 1 }))
-    };
-    match launch_ref::<R>(strategy, &client, q.binding(), k.binding(), v.binding(), None, out.binding(), &types, options) {
-        Ok(()) => {
-            RAN.fetch_add(1, Ordering::Relaxed);
-            true
-        }
-        Err(e) => {
-            super::note_refusal("attention", format_args!("{b} x {heads} heads x {t} x {d}, {:?} values: {e:?}", qkv.dtype));
-            false
-        }
-    }
+    launch_ref::<R>(strategy, &client, q.binding(), k.binding(), v.binding(), None, out.binding(), &types, options).map_err(|e| format!("{e:?}"))
 }

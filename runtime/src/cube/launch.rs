@@ -229,7 +229,7 @@ pub(super) fn attention<R: CubeRuntime>(
         } else {
             // Tensor cores asked for: cubek's flash attention, where it sets up.
             let unit = flash::unit_routine_for_tests();
-            if !((tf32 || unit) && flash::forward(qkv, &y, b, t, heads, d, causal, unit)) {
+            if !((tf32 || unit) && flash::forward(qkv, &y, b, t, heads, d, causal, unit, arena)) {
                 if tf32 {
                     gemm::count_tf32_fallback();
                 }

@@ -21,6 +21,8 @@
 //!   unit per row and the scores never in memory (one launch forward, two backward).
 //! - [`pool`]: max pooling and its gradient on NCHW, without copies or a second forward.
 //! - [`sums`]: a bias gradient (or a split filter gradient's slices), one unit per column.
+//! - [`layout`]: permutes, slices, pads, broadcasts and concatenations written out into the
+//!   plan's arena by one strided-copy kernel.
 //!
 //! `device_kernel` matches the bound op; the launches that take more than a line to set up
 //! (an epilogue, the loss, attention, dropout, the causal mask, max pooling) are in `launch`.
@@ -37,6 +39,7 @@ pub mod flash;
 pub mod gemm;
 mod head;
 mod launch;
+pub mod layout;
 pub mod loss;
 pub mod pool;
 pub mod sums;
@@ -468,8 +471,27 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 Some("a mask wider than the causal-mask kernel indexes".into())
             }
             &Native::MaxRows { cols } if u32::try_from(cols).is_err() => Some("rows longer than the row-maximum kernel indexes".into()),
-            Native::Gather { .. } | Native::ScatterAdd { .. } | Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } => {
-                Some("no device kernel for it".into())
+            Native::Gather { .. } | Native::ScatterAdd { .. } if !ids_checked => {
+                Some("ids computed in the plan (the lowering reads and checks them)".into())
+            }
+            &Native::Gather { width, .. } if u32::try_from(width).is_err() => Some("rows wider than the gather kernel indexes".into()),
+            &Native::ScatterAdd { rows, width } => {
+                let ids = args.iter().find(|t| !t.dtype.is_float()).map_or(0, |t| t.numel());
+                if u32::try_from(width).is_err() {
+                    Some("rows wider than the scatter-add kernel indexes".into())
+                } else if !layout::scatter_fits(rows, ids) {
+                    Some(format!(
+                        "{rows} rows over {ids} ids: the scatter-add kernel reads every id for each row (at most {} ids x rows)",
+                        layout::SCATTER_SCAN
+                    ))
+                } else {
+                    None
+                }
+            }
+            Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } | Native::Broadcast { .. } | Native::Concat { .. }
+                if layout::walks(op).is_none() =>
+            {
+                Some(format!("a copy along more than {} axes, or past 32-bit indices", layout::MAX_AXES))
             }
             Native::SoftmaxCrossEntropy { .. } if !ids_checked => Some("class ids computed in the plan (the lowering reads and checks them)".into()),
             Native::SoftmaxCrossEntropy { c, reduction, .. } => {
@@ -587,8 +609,17 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                     arena,
                 )
             }
-            // burn's ops (an embedding's rows).
-            Native::Gather { .. } | Native::ScatterAdd { .. } => return None,
+            // An embedding's rows, the table read as stored, and their gradient (in f32).
+            Native::Gather { .. } | Native::ScatterAdd { .. } => {
+                let xs: Vec<_> = args.iter().map(|t| contiguous(t)).collect();
+                let store = if matches!(op, Native::Gather { .. }) { store } else { DType::F32 };
+                let y = output_of::<R>(arena, &client, &device, out.dims(), store);
+                if !layout::rows::<R>(op, &xs, &contiguous(ints.first()?), &y) {
+                    arena.give_device(numel, store.size(), y);
+                    return None;
+                }
+                y
+            }
             // cubek's exact kernels over the batch (burn's matmul would take TF32 tensor cores).
             Native::BatchMatMul { batch, m, k, n, transpose_a, transpose_b, .. } => {
                 let (a, b) = (contiguous(args[0]), contiguous(args[1]));
@@ -598,7 +629,16 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 }
                 y
             }
-            Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } => return None,
+            // Moved values: read as stored, written in the type the session stores the result in.
+            Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } | Native::Broadcast { .. } | Native::Concat { .. } => {
+                let xs: Vec<_> = args.iter().map(|t| contiguous(t)).collect();
+                let y = output_of::<R>(arena, &client, &device, out.dims(), store);
+                if !layout::copy::<R>(op, &xs, &y) {
+                    arena.give_device(numel, store.size(), y);
+                    return None;
+                }
+                y
+            }
             &Native::Attention { b, t, heads, d, causal, grad, .. } => {
                 let dy = if grad { Some(contiguous(args.get(1)?)) } else { None };
                 launch::attention::<R>(&contiguous(args[0]), dy.as_ref(), [b, t, heads, d], causal, out, tf32, arena)?

@@ -180,14 +180,15 @@ fn reads_low(st: &Step, exec: Exec, k: usize, tensor_cores: bool) -> bool {
         (Some(n @ Native::Epilogue { head, .. }), Exec::AccumulateInto(acc)) if k < acc => (n, &**head),
         _ => return false,
     };
-    let ids = !matches!(kernel, Native::SoftmaxCrossEntropy { .. }) || st.ids_checked;
+    let ids = !matches!(kernel, Native::SoftmaxCrossEntropy { .. } | Native::Gather { .. } | Native::ScatterAdd { .. }) || st.ids_checked;
     k < kernel.stored_operands() && ids && !(conv(head) && tensor_cores)
 }
 
 /// Whether the device's kernel for step `st` (run as `exec`) writes its result in bf16 / f16:
 /// the elementwise kernel, alone (a fused program) or after a product's or a sum's f32 result
 /// (its epilogue's program, which rounds it), a convolution's forward or a pooling gradient
-/// with its epilogue inside (or after it), and max pooling (which moves stored values).
+/// with its epilogue inside (or after it), max pooling, the layout copies and a gather (which
+/// move stored values).
 fn writes_low(st: &Step, exec: Exec) -> bool {
     let head = |n: &Native| {
         matches!(
@@ -201,6 +202,7 @@ fn writes_low(st: &Step, exec: Exec) -> bool {
         )
     };
     match (exec, &st.kernel) {
+        (Exec::Kernel, Some(k)) if k.is_layout_copy() || matches!(k, Native::Gather { .. }) => true,
         (Exec::Kernel, Some(Native::Fused(_) | Native::MaxPool { .. })) => true,
         (Exec::Kernel, Some(Native::Epilogue { head: h, .. })) => head(h),
         _ => false,

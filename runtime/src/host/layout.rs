@@ -1,5 +1,5 @@
-//! Copies that move values: permutes, slices and pads of row-major tensors, by whole rows where
-//! the last axis is kept, shared out by rows.
+//! Copies that move values: permutes, slices, pads, broadcasts and concatenations of row-major
+//! tensors, by whole rows where the last axis is kept, shared out by rows.
 
 use super::float::{row_shares, HostFloat};
 
@@ -110,15 +110,57 @@ pub fn pad<F: HostFloat>(x: &[F], dims: &[usize], lo: &[usize], hi: &[usize], y:
     });
 }
 
+/// `y` = the row-major `x` of extents `dims` (aligned to the right of `out`'s, each 1 or
+/// `out`'s) repeated to extents `out`, row-major: each output row is a row of `x`, or one of
+/// its values repeated.
+pub fn broadcast<F: HostFloat>(x: &[F], dims: &[usize], out: &[usize], y: &mut [F]) {
+    let r = out.len();
+    if r == 0 || y.is_empty() || x.is_empty() {
+        return y.fill(x.first().copied().unwrap_or(F::ZERO));
+    }
+    let mut padded = vec![1; r - dims.len()];
+    padded.extend_from_slice(dims);
+    let st: Vec<usize> = strides_of(&padded).iter().zip(padded.iter().zip(out)).map(|(&s, (&d, &o))| if d == 1 && o != 1 { 0 } else { s }).collect();
+    let (inner, step) = (out[r - 1], st[r - 1]);
+    row_shares(y, inner, |first, part| {
+        for (row, at) in part.chunks_exact_mut(inner).zip(row_offsets(&out[..r - 1], &st[..r - 1], 0).skip(first)) {
+            if step == 0 {
+                row.fill(x[at]);
+            } else {
+                row.copy_from_slice(&x[at..at + inner]);
+            }
+        }
+    });
+}
+
+/// `y` = the row-major operands `xs` (operand `k` of extents `dims[k]`) joined along `axis`,
+/// row-major: for each index over the axes before `axis`, each operand's block in turn.
+pub fn concat<F: HostFloat>(xs: &[&[F]], dims: &[Vec<usize>], axis: usize, y: &mut [F]) {
+    let blocks: Vec<usize> = dims.iter().map(|d| d[axis..].iter().product()).collect();
+    let row: usize = blocks.iter().sum();
+    if row == 0 {
+        return;
+    }
+    row_shares(y, row, |first, part| {
+        for (o, out) in part.chunks_exact_mut(row).enumerate() {
+            let mut at = 0;
+            for (x, &b) in xs.iter().zip(&blocks) {
+                out[at..at + b].copy_from_slice(&x[(first + o) * b..(first + o + 1) * b]);
+                at += b;
+            }
+        }
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::host::float::tests::{data, new};
     use crate::host::rows::{causal_mask, max_rows, sum_planes};
 
-    /// The copies (permute, slice, pad, causal mask) and the row maxima, cut into shares of
-    /// rows on one, two and three threads, against the same results written out element by
-    /// element; the maxima keep the sequential fold's NaN and zero.
+    /// The copies (permute, slice, pad, broadcast, concatenation, causal mask) and the row
+    /// maxima, cut into shares of rows on one, two and three threads, against the same results
+    /// written out element by element; the maxima keep the sequential fold's NaN and zero.
     #[test]
     fn row_kernels_on_several_threads_equal_the_elementwise_reference() {
         let dims = [4, 64, 6, 32];
@@ -159,6 +201,16 @@ mod tests {
                     }
                 }
             }
+        }
+        // A [64, 1, 32] operand broadcast to `dims`, and `x` joined with a [4, 64, 3, 32] one
+        // along axis 2.
+        let small = data(64 * 32, 5);
+        let want_broadcast: Vec<f32> = (0..n).map(|k| small[(k / (6 * 32) % 64) * 32 + k % 32]).collect();
+        let extra = data(4 * 64 * 3 * 32, 7);
+        let mut want_concat = Vec::new();
+        for ab in 0..4 * 64 {
+            want_concat.extend_from_slice(&x[ab * 6 * 32..(ab + 1) * 6 * 32]);
+            want_concat.extend_from_slice(&extra[ab * 3 * 32..(ab + 1) * 3 * 32]);
         }
         // Scores [4, 6, 64, 32]: 64 queries over 32 keys (the last 32 queries see all).
         let (t, s) = (64, 32);
@@ -202,6 +254,9 @@ mod tests {
                 assert_eq!(new(n, |y| permute(&x, &dims, &[0, 2, 1, 3], y)), want_perm, "permute on {threads}");
                 assert_eq!(new(want_slice.len(), |y| slice(&x, &dims, &begin, &end, y)), want_slice, "slice on {threads}");
                 assert_eq!(new(want_pad.len(), |y| pad(&x, &dims, &lo, &hi, y)), want_pad, "pad on {threads}");
+                assert_eq!(new(n, |y| broadcast(&small, &[64, 1, 32], &dims, y)), want_broadcast, "broadcast on {threads}");
+                let parts = [dims.to_vec(), vec![4, 64, 3, 32]];
+                assert_eq!(new(want_concat.len(), |y| concat(&[&x, &extra], &parts, 2, y)), want_concat, "concat on {threads}");
                 assert_eq!(new(n, |y| causal_mask(&x, t, s, -7.0, y)), want_mask, "causal mask on {threads}");
                 let got: Vec<u32> = new(m.len() / cols, |y| max_rows(&m, cols, y)).into_iter().map(f32::to_bits).collect();
                 assert_eq!(got, want_max, "row maxima on {threads}");

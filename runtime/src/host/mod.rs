@@ -483,7 +483,10 @@ fn run<F: Elem>(
         Native::SumRows { cols } => *cols == len && a[0].len().is_multiple_of(*cols),
         Native::SumPlanes { outer, inner, .. } => a[0].len() == outer * len * inner,
         Native::BatchMatMul { batch, m, k, n, .. } => len == batch * m * n && a[0].len() == batch * m * k && a[1].len() == batch * k * n,
-        Native::Permute { dims, .. } | Native::Slice { dims, .. } | Native::Pad { dims, .. } => a[0].len() == dims.iter().product::<usize>(),
+        Native::Permute { dims, .. } | Native::Slice { dims, .. } | Native::Pad { dims, .. } | Native::Broadcast { dims, .. } => {
+            a[0].len() == dims.iter().product::<usize>()
+        }
+        Native::Concat { dims, .. } => a.len() == dims.len() && a.iter().zip(dims).all(|(x, d)| x.len() == d.iter().product::<usize>()),
         Native::CausalMask { .. } => a[0].len() == len,
         Native::Attention { b, t, heads, d, grad, .. } => {
             let c = heads * d;
@@ -586,6 +589,8 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         Native::Permute { dims, perm } => layout::permute(a[0], dims, perm, y),
         Native::Slice { dims, begin, end } => layout::slice(a[0], dims, begin, end, y),
         Native::Pad { dims, lo, hi } => layout::pad(a[0], dims, lo, hi, y),
+        Native::Broadcast { dims, out } => layout::broadcast(a[0], dims, out, y),
+        Native::Concat { dims, axis } => layout::concat(a, dims, *axis, y),
         Native::CausalMask { t, s, fill } => rows::causal_mask(a[0], *t, *s, F::from_f64(*fill), y),
         Native::MaxRows { cols } => rows::max_rows(a[0], *cols, y),
         &Native::Attention { b, t, heads, d, causal, grad: false, kept: slot } => {
