@@ -26,8 +26,9 @@ struct Args {
     /// GPT's.
     #[arg(long)]
     shapes: Option<String>,
-    /// Routines by cubek's multi-level names (`SimpleUnit`, `DoubleCyclicMma`, ...),
-    /// comma-separated. Default: the exact ones and every tensor-core family.
+    /// Routines by cubek's multi-level names (`SimpleUnit`, `DoubleCyclicMma`, ...; the exact
+    /// ones with their smallest tile: `SimpleUnitMin`, `DoubleUnitMin`), comma-separated.
+    /// Default: the exact ones and every tensor-core family.
     #[arg(long)]
     routines: Option<String>,
     /// Timed launches per routine (after 3 untimed).
@@ -40,7 +41,7 @@ struct Args {
 const DEFAULT_SHAPES: &str = "256x784x512;256x512x512;256x512x10;256x10x512:tb;256x512x512:tb;784x256x512:ta;512x256x512:ta;512x256x10:ta;\
 8192x128x384;8192x128x512;8192x512x128;8192x128x65:tb;8192x384x128:tb;128x8192x384:ta;512x8192x128:ta;256x128x32x128:tb;256x128x128x32";
 
-const DEFAULT_ROUTINES: &str = "SimpleUnit,DoubleUnit,SimpleCyclicCmma,SimpleCyclicMma,DoubleCyclicCmma,DoubleCyclicMma,\
+const DEFAULT_ROUTINES: &str = "SimpleUnit,DoubleUnit,SimpleUnitMin,DoubleUnitMin,SimpleCyclicCmma,SimpleCyclicMma,DoubleCyclicCmma,DoubleCyclicMma,\
 SimpleStridedMma,DoubleHybridMma,OrderedDoubleCmma,OrderedDoubleMma,SimpleTmaCmma,SimpleTmaMma,DoubleTmaMma,SpecializedCyclicMma,SpecializedTmaMma";
 
 fn main() {
@@ -67,7 +68,10 @@ mod probe {
     use cellgraph::runtime::burn_backend::cubecl::dtype_to_storage_type;
     use cellgraph::runtime::burn_backend::{DType, Shape};
     use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
+    use cubek::matmul::multi_level::routines::batch::{double_unit::DoubleUnitSelectionArgs, simple_unit::SimpleUnitSelectionArgs};
+    use cubek::matmul::multi_level::routines::TileSizeSelection;
     use cubek::matmul::multi_level::Strategy as Level;
+    use cubek::matmul::routine::BlueprintStrategy;
     use cubek::matmul::strategy::Strategy;
 
     #[cfg(feature = "cuda")]
@@ -79,6 +83,10 @@ mod probe {
         Ok(match name {
             "SimpleUnit" => Level::SimpleUnit(Default::default()),
             "DoubleUnit" => Level::DoubleUnit(Default::default()),
+            // The exact kernels with their smallest tile (the defaults take the largest): small
+            // products (the MLP's, LeNet5's) fill more of the GPU with more, smaller tiles.
+            "SimpleUnitMin" => Level::SimpleUnit(BlueprintStrategy::Inferred(SimpleUnitSelectionArgs { tile_size: TileSizeSelection::MinTileSize })),
+            "DoubleUnitMin" => Level::DoubleUnit(BlueprintStrategy::Inferred(DoubleUnitSelectionArgs { tile_size: TileSizeSelection::MinTileSize })),
             "SimpleCyclicCmma" => Level::SimpleCyclicCmma(Default::default()),
             "SimpleCyclicMma" => Level::SimpleCyclicMma(Default::default()),
             "DoubleCyclicCmma" => Level::DoubleCyclicCmma(Default::default()),

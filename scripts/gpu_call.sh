@@ -11,9 +11,9 @@
 #    replayed and each window replayed, alternating (scripts/gpu_check.sh with GRAPHS=1).
 #    CASES, UPDATES and WARMUP as there;
 # 4. bf16 (BF16_CASES, default the GPT 64 x 4 and ResNet-18 32 x 4): bf16 compute with its
-#    values stored in bf16 and its matmuls and convolutions on tensor cores, the same on f32
-#    storage (--f32-storage), the emulation (--f32-products --f32-storage), and PyTorch's
-#    autocast (bf16, TF32 on), alternating.
+#    values stored in bf16 and its matmuls and convolutions on tensor cores, op by op and with
+#    its window replayed, the same on f32 storage (--f32-storage), the emulation
+#    (--f32-products --f32-storage), and PyTorch's autocast (bf16, TF32 on), alternating.
 # Logs go to $OUT (the device tool brings them back).
 # BUDGET (seconds, default 520) bounds the call, under the device tool's 600 s per command:
 # benchmark commands that would start after it are skipped, named, and the parts run in order
@@ -46,7 +46,7 @@ done
 if [ -x $G/matmul_probe ] && ! late "matmul probe"; then
     echo "## cubek's matmul routines at the nets' products, beside torch.matmul"
     for d in f32 bf16; do
-        timeout 40 $G/matmul_probe --dtype $d --routines SimpleUnit,DoubleUnit,DoubleCyclicMma,SimpleCyclicMma,SimpleCyclicCmma 2>&1 | tee -a "$OUT/probe.log" | cut -c1-260
+        timeout 40 $G/matmul_probe --dtype $d --routines SimpleUnit,DoubleUnit,SimpleUnitMin,DoubleUnitMin,DoubleCyclicMma,SimpleCyclicMma,SimpleCyclicCmma 2>&1 | tee -a "$OUT/probe.log" | cut -c1-260
     done
     # The GPT's tied head in a bf16 plan: a bf16 operand and an f32 one holding bf16 values,
     # staged in f32 (the runtime's choice, refused on the H200 on 2026-12-04) and in bf16.
@@ -62,7 +62,9 @@ IFS=';' read -ra bf16_cases <<<"${BF16_CASES:-gpt 64 4;resnet18 32 4}"
 for cfg in "${bf16_cases[@]}"; do
     set -- $cfg
     for pass in 1 2; do
-        for products in "" --f32-storage "--f32-products --f32-storage"; do
+        # Op by op, the window replayed (issue 43's second bar: >= 1.0x autocast with CUDA
+        # graphs), then the f32-storage and f32-products references.
+        for products in "" "--graphs --in-step" --f32-storage "--f32-products --f32-storage"; do
             late "bf16 $cfg $products" && continue
             timeout 90 $G/device_bench --device cuda:0 --net "$1" --micro-batch "$2" --micro-size "$3" --updates "${UPDATES:-20}" \
                 --warmup "${WARMUP:-3}" --precision bf16 $products 2>&1 | tee -a "$OUT/bf16.log" | grep -E "^\| |bf16 products|storage|tensor-core|flash|rror"

@@ -268,7 +268,6 @@ pub struct EvalArgs {
     place: Place,
 }
 
-/// A clap value parser: a whole number >= 1.
 /// What graph replay did in `session` (whether it did what `--graphs` asked, and why not
 /// where it did not): `None` when graphs are off.
 pub fn replay_report<B: Backend>(session: &Session<B>) -> Option<String> {
@@ -286,6 +285,7 @@ pub fn replay_report<B: Backend>(session: &Session<B>) -> Option<String> {
     Some(out)
 }
 
+/// A clap value parser: a whole number >= 1.
 pub fn at_least_one(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(0) => Err("must be at least 1".into()),
