@@ -176,8 +176,9 @@ fn inspect_plan_lists_each_steps_kernel() {
 }
 
 /// `inspect plan --device wgpu` binds the plan as a wgpu session does: the GPT's micro-step
-/// lists the embedding's `gather` as declined by the device's kernels, with the reason, and
-/// LeNet5's binds every step.
+/// lists its `zeros_like` as declined by the device's kernels, with the reason, and not the
+/// embedding's `gather` (the device's kernel, its ids a plan input), and LeNet5's binds every
+/// step.
 #[cfg(feature = "wgpu")]
 #[test]
 fn inspect_plan_on_wgpu_names_what_the_device_declines() {
@@ -201,7 +202,8 @@ fn inspect_plan_on_wgpu_names_what_the_device_declines() {
         .max()
         .expect("a micro-step dump");
     let (ok, out) = inspect(&["plan", file.to_str().unwrap(), "--device", "wgpu", "--unbound"]);
-    assert!(ok && out.lines().any(|l| l.contains(" gather ") && l.contains("the device's kernels decline it: no device kernel")), "{out}");
+    assert!(ok && out.lines().any(|l| l.contains(" zeros_like ") && l.contains("the device's kernels decline it: a fill")), "{out}");
+    assert!(!out.lines().any(|l| l.contains(" gather ") || l.contains(" scatter_add ")), "{out}");
 }
 
 /// Under clipping by global norm on the CPU the `clip` graph runs before the one-pass
