@@ -181,6 +181,20 @@ fn host_and_wgpu(exe: &cellgraph::runtime::Executable, inputs: &[HostTensor], wh
     (host, dev, reads)
 }
 
+/// With graphs on, the plan is captured at its second run on wgpu and replayed at its third,
+/// each run giving the bits `want`.
+#[cfg(feature = "wgpu")]
+fn captured_and_replayed(exe: &cellgraph::runtime::Executable, inputs: &[HostTensor], want: &[u32], what: &str) {
+    let mut s = Session::<cellgraph::runtime::cube::Wgpu>::new(cellgraph::runtime::cube::WgpuDevice::DefaultDevice);
+    s.set_graphs(true).unwrap();
+    for run in 0..3 {
+        let out: Vec<u32> = s.run_replayed(exe, inputs).unwrap()[0].to_host().to_f32().iter().map(|x| x.to_bits()).collect();
+        assert_eq!(out, want, "{what}, run {run} with graphs on");
+    }
+    let r = s.replay_counts();
+    assert_eq!((r.captures, r.replays), (1, 1), "{what}: {r:?} {:?}", s.replay_blockers());
+}
+
 /// Dropout on the device draws its factors in the kernel from the host's hash: over 128 rows
 /// of 48 (items near the top of `i32`; p = 0.3, and p = 0.5 with a seed past `i64`) it gives
 /// the host kernel's bits (and so do the device's causal mask and row maxima),
@@ -189,7 +203,6 @@ fn host_and_wgpu(exe: &cellgraph::runtime::Executable, inputs: &[HostTensor], wh
 #[cfg(feature = "wgpu")]
 #[test]
 fn dropout_and_causal_masks_on_wgpu_give_the_hosts_bits() {
-    use cellgraph::runtime::cube::{Wgpu, WgpuDevice};
     let mut rng = StdRng::seed_from_u64(4);
     let x = HostTensor::f32(vec![128, 48], (0..128 * 48).map(|_| rng.random_range(-1.0..1.0)).collect()).unwrap();
     let items = HostTensor::new(vec![128], HostData::I64((0..128).map(|i| 2_000_000_000 + 7 * i).collect())).unwrap();
@@ -203,15 +216,7 @@ fn dropout_and_causal_masks_on_wgpu_give_the_hosts_bits() {
         assert_eq!(dev, host, "p {p}: the device's factors differ from the host's");
         let dropped = host.iter().filter(|v| f32::from_bits(**v) == 0.0).count() as f64 / host.len() as f64;
         assert!((dropped - p).abs() < 0.03, "p {p}: dropped {dropped}");
-        // Captured at its second run, replayed at the third: the same bits.
-        let mut s = Session::<Wgpu>::new(WgpuDevice::DefaultDevice);
-        s.set_graphs(true).unwrap();
-        for run in 0..3 {
-            let out: Vec<u32> = s.run_replayed(&exe, &inputs).unwrap()[0].to_host().to_f32().iter().map(|x| x.to_bits()).collect();
-            assert_eq!(out, host, "p {p}, run {run} with graphs on");
-        }
-        let r = s.replay_counts();
-        assert_eq!((r.captures, r.replays), (1, 1), "p {p}: {r:?} {:?}", s.replay_blockers());
+        captured_and_replayed(&exe, &inputs, &host, &format!("dropout {p}"));
     }
     // Causal masking, made on the device too: queries 5 over keys 7 (the last 5 keys align
     // with the queries), filled with -inf.
@@ -240,7 +245,6 @@ fn dropout_and_causal_masks_on_wgpu_give_the_hosts_bits() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn layout_copies_on_wgpu_give_the_hosts_bits_and_are_captured() {
-    use cellgraph::runtime::cube::{Wgpu, WgpuDevice};
     let mut rng = StdRng::seed_from_u64(6);
     let mut t = |dims: Vec<usize>| {
         let n = dims.iter().product();
@@ -268,14 +272,7 @@ fn layout_copies_on_wgpu_give_the_hosts_bits_and_are_captured() {
         burn.set_native_kernels(false);
         let want: Vec<u32> = burn.run(&exe, &inputs).unwrap()[0].to_f32().iter().map(|v| v.to_bits()).collect();
         assert_eq!(host, want, "{what}: the host's copy differs from burn's ops");
-        let mut s = Session::<Wgpu>::new(WgpuDevice::DefaultDevice);
-        s.set_graphs(true).unwrap();
-        for run in 0..3 {
-            let out: Vec<u32> = s.run_replayed(&exe, &inputs).unwrap()[0].to_host().to_f32().iter().map(|x| x.to_bits()).collect();
-            assert_eq!(out, host, "{what}, run {run} with graphs on");
-        }
-        let r = s.replay_counts();
-        assert_eq!((r.captures, r.replays), (1, 1), "{what}: {r:?} {:?}", s.replay_blockers());
+        captured_and_replayed(&exe, &inputs, &host, what);
     }
 }
 
