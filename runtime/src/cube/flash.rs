@@ -116,6 +116,11 @@ pub(super) fn forward<R: CubeRuntime>(
         None => PLANES.to_vec(),
     };
     let n = qkv.meta.num_elements();
+    if qkv.dtype != DType::F16 && !qkv.client.properties().supports_type(dtype_to_storage_type(DType::F16)) {
+        super::note_refusal("attention", "the device has no f16 type to stage the queries in");
+        CHOSEN.lock().unwrap_or_else(|e| e.into_inner()).insert(shape, None);
+        return false;
+    }
     let staged = (qkv.dtype != DType::F16).then(|| {
         let s = super::output_of::<R>(arena, &qkv.client, &qkv.device, &[b, t, 3 * heads * d], DType::F16);
         super::layout::convert::<R>(qkv, &s);
