@@ -208,6 +208,12 @@ impl Native {
         matches!(self, Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } | Native::Broadcast { .. } | Native::Concat { .. })
     }
 
+    /// A kernel that indexes by integer ids (a loss's class ids, a gather's or scatter-add's
+    /// rows): a device runs it only where the session checked the ids on the host.
+    pub fn indexes_by_ids(&self) -> bool {
+        matches!(self, Native::SoftmaxCrossEntropy { .. } | Native::Gather { .. } | Native::ScatterAdd { .. })
+    }
+
     /// How many of its leading operands the device's kernel for this op reads as they are
     /// stored, bf16 / f16 included (a session's low-precision storage,
     /// [`crate::Session::set_low_precision_storage`]); the others it reads as f32. The

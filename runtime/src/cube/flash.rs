@@ -115,7 +115,6 @@ pub(super) fn forward<R: CubeRuntime>(
         Some(Some(p)) => vec![p],
         None => PLANES.to_vec(),
     };
-    let n = qkv.meta.num_elements();
     if qkv.dtype != DType::F16 && !qkv.client.properties().supports_type(dtype_to_storage_type(DType::F16)) {
         super::note_refusal("attention", "the device has no f16 type to stage the queries in");
         CHOSEN.lock().unwrap_or_else(|e| e.into_inner()).insert(shape, None);
@@ -144,7 +143,7 @@ pub(super) fn forward<R: CubeRuntime>(
     CHOSEN.lock().unwrap_or_else(|e| e.into_inner()).insert(shape, ran);
     if let Some(s) = staged {
         // Later launches run after the routine's: the buffer may be written again.
-        arena.give_device(n, DType::F16.size(), s);
+        arena.give_device(qkv.meta.num_elements(), DType::F16.size(), s);
     }
     if ran.is_some() {
         RAN.fetch_add(1, Ordering::Relaxed);

@@ -20,6 +20,7 @@ use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
 
 use super::{arr, grid};
+use crate::host::layout::{broadcast_strides, strides_of};
 use crate::kernel::Native;
 
 /// Output axes a walk spans (axes of extent 1 left out); more are declined.
@@ -64,15 +65,6 @@ impl Walk {
     }
 }
 
-/// Row-major strides of extents `dims`.
-fn strides_of(dims: &[usize]) -> Vec<usize> {
-    let mut st = vec![1; dims.len()];
-    for i in (0..dims.len().saturating_sub(1)).rev() {
-        st[i] = st[i + 1] * dims[i + 1];
-    }
-    st
-}
-
 /// The walks of a layout copy, one per operand (a concatenation's several); `None` for other
 /// kernels and for copies past the kernel's indexing (see [`Walk::new`]).
 pub fn walks(op: &Native) -> Option<Vec<Walk>> {
@@ -96,12 +88,8 @@ pub fn walks(op: &Native) -> Option<Vec<Walk>> {
             let spans: Vec<_> = (0..dims.len()).map(|a| (lo[a], dims[a], st[a])).collect();
             vec![Walk::new(&out, &spans, 0, false)?]
         }
-        Native::Broadcast { dims, out } => {
-            let mut padded = vec![1; out.len().checked_sub(dims.len())?];
-            padded.extend_from_slice(dims);
-            let st = strides_of(&padded);
-            let st: Vec<usize> = (0..out.len()).map(|a| if padded[a] == 1 { 0 } else { st[a] }).collect();
-            vec![Walk::new(out, &whole(&st, out), 0, false)?]
+        Native::Broadcast { dims, out } if dims.len() <= out.len() => {
+            vec![Walk::new(out, &whole(&broadcast_strides(dims, out), out), 0, false)?]
         }
         Native::Concat { dims, axis } => {
             let mut out = dims.first()?.clone();

@@ -609,12 +609,23 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                     arena,
                 )
             }
-            // An embedding's rows, the table read as stored, and their gradient (in f32).
-            Native::Gather { .. } | Native::ScatterAdd { .. } => {
+            // Moved values, read as stored and written in the type the session stores the
+            // result in: the layout copies and an embedding's rows; and the rows' gradient (f32).
+            Native::Gather { .. }
+            | Native::ScatterAdd { .. }
+            | Native::Permute { .. }
+            | Native::Slice { .. }
+            | Native::Pad { .. }
+            | Native::Broadcast { .. }
+            | Native::Concat { .. } => {
                 let xs: Vec<_> = args.iter().map(|t| contiguous(t)).collect();
-                let store = if matches!(op, Native::Gather { .. }) { store } else { DType::F32 };
+                let store = if matches!(op, Native::ScatterAdd { .. }) { DType::F32 } else { store };
                 let y = output_of::<R>(arena, &client, &device, out.dims(), store);
-                if !layout::rows::<R>(op, &xs, &contiguous(ints.first()?), &y) {
+                let ran = match ints.first() {
+                    Some(ids) => layout::rows::<R>(op, &xs, &contiguous(ids), &y),
+                    None => layout::copy::<R>(op, &xs, &y),
+                };
+                if !ran {
                     arena.give_device(numel, store.size(), y);
                     return None;
                 }
@@ -625,16 +636,6 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 let (a, b) = (contiguous(args[0]), contiguous(args[1]));
                 let y = output::<R>(arena, &client, &device, out.dims());
                 if !cubek_matmul(&a, &b, &y, *batch, [*m, *k, *n], *transpose_a, *transpose_b, Tiling::for_extents(*m, *k, *n), tf32) {
-                    return None;
-                }
-                y
-            }
-            // Moved values: read as stored, written in the type the session stores the result in.
-            Native::Permute { .. } | Native::Slice { .. } | Native::Pad { .. } | Native::Broadcast { .. } | Native::Concat { .. } => {
-                let xs: Vec<_> = args.iter().map(|t| contiguous(t)).collect();
-                let y = output_of::<R>(arena, &client, &device, out.dims(), store);
-                if !layout::copy::<R>(op, &xs, &y) {
-                    arena.give_device(numel, store.size(), y);
                     return None;
                 }
                 y

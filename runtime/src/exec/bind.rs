@@ -180,8 +180,7 @@ fn reads_low(st: &Step, exec: Exec, k: usize, tensor_cores: bool) -> bool {
         (Some(n @ Native::Epilogue { head, .. }), Exec::AccumulateInto(acc)) if k < acc => (n, &**head),
         _ => return false,
     };
-    let ids = !matches!(kernel, Native::SoftmaxCrossEntropy { .. } | Native::Gather { .. } | Native::ScatterAdd { .. }) || st.ids_checked;
-    k < kernel.stored_operands() && ids && !(conv(head) && tensor_cores)
+    k < kernel.stored_operands() && (!kernel.indexes_by_ids() || st.ids_checked) && !(conv(head) && tensor_cores)
 }
 
 /// Whether the device's kernel for step `st` (run as `exec`) writes its result in bf16 / f16:

@@ -141,7 +141,7 @@ fn run_bound<B: Backend>(
     let tys: Vec<&TensorType> = args.iter().map(|(_, t)| *t).collect();
     if B::HOST {
         crate::host::run_host::<B>(k, &floats, &ints, &tys, out, (cx.device, cx.settings.float_dtype, cx.bf16), kept, arena)
-    } else if matches!(k, Native::SoftmaxCrossEntropy { .. } | Native::Gather { .. } | Native::ScatterAdd { .. }) && !cx.ids_checked {
+    } else if k.indexes_by_ids() && !cx.ids_checked {
         // Class ids or rows computed in the plan: the lowering reads and checks them.
         None
     } else {

@@ -3,13 +3,21 @@
 
 use super::float::{row_shares, HostFloat};
 
-/// Row-major strides of extents `dims`.
-fn strides_of(dims: &[usize]) -> Vec<usize> {
+/// Row-major strides of extents `dims` (also the device's copies', `crate::cube::layout`).
+pub(crate) fn strides_of(dims: &[usize]) -> Vec<usize> {
     let mut st = vec![1; dims.len()];
     for i in (0..dims.len().saturating_sub(1)).rev() {
         st[i] = st[i + 1] * dims[i + 1];
     }
     st
+}
+
+/// The steps, along each axis of `out`, through a row-major operand of extents `dims` aligned
+/// to the right of `out`'s and broadcast to them: 0 on a new or repeated axis.
+pub(crate) fn broadcast_strides(dims: &[usize], out: &[usize]) -> Vec<usize> {
+    let mut padded = vec![1; out.len() - dims.len()];
+    padded.extend_from_slice(dims);
+    strides_of(&padded).iter().zip(&padded).map(|(&s, &d)| if d == 1 { 0 } else { s }).collect()
 }
 
 /// The offsets of the rows of a walk over extents `ext` in row-major order (an odometer), in
@@ -118,9 +126,7 @@ pub fn broadcast<F: HostFloat>(x: &[F], dims: &[usize], out: &[usize], y: &mut [
     if r == 0 || y.is_empty() || x.is_empty() {
         return y.fill(x.first().copied().unwrap_or(F::ZERO));
     }
-    let mut padded = vec![1; r - dims.len()];
-    padded.extend_from_slice(dims);
-    let st: Vec<usize> = strides_of(&padded).iter().zip(padded.iter().zip(out)).map(|(&s, (&d, &o))| if d == 1 && o != 1 { 0 } else { s }).collect();
+    let st = broadcast_strides(dims, out);
     let (inner, step) = (out[r - 1], st[r - 1]);
     row_shares(y, inner, |first, part| {
         for (row, at) in part.chunks_exact_mut(inner).zip(row_offsets(&out[..r - 1], &st[..r - 1], 0).skip(first)) {
