@@ -19,6 +19,7 @@ pub mod program;
 mod reads;
 pub mod rows;
 mod toeplitz;
+mod unfold;
 
 use std::collections::BTreeMap;
 
