@@ -85,6 +85,15 @@ pub trait Backend: burn_backend::Backend {
         false
     }
 
+    /// The sum of every element of `x`, as a one-element tensor, added in an order that its
+    /// length alone fixes: the same bits on every run (a loss's total, the squared gradients
+    /// whose root clipping compares with its norm). burn's `float_sum` on a device adds its
+    /// cubes' parts with atomics in the order the device happens to run them: under load the
+    /// clipping scale's last bit, and so the trained weights', changed from run to run.
+    fn sum_in_order(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_sum(x)
+    }
+
     /// One kernel over flat buffers: the optimizer update `prog` of every parameter from
     /// `acc * scale`, then `acc = 0`; `scalars` holds the rule's scalar inputs. Returns the
     /// kernels launched, or `None` when the backend has no such kernel.

@@ -479,8 +479,8 @@ pub fn eval<B: Backend>(cx: &Ctx<B>, op: &Op, mut args: Vec<(Value<B>, &TensorTy
             let per_item = B::float_neg(B::float_reshape(picked, bshape(&[n])));
             Value::Float(match reduction {
                 Reduction::None => per_item,
-                Reduction::Sum => B::float_sum(per_item),
-                Reduction::Mean => B::float_mul_scalar(B::float_sum(per_item), Scalar::Float(1.0 / n as f64)),
+                Reduction::Sum => B::sum_in_order(per_item),
+                Reduction::Mean => B::float_mul_scalar(B::sum_in_order(per_item), Scalar::Float(1.0 / n as f64)),
             })
         }
         Op::SoftmaxCrossEntropyGrad { sparse, reduction } => {

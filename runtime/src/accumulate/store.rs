@@ -329,7 +329,7 @@ impl<B: Backend> Store<B> {
         let [params, accu, state @ ..] = &f.buffers[..] else { unreachable!("flat buffers hold parameters and accumulators") };
         let mut scale = scale;
         if clip.is_some() {
-            let sq = B::float_sum(B::float_mul(accu.clone(), accu.clone()));
+            let sq = B::sum_in_order(B::float_mul(accu.clone(), accu.clone()));
             scale = super::window::clipped(scale, Value::<B>::Float(sq).to_host().scalar(), clip);
         }
         let scalars: Vec<f32> = scalars.iter().map(|&v| v as f32).collect();

@@ -717,6 +717,10 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         }
     }
 
+    fn sum_in_order(x: CubeTensor<R>) -> CubeTensor<R> {
+        sums::sum_in_order::<R>(x)
+    }
+
     fn fused_update(prog: &Program, p: &CubeTensor<R>, acc: &CubeTensor<R>, state: &[CubeTensor<R>], scale: f32, scalars: &[f32]) -> Option<usize> {
         let f32s = [p, acc].into_iter().chain(state).all(|t| t.dtype == DType::F32);
         f32s.then(|| launch_update::<R>(prog, p, acc, state, scale, scalars))

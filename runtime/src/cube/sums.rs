@@ -3,7 +3,7 @@
 
 use burn_backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::CubeRuntime;
+use burn_cubecl::{CubeBackend, CubeRuntime};
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
@@ -243,6 +243,33 @@ pub(super) fn sums_of_planes<R: CubeRuntime>(
     plane_sums_fit(outer, kept, inner).then(|| plane_sums::<R>(x, y, outer, inner, scale, accumulate))
 }
 
+/// Parts of [`sum_in_order`]'s first launch: at most this many, a power of two.
+const ORDER_PARTS: usize = 1024;
+
+/// The sum of every element of `x` (a one-element tensor of its type) in an order its length
+/// `n` alone fixes: two launches of [`sum_planes`], the first summing `parts` (the largest
+/// power of two dividing `n`, at most [`ORDER_PARTS`]) consecutive runs of `n / parts`
+/// elements, the second those parts in order; each a cube whose unit `u` adds elements `u, u +
+/// 256, ...` onto zero, then a tree sum in shared memory. No atomics: the same bits on every
+/// run (burn's `float_sum` adds its cubes' parts with atomics where the device has them). Other
+/// than f32, or past 32-bit extents: burn's reductions along one axis, in a fixed order too.
+pub(super) fn sum_in_order<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
+    use burn_backend::ops::FloatTensorOps;
+    let n = x.meta.num_elements();
+    let parts = 1usize << n.trailing_zeros().min(ORDER_PARTS.trailing_zeros());
+    let x = burn_cubecl::kernel::into_contiguous(x);
+    if n == 0 || x.dtype != burn_backend::DType::F32 || !plane_sums_fit(1, parts, n / parts) {
+        let flat = CubeBackend::<R>::float_reshape(x, burn_backend::Shape::from(vec![n]));
+        return CubeBackend::<R>::float_sum_dim(flat, 0);
+    }
+    let (client, device) = (x.client.clone(), x.device.clone());
+    let part = empty::<R>(&client, &device, &[parts]);
+    plane_sums::<R>(&x, &part, 1, n / parts, None, false);
+    let y = empty::<R>(&client, &device, &[1]);
+    plane_sums::<R>(&part, &y, 1, parts, None, false);
+    y
+}
+
 /// The maximum of each row of the row-major `[rows, cols]` `x` (f32), a unit per row folding
 /// it in order as the host's `rows::max_rows` does (`b` replaces `a` when greater or NaN: a NaN
 /// in a row makes it NaN, the last one's bits), so the bits are the host's. NaN is found on
@@ -261,5 +288,45 @@ pub fn max_rows<F: Float>(x: &[F], y: &mut [F], #[comptime] cols: u32) {
             }
         }
         y[r] = a;
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use super::*;
+    use crate::backend::{Backend, HostVec};
+    use crate::cube::Wgpu;
+    use crate::value::Value;
+
+    /// [`sum_planes`] of one part on the host: unit `u` adds elements `u, u + 256, ...` onto
+    /// zero, then the halving tree over the units' values.
+    fn plane_sum(x: &[f32]) -> f32 {
+        let units = PLANE_UNITS as usize;
+        let mut shared: Vec<f32> = (0..units).map(|u| x.iter().skip(u).step_by(units).fold(0.0, |a, &v| a + v)).collect();
+        let mut half = units / 2;
+        while half > 0 {
+            for u in 0..half {
+                shared[u] += shared[u + half];
+            }
+            half /= 2;
+        }
+        shared[0]
+    }
+
+    /// The sum of every element on the device is [`sum_in_order`]'s order, bit for bit, on
+    /// lengths that split into 1, 64 and 1,024 parts (a run of atomic adds in the device's
+    /// scheduling order would differ in the last bit now and then: issue 42's CI flake).
+    #[test]
+    fn a_sum_in_order_gives_the_bits_of_its_order() {
+        let device = Default::default();
+        for n in [1usize, 63, 64 * 37, 3 * 65_536 + 64, 1 << 20] {
+            let x: Vec<f32> = (0..n).map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 1e-3 / (1.0 + (i % 17) as f32)).collect();
+            let parts = 1usize << n.trailing_zeros().min(ORDER_PARTS.trailing_zeros());
+            let part: Vec<f32> = x.chunks(n / parts).map(plane_sum).collect();
+            let want = plane_sum(&part);
+            let t = <Wgpu as Backend>::from_host_vec(HostVec::F32(x), &[n], &device);
+            let got = Value::<Wgpu>::Float(sum_in_order(t)).to_host().scalar() as f32;
+            assert_eq!(got.to_bits(), want.to_bits(), "n {n}: device {got}, host emulation {want}");
+        }
     }
 }
