@@ -250,12 +250,12 @@ pub(super) fn sums_of_planes<R: CubeRuntime>(
 /// Parts of [`sum_in_order`]'s first launch: at most this many.
 const ORDER_PARTS: usize = 1024;
 
-/// The parts of [`sum_in_order`] over `n > 0` elements: `(parts, m)`, `parts` consecutive runs
-/// of `m` elements (at most [`ORDER_PARTS`] runs, the last one shorter when `m` does not divide
-/// `n`).
-fn order_parts(n: usize) -> (usize, usize) {
+/// The parts of [`sum_in_order`] over `n` elements: `(parts, m)`, `parts` consecutive runs of
+/// `m` elements (at most [`ORDER_PARTS`] runs, the last one shorter when `m` does not divide
+/// `n`); `None` for no elements.
+fn order_parts(n: usize) -> Option<(usize, usize)> {
     let m = n.div_ceil(ORDER_PARTS);
-    (n.div_ceil(m), m)
+    (n > 0).then(|| (n.div_ceil(m), m))
 }
 
 /// The sum of every element of `x` (a one-element tensor of its type) in an order its length
@@ -268,11 +268,11 @@ pub(super) fn sum_in_order<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
     use burn_backend::ops::FloatTensorOps;
     let n = x.meta.num_elements();
     let x = burn_cubecl::kernel::into_contiguous(x);
-    let (parts, m) = if n == 0 { (0, 0) } else { order_parts(n) };
-    if n == 0 || x.dtype != burn_backend::DType::F32 || !plane_sums_fit(1, parts, m) {
+    let parts = order_parts(n).filter(|&(parts, m)| x.dtype == burn_backend::DType::F32 && plane_sums_fit(1, parts, m));
+    let Some((parts, m)) = parts else {
         let flat = CubeBackend::<R>::float_reshape(x, burn_backend::Shape::from(vec![n]));
         return CubeBackend::<R>::float_sum_dim(flat, 0);
-    }
+    };
     let (client, device) = (x.client.clone(), x.device.clone());
     let part = empty::<R>(&client, &device, &[parts]);
     plane_sums::<R>(&x, &part, 1, m, None, false);
@@ -333,7 +333,7 @@ mod tests {
         let device = Default::default();
         for n in [1usize, 63, 64 * 37, 3 * 65_536 + 64, 1 << 20, 1_000_003] {
             let x: Vec<f32> = (0..n).map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 1e-3 / (1.0 + (i % 17) as f32)).collect();
-            let (parts, m) = order_parts(n);
+            let (parts, m) = order_parts(n).unwrap();
             let part: Vec<f32> = x.chunks(m).map(plane_sum).collect();
             assert_eq!(part.len(), parts);
             let want = plane_sum(&part);
