@@ -13,7 +13,9 @@
 # 4. bf16 (BF16_CASES, default the GPT 64 x 4 and ResNet-18 32 x 4): bf16 compute with its
 #    values stored in bf16 and its matmuls and convolutions on tensor cores, op by op and with
 #    its window replayed, the same on f32 storage (--f32-storage), the emulation
-#    (--f32-products --f32-storage), and PyTorch's autocast (bf16, TF32 on), alternating.
+#    (--f32-products --f32-storage), and PyTorch's autocast (bf16, TF32 on), alternating,
+#    each with the GPU memory its process took (nvidia-smi, scripts/gpu_measure.sh);
+# 5. issue 43's memory bar: each bf16 case in f32 at its micro-batch and in bf16 at 1.8x it.
 # Logs go to $OUT (the device tool brings them back).
 # BUDGET (seconds, default 520) bounds the call, under the device tool's 600 s per command:
 # benchmark commands that would start after it are skipped, named, and the parts run in order
@@ -58,19 +60,37 @@ echo "## benchmark"
 OUT=$OUT GRAPHS=1 PARTS=bench CASES="${CASES:-lenet 32 4;mlp 256 4;resnet18 32 4;gpt 64 4}" UPDATES=${UPDATES:-20} WARMUP=${WARMUP:-3} \
     CASE_TIMEOUT=${CASE_TIMEOUT:-60} bash scripts/gpu_check.sh $G 2>&1 | tee "$OUT/bench.log" | grep -E "^\| |replay|not captured|rror"
 echo "## bf16"
+source scripts/gpu_measure.sh
 IFS=';' read -ra bf16_cases <<<"${BF16_CASES:-gpt 64 4;resnet18 32 4}"
 for cfg in "${bf16_cases[@]}"; do
     set -- $cfg
     for pass in 1 2; do
         # Op by op, the window replayed (issue 43's second bar: >= 1.0x autocast with CUDA
-        # graphs), then the f32-storage and f32-products references.
+        # graphs), then the f32-storage and f32-products references. Each with the GPU memory
+        # its process took (issue 43: at most PyTorch autocast's, whose process runs eager and
+        # graphs and also prints its allocator's peak).
         for products in "" "--graphs --in-step" --f32-storage "--f32-products --f32-storage"; do
             late "bf16 $cfg $products" && continue
-            timeout 90 $G/device_bench --device cuda:0 --net "$1" --micro-batch "$2" --micro-size "$3" --updates "${UPDATES:-20}" \
-                --warmup "${WARMUP:-3}" --precision bf16 $products 2>&1 | tee -a "$OUT/bf16.log" | grep -E "^\| |bf16 products|storage|tensor-core|flash|rror"
+            measure timeout 90 $G/device_bench --device cuda:0 --net "$1" --micro-batch "$2" --micro-size "$3" --updates "${UPDATES:-20}" \
+                --warmup "${WARMUP:-3}" --precision bf16 $products 2>&1 | tee -a "$OUT/bf16.log" | grep -E "^\| |bf16 products|storage|tensor-core|flash|GPU memory|rror"
         done
         late "bf16 $cfg PyTorch autocast" && continue
-        timeout 90 python3 benches/pytorch_accumulation.py --net "$1" --micro-batch "$2" --micro-size "$3" --updates "${UPDATES:-20}" \
-            --warmup "${WARMUP:-3}" --autocast bf16 2>&1 | tee -a "$OUT/bf16.log" | grep -E "^\| |rror"
+        measure timeout 90 python3 benches/pytorch_accumulation.py --net "$1" --micro-batch "$2" --micro-size "$3" --updates "${UPDATES:-20}" \
+            --warmup "${WARMUP:-3}" --autocast bf16 2>&1 | tee -a "$OUT/bf16.log" | grep -E "^\| |GPU memory|rror"
+    done
+done
+# Issue 43's memory bar: a bf16 micro-batch at least 1.8x the f32 one fits in the same memory.
+# The f32 run at the case's micro-batch and the bf16 one at 1.8x it (rounded up), op by op,
+# 5 updates each (the peak is reached in the first window).
+echo "## bf16 at 1.8x the micro-batch against f32 (GPU memory)"
+for cfg in "${bf16_cases[@]}"; do
+    set -- $cfg
+    big=$(( ($2 * 9 + 4) / 5 ))
+    for run in "$2 --precision f32" "$big --precision bf16"; do
+        late "memory $1 $run" && continue
+        set -- $cfg
+        b=${run%% *}
+        measure timeout 60 $G/device_bench --device cuda:0 --net "$1" --micro-batch "$b" --micro-size "$3" --updates 5 --warmup 1 \
+            ${run#* } 2>&1 | tee -a "$OUT/memory.log" | grep -E "^\| |GPU memory|rror"
     done
 done

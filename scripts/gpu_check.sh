@@ -33,21 +33,7 @@ part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || { echo "no NVIDIA GPU here"; exit 1; }
 
-# Largest per-process GPU memory nvidia-smi saw while a command ran (CUDA context included).
-measure() {
-    local log
-    log=$(mktemp)
-    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 50 >"$log" 2>/dev/null &
-    local smi=$!
-    "$@"
-    local rc=$?
-    sleep 0.2
-    kill "$smi" 2>/dev/null
-    wait "$smi" 2>/dev/null
-    echo "<!-- GPU memory, largest process: $(awk -F', *' '{ if ($2 + 0 > m) m = $2 + 0 } END { print m + 0 }' "$log") MiB -->"
-    rm -f "$log"
-    return $rc
-}
+source scripts/gpu_measure.sh
 
 if part tests; then
 echo "## CUDA tests"
