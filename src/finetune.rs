@@ -27,7 +27,7 @@ use cellgraph::runtime::device::{self, OnDevice};
 use cellgraph::runtime::hf::{self, LoadOptions, Tokenizer};
 use cellgraph::runtime::{Backend, Dataset, Metric, ProgressBar};
 
-use crate::train::{at_least_one, non_negative, replay_report, Compute, RunLog, StopAfter};
+use crate::train::{at_least_one, non_negative, Compute, RunLog, StopAfter};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -388,7 +388,7 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     say!("trained {} updates{ranks} in {secs:.2} s ({rate})", model.accumulator().updates());
     if rank == 0 {
         print!("{}", model.accumulator().session().profile_table(20));
-        if let Some(report) = replay_report(model.accumulator().session()) {
+        if let Some(report) = model.accumulator().session().replay_report() {
             print!("{report}");
         }
     }

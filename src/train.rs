@@ -268,23 +268,6 @@ pub struct EvalArgs {
     place: Place,
 }
 
-/// What graph replay did in `session` (whether it did what `--graphs` asked, and why not
-/// where it did not): `None` when graphs are off.
-pub fn replay_report<B: Backend>(session: &Session<B>) -> Option<String> {
-    if !session.graphs() {
-        return None;
-    }
-    let r = session.replay_counts();
-    let mut out = format!(
-        "graph replay: {} captured, {} replayed ({} of them whole windows, the rest micro-steps), {} op by op while warming up, {} op by op (not capturable)\n",
-        r.captures, r.replays, r.windows, r.warmups, r.uncaptured
-    );
-    for why in session.replay_blockers() {
-        out += &format!("  not captured: {why}\n");
-    }
-    Some(out)
-}
-
 /// A clap value parser: a whole number >= 1.
 pub fn at_least_one(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
@@ -603,7 +586,7 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
             println!("  cubek's first refusal, {why}");
         }
     }
-    if let Some(report) = replay_report(model.accumulator().session()) {
+    if let Some(report) = model.accumulator().session().replay_report() {
         print!("{report}");
     }
     if let Some(path) = &args.ckpt {

@@ -168,15 +168,16 @@ pub trait Backend: burn_backend::Backend {
     }
 
     /// Writes `data` (the tensor's element type and length) into `t`'s own memory, enqueued
-    /// after the work already given to the device (no wait); false where the backend cannot
-    /// (host backends: replay is for device backends).
-    fn write_float(_t: &FloatTensor<Self>, _data: TensorData) -> bool {
-        false
+    /// after the work already given to the device (no wait); gives `data` back where the
+    /// backend cannot (host backends: replay is for device backends; a view, another type
+    /// or length).
+    fn write_float(_t: &FloatTensor<Self>, data: TensorData) -> std::result::Result<(), TensorData> {
+        Err(data)
     }
 
     /// [`Self::write_float`] for an integer tensor.
-    fn write_int(_t: &IntTensor<Self>, _data: TensorData) -> bool {
-        false
+    fn write_int(_t: &IntTensor<Self>, data: TensorData) -> std::result::Result<(), TensorData> {
+        Err(data)
     }
 
     /// A contiguous float tensor holding `data` (in its own type), a buffer that

@@ -229,6 +229,9 @@ fn train<B: Backend>(args: &Args, comm: Arc<dyn Communicator>, device: Device<B>
         if c.step_collectives > 0 {
             println!("batch-norm collectives: {} (SyncBatchNorm)", c.step_collectives);
         }
+        if let Some(report) = acc.session().replay_report() {
+            print!("{report}");
+        }
         println!("training: {secs:.2} s, {:.0} images/s across ranks", images as f64 / secs);
         println!("gradient bytes reduced per update: {} ({} f32 + the item count)", 4 * (elements + 1), elements);
         println!("optimizer state on this rank: {} elements", acc.optimizer_state_elements());

@@ -67,6 +67,74 @@ fn train<B: Backend>(
     (params, acc.counters().fused_launches, acc.updates())
 }
 
+/// `ranks` data-parallel ranks of LeNet5 (windows of 2 micro-batches of 8 images, 3 updates,
+/// Momentum, gradients averaged; with `hsdp` the optimizer state sharded), each a thread with
+/// its own session on `device`, all sharing it, in an in-process group (the `Communicator` MPI
+/// implements between processes): each rank's parameters. With `graphs`, the device ranks
+/// replay their micro-steps (the gradients' collective runs between the replayed micro-steps
+/// and the boundary).
+#[allow(dead_code)]
+fn lenet_ranks<B: Backend>(device: Device<B>, ranks: usize, hsdp: bool, graphs: bool) -> Vec<BTreeMap<String, Vec<f32>>>
+where
+    Device<B>: Send + 'static,
+{
+    use cellgraph::runtime::comm::{Communicator, LocalGroup};
+    use std::sync::Arc;
+    let handles: Vec<_> = LocalGroup::new(ranks)
+        .into_iter()
+        .enumerate()
+        .map(|(r, c)| {
+            let device = device.clone();
+            std::thread::spawn(move || {
+                let net = GradAccumulation::across_steps(crate::common::lenet_with_loss(), 2);
+                let names: Vec<String> = net.parameters().iter().map(|p| p.name.clone()).collect();
+                let mut acc = Accumulator::<B>::new(Rc::new(net), Rc::new(Momentum::new(0.01, 0.9)), device, 1).unwrap();
+                if graphs && !B::HOST {
+                    acc.options().set_graphs(true).unwrap();
+                }
+                let comm: Arc<dyn Communicator> = Arc::new(c);
+                acc.set_parallel(comm, true, hsdp).unwrap();
+                for b in lenet_batches(6, 8, 100 + r as u64) {
+                    acc.step(&b, Place::Regular).unwrap();
+                }
+                acc.finish().unwrap();
+                let c = acc.counters();
+                assert_eq!((acc.updates(), c.grad_collectives > 0, c.uncaptured_steps), (3, true, 0), "rank {r}: {c:?}");
+                if graphs && !B::HOST {
+                    let rc = acc.session().replay_counts();
+                    assert!(rc.captures == 1 && rc.replays > 0, "rank {r}: no micro-step replayed: {rc:?}");
+                }
+                names.iter().map(|n| (n.clone(), acc.session().param(n).unwrap().to_f32())).collect()
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// `ranks` ranks sharing one device equal as many CPU ranks (within 1e-5 relative), op by op
+/// and replayed, the optimizer state replicated and sharded (hsdp), and every rank holds the
+/// same parameters bit for bit (issue 42: the 8-ranks-on-one-GPU run equals 8 CPU ranks). The
+/// replayed runs capture once per rank: the boundary writes the summed accumulators
+/// (replicated) or the gathered parameters (hsdp) into their own buffers; new buffers made
+/// every micro-step graph forget itself, and nothing replayed.
+#[allow(dead_code)]
+fn ranks_sharing_a_device_match_cpu_ranks<B: Backend>(device: Device<B>, ranks: usize)
+where
+    Device<B>: Send + 'static,
+{
+    for hsdp in [false, true] {
+        let on_cpu = lenet_ranks::<Cpu>(cpu(), ranks, hsdp, false);
+        for graphs in [false, true] {
+            let on_dev = lenet_ranks::<B>(device.clone(), ranks, hsdp, graphs);
+            for r in 0..ranks {
+                let d = rel_diff(&on_dev[r], &on_cpu[r]);
+                assert!(d < 1e-5, "hsdp {hsdp}, graphs {graphs}: rank {r} of {ranks} on the device differs from the CPU's by {d:e} relative");
+                assert!(on_dev[r] == on_dev[0], "hsdp {hsdp}, graphs {graphs}: rank {r}'s parameters differ from rank 0's");
+            }
+        }
+    }
+}
+
 #[allow(dead_code)]
 /// `n` random LeNet5 micro-batches of `b` 32x32 images.
 fn lenet_batches(n: usize, b: usize, seed: u64) -> Vec<Vec<HostTensor>> {
@@ -1425,6 +1493,11 @@ mod wgpu {
     }
 
     #[test]
+    fn eight_ranks_sharing_wgpu_match_eight_cpu_ranks() {
+        super::ranks_sharing_a_device_match_cpu_ranks::<Wgpu>(dev(), 8);
+    }
+
+    #[test]
     fn replay_on_wgpu_matches_op_by_op() {
         super::replay_matches_op_by_op::<Wgpu>(dev());
     }
@@ -1649,6 +1722,12 @@ mod cuda {
         let d = rel_diff(&gpu_p, &cpu_p);
         eprintln!("LeNet5, 20 updates: CUDA vs CPU max relative difference {d:e}");
         assert!(d < 1e-5, "LeNet5 on CUDA differs from the CPU by {d:e} relative");
+    }
+
+    #[test]
+    fn eight_ranks_sharing_cuda_match_eight_cpu_ranks() {
+        let Some(device) = gpu() else { return };
+        super::ranks_sharing_a_device_match_cpu_ranks::<Cuda>(device, 8);
     }
 
     #[test]

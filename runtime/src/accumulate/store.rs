@@ -183,8 +183,7 @@ impl<B: Backend> Store<B> {
             return self.upload(session, kind, data);
         }
         for (param, t) in self.split(data) {
-            let v = Value::from_host_owned(t, session.device(), &session.settings());
-            session.set_value(self.name(Slot { kind, param }), v);
+            session.write_param(self.name(Slot { kind, param }), t);
         }
     }
 
@@ -250,6 +249,11 @@ impl<B: Backend> Store<B> {
 
     /// Replaces the flat buffer of `kind` by `data` (unpadded, in flat-buffer order). New views
     /// forget the captured graphs that read the old ones (see [`crate::replay`]).
+    ///
+    /// Into the buffer's own memory where the backend writes into one (a device's), so that
+    /// its views, and the captured graphs that read them, stay: a data-parallel boundary
+    /// scatters the ranks' summed accumulators here every window, and a new buffer made every
+    /// micro-step graph forget itself (no replay in a data-parallel run).
     fn upload(&mut self, session: &mut Session<B>, kind: Kind, data: &[f32]) {
         let Some(f) = &mut self.flat else { return };
         let mut v = vec![self.inits[kind.index()]; f.len];
@@ -258,6 +262,10 @@ impl<B: Backend> Store<B> {
             v[at..at + p.len].copy_from_slice(&data[from..from + p.len]);
             from += p.len;
         }
+        let v = match B::write_float(&f.buffers[kind.index()], burn_backend::TensorData::new(v, [f.len])) {
+            Ok(()) => return,
+            Err(d) => d.try_into_vec::<f32>().expect("written as f32"),
+        };
         f.buffers[kind.index()] = B::from_host_vec(HostVec::F32(v), &[f.len], session.device());
         self.bind_views(session, kind);
     }
@@ -270,7 +278,7 @@ impl<B: Backend> Store<B> {
     pub fn clear_flat(&mut self, session: &mut Session<B>) {
         if let Some(f) = &self.flat {
             let zeros = burn_backend::TensorData::new(vec![0.0f32; f.len], [f.len]);
-            if B::write_float(&f.buffers[Kind::Accu.index()], zeros) {
+            if B::write_float(&f.buffers[Kind::Accu.index()], zeros).is_ok() {
                 return;
             }
         }

@@ -257,13 +257,13 @@ fn launch_copy_words<R: CubeRuntime>(x: &CubeTensor<R>, y: &CubeTensor<R>) {
 /// by a kernel on this thread's stream (after the work already queued, which may still read
 /// `t`). A whole-buffer host write (`client.write`) is not used: on CUDA it gave wrong
 /// results for buffers whose rows burn pitched (measured, 2026-11-27).
-fn write<R: CubeRuntime>(t: &CubeTensor<R>, data: burn_backend::TensorData) -> bool {
+fn write<R: CubeRuntime>(t: &CubeTensor<R>, data: burn_backend::TensorData) -> Result<(), burn_backend::TensorData> {
     if data.dtype != t.dtype || !t.is_contiguous() || t.dtype.size() != 4 || data.shape.num_elements() != t.meta.num_elements() {
-        return false;
+        return Err(data);
     }
     let src = uploaded::<R>(data, &t.device);
     launch_copy_words(&src, t);
-    true
+    Ok(())
 }
 
 /// Launches the elementwise program `p` writing `y`: operand `k` is `xs[k]`, or with `p` in
@@ -342,11 +342,11 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
         true
     }
 
-    fn write_float(t: &CubeTensor<R>, data: burn_backend::TensorData) -> bool {
+    fn write_float(t: &CubeTensor<R>, data: burn_backend::TensorData) -> Result<(), burn_backend::TensorData> {
         write(t, data)
     }
 
-    fn write_int(t: &CubeTensor<R>, data: burn_backend::TensorData) -> bool {
+    fn write_int(t: &CubeTensor<R>, data: burn_backend::TensorData) -> Result<(), burn_backend::TensorData> {
         write(t, data)
     }
 

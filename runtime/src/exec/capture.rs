@@ -42,6 +42,24 @@ impl<B: Backend> Session<B> {
         self.graphs.counts
     }
 
+    /// What graph replay did in this session, as the programs print it after training
+    /// (whether it did what `--graphs` asked, and why not where it did not): a `graph replay:`
+    /// line, then a `  not captured: ...` line per blocker; `None` when graphs are off.
+    pub fn replay_report(&self) -> Option<String> {
+        if !self.graphs() {
+            return None;
+        }
+        let r = self.replay_counts();
+        let mut out = format!(
+            "graph replay: {} captured, {} replayed ({} of them whole windows, the rest micro-steps), {} op by op while warming up, {} op by op (not capturable)\n",
+            r.captures, r.replays, r.windows, r.warmups, r.uncaptured
+        );
+        for why in self.replay_blockers() {
+            out += &format!("  not captured: {why}\n");
+        }
+        Some(out)
+    }
+
     /// The most plan shapes this session captures ([`crate::replay::MAX_SHAPES`] by default);
     /// a later new shape runs op by op, counted in [`ReplayCounts::uncaptured`] and named by
     /// [`Self::replay_blockers`].
@@ -134,8 +152,8 @@ impl<B: Backend> Session<B> {
             let data = window_data(sets, i, &s);
             let ty = sets[0][i].ty();
             let written = match v {
-                Value::Float(d) => B::write_float(d, data),
-                Value::Int(d) => B::write_int(d, data),
+                Value::Float(d) => B::write_float(d, data).is_ok(),
+                Value::Int(d) => B::write_int(d, data).is_ok(),
                 Value::Bool(_) => false,
             };
             if !written {

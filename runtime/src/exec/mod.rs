@@ -16,7 +16,8 @@ use std::collections::BTreeMap;
 
 use crate::Backend;
 use burn_backend::tensor::Device;
-use cellgraph_compiler::{HostTensor, Op, TensorType};
+use burn_backend::TensorData;
+use cellgraph_compiler::{HostData, HostTensor, Op, TensorType};
 
 mod bind;
 mod capture;
@@ -224,6 +225,28 @@ impl<B: Backend> Session<B> {
     pub fn set_value(&mut self, name: &str, value: Value<B>) {
         self.graphs.forget(name);
         self.put(name, value);
+    }
+
+    /// Sets parameter `name` from the host into its own buffer where the backend writes into
+    /// one (a device's contiguous buffer of the value's type and length:
+    /// [`Backend::write_float`]), so the captured graphs that read it stay; elsewhere as
+    /// [`Self::set_param_owned`] (which forgets them). An hsdp boundary writes every rank's
+    /// gathered parameters so each window: a new buffer made every micro-step graph forget
+    /// itself (no replay with hsdp).
+    pub fn write_param(&mut self, name: &str, value: HostTensor) {
+        let value = match (self.params.get(name), value) {
+            (Some(Value::Float(t)), HostTensor { shape, data: HostData::F32(v) }) if !B::HOST => {
+                match B::write_float(t, TensorData::new(v, shape.clone())) {
+                    Ok(()) => {
+                        self.kept.forget(name);
+                        return;
+                    }
+                    Err(d) => HostTensor { shape, data: HostData::F32(d.try_into_vec::<f32>().expect("written as f32")) },
+                }
+            }
+            (_, value) => value,
+        };
+        self.set_param_owned(name, value);
     }
 
     /// Takes a parameter's value out of the session (put it back with [`Self::set_value`]).
