@@ -15,7 +15,8 @@
 #    its window replayed, the same on f32 storage (--f32-storage), the emulation
 #    (--f32-products --f32-storage), and PyTorch's autocast (bf16, TF32 on), alternating,
 #    each with the GPU memory its process took (nvidia-smi, scripts/gpu_measure.sh);
-# 5. issue 43's memory bar: each bf16 case in f32 at its micro-batch and in bf16 at 1.8x it.
+# 5. issue 43's memory bar: each bf16 case in f32 at its micro-batch and in bf16 at 1.8x it,
+#    and whether the second fits in the first's memory.
 # Logs go to $OUT (the device tool brings them back).
 # BUDGET (seconds, default 520) bounds the call, under the device tool's 600 s per command:
 # benchmark commands that would start after it are skipped, named, and the parts run in order
@@ -81,16 +82,23 @@ for cfg in "${bf16_cases[@]}"; do
 done
 # Issue 43's memory bar: a bf16 micro-batch at least 1.8x the f32 one fits in the same memory.
 # The f32 run at the case's micro-batch and the bf16 one at 1.8x it (rounded up), op by op,
-# 5 updates each (the peak is reached in the first window).
+# 5 updates each (the peak is reached in the first window), then the verdict (both figures
+# are the process's, CUDA context included on both sides).
 echo "## bf16 at 1.8x the micro-batch against f32 (GPU memory)"
 for cfg in "${bf16_cases[@]}"; do
     set -- $cfg
     big=$(( ($2 * 9 + 4) / 5 ))
+    peaks=()
     for run in "$2 --precision f32" "$big --precision bf16"; do
         late "memory $1 $run" && continue
-        set -- $cfg
-        b=${run%% *}
-        measure timeout 60 $G/device_bench --device cuda:0 --net "$1" --micro-batch "$b" --micro-size "$3" --updates 5 --warmup 1 \
-            ${run#* } 2>&1 | tee -a "$OUT/memory.log" | grep -E "^\| |GPU memory|rror"
+        log=$(measure timeout 60 $G/device_bench --device cuda:0 --net "$1" --micro-batch "${run%% *}" --micro-size "$3" --updates 5 \
+            --warmup 1 ${run#* } 2>&1 | tee -a "$OUT/memory.log")
+        grep -E "^\| |GPU memory|rror" <<<"$log"
+        peaks+=("$(sed -n 's/.*largest process: \([0-9]*\) MiB.*/\1/p' <<<"$log" | tail -1)")
     done
+    if [ ${#peaks[@]} -eq 2 ] && [ -n "${peaks[0]}" ] && [ -n "${peaks[1]}" ]; then
+        verdict="does not fit"
+        [ "${peaks[1]}" -le "${peaks[0]}" ] && verdict="fits"
+        echo "memory bar, $1: bf16 at $big x $3 took ${peaks[1]} MiB, f32 at $2 x $3 ${peaks[0]} MiB: $verdict"
+    fi
 done

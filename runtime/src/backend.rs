@@ -169,8 +169,8 @@ pub trait Backend: burn_backend::Backend {
 
     /// Writes `data` (the tensor's element type and length) into `t`'s own memory, enqueued
     /// after the work already given to the device (no wait); gives `data` back where the
-    /// backend cannot (host backends: replay is for device backends; a view, another type
-    /// or length).
+    /// backend cannot (host backends: replay is for device backends; a tensor that is not
+    /// contiguous, or of another type or length).
     fn write_float(_t: &FloatTensor<Self>, data: TensorData) -> std::result::Result<(), TensorData> {
         Err(data)
     }

@@ -227,17 +227,19 @@ impl<B: Backend> Session<B> {
         self.put(name, value);
     }
 
-    /// Sets parameter `name` from the host into its own buffer where the backend writes into
-    /// one (a device's contiguous buffer of the value's type and length:
+    /// Sets parameter `name` from the host: while graphs are on, into its own buffer where the
+    /// backend writes into one (a device's contiguous buffer of the value's type and length:
     /// [`Backend::write_float`]), so the captured graphs that read it stay; elsewhere as
     /// [`Self::set_param_owned`] (which forgets them). An hsdp boundary writes every rank's
     /// gathered parameters so each window: a new buffer made every micro-step graph forget
-    /// itself (no replay with hsdp).
+    /// itself (no replay with hsdp). Only with graphs on, where a parameter always has a buffer
+    /// of its own (no plan output or other parameter shares it), is writing it in place safe.
     pub fn write_param(&mut self, name: &str, value: HostTensor) {
         let value = match (self.params.get(name), value) {
-            (Some(Value::Float(t)), HostTensor { shape, data: HostData::F32(v) }) if !B::HOST => {
+            (Some(held @ Value::Float(t)), HostTensor { shape, data: HostData::F32(v) }) if self.replay && held.dims() == shape => {
                 match B::write_float(t, TensorData::new(v, shape.clone())) {
                     Ok(()) => {
+                        crate::value::count_upload();
                         self.kept.forget(name);
                         return;
                     }
