@@ -247,13 +247,12 @@ impl<B: Backend> Store<B> {
         }
     }
 
-    /// Replaces the flat buffer of `kind` by `data` (unpadded, in flat-buffer order). New views
-    /// forget the captured graphs that read the old ones (see [`crate::replay`]).
-    ///
-    /// Into the buffer's own memory where the backend writes into one (a device's), so that
-    /// its views, and the captured graphs that read them, stay: a data-parallel boundary
-    /// scatters the ranks' summed accumulators here every window, and a new buffer made every
-    /// micro-step graph forget itself (no replay in a data-parallel run).
+    /// Sets the flat buffer of `kind` to `data` (unpadded, in flat-buffer order): into the
+    /// buffer's own memory where the backend writes into one (a device's), so that its views,
+    /// and the captured graphs that read them, stay (a data-parallel boundary scatters the
+    /// ranks' summed accumulators here every window; a new buffer made every micro-step graph
+    /// forget itself, and nothing replayed); elsewhere a new buffer, whose new views forget the
+    /// captured graphs that read the old ones (see [`crate::replay`]).
     fn upload(&mut self, session: &mut Session<B>, kind: Kind, data: &[f32]) {
         let Some(f) = &mut self.flat else { return };
         let mut v = vec![self.inits[kind.index()]; f.len];
