@@ -67,14 +67,72 @@ fn train<B: Backend>(
     (params, acc.counters().fused_launches, acc.updates())
 }
 
-/// `ranks` data-parallel ranks of LeNet5 (windows of 2 micro-batches of 8 images, 3 updates,
-/// Momentum, gradients averaged; with `hsdp` the optimizer state sharded), each a thread with
-/// its own session on `device`, all sharing it, in an in-process group (the `Communicator` MPI
-/// implements between processes): each rank's parameters. With `graphs`, the device ranks
-/// replay their micro-steps (the gradients' collective runs between the replayed micro-steps
-/// and the boundary).
+/// PyTorch's `Adam(amsgrad=True)`: Adam dividing by the largest second moment seen, three
+/// states (`moment1`, `moment2`, `max_moment2`), one more than the devices' boundary kernel
+/// takes ([`cellgraph::runtime::kernel::BOUNDARY_STATES`]), so its accumulators stay one
+/// buffer per parameter and its update runs as the optimizer graph: the path a user's own
+/// optimizer takes. Its `eps` is 1e-3, not 1e-8: Adam turns a gradient near zero into a
+/// whole step of its sign, so with 1e-8 the summation order's last bits in such a gradient
+/// moved LeNet5's parameters on lavapipe 3e-4 from the CPU's (relative) in one rank's 3
+/// updates (Adam itself 1.1e-4, through the boundary kernel); with 1e-3, 5e-7.
 #[allow(dead_code)]
-fn lenet_ranks<B: Backend>(device: Device<B>, ranks: usize, hsdp: bool, graphs: bool) -> Vec<BTreeMap<String, Vec<f32>>>
+struct AmsGrad;
+
+impl Optimizer for AmsGrad {
+    fn name(&self) -> &'static str {
+        "AMSGrad"
+    }
+    fn state(&self, param: &str, ty: &TensorType) -> Vec<cellgraph::compiler::update::StateSpec> {
+        ["moment1", "moment2", "max_moment2"]
+            .map(|s| cellgraph::compiler::update::StateSpec { name: format!("{s}.{param}"), ty: ty.clone(), init: 0.0 })
+            .to_vec()
+    }
+    fn learning_rate(&self, _update: u64) -> f64 {
+        0.01
+    }
+    fn scalar_inputs(&self) -> Vec<&'static str> {
+        vec!["learning_rate", "bias_correction1", "bias_correction2"]
+    }
+    fn scalar_values(&self, update: u64) -> Vec<f64> {
+        let t = (update + 1) as i32;
+        vec![0.01, 1.0 - 0.9f64.powi(t), 1.0 - 0.999f64.powi(t)]
+    }
+    fn update(&self) -> cellgraph::compiler::update::Program {
+        use cellgraph::compiler::update::{Program, Target, Val};
+        let mut u = Program::new();
+        let (m_old, g1) = (u.scale(Val::state(0), 0.9), u.scale(Val::GRAD, 0.1));
+        let m = u.add(m_old, g1);
+        let v_old = u.scale(Val::state(1), 0.999);
+        let gg = u.mul(Val::GRAD, Val::GRAD);
+        let g2 = u.scale(gg, 0.001);
+        let v = u.add(v_old, g2);
+        // max(v_max, v) = v_max + relu(v - v_max)
+        let over = u.sub(v, Val::state(2));
+        let over = u.relu(over);
+        let v_max = u.add(Val::state(2), over);
+        u.assign(Target::State(0), m);
+        u.assign(Target::State(1), v);
+        u.assign(Target::State(2), v_max);
+        let (sv, sb2) = (u.sqrt(v_max), u.sqrt(Val::Scalar(2)));
+        let vhat = u.div(sv, sb2);
+        let denom = u.add(vhat, Val::lit(1e-3));
+        let mhat = u.div(m, Val::Scalar(1));
+        let step = u.div(mhat, denom);
+        let s = u.mul(step, Val::Scalar(0));
+        let new = u.sub(Val::PARAM, s);
+        u.assign(Target::Param, new);
+        u
+    }
+}
+
+/// `ranks` data-parallel ranks of LeNet5 (windows of 2 micro-batches of 8 images, 3 updates,
+/// Momentum, or [`AmsGrad`] with `amsgrad`, gradients averaged; with `hsdp` the optimizer state
+/// sharded), each a thread with its own session on `device`, all sharing it, in an in-process
+/// group (the `Communicator` MPI implements between processes): each rank's parameters. With
+/// `graphs`, the device ranks replay their micro-steps (the gradients' collective runs between
+/// the replayed micro-steps and the boundary).
+#[allow(dead_code)]
+fn lenet_ranks<B: Backend>(device: Device<B>, ranks: usize, hsdp: bool, amsgrad: bool, graphs: bool) -> Vec<BTreeMap<String, Vec<f32>>>
 where
     Device<B>: Send + 'static,
 {
@@ -88,7 +146,8 @@ where
             std::thread::spawn(move || {
                 let net = GradAccumulation::across_steps(crate::common::lenet_with_loss(), 2);
                 let names: Vec<String> = net.parameters().iter().map(|p| p.name.clone()).collect();
-                let mut acc = Accumulator::<B>::new(Rc::new(net), Rc::new(Momentum::new(0.01, 0.9)), device, 1).unwrap();
+                let opt: Rc<dyn Optimizer> = if amsgrad { Rc::new(AmsGrad) } else { Rc::new(Momentum::new(0.01, 0.9)) };
+                let mut acc = Accumulator::<B>::new(Rc::new(net), opt, device, 1).unwrap();
                 let replay = graphs && !B::HOST;
                 if replay {
                     acc.options().set_graphs(true).unwrap();
@@ -101,6 +160,10 @@ where
                 acc.finish().unwrap();
                 let c = acc.counters();
                 assert_eq!((acc.updates(), c.grad_collectives > 0, c.uncaptured_steps), (3, true, 0), "rank {r}: {c:?}");
+                if amsgrad && !B::HOST {
+                    // Its update runs as the optimizer graph, not the boundary kernel.
+                    assert_eq!(c.fused_launches, 0, "rank {r}: AMSGrad's three states took the boundary kernel");
+                }
                 if replay {
                     let rc = acc.session().replay_counts();
                     assert!(rc.captures == 1 && rc.replays > 0, "rank {r}: no micro-step replayed: {rc:?}");
@@ -116,21 +179,23 @@ where
 /// and replayed, the optimizer state replicated and sharded (hsdp), and every rank holds the
 /// same parameters bit for bit (issue 42: the 8-ranks-on-one-GPU run equals 8 CPU ranks). The
 /// replayed runs capture once per rank: the boundary writes the summed accumulators
-/// (replicated) or the gathered parameters (hsdp) into their own buffers; new buffers made
-/// every micro-step graph forget itself, and nothing replayed.
+/// (replicated: into the flat buffer, or with [`AmsGrad`], which the boundary kernel does not
+/// take, into each accumulator's own buffer) or the gathered parameters (hsdp) into their own
+/// buffers; new buffers made every micro-step graph forget itself, and nothing replayed.
 #[allow(dead_code)]
 fn ranks_sharing_a_device_match_cpu_ranks<B: Backend>(device: Device<B>, ranks: usize)
 where
     Device<B>: Send + 'static,
 {
-    for hsdp in [false, true] {
-        let on_cpu = lenet_ranks::<Cpu>(cpu(), ranks, hsdp, false);
+    for (hsdp, amsgrad) in [(false, false), (true, false), (false, true)] {
+        let on_cpu = lenet_ranks::<Cpu>(cpu(), ranks, hsdp, amsgrad, false);
         for graphs in [false, true] {
-            let on_dev = lenet_ranks::<B>(device.clone(), ranks, hsdp, graphs);
+            let on_dev = lenet_ranks::<B>(device.clone(), ranks, hsdp, amsgrad, graphs);
+            let what = format!("hsdp {hsdp}, AMSGrad {amsgrad}, graphs {graphs}");
             for r in 0..ranks {
                 let d = rel_diff(&on_dev[r], &on_cpu[r]);
-                assert!(d < 1e-5, "hsdp {hsdp}, graphs {graphs}: rank {r} of {ranks} on the device differs from the CPU's by {d:e} relative");
-                assert!(on_dev[r] == on_dev[0], "hsdp {hsdp}, graphs {graphs}: rank {r}'s parameters differ from rank 0's");
+                assert!(d < 1e-5, "{what}: rank {r} of {ranks} on the device differs from the CPU's by {d:e} relative");
+                assert!(on_dev[r] == on_dev[0], "{what}: rank {r}'s parameters differ from rank 0's");
             }
         }
     }
