@@ -145,7 +145,7 @@ fn gpt(pr: Products) {
         let ma = Mat { data: &a, rows: m, cols: k, transposed: false };
         let mb = Mat { data: &b, rows: k, cols: n, transposed: false };
         let prog: cellgraph_compiler::program::Program = "$0 $1 add round_bf16".parse().expect("a program");
-        let e = Elementwise { depth: prog.depth(), prog, reads: vec![Read::Same, Read::Cycle(n)], len: m * n };
+        let e = Elementwise::new(prog, vec![Read::Same, Read::Cycle(n)], m * n);
         let post = |first: usize, part: &mut [f32]| program::epilogue(&e, &[&bias], first, part);
         let flops = 2.0 * (m * k * n) as f64;
         row("fc1 + bias, round: epilogue in the product", || timed(m * n, |c| gemm::matmul(ma, mb, c, pr, Some(&post))), flops);
@@ -206,7 +206,7 @@ fn gpt(pr: Products) {
             .max()
             .unwrap_or(0);
         let args: Vec<&[f32]> = [&x[..], &y[..], &z[..]][..k].to_vec();
-        let e = Elementwise { depth: prog.depth(), prog, reads: vec![Read::Same; k], len: n };
+        let e = Elementwise::new(prog, vec![Read::Same; k], n);
         row(name, || timed(n, |o| program::fused(&e, &args, o)), 0.0);
     }
     row("one pass of x * 0.5 * y, by hand", || timed(n, |o| o.iter_mut().zip(&x).zip(&y).for_each(|((o, &a), &b)| *o = a * 0.5 * b)), 0.0);

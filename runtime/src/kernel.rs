@@ -206,6 +206,51 @@ pub struct Elementwise {
     pub reads: Vec<Read>,
     /// Output elements.
     pub len: usize,
+    /// The operands the plan knows hold only bf16 values (empty: none), set at plan build.
+    pub bf16_args: Vec<bool>,
+    /// The host's tables of the program's subtrees on those operands, made on its first run
+    /// there ([`crate::host::tables`]).
+    pub tables: std::sync::OnceLock<Tables>,
+}
+
+/// Entries of a table of a program's subtree ([`Tables`]): one per bf16 bit pattern.
+pub const BF16_VALUES: usize = 1 << 16;
+
+/// One tabulated subtree (`crate::host::tables`): steps `first..=last` of the program
+/// (contiguous: it is postfix) read operand `arg` and literals, and `values[b]` is their
+/// result for the f32 value whose bits are `b << 16`.
+#[derive(Debug)]
+pub struct Table {
+    pub first: usize,
+    pub last: usize,
+    pub arg: u8,
+    pub values: Box<[f32; BF16_VALUES]>,
+}
+
+/// A program's tables, in step order (none overlap).
+#[derive(Debug, Default)]
+pub struct Tables {
+    pub tables: Vec<Table>,
+}
+
+impl Tables {
+    /// The table whose subtree begins at step `k`.
+    #[inline(always)]
+    pub fn at(&self, k: usize) -> Option<&Table> {
+        self.tables.iter().find(|t| t.first == k)
+    }
+}
+
+impl Elementwise {
+    /// `prog` with operands read as `reads`, over `len` output elements.
+    pub fn new(prog: Program, reads: Vec<Read>, len: usize) -> Elementwise {
+        Elementwise { depth: prog.depth(), prog, reads, len, bf16_args: Vec::new(), tables: std::sync::OnceLock::new() }
+    }
+
+    /// The same, knowing which operands hold only bf16 values.
+    pub fn with_bf16_args(&self, bf16_args: Vec<bool>) -> Elementwise {
+        Elementwise { bf16_args, ..Elementwise::new(self.prog.clone(), self.reads.clone(), self.len) }
+    }
 }
 
 /// Where output element `i` finds an operand's value.
@@ -265,7 +310,7 @@ fn elementwise(e: &Program, tys: &[&TensorType]) -> Option<Arc<Elementwise>> {
     e.check_elementwise().ok()?;
     let out = tys.iter().try_fold(Vec::new(), |s, t| broadcast_shapes(&s, t.dims()))?;
     let reads = tys.iter().map(|t| Read::of(t.dims(), &out)).collect();
-    Some(Arc::new(Elementwise { prog: e.clone(), depth: e.depth(), reads, len: out.iter().product() }))
+    Some(Arc::new(Elementwise::new(e.clone(), reads, out.iter().product())))
 }
 
 /// The kernel for `op` on operands of types `tys`, resolved once (padding modes included);

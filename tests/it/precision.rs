@@ -416,6 +416,39 @@ pub(crate) fn trained_adamw_on<B: cellgraph::runtime::Backend>(
     (params, losses, products)
 }
 
+/// In the bf16 GPT's micro-step on the CPU each layer's GELU reads its subtrees on bf16
+/// activations from tables, as its plan says (the bits are those of computing them:
+/// `host::tables`' test). At this width the fusion keeps `erf(x * 0.7071) + 1` a program of
+/// its own, which the forward and the gradient read: that program and the gradient's `exp`
+/// half, one table each, per layer (the gpt_accumulation sample's GELU is two programs with
+/// three tables). An f32 plan has none (its activations are not bf16 values). Under
+/// `CELLGRAPH_TABLES=0` the plan names none.
+#[test]
+fn the_bf16_gpts_gelu_reads_tables() {
+    let mut rng = StdRng::seed_from_u64(31);
+    let (gpt, text) = bf16_gpt_case(&mut rng);
+    let tables = |precision: Option<Precision>| {
+        let mut net = GradAccumulation::across_steps(gpt(), 4);
+        net.precision = precision;
+        let mut acc = Accumulator::<Cpu>::new(Rc::new(net), Rc::new(Adam::adamw(LearningRate::Constant(3e-3), 0.01)), cpu(), 5).unwrap();
+        acc.step(&text[0], Place::Regular).unwrap();
+        assert!(acc.step_loss().is_finite());
+        let mut named: BTreeMap<String, usize> = BTreeMap::new();
+        for s in acc.micro_plans().flat_map(|e| e.host_steps()) {
+            if let cellgraph::runtime::HostRun::Kernel(k) = s.run {
+                if k.contains("tables") {
+                    *named.entry(k).or_default() += 1;
+                }
+            }
+        }
+        named
+    };
+    let want: BTreeMap<String, usize> =
+        if cellgraph::runtime::host::tables::enabled() { [("Fused, 1 subtree from bf16 tables".to_string(), 4)].into() } else { BTreeMap::new() };
+    assert_eq!(tables(Some(Precision::bf16())), want);
+    assert_eq!(tables(None), BTreeMap::new());
+}
+
 /// A 2-layer GPT (vocabulary 40, context 24, width 48) and 20 micro-batches of 6 sequences
 /// labelled by a fixed map of their tokens.
 pub(crate) fn bf16_gpt_case(rng: &mut StdRng) -> (fn() -> WithLossCell, Vec<Vec<HostTensor>>) {

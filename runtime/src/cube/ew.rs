@@ -306,13 +306,13 @@ mod tests {
     fn kernels_take_their_programs_with_device_reads() {
         // $0 $1 add 2.5 mul relu, the bias read cyclically.
         let prog: Program = "$0 $1 add 2.5 mul relu".parse().unwrap();
-        let e = Elementwise { depth: prog.depth(), prog: prog.clone(), reads: vec![Read::Same, Read::Cycle(4)], len: 12 };
+        let e = Elementwise::new(prog.clone(), vec![Read::Same, Read::Cycle(4)], 12);
         let k = EwKernel::new(&e, true).unwrap();
         assert_eq!((k.prog, k.reads.clone()), (prog, vec![KRead::Same, KRead::Cycle(4)]));
         // In place needs operand 0 at the output's extents; seven operands do not fit.
         assert!(EwKernel::new(&Elementwise { reads: vec![Read::Cycle(4), Read::Same], ..e }, true).is_none());
         let one: Program = "$0".parse().unwrap();
-        let seven = Elementwise { prog: one.clone(), depth: 1, reads: vec![Read::Same; 7], len: 1 };
+        let seven = Elementwise::new(one.clone(), vec![Read::Same; 7], 1);
         assert!(EwKernel::new(&seven, false).is_none());
         assert!(EwKernel::new(&Elementwise { reads: vec![Read::Same; 6], ..seven }, false).is_some());
         assert_eq!(EwKernel::identity().prog, one);

@@ -44,6 +44,10 @@ pub(super) fn kernel_name(k: &Native) -> String {
         Native::BatchMatMul { products, .. } => format!("batch_matmul{}", bf16(products)),
         Native::Conv { kind, algo, products, .. } => format!("conv {kind:?} {}{}", algo.name(), bf16(products)),
         Native::Epilogue { head, .. } => format!("epilogue({})", kernel_name(head)),
+        Native::Fused(e) => match crate::host::tables::subtrees(&e.prog, &e.bf16_args).len() {
+            n @ 1.. if crate::host::tables::enabled() => format!("Fused, {n} subtree{} from bf16 tables", if n == 1 { "" } else { "s" }),
+            _ => "Fused".into(),
+        },
         other => {
             let debug = format!("{other:?}");
             debug.split(|c: char| !c.is_ascii_alphanumeric()).next().unwrap_or_default().to_string()
@@ -360,7 +364,7 @@ mod tests {
     fn values_are_stored_low_where_writer_and_readers_take_the_type() {
         let fused = |slot: usize, args: &[(usize, bool)]| {
             let prog: cellgraph_compiler::program::Program = "$0 round_f16".parse().expect("a program");
-            let e = crate::kernel::Elementwise { depth: prog.depth(), prog: prog.clone(), reads: vec![crate::kernel::Read::Same], len: 8 };
+            let e = crate::kernel::Elementwise::new(prog.clone(), vec![crate::kernel::Read::Same], 8);
             let mut st = step(Op::Fused { expr: prog }, Some(Native::Fused(std::sync::Arc::new(e))), args);
             (st.slot, st.holds) = (slot, Some(DType::F16));
             st

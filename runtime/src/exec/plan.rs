@@ -561,6 +561,13 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
                 _ => None,
             };
             let mut kernel = crate::kernel::bind(&n.op, &arg_types.iter().collect::<Vec<_>>());
+            // A program's operands holding only bf16 values: the host tabulates its subtrees on them.
+            if let (Some(DType::BF16), Some(Native::Fused(e))) = (low, &kernel) {
+                let bf16: Vec<bool> = ops.iter().map(|&o| holds_low(&graph, o, DType::BF16, 0)).collect();
+                if bf16.contains(&true) {
+                    kernel = Some(Native::Fused(Arc::new(e.with_bf16_args(bf16))));
+                }
+            }
             // The product's own operands (an epilogue's head's: the program's extra operands,
             // an accumulator say, are not multiplied).
             let factors = match &n.op {

@@ -47,6 +47,11 @@ pub trait HostFloat:
     fn round_f16(self) -> Self;
     /// `self * a + b` with one rounding (an FMA instruction where the CPU has one).
     fn mul_add(self, a: Self, b: Self) -> Self;
+    /// Whether programs in this type read tables of their subtrees on bf16 operands
+    /// ([`super::tables`], made in f32): f32's do, the f64 reference backend's never.
+    const TABULATES: bool;
+    /// `table`'s entry for `self`, a bf16 value (only where [`Self::TABULATES`]).
+    fn lookup(self, table: &[f32; 1 << 16]) -> Self;
     /// The sum of `xs` by ndarray's own `sum` (eight running sums, paired): the order, and so
     /// the bits, of burn-ndarray's reductions, which the host loss kernels must reproduce.
     fn ndarray_sum(xs: &[Self]) -> Self;
@@ -126,6 +131,13 @@ macro_rules! host_float {
             #[inline(always)]
             fn mul_add(self, a: $t, b: $t) -> $t {
                 $t::mul_add(self, a, b)
+            }
+            const TABULATES: bool = std::mem::size_of::<$t>() == 4;
+            #[inline(always)]
+            fn lookup(self, table: &[f32; 1 << 16]) -> $t {
+                let b = (self as f32).to_bits();
+                debug_assert!(Self::TABULATES && b & 0xffff == 0, "{self:e} read from a table is not a bf16 value");
+                table[(b >> 16) as usize] as $t
             }
             fn ndarray_sum(xs: &[$t]) -> $t {
                 ndarray::aview1(xs).sum()

@@ -18,6 +18,7 @@ pub mod pool;
 pub mod program;
 mod reads;
 pub mod rows;
+pub mod tables;
 mod toeplitz;
 mod unfold;
 
@@ -44,7 +45,7 @@ pub fn join_thread_pool() {
 }
 
 /// The process's choice of the CPU's bf16 product units, read from the environment once, in
-/// this one place: `CELLGRAPH_AMX` and `CELLGRAPH_BF16_PAIRS`, each `1` (use the unit wherever
+/// this one place: `CELLGRAPH_AMX`, `CELLGRAPH_BF16_PAIRS` and `CELLGRAPH_TABLES`, each `1` (use the unit wherever
 /// the CPU has it), `0` (never) or unset (the default rule: [`amx::available`],
 /// [`bf16::pays`]). Any other value is an error, which every compile reports
 /// ([`units_checked`]) before a plan runs, rather than a setting silently read as unset.
@@ -55,6 +56,9 @@ pub struct Units {
     /// `CELLGRAPH_BF16_PAIRS`: `Some(true)` chooses the AVX-512 BF16 pairs on any core that
     /// has them, `Some(false)` on none.
     pub pairs: Option<bool>,
+    /// `CELLGRAPH_TABLES`: `Some(false)` refuses the tables of programs' subtrees on bf16
+    /// operands ([`tables`]).
+    pub tables: Option<bool>,
 }
 
 impl Units {
@@ -70,6 +74,7 @@ impl Units {
         Ok(Units {
             amx: one("CELLGRAPH_AMX", "bf16 products on AMX tiles")?,
             pairs: one("CELLGRAPH_BF16_PAIRS", "bf16 products on AVX-512 BF16 pairs")?,
+            tables: one("CELLGRAPH_TABLES", "tables of programs' subtrees on bf16 operands")?,
         })
     }
 }
@@ -645,28 +650,32 @@ mod tests {
     use cellgraph_compiler::{Op, PadMode, Pool2dAttrs};
     use std::borrow::Cow;
 
-    /// `CELLGRAPH_AMX` and `CELLGRAPH_BF16_PAIRS` are each `1`, `0` or unset; any other value
-    /// (a word, a space, an empty string) is refused with the variable, its value and the
-    /// values it takes.
+    /// `CELLGRAPH_AMX`, `CELLGRAPH_BF16_PAIRS` and `CELLGRAPH_TABLES` are each `1`, `0` or
+    /// unset; any other value (a word, a space, an empty string) is refused with the variable,
+    /// its value and the values it takes.
     #[test]
     fn unit_settings_take_one_zero_or_nothing() {
-        let parse = |amx: Option<&str>, pairs: Option<&str>| {
+        let parse = |amx: Option<&str>, pairs: Option<&str>, tables: Option<&str>| {
             Units::parse(|name| match name {
                 "CELLGRAPH_AMX" => amx.map(str::to_string),
                 "CELLGRAPH_BF16_PAIRS" => pairs.map(str::to_string),
+                "CELLGRAPH_TABLES" => tables.map(str::to_string),
                 other => panic!("{other} read"),
             })
         };
-        assert_eq!(parse(None, None), Ok(Units { amx: None, pairs: None }));
-        assert_eq!(parse(Some("0"), Some("1")), Ok(Units { amx: Some(false), pairs: Some(true) }));
-        assert_eq!(parse(Some("1"), Some("0")), Ok(Units { amx: Some(true), pairs: Some(false) }));
+        assert_eq!(parse(None, None, None), Ok(Units { amx: None, pairs: None, tables: None }));
+        assert_eq!(parse(Some("0"), Some("1"), Some("0")), Ok(Units { amx: Some(false), pairs: Some(true), tables: Some(false) }));
+        assert_eq!(parse(Some("1"), Some("0"), Some("1")), Ok(Units { amx: Some(true), pairs: Some(false), tables: Some(true) }));
         for bad in ["yes", "true", "", " 1", "01", "2"] {
-            let (what, detail) = parse(Some(bad), None).unwrap_err();
+            let (what, detail) = parse(Some(bad), None, None).unwrap_err();
             assert_eq!(what, format!("CELLGRAPH_AMX={bad}"));
             assert!(detail.starts_with("expected 1 (bf16 products on AMX tiles ") && detail.contains("or 0 (never)"), "{detail}");
-            let (what, detail) = parse(Some("0"), Some(bad)).unwrap_err();
+            let (what, detail) = parse(Some("0"), Some(bad), None).unwrap_err();
             assert_eq!(what, format!("CELLGRAPH_BF16_PAIRS={bad}"));
             assert!(detail.starts_with("expected 1 (bf16 products on AVX-512 BF16 pairs "), "{detail}");
+            let (what, detail) = parse(None, None, Some(bad)).unwrap_err();
+            assert_eq!(what, format!("CELLGRAPH_TABLES={bad}"));
+            assert!(detail.starts_with("expected 1 (tables of programs' subtrees on bf16 operands "), "{detail}");
         }
     }
 

@@ -6,6 +6,7 @@
 use super::float::{each, post_all, vectorized, HostFloat, BLOCK};
 use super::reads::{gather, Runs, Src, MIN_RUN};
 use super::rows::relu1;
+use super::tables::Tables;
 use crate::kernel::{Elementwise, Read};
 use cellgraph_compiler::program::{Binary, Program, Step, Unary, Val};
 
@@ -45,6 +46,15 @@ pub fn fused<F: HostFloat>(e: &Elementwise, args: &[&[F]], out: &mut [F]) {
     let reads: Vec<Read> = periods.iter().zip(&e.reads).map(|(p, r)| p.map_or_else(|| r.clone(), Read::Cycle)).collect();
     let args: Vec<&[F]> = expanded.iter().zip(args).map(|(v, x)| v.as_deref().unwrap_or(x)).collect();
     post_all(Some(&|first, part: &mut [F]| program(e, &reads, Operands::All(&args), first, part)), out);
+}
+
+/// [`fused`] on the calling thread alone, for a program whose operands are read whole
+/// ([`Read::Same`]): the tables' own runs ([`super::tables::make`]), made while other threads
+/// wait for them, so that they hand no work to rayon (a thread waiting on its handed-out work
+/// could take up another part of the program being tabulated, and wait for its own tables).
+fn fused_here<F: HostFloat>(e: &Elementwise, args: &[&[F]], out: &mut [F]) {
+    assert!(out.len() == e.len && e.reads.iter().all(|r| *r == Read::Same), "a program over whole operands");
+    program(e, &e.reads, Operands::All(args), 0, out)
 }
 
 /// The most elements [`fused`] writes out for one period of an operand (64 KiB of f32).
@@ -342,8 +352,11 @@ fn program<F: HostFloat>(e: &Elementwise, reads: &[Read], args: Operands<F>, fir
     let head = matches!(args, Operands::Head(_));
     let in_place = head && matches!(steps.first(), Some(Step::Unary(_, Val::Arg(0)) | Step::Binary(_, Val::Arg(0), _) | Step::Write(_, Val::Arg(0))));
     let save = head && steps.iter().flat_map(|s| s.reads()).filter(|&v| v == Val::Arg(0)).count() > usize::from(in_place);
+    // Subtrees on bf16 operands read from tables, made on the first run ([`super::tables`]).
+    let tables = (F::TABULATES && !head && !e.bf16_args.is_empty()).then(|| e.tables.get_or_init(|| super::tables::make(e, fused_here::<f32>)));
+    let tables = tables.filter(|t| !t.tables.is_empty());
     // A block for the saved operand 0, then one per value beyond the first.
-    F::scratch((e.depth + 1) * BLOCK, |stack| vectorized(Blocks { e, reads, args, in_place, save, first, stack, part }))
+    F::scratch((e.depth + 1) * BLOCK, |stack| vectorized(Blocks { e, reads, args, tables, in_place, save, first, stack, part }))
 }
 
 /// [`program`]'s loop over blocks, as a [`vectorized`] op (too large for a closure: see there).
@@ -351,6 +364,7 @@ struct Blocks<'a, F> {
     e: &'a Elementwise,
     reads: &'a [Read],
     args: Operands<'a, F>,
+    tables: Option<&'a Tables>,
     in_place: bool,
     save: bool,
     first: usize,
@@ -364,7 +378,7 @@ impl<F: HostFloat> pulp::WithSimd for Blocks<'_, F> {
     fn with_simd<S: pulp::Simd>(self, _: S) {
         let at = Head { in_place: self.in_place, save: self.save };
         for (b, dst) in self.part.chunks_mut(BLOCK).enumerate() {
-            fused_block(self.e, self.reads, self.args, at, self.first + b * BLOCK, self.stack, dst);
+            fused_block(self.e, self.reads, self.args, self.tables, at, self.first + b * BLOCK, self.stack, dst);
         }
     }
 }
@@ -410,7 +424,16 @@ fn assign<F: HostFloat>(op: Binary, a: &mut [F], b: Src<F>, rev: bool, round: bo
 /// same op on the same values as in the unfused plan, so the bits are the unfused plan's.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn fused_block<F: HostFloat>(e: &Elementwise, reads: &[Read], args: Operands<F>, at: Head, start: usize, stack: &mut [F], dst: &mut [F]) {
+fn fused_block<F: HostFloat>(
+    e: &Elementwise,
+    reads: &[Read],
+    args: Operands<F>,
+    tables: Option<&Tables>,
+    at: Head,
+    start: usize,
+    stack: &mut [F],
+    dst: &mut [F],
+) {
     let n = dst.len();
     let steps = e.prog.steps();
     let Head { in_place, save } = at;
@@ -422,6 +445,20 @@ fn fused_block<F: HostFloat>(e: &Elementwise, reads: &[Read], args: Operands<F>,
     let mut sp = 0;
     let mut k = 0;
     while k < steps.len() {
+        // A tabulated subtree: its operand's values looked up, into a new slot.
+        if let Some(t) = tables.and_then(|t| t.at(k)) {
+            let top = slots(dst, stack, sp).0;
+            match leaves.whole(Val::Arg(t.arg)) {
+                Some(Src::Block(x)) => top.iter_mut().zip(x).for_each(|(y, &x)| *y = x.lookup(&t.values)),
+                _ => {
+                    leaves.load(Val::Arg(t.arg), top);
+                    top.iter_mut().for_each(|y| *y = y.lookup(&t.values));
+                }
+            }
+            sp += 1;
+            k = t.last + 1;
+            continue;
+        }
         // The first step's operand 0 of an epilogue is already in slot 0.
         let ready = in_place && k == 0;
         // An op whose value the next step rounds to bf16 rounds it as it computes it.
