@@ -224,7 +224,8 @@ pub struct Table {
     pub first: usize,
     pub last: usize,
     pub arg: u8,
-    pub values: Box<[f32; BF16_VALUES]>,
+    /// Shared by every program with the same subtree in the process (a model's layers).
+    pub values: Arc<[f32; BF16_VALUES]>,
 }
 
 /// A program's tables, in step order (none overlap).

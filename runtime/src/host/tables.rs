@@ -6,8 +6,12 @@
 //! once for every bf16 value, by the same interpreter on the same f32 values, into a table
 //! read at the value's upper 16 bits: the same bits as computing it, for a gather in place of
 //! a few dozen vector instructions. Tables are made on a program's first run on the host, on
-//! one thread while the program's other threads wait, and kept with its bound kernel
+//! one thread while the program's other threads wait, once per process for each subtree (a
+//! model's layers and its plans for other shapes share them), and kept with the bound kernels
 //! (`CELLGRAPH_TABLES=0` refuses them, to time the two).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cellgraph_compiler::program::{Program, Step, Unary, Val};
 
@@ -89,24 +93,30 @@ pub fn subtrees(prog: &Program, bf16: &[bool]) -> Vec<(usize, usize, u8)> {
         .collect()
 }
 
-/// The tables of `e`'s program, made by running each subtree as a program of its own over
-/// every bf16 value with `run` (the interpreter on the calling thread: `program::fused_here`);
-/// empty where no operand holds bf16 values, or tables are refused.
+/// The tables of `e`'s program: each subtree run as a program of its own over every bf16 value
+/// with `run` (the interpreter on the calling thread: `program::fused_here`), or the table an
+/// earlier program with the same subtree made; empty where no operand holds bf16 values, or
+/// tables are refused.
 pub fn make(e: &Elementwise, run: impl Fn(&Elementwise, &[&[f32]], &mut [f32])) -> Tables {
     if !enabled() || !e.bf16_args.iter().any(|&b| b) {
         return Tables::default();
     }
-    let inputs: Vec<f32> = (0..ENTRIES as u32).map(|b| f32::from_bits(b << 16)).collect();
+    // Held while a table is made: `run` hands no work to other threads, so none waits on it.
+    static MADE: OnceLock<Mutex<HashMap<Program, Arc<[f32; ENTRIES]>>>> = OnceLock::new();
+    let mut made = MADE.get_or_init(Default::default).lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let tables = subtrees(&e.prog, &e.bf16_args)
         .into_iter()
         .map(|(first, last, arg)| {
             let mut sub = Program::new();
             let r = e.prog.rebuild(Val::Let(last as u16), &mut sub, &mut |_, _| Val::Arg(0));
             sub.write(0, r);
-            let one = Elementwise::new(sub, vec![Read::Same], ENTRIES);
-            let mut values: Box<[f32; ENTRIES]> = vec![0.0f32; ENTRIES].into_boxed_slice().try_into().expect("ENTRIES values");
-            run(&one, &[&inputs], &mut values[..]);
-            Table { first, last, arg, values }
+            let values = made.entry(sub).or_insert_with_key(|sub| {
+                let inputs: Vec<f32> = (0..ENTRIES as u32).map(|b| f32::from_bits(b << 16)).collect();
+                let mut values: Box<[f32; ENTRIES]> = vec![0.0f32; ENTRIES].into_boxed_slice().try_into().expect("ENTRIES values");
+                run(&Elementwise::new(sub.clone(), vec![Read::Same], ENTRIES), &[&inputs], &mut values[..]);
+                Arc::from(values)
+            });
+            Table { first, last, arg, values: Arc::clone(values) }
         })
         .collect();
     Tables { tables }
@@ -136,12 +146,20 @@ mod tests {
         assert_eq!(subtrees(&both, &[true, true]), vec![(0, 0, 0), (1, 1, 1)]);
     }
 
-    /// `e`'s program over `args`, its subtrees on bf16 operands read from tables or not.
-    fn run(e: &Elementwise, bf16: &[bool], args: &[&[f32]]) -> (Vec<u32>, usize) {
+    /// `e`'s program over `args`, its subtrees on bf16 operands read from tables or not: the
+    /// output's bits, and the program's tables.
+    fn run_tables(e: &Elementwise, bf16: &[bool], args: &[&[f32]]) -> (Vec<u32>, Vec<Arc<[f32; ENTRIES]>>) {
         let e = e.with_bf16_args(bf16.to_vec());
         let mut out = vec![0.0f32; e.len];
         crate::host::program::fused(&e, args, &mut out);
-        (out.iter().map(|v| v.to_bits()).collect(), e.tables.get().map_or(0, |t| t.tables.len()))
+        let tables = e.tables.get().map_or_else(Vec::new, |t| t.tables.iter().map(|t| Arc::clone(&t.values)).collect());
+        (out.iter().map(|v| v.to_bits()).collect(), tables)
+    }
+
+    /// [`run_tables`] with the number of tables.
+    fn run(e: &Elementwise, bf16: &[bool], args: &[&[f32]]) -> (Vec<u32>, usize) {
+        let (bits, tables) = run_tables(e, bf16, args);
+        (bits, tables.len())
     }
 
     /// The GPT's GELU and its gradient in a bf16 plan (their programs as the fusion pass
@@ -176,5 +194,9 @@ mod tests {
         let (tabled, two) = run(&cyclic, &[false, true], &[&dy, bias]);
         assert_eq!(two, 2);
         assert!(plain == tabled, "the cyclic read differs");
+        // Another program with the same subtrees (a second layer's) reads the same tables.
+        let (_, first) = run_tables(&whole(&forward, 1), &[true], &[&every]);
+        let (_, again) = run_tables(&whole(&forward, 1), &[true], &[&every]);
+        assert!(Arc::ptr_eq(&first[0], &again[0]), "the forward's table was made twice");
     }
 }
