@@ -21,6 +21,7 @@ pub mod rows;
 pub mod tables;
 mod toeplitz;
 mod unfold;
+pub mod update;
 
 use std::collections::BTreeMap;
 
@@ -262,7 +263,7 @@ pub fn is_host_f32<B: Backend>(t: &FloatTensor<B>, len: usize) -> bool {
 }
 
 /// A window's boundary for one parameter on a host backend, in one pass (see
-/// [`program::update_clear`]): `bufs` are the parameter, its accumulator and its optimizer
+/// [`update::update_clear`]): `bufs` are the parameter, its accumulator and its optimizer
 /// states, in place where nothing else holds them (else copied), returned updated (the
 /// accumulator zeroed); the gradient is the accumulator times `scale`, then times `factor`
 /// (clipping's). `Err(bufs)` when they are not all f32 host values of one length.
@@ -293,7 +294,7 @@ pub fn update_clear<B: Backend>(
         .collect();
     let (pa, states) = vecs.split_at_mut(2);
     let [p, acc] = pa else { unreachable!("two") };
-    program::update_clear(prog, p, acc, states, scalars, scale, factor);
+    update::update_clear(prog, p, acc, states, scalars, scale, factor);
     Ok(vecs.into_iter().map(|v| B::from_host_vec(HostVec::F32(v), dims, device)).collect())
 }
 

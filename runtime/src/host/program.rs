@@ -1,14 +1,14 @@
 //! The interpreter of the plans' small programs on host slices: fused elementwise programs and
 //! epilogues ([`fused`], [`epilogue`]) a block of elements at a time, their operands read in
-//! runs (whole, one element, periodic, broadcast or strided), and the optimizer's
-//! update-and-clear programs ([`update_clear`]).
+//! runs (whole, one element, periodic, broadcast or strided); the optimizer's
+//! update-and-clear programs run on its element ops ([`super::update`]).
 
-use super::float::{each, post_all, vectorized, HostFloat, BLOCK};
+use super::float::{post_all, vectorized, HostFloat, BLOCK};
 use super::reads::{gather, Runs, Src, MIN_RUN};
 use super::rows::relu1;
 use super::tables::Tables;
 use crate::kernel::{Elementwise, Read};
-use cellgraph_compiler::program::{Binary, Program, Step, Unary, Val};
+use cellgraph_compiler::program::{Binary, Step, Unary, Val};
 
 /// Where a program's operands are: all in slices, or (an epilogue) operand 0 in the output
 /// itself and operand `i` > 0 in slice `i - 1`.
@@ -138,7 +138,7 @@ fn binary<F: HostFloat>(op: Binary, a: &mut [F], b: &[F], round: bool) {
 
 /// `x = op(x)` (`round`: rounded to bf16), element by element.
 #[inline(always)]
-fn unary<F: HostFloat>(op: Unary, x: &mut [F], round: bool) {
+pub(super) fn unary<F: HostFloat>(op: Unary, x: &mut [F], round: bool) {
     with_round!(round, |g| unary_then(op, x, g))
 }
 
@@ -169,50 +169,6 @@ fn unary_then<F: HostFloat>(op: Unary, x: &mut [F], g: impl Fn(F) -> F) {
     }
 }
 
-/// A window's boundary for one parameter in one pass: its optimizer's update (the
-/// [`Program`] its graph comes from, [`cellgraph_compiler::update`]) and the clearing of its
-/// accumulator, block by block: `g = acc * scale` (then `g * factor`, clipping's, unless it is
-/// 1), the program's steps in order, `acc = 0`.
-/// Reads of the parameter and of the states see their values before the update (the optimizer
-/// graph's writes land when it finishes), and each op rounds to `F` as the graph's ops do, so
-/// the results are the optimizer graph's bits. `scalars`: the rule's scalar inputs.
-pub fn update_clear<F: HostFloat>(prog: &Program, p: &mut [F], acc: &mut [F], states: &mut [Vec<F>], scalars: &[F], scale: F, factor: F) {
-    let n = p.len();
-    assert!(acc.len() == n && states.iter().all(|s| s.len() == n), "one length for a parameter's buffers");
-    // A value per step (`Let(i)` is step `i`'s; a write's is never read).
-    let lets = prog.steps().len();
-    // The buffers the program reads after writing them: those are read from copies. Buffer
-    // 0 is the parameter (operand 0, output 0), buffer `1 + k` state `k` (operand `2 + k`,
-    // output `1 + k`).
-    let mut kept = vec![false; 1 + states.len()];
-    let buffer = |v: Val| match v {
-        Val::Arg(0) => Some(0),
-        Val::Arg(a) if a >= 2 => Some(a as usize - 1),
-        _ => None,
-    };
-    let mut written = vec![false; 1 + states.len()];
-    for step in prog.steps() {
-        for i in step.reads().filter_map(buffer) {
-            kept[i] |= written[i];
-        }
-        if let Step::Write(o, _) = *step {
-            written[o as usize] = true;
-        }
-    }
-    let threads = rayon::current_num_threads().min(n / (16 * BLOCK)).max(1);
-    let per = n.div_ceil(threads).div_ceil(BLOCK).max(1) * BLOCK;
-    // Each share: its part of the parameter, the accumulator and every state.
-    let mut parts: Vec<Vec<&mut [F]>> = states.iter_mut().map(|s| s.chunks_mut(per).collect()).collect();
-    let shares: Vec<_> =
-        p.chunks_mut(per).zip(acc.chunks_mut(per)).map(|(p, a)| (p, a, parts.iter_mut().map(|v| v.remove(0)).collect::<Vec<_>>())).collect();
-    each(shares, |(p, acc, mut st)| {
-        // Scratch: the gradient, the parameter and the states as they were, the steps' values.
-        F::scratch((2 + st.len() + lets) * BLOCK, |scratch| {
-            vectorized(Update { prog, kept: &kept, scalars, scale, factor, p, acc, states: &mut st, scratch })
-        })
-    });
-}
-
 /// `a = a op b` (`round`: rounded to bf16), element by element.
 #[inline(always)]
 fn binary_assign<F: HostFloat>(op: Binary, a: &mut [F], b: Src<F>, round: bool) {
@@ -224,122 +180,13 @@ fn binary_assign<F: HostFloat>(op: Binary, a: &mut [F], b: Src<F>, round: bool) 
 
 /// `dst = a op b` (`round`: rounded to bf16), element by element, in one pass.
 #[inline(always)]
-fn binary_into<F: HostFloat>(op: Binary, dst: &mut [F], a: Src<F>, b: Src<F>, round: bool) {
+pub(super) fn binary_into<F: HostFloat>(op: Binary, dst: &mut [F], a: Src<F>, b: Src<F>, round: bool) {
     with_binary!(op, |f| with_round!(round, |g| match (a, b) {
         (Src::Block(a), Src::Block(b)) => dst.iter_mut().zip(a).zip(b).for_each(|((d, &x), &y)| *d = g(f(x, y))),
         (Src::Block(a), Src::Splat(y)) => dst.iter_mut().zip(a).for_each(|(d, &x)| *d = g(f(x, y))),
         (Src::Splat(x), Src::Block(b)) => dst.iter_mut().zip(b).for_each(|(d, &y)| *d = g(f(x, y))),
         (Src::Splat(x), Src::Splat(y)) => dst.fill(g(f(x, y))),
     }))
-}
-
-/// [`update_clear`]'s loop over one share's blocks, as a [`vectorized`] op (too large for a
-/// closure, which ran on SSE2: see there).
-struct Update<'a, 'b, F> {
-    prog: &'a Program,
-    kept: &'a [bool],
-    scalars: &'a [F],
-    scale: F,
-    factor: F,
-    p: &'a mut [F],
-    acc: &'a mut [F],
-    states: &'a mut [&'b mut [F]],
-    scratch: &'a mut [F],
-}
-
-impl<F: HostFloat> pulp::WithSimd for Update<'_, '_, F> {
-    type Output = ();
-    #[inline(always)]
-    fn with_simd<S: pulp::Simd>(self, _: S) {
-        let Update { prog, kept, scalars, scale, factor, p, acc, states, scratch } = self;
-        for start in (0..p.len()).step_by(BLOCK) {
-            let m = BLOCK.min(p.len() - start);
-            update_block(prog, kept, scalars, (scale, factor), &mut p[start..start + m], &mut acc[start..start + m], states, start, scratch);
-        }
-    }
-}
-
-/// One block of [`update_clear`]: `p` and `acc` the block's elements, `states` the share's
-/// (the block's are `start..start + p.len()`). Every step writes its own slot of `lets`, in
-/// one pass over its operands; the parameter and the states are read in place, or (`kept`:
-/// where the program reads one after writing it) from copies taken first.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn update_block<F: HostFloat>(
-    prog: &Program,
-    kept: &[bool],
-    scalars: &[F],
-    (scale, factor): (F, F),
-    p: &mut [F],
-    acc: &mut [F],
-    states: &mut [&mut [F]],
-    start: usize,
-    scratch: &mut [F],
-) {
-    let m = p.len();
-    let k = states.len();
-    let (fixed, lets) = scratch.split_at_mut((2 + k) * BLOCK);
-    let (g, rest) = fixed.split_at_mut(BLOCK);
-    let (w, old) = rest.split_at_mut(BLOCK);
-    g[..m].iter_mut().zip(&*acc).for_each(|(g, &a)| *g = a * scale);
-    if factor != F::from_f64(1.0) {
-        g[..m].iter_mut().for_each(|g| *g = *g * factor);
-    }
-    if kept[0] {
-        w[..m].copy_from_slice(p);
-    }
-    for (j, s) in states.iter().enumerate().filter(|(j, _)| kept[1 + j]) {
-        old[j * BLOCK..][..m].copy_from_slice(&s[start..start + m]);
-    }
-    let leaf = |v: Val| match v {
-        Val::Scalar(i) => scalars[i as usize],
-        _ => F::from_f64(v.literal().expect("a scalar input or a literal")),
-    };
-    for (next, step) in prog.steps().iter().enumerate() {
-        let (done, rest) = lets.split_at_mut(next * BLOCK);
-        let dst = &mut rest[..m];
-        // A write of a step's value or a constant lands straight in its target.
-        let direct = match *step {
-            Step::Write(o, Val::Let(i)) => Some((o, Src::Block(&done[i as usize * BLOCK..][..m]))),
-            Step::Write(o, v @ (Val::Scalar(_) | Val::Lit(_))) => Some((o, Src::Splat(leaf(v)))),
-            _ => None,
-        };
-        if let Some((o, x)) = direct {
-            let to: &mut [F] = if o == 0 { &mut *p } else { &mut states[o as usize - 1][start..start + m] };
-            x.copy_to(to);
-            continue;
-        }
-        let val = |v: Val| match v {
-            Val::Arg(0) if kept[0] => Src::Block(&w[..m]),
-            Val::Arg(0) => Src::Block(&*p),
-            Val::Arg(1) => Src::Block(&g[..m]),
-            Val::Arg(a) if kept[a as usize - 1] => Src::Block(&old[(a as usize - 2) * BLOCK..][..m]),
-            Val::Arg(a) => Src::Block(&states[a as usize - 2][start..start + m]),
-            Val::Scalar(_) | Val::Lit(_) => Src::Splat(leaf(v)),
-            Val::Let(i) => Src::Block(&done[i as usize * BLOCK..][..m]),
-        };
-        let write = match *step {
-            Step::Unary(op, x) => {
-                val(x).copy_to(dst);
-                unary(op, dst, false);
-                None
-            }
-            Step::Binary(op, a, b) => {
-                binary_into(op, dst, val(a), val(b), false);
-                None
-            }
-            // The parameter or a state written as it is: through this step's slot.
-            Step::Write(o, x) => {
-                val(x).copy_to(dst);
-                Some(o)
-            }
-        };
-        if let Some(o) = write {
-            let to: &mut [F] = if o == 0 { &mut *p } else { &mut states[o as usize - 1][start..start + m] };
-            to.copy_from_slice(dst);
-        }
-    }
-    acc.fill(F::ZERO);
 }
 
 /// `e` over `part` (output elements from `first` on), its operands read as `reads` say
@@ -491,11 +338,18 @@ fn fused_block<F: HostFloat>(
                     let (top, spare) = slots(dst, stack, sp);
                     if ready {
                         leaves.apply(op, top, b, false, round, spare);
-                    } else if let (Some(x), Some(y)) = (leaves.whole(a), leaves.whole(b)) {
-                        binary_into(op, top, x, y, round);
                     } else {
-                        leaves.load(a, top);
-                        leaves.apply(op, top, b, false, round, spare);
+                        match (leaves.whole(a), leaves.whole(b)) {
+                            (Some(x), Some(y)) => binary_into(op, top, x, y, round),
+                            // One operand in one piece: the other read piece by piece beside it,
+                            // in one pass (no copy of the first into the slot).
+                            (Some(x), None) => leaves.apply_beside(op, top, x, b, false, round, spare),
+                            (None, Some(y)) => leaves.apply_beside(op, top, y, a, true, round, spare),
+                            (None, None) => {
+                                leaves.load(a, top);
+                                leaves.apply(op, top, b, false, round, spare);
+                            }
+                        }
                     }
                     sp += 1;
                 }
@@ -580,12 +434,45 @@ impl<'a, F: HostFloat> Leaves<'a, F> {
             }
         }
     }
+    /// `top = x op v` (`rev`: `v op x`; `round`: rounded to bf16), `x` a block's values in
+    /// one piece and the leaf `v` read piece by piece where it can be, else gathered into
+    /// `spare` first: [`Self::apply`] without first copying `x` into `top`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn apply_beside(&self, op: Binary, top: &mut [F], x: Src<F>, v: Val, rev: bool, round: bool, spare: &mut [F]) {
+        let Val::Arg(i) = v else { unreachable!("a literal is read in one piece") };
+        let (r, m, at) = self.operand(i);
+        match Runs::new(r, m, at, self.n) {
+            Some(runs) => {
+                for (o, len, b) in runs {
+                    let (p, q) = ordered(rev, x.piece(o, len), b);
+                    binary_into(op, &mut top[o..o + len], p, q, round);
+                }
+            }
+            None => {
+                gather(r, m, at, spare);
+                let (p, q) = ordered(rev, x, Src::Block(spare));
+                binary_into(op, top, p, q, round);
+            }
+        }
+    }
+}
+
+/// `(a, b)`, or (`rev`) `(b, a)`.
+#[inline(always)]
+fn ordered<T>(rev: bool, a: T, b: T) -> (T, T) {
+    if rev {
+        (b, a)
+    } else {
+        (a, b)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::host::float::tests::{data, new};
+    use cellgraph_compiler::program::Program;
 
     /// Program `expr` bound as a fused elementwise kernel over f32 operands of extents `dims`.
     fn bound<D: AsRef<[usize]>>(expr: &Program, dims: &[D]) -> std::sync::Arc<Elementwise> {

@@ -12,7 +12,16 @@ pub(super) enum Src<'a, F> {
     Splat(F),
 }
 
-impl<F: Copy> Src<'_, F> {
+impl<'a, F: Copy> Src<'a, F> {
+    /// Elements `[o, o + len)` of the values.
+    #[inline(always)]
+    pub(super) fn piece(self, o: usize, len: usize) -> Src<'a, F> {
+        match self {
+            Src::Block(x) => Src::Block(&x[o..o + len]),
+            s => s,
+        }
+    }
+
     /// Writes the values into `dst`.
     #[inline(always)]
     pub(super) fn copy_to(self, dst: &mut [F]) {
