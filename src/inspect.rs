@@ -354,6 +354,7 @@ fn plan(path: &Path, unbound: bool, json: bool, device: &str) -> Res<()> {
                     HostRun::Store => ("store", String::new()),
                     HostRun::Identity => ("identity", String::new()),
                     HostRun::RoundedWhenPacked => ("rounded_when_packed", String::new()),
+                    HostRun::RoundedInProducer => ("rounded_in_producer", String::new()),
                 };
                 json!({"node": s.node, "op": s.op, "type": s.ty.to_string(), "scope": s.scope, "runs": kind, "detail": detail})
             })

@@ -314,6 +314,13 @@ fn elementwise(e: &Program, tys: &[&TensorType]) -> Option<Arc<Elementwise>> {
     Some(Arc::new(Elementwise::new(e.clone(), reads, out.iter().product())))
 }
 
+/// `head` (of `head_args` operands, result of type `ty`) with a `round_to` `dtype` of its
+/// result as its epilogue: the rounding over each part of the result as the head writes it.
+pub(crate) fn rounding(head: &Native, head_args: usize, ty: &TensorType, dtype: cellgraph_compiler::DType) -> Option<Native> {
+    let post = elementwise(&Program::of_op(&Op::RoundTo { dtype }, 1)?, &[ty])?;
+    Some(Native::Epilogue { head: Box::new(head.clone()), head_args, post })
+}
+
 /// The kernel for `op` on operands of types `tys`, resolved once (padding modes included);
 /// `None` for ops that run on burn's ops (or windows that do not resolve: the lowering then
 /// reports the error).

@@ -544,3 +544,45 @@ fn bf16_products_on_the_cpu_match_the_emulation() {
         assert!(loss_gap < 1e-2, "{name}: losses {pair_losses:?} against {emulated_losses:?}");
     }
 }
+
+/// On the host kernels, an attention's result (forward and gradient) that only its `round_to`
+/// reads is rounded by the attention's kernel as it writes it, and that `round_to` is not run:
+/// the values are those of the unrounded results rounded by `round_to` alone (they would not
+/// be bf16 values if the rounding were lost), and the plan lists both decisions.
+#[test]
+fn the_hosts_attention_rounds_its_result_as_it_writes_it() {
+    use cellgraph::compiler::{Graph, Op};
+    use cellgraph::runtime::{HostRun, Session};
+    let (qkv_ty, dy_ty) = (TensorType::f32([2, 9, 24]), TensorType::f32([2, 9, 8]));
+    let plan = |round: bool| {
+        let mut g = Graph::new("attention");
+        let qkv = g.add_leaf(Op::Input { index: 0, name: "qkv".into() }, qkv_ty.clone(), "t").unwrap();
+        let dy = g.add_leaf(Op::Input { index: 1, name: "dy".into() }, dy_ty.clone(), "t").unwrap();
+        let y = g.add(Op::Attention { heads: 2, causal: true }, &[qkv], "t").unwrap();
+        let dx = g.add(Op::AttentionGrad { heads: 2, causal: true }, &[qkv, dy], "t").unwrap();
+        let outputs = match round {
+            true => {
+                vec![g.add(Op::RoundTo { dtype: DType::BF16 }, &[y], "t").unwrap(), g.add(Op::RoundTo { dtype: DType::BF16 }, &[dx], "t").unwrap()]
+            }
+            false => vec![y, dx],
+        };
+        g.set_outputs(outputs);
+        cellgraph::runtime::compile(g).unwrap()
+    };
+    let mut rng = StdRng::seed_from_u64(17);
+    let mut values = |n: usize| (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect::<Vec<f32>>();
+    let inputs = [HostTensor::f32(vec![2, 9, 24], values(2 * 9 * 24)).unwrap(), HostTensor::f32(vec![2, 9, 8], values(2 * 9 * 8)).unwrap()];
+    let mut s = Session::<Cpu>::new(cpu());
+    let (rounded, plain) = (plan(true), plan(false));
+    let got: Vec<Vec<f32>> = s.run(&rounded, &inputs).unwrap().iter().map(|t| t.to_f32()).collect();
+    let unrounded: Vec<Vec<f32>> = s.run(&plain, &inputs).unwrap().iter().map(|t| t.to_f32()).collect();
+    for (what, (got, unrounded)) in ["attention", "attention_grad"].iter().zip(got.iter().zip(&unrounded)) {
+        let want = round_on::<Cpu>(unrounded, DType::BF16, false, cpu());
+        assert!(unrounded.iter().zip(&want).any(|(u, w)| u != w), "{what}: some values are not bf16 values");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(got), bits(&want), "{what}");
+    }
+    let runs: Vec<HostRun> = s.steps(&rounded).into_iter().map(|st| st.run).collect();
+    assert_eq!(runs.iter().filter(|r| **r == HostRun::RoundedInProducer).count(), 2, "{runs:?}");
+    assert_eq!(runs.iter().filter(|r| **r == HostRun::Kernel("epilogue(Attention)".into())).count(), 2, "{runs:?}");
+}

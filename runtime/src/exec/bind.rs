@@ -29,6 +29,9 @@ pub enum HostRun {
     /// A parameter's bf16 copy that only bf16 products read: not made, the products round the
     /// parameter's values as they pack them (a session with bf16 products on the host).
     RoundedWhenPacked,
+    /// A `round_to` of an attention's result that alone reads it: not run, the attention's
+    /// kernel rounds its result as it writes it.
+    RoundedInProducer,
     /// A bound host kernel, by name (`matmul`, `epilogue(conv Forward direct)`).
     Kernel(String),
     /// burn's ops (the reference lowering), with the reason no host kernel binds.
@@ -80,6 +83,9 @@ pub(super) enum Exec {
     /// what only a launch can tell (a cubek kernel that does not set up) still runs on burn's
     /// ops when it happens, counted ([`super::Session::burn_op_steps`]).
     Kernel,
+    /// The step's kernel with the `round_to` that alone reads its result as its epilogue
+    /// ([`super::plan::Step::rounding`], host backends): that `round_to` is [`Exec::Pass`]`(0)`.
+    KernelRounding,
     /// An epilogue whose program the device's kernels decline
     /// ([`crate::Backend::device_declines_program`]): its head on the head's kernel, then the
     /// program on burn's ops, counted (`epilogue`).
@@ -300,6 +306,8 @@ mod tests {
             bf16_operands: false,
             holds: None,
             rounded_when_packed: false,
+            rounded_by: None,
+            rounding: None,
         }
     }
 

@@ -184,6 +184,7 @@ impl std::fmt::Display for HostStep {
             HostRun::Store => "store (the new value, moved)".to_string(),
             HostRun::Identity => "identity (its operand)".to_string(),
             HostRun::RoundedWhenPacked => "none: the bf16 products that read it round it as they pack it".to_string(),
+            HostRun::RoundedInProducer => "none: the attention before it rounds its result as it writes it".to_string(),
             HostRun::Kernel(k) => format!("kernel {k}"),
             HostRun::BurnOps(why) => format!("burn ops: {why}"),
         };

@@ -442,6 +442,14 @@ impl<B: Backend> Session<B> {
                     hs.run = HostRun::RoundedWhenPacked;
                 }
             }
+            // As the binding decides ([`Self::execs`]): both steps on kernels.
+            for (i, st) in exe.steps.iter().enumerate() {
+                let Some(j) = st.rounded_by else { continue };
+                if let (HostRun::Kernel(_), HostRun::Kernel(_), Some(k)) = (&steps[i].run, &steps[j].run, &exe.steps[j].rounding) {
+                    steps[j].run = HostRun::Kernel(bind::kernel_name(k));
+                    steps[i].run = HostRun::RoundedInProducer;
+                }
+            }
             return steps;
         }
         exe.steps
@@ -456,7 +464,7 @@ impl<B: Backend> Session<B> {
                     Exec::AddInPlace => HostRun::AccumulateInPlace,
                     Exec::Pass(0) => HostRun::Identity,
                     Exec::Pass(_) => HostRun::Store,
-                    Exec::Kernel | Exec::AccumulateInto(_) => match &st.kernel {
+                    Exec::Kernel | Exec::KernelRounding | Exec::AccumulateInto(_) => match &st.kernel {
                         Some(k) => HostRun::Kernel(bind::kernel_name(k)),
                         None => HostRun::BurnOps(format!("no kernel for `{}`", st.op.label())),
                     },
@@ -520,6 +528,17 @@ impl<B: Backend> Session<B> {
                 false => bind::exec_of(st, B::HOST, self.native, self.in_place, &self.declines(st)),
             })
             .collect();
+        let mut execs = execs;
+        // An attention's result that only its `round_to` reads: rounded as the host's kernel
+        // writes it ([`plan::Step::rounded_by`]).
+        for (i, st) in exe.steps.iter().enumerate() {
+            match st.rounded_by {
+                Some(j) if B::HOST && execs[j] == Exec::Kernel && execs[i] == Exec::Kernel => {
+                    (execs[j], execs[i]) = (Exec::KernelRounding, Exec::Pass(0));
+                }
+                _ => {}
+            }
+        }
         let (stores, kept_f32) = self.low_stores(exe, &execs);
         let b = std::sync::Arc::new(Binding { execs, stores, kept_f32 });
         self.execs.insert(key, b.clone());

@@ -54,6 +54,11 @@ pub(super) struct Step {
     /// ([`rounded_when_packed`]): they round each value as they pack it, so a session whose
     /// products run on bf16 hands them the parameter itself (see [`super::Session`]'s binding).
     pub(super) rounded_when_packed: bool,
+    /// A `round_to` of an attention's result that alone reads it ([`rounded_in_producer`]):
+    /// the attention step (this index), which on host backends rounds its result as it writes it.
+    pub(super) rounded_by: Option<usize>,
+    /// That attention step's kernel with the rounding as its epilogue.
+    pub(super) rounding: Option<Native>,
 }
 
 /// The ops whose arithmetic is matrix products, with or without a bound GEMM.
@@ -443,6 +448,30 @@ fn rounded_when_packed(steps: &mut [Step], outputs: &[usize]) {
     }
 }
 
+/// Marks each `round_to` (bf16, f16) of an attention's result, forward or gradient, that alone
+/// reads it and is not an output, and gives the attention step its kernel with that rounding
+/// as an epilogue: on host backends the attention rounds its result as it writes it (over
+/// parts still in cache) and the `round_to` passes the value on, the same bits with one pass
+/// over the result fewer (see [`super::Session`]'s binding). Runs after
+/// [`keep_for_gradients`], whose slots the kernel keeps.
+fn rounded_in_producer(steps: &mut [Step], outputs: &[usize]) {
+    for i in 0..steps.len() {
+        let (Op::RoundTo { dtype }, [(x, true)]) = (&steps[i].op, &steps[i].args[..]) else { continue };
+        let (dtype, x) = (*dtype, *x);
+        let Some(j) = steps[..i].iter().position(|st| st.slot == x) else { continue };
+        let attention = matches!(steps[j].op, Op::Attention { .. } | Op::AttentionGrad { .. });
+        let readers = steps.iter().filter(|st| st.args.iter().any(|a| a.0 == x)).count();
+        if !attention || readers != 1 || outputs.contains(&x) {
+            continue;
+        }
+        let Some(k) = steps[j].kernel.as_ref().filter(|k| matches!(k, Native::Attention { .. })) else { continue };
+        if let Some(r) = crate::kernel::rounding(k, steps[j].args.len(), &steps[j].ty, dtype) {
+            steps[j].rounding = Some(r);
+            steps[i].rounded_by = Some(j);
+        }
+    }
+}
+
 /// Names the parameter each dense small-map convolution (forward or input gradient, alone or
 /// heading an epilogue) reads as its filter (operand 1), so that host backends build its dense
 /// filter once per value of the parameter (see [`Native::Conv`]'s `filter`).
@@ -608,6 +637,8 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
                 bf16_operands,
                 holds,
                 rounded_when_packed: false,
+                rounded_by: None,
+                rounding: None,
             }
         })
         .collect();
@@ -615,6 +646,7 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
     rounded_when_packed(&mut steps, &outputs);
     keep_for_gradients(&mut steps);
     name_dense_filters(&mut steps);
+    rounded_in_producer(&mut steps, &outputs);
     let slots = graph.id_bound();
     let peak_bytes = simulate_peak(&graph, &steps);
     let arena = arena_sizes(&graph, &steps);

@@ -80,6 +80,24 @@ pub(super) fn compute<B: Backend>(
                 None => burn_op(cx, op, args, &step.ty, w.burn_steps)?,
             }
         }
+        Exec::KernelRounding => {
+            let k = step.rounding.as_ref().expect("bound to steps with a rounding kernel");
+            match run_bound(k, &args, &step.ty, cx, w.kept, w.arena) {
+                Some(t) => {
+                    for (v, _) in args {
+                        v.give_back(w.arena);
+                    }
+                    Value::Float(t)
+                }
+                // Declined at the launch: the op, then its rounding, on burn's ops, counted.
+                None => {
+                    let Some(Native::Epilogue { post, .. }) = &step.rounding else { unreachable!("a rounding is an epilogue") };
+                    let y = burn_op(cx, op, args, &step.ty, w.burn_steps)?;
+                    *w.burn_steps.entry("epilogue").or_default() += 1;
+                    crate::lower::epilogue_program(cx, y, &post.prog, Vec::new(), &step.ty)?
+                }
+            }
+        }
         // The program the device declines, decided at binding.
         Exec::HeadKernel => head_then_program(cx, step, args, w)?,
         Exec::Pass(i) => args.into_iter().nth(i).expect("the verifier checks the arity").0,
