@@ -39,6 +39,29 @@ struct Out<F>(*mut F);
 unsafe impl<F> Sync for Out<F> {}
 unsafe impl<F> Send for Out<F> {}
 
+/// A rounding of the result's values (bf16, f16: the plan's `round_to` after the attention),
+/// done by each (sequence, head) item over its own rows as it finishes them, still in cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Round {
+    Bf16,
+    F16,
+}
+
+/// Rounds `rows` rows of `d` values at row stride `ld` from `x`.
+///
+/// # Safety
+/// `x` must address `rows` rows of `d` elements at row stride `ld`, written by no one else.
+#[inline(always)]
+unsafe fn round_rows<F: HostFloat>(x: *mut F, rows: usize, ld: usize, d: usize, r: Round) {
+    for i in 0..rows {
+        let row = std::slice::from_raw_parts_mut(x.add(i * ld), d);
+        match r {
+            Round::Bf16 => row.iter_mut().for_each(|v| *v = v.round_bf16()),
+            Round::F16 => row.iter_mut().for_each(|v| *v = v.round_f16()),
+        }
+    }
+}
+
 /// The keys row `i` sees: `0..i + 1` under a causal mask, else all `t`.
 #[inline(always)]
 fn seen(i: usize, t: usize, causal: bool) -> usize {
@@ -160,13 +183,14 @@ struct Forward<'a, F> {
     item: usize,
     /// `[t, t]` for `P`: scratch, or the item's part of the kept probabilities.
     p: &'a mut [F],
+    round: Option<Round>,
 }
 
 impl<F: HostFloat> pulp::WithSimd for Forward<'_, F> {
     type Output = ();
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, _: S) {
-        let Forward { qkv, y, e, causal, item, p } = self;
+        let Forward { qkv, y, e, causal, item, p, round } = self;
         let [_, t, heads, d] = e;
         let (c, (bi, h)) = (heads * d, (item / heads, item % heads));
         let ld = 3 * c;
@@ -199,6 +223,9 @@ impl<F: HostFloat> pulp::WithSimd for Forward<'_, F> {
                     Products::F32,
                 );
             }
+            if let Some(r) = round {
+                round_rows(y, t, c, d, r);
+            }
         }
     }
 }
@@ -215,13 +242,14 @@ struct Backward<'a, F> {
     s: &'a mut [F],
     /// The item's `P` as the forward kept it, if it did.
     kept: Option<&'a [F]>,
+    round: Option<Round>,
 }
 
 impl<F: HostFloat> pulp::WithSimd for Backward<'_, F> {
     type Output = ();
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, _: S) {
-        let Backward { qkv, dy, dx, e, causal, item, s, kept } = self;
+        let Backward { qkv, dy, dx, e, causal, item, s, kept, round } = self;
         let [_, t, heads, d] = e;
         let (c, (bi, h)) = (heads * d, (item / heads, item % heads));
         let (ld, ldi, ti, ci) = (3 * c, 3 * c as isize, t as isize, c as isize);
@@ -302,14 +330,19 @@ impl<F: HostFloat> pulp::WithSimd for Backward<'_, F> {
                     Products::F32,
                 );
             }
+            if let Some(r) = round {
+                for part in [dq, dk, dv] {
+                    round_rows(part, t, ld, d, r);
+                }
+            }
         }
     }
 }
 
 /// `Op::Attention` over `qkv [b, t, 3 * heads * d]` into `y [b, t, heads * d]`, the
 /// (sequence, head) pairs spread over the threads; `keep` (`[b, heads, t, t]`), when given,
-/// receives the probabilities for [`backward`].
-pub fn forward<F: HostFloat>(qkv: &[F], e: Extents, causal: bool, keep: Option<&mut [F]>, y: &mut [F]) {
+/// receives the probabilities for [`backward`]; `round`: each item rounds its rows.
+pub fn forward<F: HostFloat>(qkv: &[F], e: Extents, causal: bool, keep: Option<&mut [F]>, y: &mut [F], round: Option<Round>) {
     let [b, t, heads, d] = e;
     assert!(qkv.len() == b * t * 3 * heads * d && y.len() == b * t * heads * d, "attention extents");
     assert!(keep.as_ref().is_none_or(|p| p.len() == b * heads * t * t), "kept probabilities' extents");
@@ -319,18 +352,20 @@ pub fn forward<F: HostFloat>(qkv: &[F], e: Extents, causal: bool, keep: Option<&
     let keep = &keep;
     each((0..b * heads).collect(), |item| match keep {
         // SAFETY: item `item` writes its own `[t, t]` of the kept buffer (checked above).
-        Some(p) => vectorized(Forward { qkv, y: out, e, causal, item, p: unsafe { std::slice::from_raw_parts_mut(p.0.add(item * t * t), t * t) } }),
+        Some(p) => {
+            vectorized(Forward { qkv, y: out, e, causal, item, p: unsafe { std::slice::from_raw_parts_mut(p.0.add(item * t * t), t * t) }, round })
+        }
         // The scratch is taken here, outside pulp's dispatch: a closure handed to `scratch`
         // from inside it would be compiled without the dispatch's target features (its row
         // loops then called `fmaf` per element and did not vectorise).
-        None => F::scratch(t * t, |p| vectorized(Forward { qkv, y: out, e, causal, item, p })),
+        None => F::scratch(t * t, |p| vectorized(Forward { qkv, y: out, e, causal, item, p, round })),
     });
 }
 
 /// `Op::AttentionGrad`: the gradient w.r.t. `qkv` of [`forward`] given `dy [b, t, heads * d]`,
 /// into `dx` (laid out as `qkv`); `kept`, the probabilities [`forward`] kept for this `qkv`,
-/// or `None` to make them again.
-pub fn backward<F: HostFloat>(qkv: &[F], dy: &[F], e: Extents, causal: bool, kept: Option<&[F]>, dx: &mut [F]) {
+/// or `None` to make them again; `round`: each item rounds its rows.
+pub fn backward<F: HostFloat>(qkv: &[F], dy: &[F], e: Extents, causal: bool, kept: Option<&[F]>, dx: &mut [F], round: Option<Round>) {
     let [b, t, heads, d] = e;
     assert!(qkv.len() == b * t * 3 * heads * d && dx.len() == qkv.len() && dy.len() == b * t * heads * d, "attention gradient extents");
     assert!(kept.is_none_or(|p| p.len() == b * heads * t * t), "kept probabilities' extents");
@@ -339,7 +374,7 @@ pub fn backward<F: HostFloat>(qkv: &[F], dy: &[F], e: Extents, causal: bool, kep
     let s = if kept.is_some() { t * t } else { 2 * t * t };
     each((0..b * heads).collect(), |item| {
         let kept = kept.map(|p| &p[item * t * t..][..t * t]);
-        F::scratch(s, |s| vectorized(Backward { qkv, dy, dx: out, e, causal, item, s, kept }))
+        F::scratch(s, |s| vectorized(Backward { qkv, dy, dx: out, e, causal, item, s, kept, round }))
     });
 }
 
@@ -441,8 +476,8 @@ mod tests {
             let run = |threads: usize| {
                 rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool").install(|| {
                     let (mut y, mut dx) = (vec![f32::NAN; dy.len()], vec![f32::NAN; qkv.len()]);
-                    forward(&qkv, e, causal, None, &mut y);
-                    backward(&qkv, &dy, e, causal, None, &mut dx);
+                    forward(&qkv, e, causal, None, &mut y, None);
+                    backward(&qkv, &dy, e, causal, None, &mut dx, None);
                     (y, dx)
                 })
             };
@@ -450,8 +485,8 @@ mod tests {
             let kept = |threads: usize| {
                 rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool").install(|| {
                     let (mut y, mut dx, mut p) = (vec![f32::NAN; dy.len()], vec![f32::NAN; qkv.len()], vec![f32::NAN; b * heads * t * t]);
-                    forward(&qkv, e, causal, Some(&mut p), &mut y);
-                    backward(&qkv, &dy, e, causal, Some(&p), &mut dx);
+                    forward(&qkv, e, causal, Some(&mut p), &mut y, None);
+                    backward(&qkv, &dy, e, causal, Some(&p), &mut dx, None);
                     (y, dx)
                 })
             };
@@ -467,6 +502,16 @@ mod tests {
             for threads in [1, 3] {
                 let (yk, dxk) = kept(threads);
                 assert_eq!((bits(&y), bits(&dx)), (bits(&yk), bits(&dxk)), "{e:?} causal {causal}: kept probabilities, {threads} threads");
+            }
+            // Rounded by the items as they finish: every value of the result rounded, once.
+            for (round, r) in
+                [(Round::Bf16, (|v| half::bf16::from_f32(v).to_f32()) as fn(f32) -> f32), (Round::F16, |v| half::f16::from_f32(v).to_f32())]
+            {
+                let (mut yr, mut dxr) = (vec![f32::NAN; dy.len()], vec![f32::NAN; qkv.len()]);
+                forward(&qkv, e, causal, None, &mut yr, Some(round));
+                backward(&qkv, &dy, e, causal, None, &mut dxr, Some(round));
+                let rounded = |v: &[f32]| bits(&v.iter().map(|&x| r(x)).collect::<Vec<_>>());
+                assert_eq!((bits(&yr), bits(&dxr)), (rounded(&y), rounded(&dx)), "{e:?} causal {causal}: rounded {round:?}");
             }
         }
     }

@@ -508,6 +508,9 @@ fn run<F: Elem>(
     }
     let mut y = arena.take::<F>(len);
     match k {
+        Native::Epilogue { head, head_args: split, post } if matches!(**head, Native::Attention { .. }) && lone_rounding(post).is_some() => {
+            attention_into(head, &a[..*split], kept, &mut y, lone_rounding(post))
+        }
         Native::Epilogue { head, head_args: split, post } => {
             // The head's operands come first; `post` reads the output and the rest.
             let split = *split;
@@ -518,6 +521,28 @@ fn run<F: Elem>(
         k => run_into(k, &a, tys, kept, &mut y, None, bf16),
     }
     Some(y)
+}
+
+/// An attention (forward or gradient, `k`) into `y`, each (sequence, head) item rounding its
+/// rows as it finishes them when `round` says.
+fn attention_into<F: Elem>(k: &Native, a: &[&[F]], kept: &mut Kept, y: &mut [F], round: Option<attention::Round>) {
+    let &Native::Attention { b, t, heads, d, causal, grad, kept: slot } = k else { unreachable!("an attention kernel") };
+    let rows = b * heads * t * t;
+    match grad {
+        false => attention::forward(a[0], [b, t, heads, d], causal, slot.map(|s| kept.rows::<F>(s, rows)), y, round),
+        true => attention::backward(a[0], a[1], [b, t, heads, d], causal, slot.and_then(|s| kept.rows_of::<F>(s, rows)), y, round),
+    }
+}
+
+/// The rounding an epilogue's program is, alone (`$0 round_bf16`, `$0 round_f16`): an
+/// attention does it inside its items.
+fn lone_rounding(e: &crate::kernel::Elementwise) -> Option<attention::Round> {
+    use cellgraph_compiler::program::{Step, Unary, Val};
+    match e.prog.steps() {
+        [Step::Unary(Unary::RoundBf16, Val::Arg(0)), Step::Write(0, Val::Let(0))] => Some(attention::Round::Bf16),
+        [Step::Unary(Unary::RoundF16, Val::Arg(0)), Step::Write(0, Val::Let(0))] => Some(attention::Round::F16),
+        _ => None,
+    }
 }
 
 /// Runs a bound kernel (not an epilogue) into `y`, then `post` over each part of `y` as the
@@ -600,12 +625,7 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         Native::Concat { dims, axis } => layout::concat(a, dims, *axis, y),
         Native::CausalMask { t, s, fill } => rows::causal_mask(a[0], *t, *s, F::from_f64(*fill), y),
         Native::MaxRows { cols } => rows::max_rows(a[0], *cols, y),
-        &Native::Attention { b, t, heads, d, causal, grad: false, kept: slot } => {
-            attention::forward(a[0], [b, t, heads, d], causal, slot.map(|s| kept.rows::<F>(s, b * heads * t * t)), y)
-        }
-        &Native::Attention { b, t, heads, d, causal, grad: true, kept: slot } => {
-            attention::backward(a[0], a[1], [b, t, heads, d], causal, slot.and_then(|s| kept.rows_of::<F>(s, b * heads * t * t)), y)
-        }
+        Native::Attention { .. } => attention_into(k, a, kept, y, None),
         Native::Epilogue { .. } | Native::SoftmaxCrossEntropy { .. } => unreachable!("an epilogue's head is neither an epilogue nor a loss"),
     }
     float::post_all(post, y)
@@ -650,6 +670,18 @@ mod tests {
     use crate::kernel::bind;
     use cellgraph_compiler::{Op, PadMode, Pool2dAttrs};
     use std::borrow::Cow;
+
+    /// An epilogue that is a rounding alone is done inside an attention's items; any other
+    /// program (a rounding after another op, of another operand, or followed by one) is not.
+    #[test]
+    fn only_a_rounding_alone_is_an_attentions_own() {
+        let of = |p: &str| lone_rounding(&crate::kernel::Elementwise::new(p.parse().unwrap(), vec![crate::kernel::Read::Same], 4));
+        assert_eq!(of("$0 round_bf16"), Some(attention::Round::Bf16));
+        assert_eq!(of("$0 round_f16"), Some(attention::Round::F16));
+        for other in ["$0 1.0 mul round_bf16", "$0 round_bf16 neg", "$0 round_bf16 round_f16", "$0 neg"] {
+            assert_eq!(of(other), None, "{other}");
+        }
+    }
 
     /// `CELLGRAPH_AMX`, `CELLGRAPH_BF16_PAIRS` and `CELLGRAPH_TABLES` are each `1`, `0` or
     /// unset; any other value (a word, a space, an empty string) is refused with the variable,
