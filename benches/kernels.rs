@@ -169,16 +169,16 @@ fn gpt(pr: Products) {
     let pairs = (b * h * t * (t + 1) / 2) as f64;
     row(
         "attention 8 x 4 heads of 128 x 32, causal",
-        || timed(dy.len(), |y| attention::forward(&qkv, e, true, None, y)),
+        || timed(dy.len(), |y| attention::forward(&qkv, e, true, None, y, None)),
         2.0 * 2.0 * pairs * d as f64,
     );
-    row("attention grad, causal", || timed(qkv.len(), |dx| attention::backward(&qkv, &dy, e, true, None, dx)), 5.0 * 2.0 * pairs * d as f64);
+    row("attention grad, causal", || timed(qkv.len(), |dx| attention::backward(&qkv, &dy, e, true, None, dx, None)), 5.0 * 2.0 * pairs * d as f64);
     // As a training plan runs them: the forward keeps `P`, the gradient reads it (4 products).
     let mut p = vec![0.0f32; b * h * t * t];
-    row("attention, keeping P", || timed(dy.len(), |y| attention::forward(&qkv, e, true, Some(&mut p), y)), 2.0 * 2.0 * pairs * d as f64);
+    row("attention, keeping P", || timed(dy.len(), |y| attention::forward(&qkv, e, true, Some(&mut p), y, None)), 2.0 * 2.0 * pairs * d as f64);
     row(
         "attention grad from the kept P",
-        || timed(qkv.len(), |dx| attention::backward(&qkv, &dy, e, true, Some(&p), dx)),
+        || timed(qkv.len(), |dx| attention::backward(&qkv, &dy, e, true, Some(&p), dx, None)),
         4.0 * 2.0 * pairs * d as f64,
     );
     // Elementwise programs over the GPT's widest activation (`[8, 128, 512]`, 2 MiB of f32 an

@@ -355,6 +355,7 @@ fn plan(path: &Path, unbound: bool, json: bool, device: &str) -> Res<()> {
                     HostRun::Identity => ("identity", String::new()),
                     HostRun::RoundedWhenPacked => ("rounded_when_packed", String::new()),
                     HostRun::RoundedInProducer => ("rounded_in_producer", String::new()),
+                    HostRun::SummedInProducer => ("summed_in_producer", String::new()),
                 };
                 json!({"node": s.node, "op": s.op, "type": s.ty.to_string(), "scope": s.scope, "runs": kind, "detail": detail})
             })

@@ -9,7 +9,7 @@
 //! an update comes from that one program:
 //! - the graph ([`emit`]): `assign` nodes that write the new parameter and state, for a plain
 //!   training step and the GradAccumulation optimizer graph;
-//! - the host's and the devices' boundary kernels (`runtime::host::program::update_clear`,
+//! - the host's and the devices' boundary kernels (`runtime::host::update::update_clear`,
 //!   `runtime::cube::update_clear`), which run the same program over flat buffers.
 //!
 //! All compute the same ops in the same order and precision, so they agree to the bit.

@@ -89,6 +89,10 @@ pub enum Native {
     /// The maximum of each row of `[rows, cols]` (a `reduce_max` over the last axis). Host
     /// backends only.
     MaxRows { cols: usize },
+    /// A fused program's output `[rows, inner]` summed over its last axis (times `scale`) as
+    /// it is computed, never written out: a program only a `SumPlanes` with `outer == 1` reads
+    /// (set by the plan for host backends: [`crate::exec`]'s merges).
+    SumOf { program: Arc<Elementwise>, inner: usize, scale: Option<f64> },
     /// A float `constant`: every element `value` (on host backends in the plan's arena, so a
     /// clear of the accumulators allocates nothing).
     Fill(f64),
@@ -312,6 +316,18 @@ fn elementwise(e: &Program, tys: &[&TensorType]) -> Option<Arc<Elementwise>> {
     let out = tys.iter().try_fold(Vec::new(), |s, t| broadcast_shapes(&s, t.dims()))?;
     let reads = tys.iter().map(|t| Read::of(t.dims(), &out)).collect();
     Some(Arc::new(Elementwise::new(e.clone(), reads, out.iter().product())))
+}
+
+/// A program (`Fused`) whose output only `sum` (a `SumPlanes` over the trailing axes of the
+/// whole of it) reads, as one kernel summing the program's values as it computes them.
+pub(crate) fn sum_of(program: &Native, sum: &Native) -> Option<Native> {
+    match (program, sum) {
+        // Runs of at most 4 Ki values: a few rows at a time fit the kernel's scratch.
+        (Native::Fused(e), &Native::SumPlanes { outer: 1, inner, scale }) if (1..=4096).contains(&inner) && e.len % inner == 0 => {
+            Some(Native::SumOf { program: e.clone(), inner, scale })
+        }
+        _ => None,
+    }
 }
 
 /// `head` (of `head_args` operands, result of type `ty`) with a `round_to` `dtype` of its

@@ -586,3 +586,46 @@ fn the_hosts_attention_rounds_its_result_as_it_writes_it() {
     assert_eq!(runs.iter().filter(|r| **r == HostRun::RoundedInProducer).count(), 2, "{runs:?}");
     assert_eq!(runs.iter().filter(|r| **r == HostRun::Kernel("epilogue(Attention)".into())).count(), 2, "{runs:?}");
 }
+
+/// On the host kernels, a program whose output only a sum over its last axis reads (a layer
+/// norm's squared deviations, rounded to bf16) is summed as it is computed, never written out:
+/// the sums are those of the same program written out (a second reader keeps it) and summed,
+/// and the plans list the one decision and not the other. The bf16 GPT's layer norms have
+/// such sums.
+#[test]
+fn the_hosts_programs_read_by_a_sum_alone_are_summed_as_they_are_computed() {
+    use cellgraph::compiler::{Graph, Op, ReduceAttrs};
+    use cellgraph::runtime::{HostRun, Session};
+    let (rows, width) = (6 * 24, 48);
+    let plan = |kept: bool| {
+        let mut g = Graph::new("squares");
+        let x = g.add_leaf(Op::Input { index: 0, name: "x".into() }, TensorType::f32([6, 24, width]), "t").unwrap();
+        let axis = ReduceAttrs { axes: vec![2], keep_dims: true };
+        let mean = g.add(Op::ReduceMean(axis.clone()), &[x], "t").unwrap();
+        let d2 = g.add(Op::Fused { expr: "$0 $1 sub $0 $1 sub mul round_bf16".parse().unwrap() }, &[x, mean], "t").unwrap();
+        let var = g.add(Op::ReduceMean(axis), &[d2], "t").unwrap();
+        g.set_outputs(if kept { vec![var, d2] } else { vec![var] });
+        cellgraph::runtime::compile(g).unwrap()
+    };
+    let mut rng = StdRng::seed_from_u64(23);
+    let x = HostTensor::f32(vec![6, 24, width], (0..rows * width).map(|_| rng.random_range(-3.0f32..3.0)).collect()).unwrap();
+    let mut s = Session::<Cpu>::new(cpu());
+    let (summed, written) = (plan(false), plan(true));
+    let got = s.run(&summed, std::slice::from_ref(&x)).unwrap()[0].to_f32();
+    let want = s.run(&written, std::slice::from_ref(&x)).unwrap()[0].to_f32();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(got.len(), rows);
+    assert_eq!(bits(&got), bits(&want));
+    let merged = |exe| s.steps(exe).iter().filter(|st| st.run == HostRun::SummedInProducer).count();
+    assert_eq!((merged(&summed), merged(&written)), (1, 0));
+
+    let mut rng = StdRng::seed_from_u64(31);
+    let (gpt, text) = bf16_gpt_case(&mut rng);
+    let mut net = GradAccumulation::across_steps(gpt(), 4);
+    net.precision = Some(Precision::bf16());
+    let mut acc = Accumulator::<Cpu>::new(Rc::new(net), Rc::new(Adam::adamw(LearningRate::Constant(3e-3), 0.01)), cpu(), 5).unwrap();
+    acc.step(&text[0], Place::Regular).unwrap();
+    let sums = acc.micro_plans().flat_map(|e| acc.session().steps(e)).filter(|st| st.run == HostRun::SummedInProducer).count();
+    // Each of the five layer norms: its squared deviations, and its gradient's two row terms.
+    assert_eq!(sums, 15);
+}

@@ -471,6 +471,7 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 Some("a mask wider than the causal-mask kernel indexes".into())
             }
             &Native::MaxRows { cols } if u32::try_from(cols).is_err() => Some("rows longer than the row-maximum kernel indexes".into()),
+            Native::SumOf { .. } => Some("a program summed as it is computed (host plans only)".into()),
             Native::Gather { .. } | Native::ScatterAdd { .. } if !ids_checked => {
                 Some("ids computed in the plan (the lowering reads and checks them)".into())
             }
@@ -645,6 +646,8 @@ impl<R: CubeRuntime> Backend for CubeBackend<R> {
                 launch::attention::<R>(&contiguous(args[0]), dy.as_ref(), [b, t, heads, d], causal, out, tf32, arena)?
             }
             &Native::CausalMask { t, s, fill } => launch::causal_mask::<R>(&contiguous(args[0]), t, s, fill, out, arena),
+            // Merged by host plans only (see `device_declines`).
+            Native::SumOf { .. } => return None,
             &Native::MaxRows { cols } => {
                 let x = contiguous(args[0]);
                 let y = output::<R>(arena, &client, &device, out.dims());

@@ -32,6 +32,9 @@ pub enum HostRun {
     /// A `round_to` of an attention's result that alone reads it: not run, the attention's
     /// kernel rounds its result as it writes it.
     RoundedInProducer,
+    /// A sum over the last axis of a program's output that alone reads it: not run, the
+    /// program's kernel sums its values as it computes them.
+    SummedInProducer,
     /// A bound host kernel, by name (`matmul`, `epilogue(conv Forward direct)`).
     Kernel(String),
     /// burn's ops (the reference lowering), with the reason no host kernel binds.
@@ -47,6 +50,7 @@ pub(super) fn kernel_name(k: &Native) -> String {
         Native::BatchMatMul { products, .. } => format!("batch_matmul{}", bf16(products)),
         Native::Conv { kind, algo, products, .. } => format!("conv {kind:?} {}{}", algo.name(), bf16(products)),
         Native::Epilogue { head, .. } => format!("epilogue({})", kernel_name(head)),
+        Native::SumOf { program, .. } => format!("{}, summed over its trailing axes", kernel_name(&Native::Fused(program.clone()))),
         Native::Fused(e) => match crate::host::tables::subtrees(&e.prog, &e.bf16_args).len() {
             n @ 1.. if crate::host::tables::enabled() => format!("Fused, {n} subtree{} from bf16 tables", if n == 1 { "" } else { "s" }),
             _ => "Fused".into(),
@@ -83,9 +87,9 @@ pub(super) enum Exec {
     /// what only a launch can tell (a cubek kernel that does not set up) still runs on burn's
     /// ops when it happens, counted ([`super::Session::burn_op_steps`]).
     Kernel,
-    /// The step's kernel with the `round_to` that alone reads its result as its epilogue
-    /// ([`super::plan::Step::rounding`], host backends): that `round_to` is [`Exec::Pass`]`(0)`.
-    KernelRounding,
+    /// The kernel doing this step's work and that of the step that alone reads its result
+    /// ([`super::plan::Step::merged`], host backends): that step is [`Exec::Pass`]`(0)`.
+    Merged,
     /// An epilogue whose program the device's kernels decline
     /// ([`crate::Backend::device_declines_program`]): its head on the head's kernel, then the
     /// program on burn's ops, counted (`epilogue`).
@@ -306,8 +310,8 @@ mod tests {
             bf16_operands: false,
             holds: None,
             rounded_when_packed: false,
-            rounded_by: None,
-            rounding: None,
+            merged_into: None,
+            merged: None,
         }
     }
 

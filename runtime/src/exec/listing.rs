@@ -185,6 +185,7 @@ impl std::fmt::Display for HostStep {
             HostRun::Identity => "identity (its operand)".to_string(),
             HostRun::RoundedWhenPacked => "none: the bf16 products that read it round it as they pack it".to_string(),
             HostRun::RoundedInProducer => "none: the attention before it rounds its result as it writes it".to_string(),
+            HostRun::SummedInProducer => "none: the program before it sums its values as it computes them".to_string(),
             HostRun::Kernel(k) => format!("kernel {k}"),
             HostRun::BurnOps(why) => format!("burn ops: {why}"),
         };

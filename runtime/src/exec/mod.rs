@@ -444,10 +444,13 @@ impl<B: Backend> Session<B> {
             }
             // As the binding decides ([`Self::execs`]): both steps on kernels.
             for (i, st) in exe.steps.iter().enumerate() {
-                let Some(j) = st.rounded_by else { continue };
-                if let (HostRun::Kernel(_), HostRun::Kernel(_), Some(k)) = (&steps[i].run, &steps[j].run, &exe.steps[j].rounding) {
-                    steps[j].run = HostRun::Kernel(bind::kernel_name(k));
-                    steps[i].run = HostRun::RoundedInProducer;
+                let Some(j) = st.merged_into else { continue };
+                if let (HostRun::Kernel(_), HostRun::Kernel(_), Some(m)) = (&steps[i].run, &steps[j].run, &exe.steps[j].merged) {
+                    steps[j].run = HostRun::Kernel(bind::kernel_name(&m.kernel));
+                    steps[i].run = match m.kind {
+                        plan::Merge::Rounding => HostRun::RoundedInProducer,
+                        plan::Merge::Sum => HostRun::SummedInProducer,
+                    };
                 }
             }
             return steps;
@@ -464,7 +467,7 @@ impl<B: Backend> Session<B> {
                     Exec::AddInPlace => HostRun::AccumulateInPlace,
                     Exec::Pass(0) => HostRun::Identity,
                     Exec::Pass(_) => HostRun::Store,
-                    Exec::Kernel | Exec::KernelRounding | Exec::AccumulateInto(_) => match &st.kernel {
+                    Exec::Kernel | Exec::Merged | Exec::AccumulateInto(_) => match &st.kernel {
                         Some(k) => HostRun::Kernel(bind::kernel_name(k)),
                         None => HostRun::BurnOps(format!("no kernel for `{}`", st.op.label())),
                     },
@@ -529,12 +532,12 @@ impl<B: Backend> Session<B> {
             })
             .collect();
         let mut execs = execs;
-        // An attention's result that only its `round_to` reads: rounded as the host's kernel
-        // writes it ([`plan::Step::rounded_by`]).
+        // A step whose work its operand's step does in the same kernel on the host
+        // ([`plan::Step::merged`]).
         for (i, st) in exe.steps.iter().enumerate() {
-            match st.rounded_by {
+            match st.merged_into {
                 Some(j) if B::HOST && execs[j] == Exec::Kernel && execs[i] == Exec::Kernel => {
-                    (execs[j], execs[i]) = (Exec::KernelRounding, Exec::Pass(0));
+                    (execs[j], execs[i]) = (Exec::Merged, Exec::Pass(0));
                 }
                 _ => {}
             }

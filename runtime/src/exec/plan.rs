@@ -54,11 +54,33 @@ pub(super) struct Step {
     /// ([`rounded_when_packed`]): they round each value as they pack it, so a session whose
     /// products run on bf16 hands them the parameter itself (see [`super::Session`]'s binding).
     pub(super) rounded_when_packed: bool,
-    /// A `round_to` of an attention's result that alone reads it ([`rounded_in_producer`]):
-    /// the attention step (this index), which on host backends rounds its result as it writes it.
-    pub(super) rounded_by: Option<usize>,
-    /// That attention step's kernel with the rounding as its epilogue.
-    pub(super) rounding: Option<Native>,
+    /// A step that alone reads its operand and whose work the operand's step does on host
+    /// backends ([`merge_into_producers`]): that step (this index).
+    pub(super) merged_into: Option<usize>,
+    /// On that producing step: the kernel doing both steps' work.
+    pub(super) merged: Option<Merged>,
+}
+
+/// Two steps, the second alone reading the first's result, run on host backends as one kernel
+/// at the first ([`merge_into_producers`]); the second passes the value on.
+#[derive(Clone, Debug)]
+pub(super) struct Merged {
+    pub(super) kind: Merge,
+    /// The kernel doing both steps' work.
+    pub(super) kernel: Native,
+    /// The reader's op, kernel and result type (what the merged kernel writes).
+    pub(super) reader: Op,
+    pub(super) reader_kernel: Native,
+    pub(super) ty: TensorType,
+}
+
+/// What a [`Merged`] kernel does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Merge {
+    /// An attention (forward or gradient) rounding its result as its items finish it.
+    Rounding,
+    /// A fused program's values summed over its last axis as they are computed.
+    Sum,
 }
 
 /// The ops whose arithmetic is matrix products, with or without a bound GEMM.
@@ -448,26 +470,34 @@ fn rounded_when_packed(steps: &mut [Step], outputs: &[usize]) {
     }
 }
 
-/// Marks each `round_to` (bf16, f16) of an attention's result, forward or gradient, that alone
-/// reads it and is not an output, and gives the attention step its kernel with that rounding
-/// as an epilogue: on host backends the attention rounds its result as it writes it (over
-/// parts still in cache) and the `round_to` passes the value on, the same bits with one pass
-/// over the result fewer (see [`super::Session`]'s binding). Runs after
-/// [`keep_for_gradients`], whose slots the kernel keeps.
-fn rounded_in_producer(steps: &mut [Step], outputs: &[usize]) {
+/// Marks each step whose one operand only it reads, where the operand's step can do both steps'
+/// work in one kernel on host backends, and gives that step the kernel ([`Merged`]; see
+/// [`super::Session`]'s binding): a `round_to` (bf16, f16) of an attention's result, forward or
+/// gradient (each (sequence, head) item rounds its rows as it finishes them, still in cache),
+/// and a sum over the trailing axes of a fused program's whole output (the values summed as
+/// they are computed, never written out: a layer norm's squared deviations and its
+/// gradient's row terms). The same bits, one pass over the operand fewer. Runs after
+/// [`keep_for_gradients`], whose slots the kernels keep.
+fn merge_into_producers(steps: &mut [Step], outputs: &[usize]) {
     for i in 0..steps.len() {
-        let (Op::RoundTo { dtype }, [(x, true)]) = (&steps[i].op, &steps[i].args[..]) else { continue };
-        let (dtype, x) = (*dtype, *x);
+        let [(x, true)] = steps[i].args[..] else { continue };
         let Some(j) = steps[..i].iter().position(|st| st.slot == x) else { continue };
-        let attention = matches!(steps[j].op, Op::Attention { .. } | Op::AttentionGrad { .. });
         let readers = steps.iter().filter(|st| st.args.iter().any(|a| a.0 == x)).count();
-        if !attention || readers != 1 || outputs.contains(&x) {
+        if readers != 1 || outputs.contains(&x) {
             continue;
         }
-        let Some(k) = steps[j].kernel.as_ref().filter(|k| matches!(k, Native::Attention { .. })) else { continue };
-        if let Some(r) = crate::kernel::rounding(k, steps[j].args.len(), &steps[j].ty, dtype) {
-            steps[j].rounding = Some(r);
-            steps[i].rounded_by = Some(j);
+        let (Some(k), Some(r)) = (steps[j].kernel.as_ref(), steps[i].kernel.as_ref()) else { continue };
+        let merged = match (&steps[j].op, &steps[i].op, k) {
+            (Op::Attention { .. } | Op::AttentionGrad { .. }, &Op::RoundTo { dtype }, Native::Attention { .. }) => {
+                crate::kernel::rounding(k, steps[j].args.len(), &steps[j].ty, dtype).map(|k| (Merge::Rounding, k))
+            }
+            (_, Op::ReduceSum(_) | Op::ReduceMean(_), Native::Fused(_)) => crate::kernel::sum_of(k, r).map(|k| (Merge::Sum, k)),
+            _ => None,
+        };
+        if let Some((kind, kernel)) = merged {
+            let (reader, reader_kernel, ty) = (steps[i].op.clone(), r.clone(), steps[i].ty.clone());
+            steps[j].merged = Some(Merged { kind, kernel, reader, reader_kernel, ty });
+            steps[i].merged_into = Some(j);
         }
     }
 }
@@ -637,8 +667,8 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
                 bf16_operands,
                 holds,
                 rounded_when_packed: false,
-                rounded_by: None,
-                rounding: None,
+                merged_into: None,
+                merged: None,
             }
         })
         .collect();
@@ -646,7 +676,7 @@ pub fn compile_with_options(mut graph: Graph, dump: Option<DumpAt>, opts: &Pipel
     rounded_when_packed(&mut steps, &outputs);
     keep_for_gradients(&mut steps);
     name_dense_filters(&mut steps);
-    rounded_in_producer(&mut steps, &outputs);
+    merge_into_producers(&mut steps, &outputs);
     let slots = graph.id_bound();
     let peak_bytes = simulate_peak(&graph, &steps);
     let arena = arena_sizes(&graph, &steps);

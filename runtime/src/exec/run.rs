@@ -80,21 +80,28 @@ pub(super) fn compute<B: Backend>(
                 None => burn_op(cx, op, args, &step.ty, w.burn_steps)?,
             }
         }
-        Exec::KernelRounding => {
-            let k = step.rounding.as_ref().expect("bound to steps with a rounding kernel");
-            match run_bound(k, &args, &step.ty, cx, w.kept, w.arena) {
+        Exec::Merged => {
+            let m = step.merged.as_ref().expect("bound to steps with a merged kernel");
+            match run_bound(&m.kernel, &args, &m.ty, cx, w.kept, w.arena) {
                 Some(t) => {
                     for (v, _) in args {
                         v.give_back(w.arena);
                     }
                     Value::Float(t)
                 }
-                // Declined at the launch: the op, then its rounding, on burn's ops, counted.
+                // Declined at the launch: this step on burn's ops (counted), then the reader's
+                // on its own kernel, as the two steps run apart.
                 None => {
-                    let Some(Native::Epilogue { post, .. }) = &step.rounding else { unreachable!("a rounding is an epilogue") };
-                    let y = burn_op(cx, op, args, &step.ty, w.burn_steps)?;
-                    *w.burn_steps.entry("epilogue").or_default() += 1;
-                    crate::lower::epilogue_program(cx, y, &post.prog, Vec::new(), &step.ty)?
+                    let y = vec![(burn_op(cx, op, args, &step.ty, w.burn_steps)?, &step.ty)];
+                    match run_bound(&m.reader_kernel, &y, &m.ty, cx, w.kept, w.arena) {
+                        Some(t) => {
+                            for (v, _) in y {
+                                v.give_back(w.arena);
+                            }
+                            Value::Float(t)
+                        }
+                        None => burn_op(cx, &m.reader, y, &m.ty, w.burn_steps)?,
+                    }
                 }
             }
         }

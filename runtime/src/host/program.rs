@@ -3,9 +3,9 @@
 //! runs (whole, one element, periodic, broadcast or strided); the optimizer's
 //! update-and-clear programs run on its element ops ([`super::update`]).
 
-use super::float::{post_all, vectorized, HostFloat, BLOCK};
+use super::float::{post_all, shares_of, vectorized, HostFloat, BLOCK};
 use super::reads::{gather, Runs, Src, MIN_RUN};
-use super::rows::relu1;
+use super::rows::{add_runs, relu1};
 use super::tables::Tables;
 use crate::kernel::{Elementwise, Read};
 use cellgraph_compiler::program::{Binary, Step, Unary, Val};
@@ -27,10 +27,16 @@ enum Operands<'a, F> {
 /// period of the output, then read as a cycle over that: the same values.
 pub fn fused<F: HostFloat>(e: &Elementwise, args: &[&[F]], out: &mut [F]) {
     assert_eq!(out.len(), e.len, "output extents");
+    let (reads, expanded) = periodic(e, args);
+    let args: Vec<&[F]> = expanded.iter().zip(args).map(|(v, x)| v.as_deref().unwrap_or(x)).collect();
+    post_all(Some(&|first, part: &mut [F]| program(e, &reads, Operands::All(&args), first, part)), out);
+}
+
+/// How [`fused`] reads `e`'s operands: as `e.reads` says, except operands worth writing out
+/// for one period ([`period`]), read as a cycle over their period written out (the second
+/// value, per operand).
+fn periodic<F: HostFloat>(e: &Elementwise, args: &[&[F]]) -> (Vec<Read>, Vec<Option<Vec<F>>>) {
     let periods: Vec<Option<usize>> = e.reads.iter().map(|r| period(r, e.len)).collect();
-    if periods.iter().all(Option::is_none) {
-        return post_all(Some(&|first, part: &mut [F]| program(e, &e.reads, Operands::All(args), first, part)), out);
-    }
     let expanded: Vec<Option<Vec<F>>> = periods
         .iter()
         .zip(&e.reads)
@@ -44,8 +50,33 @@ pub fn fused<F: HostFloat>(e: &Elementwise, args: &[&[F]], out: &mut [F]) {
         })
         .collect();
     let reads: Vec<Read> = periods.iter().zip(&e.reads).map(|(p, r)| p.map_or_else(|| r.clone(), Read::Cycle)).collect();
+    (reads, expanded)
+}
+
+/// The sums over runs of `inner` of a fused program's output (`[out.len(), inner]`), times
+/// `scale`, without writing the output out: a few rows of it at a time are computed into
+/// scratch and summed there as [`super::rows::sum_planes`] sums the rows of a written output,
+/// so the bits are those of the program's output summed (each element is computed the same
+/// way whatever the cut, [`fused`]). Threads take shares of whole rows.
+pub fn sum_of<F: HostFloat>(e: &Elementwise, args: &[&[F]], inner: usize, scale: Option<F>, out: &mut [F]) {
+    assert_eq!(out.len() * inner, e.len, "a program's output summed over runs of {inner}");
+    let (reads, expanded) = periodic(e, args);
     let args: Vec<&[F]> = expanded.iter().zip(args).map(|(v, x)| v.as_deref().unwrap_or(x)).collect();
-    post_all(Some(&|first, part: &mut [F]| program(e, &reads, Operands::All(&args), first, part)), out);
+    let rows = (BLOCK / inner).max(1);
+    shares_of(out, rows, e.len, |first, part| {
+        F::partials(rows * inner, |values| {
+            for (k, sums) in part.chunks_mut(rows).enumerate() {
+                let row = first * rows + k * rows;
+                let values = &mut values[..sums.len() * inner];
+                program(e, &reads, Operands::All(&args), row * inner, values);
+                sums.fill(F::ZERO);
+                add_runs(values, inner, sums);
+                if let Some(s) = scale {
+                    sums.iter_mut().for_each(|v| *v = *v * s);
+                }
+            }
+        })
+    });
 }
 
 /// [`fused`] on the calling thread alone, for a program whose operands are read whole
@@ -634,6 +665,34 @@ mod tests {
                 let x0 = xs[0][i];
                 let want = (x0 - xs[1][ch]) / xs[2][ch] * x0;
                 assert_eq!(g.to_bits(), want.to_bits(), "element {i} on {threads}: {g} vs {want}");
+            }
+        }
+    }
+
+    /// A program's output summed over its last axis as it is computed ([`sum_of`]) gives the
+    /// bits of the output written out and summed by `sum_plane`'s kernel: rows of 128, 48
+    /// (several rows a chunk, chunks across thread shares), 5 (a sum in order) and 1, a
+    /// per-row statistic, a bias and a bf16 rounding read, with and without a scale (a mean),
+    /// on one thread and on three.
+    #[test]
+    fn programs_summed_as_they_are_computed_give_the_sums_of_their_outputs() {
+        let expr: Program = "$0 $1 sub $0 $1 sub mul round_bf16 $2 mul".parse().unwrap();
+        for (rows, inner) in [(300, 128), (1000, 48), (77, 5), (3000, 1)] {
+            let dims: [Vec<usize>; 3] = [vec![rows, inner], vec![rows, 1], vec![inner]];
+            let e = bound(&expr, &dims);
+            let xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i + 5)).collect();
+            let args: Vec<&[f32]> = xs.iter().map(|v| &v[..]).collect();
+            for scale in [None, Some(1.0 / inner as f32)] {
+                for threads in [1, 3] {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
+                    let (got, want) = pool.install(|| {
+                        let written = new(e.len, |out| fused(&e, &args, out));
+                        let want = new(rows, |out| crate::host::rows::sum_planes(&written, 1, inner, scale, out));
+                        (new(rows, |out| sum_of(&e, &args, inner, scale, out)), want)
+                    });
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{rows} rows of {inner}, scale {scale:?}, {threads} threads");
+                }
             }
         }
     }

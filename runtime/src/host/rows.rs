@@ -62,21 +62,26 @@ pub fn sum_planes<F: HostFloat>(x: &[F], outer: usize, inner: usize, scale: Opti
         let (first, n) = (first * unit, part.len());
         part.fill(F::ZERO);
         for plane in x.chunks_exact(kept * inner) {
-            let runs = &plane[first * inner..(first + n) * inner];
-            if inner == 1 {
-                add_assign(part, runs);
-            } else if inner >= 16 {
-                add_run_sums(runs, inner, part);
-            } else {
-                for (o, run) in part.iter_mut().zip(runs.chunks_exact(inner)) {
-                    *o += run.iter().fold(F::ZERO, |s, &v| s + v);
-                }
-            }
+            add_runs(&plane[first * inner..(first + n) * inner], inner, part);
         }
         if let Some(s) = scale {
             part.iter_mut().for_each(|v| *v = *v * s);
         }
     });
+}
+
+/// `out[i] +=` the sum of run `i` of `runs` (`out.len()` runs of `inner` values), in
+/// [`sum_planes`]'s order (also the order of the sums [`super::program::sum_of`] makes).
+pub(super) fn add_runs<F: HostFloat>(runs: &[F], inner: usize, out: &mut [F]) {
+    if inner == 1 {
+        add_assign(out, runs);
+    } else if inner >= 16 {
+        add_run_sums(runs, inner, out);
+    } else {
+        for (o, run) in out.iter_mut().zip(runs.chunks_exact(inner)) {
+            *o += run.iter().fold(F::ZERO, |s, &v| s + v);
+        }
+    }
 }
 
 /// `out[i] += ` the sum of run `i` of `x` (`out.len()` runs of `inner` values), each summed in
