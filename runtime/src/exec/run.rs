@@ -64,43 +64,26 @@ pub(super) fn compute<B: Backend>(
         Exec::AccumulateInto(n) => accumulate_into(cx, step, args, n, w)?,
         Exec::Kernel => {
             let k = step.kernel.as_ref().expect("bound to steps with a kernel");
-            match run_bound(k, &args, store.unwrap_or(&step.ty), cx, w.kept, w.arena) {
-                Some(t) => {
-                    // Operands at their last use give their memory back (a device kernel only
-                    // read them; later launches run after it).
-                    for (v, _) in args {
-                        v.give_back(w.arena);
-                    }
-                    Value::Float(t)
-                }
+            match on_kernel(k, args, store.unwrap_or(&step.ty), cx, w) {
+                Ok(v) => v,
                 // Declined at the launch (what only a launch can tell: a cubek kernel that
                 // does not set up): an epilogue's head on its kernel and its program on burn's
                 // ops, else the whole step on burn's ops, counted (the program as `epilogue`).
-                None if matches!(k, Native::Epilogue { .. }) => head_then_program(cx, step, args, w)?,
-                None => burn_op(cx, op, args, &step.ty, w.burn_steps)?,
+                Err(args) if matches!(k, Native::Epilogue { .. }) => head_then_program(cx, step, args, w)?,
+                Err(args) => burn_op(cx, op, args, &step.ty, w.burn_steps)?,
             }
         }
         Exec::Merged => {
             let m = step.merged.as_ref().expect("bound to steps with a merged kernel");
-            match run_bound(&m.kernel, &args, &m.ty, cx, w.kept, w.arena) {
-                Some(t) => {
-                    for (v, _) in args {
-                        v.give_back(w.arena);
-                    }
-                    Value::Float(t)
-                }
+            match on_kernel(&m.kernel, args, &m.ty, cx, w) {
+                Ok(v) => v,
                 // Declined at the launch: this step on burn's ops (counted), then the reader's
                 // on its own kernel, as the two steps run apart.
-                None => {
+                Err(args) => {
                     let y = vec![(burn_op(cx, op, args, &step.ty, w.burn_steps)?, &step.ty)];
-                    match run_bound(&m.reader_kernel, &y, &m.ty, cx, w.kept, w.arena) {
-                        Some(t) => {
-                            for (v, _) in y {
-                                v.give_back(w.arena);
-                            }
-                            Value::Float(t)
-                        }
-                        None => burn_op(cx, &m.reader, y, &m.ty, w.burn_steps)?,
+                    match on_kernel(&m.reader_kernel, y, &m.ty, cx, w) {
+                        Ok(v) => v,
+                        Err(y) => burn_op(cx, &m.reader, y, &m.ty, w.burn_steps)?,
                     }
                 }
             }
@@ -192,22 +175,33 @@ fn run_bound<B: Backend>(
 /// An epilogue step's head (`args`: its operands) on the head's bound kernel where the backend
 /// runs it (`native`), else on burn's ops, counted in `burn_steps` under the head's name.
 fn run_head<B: Backend>(cx: &Ctx<B>, head: &Op, step: &Step, args: Vec<(Value<B>, &TensorType)>, w: &mut Work) -> Result<Value<B>> {
-    let bound = match &step.kernel {
-        Some(Native::Epilogue { head, .. }) if w.native => run_bound(head, &args, &step.ty, cx, w.kept, w.arena),
-        _ => None,
+    let args = match &step.kernel {
+        Some(Native::Epilogue { head, .. }) if w.native => match on_kernel(head, args, &step.ty, cx, w) {
+            Ok(v) => return Ok(v),
+            Err(args) => args,
+        },
+        _ => args,
     };
-    match bound {
-        Some(t) => {
-            for (v, _) in args {
-                v.give_back(w.arena);
-            }
-            Ok(Value::Float(t))
-        }
-        None => {
-            *w.burn_steps.entry(head.label()).or_default() += 1;
-            eval(cx, head, args, &step.ty)
-        }
+    *w.burn_steps.entry(head.label()).or_default() += 1;
+    eval(cx, head, args, &step.ty)
+}
+
+/// `k` on `args` ([`run_bound`]), writing `out`; its operands, at their last use, then give
+/// their memory back (a device kernel only read them; later launches run after it). `Err`
+/// hands the operands back where the kernel does not apply.
+#[allow(clippy::type_complexity)]
+fn on_kernel<'t, B: Backend>(
+    k: &Native,
+    args: Vec<(Value<B>, &'t TensorType)>,
+    out: &TensorType,
+    cx: &Ctx<B>,
+    w: &mut Work,
+) -> std::result::Result<Value<B>, Vec<(Value<B>, &'t TensorType)>> {
+    let Some(t) = run_bound(k, &args, out, cx, w.kept, w.arena) else { return Err(args) };
+    for (v, _) in args {
+        v.give_back(w.arena);
     }
+    Ok(Value::Float(t))
 }
 
 /// An epilogue step's head on its kernel where the backend runs it ([`run_head`]), then its

@@ -509,16 +509,17 @@ fn run<F: Elem>(
     }
     let mut y = arena.take::<F>(len);
     match k {
-        Native::Epilogue { head, head_args: split, post } if matches!(**head, Native::Attention { .. }) && lone_rounding(post).is_some() => {
-            attention_into(head, &a[..*split], kept, &mut y, lone_rounding(post))
-        }
-        Native::Epilogue { head, head_args: split, post } => {
-            // The head's operands come first; `post` reads the output and the rest.
-            let split = *split;
-            let extras = &a[split..];
-            let part = |first: usize, part: &mut [F]| program::epilogue(post, extras, first, part);
-            run_into(head, &a[..split], &tys[..split], kept, &mut y, Some(&part), bf16)
-        }
+        Native::Epilogue { head, head_args: split, post } => match (&**head, lone_rounding(post)) {
+            // A rounding alone, done by the attention's items as they finish their rows.
+            (Native::Attention { .. }, round @ Some(_)) => attention_into(head, &a[..*split], kept, &mut y, round),
+            _ => {
+                // The head's operands come first; `post` reads the output and the rest.
+                let split = *split;
+                let extras = &a[split..];
+                let part = |first: usize, part: &mut [F]| program::epilogue(post, extras, first, part);
+                run_into(head, &a[..split], &tys[..split], kept, &mut y, Some(&part), bf16)
+            }
+        },
         k => run_into(k, &a, tys, kept, &mut y, None, bf16),
     }
     Some(y)

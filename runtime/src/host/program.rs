@@ -27,16 +27,16 @@ enum Operands<'a, F> {
 /// period of the output, then read as a cycle over that: the same values.
 pub fn fused<F: HostFloat>(e: &Elementwise, args: &[&[F]], out: &mut [F]) {
     assert_eq!(out.len(), e.len, "output extents");
-    let (reads, expanded) = periodic(e, args);
-    let args: Vec<&[F]> = expanded.iter().zip(args).map(|(v, x)| v.as_deref().unwrap_or(x)).collect();
-    post_all(Some(&|first, part: &mut [F]| program(e, &reads, Operands::All(&args), first, part)), out);
+    periodic(e, args, |reads, args| post_all(Some(&|first, part: &mut [F]| program(e, reads, Operands::All(args), first, part)), out))
 }
 
-/// How [`fused`] reads `e`'s operands: as `e.reads` says, except operands worth writing out
-/// for one period ([`period`]), read as a cycle over their period written out (the second
-/// value, per operand).
-fn periodic<F: HostFloat>(e: &Elementwise, args: &[&[F]]) -> (Vec<Read>, Vec<Option<Vec<F>>>) {
+/// `f(reads, args)` with `e`'s operands read as `e.reads` says, except operands worth writing
+/// out for one period ([`period`]), read as a cycle over their period written out.
+fn periodic<F: HostFloat, R>(e: &Elementwise, args: &[&[F]], f: impl FnOnce(&[Read], &[&[F]]) -> R) -> R {
     let periods: Vec<Option<usize>> = e.reads.iter().map(|r| period(r, e.len)).collect();
+    if periods.iter().all(Option::is_none) {
+        return f(&e.reads, args);
+    }
     let expanded: Vec<Option<Vec<F>>> = periods
         .iter()
         .zip(&e.reads)
@@ -50,7 +50,8 @@ fn periodic<F: HostFloat>(e: &Elementwise, args: &[&[F]]) -> (Vec<Read>, Vec<Opt
         })
         .collect();
     let reads: Vec<Read> = periods.iter().zip(&e.reads).map(|(p, r)| p.map_or_else(|| r.clone(), Read::Cycle)).collect();
-    (reads, expanded)
+    let args: Vec<&[F]> = expanded.iter().zip(args).map(|(v, x)| v.as_deref().unwrap_or(x)).collect();
+    f(&reads, &args)
 }
 
 /// The sums over runs of `inner` of a fused program's output (`[out.len(), inner]`), times
@@ -60,23 +61,23 @@ fn periodic<F: HostFloat>(e: &Elementwise, args: &[&[F]]) -> (Vec<Read>, Vec<Opt
 /// way whatever the cut, [`fused`]). Threads take shares of whole rows.
 pub fn sum_of<F: HostFloat>(e: &Elementwise, args: &[&[F]], inner: usize, scale: Option<F>, out: &mut [F]) {
     assert_eq!(out.len() * inner, e.len, "a program's output summed over runs of {inner}");
-    let (reads, expanded) = periodic(e, args);
-    let args: Vec<&[F]> = expanded.iter().zip(args).map(|(v, x)| v.as_deref().unwrap_or(x)).collect();
     let rows = (BLOCK / inner).max(1);
-    shares_of(out, rows, e.len, |first, part| {
-        F::partials(rows * inner, |values| {
-            for (k, sums) in part.chunks_mut(rows).enumerate() {
-                let row = first * rows + k * rows;
-                let values = &mut values[..sums.len() * inner];
-                program(e, &reads, Operands::All(&args), row * inner, values);
-                sums.fill(F::ZERO);
-                add_runs(values, inner, sums);
-                if let Some(s) = scale {
-                    sums.iter_mut().for_each(|v| *v = *v * s);
+    periodic(e, args, |reads, args| {
+        shares_of(out, rows, e.len, |first, part| {
+            F::partials(rows * inner, |values| {
+                for (k, sums) in part.chunks_mut(rows).enumerate() {
+                    let row = first * rows + k * rows;
+                    let values = &mut values[..sums.len() * inner];
+                    program(e, reads, Operands::All(args), row * inner, values);
+                    sums.fill(F::ZERO);
+                    add_runs(values, inner, sums);
+                    if let Some(s) = scale {
+                        sums.iter_mut().for_each(|v| *v = *v * s);
+                    }
                 }
-            }
+            })
         })
-    });
+    })
 }
 
 /// [`fused`] on the calling thread alone, for a program whose operands are read whole
