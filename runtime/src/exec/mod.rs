@@ -437,21 +437,23 @@ impl<B: Backend> Session<B> {
     pub fn steps(&self, exe: &Executable) -> Vec<HostStep> {
         if B::HOST && self.native {
             let mut steps = exe.host_steps();
-            for (hs, st) in steps.iter_mut().zip(&exe.steps) {
+            // As the binding decides ([`Self::decide`]).
+            let execs = self.decide(exe);
+            for ((hs, st), e) in steps.iter_mut().zip(&exe.steps).zip(&execs) {
                 if self.rounded_when_packed(st) {
                     hs.run = HostRun::RoundedWhenPacked;
                 }
-            }
-            // As the binding decides ([`Self::execs`]): both steps on kernels.
-            for (i, st) in exe.steps.iter().enumerate() {
-                let Some(j) = st.merged_into else { continue };
-                if let (HostRun::Kernel(_), HostRun::Kernel(_), Some(m)) = (&steps[i].run, &steps[j].run, &exe.steps[j].merged) {
-                    steps[j].run = HostRun::Kernel(bind::kernel_name(&m.kernel));
-                    steps[i].run = match m.kind {
-                        plan::Merge::Rounding => HostRun::RoundedInProducer,
-                        plan::Merge::Sum => HostRun::SummedInProducer,
-                    };
+                if let (Exec::Merged, Some(m)) = (e, &st.merged) {
+                    hs.run = HostRun::Kernel(bind::kernel_name(&m.kernel));
                 }
+            }
+            for (i, st) in exe.steps.iter().enumerate() {
+                let Some(j) = st.merged_into.filter(|&j| execs[j] == Exec::Merged && execs[i] == Exec::Pass(0)) else { continue };
+                steps[i].run = match exe.steps[j].merged.as_ref().map(|m| m.kind) {
+                    Some(plan::Merge::Rounding) => HostRun::RoundedInProducer,
+                    Some(plan::Merge::Sum) => HostRun::SummedInProducer,
+                    None => unreachable!("bound as merged with a merged kernel"),
+                };
             }
             return steps;
         }
@@ -523,7 +525,16 @@ impl<B: Backend> Session<B> {
         if self.execs.len() >= 256 {
             self.execs.clear();
         }
-        let execs: Vec<Exec> = exe
+        let execs = self.decide(exe);
+        let (stores, kept_f32) = self.low_stores(exe, &execs);
+        let b = std::sync::Arc::new(Binding { execs, stores, kept_f32 });
+        self.execs.insert(key, b.clone());
+        b
+    }
+
+    /// How each step of `exe` runs with the session's settings ([`Self::execs`] keeps it).
+    fn decide(&self, exe: &Executable) -> Vec<Exec> {
+        let mut execs: Vec<Exec> = exe
             .steps
             .iter()
             .map(|st| match self.rounded_when_packed(st) {
@@ -531,7 +542,6 @@ impl<B: Backend> Session<B> {
                 false => bind::exec_of(st, B::HOST, self.native, self.in_place, &self.declines(st)),
             })
             .collect();
-        let mut execs = execs;
         // A step whose work its operand's step does in the same kernel on the host
         // ([`plan::Step::merged`]).
         for (i, st) in exe.steps.iter().enumerate() {
@@ -542,10 +552,7 @@ impl<B: Backend> Session<B> {
                 _ => {}
             }
         }
-        let (stores, kept_f32) = self.low_stores(exe, &execs);
-        let b = std::sync::Arc::new(Binding { execs, stores, kept_f32 });
-        self.execs.insert(key, b.clone());
-        b
+        execs
     }
 
     /// Whether `st`, a parameter's bf16 copy that only bf16 products read
