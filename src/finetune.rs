@@ -112,7 +112,8 @@ pub struct FinetuneArgs {
     no_shuffle: bool,
     /// Compute precision of the micro-steps (bf16 or f16: values rounded to it where they are
     /// stored, f32 accumulators, optimizer state and master weights; f16 with dynamic loss
-    /// scaling).
+    /// scaling, starting with blocks at 2^16 over the window's tokens as the Trainer's 2^16 on
+    /// the loss over `num_items_in_batch`, with lines at 2^16, and reported at the end).
     #[arg(long, value_enum, default_value_t = Compute::F32)]
     precision: Compute,
     /// Load a model whose tensors do not all match its config.json: load what matches,
@@ -319,7 +320,14 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     net.precision = match args.precision {
         Compute::F32 => None,
         Compute::Bf16 => Some(Precision::bf16()),
-        Compute::F16 => Some(Precision::f16()),
+        // The loss sums over the window's tokens: with blocks (every position a token) the
+        // scale starts where a mean loss's 2^16 would (as in Hugging Face's Trainer, which
+        // divides by `num_items_in_batch`). Lines hold fewer tokens than their padded length:
+        // there it starts at 2^16 and comes down on overflows.
+        Compute::F16 => Some(Precision::f16().loss_scale(Some(match args.split {
+            Split::Blocks => LossScale::default().for_sum_over(args.batch_size * block),
+            Split::Lines => LossScale::default(),
+        }))),
     };
     // torch.optim.AdamW's step (eps after the bias correction), as the Trainer takes.
     let optimizer = Adam::adamw(schedule, args.weight_decay).pytorch_eps();
@@ -386,6 +394,9 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
         Split::Lines => format!("{:.0} sequences/s", sequences as f64 / secs),
     };
     say!("trained {} updates{ranks} in {secs:.2} s ({rate})", model.accumulator().updates());
+    if let Some(scale) = model.accumulator().loss_scale() {
+        say!("{}", crate::train::loss_scaling_line(model.accumulator().counters().skipped_updates, model.accumulator().updates(), scale));
+    }
     if rank == 0 {
         print!("{}", model.accumulator().session().profile_table(20));
         if let Some(report) = model.accumulator().session().replay_report() {

@@ -171,8 +171,9 @@ pub struct TrainArgs {
     #[arg(long, value_enum)]
     normalization: Option<Norm>,
     /// Compute precision of the micro-steps: f32, bf16 or f16 (values rounded to it where
-    /// they are stored, f32 accumulators and optimizer state; f16 with dynamic loss scaling).
-    /// On a CPU with AVX-512 BF16 products of bf16 values multiply bf16 pairs; on a device the
+    /// they are stored, f32 accumulators and optimizer state; f16 with dynamic loss scaling,
+    /// starting at 2^16, for the GPT's token-summed loss at 2^16 over the window's tokens, and
+    /// reported at the end). On a CPU with AVX-512 BF16 products of bf16 values multiply bf16 pairs; on a device the
     /// values its kernels read and write are stored in the type (half the bytes; bf16 on CUDA,
     /// f16 on CUDA and wgpu); elsewhere it is emulated in f32.
     #[arg(long, value_enum, default_value_t = Compute::F32)]
@@ -439,6 +440,13 @@ impl TrainArgs {
         match self.precision {
             Compute::F32 => {}
             Compute::Bf16 => acc = acc.precision(Precision::bf16()),
+            // A token-summed loss: the scale starts where a mean loss's 2^16 would (as in
+            // Hugging Face's Trainer), not log2(tokens) overflowing windows above it.
+            Compute::F16 if norm == Some(Norm::Tokens) => {
+                let steps = if self.accumulation == Accumulation::AcrossSteps { k } else { 1 };
+                let scale = LossScale::default().for_sum_over(self.batch_size * steps * GPT_CONTEXT);
+                acc = acc.precision(Precision::f16().loss_scale(Some(scale)));
+            }
             Compute::F16 => acc = acc.precision(Precision::f16()),
         }
         Ok(acc)
@@ -561,7 +569,7 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     } else if args.graphs {
         model.accumulator_mut().options().set_graphs(true)?;
     }
-    let updates_before = model.accumulator().updates();
+    let (updates_before, skipped_before) = (model.accumulator().updates(), model.accumulator().counters().skipped_updates);
     let t0 = Instant::now();
     let steps = run_epochs(args, &mut model, ds, test, log.as_mut())?;
     let secs = t0.elapsed().as_secs_f64();
@@ -570,6 +578,11 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     let per_second = (steps * args.batch_size) as f64 / secs;
     let tokens = if args.net == Net::Gpt { format!(", {:.0} tokens/s", per_second * GPT_CONTEXT as f64) } else { String::new() };
     println!("trained {steps} steps, {updates} optimizer updates in {secs:.2} s ({per_second:.0} {}/s{tokens})", items(args.net));
+    // f16's dynamic loss scaling: the windows whose gradients overflowed made no update.
+    if let Some(scale) = model.accumulator().loss_scale() {
+        let skipped = model.accumulator().counters().skipped_updates - skipped_before;
+        println!("{}", loss_scaling_line(skipped, updates, scale));
+    }
     if let Some(p) = model.accumulator().micro_plans().find_map(|e| e.bf16_products::<B>()) {
         println!("{p}");
     }
@@ -715,6 +728,21 @@ impl<B: Backend> Callback<B> for SaveEachEpoch {
 
 /// The run's JSON-lines log: `LossLog`'s step lines (`{"epoch", "step", "updates", "loss"}`)
 /// and, in the same file, the per-epoch accuracy lines; appended to when resuming.
+/// The summary of f16's dynamic loss scaling over a run: `skipped` of `skipped + updates`
+/// windows overflowed and made no update; `scale` is the scale now.
+pub(crate) fn loss_scaling_line(skipped: u64, updates: u64, scale: f64) -> String {
+    let windows = skipped + updates;
+    let why = if skipped == 0 {
+        String::new()
+    } else {
+        // The scale starts at PyTorch's GradScaler default and halves on each overflow: a run's
+        // first windows find its level (with token-summed losses, whose gradients are the
+        // tokens' count times a mean loss's, about log2 of that count more of them).
+        " (their gradients overflowed f16 at the scale then: no update made, the scale halved, as PyTorch's GradScaler does)".into()
+    };
+    format!("f16 loss scaling: {skipped} of {windows} windows skipped{why}; loss scale now {scale}")
+}
+
 pub(crate) struct RunLog {
     file: std::fs::File,
     path: PathBuf,
@@ -737,6 +765,11 @@ impl RunLog {
 
 impl<B: Backend> Callback<B> for RunLog {
     fn step_end(&mut self, cx: &mut RunContext<B>) -> cellgraph::runtime::Result<()> {
-        self.write(&serde_json::json!({"epoch": cx.epoch, "step": cx.step, "updates": cx.accumulator.updates(), "loss": cx.loss()}))
+        let mut line = serde_json::json!({"epoch": cx.epoch, "step": cx.step, "updates": cx.accumulator.updates(), "loss": cx.loss()});
+        // Under f16 the loss scale after the step (halved where its window overflowed).
+        if let Some(scale) = cx.accumulator.loss_scale() {
+            line["loss_scale"] = scale.into();
+        }
+        self.write(&line)
     }
 }

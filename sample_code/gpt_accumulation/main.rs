@@ -173,14 +173,11 @@ fn run(args: Args, comm: Arc<dyn Communicator>) -> Result<(), Box<dyn std::error
     net.precision = match args.precision {
         Compute::F32 => None,
         Compute::Bf16 => Some(Precision::bf16()),
-        Compute::F16 => {
-            // The micro-steps' losses are sums over their tokens, so their gradients are the
-            // token count times a mean loss's: the scale starts that much below PyTorch's 2^16
-            // (at a power of two), sparing the first windows' overflows.
-            let tokens = (args.batch_size / args.micro_size * args.context).max(1) as f64;
-            let init = (65536.0 / tokens).max(1.0).log2().floor().exp2();
-            Some(Precision::f16().loss_scale(Some(LossScale { init, ..LossScale::default() })))
-        }
+        // The micro-steps' losses are sums over their tokens, so their gradients are the
+        // window's token count times a mean loss's (PyTorch's per-micro-batch mean over the
+        // micro-batches, Hugging Face's sum over `num_items_in_batch`): the scale starts that
+        // much below PyTorch's 2^16 (at a power of two), sparing the first windows' overflows.
+        Compute::F16 => Some(Precision::f16().loss_scale(Some(LossScale::default().for_sum_over(args.batch_size * args.context)))),
     };
     let total = (args.epochs * args.steps) as u64;
     let schedule = LearningRate::Warmup {

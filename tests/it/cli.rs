@@ -356,6 +356,18 @@ fn train_covers_resnet18_and_the_gpt() {
     let out = ok(&[&base[..], &["--steps", "3", "--ckpt", gpt.to_str().unwrap()]].concat());
     assert!(out.contains("epoch: 1 step: 3, loss is ") && out.contains("trained 3 steps, 3 optimizer updates"), "{out}");
     assert!(out.contains(" sequences/s, ") && out.contains(" tokens/s)"), "{out}");
+    // f16: the token-summed loss's scale starts where a mean loss's 2^16 would, 2^16 over the
+    // window's 1,024 tokens (from 2^16 itself the first windows overflow, each halving it);
+    // the summary says what was skipped, the log has the scale after each step.
+    let log = dir.join("f16.jsonl");
+    let out = ok(&[&base[..], &["--steps", "2", "--precision", "f16", "--loss-log", log.to_str().unwrap()]].concat());
+    let line = out.lines().find(|l| l.starts_with("f16 loss scaling: ")).unwrap_or_else(|| panic!("no loss scaling in:\n{out}"));
+    let skipped: u64 = line["f16 loss scaling: ".len()..].split(' ').next().unwrap().parse().unwrap();
+    let now: f64 = line.rsplit("loss scale now ").next().unwrap().parse().unwrap();
+    assert!(line.contains(" of 2 windows skipped") && now == 64.0 / f64::from(1 << skipped), "{out}");
+    assert!(out.contains(&format!("trained 2 steps, {} optimizer updates", 2 - skipped)), "{out}");
+    let scales: Vec<f64> = lines(&log).iter().map(|l| l["loss_scale"].as_f64().unwrap()).collect();
+    assert_eq!(scales.last(), Some(&now), "{scales:?}");
     let loss = |out: &str| -> f64 {
         let line = out.lines().find(|l| l.contains("{'Loss': ")).unwrap_or_else(|| panic!("no loss in:\n{out}"));
         line.split("{'Loss': ").nth(1).unwrap().trim_end_matches('}').parse().unwrap()

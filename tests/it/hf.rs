@@ -531,3 +531,29 @@ fn lines_padded_to_a_multiple_keep_the_losses_and_one_graph() {
         assert!(own.contains("past the 8 shapes a session captures"), "{own}");
     }
 }
+
+/// `cellgraph finetune --precision f16`: the loss sums over the window's tokens, so with
+/// blocks the loss scale starts where a mean loss's 2^16 would (as Hugging Face's Trainer,
+/// dividing by `num_items_in_batch`, has it): 2^16 over the window's 8 x 32 tokens. Lines,
+/// fewer tokens than their padded length, start at 2^16. The summary says what overflowed.
+#[test]
+fn finetune_in_f16_starts_its_loss_scale_at_a_mean_losss() {
+    let dir = TmpDir::created("hf-f16-scale");
+    let text = shakespeare_text(&dir, 20_000);
+    let run = |split: &str| {
+        let out = dir.join("out");
+        let mut args = vec!["finetune", "--model", TINY, "--data", text.to_str().unwrap(), "--out", out.to_str().unwrap()];
+        args.extend(["--split", split, "--steps", "2", "--block-size", "32", "--batch-size", "8", "--micro-size", "4"]);
+        args.extend(["--precision", "f16", "--print-every", "0", "--sample-tokens", "0", "--eval-items", "4", "--device", "cpu"]);
+        let (code, stdout, stderr) = cellgraph(&args);
+        assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+        let line = stdout.lines().find(|l| l.starts_with("f16 loss scaling: ")).unwrap_or_else(|| panic!("{stdout}")).to_string();
+        let skipped: u32 = line["f16 loss scaling: ".len()..].split(' ').next().unwrap().parse().unwrap();
+        let now: f64 = line.rsplit("loss scale now ").next().unwrap().parse().unwrap();
+        assert!(line.contains(" of 2 windows skipped"), "{line}");
+        assert!(stdout.contains(&format!("trained {} updates in ", 2 - skipped)), "{stdout}");
+        now * f64::from(1u32 << skipped)
+    };
+    assert_eq!(run("blocks"), 256.0, "the first scale with blocks");
+    assert_eq!(run("lines"), 65536.0, "the first scale with lines");
+}

@@ -60,6 +60,20 @@ impl Default for LossScale {
     }
 }
 
+impl LossScale {
+    /// This scaling for a loss that sums over about `n` items (tokens) a window, where `self`
+    /// is meant for their mean, as PyTorch's `GradScaler` scales a mean loss and Hugging Face's
+    /// Trainer a sum divided by the window's `num_items_in_batch`: `init` divided by the largest
+    /// power of two at most `n` (a power of two stays one), at least 1. Under
+    /// [`Normalization::Tokens`] the micro-steps' gradients are those of the sum, `n` times a
+    /// mean's, and from the mean's `init` the first windows would overflow f16 until the scale
+    /// had halved about `log2 n` times.
+    pub fn for_sum_over(self, n: usize) -> LossScale {
+        let step = if n == 0 { 1 } else { 1usize << n.ilog2() };
+        LossScale { init: (self.init / step as f64).max(1.0), ..self }
+    }
+}
+
 /// A precision policy for the micro-steps (emulated, see [`crate::passes::precision`]): every
 /// value they compute is rounded to `compute` (F16 or BF16) while each op's arithmetic stays
 /// f32; master weights, accumulators (unless `accumulators` says otherwise), optimizer state,
@@ -248,4 +262,23 @@ pub fn clear_graph(params: &[(String, TensorType)]) -> Result<Graph> {
         g.add(Op::Assign, &[acc, zero], "clear")?;
     }
     Ok(g)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_scale_for_a_sum_starts_where_the_means_would() {
+        let s = LossScale::default();
+        // The GPT's window: 32 sequences of 128 tokens, 2^12.
+        assert_eq!(s.for_sum_over(4096), LossScale { init: 16.0, growth_interval: 2000 });
+        // Not a power of two: the largest one below it, so the start stays a power of two.
+        assert_eq!(s.for_sum_over(6000).init, 16.0);
+        assert_eq!(s.for_sum_over(8191).init, 16.0);
+        // Never below 1; nothing to divide by for one item, or none.
+        assert_eq!(s.for_sum_over(1 << 20).init, 1.0);
+        assert_eq!(s.for_sum_over(1).init, 65536.0);
+        assert_eq!(s.for_sum_over(0).init, 65536.0);
+    }
 }
