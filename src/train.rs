@@ -228,7 +228,7 @@ pub struct TrainArgs {
     /// Let device matmuls and convolutions round f32 operands to TF32 on tensor cores (faster on GPUs that have
     /// them; about 1e-3 relative error per product, like PyTorch's `allow_tf32`), and
     /// attention's forward run on cubek's flash attention in f16 fragments where its width is a
-    /// multiple of 128. Off: every backend multiplies in exact f32. The CPU ignores it.
+    /// multiple of 128. Off: every backend multiplies in exact f32. The CPU has none (it says so).
     #[arg(long)]
     tf32: bool,
     /// Replay device steps as the graphs captured from them (CUDA and wgpu): a window of
@@ -563,6 +563,9 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     let mut log = args.loss_log.as_deref().map(|p| RunLog::open(p, args.resume.is_some())).transpose()?;
     model.accumulator_mut().options().set_profiling(args.profile);
     model.accumulator_mut().options().set_tf32(args.tf32);
+    if args.tf32 && B::HOST {
+        eprintln!("--tf32: the CPU has no TF32 (a mode of GPU tensor cores): its products stay exact f32");
+    }
     model.accumulator_mut().options().set_low_precision_storage(!args.f32_storage);
     if args.graphs && args.profile {
         eprintln!("--graphs: off under --profile (it times each op)");

@@ -344,6 +344,10 @@ fn train_covers_resnet18_and_the_gpt() {
     assert!(out.contains("trained 2 steps, 2 optimizer updates") && out.contains(" images/s)"), "{out}");
     assert!(out.contains("bf16 products: "), "{out}");
     assert!((0.0..=1.0).contains(&accuracy(&out)), "{out}");
+    // --tf32 on the CPU: said to change nothing, not taken silently.
+    let (code, out, err) =
+        cellgraph(&["train", "--net", "lenet", "--data-path", data, "--device", "cpu", "--batch-size", "8", "--steps", "1", "--tf32"]);
+    assert!(code == Some(0) && err.contains("--tf32: the CPU has no TF32") && out.contains("trained 1 steps"), "{out}\n{err}");
     let out = ok(&["eval", "--net", "resnet18", "--data-path", data, "--device", "cpu", "--ckpt", ckpt.to_str().unwrap()]);
     assert!((0.0..=1.0).contains(&accuracy(&out)), "{out}");
 
