@@ -112,7 +112,7 @@ pub struct FinetuneArgs {
     no_shuffle: bool,
     /// Compute precision of the micro-steps (bf16 or f16: values rounded to it where they are
     /// stored, f32 accumulators, optimizer state and master weights; f16 with dynamic loss
-    /// scaling, starting with blocks at 2^16 over the window's tokens as the Trainer's 2^16 on
+    /// scaling, starting with blocks at 2^16 over the rank's tokens an update as the Trainer's 2^16 on
     /// the loss over `num_items_in_batch`, with lines at 2^16, and reported at the end).
     #[arg(long, value_enum, default_value_t = Compute::F32)]
     precision: Compute,

@@ -440,10 +440,11 @@ impl TrainArgs {
         match self.precision {
             Compute::F32 => {}
             Compute::Bf16 => acc = acc.precision(Precision::bf16()),
-            // A token-summed loss: the scale starts where a mean loss's 2^16 would (as in
-            // Hugging Face's Trainer), not log2(tokens) overflowing windows above it.
-            Compute::F16 if norm == Some(Norm::Tokens) => {
-                let steps = if self.accumulation == Accumulation::AcrossSteps { k } else { 1 };
+            // The GPT's loss sums over its tokens (whatever the normalization): the scale starts
+            // where a mean loss's 2^16 would (as in Hugging Face's Trainer), not log2(tokens)
+            // overflowing windows above it. A window is one batch in-step, else k (boost too).
+            Compute::F16 if self.net == Net::Gpt => {
+                let steps = if self.accumulation == Accumulation::InStep { 1 } else { k };
                 let scale = LossScale::default().for_sum_over(self.batch_size * steps * GPT_CONTEXT);
                 acc = acc.precision(Precision::f16().loss_scale(Some(scale)));
             }

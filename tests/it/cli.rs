@@ -372,6 +372,17 @@ fn train_covers_resnet18_and_the_gpt() {
     assert!(out.contains(&format!("trained 2 steps, {} optimizer updates", 2 - skipped)), "{out}");
     let scales: Vec<f64> = lines(&log).iter().map(|l| l["loss_scale"].as_f64().unwrap()).collect();
     assert_eq!(scales.last(), Some(&now), "{scales:?}");
+    // Across steps (and boost, across steps too) a window is --micro-size batches: 2 x 8 x 128
+    // tokens, from 32; a normalization other than tokens still sums the GPT's loss over them.
+    for extra in
+        [&["--accumulation", "across-steps"][..], &["--accumulation", "boost"], &["--accumulation", "across-steps", "--normalization", "mean"]]
+    {
+        let out = ok(&[&base[..], &["--steps", "4", "--micro-size", "2", "--precision", "f16"], extra].concat());
+        let line = out.lines().find(|l| l.starts_with("f16 loss scaling: ")).unwrap_or_else(|| panic!("{extra:?}: no loss scaling in:\n{out}"));
+        let skipped: u32 = line["f16 loss scaling: ".len()..].split(' ').next().unwrap().parse().unwrap();
+        let now: f64 = line.rsplit("loss scale now ").next().unwrap().parse().unwrap();
+        assert!(line.contains(" of 2 windows skipped") && now * f64::from(1u32 << skipped) == 32.0, "{extra:?}: {out}");
+    }
     let loss = |out: &str| -> f64 {
         let line = out.lines().find(|l| l.contains("{'Loss': ")).unwrap_or_else(|| panic!("no loss in:\n{out}"));
         line.split("{'Loss': ").nth(1).unwrap().trim_end_matches('}').parse().unwrap()
