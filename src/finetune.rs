@@ -395,7 +395,8 @@ fn finetune_on<B: Backend>(args: &FinetuneArgs, device: Device<B>, comm: Arc<dyn
     };
     say!("trained {} updates{ranks} in {secs:.2} s ({rate})", model.accumulator().updates());
     if let Some(scale) = model.accumulator().loss_scale() {
-        say!("{}", crate::train::loss_scaling_line(model.accumulator().counters().skipped_updates, model.accumulator().updates(), scale));
+        let c = model.accumulator().counters();
+        say!("{}", crate::train::loss_scaling_line(c.overflows, model.accumulator().updates() + c.skipped_updates, scale));
     }
     if rank == 0 {
         print!("{}", model.accumulator().session().profile_table(20));

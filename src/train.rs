@@ -573,19 +573,20 @@ fn train_on<B: Backend>(args: &TrainArgs, device: Device<B>) -> Res<()> {
     } else if args.graphs {
         model.accumulator_mut().options().set_graphs(true)?;
     }
-    let (updates_before, skipped_before) = (model.accumulator().updates(), model.accumulator().counters().skipped_updates);
+    let before = (model.accumulator().updates(), model.accumulator().counters());
     let t0 = Instant::now();
     let steps = run_epochs(args, &mut model, ds, test, log.as_mut())?;
     let secs = t0.elapsed().as_secs_f64();
-    let updates = model.accumulator().updates() - updates_before;
+    let updates = model.accumulator().updates() - before.0;
     let p = model.position();
     let per_second = (steps * args.batch_size) as f64 / secs;
     let tokens = if args.net == Net::Gpt { format!(", {:.0} tokens/s", per_second * GPT_CONTEXT as f64) } else { String::new() };
     println!("trained {steps} steps, {updates} optimizer updates in {secs:.2} s ({per_second:.0} {}/s{tokens})", items(args.net));
     // f16's dynamic loss scaling: the windows whose gradients overflowed made no update.
     if let Some(scale) = model.accumulator().loss_scale() {
-        let skipped = model.accumulator().counters().skipped_updates - skipped_before;
-        println!("{}", loss_scaling_line(skipped, updates, scale));
+        let c = model.accumulator().counters();
+        let windows = updates + c.skipped_updates - before.1.skipped_updates;
+        println!("{}", loss_scaling_line(c.overflows - before.1.overflows, windows, scale));
     }
     if let Some(p) = model.accumulator().micro_plans().find_map(|e| e.bf16_products::<B>()) {
         println!("{p}");
@@ -732,19 +733,16 @@ impl<B: Backend> Callback<B> for SaveEachEpoch {
 
 /// The run's JSON-lines log: `LossLog`'s step lines (`{"epoch", "step", "updates", "loss"}`)
 /// and, in the same file, the per-epoch accuracy lines; appended to when resuming.
-/// The summary of f16's dynamic loss scaling over a run: `skipped` of `skipped + updates`
-/// windows overflowed and made no update; `scale` is the scale now.
-pub(crate) fn loss_scaling_line(skipped: u64, updates: u64, scale: f64) -> String {
-    let windows = skipped + updates;
-    let why = if skipped == 0 {
+/// The summary of f16's dynamic loss scaling over a run: `overflowed` of `windows` windows
+/// overflowed and made no update; `scale` is the scale now.
+pub(crate) fn loss_scaling_line(overflowed: u64, windows: u64, scale: f64) -> String {
+    let why = if overflowed == 0 {
         String::new()
     } else {
-        // The scale starts at PyTorch's GradScaler default and halves on each overflow: a run's
-        // first windows find its level (with token-summed losses, whose gradients are the
-        // tokens' count times a mean loss's, about log2 of that count more of them).
+        // The scale halves on each overflow: a run's first windows find its level.
         " (their gradients overflowed f16 at the scale then: no update made, the scale halved, as PyTorch's GradScaler does)".into()
     };
-    format!("f16 loss scaling: {skipped} of {windows} windows skipped{why}; loss scale now {scale}")
+    format!("f16 loss scaling: {overflowed} of {windows} windows skipped{why}; loss scale now {scale}")
 }
 
 pub(crate) struct RunLog {

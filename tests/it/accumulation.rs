@@ -215,6 +215,7 @@ fn parameters_change_only_at_the_boundary_and_each_graph_runs_once_per_window() 
                 grad_collectives: 0,
                 step_collectives: 0,
                 skipped_updates: 0,
+                overflows: 0,
                 fused_launches: 0,
                 host_boundaries: window,
                 uncaptured_steps: 0
@@ -247,6 +248,7 @@ fn in_step_loss_is_the_sum_of_micro_losses_and_bad_batch_sizes_are_refused() {
             grad_collectives: 0,
             step_collectives: 0,
             skipped_updates: 0,
+            overflows: 0,
             fused_launches: 0,
             host_boundaries: 1,
             uncaptured_steps: 0
@@ -286,6 +288,7 @@ fn incomplete_last_window_steps_with_its_true_count_or_is_dropped() {
             grad_collectives: 0,
             step_collectives: 0,
             skipped_updates: 0,
+            overflows: 0,
             fused_launches: 0,
             host_boundaries: 2,
             uncaptured_steps: 0
@@ -313,6 +316,7 @@ fn incomplete_last_window_steps_with_its_true_count_or_is_dropped() {
             grad_collectives: 0,
             step_collectives: 0,
             skipped_updates: 0,
+            overflows: 0,
             fused_launches: 0,
             host_boundaries: 1,
             uncaptured_steps: 0

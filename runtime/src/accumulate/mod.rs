@@ -683,6 +683,7 @@ impl<B: Backend> Accumulator<B> {
             }
             Ended::Empty | Ended::Overflow => {
                 self.progress.counters.skipped_updates += 1;
+                self.progress.counters.overflows += u64::from(matches!(ended, Ended::Overflow));
                 self.clear_window(false)
             }
         }

@@ -19,6 +19,8 @@ pub struct Counters {
     /// Windows that ended without an update: token-weighted windows without a token, and
     /// loss-scaled windows whose gradients overflowed on some rank.
     pub skipped_updates: u64,
+    /// Of those, the loss-scaled windows whose gradients overflowed (each halved the scale).
+    pub overflows: u64,
     /// Fused optimizer-and-clear kernel launches (device backends with flat buffers: one per
     /// update, whatever the number of parameters).
     pub fused_launches: u64,
@@ -182,6 +184,7 @@ mod tests {
                 grad_collectives: 7,
                 step_collectives: 0,
                 skipped_updates: 0,
+                overflows: 0,
                 fused_launches: 0,
                 host_boundaries: 0,
                 uncaptured_steps: 0,
