@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 
 use cellgraph_compiler::{Op, TensorType};
 
-use super::bind::{HostRun, KeptF32};
-use super::plan::{Executable, Step};
+use super::bind::{self, Exec, HostRun, KeptF32};
+use super::plan::{self, Executable, Step};
 use super::Session;
 use crate::kernel::{Native, Products};
 use crate::Backend;
@@ -123,6 +123,71 @@ impl std::fmt::Display for LowStorage {
 }
 
 impl<B: Backend> Session<B> {
+    /// What each step of `exe` runs in this session, in order (`cellgraph inspect plan
+    /// --device`): on a host backend [`Executable::host_steps`]; on a device the same kinds, as
+    /// the session binds them: a kernel (the device's own), a source, a collective, or burn's
+    /// ops and why (no kernel bound for the op, or one the device's kernels decline:
+    /// [`Backend::device_declines`]).
+    pub fn steps(&self, exe: &Executable) -> Vec<HostStep> {
+        if B::HOST && self.native {
+            let mut steps = exe.host_steps();
+            // As the binding decides ([`Self::decide`]).
+            let execs = self.decide(exe);
+            for ((hs, st), e) in steps.iter_mut().zip(&exe.steps).zip(&execs) {
+                if self.rounded_when_packed(st) {
+                    hs.run = HostRun::RoundedWhenPacked;
+                }
+                if let (Exec::Merged, Some(m)) = (e, &st.merged) {
+                    hs.run = HostRun::Kernel(bind::kernel_name(&m.kernel));
+                }
+            }
+            for (i, st) in exe.steps.iter().enumerate() {
+                let Some(j) = st.merged_into.filter(|&j| execs[j] == Exec::Merged && execs[i] == Exec::Pass(0)) else { continue };
+                steps[i].run = match exe.steps[j].merged.as_ref().map(|m| m.kind) {
+                    Some(plan::Merge::Rounding) => HostRun::RoundedInProducer,
+                    Some(plan::Merge::Sum) => HostRun::SummedInProducer,
+                    None => unreachable!("bound as merged with a merged kernel"),
+                };
+            }
+            return steps;
+        }
+        exe.steps
+            .iter()
+            .map(|st| {
+                let declined = self.declines(st);
+                let why = declined.why();
+                let run = match bind::exec_of(st, B::HOST, self.native, self.in_place, &declined) {
+                    Exec::Deferred | Exec::Param | Exec::Input | Exec::SharedConstant => HostRun::Source,
+                    Exec::Collective => HostRun::Collective,
+                    Exec::ReshapeInPlace => HostRun::Reshape,
+                    Exec::AddInPlace => HostRun::AccumulateInPlace,
+                    Exec::Pass(0) => HostRun::Identity,
+                    Exec::Pass(_) => HostRun::Store,
+                    Exec::Kernel | Exec::Merged | Exec::AccumulateInto(_) => match &st.kernel {
+                        Some(k) => HostRun::Kernel(bind::kernel_name(k)),
+                        None => HostRun::BurnOps(format!("no kernel for `{}`", st.op.label())),
+                    },
+                    Exec::HeadKernel => match &st.kernel {
+                        Some(Native::Epilogue { head, .. }) => HostRun::Kernel(format!(
+                            "{}, then its program on burn's ops: the device's kernels decline it: {}",
+                            bind::kernel_name(head),
+                            why.unwrap_or_default()
+                        )),
+                        _ => unreachable!("bound to epilogues only"),
+                    },
+                    // A reshape moves no values (on a device, a view of its operand's buffer).
+                    Exec::Burn if matches!(st.op, Op::Reshape { .. } | Op::Flatten) => HostRun::Reshape,
+                    Exec::Burn => HostRun::BurnOps(match (why, &st.kernel) {
+                        (Some(why), _) => format!("the device's kernels decline it: {why}"),
+                        (None, Some(_)) => "bound kernels are off in this session".into(),
+                        (None, None) => format!("no kernel for `{}`", st.op.label()),
+                    }),
+                };
+                HostStep { node: st.slot, op: st.op.label(), scope: st.scope.clone(), ty: st.ty.clone(), run }
+            })
+            .collect()
+    }
+
     /// Stores a low-precision plan's values (`Precision::bf16()` / `f16()`: values the
     /// precision pass rounds) in bf16 / f16 on a device, half the bytes of f32, where the
     /// device's kernels read and write them: results of fused programs and of products'
