@@ -112,8 +112,9 @@ pub struct FinetuneArgs {
     no_shuffle: bool,
     /// Compute precision of the micro-steps (bf16 or f16: values rounded to it where they are
     /// stored, f32 accumulators, optimizer state and master weights; f16 with dynamic loss
-    /// scaling, starting with blocks at 2^16 over the rank's tokens an update as the Trainer's 2^16 on
-    /// the loss over `num_items_in_batch`, with lines at 2^16, and reported at the end).
+    /// scaling, reported at the end: with blocks it starts at 2^16 over each rank's tokens an
+    /// update, where the Trainer's 2^16 on the loss over `num_items_in_batch` starts; with lines
+    /// at 2^16).
     #[arg(long, value_enum, default_value_t = Compute::F32)]
     precision: Compute,
     /// Load a model whose tensors do not all match its config.json: load what matches,

@@ -173,9 +173,9 @@ pub struct TrainArgs {
     /// Compute precision of the micro-steps: f32, bf16 or f16 (values rounded to it where
     /// they are stored, f32 accumulators and optimizer state; f16 with dynamic loss scaling,
     /// starting at 2^16, for the GPT's token-summed loss at 2^16 over the window's tokens, and
-    /// reported at the end). On a CPU with AVX-512 BF16 products of bf16 values multiply bf16 pairs; on a device the
-    /// values its kernels read and write are stored in the type (half the bytes; bf16 on CUDA,
-    /// f16 on CUDA and wgpu); elsewhere it is emulated in f32.
+    /// reported at the end). On a CPU with AVX-512 BF16 products of bf16 values multiply bf16
+    /// pairs; on a device the values its kernels read and write are stored in the type (half
+    /// the bytes; bf16 on CUDA, f16 on CUDA and wgpu); elsewhere it is emulated in f32.
     #[arg(long, value_enum, default_value_t = Compute::F32)]
     precision: Compute,
     /// Under --precision bf16 or f16 on a device, keep every value in f32 storage (the
