@@ -348,16 +348,20 @@ mod tests {
     /// vector instructions and without.
     #[test]
     fn pooling_picks_what_the_general_path_picks() {
-        let mut seed = 12345u64;
-        let mut next = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (seed >> 33) as u32
-        };
+        let mut next = numbers(12345);
         // Planes of 5 and 20 outputs a row at 2x2 (a vector's tail, and one and a tail), and
         // of 32 (two whole vectors, every input in a window).
         for (h, w) in [(9, 11), (7, 41), (8, 64)] {
             let plane = plane(h, w, &mut next);
             check_paths(h, w, &plane);
+        }
+    }
+
+    /// A seeded stream of pseudo-random numbers (a linear congruential generator's high bits).
+    fn numbers(mut seed: u64) -> impl FnMut() -> u32 {
+        move || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) as u32
         }
     }
 
@@ -419,11 +423,7 @@ mod tests {
     /// (an odd last row and column) included, over several planes.
     #[test]
     fn pooling_gradients_match_the_scatter() {
-        let mut seed = 99u64;
-        let mut next = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (seed >> 33) as u32
-        };
+        let mut next = numbers(99);
         for (h, w) in [(9, 11), (7, 41), (8, 64)] {
             let planes = 3;
             let x: Vec<f32> = (0..planes).flat_map(|_| plane(h, w, &mut next)).collect();
