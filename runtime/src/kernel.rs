@@ -89,10 +89,11 @@ pub enum Native {
     /// The maximum of each row of `[rows, cols]` (a `reduce_max` over the last axis). Host
     /// backends only.
     MaxRows { cols: usize },
-    /// A fused program's output `[rows, inner]` summed over its last axis (times `scale`) as
-    /// it is computed, never written out: a program only a `SumPlanes` with `outer == 1` reads
-    /// (set by the plan for host backends: [`crate::exec`]'s merges).
-    SumOf { program: Arc<Elementwise>, inner: usize, scale: Option<f64> },
+    /// A fused program's output `[outer, kept, inner]` summed over its first and last axes
+    /// (times `scale`) as it is computed, never written out: a program only a `SumPlanes`
+    /// reads (a layer norm's row sums, `outer == 1`; batch norm's per-channel sums over `N, H,
+    /// W`), set by the plan for host backends ([`crate::exec`]'s merges).
+    SumOf { program: Arc<Elementwise>, outer: usize, inner: usize, scale: Option<f64> },
     /// A float `constant`: every element `value` (on host backends in the plan's arena, so a
     /// clear of the accumulators allocates nothing).
     Fill(f64),
@@ -318,13 +319,15 @@ fn elementwise(e: &Program, tys: &[&TensorType]) -> Option<Arc<Elementwise>> {
     Some(Arc::new(Elementwise::new(e.clone(), reads, out.iter().product())))
 }
 
-/// A program (`Fused`) whose output only `sum` (a `SumPlanes` over the trailing axes of the
-/// whole of it) reads, as one kernel summing the program's values as it computes them.
+/// A program (`Fused`) whose output only `sum` (a `SumPlanes` of the whole of it) reads, as
+/// one kernel summing the program's values as it computes them.
 pub(crate) fn sum_of(program: &Native, sum: &Native) -> Option<Native> {
     match (program, sum) {
         // Runs of at most 4 Ki values: a few rows at a time fit the kernel's scratch.
-        (Native::Fused(e), &Native::SumPlanes { outer: 1, inner, scale }) if (1..=4096).contains(&inner) && e.len % inner == 0 => {
-            Some(Native::SumOf { program: e.clone(), inner, scale })
+        (Native::Fused(e), &Native::SumPlanes { outer, inner, scale })
+            if outer >= 1 && (1..=4096).contains(&inner) && e.len.is_multiple_of(outer * inner) =>
+        {
+            Some(Native::SumOf { program: e.clone(), outer, inner, scale })
         }
         _ => None,
     }

@@ -567,3 +567,54 @@ fn sync_batch_norm_on_w_ranks_equals_one_process_on_the_joined_micro_batches() {
     assert!(e.contains("bn") && e.contains("choose one"), "{e}");
     assert!(BatchNorm2d::new(&Scope::root(), 2).sync().unwrap().ghost_batch(2).is_err());
 }
+
+/// On the host kernels, a per-channel sum over `N, H, W` (batch norm's) of a program that only
+/// the sum reads is made as the program's values are computed, never written out: the same
+/// bits as the program written out and summed (a second reader keeps it), for maps of 1 x 1
+/// and larger, sums and means, and runs too long for the kernel's scratch left alone; and a
+/// ResNet block's training micro-step has such sums in its batch norms.
+#[test]
+fn per_channel_sums_of_programs_are_summed_as_they_are_computed() {
+    use cellgraph::compiler::{Graph, ReduceAttrs};
+    use cellgraph::runtime::{HostRun, Session};
+    let mut rng = StdRng::seed_from_u64(41);
+    let mut s = Session::<Cpu>::new(cpu());
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let cases = [
+        (vec![4, 6, 5, 7], vec![0, 2, 3], 1),
+        (vec![8, 12, 1, 1], vec![0], 1),
+        (vec![3, 5, 40, 40], vec![0, 2, 3], 1),
+        (vec![2, 3, 70, 70], vec![0, 2, 3], 0),
+    ];
+    for (dims, axes, merges) in cases {
+        for mean in [false, true] {
+            let plan = |kept: bool| {
+                let mut g = Graph::new("channel sums");
+                let ty = TensorType::f32(dims.clone());
+                let x = g.add_leaf(Op::Input { index: 0, name: "x".into() }, ty.clone(), "t").unwrap();
+                let y = g.add_leaf(Op::Input { index: 1, name: "y".into() }, ty, "t").unwrap();
+                let m = g.add(Op::Mul, &[x, y], "t").unwrap();
+                let attrs = ReduceAttrs { axes: axes.clone(), keep_dims: true };
+                let sum = g.add(if mean { Op::ReduceMean(attrs) } else { Op::ReduceSum(attrs) }, &[m], "t").unwrap();
+                g.set_outputs(if kept { vec![sum, m] } else { vec![sum] });
+                cellgraph::runtime::compile(g).unwrap()
+            };
+            let n: usize = dims.iter().product();
+            let inputs: Vec<HostTensor> =
+                (0..2).map(|_| HostTensor::f32(dims.clone(), (0..n).map(|_| rng.random_range(-3.0f32..3.0)).collect()).unwrap()).collect();
+            let (summed, written) = (plan(false), plan(true));
+            let got = s.run(&summed, &inputs).unwrap()[0].to_f32();
+            let want = s.run(&written, &inputs).unwrap()[0].to_f32();
+            assert_eq!(got.len(), dims[1], "{dims:?}");
+            assert_eq!(bits(&got), bits(&want), "{dims:?} over {axes:?}, mean {mean}");
+            let merged = |exe| s.steps(exe).iter().filter(|st| st.run == HostRun::SummedInProducer).count();
+            assert_eq!((merged(&summed), merged(&written)), (merges, 0), "{dims:?} over {axes:?}, mean {mean}");
+        }
+    }
+
+    let net = GradAccumulation::new(WithLossCell::new(BlockNet::new(), CrossEntropyLoss::new()), 2);
+    let mut acc = Accumulator::<Cpu>::new(Rc::new(net), Rc::new(Momentum::new(0.05, 0.9)), cpu(), 3).unwrap();
+    acc.step(&images(&mut rng, 6), Place::Regular).unwrap();
+    let sums = acc.micro_plans().flat_map(|e| acc.session().steps(e)).filter(|st| st.run == HostRun::SummedInProducer).count();
+    assert_eq!(sums, 9, "three in each of the block's three batch norms");
+}

@@ -50,7 +50,8 @@ pub(super) fn kernel_name(k: &Native) -> String {
         Native::BatchMatMul { products, .. } => format!("batch_matmul{}", bf16(products)),
         Native::Conv { kind, algo, products, .. } => format!("conv {kind:?} {}{}", algo.name(), bf16(products)),
         Native::Epilogue { head, .. } => format!("epilogue({})", kernel_name(head)),
-        Native::SumOf { program, .. } => format!("{}, summed over its trailing axes", kernel_name(&Native::Fused(program.clone()))),
+        Native::SumOf { program, outer: 1, .. } => format!("{}, summed over its trailing axes", kernel_name(&Native::Fused(program.clone()))),
+        Native::SumOf { program, .. } => format!("{}, summed over its leading and trailing axes", kernel_name(&Native::Fused(program.clone()))),
         Native::Fused(e) => match crate::host::tables::subtrees(&e.prog, &e.bf16_args).len() {
             n @ 1.. if crate::host::tables::enabled() => format!("Fused, {n} subtree{} from bf16 tables", if n == 1 { "" } else { "s" }),
             _ => "Fused".into(),

@@ -474,9 +474,10 @@ fn rounded_when_packed(steps: &mut [Step], outputs: &[usize]) {
 /// work in one kernel on host backends, and gives that step the kernel ([`Merged`]; see
 /// [`super::Session`]'s binding): a `round_to` (bf16, f16) of an attention's result, forward or
 /// gradient (each (sequence, head) item rounds its rows as it finishes them, still in cache),
-/// and a sum over the trailing axes of a fused program's whole output (the values summed as
-/// they are computed, never written out: a layer norm's squared deviations and its
-/// gradient's row terms). The same bits, one pass over the operand fewer. Runs after
+/// and a sum of a fused program's whole output over its trailing axes, or its leading and
+/// trailing ones (the values summed as they are computed, never written out: a layer norm's
+/// squared deviations and its gradient's row terms, batch norm's per-channel sums over `N,
+/// H, W`). The same bits, one pass over the operand fewer. Runs after
 /// [`keep_for_gradients`], whose slots the kernels keep.
 fn merge_into_producers(steps: &mut [Step], outputs: &[usize]) {
     for i in 0..steps.len() {

@@ -487,7 +487,7 @@ fn run<F: Elem>(
     // plan's verifier checked: a mismatch here is a binding bug, not a user's mistake.
     let fits = match k {
         Native::Fused(e) | Native::Epilogue { post: e, .. } => e.len == len,
-        Native::SumOf { program, inner, .. } => program.len == len * inner,
+        Native::SumOf { program, outer, inner, .. } => program.len == outer * len * inner,
         Native::SumRows { cols } => *cols == len && a[0].len().is_multiple_of(*cols),
         Native::SumPlanes { outer, inner, .. } => a[0].len() == outer * len * inner,
         Native::BatchMatMul { batch, m, k, n, .. } => len == batch * m * n && a[0].len() == batch * m * k && a[1].len() == batch * k * n,
@@ -626,7 +626,7 @@ fn run_into<F: Elem>(k: &Native, a: &[&[F]], tys: &[&TensorType], kept: &mut Kep
         Native::Broadcast { dims, out } => layout::broadcast(a[0], dims, out, y),
         Native::Concat { dims, axis } => layout::concat(a, dims, *axis, y),
         Native::CausalMask { t, s, fill } => rows::causal_mask(a[0], *t, *s, F::from_f64(*fill), y),
-        Native::SumOf { program, inner, scale } => program::sum_of(program, a, *inner, scale.map(F::from_f64), y),
+        Native::SumOf { program, outer, inner, scale } => program::sum_of(program, a, *outer, *inner, scale.map(F::from_f64), y),
         Native::MaxRows { cols } => rows::max_rows(a[0], *cols, y),
         Native::Attention { .. } => attention_into(k, a, kept, y, None),
         Native::Epilogue { .. } | Native::SoftmaxCrossEntropy { .. } => unreachable!("an epilogue's head is neither an epilogue nor a loss"),

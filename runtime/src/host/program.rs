@@ -54,23 +54,26 @@ fn periodic<F: HostFloat, R>(e: &Elementwise, args: &[&[F]], f: impl FnOnce(&[Re
     f(&reads, &args)
 }
 
-/// The sums over runs of `inner` of a fused program's output (`[out.len(), inner]`), times
-/// `scale`, without writing the output out: a few rows of it at a time are computed into
-/// scratch and summed there as [`super::rows::sum_planes`] sums the rows of a written output,
-/// so the bits are those of the program's output summed (each element is computed the same
-/// way whatever the cut, [`fused`]). Threads take shares of whole rows.
-pub fn sum_of<F: HostFloat>(e: &Elementwise, args: &[&[F]], inner: usize, scale: Option<F>, out: &mut [F]) {
-    assert_eq!(out.len() * inner, e.len, "a program's output summed over runs of {inner}");
-    let rows = (BLOCK / inner).max(1);
+/// The sums of a fused program's output `[outer, out.len(), inner]` over its first and last
+/// axes, times `scale`, without writing the output out: a few rows of it at a time are
+/// computed into scratch and summed there as [`super::rows::sum_planes`] sums a written
+/// output (each row's run summed, then added to its sum plane after plane, from zero), so the
+/// bits are those of the program's output summed (each element is computed the same way
+/// whatever the cut, [`fused`]). Threads take shares of whole rows.
+pub fn sum_of<F: HostFloat>(e: &Elementwise, args: &[&[F]], outer: usize, inner: usize, scale: Option<F>, out: &mut [F]) {
+    assert_eq!(outer * out.len() * inner, e.len, "a program's output summed over {outer} planes and runs of {inner}");
+    let (rows, plane) = ((BLOCK / inner).max(1), out.len() * inner);
     periodic(e, args, |reads, args| {
         shares_of(out, rows, e.len, |first, part| {
             F::partials(rows * inner, |values| {
                 for (k, sums) in part.chunks_mut(rows).enumerate() {
                     let row = first * rows + k * rows;
                     let values = &mut values[..sums.len() * inner];
-                    program(e, reads, Operands::All(args), row * inner, values);
                     sums.fill(F::ZERO);
-                    add_runs(values, inner, sums);
+                    for p in 0..outer {
+                        program(e, reads, Operands::All(args), p * plane + row * inner, values);
+                        add_runs(values, inner, sums);
+                    }
                     if let Some(s) = scale {
                         sums.iter_mut().for_each(|v| *v = *v * s);
                     }
@@ -670,29 +673,32 @@ mod tests {
         }
     }
 
-    /// A program's output summed over its last axis as it is computed ([`sum_of`]) gives the
-    /// bits of the output written out and summed by `sum_plane`'s kernel: rows of 128, 48
-    /// (several rows a chunk, chunks across thread shares), 5 (a sum in order) and 1, a
-    /// per-row statistic, a bias and a bf16 rounding read, with and without a scale (a mean),
-    /// on one thread and on three.
+    /// A program's output summed over its last axis, or over its first and last (batch norm's
+    /// per-channel sums), as it is computed ([`sum_of`]) gives the bits of the output written
+    /// out and summed by `sum_planes`'s kernel: rows of 128, 48 (several rows a chunk, chunks
+    /// across thread shares), 5 (a sum in order) and 1, in one plane and in three, a per-row
+    /// statistic, a bias and a bf16 rounding read, with and without a scale (a mean), on one
+    /// thread and on three.
     #[test]
     fn programs_summed_as_they_are_computed_give_the_sums_of_their_outputs() {
         let expr: Program = "$0 $1 sub $0 $1 sub mul round_bf16 $2 mul".parse().unwrap();
         for (rows, inner) in [(300, 128), (1000, 48), (77, 5), (3000, 1)] {
-            let dims: [Vec<usize>; 3] = [vec![rows, inner], vec![rows, 1], vec![inner]];
-            let e = bound(&expr, &dims);
-            let xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i + 5)).collect();
-            let args: Vec<&[f32]> = xs.iter().map(|v| &v[..]).collect();
-            for scale in [None, Some(1.0 / inner as f32)] {
-                for threads in [1, 3] {
-                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
-                    let (got, want) = pool.install(|| {
-                        let written = new(e.len, |out| fused(&e, &args, out));
-                        let want = new(rows, |out| crate::host::rows::sum_planes(&written, 1, inner, scale, out));
-                        (new(rows, |out| sum_of(&e, &args, inner, scale, out)), want)
-                    });
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&got), bits(&want), "{rows} rows of {inner}, scale {scale:?}, {threads} threads");
+            for outer in [1, 3] {
+                let dims: [Vec<usize>; 3] = [vec![outer, rows, inner], vec![rows, 1], vec![inner]];
+                let e = bound(&expr, &dims);
+                let xs: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, d)| data(d.iter().product(), i + 5)).collect();
+                let args: Vec<&[f32]> = xs.iter().map(|v| &v[..]).collect();
+                for scale in [None, Some(1.0 / (outer * inner) as f32)] {
+                    for threads in [1, 3] {
+                        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
+                        let (got, want) = pool.install(|| {
+                            let written = new(e.len, |out| fused(&e, &args, out));
+                            let want = new(rows, |out| crate::host::rows::sum_planes(&written, outer, inner, scale, out));
+                            (new(rows, |out| sum_of(&e, &args, outer, inner, scale, out)), want)
+                        });
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&got), bits(&want), "{outer} x {rows} rows of {inner}, scale {scale:?}, {threads} threads");
+                    }
                 }
             }
         }
