@@ -731,8 +731,6 @@ impl<B: Backend> Callback<B> for SaveEachEpoch {
     }
 }
 
-/// The run's JSON-lines log: `LossLog`'s step lines (`{"epoch", "step", "updates", "loss"}`)
-/// and, in the same file, the per-epoch accuracy lines; appended to when resuming.
 /// The summary of f16's dynamic loss scaling over a run: `overflowed` of `windows` windows
 /// overflowed and made no update; `scale` is the scale now.
 pub(crate) fn loss_scaling_line(overflowed: u64, windows: u64, scale: f64) -> String {
@@ -745,6 +743,8 @@ pub(crate) fn loss_scaling_line(overflowed: u64, windows: u64, scale: f64) -> St
     format!("f16 loss scaling: {overflowed} of {windows} windows skipped{why}; loss scale now {scale}")
 }
 
+/// The run's JSON-lines log: `LossLog`'s step lines (`{"epoch", "step", "updates", "loss"}`)
+/// and, in the same file, the per-epoch accuracy lines; appended to when resuming.
 pub(crate) struct RunLog {
     file: std::fs::File,
     path: PathBuf,
