@@ -276,6 +276,19 @@ pub(super) fn each<T: Send>(items: Vec<T>, f: impl Fn(T) + Send + Sync) {
     });
 }
 
+/// `x` as f32 values, when `F` is f32 (a kernel with an f32-only fast path).
+pub(super) fn as_f32<F: HostFloat>(x: &[F]) -> Option<&[f32]> {
+    // SAFETY: `F` is `f32`.
+    (std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>()).then(|| unsafe { std::slice::from_raw_parts(x.as_ptr() as *const f32, x.len()) })
+}
+
+/// [`as_f32`] for a slice written.
+pub(super) fn as_f32_mut<F: HostFloat>(x: &mut [F]) -> Option<&mut [f32]> {
+    // SAFETY: `F` is `f32`.
+    (std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>())
+        .then(|| unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr() as *mut f32, x.len()) })
+}
+
 /// Output elements a fused program works at a time: each term runs over a whole block, so
 /// its loop is a plain slice loop the compiler vectorises, and the stack stays in L1 (4 KiB a
 /// slot: blocks of 256 switched between the operands' streams so often that a program over

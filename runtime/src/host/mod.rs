@@ -126,13 +126,8 @@ trait Elem: HostFloat + direct::Lanes + Shelved {
     fn wrap(v: Vec<Self>) -> HostVec;
     fn kept(k: &mut Kept) -> &mut Typed<Self>;
     /// `x` as f32 values, in an f32 session.
-    fn as_f32(x: &[Self]) -> Option<&[f32]>
-    where
-        Self: 'static,
-    {
-        // SAFETY: `Self` is `f32`.
-        (std::any::TypeId::of::<Self>() == std::any::TypeId::of::<f32>())
-            .then(|| unsafe { std::slice::from_raw_parts(x.as_ptr() as *const f32, x.len()) })
+    fn as_f32(x: &[Self]) -> Option<&[f32]> {
+        float::as_f32(x)
     }
 }
 

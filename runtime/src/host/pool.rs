@@ -5,7 +5,7 @@
 //! same order: the same outputs and argmax as the portable loops here, which stay for f64,
 //! other strides and other CPUs.
 
-use super::float::{each, most_shares, post_all, vectorized, HostFloat, Post};
+use super::float::{as_f32, as_f32_mut, each, most_shares, post_all, vectorized, HostFloat, Post};
 use crate::kernel::Geometry;
 
 mod x86;
@@ -52,19 +52,6 @@ fn avx512() -> bool {
         return false;
     }
     cfg!(target_arch = "x86_64") && x86::available()
-}
-
-/// `x` as f32 values, when `F` is f32.
-fn as_f32<F: HostFloat>(x: &[F]) -> Option<&[f32]> {
-    // SAFETY: `F` is `f32`.
-    (std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>()).then(|| unsafe { std::slice::from_raw_parts(x.as_ptr() as *const f32, x.len()) })
-}
-
-/// [`as_f32`] for a slice written.
-fn as_f32_mut<F: HostFloat>(x: &mut [F]) -> Option<&mut [f32]> {
-    // SAFETY: `F` is `f32`.
-    (std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>())
-        .then(|| unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr() as *mut f32, x.len()) })
 }
 
 /// Scratch of [`pool_separable`]: a padded input row, and each input row's pooled values and
@@ -314,9 +301,9 @@ pub fn max_pool2d_grad<F: HostFloat>(g: &Geometry, at: &[u32], dy: &[F], dx: &mu
 /// scatter is faster: 13 us a call against 16.6.)
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 fn grad_2x2_x86<F: HostFloat>(g: &Geometry, at: &[u32], dy: &[F], dx: &mut [F]) -> bool {
-    let ([_, _, h, w], sp) = (g.x, g.spatial());
     #[cfg(target_arch = "x86_64")]
     if let (true, true, true, Some(dy), Some(dx)) = (is_2x2(g), g.out[1] >= 8, avx512(), as_f32(dy), as_f32_mut(dx)) {
+        let ([_, _, h, w], sp) = (g.x, g.spatial());
         for ((d, at), dy) in dx.chunks_exact_mut(h * w).zip(at.chunks_exact(sp)).zip(dy.chunks_exact(sp)) {
             // SAFETY: the CPU has AVX-512 F; `at` is the forward's argmax over the plane.
             unsafe { x86::grad_2x2(h, w, g.out[1], at, dy, d) };

@@ -24,15 +24,15 @@ pub fn available() -> bool {
     }
 }
 
-/// Lanes `0..n` of 16 (all of them for `n` of 16 or more).
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn lanes(n: usize) -> __mmask16 {
-    if n >= 16 {
-        0xffff
-    } else {
-        ((1u32 << n) - 1) as u16
-    }
+use crate::host::bf16::x86::lanes;
+
+/// `0, 2, ..., 30`: the even lanes of two vectors to a permutation, and each lane's offset
+/// at a stride of 2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn evens() -> __m512i {
+    _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
 }
 
 /// Whether `v` replaces the best so far `b`: greater, or NaN (the portable paths' `takes`).
@@ -51,7 +51,7 @@ fn takes(v: __m512, b: __m512) -> __mmask16 {
 unsafe fn pairs(r: *const f32, n: usize) -> (__m512, __m512) {
     let lo = _mm512_maskz_loadu_ps(lanes(2 * n), r);
     let hi = _mm512_maskz_loadu_ps(lanes((2 * n).saturating_sub(16)), r.wrapping_add(16));
-    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let even = evens();
     let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     (_mm512_permutex2var_ps(lo, even, hi), _mm512_permutex2var_ps(lo, odd, hi))
 }
@@ -66,7 +66,7 @@ unsafe fn pairs(r: *const f32, n: usize) -> (__m512, __m512) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 pub unsafe fn pool_2x2(w: usize, ow: usize, plane: &[f32], at: &mut [u32], y: &mut [f32]) {
-    let twice = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let twice = evens();
     let (one, below, diagonal) = (_mm512_set1_epi32(1), _mm512_set1_epi32(w as i32), _mm512_set1_epi32(w as i32 + 1));
     for (oy, (at, y)) in at.chunks_exact_mut(ow).zip(y.chunks_exact_mut(ow)).enumerate() {
         let top = 2 * oy * w;
@@ -101,7 +101,7 @@ pub unsafe fn grad_2x2(h: usize, w: usize, ow: usize, at: &[u32], dy: &[f32], dx
     if 2 * oh != h || 2 * ow != w {
         dx.fill(0.0);
     }
-    let twice = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let twice = evens();
     let lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     let hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     let (zero, one, below, diagonal) = (_mm512_setzero_ps(), _mm512_set1_epi32(1), _mm512_set1_epi32(w as i32), _mm512_set1_epi32(w as i32 + 1));
@@ -143,8 +143,7 @@ unsafe fn taps(row: *const f32, w: usize, c0: isize, sx: usize) -> __m512 {
     if sx == 1 {
         return load(c0);
     }
-    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    _mm512_permutex2var_ps(load(c0), even, load(c0 + 16))
+    _mm512_permutex2var_ps(load(c0), evens(), load(c0 + 16))
 }
 
 /// `pool_separable` of [`super`] for f32 planes at a column stride of 1 or 2 (ResNet's
