@@ -212,8 +212,8 @@ fn gpt(pr: Products) {
     // GELU's gradient as a bf16 plan runs it: x holds bf16 values, so erf's and exp's subtrees
     // on it are read from tables (`host/tables.rs`; made on the first call, before timing).
     {
-        let round =
-            |v: &[f32]| -> Vec<f32> { v.iter().map(|&f| f32::from_bits((f.to_bits() + 0x7fff + ((f.to_bits() >> 16) & 1)) & !0xffff)).collect() };
+        use cellgraph_runtime::host::float::HostFloat;
+        let round = |v: &[f32]| -> Vec<f32> { v.iter().map(|f| f.round_bf16()).collect() };
         let (x, y, z) = (round(&x), round(&y), round(&z));
         let e = Elementwise::new(gelu_grad.parse().expect("a program"), vec![Read::Same; 3], n).with_bf16_args(vec![true; 3]);
         let args: Vec<&[f32]> = vec![&x, &y, &z];
