@@ -112,6 +112,35 @@ fn main() {
     row("relu grad 32x6x28x28", || timed(x.len(), |dx| rows::relu_grad(&dy, &x, dx)), 0.0);
     resnet18(n, pr);
     gpt(pr);
+    boundary();
+}
+
+/// The window's boundary on ResNet-18's 11.2 M parameters as one tensor: Colossal-AI's
+/// SGD(0.1, momentum 0.9, weight decay 5e-4) and the clearing of the accumulator in one pass
+/// (`update_clear`), reading the parameter, its accumulator and SGD's two states and writing
+/// all four: 32 bytes an element; then AdamW's. The last column is GB/s moved, not GFLOP/s.
+fn boundary() {
+    use cellgraph::cells::optim::{Adam, SGD};
+    use cellgraph::cells::Optimizer;
+    println!("\nboundary (11.2 M parameters)");
+    let n = 11_173_962;
+    let prog = SGD { momentum: 0.9, weight_decay: 5e-4, ..SGD::new(0.1) }.update();
+    let (mut p, mut acc) = (data(n), data(n));
+    let mut states = vec![data(n), vec![1.0f32; n]];
+    row(
+        "SGD momentum + weight decay, update and clear",
+        || median_us(|| cellgraph_runtime::host::update::update_clear(&prog, &mut p, &mut acc, &mut states, &[0.1], 0.25, 1.0)),
+        32.0 * n as f64,
+    );
+    // The GPT's and fine-tuning's optimizer: AdamW (two moments), at its first update's
+    // bias corrections.
+    let prog = Adam { beta2: 0.99, ..Adam::adamw(3e-3, 0.1) }.update();
+    let mut states = vec![data(n), data(n).iter().map(|x| x * x).collect()];
+    row(
+        "AdamW, update and clear",
+        || median_us(|| cellgraph_runtime::host::update::update_clear(&prog, &mut p, &mut acc, &mut states, &[3e-3, 0.1, 0.01], 0.25, 1.0)),
+        32.0 * n as f64,
+    );
 }
 
 /// The character GPT's products (width 128, 4 heads, context 128, micro-batch of 8 sequences:
