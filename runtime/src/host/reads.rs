@@ -21,15 +21,6 @@ impl<'a, F: Copy> Src<'a, F> {
             s => s,
         }
     }
-
-    /// Writes the values into `dst`.
-    #[inline(always)]
-    pub(super) fn copy_to(self, dst: &mut [F]) {
-        match self {
-            Src::Block(x) => dst.copy_from_slice(x),
-            Src::Splat(x) => dst.fill(x),
-        }
-    }
 }
 
 /// An operand's values for a block of output elements, piece by piece: `(offset in the
