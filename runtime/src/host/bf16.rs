@@ -129,6 +129,7 @@ pub unsafe fn gemm(
 /// small map's dense convolution filter, kept while its parameter keeps its value, is
 /// multiplied at every micro-step of a window (forward and input gradient): packed once per
 /// window instead of at every call, and half the bytes to read.
+#[derive(PartialEq)]
 pub struct Packed {
     /// `A`'s rows, or `B`'s columns.
     lines: usize,
@@ -140,21 +141,19 @@ pub struct Packed {
 }
 
 impl Packed {
+    /// Nothing packed yet ([`Self::pack_a`], [`Self::pack_b`] fill it).
+    pub fn empty() -> Packed {
+        Packed { lines: 0, k: 0, blocks: Vec::new() }
+    }
+
     /// `A` (`m x k`, element strides `rsa`, `csa`), packed.
     ///
     /// # Safety
     /// As [`gemm`]'s for `A`.
     pub unsafe fn a(m: usize, k: usize, a: *const f32, rsa: isize, csa: isize) -> Packed {
-        debug_assert!(available());
-        let blocks = (0..k)
-            .step_by(KC)
-            .map(|k0| {
-                let mut v = Vec::new();
-                let s = pack_a(m, KC.min(k - k0), a.offset(k0 as isize * csa), rsa, csa, &mut v);
-                (v, s)
-            })
-            .collect();
-        Packed { lines: m, k, blocks }
+        let mut p = Packed::empty();
+        p.pack_a(m, k, a, rsa, csa);
+        p
     }
 
     /// `B` (`k x n`, element strides `rsb`, `csb`), packed.
@@ -162,16 +161,37 @@ impl Packed {
     /// # Safety
     /// As [`gemm`]'s for `B`.
     pub unsafe fn b(k: usize, n: usize, b: *const f32, rsb: isize, csb: isize) -> Packed {
+        let mut p = Packed::empty();
+        p.pack_b(k, n, b, rsb, csb);
+        p
+    }
+
+    /// [`Self::a`] in this one's memory (its blocks' buffers reused, grown if short).
+    ///
+    /// # Safety
+    /// As [`Self::a`].
+    pub unsafe fn pack_a(&mut self, m: usize, k: usize, a: *const f32, rsa: isize, csa: isize) {
         debug_assert!(available());
-        let mut blocks = Vec::new();
-        for k0 in (0..k).step_by(KC) {
-            for j0 in (0..n).step_by(NC) {
-                let mut v = Vec::new();
-                pack_b(KC.min(k - k0), NC.min(n - j0), b.offset(k0 as isize * rsb + j0 as isize * csb), rsb, csb, &mut v);
-                blocks.push((v, (0, 0)));
-            }
+        self.blocks.resize_with(k.div_ceil(KC), Default::default);
+        for ((v, s), k0) in self.blocks.iter_mut().zip((0..k).step_by(KC)) {
+            *s = pack_a(m, KC.min(k - k0), a.offset(k0 as isize * csa), rsa, csa, v);
         }
-        Packed { lines: n, k, blocks }
+        (self.lines, self.k) = (m, k);
+    }
+
+    /// [`Self::b`] in this one's memory (its blocks' buffers reused, grown if short).
+    ///
+    /// # Safety
+    /// As [`Self::b`].
+    pub unsafe fn pack_b(&mut self, k: usize, n: usize, b: *const f32, rsb: isize, csb: isize) {
+        debug_assert!(available());
+        self.blocks.resize_with(k.div_ceil(KC) * n.div_ceil(NC), Default::default);
+        let at = (0..k).step_by(KC).flat_map(|k0| (0..n).step_by(NC).map(move |j0| (k0, j0)));
+        for ((v, s), (k0, j0)) in self.blocks.iter_mut().zip(at) {
+            pack_b(KC.min(k - k0), NC.min(n - j0), b.offset(k0 as isize * rsb + j0 as isize * csb), rsb, csb, v);
+            *s = (0, 0);
+        }
+        (self.lines, self.k) = (n, k);
     }
 }
 

@@ -317,8 +317,57 @@ impl<T: Copy + Default> Stamped<T> {
 #[derive(Default)]
 pub(crate) struct Typed<T> {
     rows: Stamped<T>,
-    /// Per parameter: `(geometry with batch 0, output channels, dense filter)`.
-    dense: BTreeMap<String, Vec<(Geometry, usize, Vec<T>)>>,
+    /// Per parameter: its dense filters.
+    dense: BTreeMap<String, Vec<Derived<Vec<T>>>>,
+}
+
+/// What a kernel derived from a parameter's value and keeps ([`Kept`]): for a geometry (batch
+/// 0) and a number of output channels (and, packed, for the forward or the input gradient).
+/// A write of the parameter leaves it, not `current`: the next read rebuilds it in the same
+/// memory (the layout depends on the geometry alone), where dropping it had freed the memory
+/// and the rebuild had taken new pages from the system, zeroed, every window.
+struct Derived<T> {
+    key: Geometry,
+    o: usize,
+    forward: bool,
+    current: bool,
+    value: T,
+}
+
+impl<T> Derived<T> {
+    fn is(&self, key: &Geometry, o: usize, forward: bool) -> bool {
+        self.key == *key && self.o == o && self.forward == forward
+    }
+}
+
+/// The dense filter of parameter `name` (value `w`) for geometry `g` (any batch) and `o`
+/// output channels: the one built since the parameter was last written, else built now (in the
+/// memory of one built before, if any).
+fn dense_in<'a, F: HostFloat>(
+    kept: &'a mut BTreeMap<String, Vec<Derived<Vec<F>>>>,
+    name: &str,
+    g: &Geometry,
+    taps: &[Tap],
+    o: usize,
+    w: &[F],
+) -> &'a [F] {
+    let key = Geometry { x: [0, g.x[1], g.x[2], g.x[3]], ..*g };
+    let entries = kept.entry(name.to_string()).or_default();
+    let at = match entries.iter().position(|d| d.is(&key, o, false)) {
+        Some(at) => {
+            let d = &mut entries[at];
+            if !d.current {
+                toeplitz::refill(g, taps, o, w, &mut d.value);
+                d.current = true;
+            }
+            at
+        }
+        None => {
+            entries.push(Derived { key, o, forward: false, current: true, value: toeplitz::dense(g, taps, o, w) });
+            entries.len() - 1
+        }
+    };
+    &entries[at].value
 }
 
 /// Per-session state the host kernels keep:
@@ -333,29 +382,33 @@ pub(crate) struct Typed<T> {
 ///   products on the AVX-512 BF16 pairs, each packed as the forward's and the input
 ///   gradient's products read it ([`bf16::Packed`]). A window's micro-steps all read the same
 ///   weights, so each is built and packed once per window instead of twice per micro-step.
-///   The session drops them whenever it writes the parameter ([`Self::forget`]).
+///   Whenever the session writes the parameter they stop being current ([`Self::forget`]),
+///   and the next read rebuilds them in their own memory ([`Derived`]).
 #[derive(Default)]
 pub struct Kept {
     run: u64,
     argmax: Stamped<u32>,
     f32: Typed<f32>,
     f64: Typed<f64>,
-    /// Per parameter: `(geometry with batch 0, output channels, forward, its dense filter
-    /// packed for the bf16 pairs)` (the forward's left operand, or the input gradient's right
-    /// one): an f32 session's, with bf16 products on the pairs.
-    packed: BTreeMap<String, Vec<(Geometry, usize, bool, bf16::Packed)>>,
+    /// Per parameter: its dense filters packed for the bf16 pairs (the forward's left operand,
+    /// or the input gradient's right one): an f32 session's, with bf16 products on the pairs.
+    packed: BTreeMap<String, Vec<Derived<bf16::Packed>>>,
     device: BTreeMap<usize, Box<dyn std::any::Any + Send>>,
 }
 
 impl Kept {
-    /// Drops what was derived from parameter `name`'s value (and from its bf16 copy, kept as
-    /// [`ROUNDED_BF16`] `name`): the session calls it on every write of the parameter.
+    /// Marks what was derived from parameter `name`'s value (and from its bf16 copy, kept as
+    /// [`ROUNDED_BF16`] `name`) as not current: the session calls it on every write of the
+    /// parameter. The memory stays, for the rebuild.
     pub fn forget(&mut self, name: &str) {
+        fn stale<T>(map: &mut BTreeMap<String, Vec<Derived<T>>>, key: &str) {
+            map.get_mut(key).into_iter().flatten().for_each(|d| d.current = false);
+        }
         let rounded = format!("{ROUNDED_BF16}{name}");
         for key in [name, &rounded] {
-            self.f32.dense.remove(key);
-            self.f64.dense.remove(key);
-            self.packed.remove(key);
+            stale(&mut self.f32.dense, key);
+            stale(&mut self.f64.dense, key);
+            stale(&mut self.packed, key);
         }
     }
     /// Drops what was derived from every parameter.
@@ -369,40 +422,42 @@ impl Kept {
     /// written (a window's micro-steps all read it), instead of at every call.
     fn packed_filter(&mut self, name: &str, g: &Geometry, taps: &[Tap], o: usize, w: &[f32], forward: bool) -> &bf16::Packed {
         let key = Geometry { x: [0, g.x[1], g.x[2], g.x[3]], ..*g };
-        let found = self.packed.get(name).and_then(|v| v.iter().position(|(k, oc, f, _)| *k == key && *oc == o && *f == forward));
-        let at = match found {
-            Some(at) => at,
-            None => {
-                let (k, m) = (g.x[1] * g.x[2] * g.x[3], o * g.spatial());
-                let t = self.dense_filter(name, g, taps, o, w);
-                // SAFETY: t is the m x k dense filter, row-major; the session chose the pairs.
-                let p = unsafe {
-                    if forward {
-                        bf16::Packed::a(m, k, t.as_ptr(), k as isize, 1)
-                    } else {
-                        bf16::Packed::b(m, k, t.as_ptr(), k as isize, 1)
-                    }
-                };
-                let v = self.packed.entry(name.to_string()).or_default();
-                v.push((key, o, forward, p));
-                v.len() - 1
+        let entries = self.packed.entry(name.to_string()).or_default();
+        let found = entries.iter().position(|d| d.is(&key, o, forward));
+        if let Some(at) = found.filter(|&at| entries[at].current) {
+            return &entries[at].value;
+        }
+        let (k, m) = (g.x[1] * g.x[2] * g.x[3], o * g.spatial());
+        let t = dense_in(&mut self.f32.dense, name, g, taps, o, w);
+        let mut packed = match found {
+            Some(at) => std::mem::replace(&mut entries[at].value, bf16::Packed::empty()),
+            None => bf16::Packed::empty(),
+        };
+        // SAFETY: t is the m x k dense filter, row-major; the session chose the pairs.
+        unsafe {
+            if forward {
+                packed.pack_a(m, k, t.as_ptr(), k as isize, 1)
+            } else {
+                packed.pack_b(m, k, t.as_ptr(), k as isize, 1)
             }
         };
-        &self.packed[name][at].3
-    }
-    /// The dense filter of parameter `name` (value `w`) for geometry `g` (any batch) and `o`
-    /// output channels: the one built since the parameter was last written, else built now.
-    fn dense_filter<F: Elem>(&mut self, name: &str, g: &Geometry, taps: &[Tap], o: usize, w: &[F]) -> &[F] {
-        let key = Geometry { x: [0, g.x[1], g.x[2], g.x[3]], ..*g };
-        let entries = F::kept(self).dense.entry(name.to_string()).or_default();
-        let at = match entries.iter().position(|(k, oc, _)| *k == key && *oc == o) {
-            Some(at) => at,
+        let d = Derived { key, o, forward, current: true, value: packed };
+        let at = match found {
+            Some(at) => {
+                entries[at] = d;
+                at
+            }
             None => {
-                entries.push((key, o, toeplitz::dense(g, taps, o, w)));
+                entries.push(d);
                 entries.len() - 1
             }
         };
-        &entries[at].2
+        &entries[at].value
+    }
+    /// The dense filter of parameter `name` (value `w`) for geometry `g` (any batch) and `o`
+    /// output channels ([`dense_in`]).
+    fn dense_filter<F: Elem>(&mut self, name: &str, g: &Geometry, taps: &[Tap], o: usize, w: &[F]) -> &[F] {
+        dense_in(&mut F::kept(self).dense, name, g, taps, o, w)
     }
     /// Starts a run: what earlier runs kept is stale from now on.
     pub fn begin_run(&mut self) {
@@ -707,6 +762,49 @@ mod tests {
             let (what, detail) = parse(None, None, Some(bad)).unwrap_err();
             assert_eq!(what, format!("CELLGRAPH_TABLES={bad}"));
             assert!(detail.starts_with("expected 1 (tables of programs' subtrees on bf16 operands "), "{detail}");
+        }
+    }
+
+    /// A write of a parameter leaves its dense filters and their packings for the bf16 pairs
+    /// stale, not dropped: the next read rebuilds them in the same memory, equal to ones built
+    /// afresh from the new value, on a map whose dense filter has zeros off its taps; until a
+    /// write, the one built stays (whatever value is passed).
+    #[test]
+    fn a_written_parameters_dense_filters_are_rebuilt_in_their_memory() {
+        let g = Geometry { x: [2, 3, 1, 10], kernel: [1, 10], stride: [1, 1], dilation: [1, 1], pad: [0, 1], out: [1, 3] };
+        let o = 6;
+        let taps = crate::kernel::dense_taps(&g, 1, o).expect("a dense layer");
+        let w: Vec<Vec<f32>> = (0..3).map(|s| (0..o * 30).map(|i| ((i * 37 + s * 11) % 29) as f32 / 7.0 - 2.0).collect()).collect();
+        let mut kept = Kept::default();
+        let first = kept.dense_filter("w", &g, &taps, o, &w[0]).as_ptr();
+        assert_eq!(kept.dense_filter("w", &g, &taps, o, &w[1]), &toeplitz::dense(&g, &taps, o, &w[0])[..], "current until a write");
+        for v in &w[1..] {
+            kept.forget("w");
+            assert!(matches!(&kept.f32.dense["w"][..], [d] if !d.current), "kept, not current");
+            let t = kept.dense_filter("w", &g, &taps, o, v);
+            assert_eq!(t.as_ptr(), first, "rebuilt in its memory");
+            assert_eq!(t, &toeplitz::dense(&g, &taps, o, v)[..]);
+            assert!(t.contains(&0.0), "zeros off the taps");
+        }
+        if !bf16::available() {
+            return;
+        }
+        let (k, m) = (30, o * g.spatial());
+        for (i, v) in w.iter().enumerate() {
+            kept.forget("w");
+            for forward in [true, false] {
+                let t = toeplitz::dense(&g, &taps, o, v);
+                // SAFETY: t is the m x k dense filter, row-major.
+                let fresh = unsafe {
+                    if forward {
+                        bf16::Packed::a(m, k, t.as_ptr(), k as isize, 1)
+                    } else {
+                        bf16::Packed::b(m, k, t.as_ptr(), k as isize, 1)
+                    }
+                };
+                assert!(*kept.packed_filter("w", &g, &taps, o, v, forward) == fresh, "value {i}, forward {forward}");
+            }
+            assert_eq!(kept.packed.get("w").map(Vec::len), Some(2), "one packing of each, reused");
         }
     }
 

@@ -22,8 +22,14 @@ use crate::kernel::{Geometry, Products, Tap};
 pub(super) fn dense<F: HostFloat>(g: &Geometry, taps: &[Tap], o: usize, w: &[F]) -> Vec<F> {
     let [_, c, h, wd] = g.x;
     let mut t = vec![F::ZERO; o * g.spatial() * c * h * wd];
-    dense_filter(g, taps, w, o, &mut t);
+    dense_filter(g, taps, w, o, &mut t, true);
     t
+}
+
+/// The dense filter `t` of an earlier value, for the same `g`, `taps` and `o`, rewritten for
+/// `w`: only the taps' elements (the rest are the zeros of its first build).
+pub(super) fn refill<F: HostFloat>(g: &Geometry, taps: &[Tap], o: usize, w: &[F], t: &mut [F]) {
+    dense_filter(g, taps, w, o, t, true);
 }
 
 /// A small map's dense filter as a product reads it: as built (`[o * sp, c * hw]`), or
@@ -76,14 +82,15 @@ fn per_channel<F: HostFloat>(buf: &mut [F], o: usize, f: impl Fn(usize, &mut [F]
     });
 }
 
-/// Writes the dense filter `t` (`[o * sp, c * hw]`, row-major) of filter `w` (`[o, c, kh, kw]`).
-fn dense_filter<F: HostFloat>(g: &Geometry, taps: &[Tap], w: &[F], o: usize, t: &mut [F]) {
+/// Writes the dense filter `t` (`[o * sp, c * hw]`, row-major) of filter `w` (`[o, c, kh, kw]`);
+/// `zeroed`: `t`'s elements off the taps are zeros already (else they are written).
+fn dense_filter<F: HostFloat>(g: &Geometry, taps: &[Tap], w: &[F], o: usize, t: &mut [F], zeroed: bool) {
     let [_, c, h, wd] = g.x;
     let (sp, hw, kk) = (g.spatial(), h * wd, g.kernel[0] * g.kernel[1]);
     let row = c * hw;
     let full = taps.len() == sp * hw;
     per_channel(t, o, |oc, rows| {
-        if !full {
+        if !full && !zeroed {
             rows.fill(F::ZERO);
         }
         for ci in 0..c {
@@ -110,7 +117,7 @@ fn transpose<F: Copy>(a: &[F], rows: usize, cols: usize, out: &mut [F]) {
 pub(super) fn forward<F: HostFloat>(g: &Geometry, taps: &[Tap], x: &[F], w: &[F], o: usize, y: &mut [F], post: Post<F>, p: Products) {
     let [_, c, h, wd] = g.x;
     F::partials(o * g.spatial() * c * h * wd, |t| {
-        dense_filter(g, taps, w, o, t);
+        dense_filter(g, taps, w, o, t, false);
         forward_dense(g, x, Filter::Dense(t), o, y, post, p)
     });
 }
@@ -168,7 +175,7 @@ pub(super) fn forward_dense<F: HostFloat>(g: &Geometry, x: &[F], t: Filter<F>, o
 pub(super) fn input_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], w: &[F], o: usize, dx: &mut [F], p: Products) {
     let [_, c, h, wd] = g.x;
     F::partials(o * g.spatial() * c * h * wd, |t| {
-        dense_filter(g, taps, w, o, t);
+        dense_filter(g, taps, w, o, t, false);
         input_grad_dense(g, dy, Filter::Dense(t), o, dx, p)
     });
 }
