@@ -56,6 +56,11 @@ impl<T> Derived<T> {
     }
 }
 
+/// `g` with batch 0: what a derived value is kept for (any batch reads the same one).
+fn batch_free(g: &Geometry) -> Geometry {
+    Geometry { x: [0, g.x[1], g.x[2], g.x[3]], ..*g }
+}
+
 /// The dense filter of parameter `name` (value `w`) for geometry `g` (any batch) and `o`
 /// output channels: the one built since the parameter was last written, else built now (in the
 /// memory of one built before, if any).
@@ -67,7 +72,7 @@ fn dense_in<'a, F: HostFloat>(
     o: usize,
     w: &[F],
 ) -> &'a [F] {
-    let key = Geometry { x: [0, g.x[1], g.x[2], g.x[3]], ..*g };
+    let key = batch_free(g);
     let entries = kept.entry(name.to_string()).or_default();
     let at = match entries.iter().position(|d| d.is(&key, o, false)) {
         Some(at) => {
@@ -88,13 +93,13 @@ fn dense_in<'a, F: HostFloat>(
 
 /// Per-session state the host kernels keep:
 /// - between the steps of a run, for a gradient later in the same plan: the argmax of a max
-///   pool ([`Native::MaxPool`]'s `keep`), the log-softmax of a loss
-///   ([`Native::SoftmaxCrossEntropy`]'s `kept`) and an attention's probabilities
-///   ([`Native::Attention`]'s `kept`), stamped with the run that wrote them (a
+///   pool ([`Native::MaxPool`](crate::kernel::Native::MaxPool)'s `keep`), the log-softmax of a loss
+///   ([`Native::SoftmaxCrossEntropy`](crate::kernel::Native::SoftmaxCrossEntropy)'s `kept`) and an attention's probabilities
+///   ([`Native::Attention`](crate::kernel::Native::Attention)'s `kept`), stamped with the run that wrote them (a
 ///   gradient only trusts its own run's); on device backends, a loss's gradient computed with
 ///   the loss (its `seed`), until its gradient step takes it;
 /// - between runs, for as long as a parameter keeps its value: the dense filters of the
-///   small-map convolutions that read it ([`Native::Conv`]'s `filter`), and, for bf16
+///   small-map convolutions that read it ([`Native::Conv`](crate::kernel::Native::Conv)'s `filter`), and, for bf16
 ///   products on the AVX-512 BF16 pairs, each packed as the forward's and the input
 ///   gradient's products read it ([`bf16::Packed`]). A window's micro-steps all read the same
 ///   weights, so each is built and packed once per window instead of twice per micro-step.
@@ -137,38 +142,29 @@ impl Kept {
     /// (`forward`) or the input gradient's right one: packed once since the parameter was last
     /// written (a window's micro-steps all read it), instead of at every call.
     pub(super) fn packed_filter(&mut self, name: &str, g: &Geometry, taps: &[Tap], o: usize, w: &[f32], forward: bool) -> &bf16::Packed {
-        let key = Geometry { x: [0, g.x[1], g.x[2], g.x[3]], ..*g };
+        let key = batch_free(g);
         let entries = self.packed.entry(name.to_string()).or_default();
-        let found = entries.iter().position(|d| d.is(&key, o, forward));
-        if let Some(at) = found.filter(|&at| entries[at].current) {
-            return &entries[at].value;
-        }
-        let (k, m) = (g.x[1] * g.x[2] * g.x[3], o * g.spatial());
-        let t = dense_in(&mut self.f32.dense, name, g, taps, o, w);
-        let mut packed = match found {
-            Some(at) => std::mem::replace(&mut entries[at].value, bf16::Packed::empty()),
-            None => bf16::Packed::empty(),
-        };
-        // SAFETY: t is the m x k dense filter, row-major; the session chose the pairs.
-        unsafe {
-            if forward {
-                packed.pack_a(m, k, t.as_ptr(), k as isize, 1)
-            } else {
-                packed.pack_b(m, k, t.as_ptr(), k as isize, 1)
-            }
-        };
-        let d = Derived { key, o, forward, current: true, value: packed };
-        let at = match found {
-            Some(at) => {
-                entries[at] = d;
-                at
-            }
+        let at = match entries.iter().position(|d| d.is(&key, o, forward)) {
+            Some(at) if entries[at].current => return &entries[at].value,
+            Some(at) => at,
             None => {
-                entries.push(d);
+                entries.push(Derived { key, o, forward, current: false, value: bf16::Packed::empty() });
                 entries.len() - 1
             }
         };
-        &entries[at].value
+        let (k, m) = (g.x[1] * g.x[2] * g.x[3], o * g.spatial());
+        let t = dense_in(&mut self.f32.dense, name, g, taps, o, w);
+        let d = &mut entries[at];
+        // SAFETY: t is the m x k dense filter, row-major; the session chose the pairs.
+        unsafe {
+            if forward {
+                d.value.pack_a(m, k, t.as_ptr(), k as isize, 1)
+            } else {
+                d.value.pack_b(m, k, t.as_ptr(), k as isize, 1)
+            }
+        };
+        d.current = true;
+        &d.value
     }
     /// The dense filter of parameter `name` (value `w`) for geometry `g` (any batch) and `o`
     /// output channels ([`dense_in`]).

@@ -24,7 +24,7 @@ const AHEAD: usize = 512;
 
 /// A window's boundary for one parameter in one pass: its optimizer's update (the
 /// [`Program`] its graph comes from, [`cellgraph_compiler::update`]) and the clearing of its
-/// accumulator, [`LANES`] values at a time: `g = acc * scale` (then `g * factor`, clipping's,
+/// accumulator, `LANES` (128) values at a time: `g = acc * scale` (then `g * factor`, clipping's,
 /// unless it is 1), the program's steps in order, `acc = 0`.
 /// Reads of the parameter and of the states see their values before the update (the optimizer
 /// graph's writes land when it finishes), and each op rounds to `F` as the graph's ops do, so
@@ -187,6 +187,7 @@ impl<F: HostFloat> pulp::WithSimd for Update<'_, '_, F> {
         }
     }
 }
+
 /// Values per cache line of f32 (two lines of f64), the step of [`prefetch`]'s turns.
 const LINE: usize = 16;
 
