@@ -10,12 +10,12 @@
 //! padded by 1 on a 2 x 2 map reads padding in 20 of its 36 taps). `t` is built from the
 //! filter in the thread's partials buffer on each call, except where the filter is a
 //! parameter read as it is: then it is built once per value of the parameter and kept in the
-//! session ([`super::Kept`]); the filter gradient folds `dt` back into the taps.
+//! session ([`super::Kept`]). The filter gradient is made tap by tap, each a GEMM over its
+//! (position, pixel) entries and the batch ([`filter_grad`]).
 
 use super::bf16::Packed;
 use super::float::{each, most_shares, post_all, HostFloat, Post};
 use super::gemm::gemm_oriented;
-use super::rows::add_assign;
 use crate::kernel::{Geometry, Products, Tap};
 
 /// The dense filter of `w` for `g` (with `taps`), in new memory.
@@ -220,72 +220,106 @@ pub(super) fn input_grad_dense<F: HostFloat>(g: &Geometry, dy: &[F], t: Filter<F
     };
 }
 
-/// [`super::conv::conv2d_filter_grad`] on a small map: `dt = dy^T @ x`, laid out
-/// `[o * sp, hw, c]` (one GEMM per input pixel `q`, each writing its `c` columns: the same dot
-/// products), then each tap of `dw` is the sum of its entries of `dt`, in (position, pixel)
-/// order: for each output channel, the entries' rows of `c` added into the tap's row of a
-/// `[kk, c]` buffer (whole rows at a time, where adding entry by entry into `dw`'s `[c, kk]`
-/// strode through memory), which is then written out transposed.
+/// [`super::conv::conv2d_filter_grad`] on a small map, one GEMM per kernel tap: tap `t`'s
+/// gradient `[o, c]` is `sum over its (position p, pixel q) entries and the batch of
+/// dy[:, :, p]^T x[:, :, q]`, one product whose contraction runs over the entries and the
+/// images together (`dy`'s and `x`'s columns for them copied side by side: a few hundred KiB on
+/// ResNet-18's maps), into a `[taps, o, c]` buffer (the taps some entry goes through), then
+/// written out as `dw [o, c, kk]` an output channel at a time, with `post` while the channel's
+/// filter is in cache. A tap no entry goes through (on a 1 x 1 map, all but the centre) is
+/// zero. The sums' order differs from the folding it replaced (each entry's sum over the batch,
+/// then the entries added), so the bits of a tap's gradient did change with it.
+///
+/// The products and sums are those of the dense layer's `dy^T @ x` folded onto the taps (no
+/// padding's zeros), without its `[o * sp, c * hw]` product in memory: on a 2 x 2 map that was
+/// 16 entries per (output, input) channel pair, 4 MiB for 256 channels, written by the GEMM
+/// and read back to be added onto 9 taps.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn filter_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], x: &[F], o: usize, dw: &mut [F], post: Post<F>, p: Products) {
     let [n, c, h, wd] = g.x;
     let (sp, hw, kk) = (g.spatial(), h * wd, g.kernel[0] * g.kernel[1]);
-    let (k, m) = (c * hw, o * sp);
     assert_eq!(dw.len(), o * c * kk, "output extents");
-    F::partials(m * k, |dt| {
-        for q in 0..hw {
-            // SAFETY: dy^T is m x n (dy read with swapped strides); pixel q of every channel
-            // of x is n x c (rows k apart, channels hw apart); its block of dt is m x c (rows k
-            // apart), all inside their slices.
-            unsafe {
-                gemm_oriented::<F>(
-                    m,
-                    n,
-                    c,
-                    dy.as_ptr(),
-                    1,
-                    m as isize,
-                    x.as_ptr().add(q),
-                    k as isize,
-                    hw as isize,
-                    F::ZERO,
-                    dt.as_mut_ptr().add(q * c),
-                    k as isize,
-                    1,
-                    threads(n * c * m),
-                    p,
-                )
-            };
-        }
-        let dt = &*dt;
-        // The kernel taps some entry goes through (on a 1 x 1 map, only the centre's).
-        let mut used: Vec<usize> = taps.iter().map(|tap| tap.t as usize).collect();
-        used.sort_unstable();
-        used.dedup();
-        per_channel(dw, o, |oc, planes| {
-            let rows = &dt[oc * sp * k..][..sp * k];
-            F::scratch(kk * c, |acc| {
-                for &t in &used {
-                    acc[t * c..][..c].fill(F::ZERO);
-                }
-                for tap in taps {
-                    add_assign(&mut acc[tap.t as usize * c..][..c], &rows[tap.p as usize * k + tap.q as usize * c..][..c]);
-                }
-                if used.len() < kk {
-                    planes.fill(F::ZERO);
-                }
-                for &t in &used {
-                    for (ci, taps_w) in planes.chunks_exact_mut(kk).enumerate() {
-                        taps_w[t] = acc[t * c + ci];
+    // Each tap's entries, in (position, pixel) order.
+    let mut entries: Vec<Vec<(usize, usize)>> = vec![Vec::new(); kk];
+    for tap in taps {
+        entries[tap.t as usize].push((tap.p as usize, tap.q as usize));
+    }
+    // The taps some entry goes through (on a 1 x 1 map, only the centre), in order, with the
+    // offset of their operands in the scratch below.
+    let mut used: Vec<(usize, &[(usize, usize)], usize)> = Vec::new();
+    let mut at = 0;
+    for (t, e) in entries.iter().enumerate().filter(|(_, e)| !e.is_empty()) {
+        used.push((t, &e[..], at));
+        at += e.len() * n * (o + c);
+    }
+    F::scratch(at, |s| {
+        // Tap t's operands side by side: a [o, k] (column e*n + i is dy[i, :, p_e]), then
+        // b [k, c] (row e*n + i is x[i, :, q_e]), k = n times its entries.
+        for &(_, tap, at) in &used {
+            let k = tap.len() * n;
+            let (a, b) = s[at..at + k * (o + c)].split_at_mut(k * o);
+            for (e, &(pos, pix)) in tap.iter().enumerate() {
+                for i in 0..n {
+                    let (dyi, xi) = (&dy[i * o * sp..][..o * sp], &x[i * c * hw..][..c * hw]);
+                    for (oc, v) in dyi.iter().skip(pos).step_by(sp).enumerate() {
+                        a[oc * k + e * n + i] = *v;
+                    }
+                    for (dst, v) in b[(e * n + i) * c..][..c].iter_mut().zip(xi.iter().skip(pix).step_by(hw)) {
+                        *dst = *v;
                     }
                 }
-            });
-            // The channel's filter is done: `post` (an accumulator's add, say) while it is in
-            // cache (on ResNet-18's 512 x 512 x 3 x 3 gradients, a separate pass over the 9 MiB
-            // filter cost about 2.6x the product).
-            if let Some(post) = post {
-                post(oc * planes.len(), planes);
             }
+        }
+        let (s, used) = (&*s, &used);
+        // Shares of output channels (one on one thread, or for little work), each its rows of
+        // every tap's product into its partials `[taps, rows, c]`, then its channels' filters
+        // written out and `post` run on each while it is in cache (on ResNet-18's
+        // 512 x 512 x 3 x 3 gradients, a separate pass over the 9 MiB filter cost about 2.6x
+        // the product). A product's rows are its own sums whatever the cut.
+        let shares = if threads(n * o * c * taps.len()) > 1 { most_shares() } else { 1 };
+        let per = o.div_ceil(shares).max(1);
+        let parts: Vec<(usize, &mut [F])> = dw.chunks_mut(per * c * kk).enumerate().collect();
+        each(parts, |(share, filters)| {
+            let (oc0, rows) = (share * per, filters.len() / (c * kk));
+            F::partials(used.len() * rows * c, |dt| {
+                for (u, &(_, tap, at)) in used.iter().enumerate() {
+                    let k = tap.len() * n;
+                    // SAFETY: rows oc0.. of a (o x k) and b (k x c) are inside the scratch, and
+                    // tap u's block of dt (rows x c) inside dt, all row-major.
+                    unsafe {
+                        gemm_oriented::<F>(
+                            rows,
+                            k,
+                            c,
+                            s.as_ptr().add(at + oc0 * k),
+                            k as isize,
+                            1,
+                            s.as_ptr().add(at + k * o),
+                            c as isize,
+                            1,
+                            F::ZERO,
+                            dt.as_mut_ptr().add(u * rows * c),
+                            c as isize,
+                            1,
+                            1,
+                            p,
+                        )
+                    };
+                }
+                for (i, planes) in filters.chunks_exact_mut(c * kk).enumerate() {
+                    if used.len() < kk {
+                        planes.fill(F::ZERO);
+                    }
+                    for (u, &(t, _, _)) in used.iter().enumerate() {
+                        for (taps_w, &v) in planes.chunks_exact_mut(kk).zip(&dt[(u * rows + i) * c..][..c]) {
+                            taps_w[t] = v;
+                        }
+                    }
+                    if let Some(post) = post {
+                        post((oc0 + i) * c * kk, planes);
+                    }
+                }
+            })
         });
     });
 }
@@ -425,7 +459,8 @@ mod tests {
     #[test]
     fn dense_bits_do_not_depend_on_threads() {
         let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
-        for (g, o) in [(geometry(32, 64, [2, 2], 3, 1, 1), 64), (geometry(3, 8, [2, 2], 3, 2, 1), 13)] {
+        // The third is work enough for the filter gradient's shares of output channels.
+        for (g, o) in [(geometry(32, 64, [2, 2], 3, 1, 1), 64), (geometry(3, 8, [2, 2], 3, 2, 1), 13), (geometry(32, 64, [2, 2], 3, 1, 1), 160)] {
             let [n, c, h, wd] = g.x;
             let kk = g.kernel[0] * g.kernel[1];
             let (x, w, dy) = (data(n * c * h * wd, 4), data(o * c * kk, 5), data(n * o * g.spatial(), 6));
@@ -435,7 +470,11 @@ mod tests {
                     conv2d(&ConvAlgo::gemm(&g, 1, o), &g, 1, &x, &w, o, &mut y, None, Products::F32);
                     conv2d_input_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &w, o, &mut dx, Products::F32);
                     conv2d_filter_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &x, o, &mut dw, None, Products::F32);
-                    [bits(y), bits(dx), bits(dw)]
+                    // And on the bf16 products, where this CPU has them.
+                    let mut dw16 = vec![0.0; w.len()];
+                    let pr = if crate::host::bf16::available() { Products::Bf16 } else { Products::F32 };
+                    conv2d_filter_grad(&ConvAlgo::gemm(&g, 1, o), &g, 1, &dy, &x, o, &mut dw16, None, pr);
+                    [bits(y), bits(dx), bits(dw), bits(dw16)]
                 })
             };
             assert_eq!(run(1), run(3), "{g:?}");
