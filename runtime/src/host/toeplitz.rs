@@ -220,6 +220,14 @@ pub(super) fn input_grad_dense<F: HostFloat>(g: &Geometry, dy: &[F], t: Filter<F
     };
 }
 
+/// A kernel tap of [`filter_grad`] that some entry goes through: its index, its (position,
+/// pixel) entries, and where its operands start in the scratch.
+struct Used<'a> {
+    t: usize,
+    entries: &'a [(usize, usize)],
+    at: usize,
+}
+
 /// [`super::conv::conv2d_filter_grad`] on a small map, one GEMM per kernel tap: tap `t`'s
 /// gradient `[o, c]` is `sum over its (position p, pixel q) entries and the batch of
 /// dy[:, :, p]^T x[:, :, q]`, one product whose contraction runs over the entries and the
@@ -246,16 +254,16 @@ pub(super) fn filter_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], x:
     }
     // The taps some entry goes through (on a 1 x 1 map, only the centre), in order, with the
     // offset of their operands in the scratch below.
-    let mut used: Vec<(usize, &[(usize, usize)], usize)> = Vec::new();
+    let mut used: Vec<Used> = Vec::new();
     let mut at = 0;
     for (t, e) in entries.iter().enumerate().filter(|(_, e)| !e.is_empty()) {
-        used.push((t, &e[..], at));
+        used.push(Used { t, entries: e, at });
         at += e.len() * n * (o + c);
     }
     F::scratch(at, |s| {
         // Tap t's operands side by side: a [o, k] (column e*n + i is dy[i, :, p_e]), then
         // b [k, c] (row e*n + i is x[i, :, q_e]), k = n times its entries.
-        for &(_, tap, at) in &used {
+        for &Used { entries: tap, at, .. } in &used {
             let k = tap.len() * n;
             let (a, b) = s[at..at + k * (o + c)].split_at_mut(k * o);
             for (e, &(pos, pix)) in tap.iter().enumerate() {
@@ -282,7 +290,7 @@ pub(super) fn filter_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], x:
         each(parts, |(share, filters)| {
             let (oc0, rows) = (share * per, filters.len() / (c * kk));
             F::partials(used.len() * rows * c, |dt| {
-                for (u, &(_, tap, at)) in used.iter().enumerate() {
+                for (u, &Used { entries: tap, at, .. }) in used.iter().enumerate() {
                     let k = tap.len() * n;
                     // SAFETY: rows oc0.. of a (o x k) and b (k x c) are inside the scratch, and
                     // tap u's block of dt (rows x c) inside dt, all row-major.
@@ -310,7 +318,7 @@ pub(super) fn filter_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], x:
                     if used.len() < kk {
                         planes.fill(F::ZERO);
                     }
-                    for (u, &(t, _, _)) in used.iter().enumerate() {
+                    for (u, &Used { t, .. }) in used.iter().enumerate() {
                         for (taps_w, &v) in planes.chunks_exact_mut(kk).zip(&dt[(u * rows + i) * c..][..c]) {
                             taps_w[t] = v;
                         }
