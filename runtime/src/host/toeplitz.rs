@@ -232,11 +232,11 @@ struct Used<'a> {
 /// gradient `[o, c]` is `sum over its (position p, pixel q) entries and the batch of
 /// dy[:, :, p]^T x[:, :, q]`, one product whose contraction runs over the entries and the
 /// images together (`dy`'s and `x`'s columns for them copied side by side: a few hundred KiB on
-/// ResNet-18's maps), into a `[taps, o, c]` buffer (the taps some entry goes through), then
-/// written out as `dw [o, c, kk]` an output channel at a time, with `post` while the channel's
-/// filter is in cache. A tap no entry goes through (on a 1 x 1 map, all but the centre) is
-/// zero. The sums' order differs from the folding it replaced (each entry's sum over the batch,
-/// then the entries added), so the bits of a tap's gradient did change with it.
+/// ResNet-18's maps). Each share of output channels makes its rows of every used tap's product
+/// (a tap some entry goes through) into a `[taps, rows, c]` buffer, then writes its channels out
+/// as `dw [o, c, kk]`, running `post` on each channel's filter while it is in cache. A tap no
+/// entry goes through (on a 1 x 1 map, all but the centre) is zero. (The folding this replaced
+/// summed each entry over the batch, then added the entries: other sums' order, other bits.)
 ///
 /// The products and sums are those of the dense layer's `dy^T @ x` folded onto the taps (no
 /// padding's zeros), without its `[o * sp, c * hw]` product in memory: on a 2 x 2 map that was
