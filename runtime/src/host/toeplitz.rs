@@ -73,13 +73,20 @@ fn threads(work: usize) -> usize {
 /// cut into contiguous shares.
 fn per_channel<F: HostFloat>(buf: &mut [F], o: usize, f: impl Fn(usize, &mut [F]) + Send + Sync) {
     let len = buf.len() / o;
-    let per = o.div_ceil(most_shares()).max(1);
-    let shares: Vec<(usize, &mut [F])> = buf.chunks_mut(per * len).enumerate().collect();
-    each(shares, |(s, share)| {
+    channel_shares(buf, o, most_shares(), |first, share| {
         for (i, part) in share.chunks_exact_mut(len).enumerate() {
-            f(s * per + i, part);
+            f(first + i, part);
         }
     });
+}
+
+/// `f(first, share)` for `buf` (`o` equal parts, one per output channel) cut into up to
+/// `shares` contiguous shares of whole channels, `first` a share's first channel.
+fn channel_shares<F: HostFloat>(buf: &mut [F], o: usize, shares: usize, f: impl Fn(usize, &mut [F]) + Send + Sync) {
+    let len = buf.len() / o;
+    let per = o.div_ceil(shares).max(1);
+    let parts: Vec<(usize, &mut [F])> = buf.chunks_mut(per * len).enumerate().map(|(s, share)| (s * per, share)).collect();
+    each(parts, |(first, share)| f(first, share));
 }
 
 /// Writes the dense filter `t` (`[o * sp, c * hw]`, row-major) of filter `w` (`[o, c, kh, kw]`);
@@ -285,10 +292,8 @@ pub(super) fn filter_grad<F: HostFloat>(g: &Geometry, taps: &[Tap], dy: &[F], x:
         // 512 x 512 x 3 x 3 gradients, a separate pass over the 9 MiB filter cost about 2.6x
         // the product). A product's rows are its own sums whatever the cut.
         let shares = if threads(n * o * c * taps.len()) > 1 { most_shares() } else { 1 };
-        let per = o.div_ceil(shares).max(1);
-        let parts: Vec<(usize, &mut [F])> = dw.chunks_mut(per * c * kk).enumerate().collect();
-        each(parts, |(share, filters)| {
-            let (oc0, rows) = (share * per, filters.len() / (c * kk));
+        channel_shares(dw, o, shares, |oc0, filters| {
+            let rows = filters.len() / (c * kk);
             F::partials(used.len() * rows * c, |dt| {
                 for (u, &Used { entries: tap, at, .. }) in used.iter().enumerate() {
                     let k = tap.len() * n;
