@@ -489,8 +489,10 @@ fn finetune_with_graphs_replays_windows_with_the_same_results() {
 
 /// `--split lines` batches padded to a multiple of the block (`--pad-to-multiple-of`, as
 /// transformers' `DataCollatorWithPadding`): without dropout the first update's loss is the
-/// unpadded run's to the bit and the later ones agree within rounding (the loss ignores the
-/// padding, causal attention never reads it); on a device with graphs every window then has
+/// unpadded run's within an f32 rounding or two and the later ones within rounding (the loss
+/// ignores the padding, causal attention never reads it: every token's loss is the same bits,
+/// `host::attention`'s `causal_rows_do_not_see_padding`; their sum over `[b, t]` runs in
+/// lanes, whose order moves with `t`); on a device with graphs every window then has
 /// one shape, captured once and replayed, where the batches' own lengths fill the session's
 /// shapes and run op by op past them, named.
 #[test]
@@ -511,7 +513,7 @@ fn lines_padded_to_a_multiple_keep_the_losses_and_one_graph() {
     let (own, padded) = (run(&["--steps", "3", "--device", "cpu"]), run(&["--steps", "3", "--device", "cpu", "--pad-to-multiple-of", "32"]));
     let (a, b) = (losses(&own), losses(&padded));
     assert_eq!(a.len(), 3, "{own}");
-    assert_eq!(a[0], b[0], "the first update's loss");
+    assert!((a[0] - b[0]).abs() <= 2.5e-7 * a[0].abs(), "the first update's loss: {a:?} against {b:?}");
     assert!(own.contains("trained 3 updates in ") && own.contains(" sequences/s)"), "lines are not counted as blocks of tokens: {own}");
     for (x, y) in a.iter().zip(&b) {
         assert!((x - y).abs() <= 1e-6 * x.abs(), "{a:?} against {b:?}");

@@ -71,10 +71,10 @@ lanes!(f32, f32s, F32_LANES, splat_f32s, mul_add_f32s, add_f32s);
 lanes!(f64, f64s, F64_LANES, splat_f64s, mul_add_f64s, add_f64s);
 
 /// One vector of grid positions: a block.
-type Block<F, S> = <F as Lanes>::V<S>;
+pub(super) type Block<F, S> = <F as Lanes>::V<S>;
 
 #[inline(always)]
-fn zeros<F: Lanes, S: Simd>(s: S) -> Block<F, S> {
+pub(super) fn zeros<F: Lanes, S: Simd>(s: S) -> Block<F, S> {
     F::splat(s, F::ZERO)
 }
 
@@ -95,7 +95,7 @@ fn rank1<F: Lanes, S: Simd, const T: usize, const Q: usize>(s: S, acc: &mut [[Bl
 /// # Safety
 /// `p..p + lanes` must be inside one allocation.
 #[inline(always)]
-unsafe fn load<F: Lanes, S: Simd>(p: *const F) -> Block<F, S> {
+pub(super) unsafe fn load<F: Lanes, S: Simd>(p: *const F) -> Block<F, S> {
     // SAFETY: the caller vouches for the extent; vectors are plain data.
     unsafe { (p as *const F::V<S>).read_unaligned() }
 }
@@ -105,7 +105,7 @@ unsafe fn load<F: Lanes, S: Simd>(p: *const F) -> Block<F, S> {
 /// # Safety
 /// As [`load`].
 #[inline(always)]
-unsafe fn store<F: Lanes, S: Simd>(p: *mut F, b: Block<F, S>) {
+pub(super) unsafe fn store<F: Lanes, S: Simd>(p: *mut F, b: Block<F, S>) {
     // SAFETY: as in `load`.
     unsafe { (p as *mut F::V<S>).write_unaligned(b) };
 }
@@ -127,7 +127,7 @@ fn lanes_sum<F: Lanes, S: Simd>(b: Block<F, S>) -> F {
 }
 
 /// Vectors a tile's accumulators may take: most of AVX-512's 32 registers, most of AVX2's 16.
-fn budget<S: Simd>() -> usize {
+pub(super) fn budget<S: Simd>() -> usize {
     if S::F32_LANES >= 16 {
         24
     } else {

@@ -205,6 +205,12 @@ pub(crate) fn vectorized<Op: pulp::WithSimd>(op: Op) -> Op::Output {
     if tests::SCALAR.with(std::cell::Cell::get) {
         return pulp::Arch::Scalar.dispatch(op);
     }
+    #[cfg(all(test, target_arch = "x86_64"))]
+    if tests::AVX2.with(std::cell::Cell::get) {
+        if let Some(v3) = pulp::x86::V3::try_new() {
+            return pulp::Simd::vectorize(v3, op);
+        }
+    }
     pulp::Arch::new().dispatch(op)
 }
 
@@ -348,6 +354,9 @@ pub(crate) mod tests {
     thread_local! {
         /// Makes [`vectorized`] run kernels without vector instructions, on this thread.
         pub(crate) static SCALAR: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+        /// Makes [`vectorized`] run kernels on AVX2 with FMA (8 f32 lanes), on this thread,
+        /// where the CPU has it (an AVX-512 machine's tests then cover the narrower vectors).
+        pub(crate) static AVX2: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     }
 
     /// A kernel's output as a new vector of `len` elements (filled with NaN first: every
