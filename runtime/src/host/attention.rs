@@ -33,7 +33,7 @@ use std::ops::Range;
 
 use pulp::Simd;
 
-use super::direct::{budget, load, store, zeros, Block, Lanes};
+use super::direct::{budget, load, rank1, store, zeros, Block, Lanes};
 use super::float::{each, vectorized, HostFloat};
 
 /// Extents `[b, t, heads, d]` of an attention over `qkv [b, t, 3 * heads * d]`.
@@ -82,14 +82,11 @@ fn seen(i: usize, t: usize, causal: bool) -> usize {
     }
 }
 
-/// The keys some row before `r1` sees: the contraction of `P V` and `dS K` for rows up to `r1`.
+/// The keys some row before `r1` (at least 1) sees: the contraction of `P V` and `dS K` for
+/// rows up to `r1`.
 #[inline(always)]
 fn keys_before(r1: usize, t: usize, causal: bool) -> usize {
-    if causal {
-        r1
-    } else {
-        t
-    }
+    seen(r1 - 1, t, causal)
 }
 
 /// The queries that see key `j0` or a later one: the contraction of `dS^T Q` and `P^T dY`.
@@ -110,18 +107,19 @@ struct Geo {
     d: usize,
     tp: usize,
     dp: usize,
+    lanes: usize,
 }
 
 impl Geo {
     #[inline(always)]
     fn new(t: usize, d: usize, lanes: usize) -> Geo {
         // The scores' rows hold whole chunks of the softmax's lanes (a multiple of every width).
-        Geo { t, d, tp: t.next_multiple_of(WIDEST), dp: d.next_multiple_of(lanes) }
+        Geo { t, d, tp: t.next_multiple_of(WIDEST), dp: d.next_multiple_of(lanes), lanes }
     }
     /// The score columns a row seeing `n` keys computes: `n` rounded up to whole vectors.
     #[inline(always)]
-    fn width(&self, n: usize, lanes: usize) -> usize {
-        n.next_multiple_of(lanes).min(self.tp)
+    fn width(&self, n: usize) -> usize {
+        n.next_multiple_of(self.lanes).min(self.tp)
     }
 }
 
@@ -160,12 +158,8 @@ unsafe fn tile<F: Lanes, S: Simd, const R: usize, const C: usize>(
     for k in ks {
         let bk = b.add(k * rk);
         let bv: [Block<F, S>; C] = std::array::from_fn(|c| load::<F, S>(bk.add(c * l)));
-        for (acc, ar) in acc.iter_mut().zip(&ar) {
-            let av = F::splat(s, *ar.add(k * a.ka));
-            for (acc, &bv) in acc.iter_mut().zip(&bv) {
-                *acc = F::fma(s, av, bv, *acc);
-            }
-        }
+        let av: [F; R] = std::array::from_fn(|r| *ar[r].add(k * a.ka));
+        rank1(s, &mut acc, &av, &bv);
     }
     for (r, acc) in acc.iter().enumerate().take(rows) {
         let o = out.add(r * ro);
@@ -392,10 +386,10 @@ fn zeros_to(n: usize, t: usize) -> usize {
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn probs<F: Lanes, S: Simd>(s: S, q: *const F, ld: usize, g: Geo, causal: bool, kt: &[F], sc: &mut [F], p: &mut [F]) {
-    let (l, t) = (F::lanes::<S>(), g.t);
+    let t = g.t;
     let scale = F::from_f64(1.0 / (g.d as f64).sqrt());
     let a = Scalars { at: q, ra: ld, ka: 1 };
-    product(s, t, g.tp, a, kt.as_ptr(), g.tp, sc.as_mut_ptr(), g.tp, |_, r1| (0..g.d, g.width(keys_before(r1, t, causal), l)));
+    product(s, t, g.tp, a, kt.as_ptr(), g.tp, sc.as_mut_ptr(), g.tp, |_, r1| (0..g.d, g.width(keys_before(r1, t, causal))));
     for i in 0..t {
         let n = seen(i, t, causal);
         let row = &mut sc[i * g.tp..][..n.next_multiple_of(LANES)];
@@ -409,7 +403,7 @@ unsafe fn probs<F: Lanes, S: Simd>(s: S, q: *const F, ld: usize, g: Geo, causal:
         for (o, &e) in pr[..w].iter_mut().zip(&row[..w]) {
             *o = e / sum;
         }
-        pr[w..zeros_to(n, t).max(w)].fill(F::ZERO);
+        pr[w..zeros_to(n, t)].fill(F::ZERO);
     }
 }
 
@@ -497,8 +491,7 @@ impl<F: Lanes> pulp::WithSimd for Backward<'_, F> {
         let Backward { qkv, dy, dx, e, causal, item, buf, kept, round } = self;
         let [_, t, heads, d] = e;
         let (c, (bi, h)) = (heads * d, (item / heads, item % heads));
-        let (ld, l) = (3 * c, F::lanes::<S>());
-        let g = Geo::new(t, d, l);
+        let (ld, g) = (3 * c, Geo::new(t, d, F::lanes::<S>()));
         let scale = F::from_f64(1.0 / (d as f64).sqrt());
         let (vt, rest) = buf.split_at_mut(g.dp * g.tp);
         let (ds, rest) = rest.split_at_mut(t * g.tp);
@@ -526,9 +519,9 @@ impl<F: Lanes> pulp::WithSimd for Backward<'_, F> {
             transposed(v, ld, g, vt);
             // dP = dY V^T, each row to the keys it sees rounded up to whole vectors.
             let a = Scalars { at: gy, ra: c, ka: 1 };
-            product(s, t, g.tp, a, vt.as_ptr(), g.tp, ds.as_mut_ptr(), g.tp, |_, r1| (0..d, g.width(keys_before(r1, t, causal), l)));
+            product(s, t, g.tp, a, vt.as_ptr(), g.tp, ds.as_mut_ptr(), g.tp, |_, r1| (0..d, g.width(keys_before(r1, t, causal))));
             // dS = P * (dP - sum over the row of P * dP) * scale, exact zeros past the row's
-            // last key (to its end: the products below read them).
+            // last key as far as the products below read ([`zeros_to`]).
             for i in 0..t {
                 let n = seen(i, t, causal);
                 let (row, w) = (&mut ds[i * g.tp..][..g.tp], n.next_multiple_of(LANES).min(t));
@@ -538,7 +531,7 @@ impl<F: Lanes> pulp::WithSimd for Backward<'_, F> {
                 for (v, &a) in row[..w].iter_mut().zip(pr) {
                     *v = a * (*v - dt) * scale;
                 }
-                row[n..zeros_to(n, t).max(w)].fill(F::ZERO);
+                row[n..zeros_to(n, t)].fill(F::ZERO);
             }
             let (kr, rk) = rows_of(k, ld, g, kb);
             let (qr, rq) = rows_of(q, ld, g, qb);

@@ -81,7 +81,7 @@ pub(super) fn zeros<F: Lanes, S: Simd>(s: S) -> Block<F, S> {
 /// `acc[k][j] += w[k] * v[j]`: one rank-1 update of a register tile (a filter tap's weights
 /// against a row of input or gradient vectors).
 #[inline(always)]
-fn rank1<F: Lanes, S: Simd, const T: usize, const Q: usize>(s: S, acc: &mut [[Block<F, S>; Q]; T], w: &[F], v: &[Block<F, S>; Q]) {
+pub(super) fn rank1<F: Lanes, S: Simd, const T: usize, const Q: usize>(s: S, acc: &mut [[Block<F, S>; Q]; T], w: &[F], v: &[Block<F, S>; Q]) {
     for (a, &wk) in acc.iter_mut().zip(w) {
         let wk = F::splat(s, wk);
         for (a, &v) in a.iter_mut().zip(v) {
