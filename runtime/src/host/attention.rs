@@ -6,7 +6,8 @@
 //!
 //! Every product (two forward, four backward from the kept probabilities: `S = Q K^T`,
 //! `Y = P V`; `dP = dY V^T`, `dQ = dS K`, `dK = dS^T Q`, `dV = P^T dY`) is one register-tile
-//! kernel ([`tile`]): a tile of 4 or 8 rows by up to 4 vectors of columns, each step a
+//! kernel ([`tile`]): a tile of 4 or 8 rows by up to 4 vectors of columns (at most
+//! [`accumulators`] vectors in all, as the registers hold them), each step a
 //! broadcast element of one operand times a row of vectors of the other, on the CPU's widest
 //! vectors (pulp: AVX-512, AVX2 with FMA, or none). Its operands need no packing except `K^T`
 //! (forward) and `V^T` (backward), made once per item with the keys along the vectors; rows of

@@ -127,7 +127,7 @@ fn lanes_sum<F: Lanes, S: Simd>(b: Block<F, S>) -> F {
 }
 
 /// Vectors a tile's accumulators may take: most of AVX-512's 32 registers, most of AVX2's 16.
-pub(super) fn budget<S: Simd>() -> usize {
+fn budget<S: Simd>() -> usize {
     if S::F32_LANES >= 16 {
         24
     } else {
