@@ -6,8 +6,8 @@
 //!
 //! Every product (two forward, four backward from the kept probabilities: `S = Q K^T`,
 //! `Y = P V`; `dP = dY V^T`, `dQ = dS K`, `dK = dS^T Q`, `dV = P^T dY`) is one register-tile
-//! kernel ([`tile`]): a tile of 4 or 8 rows by up to 4 vectors of columns (at most
-//! [`accumulators`] vectors in all, as the registers hold them), each step a
+//! kernel ([`tile`]): a tile of 4 or 8 rows by up to 4 vectors of columns (at most half the
+//! vector registers in all: [`budget`]), each step a
 //! broadcast element of one operand times a row of vectors of the other, on the CPU's widest
 //! vectors (pulp: AVX-512, AVX2 with FMA, or none). Its operands need no packing except `K^T`
 //! (forward) and `V^T` (backward), made once per item with the keys along the vectors; rows of
@@ -34,7 +34,7 @@ use std::ops::Range;
 
 use pulp::Simd;
 
-use super::direct::{load, rank1, store, zeros, Block, Lanes};
+use super::direct::{budget, load, rank1, store, zeros, Block, Lanes};
 use super::float::{each, vectorized, HostFloat};
 
 /// Extents `[b, t, heads, d]` of an attention over `qkv [b, t, 3 * heads * d]`.
@@ -177,19 +177,6 @@ unsafe fn tile<F: Lanes, S: Simd, const R: usize, const C: usize>(
     }
 }
 
-/// The accumulator vectors a tile holds: half the vector registers (AVX-512's 32, AVX2's 16),
-/// the rest for its row of the other operand's vectors, the broadcast element and addresses.
-/// On AVX2 tiles of 12 accumulators (4 rows by 3 vectors, as `direct`'s budget allows) spilled
-/// some to the stack inside the loop: the backward 1.3x and the forward 1.25x the time of 4
-/// rows by 2 vectors on a Zen 3 core.
-fn accumulators<S: Simd>() -> usize {
-    if S::F32_LANES >= 16 {
-        16
-    } else {
-        8
-    }
-}
-
 /// `out = A B` over rows `0..m`, a tile of rows at a time: `span(r0, r1)` gives rows
 /// `r0..r1`'s contraction and their columns (at most `n`; `B`'s rows hold `n` rounded up to
 /// whole vectors). Tiles of 8 rows when `n` is at most two vectors and the registers hold
@@ -210,7 +197,7 @@ unsafe fn product<F: Lanes, S: Simd>(
     ro: usize,
     span: impl Fn(usize, usize) -> (Range<usize>, usize),
 ) {
-    let (l, budget) = (F::lanes::<S>(), accumulators::<S>());
+    let (l, budget) = (F::lanes::<S>(), budget::<S>());
     let tall = 8 * n.div_ceil(l) <= budget && n.div_ceil(l) <= 2;
     let rows = if tall { 8 } else { 4 };
     let most = (budget / rows).clamp(1, 4);
